@@ -1,0 +1,328 @@
+/*
+ * ferry.h — the one public header of libferry, a tensor offload engine.
+ *
+ * ferry moves tensors saved for backward between device memory and a pinned
+ * host arena. The embedder (a trainer hook, a C training loop, the trace
+ * replayer) calls ferry_pack() when a tensor is saved and ferry_unpack() when
+ * it is needed again; a policy decides per tensor whether to offload it.
+ *
+ * Conventions
+ *   - Every function that can fail returns an int: 0 (FERRY_OK) on success, a
+ *     negative FERRY_E* code on failure. ferry_last_error() gives the detailed
+ *     message of the last failure on an engine (per engine, not per thread).
+ *   - Handles are opaque; create/destroy come in pairs.
+ *   - ABI: structs passed in carry their own size (struct_size); fields are
+ *     only ever appended. Same major version = ABI compatible.
+ *   - Ownership: the embedder hands the engine one reference ("owner token")
+ *     to a device buffer in ferry_pack(); the engine gives exactly one
+ *     reference back, either through ferry_unpack() or through the release
+ *     callback. Nothing handed to ferry is ever lost.
+ */
+#ifndef FERRY_H
+#define FERRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FERRY_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define FERRY_API __attribute__((visibility("default")))
+#else
+#define FERRY_API
+#endif
+
+/* ---- version ------------------------------------------------------------ */
+#define FERRY_VERSION_MAJOR 0
+#define FERRY_VERSION_MINOR 1
+#define FERRY_VERSION_PATCH 0
+#define FERRY_VERSION_HEX \
+  ((FERRY_VERSION_MAJOR << 16) | (FERRY_VERSION_MINOR << 8) | FERRY_VERSION_PATCH)
+
+/* Runtime version, FERRY_VERSION_HEX of the library actually loaded. */
+FERRY_API unsigned ferry_version(void);
+FERRY_API const char *ferry_version_string(void);
+
+/* ---- errors ------------------------------------------------------------- */
+/* One list generates the enum, the names and the messages. */
+#define FERRY_ERRNO_MAP(X)                                                   \
+  X(OK, 0, "success")                                                        \
+  X(EINVAL, -1, "invalid argument")                                          \
+  X(ENOMEM, -2, "out of host memory")                                        \
+  X(ECAP, -3, "pinned host memory cap reached")                              \
+  X(ENODEV, -4, "no usable device or driver for this backend")               \
+  X(EBACKEND, -5, "backend operation failed")                                \
+  X(EHANDLE, -6, "unknown, stale or already unpacked handle")                \
+  X(EALLOC, -7, "device allocator callback failed")                          \
+  X(ESTATE, -8, "call not valid in the engine's current state")              \
+  X(ELEAK, -9, "handles still live at step end")                             \
+  X(EPOLICY, -10, "policy error")                                            \
+  X(EIO, -11, "input/output error")                                          \
+  X(EUNSUPPORTED, -12, "not supported by this build or backend")             \
+  X(EVERSION, -13, "struct or API version mismatch")                         \
+  X(EPARSE, -14, "malformed input")
+
+typedef enum ferry_status {
+#define FERRY_ENUM_(name, code, msg) FERRY_##name = code,
+  FERRY_ERRNO_MAP(FERRY_ENUM_)
+#undef FERRY_ENUM_
+} ferry_status;
+
+/* Static message for a code ("invalid argument"); never NULL. */
+FERRY_API const char *ferry_strerror(int code);
+/* Static name for a code ("FERRY_EINVAL"); never NULL. */
+FERRY_API const char *ferry_err_name(int code);
+
+/* ---- tensors ------------------------------------------------------------ */
+#define FERRY_MAX_DIMS 8
+
+typedef enum ferry_dtype {
+  FERRY_DTYPE_UNKNOWN = 0,
+  FERRY_DTYPE_F32, FERRY_DTYPE_F16, FERRY_DTYPE_BF16, FERRY_DTYPE_F64,
+  FERRY_DTYPE_F8E4M3, FERRY_DTYPE_F8E5M2,
+  FERRY_DTYPE_I64, FERRY_DTYPE_I32, FERRY_DTYPE_I16, FERRY_DTYPE_I8,
+  FERRY_DTYPE_U8, FERRY_DTYPE_BOOL,
+  FERRY_DTYPE_COUNT_
+} ferry_dtype;
+
+typedef enum ferry_kind {
+  FERRY_KIND_ACTIVATION = 0,
+  FERRY_KIND_PARAMETER = 1,
+  FERRY_KIND_BUFFER = 2,
+  FERRY_KIND_OTHER = 3
+} ferry_kind;
+
+typedef enum ferry_phase {
+  FERRY_PHASE_FORWARD = 0,
+  FERRY_PHASE_RECOMPUTE = 1, /* packed during backward by checkpointing */
+  FERRY_PHASE_BACKWARD = 2
+} ferry_phase;
+
+enum ferry_tensor_flags {
+  FERRY_FLAG_VIEW = 1u << 0,       /* a view of another tensor's storage */
+  FERRY_FLAG_CONTIGUOUS = 1u << 1
+};
+
+/*
+ * What the engine and the policy know of a tensor. Plain data with a fixed
+ * layout: policies read it as FFI cdata, nothing is copied per call.
+ * Strings are borrowed for the duration of ferry_pack(); pass pointers from
+ * ferry_intern() so that decisions can be cached per site without hashing.
+ */
+typedef struct ferry_tensor_desc {
+  uint64_t bytes;
+  int32_t dtype;  /* ferry_dtype */
+  int32_t kind;   /* ferry_kind */
+  int32_t ndim;
+  uint32_t flags; /* ferry_tensor_flags */
+  int64_t shape[FERRY_MAX_DIMS];
+  int32_t layer;       /* index of the repeated block, -1 if none */
+  int32_t layer_count; /* number of repeated blocks, 0 if unknown */
+  int32_t phase;       /* ferry_phase */
+  int32_t reserved0;
+  const char *module_path;  /* "model.layers.3.mlp.up_proj", or NULL */
+  const char *module_class; /* "Linear", or NULL */
+} ferry_tensor_desc;
+
+/* ---- decisions ---------------------------------------------------------- */
+typedef enum ferry_action {
+  FERRY_KEEP = 0,   /* leave on device; unpack gives the same buffer back */
+  FERRY_OFFLOAD = 1 /* copy to the pinned arena, release the device buffer */
+} ferry_action;
+
+typedef enum ferry_reload {
+  FERRY_RELOAD_ON_USE = 0,  /* copy back when unpacked */
+  FERRY_RELOAD_PREFETCH = 1 /* also start reloads of earlier-packed tensors */
+} ferry_reload;
+
+typedef struct ferry_decision {
+  int32_t action;            /* ferry_action */
+  int32_t reload;            /* ferry_reload */
+  int32_t prefetch_distance; /* tensors ahead, with FERRY_RELOAD_PREFETCH */
+  int32_t cacheable;         /* the same site always gets this answer */
+} ferry_decision;
+
+/* What a policy may look at besides the tensor. Filled by the engine. */
+typedef struct ferry_context {
+  uint64_t step;
+  int32_t phase;            /* ferry_phase of the engine */
+  int32_t reserved0;
+  double host_ram_used_pct; /* sampled, not read per tensor */
+  uint64_t arena_in_use;
+  uint64_t arena_cap;       /* 0 = no cap */
+  uint64_t stash_depth;     /* device buffers held in the forward stash */
+  uint64_t bytes_in_flight; /* copies issued and not yet complete */
+  uint64_t packed_this_step;
+  uint64_t offloaded_this_step;
+  uint64_t bytes_offloaded_this_step;
+} ferry_context;
+
+/* The decision callback (the policy host replaces it when a policy is set).
+ * Returns 0 and fills *out; any other return, or a nonsense answer, means
+ * FERRY_KEEP and counts a policy error. */
+typedef int (*ferry_decide_fn)(void *ud, const ferry_tensor_desc *desc,
+                               const ferry_context *ctx, ferry_decision *out);
+
+/* ---- embedder callbacks ------------------------------------------------- */
+/* Allocate a device buffer of `bytes` usable in the order of `stream` (the
+ * compute stream passed to the call that needs it). Returns 0 and sets the
+ * buffer and an owner token holding one reference to it. */
+typedef int (*ferry_alloc_fn)(void *ud, uint64_t bytes, void *stream,
+                              void **device_ptr, void **owner);
+/* Drop the reference held by an owner token. */
+typedef void (*ferry_release_fn)(void *ud, void *owner);
+/* Add a reference to an owner token (optional; enables storing a buffer
+ * that is packed twice only once). */
+typedef void (*ferry_retain_fn)(void *ud, void *owner);
+
+/* ---- engine ------------------------------------------------------------- */
+typedef struct ferry_engine ferry_engine;
+typedef uint64_t ferry_handle; /* 0 is never a valid handle */
+
+typedef enum ferry_backend_kind {
+  FERRY_BACKEND_HOST = 0, /* worker threads emulate streams and events */
+  FERRY_BACKEND_CUDA = 1, /* the CUDA runtime */
+  FERRY_BACKEND_SIM = 2   /* virtual clock, memory only counted */
+} ferry_backend_kind;
+
+typedef enum ferry_arena_kind {
+  FERRY_ARENA_AUTO = 0,     /* jemalloc when in the process, else pool */
+  FERRY_ARENA_JEMALLOC = 1, /* fail at creation if jemalloc is absent */
+  FERRY_ARENA_POOL = 2      /* ferry's own size-class pool */
+} ferry_arena_kind;
+
+/* A copy link model for the host backend (0 = unthrottled) and the sim. */
+typedef struct ferry_link {
+  double d2h_bytes_per_s;
+  double h2d_bytes_per_s;
+  double latency_us; /* fixed cost per copy */
+  double duplex;     /* fraction of bandwidth each way when both run, (0,1] */
+} ferry_link;
+
+typedef struct ferry_config {
+  uint32_t struct_size; /* sizeof(ferry_config) of the caller */
+  uint32_t version;     /* FERRY_VERSION_HEX of the caller's header */
+  int32_t backend;      /* ferry_backend_kind */
+  int32_t device;       /* CUDA device ordinal; -1 = the current device */
+  int32_t arena;        /* ferry_arena_kind */
+  uint32_t max_fwd_stash;     /* offloaded device buffers kept alive */
+  uint64_t host_cap_bytes;    /* pinned arena hard cap; 0 = none */
+  double host_cap_pct;        /* cap as % of MemTotal; 0 = none; min wins */
+  uint64_t min_offload_bytes; /* smaller tensors are always kept */
+  uint32_t prefetch_distance; /* default distance for FERRY_RELOAD_PREFETCH */
+  uint32_t reserved0;
+  ferry_link link;
+  /* device memory */
+  ferry_alloc_fn device_alloc;
+  ferry_release_fn release;
+  ferry_retain_fn retain;
+  void *callback_ud;
+  /* decisions: a C callback, or a policy (see the policy host) */
+  ferry_decide_fn decide;
+  void *decide_ud;
+  const char *policy_path;   /* Lua policy file */
+  const char *policy_source; /* or Lua source text */
+  int32_t policy_trusted;    /* allow FFI in the policy */
+  int32_t reserved1;
+  /* JSONL trace of every pack/unpack/step event (docs/trace-format.md) */
+  const char *trace_path;
+} ferry_config;
+
+#define FERRY_CONFIG_INIT                                          \
+  {                                                                \
+    .struct_size = sizeof(ferry_config), .version = FERRY_VERSION_HEX, \
+    .backend = FERRY_BACKEND_HOST, .device = -1,                   \
+    .arena = FERRY_ARENA_AUTO, .max_fwd_stash = 4,                 \
+    .min_offload_bytes = 1024, .prefetch_distance = 2,             \
+    .link = {0, 0, 0, 1.0}                                         \
+  }
+
+/* Fill *cfg with the defaults of FERRY_CONFIG_INIT (for FFI callers). */
+FERRY_API void ferry_config_init(ferry_config *cfg);
+
+/* Create an engine. On failure *out is NULL, and if errbuf is not NULL a
+ * message naming the problem is written there. */
+FERRY_API int ferry_engine_create(const ferry_config *cfg, ferry_engine **out,
+                                  char *errbuf, size_t errlen);
+/* Waits for outstanding copies, releases every owner still held, frees the
+ * arena. Safe on NULL. */
+FERRY_API void ferry_engine_destroy(ferry_engine *e);
+
+/* Detailed message of the last failure on this engine ("" if none). */
+FERRY_API const char *ferry_last_error(ferry_engine *e);
+/* "host", "cuda" or "sim"; "jemalloc" or "pool". */
+FERRY_API const char *ferry_backend_name(ferry_engine *e);
+FERRY_API const char *ferry_arena_name(ferry_engine *e);
+
+/* Return a stable copy of s owned by the engine; equal strings give equal
+ * pointers. NULL on allocation failure. */
+FERRY_API const char *ferry_intern(ferry_engine *e, const char *s);
+
+/* ---- the stash ---------------------------------------------------------- */
+/* Save a tensor. The engine takes the reference `owner`. `compute_stream` is
+ * the embedder's stream that produced the buffer (a cudaStream_t for the
+ * cuda backend; NULL = the legacy default stream, or the calling thread on
+ * the host backend). On error nothing was taken: the caller keeps owner. */
+FERRY_API int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc,
+                         void *device_ptr, void *owner, void *compute_stream,
+                         ferry_handle *out);
+/* Get a saved tensor back for use on compute_stream. Consumes the handle.
+ * *device_ptr/*owner receive a buffer with the same bytes as packed and one
+ * reference the caller now owns. The compute stream is ordered after any
+ * reload copy; the host is not blocked where the backend can avoid it. */
+FERRY_API int ferry_unpack(ferry_engine *e, ferry_handle h,
+                           void *compute_stream, void **device_ptr,
+                           void **owner);
+/* Start reloading h now (no-op if it is on device or already reloading). */
+FERRY_API int ferry_prefetch(ferry_engine *e, ferry_handle h,
+                             void *compute_stream);
+/* Drop a handle without unpacking it (the saved tensor was freed). */
+FERRY_API int ferry_discard(ferry_engine *e, ferry_handle h);
+
+/* Step boundaries. ferry_step_end() waits for outstanding copies, frees their
+ * host buffers and fails with FERRY_ELEAK if handles of this step are still
+ * live (they stay valid). */
+FERRY_API int ferry_step_begin(ferry_engine *e);
+FERRY_API int ferry_step_end(ferry_engine *e);
+FERRY_API int ferry_backward_begin(ferry_engine *e);
+FERRY_API int ferry_backward_end(ferry_engine *e);
+
+/* ---- stats -------------------------------------------------------------- */
+typedef struct ferry_stats {
+  uint64_t steps;
+  uint64_t tensors_packed;
+  uint64_t tensors_offloaded;
+  uint64_t tensors_kept;
+  uint64_t tensors_aliased;   /* packs that found the buffer already stored */
+  uint64_t tensors_unpacked;
+  uint64_t stash_hits;        /* offloaded, unpacked before release: no copy */
+  uint64_t prefetches;        /* reloads started ahead of their unpack */
+  uint64_t bytes_d2h;
+  uint64_t bytes_h2d;
+  uint64_t live_handles;
+  uint64_t device_bytes_held; /* kept + stashed buffers the engine holds */
+  uint64_t device_bytes_held_peak;
+  uint64_t arena_in_use;
+  uint64_t arena_peak;
+  uint64_t arena_reserved;
+  uint64_t arena_cap;
+  uint64_t backend_pinned_allocs; /* calls to the backend's pinned allocator */
+  uint64_t waits;          /* host waits on an event (stash bound, step end) */
+  uint64_t cap_fallbacks;  /* offload decisions kept because of the cap */
+  uint64_t alloc_failures; /* device allocator callback failures */
+  uint64_t policy_errors;
+  uint64_t policy_calls;
+  uint64_t policy_cache_hits;
+} ferry_stats;
+
+/* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). */
+FERRY_API int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FERRY_H */

@@ -1,0 +1,68 @@
+/* runner.c — ferry's C test runner. `ferry_tests` runs every test,
+ * `ferry_tests NAME...` runs those, `ferry_tests --list` prints the names. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test.h"
+#include "test_list.h"
+
+#define DECLARE_(name) int test_##name(void);
+FERRY_TEST_LIST(DECLARE_)
+#undef DECLARE_
+
+typedef struct {
+  const char *name;
+  int (*fn)(void);
+} test_entry;
+
+static const test_entry tests[] = {
+#define ENTRY_(name) {#name, test_##name},
+    FERRY_TEST_LIST(ENTRY_)
+#undef ENTRY_
+};
+static const size_t n_tests = sizeof tests / sizeof tests[0];
+
+int test_backend_kind(void) {
+  const char *b = getenv("FERRY_TEST_BACKEND");
+  if (b && strcmp(b, "cuda") == 0) return FERRY_BACKEND_CUDA;
+  return FERRY_BACKEND_HOST;
+}
+
+int test_arena_kind(void) {
+  const char *a = getenv("FERRY_TEST_ARENA");
+  if (a && strcmp(a, "jemalloc") == 0) return FERRY_ARENA_JEMALLOC;
+  if (a && strcmp(a, "pool") == 0) return FERRY_ARENA_POOL;
+  return FERRY_ARENA_AUTO;
+}
+
+static int run_one(const test_entry *t) {
+  int rc = t->fn();
+  printf("%s %s\n", rc == 0 ? "ok  " : "FAIL", t->name);
+  fflush(stdout);
+  return rc != 0;
+}
+
+int main(int argc, char **argv) {
+  size_t failed = 0, ran = 0;
+  if (argc > 1 && strcmp(argv[1], "--list") == 0) {
+    for (size_t i = 0; i < n_tests; i++) printf("%s\n", tests[i].name);
+    return 0;
+  }
+  if (argc == 1) {
+    for (size_t i = 0; i < n_tests; i++, ran++) failed += run_one(&tests[i]);
+  } else {
+    for (int a = 1; a < argc; a++) {
+      size_t i = 0;
+      while (i < n_tests && strcmp(tests[i].name, argv[a]) != 0) i++;
+      if (i == n_tests) {
+        fprintf(stderr, "ferry_tests: no test named '%s' (see --list)\n", argv[a]);
+        return 2;
+      }
+      ran++;
+      failed += run_one(&tests[i]);
+    }
+  }
+  printf("%zu passed, %zu failed\n", ran - failed, failed);
+  return failed ? 1 : 0;
+}
