@@ -7,12 +7,43 @@
   X(version_matches_header)                                                \
   X(config_rejects_bad_values)                                             \
   /* host backend (test_backend_host.c) */                                 \
+  X(host_stream_runs_copies_in_order)                                      \
+  X(host_event_never_recorded_is_complete)                                 \
+  X(host_event_rerecord)                                                   \
+  X(host_stream_wait_event_orders_streams)                                 \
+  X(host_null_stream_wait_blocks)                                          \
+  X(host_link_model_lower_bound)                                           \
+  X(host_link_duplex_slows_both_directions)                                \
+  X(host_alloc_alignment)                                                  \
+  X(host_backend_rejects_bad_arguments)                                    \
+  X(host_stream_destroy_drains)                                            \
+  X(host_concurrent_record_query)                                          \
   /* @@backend_host */                                                     \
   /* arena (test_arena.c) */                                               \
+  X(arena_kind_selection)                                                  \
+  X(arena_round_trip_and_stats)                                            \
+  X(arena_cap_is_hard)                                                     \
+  X(arena_backend_failure_is_not_a_cap_refusal)                            \
+  X(arena_steady_state_has_no_backend_calls)                               \
+  X(arena_threads_allocate_and_free_concurrently)                          \
+  X(arena_destroy_frees_live_allocations)                                  \
   /* @@arena */                                                            \
   /* stash manager (test_stash.c) */                                       \
+  X(stash_roundtrip_random)                                                \
+  X(stash_roundtrip_any_order)                                             \
+  X(stash_fwd_bound_and_release_after_event)                               \
+  X(stash_prefetch_explicit_and_ahead)                                     \
+  X(stash_alias_stored_once)                                               \
+  X(stash_cap_keeps_on_device)                                             \
+  X(stash_no_leak_10000_steps)                                             \
+  X(stash_error_paths_lose_nothing)                                        \
+  X(stash_backend_alloc_failure_keeps)                                     \
+  X(stash_step_end_reports_leaks)                                          \
+  X(stash_pack_unpack_on_two_threads)                                      \
+  X(stash_recompute_during_backward)                                       \
   /* @@stash */                                                            \
   /* trace recorder (test_trace.c) */                                      \
+  X(trace_records_every_event)                                             \
   /* @@trace */                                                            \
   /* cuda backend (test_backend_cuda.c) */                                 \
   /* @@cuda */                                                             \

@@ -159,6 +159,10 @@ typedef struct ferry_context {
   uint64_t packed_this_step;
   uint64_t offloaded_this_step;
   uint64_t bytes_offloaded_this_step;
+  /* offloads so far this step by layer index, for layers < layers_tracked */
+  const uint32_t *offloaded_per_layer;
+  uint32_t layers_tracked;
+  uint32_t reserved1;
 } ferry_context;
 
 /* The decision callback (the policy host replaces it when a policy is set).
@@ -271,7 +275,7 @@ FERRY_API int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc,
                          void *device_ptr, void *owner, void *compute_stream,
                          ferry_handle *out);
 /* Get a saved tensor back for use on compute_stream. Consumes the handle.
- * *device_ptr/*owner receive a buffer with the same bytes as packed and one
+ * device_ptr and owner receive a buffer with the same bytes as packed and one
  * reference the caller now owns. The compute stream is ordered after any
  * reload copy; the host is not blocked where the backend can avoid it. */
 FERRY_API int ferry_unpack(ferry_engine *e, ferry_handle h,
@@ -290,6 +294,17 @@ FERRY_API int ferry_step_begin(ferry_engine *e);
 FERRY_API int ferry_step_end(ferry_engine *e);
 FERRY_API int ferry_backward_begin(ferry_engine *e);
 FERRY_API int ferry_backward_end(ferry_engine *e);
+
+/* ---- policies ----------------------------------------------------------- */
+/* Load a Lua policy (file, or source text when path is NULL) and make it the
+ * engine's decision maker, replacing any decide callback. Call between
+ * steps. On failure the previous policy stays in force and the message,
+ * with file:line, is in ferry_last_error(). */
+FERRY_API int ferry_set_policy(ferry_engine *e, const char *path,
+                               const char *source, int trusted);
+/* The last policy fault (runtime error, timeout, nonsense answer) as
+ * "file:line: message", or "" if none. */
+FERRY_API const char *ferry_last_policy_error(ferry_engine *e);
 
 /* ---- stats -------------------------------------------------------------- */
 typedef struct ferry_stats {
@@ -317,6 +332,7 @@ typedef struct ferry_stats {
   uint64_t policy_errors;
   uint64_t policy_calls;
   uint64_t policy_cache_hits;
+  uint64_t policy_disabled; /* 1 once the error budget disabled the policy */
 } ferry_stats;
 
 /* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). */

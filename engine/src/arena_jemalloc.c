@@ -1,0 +1,256 @@
+/*
+ * arena_jemalloc.c — the jemalloc kind of the pinned arena.
+ *
+ * A dedicated jemalloc arena whose extent hooks get memory from the backend
+ * (through arena.c's ledger, which enforces the cap). libferry never links
+ * jemalloc: a Python process cannot dlopen a library linked to Debian's
+ * libjemalloc (initial-exec TLS, FACTS.md). The API is looked up with
+ * dlsym(RTLD_DEFAULT) and used only when jemalloc is already the process's
+ * allocator (linked by the program, or LD_PRELOADed). <jemalloc/jemalloc.h>
+ * is included for its types and flag macros only.
+ *
+ * The backend's host_alloc must return memory mapped for it (mmap,
+ * cudaHostAlloc), never memory from the process heap: with jemalloc as the
+ * process allocator, heap pages are already in jemalloc's global extent
+ * map, and registering them again for this arena corrupts it.
+ *
+ * Hook decisions, all aimed at keeping pinned pages pinned and in place:
+ *   alloc     backend host_alloc; never at a caller-chosen address.
+ *   dalloc    refuse: jemalloc keeps the extent as "retained" and reuses it;
+ *             arena.c frees the whole ledger at destroy.
+ *   destroy   nothing (same reason).
+ *   commit    succeed: pinned memory is always committed.
+ *   decommit, purge_lazy, purge_forced: absent (= refuse): never madvise or
+ *             unmap pinned pages.
+ *   split     allow: the pieces stay inside one backend allocation.
+ *   merge     allow only inside one backend allocation, so that no
+ *             allocation ever straddles two pinned regions (a copy could
+ *             not treat it as one pinned buffer).
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+#include <jemalloc/jemalloc.h>
+
+#include "arena_internal.h"
+
+/* Grow the retained region by no more than this per backend call. jemalloc
+ * grows it geometrically by default (up to 2x what is in use); capping the
+ * growth at one page makes each grow the size actually needed, rounded to
+ * a page size class. Measured by bench_arena (reserved / peak in use). */
+#define JE_RETAIN_GROW_LIMIT ((size_t)4096)
+
+typedef int (*je_mallctl_fn)(const char *, void *, size_t *, void *, size_t);
+typedef void *(*je_mallocx_fn)(size_t, int);
+typedef void (*je_dallocx_fn)(void *, int);
+
+static struct {
+  je_mallctl_fn mallctl;
+  je_mallocx_fn mallocx;
+  je_dallocx_fn dallocx;
+  int available;
+} je_api;
+static pthread_once_t je_api_once = PTHREAD_ONCE_INIT;
+
+static void je_api_lookup(void) {
+  je_mallctl_fn ctl = (je_mallctl_fn)dlsym(RTLD_DEFAULT, "mallctl");
+  je_mallocx_fn mx = (je_mallocx_fn)dlsym(RTLD_DEFAULT, "mallocx");
+  je_dallocx_fn dx = (je_dallocx_fn)dlsym(RTLD_DEFAULT, "dallocx");
+  if (!ctl || !mx || !dx) return;
+  /* Make sure it is jemalloc, and one with extent hooks (5.x and later). */
+  const char *version = NULL;
+  size_t len = sizeof version;
+  if (ctl("version", &version, &len, NULL, 0) != 0 || !version) return;
+  if (atoi(version) < 5) return;
+  je_api.mallctl = ctl;
+  je_api.mallocx = mx;
+  je_api.dallocx = dx;
+  je_api.available = 1;
+}
+
+int ferry_arena_jemalloc_available(void) {
+  pthread_once(&je_api_once, je_api_lookup);
+  return je_api.available;
+}
+
+/* Per-arena state. The hooks table comes first: jemalloc hands each hook
+ * the pointer it was given, which is then also a pointer to this struct. */
+typedef struct je_arena {
+  extent_hooks_t hooks;
+  ferry_arena *owner;
+  unsigned index;
+  int flags; /* MALLOCX_ARENA(index) | MALLOCX_TCACHE_NONE */
+  int created;
+} je_arena;
+
+/* Set by the alloc hook when the cap refused, read by je_alloc on the same
+ * thread (hooks run on the allocating thread). */
+static _Thread_local ferry_arena *je_cap_refused_by;
+
+static void *je_hook_alloc(extent_hooks_t *hooks, void *new_addr, size_t size,
+                           size_t alignment, bool *zero, bool *commit,
+                           unsigned arena_ind) {
+  je_arena *ja = (je_arena *)hooks;
+  /* Extending an extent in place needs memory at a given address, which the
+   * backend cannot promise. */
+  if (new_addr != NULL) return NULL;
+  if (alignment < ARENA_CHUNK_ALIGN) alignment = ARENA_CHUNK_ALIGN;
+  int cap_refused = 0;
+  void *p = arena_backend_reserve(ja->owner, size, alignment, &cap_refused);
+  if (!p) {
+    if (cap_refused) je_cap_refused_by = ja->owner;
+    return NULL;
+  }
+  if (*zero) memset(p, 0, size);
+  *commit = true;
+  return p;
+}
+
+static bool je_hook_dalloc(extent_hooks_t *hooks, void *addr, size_t size,
+                           bool committed, unsigned arena_ind) {
+  return true; /* opt out: the extent stays pinned, jemalloc retains it */
+}
+
+static void je_hook_destroy(extent_hooks_t *hooks, void *addr, size_t size,
+                            bool committed, unsigned arena_ind) {
+  /* The backend allocation is freed from the ledger at arena destroy. */
+}
+
+static bool je_hook_commit(extent_hooks_t *hooks, void *addr, size_t size,
+                           size_t offset, size_t length, unsigned arena_ind) {
+  return false; /* pinned pages are always committed */
+}
+
+static bool je_hook_split(extent_hooks_t *hooks, void *addr, size_t size,
+                          size_t size_a, size_t size_b, bool committed,
+                          unsigned arena_ind) {
+  return false; /* both halves stay in the same backend allocation */
+}
+
+static bool je_hook_merge(extent_hooks_t *hooks, void *addr_a, size_t size_a,
+                          void *addr_b, size_t size_b, bool committed,
+                          unsigned arena_ind) {
+  je_arena *ja = (je_arena *)hooks;
+  /* jemalloc only merges neighbours (addr_b == addr_a + size_a). */
+  return !arena_ledger_same_chunk(ja->owner, addr_a, size_a + size_b);
+}
+
+static int je_ctl_arena_write(const je_arena *ja, const char *leaf, void *value,
+                              size_t len) {
+  char name[64];
+  snprintf(name, sizeof name, "arena.%u.%s", ja->index, leaf);
+  return je_api.mallctl(name, NULL, NULL, value, len);
+}
+
+static void *je_alloc(ferry_arena *a, size_t bytes, int *cap_refused) {
+  je_arena *ja = a->kind_state;
+  je_cap_refused_by = NULL;
+  /* mallocx(0) is undefined; a zero-byte allocation still gets an address. */
+  void *p = je_api.mallocx(bytes ? bytes : 1, ja->flags);
+  if (!p && je_cap_refused_by == a) *cap_refused = 1;
+  return p;
+}
+
+static size_t je_free(ferry_arena *a, void *p, size_t bytes) {
+  je_arena *ja = a->kind_state;
+  je_api.dallocx(p, ja->flags);
+  return bytes;
+}
+
+static void je_destroy(ferry_arena *a) {
+  je_arena *ja = a->kind_state;
+  if (!ja) return;
+  /* Discards every allocation (live ones included) and the arena's
+   * metadata; hooks may still run during this call, so ja outlives it. */
+  if (ja->created && je_ctl_arena_write(ja, "destroy", NULL, 0) != 0)
+    fprintf(stderr, "ferry: jemalloc arena.%u.destroy failed; its pinned "
+                    "memory is freed anyway\n", ja->index);
+  free(ja);
+  a->kind_state = NULL;
+}
+
+static const arena_kind_ops je_kind_ops = {
+    .name = "jemalloc",
+    .alloc = je_alloc,
+    .free = je_free,
+    .destroy = je_destroy,
+};
+
+/* Mirrors jemalloc 5.3's arena_config_t, written by
+ * experimental.arenas_create_ext. */
+typedef struct je_arena_config {
+  extent_hooks_t *extent_hooks;
+  bool metadata_use_hooks;
+} je_arena_config;
+
+int arena_jemalloc_init(ferry_arena *a, char *errbuf, size_t errlen) {
+  if (!ferry_arena_jemalloc_available()) {
+    if (errbuf && errlen)
+      snprintf(errbuf, errlen, "jemalloc is not loaded in this process; "
+                               "preload libjemalloc.so.2 or use the pool arena");
+    return FERRY_EUNSUPPORTED;
+  }
+  je_arena *ja = calloc(1, sizeof *ja);
+  if (!ja) {
+    if (errbuf && errlen) snprintf(errbuf, errlen, "ferry_arena_create: out of host memory");
+    return FERRY_ENOMEM;
+  }
+  ja->hooks = (extent_hooks_t){
+      .alloc = je_hook_alloc,
+      .dalloc = je_hook_dalloc,
+      .destroy = je_hook_destroy,
+      .commit = je_hook_commit,
+      .decommit = NULL,
+      .purge_lazy = NULL,
+      .purge_forced = NULL,
+      .split = je_hook_split,
+      .merge = je_hook_merge,
+  };
+  ja->owner = a;
+  a->kind = &je_kind_ops;
+  a->kind_state = ja;
+
+  /* Prefer keeping jemalloc's metadata out of pinned memory (it would count
+   * against the cap); older jemallocs lack this control, then arenas.create
+   * puts it in the hooks' memory. */
+  unsigned index = 0;
+  size_t len = sizeof index;
+  je_arena_config config = {&ja->hooks, false};
+  int rc = je_api.mallctl("experimental.arenas_create_ext", &index, &len,
+                          &config, sizeof config);
+  if (rc != 0) {
+    extent_hooks_t *hooks_ptr = &ja->hooks;
+    len = sizeof index;
+    rc = je_api.mallctl("arenas.create", &index, &len, &hooks_ptr, sizeof hooks_ptr);
+  }
+  if (rc != 0) {
+    if (errbuf && errlen)
+      snprintf(errbuf, errlen, "jemalloc arenas.create failed (error %d)%s", rc,
+               a->stats.cap ? "; the cap may be too small for jemalloc's metadata" : "");
+    return FERRY_ENOMEM;
+  }
+  ja->index = index;
+  ja->created = 1;
+  ja->flags = MALLOCX_ARENA(index) | MALLOCX_TCACHE_NONE;
+
+  /* Never purge: decay would only try to madvise pinned pages (refused by
+   * the hooks) and move them to retained; reusing dirty extents is cheaper. */
+  ssize_t never = -1;
+  size_t grow_limit = JE_RETAIN_GROW_LIMIT;
+  const char *env_limit = getenv("FERRY_JE_RETAIN_GROW_LIMIT"); /* for tuning */
+  if (env_limit) grow_limit = (size_t)strtoull(env_limit, NULL, 0);
+  if (je_ctl_arena_write(ja, "dirty_decay_ms", &never, sizeof never) != 0 ||
+      je_ctl_arena_write(ja, "muzzy_decay_ms", &never, sizeof never) != 0) {
+    if (errbuf && errlen)
+      snprintf(errbuf, errlen, "jemalloc: cannot disable decay on arena %u", index);
+    return FERRY_EBACKEND;
+  }
+  /* Only meaningful with opt.retain (the Linux default); harmless otherwise. */
+  (void)je_ctl_arena_write(ja, "retain_grow_limit", &grow_limit, sizeof grow_limit);
+  return FERRY_OK;
+}

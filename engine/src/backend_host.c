@@ -1,0 +1,820 @@
+/*
+ * backend_host.c — the host backend: CUDA stream/event semantics with real
+ * threads, for tests, CPU-only runs and the PyTorch binding on CPU builds.
+ *
+ * Streams. Each engine-owned stream is one worker thread that runs the
+ * operations enqueued on it strictly in order from a fixed ring of
+ * STREAM_RING_CAP slots (no allocation per operation). A producer that finds
+ * the ring full blocks until the worker frees a slot, as cudaMemcpyAsync does
+ * when the launch queue is full. A stream counts the operations enqueued and
+ * the operations executed; both only grow.
+ *
+ * Events. A record stores a target (stream, enqueued count at the time of the
+ * record); the event is complete when that stream's executed count reaches the
+ * target. So a record needs no operation in the queue, and re-recording only
+ * replaces the target (CUDA's re-arm) without racing the worker. An event
+ * never recorded has no stream and is complete.
+ *
+ * External streams. The NULL stream and any pointer that is not one of this
+ * backend's streams is the embedder's ("compute") stream, which on the host
+ * backend is the calling thread:
+ *   - event_record on it completes the event at once: the CPU work issued
+ *     before the call is already done when the call is made;
+ *   - stream_wait_event on it blocks the caller until the event completes,
+ *     since the caller's later work is what must come after the event.
+ * Copies need an engine stream.
+ *
+ * Stream objects stay allocated until the backend is destroyed (their worker
+ * thread and ring go at stream_destroy), so an event recorded on a destroyed
+ * stream still reads a valid, final executed count.
+ *
+ * Link model (cfg->link, all zero = unthrottled). A copy on a throttled link
+ * takes at least latency + bytes / bandwidth of wall time: the memcpy runs
+ * first, then the worker waits until the modeled transfer is over. Copies in
+ * progress in one direction share that direction's bandwidth equally; while
+ * both directions have copies in progress each direction runs at
+ * duplex * its bandwidth. Progress is integrated exactly at every change of
+ * the set of copies in progress, so the time a copy takes is never less than
+ * the model says.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend.h"
+
+/* Operations a stream can hold before a producer blocks (CUDA's launch queue
+ * holds about a thousand). */
+#define STREAM_RING_CAP 1024u
+/* How long a worker polls for new work before sleeping, and how long a waiter
+ * polls an event before sleeping: long enough to hide the wake-up cost of a
+ * futex (tens of microseconds, more in a VM) behind a copy of a megabyte,
+ * short enough not to burn a shared core. */
+#define WORKER_POLL_S 50e-6
+#define WAITER_POLL_S 200e-6
+#define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
+
+#define STREAM_MAGIC 0x66727374u /* "frst" */
+#define EVENT_MAGIC 0x66657674u  /* "fevt" */
+
+typedef enum { DIR_D2H = 0, DIR_H2D = 1 } copy_dir;
+
+typedef enum { OP_COPY_D2H, OP_COPY_H2D, OP_WAIT } op_kind;
+
+typedef struct host_stream host_stream;
+
+typedef struct stream_op {
+  op_kind kind;
+  void *dst;
+  const void *src;
+  size_t bytes;
+  host_stream *wait_stream; /* OP_WAIT: until this stream has executed */
+  uint64_t wait_target;     /*          this many operations */
+} stream_op;
+
+typedef struct host_backend host_backend;
+
+struct host_stream {
+  uint32_t magic;
+  host_backend *backend;
+  pthread_t thread;
+  bool thread_started;
+  /* The lock guards the ring slots written by producers, `stopping`,
+   * `worker_sleeping`, and the two condition variables. */
+  pthread_mutex_t lock;
+  pthread_cond_t work_cv; /* worker sleeps here when the ring is empty */
+  pthread_cond_t done_cv; /* waiters on `executed` sleep here */
+  stream_op *ring;
+  _Atomic uint64_t enqueued; /* written under lock, read anywhere */
+  _Atomic uint64_t executed; /* written by the worker only */
+  _Atomic uint32_t waiters;  /* threads sleeping (or about to) on done_cv */
+  bool worker_sleeping;
+  bool stopping; /* stream_destroy called: no new work, drain and exit */
+  atomic_bool destroyed; /* worker joined; the object stays for events */
+  host_stream *next; /* backend's list of every stream ever created */
+};
+
+struct bk_event {
+  uint32_t magic;
+  pthread_mutex_t lock; /* guards (stream, target) as a pair */
+  host_stream *stream;  /* NULL: complete (never recorded, or external) */
+  uint64_t target;
+  bk_event *prev, *next; /* backend's list, so destroy() frees leftovers */
+};
+
+/* A copy in progress on the modeled link. Lives on the worker's stack. */
+typedef struct link_copy {
+  copy_dir dir;
+  double latency_left_s; /* fixed cost still to pay */
+  double bytes_left;     /* bytes still to transfer */
+  struct link_copy *prev, *next;
+} link_copy;
+
+typedef struct link_state {
+  bool throttled;
+  double bytes_per_s[2]; /* per direction; 0 = unlimited */
+  double latency_s;
+  double duplex;
+  pthread_mutex_t lock;
+  pthread_cond_t changed_cv; /* broadcast when a copy joins or leaves */
+  link_copy *active;         /* copies in progress, both directions */
+  unsigned active_count[2];
+  double last_update_s;      /* time up to which progress is accounted */
+} link_state;
+
+struct host_backend {
+  ferry_backend base;
+  pthread_mutex_t lock; /* guards the stream and event lists */
+  host_stream *streams;
+  bk_event *events;
+  link_state link;
+  _Atomic uint64_t pinned_allocs;
+  _Atomic uint64_t pinned_bytes;
+};
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static host_backend *as_host(ferry_backend *b) { return (host_backend *)b; }
+
+static int fail(ferry_backend *b, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(b->err, sizeof b->err, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static struct timespec timespec_at(double t_s) {
+  struct timespec ts;
+  double whole = floor(t_s);
+  ts.tv_sec = (time_t)whole;
+  /* Round up so that waking at the deadline never lands before it. */
+  long ns = (long)ceil((t_s - whole) * 1e9);
+  if (ns >= 1000000000L) {
+    ts.tv_sec += 1;
+    ns -= 1000000000L;
+  }
+  ts.tv_nsec = ns;
+  return ts;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+/* Poll until *v >= want, for at most budget_s seconds. A short pure spin
+ * catches the common case in a microsecond; after that each round yields the
+ * CPU, so that on an oversubscribed machine the poller does not hold up the
+ * very thread it waits for. Returns whether *v reached want. */
+static bool poll_at_least(_Atomic uint64_t *v, uint64_t want, double budget_s) {
+  for (int k = 0; k < 256; k++) {
+    if (atomic_load_explicit(v, memory_order_acquire) >= want) return true;
+    cpu_relax();
+  }
+  double deadline = now_s() + budget_s;
+  do {
+    sched_yield();
+    for (int k = 0; k < 16; k++) {
+      if (atomic_load_explicit(v, memory_order_acquire) >= want) return true;
+      cpu_relax();
+    }
+  } while (now_s() < deadline);
+  return false;
+}
+
+static int cond_init_monotonic(pthread_cond_t *cv) {
+  pthread_condattr_t attr;
+  if (pthread_condattr_init(&attr) != 0) return -1;
+  int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  if (rc == 0) rc = pthread_cond_init(cv, &attr);
+  pthread_condattr_destroy(&attr);
+  return rc;
+}
+
+/* ---- waiting on a stream's progress ------------------------------------- */
+
+static bool reached(host_stream *s, uint64_t target) {
+  return atomic_load(&s->executed) >= target;
+}
+
+/* Wait, holding s->lock, until s has executed `target` operations.
+ * Lost wake-ups are impossible: the waiter raises `waiters` before reading
+ * `executed`, the worker publishes `executed` before reading `waiters`
+ * (both sequentially consistent), and the worker broadcasts under the lock. */
+static void wait_reached_locked(host_stream *s, uint64_t target) {
+  if (reached(s, target)) return;
+  atomic_fetch_add(&s->waiters, 1);
+  while (!reached(s, target)) pthread_cond_wait(&s->done_cv, &s->lock);
+  atomic_fetch_sub(&s->waiters, 1);
+}
+
+/* Wait without holding any lock: poll briefly (a copy is often about to
+ * finish), then sleep on the stream's condition variable. */
+static void wait_reached(host_stream *s, uint64_t target) {
+  if (poll_at_least(&s->executed, target, WAITER_POLL_S)) return;
+  pthread_mutex_lock(&s->lock);
+  wait_reached_locked(s, target);
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* ---- the link model ----------------------------------------------------- */
+
+/* Rate, in bytes/s, of one copy of direction d with the current set of
+ * copies in progress. Called with link->lock held. 0 means unlimited. */
+static double copy_rate(const link_state *l, copy_dir d) {
+  double bw = l->bytes_per_s[d];
+  if (bw <= 0) return 0;
+  if (l->active_count[1 - d] > 0) bw *= l->duplex;
+  return bw / (double)(l->active_count[d] ? l->active_count[d] : 1);
+}
+
+/* Account the progress of every copy in progress from the last update to t.
+ * The rates are constant over that interval: they change only when a copy
+ * joins or leaves, and both call this first. Called with link->lock held. */
+static void link_advance(link_state *l, double t) {
+  double dt = t - l->last_update_s;
+  if (dt <= 0) return;
+  l->last_update_s = t;
+  for (link_copy *c = l->active; c; c = c->next) {
+    double left = dt;
+    if (c->latency_left_s > 0) {
+      double paid = c->latency_left_s < left ? c->latency_left_s : left;
+      c->latency_left_s -= paid;
+      left -= paid;
+    }
+    if (left > 0 && c->bytes_left > 0) {
+      double rate = copy_rate(l, c->dir);
+      c->bytes_left = rate > 0 ? c->bytes_left - rate * left : 0;
+    }
+  }
+}
+
+/* Seconds the copy still needs at the current rates. link->lock held. */
+static double copy_time_left(const link_state *l, const link_copy *c) {
+  double t = c->latency_left_s > 0 ? c->latency_left_s : 0;
+  if (c->bytes_left > 0) {
+    double rate = copy_rate(l, c->dir);
+    if (rate > 0) t += c->bytes_left / rate;
+  }
+  return t;
+}
+
+static void link_join(link_state *l, link_copy *c, size_t bytes, copy_dir d) {
+  c->dir = d;
+  c->latency_left_s = l->latency_s;
+  c->bytes_left = l->bytes_per_s[d] > 0 ? (double)bytes : 0;
+  pthread_mutex_lock(&l->lock);
+  link_advance(l, now_s());
+  c->prev = NULL;
+  c->next = l->active;
+  if (l->active) l->active->prev = c;
+  l->active = c;
+  l->active_count[d]++;
+  /* The others now run slower: let them recompute their deadlines. */
+  pthread_cond_broadcast(&l->changed_cv);
+  pthread_mutex_unlock(&l->lock);
+}
+
+/* Wait until the modeled transfer of c is over, then leave the link. The
+ * deadline moves when another copy joins or leaves, so the worker sleeps on
+ * a CLOCK_MONOTONIC condition variable with an absolute deadline and is
+ * woken to recompute it. */
+static void link_finish(link_state *l, link_copy *c) {
+  pthread_mutex_lock(&l->lock);
+  for (;;) {
+    double t = now_s();
+    link_advance(l, t);
+    double left = copy_time_left(l, c);
+    if (left <= 0) break;
+    struct timespec deadline = timespec_at(t + left);
+    pthread_cond_timedwait(&l->changed_cv, &l->lock, &deadline);
+  }
+  if (c->prev) c->prev->next = c->next;
+  else l->active = c->next;
+  if (c->next) c->next->prev = c->prev;
+  l->active_count[c->dir]--;
+  /* The others now run faster. */
+  pthread_cond_broadcast(&l->changed_cv);
+  pthread_mutex_unlock(&l->lock);
+}
+
+/* ---- the worker --------------------------------------------------------- */
+
+static void run_op(host_stream *s, const stream_op *op) {
+  link_state *l = &s->backend->link;
+  switch (op->kind) {
+    case OP_COPY_D2H:
+    case OP_COPY_H2D: {
+      copy_dir d = op->kind == OP_COPY_D2H ? DIR_D2H : DIR_H2D;
+      if (!l->throttled) {
+        memcpy(op->dst, op->src, op->bytes);
+        break;
+      }
+      link_copy c;
+      link_join(l, &c, op->bytes, d);
+      memcpy(op->dst, op->src, op->bytes);
+      link_finish(l, &c);
+      break;
+    }
+    case OP_WAIT:
+      wait_reached(op->wait_stream, op->wait_target);
+      break;
+  }
+}
+
+static void *stream_worker(void *arg) {
+  host_stream *s = arg;
+  uint64_t done = atomic_load(&s->executed);
+  for (;;) {
+    if (atomic_load_explicit(&s->enqueued, memory_order_acquire) == done) {
+      /* Idle: poll for a while (the next copy usually follows at once),
+       * then sleep until a producer signals. */
+      if (!poll_at_least(&s->enqueued, done + 1, WORKER_POLL_S)) {
+        pthread_mutex_lock(&s->lock);
+        while (atomic_load_explicit(&s->enqueued, memory_order_acquire) == done &&
+               !s->stopping) {
+          s->worker_sleeping = true;
+          pthread_cond_wait(&s->work_cv, &s->lock);
+          s->worker_sleeping = false;
+        }
+        bool exit_now =
+            s->stopping &&
+            atomic_load_explicit(&s->enqueued, memory_order_acquire) == done;
+        pthread_mutex_unlock(&s->lock);
+        if (exit_now) return NULL;
+        continue;
+      }
+    }
+    /* The acquire load of `enqueued` above makes the slot's contents
+     * visible; the producer does not reuse it until `executed` passes it. */
+    stream_op op = s->ring[done % STREAM_RING_CAP];
+    run_op(s, &op);
+    done++;
+    atomic_store(&s->executed, done);
+    if (atomic_load(&s->waiters) > 0) {
+      pthread_mutex_lock(&s->lock);
+      pthread_cond_broadcast(&s->done_cv);
+      pthread_mutex_unlock(&s->lock);
+    }
+  }
+}
+
+/* ---- stream lookup ------------------------------------------------------ */
+
+/* The backend's stream for handle h, or NULL if h is external (NULL or a
+ * pointer the embedder owns). */
+static host_stream *find_stream(host_backend *hb, bk_stream h) {
+  if (!h) return NULL;
+  pthread_mutex_lock(&hb->lock);
+  host_stream *s = hb->streams;
+  while (s && (void *)s != h) s = s->next;
+  pthread_mutex_unlock(&hb->lock);
+  return s;
+}
+
+/* The live engine stream for h, or an error naming what is wrong. */
+static int engine_stream(host_backend *hb, bk_stream h, const char *what,
+                         host_stream **out) {
+  if (!h)
+    return fail(&hb->base, FERRY_EINVAL,
+                "%s: the NULL stream cannot hold copies; pass a stream from "
+                "stream_create",
+                what);
+  host_stream *s = find_stream(hb, h);
+  if (!s)
+    return fail(&hb->base, FERRY_EINVAL,
+                "%s: stream %p is not a stream of this host backend", what, h);
+  if (s->destroyed)
+    return fail(&hb->base, FERRY_EINVAL, "%s: stream %p was destroyed", what,
+                h);
+  *out = s;
+  return FERRY_OK;
+}
+
+/* Append op to s. Blocks while the ring is full. */
+static int enqueue(host_backend *hb, host_stream *s, const stream_op *op,
+                   const char *what) {
+  pthread_mutex_lock(&s->lock);
+  if (s->stopping) {
+    pthread_mutex_unlock(&s->lock);
+    return fail(&hb->base, FERRY_EINVAL, "%s: stream %p is being destroyed",
+                what, (void *)s);
+  }
+  uint64_t n = atomic_load_explicit(&s->enqueued, memory_order_relaxed);
+  if (n >= STREAM_RING_CAP) wait_reached_locked(s, n - STREAM_RING_CAP + 1);
+  s->ring[n % STREAM_RING_CAP] = *op;
+  atomic_store_explicit(&s->enqueued, n + 1, memory_order_release);
+  if (s->worker_sleeping) pthread_cond_signal(&s->work_cv);
+  pthread_mutex_unlock(&s->lock);
+  return FERRY_OK;
+}
+
+static int check_event(ferry_backend *b, bk_event *ev, const char *what) {
+  if (!ev) return fail(b, FERRY_EINVAL, "%s: event is NULL", what);
+  if (ev->magic != EVENT_MAGIC)
+    return fail(b, FERRY_EINVAL, "%s: %p is not a live event", what,
+                (void *)ev);
+  return FERRY_OK;
+}
+
+/* The event's current target, read as one pair. */
+static host_stream *event_target(bk_event *ev, uint64_t *target) {
+  pthread_mutex_lock(&ev->lock);
+  host_stream *s = ev->stream;
+  *target = ev->target;
+  pthread_mutex_unlock(&ev->lock);
+  return s;
+}
+
+/* ---- the vtable --------------------------------------------------------- */
+
+static int host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
+                      void **out) {
+  host_backend *hb = as_host(b);
+  if (!out) return fail(b, FERRY_EINVAL, "host_alloc: out is NULL");
+  *out = NULL;
+  if (bytes == 0) return fail(b, FERRY_EINVAL, "host_alloc: size is 0");
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  if (alignment == 0) alignment = page;
+  if (alignment & (alignment - 1))
+    return fail(b, FERRY_EINVAL,
+                "host_alloc: alignment %zu is not a power of two", alignment);
+  if (alignment > MAX_HOST_ALIGNMENT)
+    return fail(b, FERRY_EINVAL,
+                "host_alloc: alignment %zu is above the 2 MiB maximum",
+                alignment);
+  if (alignment < page) alignment = page;
+  if (bytes > SIZE_MAX - 2 * alignment)
+    return fail(b, FERRY_ENOMEM, "host_alloc: size %zu is too large", bytes);
+  size_t len = (bytes + page - 1) & ~(page - 1);
+  /* Over-map by alignment - page, then trim both ends to the aligned span. */
+  size_t map_len = len + alignment - page;
+  char *base = mmap(NULL, map_len, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED)
+    return fail(b, FERRY_ENOMEM, "host_alloc: mmap of %zu bytes failed: %s",
+                map_len, strerror(errno));
+  uintptr_t start = ((uintptr_t)base + alignment - 1) & ~(uintptr_t)(alignment - 1);
+  char *p = (char *)start;
+  size_t head = (size_t)(p - base);
+  size_t tail = map_len - head - len;
+  if (head) munmap(base, head);
+  if (tail) munmap(p + len, tail);
+  /* "Pinned": lock the pages when RLIMIT_MEMLOCK allows; a failure only
+   * means the pages may be swapped, which the host backend tolerates. */
+  (void)mlock(p, len);
+  atomic_fetch_add(&hb->pinned_allocs, 1);
+  atomic_fetch_add(&hb->pinned_bytes, len);
+  *out = p;
+  return FERRY_OK;
+}
+
+static int host_free(ferry_backend *b, void *p, size_t bytes) {
+  host_backend *hb = as_host(b);
+  if (!p) return fail(b, FERRY_EINVAL, "host_free: pointer is NULL");
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  if ((uintptr_t)p & (page - 1))
+    return fail(b, FERRY_EINVAL,
+                "host_free: %p is not page aligned, so not from host_alloc", p);
+  if (bytes == 0) return fail(b, FERRY_EINVAL, "host_free: size is 0");
+  size_t len = (bytes + page - 1) & ~(page - 1);
+  /* munmap also drops the mlock, if there was one. */
+  if (munmap(p, len) != 0)
+    return fail(b, FERRY_EINVAL, "host_free: munmap(%p, %zu) failed: %s", p,
+                len, strerror(errno));
+  atomic_fetch_sub(&hb->pinned_bytes, len);
+  return FERRY_OK;
+}
+
+static void stream_free(host_stream *s) {
+  pthread_cond_destroy(&s->work_cv);
+  pthread_cond_destroy(&s->done_cv);
+  pthread_mutex_destroy(&s->lock);
+  free(s->ring);
+  free(s);
+}
+
+static int stream_create(ferry_backend *b, bk_stream *out) {
+  host_backend *hb = as_host(b);
+  if (!out) return fail(b, FERRY_EINVAL, "stream_create: out is NULL");
+  *out = NULL;
+  host_stream *s = calloc(1, sizeof *s);
+  if (!s) return fail(b, FERRY_ENOMEM, "stream_create: out of memory");
+  s->ring = calloc(STREAM_RING_CAP, sizeof *s->ring);
+  if (!s->ring) {
+    free(s);
+    return fail(b, FERRY_ENOMEM, "stream_create: out of memory");
+  }
+  s->magic = STREAM_MAGIC;
+  s->backend = hb;
+  pthread_mutex_init(&s->lock, NULL);
+  pthread_cond_init(&s->work_cv, NULL);
+  pthread_cond_init(&s->done_cv, NULL);
+  atomic_init(&s->enqueued, 0);
+  atomic_init(&s->executed, 0);
+  atomic_init(&s->waiters, 0);
+  atomic_init(&s->destroyed, false);
+
+  /* The worker must not take the embedder's signals: start it with all
+   * signals blocked (it inherits the mask). */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int rc = pthread_create(&s->thread, NULL, stream_worker, s);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (rc != 0) {
+    stream_free(s);
+    return fail(b, FERRY_EBACKEND, "stream_create: pthread_create failed: %s",
+                strerror(rc));
+  }
+  s->thread_started = true;
+#if defined(__GLIBC__)
+  pthread_setname_np(s->thread, "ferry-stream");
+#endif
+  pthread_mutex_lock(&hb->lock);
+  s->next = hb->streams;
+  hb->streams = s;
+  pthread_mutex_unlock(&hb->lock);
+  *out = s;
+  return FERRY_OK;
+}
+
+/* Drain and join the worker; the object stays on the list for events. */
+static void stream_stop(host_stream *s) {
+  pthread_mutex_lock(&s->lock);
+  s->stopping = true;
+  pthread_cond_signal(&s->work_cv);
+  pthread_mutex_unlock(&s->lock);
+  if (s->thread_started) pthread_join(s->thread, NULL);
+  s->thread_started = false;
+  free(s->ring);
+  s->ring = NULL;
+  s->destroyed = true;
+}
+
+static int stream_destroy(ferry_backend *b, bk_stream h) {
+  host_backend *hb = as_host(b);
+  host_stream *s;
+  int rc = engine_stream(hb, h, "stream_destroy", &s);
+  if (rc) return rc;
+  pthread_mutex_lock(&s->lock);
+  bool already = s->stopping;
+  pthread_mutex_unlock(&s->lock);
+  if (already)
+    return fail(b, FERRY_EINVAL, "stream_destroy: stream %p is already being "
+                "destroyed", h);
+  stream_stop(s);
+  return FERRY_OK;
+}
+
+static int copy_common(ferry_backend *b, op_kind kind, void *dst,
+                       const void *src, size_t bytes, bk_stream h,
+                       const char *what) {
+  host_backend *hb = as_host(b);
+  if (bytes > 0 && (!dst || !src))
+    return fail(b, FERRY_EINVAL, "%s: %s pointer is NULL", what,
+                !dst ? "destination" : "source");
+  host_stream *s;
+  int rc = engine_stream(hb, h, what, &s);
+  if (rc) return rc;
+  stream_op op = {.kind = kind, .dst = dst, .src = src, .bytes = bytes};
+  return enqueue(hb, s, &op, what);
+}
+
+static int copy_d2h(ferry_backend *b, void *dst_host, const void *src_dev,
+                    size_t bytes, bk_stream s) {
+  return copy_common(b, OP_COPY_D2H, dst_host, src_dev, bytes, s, "copy_d2h");
+}
+
+static int copy_h2d(ferry_backend *b, void *dst_dev, const void *src_host,
+                    size_t bytes, bk_stream s) {
+  return copy_common(b, OP_COPY_H2D, dst_dev, src_host, bytes, s, "copy_h2d");
+}
+
+static int event_create(ferry_backend *b, bk_event **out) {
+  host_backend *hb = as_host(b);
+  if (!out) return fail(b, FERRY_EINVAL, "event_create: out is NULL");
+  bk_event *ev = calloc(1, sizeof *ev);
+  if (!ev) {
+    *out = NULL;
+    return fail(b, FERRY_ENOMEM, "event_create: out of memory");
+  }
+  ev->magic = EVENT_MAGIC;
+  pthread_mutex_init(&ev->lock, NULL);
+  pthread_mutex_lock(&hb->lock);
+  ev->next = hb->events;
+  if (hb->events) hb->events->prev = ev;
+  hb->events = ev;
+  pthread_mutex_unlock(&hb->lock);
+  *out = ev;
+  return FERRY_OK;
+}
+
+static int event_destroy(ferry_backend *b, bk_event *ev) {
+  host_backend *hb = as_host(b);
+  int rc = check_event(b, ev, "event_destroy");
+  if (rc) return rc;
+  pthread_mutex_lock(&hb->lock);
+  if (ev->prev) ev->prev->next = ev->next;
+  else hb->events = ev->next;
+  if (ev->next) ev->next->prev = ev->prev;
+  pthread_mutex_unlock(&hb->lock);
+  /* Waits already enqueued hold their own (stream, target) copy, so the
+   * event can go while they are pending (as in CUDA). */
+  ev->magic = 0;
+  pthread_mutex_destroy(&ev->lock);
+  free(ev);
+  return FERRY_OK;
+}
+
+static int event_record(ferry_backend *b, bk_event *ev, bk_stream h) {
+  host_backend *hb = as_host(b);
+  int rc = check_event(b, ev, "event_record");
+  if (rc) return rc;
+  host_stream *s = find_stream(hb, h);
+  if (s && s->destroyed)
+    return fail(b, FERRY_EINVAL, "event_record: stream %p was destroyed", h);
+  /* Engine stream: the event covers every operation enqueued so far.
+   * External stream (the calling thread): complete now. */
+  uint64_t target = s ? atomic_load(&s->enqueued) : 0;
+  pthread_mutex_lock(&ev->lock);
+  ev->stream = s;
+  ev->target = target;
+  pthread_mutex_unlock(&ev->lock);
+  return FERRY_OK;
+}
+
+static int event_query(ferry_backend *b, bk_event *ev) {
+  int rc = check_event(b, ev, "event_query");
+  if (rc) return rc;
+  uint64_t target;
+  host_stream *s = event_target(ev, &target);
+  return !s || reached(s, target) ? 1 : 0;
+}
+
+static int event_synchronize(ferry_backend *b, bk_event *ev) {
+  int rc = check_event(b, ev, "event_synchronize");
+  if (rc) return rc;
+  uint64_t target;
+  host_stream *s = event_target(ev, &target);
+  if (s) wait_reached(s, target);
+  return FERRY_OK;
+}
+
+static int stream_wait_event(ferry_backend *b, bk_stream h, bk_event *ev) {
+  host_backend *hb = as_host(b);
+  int rc = check_event(b, ev, "stream_wait_event");
+  if (rc) return rc;
+  host_stream *s = find_stream(hb, h);
+  if (s && s->destroyed)
+    return fail(b, FERRY_EINVAL, "stream_wait_event: stream %p was destroyed",
+                h);
+  /* The wait is on the event's record at the time of this call. */
+  uint64_t target;
+  host_stream *on = event_target(ev, &target);
+  if (!on || reached(on, target)) return FERRY_OK; /* nothing to wait for */
+  if (!s) {
+    /* External stream = the calling thread: its later work must come after
+     * the event, so block here. */
+    wait_reached(on, target);
+    return FERRY_OK;
+  }
+  if (on == s) return FERRY_OK; /* a stream is already in order with itself */
+  stream_op op = {.kind = OP_WAIT, .wait_stream = on, .wait_target = target};
+  return enqueue(hb, s, &op, "stream_wait_event");
+}
+
+static void host_destroy(ferry_backend *b) {
+  host_backend *hb = as_host(b);
+  if (!hb) return;
+  /* Stop every live stream first: a stream may be waiting on another. */
+  for (host_stream *s = hb->streams; s; s = s->next)
+    if (!s->destroyed) stream_stop(s);
+  while (hb->streams) {
+    host_stream *s = hb->streams;
+    hb->streams = s->next;
+    s->magic = 0;
+    stream_free(s);
+  }
+  while (hb->events) {
+    bk_event *ev = hb->events;
+    hb->events = ev->next;
+    ev->magic = 0;
+    pthread_mutex_destroy(&ev->lock);
+    free(ev);
+  }
+  pthread_mutex_destroy(&hb->link.lock);
+  pthread_cond_destroy(&hb->link.changed_cv);
+  pthread_mutex_destroy(&hb->lock);
+  free(hb);
+}
+
+static const ferry_backend_ops host_ops = {
+    .name = "host",
+    .destroy = host_destroy,
+    .host_alloc = host_alloc,
+    .host_free = host_free,
+    .stream_create = stream_create,
+    .stream_destroy = stream_destroy,
+    .copy_d2h = copy_d2h,
+    .copy_h2d = copy_h2d,
+    .event_create = event_create,
+    .event_destroy = event_destroy,
+    .event_record = event_record,
+    .event_query = event_query,
+    .event_synchronize = event_synchronize,
+    .stream_wait_event = stream_wait_event,
+};
+
+static int create_fail(char *errbuf, size_t errlen, int code, const char *fmt,
+                       ...) {
+  if (errbuf && errlen) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+static bool bad_rate(double v) { return !isfinite(v) || v < 0; }
+
+int ferry_backend_host_create(const ferry_config *cfg, ferry_backend **out,
+                              char *errbuf, size_t errlen) {
+  if (!out)
+    return create_fail(errbuf, errlen, FERRY_EINVAL,
+                       "host backend: out is NULL");
+  *out = NULL;
+  if (!cfg)
+    return create_fail(errbuf, errlen, FERRY_EINVAL,
+                       "host backend: config is NULL");
+  const ferry_link *ln = &cfg->link;
+  if (bad_rate(ln->d2h_bytes_per_s))
+    return create_fail(errbuf, errlen, FERRY_EINVAL,
+                       "host backend: link.d2h_bytes_per_s must be finite and "
+                       ">= 0 (0 = unthrottled), got %g", ln->d2h_bytes_per_s);
+  if (bad_rate(ln->h2d_bytes_per_s))
+    return create_fail(errbuf, errlen, FERRY_EINVAL,
+                       "host backend: link.h2d_bytes_per_s must be finite and "
+                       ">= 0 (0 = unthrottled), got %g", ln->h2d_bytes_per_s);
+  if (bad_rate(ln->latency_us))
+    return create_fail(errbuf, errlen, FERRY_EINVAL,
+                       "host backend: link.latency_us must be finite and >= 0, "
+                       "got %g", ln->latency_us);
+  bool throttled = ln->d2h_bytes_per_s > 0 || ln->h2d_bytes_per_s > 0 ||
+                   ln->latency_us > 0;
+  if (throttled && !(ln->duplex > 0 && ln->duplex <= 1))
+    return create_fail(errbuf, errlen, FERRY_EINVAL,
+                       "host backend: link.duplex must be in (0, 1], got %g",
+                       ln->duplex);
+
+  host_backend *hb = calloc(1, sizeof *hb);
+  if (!hb)
+    return create_fail(errbuf, errlen, FERRY_ENOMEM,
+                       "host backend: out of memory");
+  hb->base.ops = &host_ops;
+  pthread_mutex_init(&hb->lock, NULL);
+  link_state *l = &hb->link;
+  l->throttled = throttled;
+  l->bytes_per_s[DIR_D2H] = ln->d2h_bytes_per_s;
+  l->bytes_per_s[DIR_H2D] = ln->h2d_bytes_per_s;
+  l->latency_s = ln->latency_us * 1e-6;
+  l->duplex = throttled ? ln->duplex : 1.0;
+  pthread_mutex_init(&l->lock, NULL);
+  if (cond_init_monotonic(&l->changed_cv) != 0) {
+    pthread_mutex_destroy(&l->lock);
+    pthread_mutex_destroy(&hb->lock);
+    free(hb);
+    return create_fail(errbuf, errlen, FERRY_EBACKEND,
+                       "host backend: cannot create a CLOCK_MONOTONIC "
+                       "condition variable");
+  }
+  l->last_update_s = now_s();
+  atomic_init(&hb->pinned_allocs, 0);
+  atomic_init(&hb->pinned_bytes, 0);
+  *out = &hb->base;
+  return FERRY_OK;
+}

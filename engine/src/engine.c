@@ -1,0 +1,402 @@
+/*
+ * engine.c — engine lifecycle: config validation, backend/arena/policy
+ * set-up, interning, the live-engine registry, errors and stats. The stash
+ * manager (pack/unpack) is in stash.c.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine_internal.h"
+
+/* ---- registry of live engines --------------------------------------------
+ * A call on a destroyed engine must fail with an error instead of touching
+ * freed memory, so every API entry checks its engine against this list. It is
+ * lock-free to read: a handful of atomic loads on the hot path. */
+#define MAX_ENGINES 64
+static _Atomic(ferry_engine *) live_engines[MAX_ENGINES];
+static atomic_uint live_engines_hi; /* slots [0, hi) may be in use */
+
+static int registry_add(ferry_engine *e) {
+  for (unsigned i = 0; i < MAX_ENGINES; i++) {
+    ferry_engine *expected = NULL;
+    if (atomic_compare_exchange_strong(&live_engines[i], &expected, e)) {
+      unsigned hi = atomic_load(&live_engines_hi);
+      while (hi < i + 1 && !atomic_compare_exchange_weak(&live_engines_hi, &hi, i + 1)) {
+      }
+      return 0;
+    }
+  }
+  return -1;
+}
+
+static void registry_remove(ferry_engine *e) {
+  for (unsigned i = 0; i < MAX_ENGINES; i++) {
+    ferry_engine *expected = e;
+    if (atomic_compare_exchange_strong(&live_engines[i], &expected, NULL)) return;
+  }
+}
+
+int engine_check(ferry_engine *e) {
+  if (!e) return FERRY_EINVAL;
+  unsigned hi = atomic_load_explicit(&live_engines_hi, memory_order_acquire);
+  for (unsigned i = 0; i < hi; i++)
+    if (atomic_load_explicit(&live_engines[i], memory_order_acquire) == e) return FERRY_OK;
+  return FERRY_ESTATE;
+}
+
+/* ---- errors --------------------------------------------------------------- */
+int engine_fail(ferry_engine *e, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(e->last_error, sizeof e->last_error, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+const char *ferry_last_error(ferry_engine *e) {
+  if (engine_check(e) != FERRY_OK) return "not a live ferry engine";
+  return e->last_error;
+}
+
+double engine_now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+/* ---- config ----------------------------------------------------------------- */
+void ferry_config_init(ferry_config *cfg) {
+  if (!cfg) return;
+  ferry_config d = FERRY_CONFIG_INIT;
+  *cfg = d;
+}
+
+static int set_err(char *errbuf, size_t errlen, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int set_err(char *errbuf, size_t errlen, int code, const char *fmt, ...) {
+  if (errbuf && errlen) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+/* Copy the caller's config (which may be an older, shorter struct) over the
+ * defaults and reject values that make no sense, naming the field. */
+static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
+                       size_t errlen) {
+  ferry_config_init(out);
+  if (!in) return set_err(errbuf, errlen, FERRY_EINVAL, "config is NULL");
+  if (in->struct_size < offsetof(ferry_config, link) || in->struct_size > sizeof *in)
+    return set_err(errbuf, errlen, FERRY_EVERSION,
+                   "config.struct_size %u is not a ferry_config size this library knows "
+                   "(expected %zu); initialise it with FERRY_CONFIG_INIT or ferry_config_init()",
+                   in->struct_size, sizeof *in);
+  if ((in->version >> 16) != FERRY_VERSION_MAJOR)
+    return set_err(errbuf, errlen, FERRY_EVERSION,
+                   "config.version %u.%u is from another major version than libferry %s",
+                   in->version >> 16, (in->version >> 8) & 0xff, ferry_version_string());
+  memcpy(out, in, in->struct_size);
+  out->struct_size = sizeof *out;
+
+  if (out->backend < FERRY_BACKEND_HOST || out->backend > FERRY_BACKEND_SIM)
+    return set_err(errbuf, errlen, FERRY_EINVAL, "config.backend %d is not a ferry_backend_kind",
+                   out->backend);
+  if (out->arena < FERRY_ARENA_AUTO || out->arena > FERRY_ARENA_POOL)
+    return set_err(errbuf, errlen, FERRY_EINVAL, "config.arena %d is not a ferry_arena_kind",
+                   out->arena);
+  if (!out->device_alloc)
+    return set_err(errbuf, errlen, FERRY_EINVAL,
+                   "config.device_alloc is required: the engine never allocates device memory");
+  if (!out->release)
+    return set_err(errbuf, errlen, FERRY_EINVAL,
+                   "config.release is required: the engine must hand owner tokens back");
+  if (out->max_fwd_stash > (1u << 20))
+    return set_err(errbuf, errlen, FERRY_EINVAL, "config.max_fwd_stash %u is absurd (max 1048576)",
+                   out->max_fwd_stash);
+  if (out->prefetch_distance > 4096)
+    return set_err(errbuf, errlen, FERRY_EINVAL,
+                   "config.prefetch_distance %u is absurd (max 4096)", out->prefetch_distance);
+  if (!(out->host_cap_pct >= 0.0 && out->host_cap_pct <= 100.0))
+    return set_err(errbuf, errlen, FERRY_EINVAL,
+                   "config.host_cap_pct %g must be within [0, 100]", out->host_cap_pct);
+  const ferry_link *l = &out->link;
+  if (!(l->d2h_bytes_per_s >= 0) || !(l->h2d_bytes_per_s >= 0) || !(l->latency_us >= 0) ||
+      !isfinite(l->d2h_bytes_per_s) || !isfinite(l->h2d_bytes_per_s) || !isfinite(l->latency_us))
+    return set_err(errbuf, errlen, FERRY_EINVAL,
+                   "config.link: bandwidths and latency must be finite and >= 0");
+  if (!(l->duplex > 0.0 && l->duplex <= 1.0))
+    return set_err(errbuf, errlen, FERRY_EINVAL, "config.link.duplex %g must be within (0, 1]",
+                   l->duplex);
+  if (out->policy_path && out->policy_source)
+    return set_err(errbuf, errlen, FERRY_EINVAL,
+                   "config.policy_path and config.policy_source are exclusive");
+  /* Strings are not retained past creation. */
+  out->policy_path = out->policy_source = out->trace_path = NULL;
+  return FERRY_OK;
+}
+
+static uint64_t cap_bytes(const ferry_config *c) {
+  uint64_t cap = c->host_cap_bytes;
+  if (c->host_cap_pct > 0) {
+    uint64_t total = ferry_mem_total_bytes();
+    if (total) {
+      uint64_t pct = (uint64_t)((double)total * c->host_cap_pct / 100.0);
+      if (!cap || pct < cap) cap = pct;
+    }
+  }
+  return cap;
+}
+
+static void apply_policy_knobs(ferry_engine *e) {
+  e->max_fwd_stash = e->cfg.max_fwd_stash;
+  e->prefetch_distance = e->cfg.prefetch_distance;
+  e->min_offload_bytes = e->cfg.min_offload_bytes;
+  if (!e->policy) return;
+  ferry_policy_knobs k;
+  ferry_policy_get_knobs(e->policy, &k);
+  if (k.has_max_fwd_stash) e->max_fwd_stash = k.max_fwd_stash;
+  if (k.has_prefetch_distance) e->prefetch_distance = k.prefetch_distance;
+  if (k.has_min_offload_bytes) e->min_offload_bytes = k.min_offload_bytes;
+}
+
+int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf,
+                        size_t errlen) {
+  if (!out) return set_err(errbuf, errlen, FERRY_EINVAL, "out is NULL");
+  *out = NULL;
+  ferry_config c;
+  int rc = config_load(cfg, &c, errbuf, errlen);
+  if (rc) return rc;
+
+  ferry_engine *e = calloc(1, sizeof *e);
+  if (!e) return set_err(errbuf, errlen, FERRY_ENOMEM, "out of memory creating the engine");
+  e->cfg = c;
+  pthread_mutex_init(&e->lock, NULL);
+  pthread_cond_init(&e->reload_done, NULL);
+  e->decide = c.decide;
+  e->decide_ud = c.decide_ud;
+  e->phase = FERRY_PHASE_FORWARD;
+
+  char msg[512] = "";
+  switch (c.backend) {
+  case FERRY_BACKEND_HOST: rc = ferry_backend_host_create(&c, &e->bk, msg, sizeof msg); break;
+  case FERRY_BACKEND_CUDA: rc = ferry_backend_cuda_create(&c, &e->bk, msg, sizeof msg); break;
+  default: rc = ferry_backend_sim_create(&c, &e->bk, msg, sizeof msg); break;
+  }
+  if (rc) {
+    set_err(errbuf, errlen, rc, "backend: %s", msg[0] ? msg : ferry_strerror(rc));
+    goto fail;
+  }
+  if ((rc = e->bk->ops->stream_create(e->bk, &e->d2h)) ||
+      (rc = e->bk->ops->stream_create(e->bk, &e->h2d)) ||
+      (rc = e->bk->ops->event_create(e->bk, &e->ev_scratch))) {
+    set_err(errbuf, errlen, rc, "backend %s: %s", e->bk->ops->name, e->bk->err);
+    goto fail;
+  }
+  uint64_t cap = cap_bytes(&c);
+  if ((rc = ferry_arena_create(e->bk, c.arena, cap, &e->arena, msg, sizeof msg))) {
+    set_err(errbuf, errlen, rc, "arena: %s", msg);
+    goto fail;
+  }
+  if ((rc = stash_init(e))) {
+    set_err(errbuf, errlen, rc, "out of memory creating the stash");
+    goto fail;
+  }
+  if (cfg->policy_path || cfg->policy_source) {
+    if ((rc = ferry_policy_create(cfg->policy_path, cfg->policy_source, cfg->policy_trusted,
+                                  &e->policy, msg, sizeof msg))) {
+      set_err(errbuf, errlen, rc, "%s", msg);
+      goto fail;
+    }
+  }
+  apply_policy_knobs(e);
+  if (cfg->trace_path && (rc = trace_open(e, cfg->trace_path))) {
+    set_err(errbuf, errlen, rc, "%s", e->last_error);
+    goto fail;
+  }
+  if (registry_add(e)) {
+    rc = set_err(errbuf, errlen, FERRY_ENOMEM, "too many live engines (max %d)", MAX_ENGINES);
+    goto fail;
+  }
+  *out = e;
+  return FERRY_OK;
+
+fail:
+  ferry_engine_destroy(e);
+  return rc;
+}
+
+/* Also used on a half-built engine from ferry_engine_create. */
+void ferry_engine_destroy(ferry_engine *e) {
+  if (!e) return;
+  registry_remove(e);
+  if (e->entries || e->fwd) stash_destroy(e);
+  trace_close(e);
+  if (e->policy) ferry_policy_destroy(e->policy);
+  if (e->arena) ferry_arena_destroy(e->arena);
+  if (e->bk) {
+    for (uint32_t i = 0; i < e->n_event_pool; i++)
+      e->bk->ops->event_destroy(e->bk, e->event_pool[i]);
+    if (e->ev_scratch) e->bk->ops->event_destroy(e->bk, e->ev_scratch);
+    if (e->d2h) e->bk->ops->stream_destroy(e->bk, e->d2h);
+    if (e->h2d) e->bk->ops->stream_destroy(e->bk, e->h2d);
+    e->bk->ops->destroy(e->bk);
+  }
+  free(e->event_pool);
+  for (size_t i = 0; i < e->interned.cap; i++) free(e->interned.slots[i]);
+  free(e->interned.slots);
+  pthread_cond_destroy(&e->reload_done);
+  pthread_mutex_destroy(&e->lock);
+  free(e);
+}
+
+const char *ferry_backend_name(ferry_engine *e) {
+  if (engine_check(e)) return "none";
+  return e->bk->ops->name;
+}
+
+const char *ferry_arena_name(ferry_engine *e) {
+  if (engine_check(e)) return "none";
+  return ferry_arena_kind_name(e->arena);
+}
+
+/* ---- events ------------------------------------------------------------------ */
+int event_get(ferry_engine *e, bk_event **out) {
+  if (e->n_event_pool) {
+    *out = e->event_pool[--e->n_event_pool];
+    return FERRY_OK;
+  }
+  int rc = e->bk->ops->event_create(e->bk, out);
+  if (rc) engine_fail(e, rc, "event_create: %s", e->bk->err);
+  return rc;
+}
+
+void event_put(ferry_engine *e, bk_event *ev) {
+  if (!ev) return;
+  if (e->n_event_pool == e->cap_event_pool) {
+    uint32_t ncap = e->cap_event_pool ? e->cap_event_pool * 2 : 64;
+    bk_event **n = realloc(e->event_pool, ncap * sizeof *n);
+    if (!n) {
+      e->bk->ops->event_destroy(e->bk, ev);
+      return;
+    }
+    e->event_pool = n;
+    e->cap_event_pool = ncap;
+  }
+  e->event_pool[e->n_event_pool++] = ev;
+}
+
+/* ---- interning --------------------------------------------------------------- */
+static uint64_t hash_str(const char *s) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h;
+}
+
+const char *engine_intern_locked(ferry_engine *e, const char *s) {
+  intern_table *t = &e->interned;
+  if (!s) return NULL;
+  if ((t->count + 1) * 2 > t->cap) {
+    size_t ncap = t->cap ? t->cap * 2 : 256;
+    char **n = calloc(ncap, sizeof *n);
+    if (!n) return NULL;
+    for (size_t i = 0; i < t->cap; i++) {
+      if (!t->slots[i]) continue;
+      size_t j = hash_str(t->slots[i]) & (ncap - 1);
+      while (n[j]) j = (j + 1) & (ncap - 1);
+      n[j] = t->slots[i];
+    }
+    free(t->slots);
+    t->slots = n;
+    t->cap = ncap;
+  }
+  size_t j = hash_str(s) & (t->cap - 1);
+  while (t->slots[j]) {
+    if (t->slots[j] == s || strcmp(t->slots[j], s) == 0) return t->slots[j];
+    j = (j + 1) & (t->cap - 1);
+  }
+  char *copy = strdup(s);
+  if (!copy) return NULL;
+  t->slots[j] = copy;
+  t->count++;
+  return copy;
+}
+
+const char *ferry_intern(ferry_engine *e, const char *s) {
+  if (engine_check(e) || !s) return NULL;
+  pthread_mutex_lock(&e->lock);
+  const char *r = engine_intern_locked(e, s);
+  pthread_mutex_unlock(&e->lock);
+  return r;
+}
+
+/* ---- policies ---------------------------------------------------------------- */
+int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  if (!path && !source) return engine_fail(e, FERRY_EINVAL, "ferry_set_policy: no path or source");
+  char msg[512];
+  ferry_policy *p = NULL;
+  /* Load outside the lock: a slow or broken file must not stall training. */
+  rc = ferry_policy_create(path, source, trusted, &p, msg, sizeof msg);
+  pthread_mutex_lock(&e->lock);
+  if (rc) {
+    rc = engine_fail(e, rc, "%s (the previous policy stays in force)", msg);
+  } else if (e->in_step) {
+    ferry_policy_destroy(p);
+    rc = engine_fail(e, FERRY_ESTATE,
+                     "ferry_set_policy during step %llu: swap policies between steps",
+                     (unsigned long long)e->step);
+  } else {
+    ferry_policy *old = e->policy;
+    e->policy = p;
+    apply_policy_knobs(e);
+    pthread_mutex_unlock(&e->lock);
+    if (old) ferry_policy_destroy(old);
+    return FERRY_OK;
+  }
+  pthread_mutex_unlock(&e->lock);
+  return rc;
+}
+
+const char *ferry_last_policy_error(ferry_engine *e) {
+  if (engine_check(e) || !e->policy) return "";
+  return ferry_policy_last_error(e->policy);
+}
+
+/* ---- stats ------------------------------------------------------------------- */
+int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  if (!out) return engine_fail(e, FERRY_EINVAL, "ferry_get_stats: out is NULL");
+  ferry_stats s;
+  pthread_mutex_lock(&e->lock);
+  s = e->stats;
+  ferry_arena_stats a;
+  ferry_arena_get_stats(e->arena, &a);
+  s.arena_in_use = a.in_use;
+  s.arena_peak = a.peak;
+  s.arena_reserved = a.reserved;
+  s.arena_cap = a.cap;
+  s.backend_pinned_allocs = a.backend_allocs;
+  if (e->policy) {
+    ferry_policy_stats p;
+    ferry_policy_get_stats(e->policy, &p);
+    s.policy_calls = p.calls;
+    s.policy_cache_hits = p.cache_hits;
+    s.policy_errors += p.errors;
+    s.policy_disabled = (uint64_t)p.disabled;
+  }
+  pthread_mutex_unlock(&e->lock);
+  memcpy(out, &s, size < sizeof s ? size : sizeof s);
+  return FERRY_OK;
+}

@@ -1,0 +1,150 @@
+/*
+ * engine_internal.h — the engine's state, shared by engine.c (lifecycle,
+ * config, stats, interning), stash.c (the stash manager) and
+ * trace_recorder.c. Everything here is guarded by ferry_engine.lock unless
+ * a comment says otherwise.
+ */
+#ifndef FERRY_ENGINE_INTERNAL_H
+#define FERRY_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "arena.h"
+#include "backend.h"
+#include "ferry.h"
+#include "policy_host.h"
+
+/* Where a saved tensor is. */
+typedef enum entry_state {
+  ENTRY_FREE = 0,
+  ENTRY_KEPT,      /* on device, untouched */
+  ENTRY_STASHED,   /* D2H issued (ev), device buffer still held */
+  ENTRY_OFFLOADED, /* bytes only in the arena; D2H complete */
+  ENTRY_RELOADING, /* a thread is in the allocator callback for it */
+  ENTRY_RELOADED,  /* H2D issued (ev) into a fresh device buffer */
+  ENTRY_ALIAS      /* a second handle to `primary` */
+} entry_state;
+
+typedef struct stash_entry {
+  uint32_t gen;      /* bumped when the slot is freed: stale handles fail */
+  uint8_t state;     /* entry_state */
+  uint8_t consumed;  /* this handle was unpacked (primary awaiting aliases) */
+  uint8_t reload;    /* ferry_reload */
+  uint8_t in_alias_map;
+  uint32_t refs;     /* primary: live handles (itself + aliases) */
+  uint32_t primary;  /* alias: index of the primary entry */
+  uint32_t prefetch_distance;
+  int32_t layer;
+  uint32_t offl_pos; /* position in the step's offload order, offloaded only */
+  uint64_t step;
+  uint64_t bytes;
+  void *dev_ptr;
+  void *owner;
+  void *host;        /* arena buffer */
+  bk_event *ev;      /* last copy issued for this entry */
+  uint64_t trace_id; /* pack number in the trace, 0 when not tracing */
+} stash_entry;
+
+/* An arena buffer that a copy may still touch: freed once ev completes. */
+typedef struct pending_free {
+  void *host;
+  uint64_t bytes;
+  bk_event *ev;
+} pending_free;
+
+typedef struct intern_table {
+  char **slots; /* open addressing, power-of-two size */
+  size_t cap, count;
+} intern_table;
+
+typedef struct alias_map {
+  uintptr_t *keys; /* device pointers, 0 = empty */
+  uint32_t *vals;  /* entry index */
+  size_t cap, count;
+} alias_map;
+
+struct ferry_engine {
+  ferry_config cfg; /* the caller's config, strings not retained */
+  ferry_backend *bk;
+  ferry_arena *arena;
+  bk_stream d2h, h2d;
+  bk_event *ev_scratch; /* recorded on a compute stream, waited on at once */
+
+  pthread_mutex_t lock;
+  pthread_cond_t reload_done; /* an ENTRY_RELOADING entry left that state */
+  char last_error[512];
+
+  /* decisions */
+  ferry_policy *policy;
+  ferry_decide_fn decide;
+  void *decide_ud;
+  uint32_t max_fwd_stash;
+  uint32_t prefetch_distance;
+  uint64_t min_offload_bytes;
+
+  /* entries; index + 1 and gen form a handle */
+  stash_entry *entries;
+  uint32_t n_entries, cap_entries;
+  uint32_t *free_slots;
+  uint32_t n_free;
+  alias_map aliases;
+
+  /* forward stash: FIFO ring of entry indices (STASHED entries, in order) */
+  uint32_t *fwd;
+  uint32_t fwd_head, fwd_count, fwd_cap;
+
+  /* offloaded entries of this step in pack order, for prefetch */
+  uint32_t *offl_order;
+  uint32_t n_offl, cap_offl;
+
+  pending_free *pending;
+  uint32_t n_pending, cap_pending;
+
+  bk_event **event_pool;
+  uint32_t n_event_pool, cap_event_pool;
+
+  /* step state */
+  int in_step;
+  int phase; /* ferry_phase */
+  uint64_t step;
+  uint64_t live_at_step_begin;
+  uint64_t arena_in_use_at_step_begin;
+  ferry_context ctx; /* per-step counters live here */
+  uint32_t *layer_counts;
+  uint32_t cap_layers;
+  uint64_t bytes_in_flight;
+
+  ferry_stats stats;
+  intern_table interned;
+
+  /* trace recorder (trace_recorder.c) */
+  FILE *trace;
+  double trace_t0_us;
+  uint64_t trace_seq;
+};
+
+/* engine.c */
+int engine_fail(ferry_engine *e, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+int engine_check(ferry_engine *e); /* FERRY_OK if e is a live engine */
+const char *engine_intern_locked(ferry_engine *e, const char *s);
+int event_get(ferry_engine *e, bk_event **out);
+void event_put(ferry_engine *e, bk_event *ev);
+double engine_now_us(void);
+
+/* stash.c */
+int stash_init(ferry_engine *e);
+void stash_destroy(ferry_engine *e); /* waits for copies, releases owners */
+
+/* trace_recorder.c */
+int trace_open(ferry_engine *e, const char *path);
+void trace_close(ferry_engine *e);
+/* Both are no-ops when no trace is open; called with the lock held. */
+void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int decision,
+                int aliased);
+void trace_event(ferry_engine *e, const char *ev, uint64_t id);
+
+#endif

@@ -1,0 +1,790 @@
+/*
+ * stash.c — the stash manager: pack, unpack, prefetch, discard and step
+ * boundaries.
+ *
+ * Life of an offloaded tensor:
+ *   pack:    D2H stream waits on the compute stream, copy into the arena,
+ *            event recorded; the device buffer stays in the forward stash
+ *            (STASHED) until the stash holds more than max_fwd_stash
+ *            buffers; then the oldest is released to the embedder once its
+ *            event completed (OFFLOADED).
+ *   unpack:  STASHED → the device buffer comes back, no copy (stash hit);
+ *            OFFLOADED → allocator callback, H2D copy after the compute
+ *            stream, compute stream waits on the copy's event (RELOADED).
+ *   Arena buffers a copy may still touch go to a pending list and are freed
+ *   once their event completes.
+ *
+ * Locking: one mutex per engine. Embedder callbacks that may re-enter an
+ * interpreter (device_alloc, release) run without it; retain and the decide
+ * callback run under it and must not call back into the engine.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_internal.h"
+
+#define HANDLE_INDEX_MASK 0xffffffffull
+#define MAX_TENSOR_BYTES (1ull << 50) /* 1 PiB: anything larger is a bug */
+#define MAX_LAYER_INDEX 1000000
+#define PENDING_POLL_MAX 8 /* retire at most this many copies per call */
+#define RELEASE_BATCH 16
+
+/* ---- small containers ------------------------------------------------------ */
+static int grow(void **arr, uint32_t *cap, size_t elem, uint32_t need) {
+  if (need <= *cap) return 0;
+  uint32_t ncap = *cap ? *cap : 64;
+  while (ncap < need) ncap *= 2;
+  void *n = realloc(*arr, (size_t)ncap * elem);
+  if (!n) return -1;
+  *arr = n;
+  *cap = ncap;
+  return 0;
+}
+
+static inline size_t ptr_hash(uintptr_t p, size_t cap) {
+  return (size_t)((p >> 4) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
+}
+
+static int alias_grow(alias_map *m) {
+  size_t ncap = m->cap ? m->cap * 2 : 256;
+  uintptr_t *keys = calloc(ncap, sizeof *keys);
+  uint32_t *vals = calloc(ncap, sizeof *vals);
+  if (!keys || !vals) {
+    free(keys);
+    free(vals);
+    return -1;
+  }
+  for (size_t i = 0; i < m->cap; i++) {
+    if (!m->keys[i]) continue;
+    size_t j = ptr_hash(m->keys[i], ncap);
+    while (keys[j]) j = (j + 1) & (ncap - 1);
+    keys[j] = m->keys[i];
+    vals[j] = m->vals[i];
+  }
+  free(m->keys);
+  free(m->vals);
+  m->keys = keys;
+  m->vals = vals;
+  m->cap = ncap;
+  return 0;
+}
+
+static int alias_find(const alias_map *m, uintptr_t key, uint32_t *val) {
+  if (!m->count) return 0;
+  for (size_t j = ptr_hash(key, m->cap); m->keys[j]; j = (j + 1) & (m->cap - 1))
+    if (m->keys[j] == key) {
+      *val = m->vals[j];
+      return 1;
+    }
+  return 0;
+}
+
+static int alias_insert(alias_map *m, uintptr_t key, uint32_t val) {
+  if ((m->count + 1) * 2 > m->cap && alias_grow(m)) return -1;
+  size_t j = ptr_hash(key, m->cap);
+  while (m->keys[j]) j = (j + 1) & (m->cap - 1);
+  m->keys[j] = key;
+  m->vals[j] = val;
+  m->count++;
+  return 0;
+}
+
+/* Linear probing deletion by backward shift: no tombstones to pile up. */
+static void alias_remove(alias_map *m, uintptr_t key) {
+  if (!m->count) return;
+  size_t j = ptr_hash(key, m->cap);
+  while (m->keys[j] && m->keys[j] != key) j = (j + 1) & (m->cap - 1);
+  if (!m->keys[j]) return;
+  m->keys[j] = 0;
+  m->count--;
+  for (size_t k = (j + 1) & (m->cap - 1); m->keys[k]; k = (k + 1) & (m->cap - 1)) {
+    size_t home = ptr_hash(m->keys[k], m->cap);
+    /* Move k into the hole at j if its home is not within (j, k]. */
+    if ((k > j && (home <= j || home > k)) || (k < j && (home <= j && home > k))) {
+      m->keys[j] = m->keys[k];
+      m->vals[j] = m->vals[k];
+      m->keys[k] = 0;
+      j = k;
+    }
+  }
+}
+
+/* ---- entries ---------------------------------------------------------------- */
+static inline ferry_handle make_handle(const ferry_engine *e, uint32_t idx) {
+  return ((uint64_t)e->entries[idx].gen << 32) | (uint64_t)(idx + 1);
+}
+
+/* Index of a live, not yet consumed handle, or -1. */
+static int64_t lookup(const ferry_engine *e, ferry_handle h) {
+  uint64_t low = h & HANDLE_INDEX_MASK;
+  if (!low || low > e->n_entries) return -1;
+  uint32_t idx = (uint32_t)(low - 1);
+  const stash_entry *s = &e->entries[idx];
+  if (s->gen != (uint32_t)(h >> 32) || s->state == ENTRY_FREE || s->consumed) return -1;
+  return idx;
+}
+
+static int entry_new(ferry_engine *e, uint32_t *idx) {
+  if (e->n_free) {
+    *idx = e->free_slots[--e->n_free];
+  } else {
+    if (e->n_entries == UINT32_MAX - 1) return FERRY_ENOMEM;
+    if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, e->n_entries + 1))
+      return FERRY_ENOMEM;
+    /* free_slots can never hold more than cap_entries indices */
+    uint32_t fcap = e->cap_entries;
+    uint32_t *f = realloc(e->free_slots, (size_t)fcap * sizeof *f);
+    if (!f) return FERRY_ENOMEM;
+    e->free_slots = f;
+    *idx = e->n_entries++;
+    e->entries[*idx].gen = 1;
+  }
+  stash_entry *s = &e->entries[*idx];
+  uint32_t gen = s->gen;
+  memset(s, 0, sizeof *s);
+  s->gen = gen;
+  s->layer = -1;
+  s->offl_pos = UINT32_MAX;
+  e->stats.live_handles++;
+  return FERRY_OK;
+}
+
+static void entry_free(ferry_engine *e, uint32_t idx) {
+  stash_entry *s = &e->entries[idx];
+  s->state = ENTRY_FREE;
+  s->gen = s->gen + 1 ? s->gen + 1 : 1;
+  e->free_slots[e->n_free++] = idx;
+}
+
+/* ---- pending frees ----------------------------------------------------------- */
+static int pending_push(ferry_engine *e, void *host, uint64_t bytes, bk_event *ev) {
+  if (grow((void **)&e->pending, &e->cap_pending, sizeof *e->pending, e->n_pending + 1))
+    return -1;
+  e->pending[e->n_pending++] = (pending_free){host, bytes, ev};
+  e->bytes_in_flight += bytes;
+  return 0;
+}
+
+static void pending_retire(ferry_engine *e, uint32_t i) {
+  pending_free *p = &e->pending[i];
+  ferry_arena_free(e->arena, p->host, p->bytes);
+  e->ctx.arena_in_use -= p->bytes;
+  e->bytes_in_flight -= p->bytes;
+  event_put(e, p->ev);
+  e->pending[i] = e->pending[--e->n_pending];
+}
+
+/* Retire a few completed copies; cheap enough for every call. */
+static void pending_poll(ferry_engine *e) {
+  uint32_t checked = 0;
+  for (uint32_t i = 0; i < e->n_pending && checked < PENDING_POLL_MAX; checked++) {
+    if (e->bk->ops->event_query(e->bk, e->pending[i].ev) == 1)
+      pending_retire(e, i); /* moves the last one into i */
+    else
+      i++;
+  }
+}
+
+static void pending_drain(ferry_engine *e) {
+  while (e->n_pending) {
+    uint32_t i = e->n_pending - 1;
+    if (e->bk->ops->event_query(e->bk, e->pending[i].ev) != 1) {
+      e->stats.waits++;
+      e->bk->ops->event_synchronize(e->bk, e->pending[i].ev);
+    }
+    pending_retire(e, i);
+  }
+}
+
+/* Give an entry's arena buffer back, now or once its last copy completed. */
+static void host_buffer_drop(ferry_engine *e, stash_entry *s, int copy_may_run) {
+  if (!s->host) {
+    if (s->ev) event_put(e, s->ev);
+    s->ev = NULL;
+    return;
+  }
+  if (copy_may_run && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1 &&
+      pending_push(e, s->host, s->bytes, s->ev) == 0) {
+    s->host = NULL;
+    s->ev = NULL;
+    return;
+  }
+  if (copy_may_run && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1) {
+    e->stats.waits++; /* no memory for the pending list: wait instead */
+    e->bk->ops->event_synchronize(e->bk, s->ev);
+  }
+  ferry_arena_free(e->arena, s->host, s->bytes);
+  e->ctx.arena_in_use -= s->bytes;
+  event_put(e, s->ev);
+  s->host = NULL;
+  s->ev = NULL;
+}
+
+/* ---- forward stash ------------------------------------------------------------ */
+static int fwd_push(ferry_engine *e, uint32_t idx) {
+  if (e->fwd_count == e->fwd_cap) {
+    uint32_t ncap = e->fwd_cap ? e->fwd_cap * 2 : 64;
+    uint32_t *n = malloc((size_t)ncap * sizeof *n);
+    if (!n) return -1;
+    for (uint32_t i = 0; i < e->fwd_count; i++) n[i] = e->fwd[(e->fwd_head + i) % e->fwd_cap];
+    free(e->fwd);
+    e->fwd = n;
+    e->fwd_cap = ncap;
+    e->fwd_head = 0;
+  }
+  e->fwd[(e->fwd_head + e->fwd_count) % e->fwd_cap] = idx;
+  e->fwd_count++;
+  return 0;
+}
+
+/* Release a STASHED entry's device buffer once its D2H copy completed.
+ * Returns the owner the caller must release after unlocking. */
+static void *stash_release(ferry_engine *e, uint32_t idx) {
+  stash_entry *s = &e->entries[idx];
+  if (e->bk->ops->event_query(e->bk, s->ev) != 1) {
+    e->stats.waits++;
+    e->bk->ops->event_synchronize(e->bk, s->ev);
+  }
+  void *owner = s->owner;
+  if (s->in_alias_map) alias_remove(&e->aliases, (uintptr_t)s->dev_ptr);
+  s->in_alias_map = 0;
+  s->owner = NULL;
+  s->dev_ptr = NULL;
+  s->state = ENTRY_OFFLOADED;
+  e->stats.device_bytes_held -= s->bytes;
+  e->ctx.stash_depth--;
+  e->bytes_in_flight -= s->bytes;
+  return owner;
+}
+
+/* Pop the oldest stashed entries until the bound holds. */
+static uint32_t fwd_enforce_bound(ferry_engine *e, void **owners, uint32_t max_owners) {
+  uint32_t n = 0;
+  while (e->ctx.stash_depth > e->max_fwd_stash && e->fwd_count && n < max_owners) {
+    uint32_t idx = e->fwd[e->fwd_head];
+    e->fwd_head = (e->fwd_head + 1) % e->fwd_cap;
+    e->fwd_count--;
+    /* Entries unpacked while stashed are skipped lazily. */
+    if (e->entries[idx].state != ENTRY_STASHED) continue;
+    owners[n++] = stash_release(e, idx);
+  }
+  if (!e->ctx.stash_depth) e->fwd_head = e->fwd_count = 0;
+  return n;
+}
+
+static void release_all(ferry_engine *e, void **owners, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++) e->cfg.release(e->cfg.callback_ud, owners[i]);
+}
+
+/* ---- steps -------------------------------------------------------------------- */
+static double host_ram_used_pct(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[128];
+  unsigned long long total = 0, avail = 0, v;
+  while (fgets(line, sizeof line, f)) {
+    if (sscanf(line, "MemTotal: %llu kB", &v) == 1) total = v;
+    else if (sscanf(line, "MemAvailable: %llu kB", &v) == 1) avail = v;
+  }
+  fclose(f);
+  return total ? 100.0 * (double)(total - avail) / (double)total : 0;
+}
+
+static void step_begin_locked(ferry_engine *e) {
+  e->in_step = 1;
+  e->step++;
+  e->stats.steps++;
+  e->phase = FERRY_PHASE_FORWARD;
+  e->live_at_step_begin = e->stats.live_handles;
+  e->arena_in_use_at_step_begin = e->ctx.arena_in_use;
+  e->ctx.step = e->step;
+  e->ctx.packed_this_step = 0;
+  e->ctx.offloaded_this_step = 0;
+  e->ctx.bytes_offloaded_this_step = 0;
+  e->ctx.host_ram_used_pct = host_ram_used_pct();
+  if (e->layer_counts) memset(e->layer_counts, 0, e->cap_layers * sizeof *e->layer_counts);
+  e->n_offl = 0;
+  if (e->policy) ferry_policy_step_begin(e->policy, e->step);
+  trace_event(e, "step_begin", 0);
+}
+
+int ferry_step_begin(ferry_engine *e) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  if (e->in_step)
+    rc = engine_fail(e, FERRY_ESTATE, "ferry_step_begin: step %llu has not ended",
+                     (unsigned long long)e->step);
+  else
+    step_begin_locked(e);
+  pthread_mutex_unlock(&e->lock);
+  return rc;
+}
+
+int ferry_step_end(ferry_engine *e) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  if (!e->in_step) {
+    rc = engine_fail(e, FERRY_ESTATE, "ferry_step_end: no step in progress");
+  } else {
+    pending_drain(e);
+    e->in_step = 0;
+    e->phase = FERRY_PHASE_FORWARD;
+    trace_event(e, "step_end", 0);
+    if (e->stats.live_handles > e->live_at_step_begin) {
+      uint64_t n = e->stats.live_handles - e->live_at_step_begin;
+      rc = engine_fail(e, FERRY_ELEAK,
+                       "step %llu ended with %llu handle(s) neither unpacked nor discarded; "
+                       "they stay valid and hold %llu arena bytes",
+                       (unsigned long long)e->step, (unsigned long long)n,
+                       (unsigned long long)(e->ctx.arena_in_use - e->arena_in_use_at_step_begin));
+    }
+  }
+  pthread_mutex_unlock(&e->lock);
+  return rc;
+}
+
+static int set_phase(ferry_engine *e, int phase, const char *ev) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  if (!e->in_step) step_begin_locked(e);
+  e->phase = phase;
+  e->ctx.phase = phase;
+  trace_event(e, ev, 0);
+  pthread_mutex_unlock(&e->lock);
+  return FERRY_OK;
+}
+
+int ferry_backward_begin(ferry_engine *e) {
+  return set_phase(e, FERRY_PHASE_BACKWARD, "backward_begin");
+}
+int ferry_backward_end(ferry_engine *e) {
+  return set_phase(e, FERRY_PHASE_FORWARD, "backward_end");
+}
+
+/* ---- pack --------------------------------------------------------------------- */
+static int desc_invalid(ferry_engine *e, const ferry_tensor_desc *d) {
+  if (d->bytes == 0) return engine_fail(e, FERRY_EINVAL, "ferry_pack: desc.bytes is 0");
+  if (d->bytes > MAX_TENSOR_BYTES)
+    return engine_fail(e, FERRY_EINVAL, "ferry_pack: desc.bytes %llu is absurd (max 2^50)",
+                       (unsigned long long)d->bytes);
+  if (d->ndim < 0 || d->ndim > FERRY_MAX_DIMS)
+    return engine_fail(e, FERRY_EINVAL, "ferry_pack: desc.ndim %d is outside [0, %d]", d->ndim,
+                       FERRY_MAX_DIMS);
+  if (d->kind < FERRY_KIND_ACTIVATION || d->kind > FERRY_KIND_OTHER)
+    return engine_fail(e, FERRY_EINVAL, "ferry_pack: desc.kind %d is not a ferry_kind", d->kind);
+  if (d->dtype < 0 || d->dtype >= FERRY_DTYPE_COUNT_)
+    return engine_fail(e, FERRY_EINVAL, "ferry_pack: desc.dtype %d is not a ferry_dtype",
+                       d->dtype);
+  if (d->phase < FERRY_PHASE_FORWARD || d->phase > FERRY_PHASE_BACKWARD)
+    return engine_fail(e, FERRY_EINVAL, "ferry_pack: desc.phase %d is not a ferry_phase",
+                       d->phase);
+  if (d->layer < -1 || d->layer > MAX_LAYER_INDEX)
+    return engine_fail(e, FERRY_EINVAL, "ferry_pack: desc.layer %d is outside [-1, %d]",
+                       d->layer, MAX_LAYER_INDEX);
+  return FERRY_OK;
+}
+
+static int decision_valid(const ferry_decision *d) {
+  return (d->action == FERRY_KEEP || d->action == FERRY_OFFLOAD) &&
+         (d->reload == FERRY_RELOAD_ON_USE || d->reload == FERRY_RELOAD_PREFETCH) &&
+         d->prefetch_distance >= -1 && d->prefetch_distance <= 4096;
+}
+
+static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decision *d) {
+  d->action = FERRY_KEEP;
+  d->reload = FERRY_RELOAD_ON_USE;
+  d->prefetch_distance = -1;
+  d->cacheable = 0;
+  if (desc->bytes < e->min_offload_bytes) return;
+  e->ctx.bytes_in_flight = e->bytes_in_flight;
+  e->ctx.offloaded_per_layer = e->layer_counts;
+  e->ctx.layers_tracked = e->cap_layers;
+  if (e->policy) {
+    ferry_policy_decide(e->policy, desc, &e->ctx, d); /* never fails */
+  } else if (e->decide) {
+    if (e->decide(e->decide_ud, desc, &e->ctx, d) != 0 || !decision_valid(d)) {
+      e->stats.policy_errors++;
+      d->action = FERRY_KEEP;
+    }
+  }
+  if (!decision_valid(d)) {
+    e->stats.policy_errors++;
+    d->action = FERRY_KEEP;
+  }
+}
+
+static void count_layer(ferry_engine *e, int32_t layer) {
+  if (layer < 0) return;
+  if ((uint32_t)layer >= e->cap_layers) {
+    uint32_t ncap = e->cap_layers ? e->cap_layers : 64;
+    while (ncap <= (uint32_t)layer) ncap *= 2;
+    uint32_t *n = realloc(e->layer_counts, ncap * sizeof *n);
+    if (!n) return;
+    memset(n + e->cap_layers, 0, (ncap - e->cap_layers) * sizeof *n);
+    e->layer_counts = n;
+    e->cap_layers = ncap;
+  }
+  e->layer_counts[layer]++;
+}
+
+/* Issue the D2H copy of entry idx. 0, or a backend error (nothing issued
+ * that could still touch the buffers if the copy itself failed). */
+static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
+  const ferry_backend_ops *o = e->bk->ops;
+  int rc;
+  if ((rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) ||
+      (rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch)) ||
+      (rc = o->copy_d2h(e->bk, s->host, s->dev_ptr, s->bytes, e->d2h)) ||
+      (rc = o->event_record(e->bk, s->ev, e->d2h)))
+    return engine_fail(e, rc, "offload copy failed, tensor kept on device: %s", e->bk->err);
+  return FERRY_OK;
+}
+
+int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
+               void *compute_stream, ferry_handle *out) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  if (!out || !desc || !device_ptr) {
+    rc = engine_fail(e, FERRY_EINVAL, "ferry_pack: %s is NULL",
+                     !out ? "out" : !desc ? "desc" : "device_ptr");
+    goto unlock;
+  }
+  *out = 0;
+  if ((rc = desc_invalid(e, desc))) goto unlock;
+  if (!e->in_step) step_begin_locked(e);
+  pending_poll(e);
+
+  uint32_t idx, pidx;
+  /* The same buffer packed again while stored: one copy, two handles. */
+  if (e->cfg.retain && alias_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
+      e->entries[pidx].bytes == desc->bytes) {
+    if ((rc = entry_new(e, &idx))) goto oom;
+    stash_entry *a = &e->entries[idx];
+    a->state = ENTRY_ALIAS;
+    a->primary = pidx;
+    a->bytes = desc->bytes;
+    a->step = e->step;
+    e->entries[pidx].refs++;
+    e->stats.tensors_packed++;
+    e->stats.tensors_aliased++;
+    e->ctx.packed_this_step++;
+    *out = make_handle(e, idx);
+    trace_pack(e, idx, desc, e->entries[pidx].state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD,
+               1);
+    pthread_mutex_unlock(&e->lock);
+    e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
+    return FERRY_OK;
+  }
+
+  ferry_decision d;
+  decide(e, desc, &d);
+  if ((rc = entry_new(e, &idx))) goto oom;
+  stash_entry *s = &e->entries[idx];
+  s->bytes = desc->bytes;
+  s->dev_ptr = device_ptr;
+  s->owner = owner;
+  s->layer = desc->layer;
+  s->step = e->step;
+  s->refs = 1;
+  s->state = ENTRY_KEPT;
+
+  if (d.action == FERRY_OFFLOAD) {
+    s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
+    if (!s->host) {
+      e->stats.cap_fallbacks++;
+    } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) ||
+               fwd_push(e, idx) ||
+               grow((void **)&e->offl_order, &e->cap_offl, sizeof *e->offl_order,
+                    e->n_offl + 1)) {
+      /* Nothing lost: the tensor stays on device. A copy that was issued may
+       * still read the device buffer and write the host one. */
+      e->ctx.arena_in_use += s->bytes;
+      host_buffer_drop(e, s, 1);
+    } else {
+      s->state = ENTRY_STASHED;
+      s->reload = (uint8_t)d.reload;
+      s->prefetch_distance =
+          d.prefetch_distance >= 0 ? (uint32_t)d.prefetch_distance : e->prefetch_distance;
+      s->offl_pos = e->n_offl;
+      e->offl_order[e->n_offl++] = idx;
+      e->ctx.arena_in_use += s->bytes;
+      e->ctx.stash_depth++;
+      e->ctx.offloaded_this_step++;
+      e->ctx.bytes_offloaded_this_step += s->bytes;
+      e->bytes_in_flight += s->bytes;
+      e->stats.tensors_offloaded++;
+      e->stats.bytes_d2h += s->bytes;
+      count_layer(e, s->layer);
+    }
+  }
+  if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
+  e->stats.tensors_packed++;
+  e->ctx.packed_this_step++;
+  e->stats.device_bytes_held += s->bytes;
+  if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
+    e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
+  if (e->cfg.retain && !alias_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
+      alias_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
+    s->in_alias_map = 1;
+  *out = make_handle(e, idx);
+  trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
+
+  void *owners[RELEASE_BATCH];
+  uint32_t n;
+  do {
+    n = fwd_enforce_bound(e, owners, RELEASE_BATCH);
+    pthread_mutex_unlock(&e->lock);
+    release_all(e, owners, n);
+    if (n == RELEASE_BATCH) pthread_mutex_lock(&e->lock);
+  } while (n == RELEASE_BATCH);
+  return FERRY_OK;
+
+oom:
+  rc = engine_fail(e, FERRY_ENOMEM, "ferry_pack: out of memory for the handle table");
+unlock:
+  pthread_mutex_unlock(&e->lock);
+  return rc;
+}
+
+/* ---- reload -------------------------------------------------------------------- */
+/* Bring an OFFLOADED entry back to a fresh device buffer, ordered after
+ * compute_stream. Called and returns with the lock held; drops it around the
+ * allocator callback, so the entries array may move: use indices. */
+static int reload(ferry_engine *e, uint32_t idx, void *compute_stream) {
+  stash_entry *s = &e->entries[idx];
+  s->state = ENTRY_RELOADING;
+  uint64_t bytes = s->bytes;
+  pthread_mutex_unlock(&e->lock);
+  void *dev = NULL, *owner = NULL;
+  int arc = e->cfg.device_alloc(e->cfg.callback_ud, bytes, compute_stream, &dev, &owner);
+  pthread_mutex_lock(&e->lock);
+  s = &e->entries[idx];
+  int rc = FERRY_OK;
+  if (arc != 0 || !dev) {
+    e->stats.alloc_failures++;
+    s->state = ENTRY_OFFLOADED;
+    rc = engine_fail(e, FERRY_EALLOC,
+                     "device allocator callback failed (returned %d) for %llu bytes; the "
+                     "tensor stays in host memory and its handle stays valid",
+                     arc, (unsigned long long)bytes);
+    if (arc == 0 && owner) {
+      pthread_mutex_unlock(&e->lock);
+      e->cfg.release(e->cfg.callback_ud, owner);
+      pthread_mutex_lock(&e->lock);
+    }
+  } else {
+    const ferry_backend_ops *o = e->bk->ops;
+    if ((rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) ||
+        (rc = o->stream_wait_event(e->bk, e->h2d, e->ev_scratch)) ||
+        (rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d)) ||
+        (rc = o->event_record(e->bk, s->ev, e->h2d))) {
+      rc = engine_fail(e, rc, "reload copy failed; the handle stays valid: %s", e->bk->err);
+      /* A failed issue may have left a copy running into dev: let it end. */
+      o->event_record(e->bk, s->ev, e->h2d);
+      o->event_synchronize(e->bk, s->ev);
+      s->state = ENTRY_OFFLOADED;
+      pthread_mutex_unlock(&e->lock);
+      e->cfg.release(e->cfg.callback_ud, owner);
+      pthread_mutex_lock(&e->lock);
+      s = &e->entries[idx];
+    } else {
+      s->state = ENTRY_RELOADED;
+      s->dev_ptr = dev;
+      s->owner = owner;
+      e->stats.bytes_h2d += s->bytes;
+      e->stats.device_bytes_held += s->bytes;
+      if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
+        e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
+    }
+  }
+  pthread_cond_broadcast(&e->reload_done);
+  return rc;
+}
+
+/* Start reloads of the offloaded entries packed just before entry idx. */
+static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uint64_t step,
+                           void *compute_stream) {
+  for (uint32_t k = 1; k <= distance && k <= pos; k++) {
+    uint32_t j = e->offl_order[pos - k];
+    stash_entry *t = &e->entries[j];
+    if (t->state != ENTRY_OFFLOADED || t->step != step || t->offl_pos != pos - k) continue;
+    if (reload(e, j, compute_stream) == FERRY_OK) e->stats.prefetches++;
+    if (pos > e->n_offl) return; /* the step ended meanwhile */
+  }
+}
+
+static void wait_while_reloading(ferry_engine *e, uint32_t idx) {
+  while (e->entries[idx].state == ENTRY_RELOADING) pthread_cond_wait(&e->reload_done, &e->lock);
+}
+
+/* Drop one handle of primary p. Returns the owner reference to hand out
+ * (retained if other handles remain), and frees the entry with the last. */
+static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_release) {
+  stash_entry *s = &e->entries[p];
+  *to_release = NULL;
+  if (--s->refs > 0) {
+    if (hand_out) e->cfg.retain(e->cfg.callback_ud, s->owner);
+    return hand_out ? s->owner : NULL;
+  }
+  void *owner = s->owner;
+  if (s->in_alias_map) alias_remove(&e->aliases, (uintptr_t)s->dev_ptr);
+  if (s->state == ENTRY_STASHED) {
+    e->ctx.stash_depth--;
+    e->bytes_in_flight -= s->bytes;
+  }
+  if (owner) e->stats.device_bytes_held -= s->bytes;
+  host_buffer_drop(e, s, s->state == ENTRY_STASHED || s->state == ENTRY_RELOADED);
+  if (!hand_out) *to_release = owner;
+  entry_free(e, p);
+  return hand_out ? owner : NULL;
+}
+
+static int resolve(ferry_engine *e, ferry_handle h, const char *fn, uint32_t *slot,
+                   uint32_t *primary) {
+  int64_t i = lookup(e, h);
+  if (i < 0)
+    return engine_fail(e, FERRY_EHANDLE, "%s: handle 0x%llx is unknown, stale or already used",
+                       fn, (unsigned long long)h);
+  *slot = (uint32_t)i;
+  *primary = e->entries[i].state == ENTRY_ALIAS ? e->entries[i].primary : (uint32_t)i;
+  return FERRY_OK;
+}
+
+/* Mark handle slot used; frees alias slots. */
+static void retire_slot(ferry_engine *e, uint32_t slot, uint32_t primary) {
+  if (slot != primary)
+    entry_free(e, slot);
+  else
+    e->entries[slot].consumed = 1;
+  e->stats.live_handles--;
+}
+
+int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **device_ptr,
+                 void **owner) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  if (!device_ptr || !owner) {
+    rc = engine_fail(e, FERRY_EINVAL, "ferry_unpack: %s is NULL", !device_ptr ? "device_ptr" : "owner");
+    goto unlock;
+  }
+  uint32_t slot, p;
+  if ((rc = resolve(e, h, "ferry_unpack", &slot, &p))) goto unlock;
+  wait_while_reloading(e, p);
+  /* Another thread may have consumed this handle while we waited. */
+  if (lookup(e, h) < 0) {
+    rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was used concurrently",
+                     (unsigned long long)h);
+    goto unlock;
+  }
+  pending_poll(e);
+  stash_entry *s = &e->entries[p];
+  uint32_t pos = s->offl_pos, dist = s->prefetch_distance;
+  uint64_t step = s->step;
+  int prefetch = s->reload == FERRY_RELOAD_PREFETCH && pos != UINT32_MAX;
+  if (s->state == ENTRY_STASHED) {
+    e->stats.stash_hits++;
+  } else if (s->state == ENTRY_OFFLOADED) {
+    if ((rc = reload(e, p, compute_stream))) goto unlock;
+    if (lookup(e, h) < 0) { /* consumed while the lock was dropped */
+      rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was used concurrently",
+                       (unsigned long long)h);
+      goto unlock;
+    }
+    s = &e->entries[p];
+  }
+  if (s->state == ENTRY_RELOADED &&
+      (rc = e->bk->ops->stream_wait_event(e->bk, compute_stream, s->ev))) {
+    rc = engine_fail(e, rc, "ferry_unpack: compute stream cannot wait for the reload: %s",
+                     e->bk->err);
+    goto unlock;
+  }
+  *device_ptr = s->dev_ptr;
+  uint64_t tid = e->entries[slot].trace_id;
+  retire_slot(e, slot, p);
+  void *unused;
+  *owner = consume(e, p, 1, &unused);
+  e->stats.tensors_unpacked++;
+  trace_event(e, "unpack", tid);
+  if (prefetch && step == e->step && pos < e->n_offl) prefetch_ahead(e, pos, dist, step, compute_stream);
+unlock:
+  pthread_mutex_unlock(&e->lock);
+  return rc;
+}
+
+int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  uint32_t slot, p;
+  if ((rc = resolve(e, h, "ferry_prefetch", &slot, &p)) == FERRY_OK &&
+      e->entries[p].state == ENTRY_OFFLOADED) {
+    rc = reload(e, p, compute_stream);
+    if (rc == FERRY_OK) e->stats.prefetches++;
+  }
+  pthread_mutex_unlock(&e->lock);
+  return rc;
+}
+
+int ferry_discard(ferry_engine *e, ferry_handle h) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  uint32_t slot, p;
+  void *to_release = NULL;
+  if ((rc = resolve(e, h, "ferry_discard", &slot, &p)) == FERRY_OK) {
+    wait_while_reloading(e, p);
+    if (lookup(e, h) < 0) {
+      rc = engine_fail(e, FERRY_EHANDLE, "ferry_discard: handle 0x%llx was used concurrently",
+                       (unsigned long long)h);
+    } else {
+      uint64_t tid = e->entries[slot].trace_id;
+      retire_slot(e, slot, p);
+      consume(e, p, 0, &to_release);
+      trace_event(e, "discard", tid);
+    }
+  }
+  pthread_mutex_unlock(&e->lock);
+  if (to_release) e->cfg.release(e->cfg.callback_ud, to_release);
+  return rc;
+}
+
+/* ---- lifecycle ----------------------------------------------------------------- */
+int stash_init(ferry_engine *e) {
+  if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256)) return FERRY_ENOMEM;
+  e->free_slots = malloc((size_t)e->cap_entries * sizeof *e->free_slots);
+  if (!e->free_slots || alias_grow(&e->aliases)) return FERRY_ENOMEM;
+  return FERRY_OK;
+}
+
+/* Engine teardown: wait for every copy, give every owner back, free the
+ * arena buffers. Handles still live become invalid. */
+void stash_destroy(ferry_engine *e) {
+  for (uint32_t i = 0; i < e->n_entries; i++) {
+    stash_entry *s = &e->entries[i];
+    if (s->state == ENTRY_FREE || s->state == ENTRY_ALIAS) continue;
+    if (s->ev) e->bk->ops->event_synchronize(e->bk, s->ev);
+    if (s->owner) e->cfg.release(e->cfg.callback_ud, s->owner);
+    if (s->host) ferry_arena_free(e->arena, s->host, s->bytes);
+    if (s->ev) e->bk->ops->event_destroy(e->bk, s->ev);
+  }
+  for (uint32_t i = 0; i < e->n_pending; i++) {
+    e->bk->ops->event_synchronize(e->bk, e->pending[i].ev);
+    ferry_arena_free(e->arena, e->pending[i].host, e->pending[i].bytes);
+    e->bk->ops->event_destroy(e->bk, e->pending[i].ev);
+  }
+  free(e->entries);
+  free(e->free_slots);
+  free(e->aliases.keys);
+  free(e->aliases.vals);
+  free(e->fwd);
+  free(e->offl_order);
+  free(e->pending);
+  free(e->layer_counts);
+  e->entries = NULL;
+  e->fwd = NULL;
+}

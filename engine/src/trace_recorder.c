@@ -1,0 +1,93 @@
+/*
+ * trace_recorder.c — writes the JSONL trace of docs/trace-format.md: one
+ * object per line for every pack, unpack, discard, step and backward
+ * boundary, with the descriptor, the decision and a timestamp. The simulator
+ * replays it. Written with cJSON; called with the engine lock held.
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_internal.h"
+#include "names.h"
+
+#define TRACE_FORMAT_VERSION 1
+
+static void emit(ferry_engine *e, cJSON *o) {
+  char *line = cJSON_PrintUnformatted(o);
+  if (line) {
+    fputs(line, e->trace);
+    fputc('\n', e->trace);
+    free(line);
+  }
+  cJSON_Delete(o);
+}
+
+static cJSON *event_object(ferry_engine *e, const char *ev) {
+  cJSON *o = cJSON_CreateObject();
+  if (!o) return NULL;
+  cJSON_AddStringToObject(o, "ev", ev);
+  /* microseconds since the trace opened, 0.1 us resolution */
+  double t = engine_now_us() - e->trace_t0_us;
+  cJSON_AddNumberToObject(o, "t_us", (double)(long long)(t * 10.0) / 10.0);
+  return o;
+}
+
+int trace_open(ferry_engine *e, const char *path) {
+  e->trace = fopen(path, "w");
+  if (!e->trace)
+    return engine_fail(e, FERRY_EIO, "cannot open trace file %s: %s", path, strerror(errno));
+  setvbuf(e->trace, NULL, _IOFBF, 1 << 20);
+  e->trace_t0_us = engine_now_us();
+  cJSON *o = event_object(e, "header");
+  if (!o) return FERRY_ENOMEM;
+  cJSON_AddStringToObject(o, "format", "ferry-trace");
+  cJSON_AddNumberToObject(o, "version", TRACE_FORMAT_VERSION);
+  cJSON_AddStringToObject(o, "ferry", ferry_version_string());
+  cJSON_AddStringToObject(o, "backend", e->bk->ops->name);
+  emit(e, o);
+  return FERRY_OK;
+}
+
+void trace_close(ferry_engine *e) {
+  if (!e->trace) return;
+  fclose(e->trace);
+  e->trace = NULL;
+}
+
+void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int decision,
+                int aliased) {
+  if (!e->trace) return;
+  uint64_t id = ++e->trace_seq;
+  e->entries[idx].trace_id = id;
+  cJSON *o = event_object(e, "pack");
+  if (!o) return;
+  cJSON_AddNumberToObject(o, "id", (double)id);
+  cJSON_AddNumberToObject(o, "step", (double)e->step);
+  cJSON_AddNumberToObject(o, "bytes", (double)d->bytes);
+  cJSON_AddStringToObject(o, "dtype", ferry_dtype_name(d->dtype));
+  cJSON *shape = cJSON_AddArrayToObject(o, "shape");
+  for (int i = 0; shape && i < d->ndim; i++)
+    cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)d->shape[i]));
+  cJSON_AddStringToObject(o, "kind", ferry_kind_name(d->kind));
+  cJSON_AddStringToObject(o, "phase", ferry_phase_name(d->phase));
+  cJSON_AddNumberToObject(o, "layer", d->layer);
+  cJSON_AddNumberToObject(o, "layers", d->layer_count);
+  if (d->flags) cJSON_AddNumberToObject(o, "flags", d->flags);
+  if (d->module_path) cJSON_AddStringToObject(o, "module", d->module_path);
+  if (d->module_class) cJSON_AddStringToObject(o, "class", d->module_class);
+  cJSON_AddStringToObject(o, "decision", decision == FERRY_OFFLOAD ? "offload" : "keep");
+  if (aliased) cJSON_AddBoolToObject(o, "alias", 1);
+  emit(e, o);
+}
+
+void trace_event(ferry_engine *e, const char *ev, uint64_t id) {
+  if (!e->trace) return;
+  cJSON *o = event_object(e, ev);
+  if (!o) return;
+  if (id) cJSON_AddNumberToObject(o, "id", (double)id);
+  if (!strcmp(ev, "step_begin") || !strcmp(ev, "step_end"))
+    cJSON_AddNumberToObject(o, "step", (double)e->step);
+  emit(e, o);
+}

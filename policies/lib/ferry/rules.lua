@@ -1,0 +1,822 @@
+--[[
+ferry.rules — build a policy (policy API v1) out of one-line rules.
+
+    local R = require "ferry.rules"
+    return R.policy {
+      name = "default",
+      R.min_bytes(1024),
+      R.exclude_kinds(ferry.PARAMETER, ferry.BUFFER),
+      R.exclude_modules(R.HEAD),
+      R.exclude_modules(R.LIGER),
+      reload = R.on_use(),
+    }
+
+A tensor is offloaded when every rule lets it through; the first rule that
+says no keeps it on device. Rules run in a fixed order of stages, whatever
+order they are written in (within a stage, in the order written):
+
+  1. filters on the site (kind, size, dtype, module path/class): the same
+     answer for every tensor of a site, so a "keep" they give is cached by
+     the engine and later steps never call Lua for it;
+  2. filters on the layer (first N layers, keep the last K): cached too when
+     the tensor has a module path (the embedders derive the layer from it);
+  3. filters on the tensor (phase, user predicates): never cached;
+  4. guards on the engine's state (host RAM %, bytes in flight, arena): they
+     read the context, so nothing past a guard is cached;
+  5. selectors that count within a step (fraction, budget): they see only
+     tensors that passed every filter and guard, in pack order, and reset
+     when ctx.step changes.
+
+An offload is cached only when the policy has no guard and no selector (and
+its reload distance, if learned, is known). Each rule's scope is written
+next to it below. See docs/policy-api.md for the full API.
+
+Cost: decide reads each descriptor field it needs once, calls t:path() at
+most once or twice, and allocates nothing per call in steady state (module
+matches are memoized per path string; paths are interned Lua strings).
+]]
+
+local ferry = ferry -- the sandbox's global; a stand-in table outside it
+
+local F = ferry or {}
+local KEEP, OFFLOAD = F.KEEP or 0, F.OFFLOAD or 1
+local ON_USE, PREFETCH = F.ON_USE or 0, F.PREFETCH or 1
+local ACTIVATION, PARAMETER, BUFFER, OTHER =
+  F.ACTIVATION or 0, F.PARAMETER or 1, F.BUFFER or 2, F.OTHER or 3
+local FORWARD = F.FORWARD or 0
+
+local type, tostring, tonumber, error, select, ipairs, pairs =
+  type, tostring, tonumber, error, select, ipairs, pairs
+local setmetatable, getmetatable = setmetatable, getmetatable
+local floor, ceil, huge = math.floor, math.ceil, math.huge
+local lower, find, sub, format = string.lower, string.find, string.sub, string.format
+local concat = table.concat
+
+local R = { api = 1 }
+
+-- ---------------------------------------------------------------------------
+-- helpers
+
+local RULE = {} -- metatable that marks rule objects
+local RELOAD = {} -- metatable that marks reload specs
+
+local function fail(fn, msg, level)
+  error("ferry.rules." .. fn .. ": " .. msg, (level or 2) + 1)
+end
+
+local function check_number(fn, what, v, lo, hi, integer)
+  if type(v) ~= "number" or v ~= v then
+    fail(fn, what .. " must be a number, got " .. type(v), 3)
+  end
+  if (lo and v < lo) or (hi and v > hi) then
+    fail(fn, format("%s must be within [%s, %s], got %s", what, tostring(lo or "-inf"),
+      tostring(hi or "inf"), tostring(v)), 3)
+  end
+  if integer and v ~= floor(v) then
+    fail(fn, what .. " must be an integer, got " .. tostring(v), 3)
+  end
+  return v
+end
+
+local function rule(spec)
+  return setmetatable(spec, RULE)
+end
+
+local KIND_NAMES = { [ACTIVATION] = "ACTIVATION", [PARAMETER] = "PARAMETER",
+  [BUFFER] = "BUFFER", [OTHER] = "OTHER" }
+
+local function kind_set(fn, ...)
+  local n = select("#", ...)
+  if n == 0 then fail(fn, "give at least one kind (ferry.ACTIVATION, ...)", 3) end
+  local set, names = {}, {}
+  for i = 1, n do
+    local k = select(i, ...)
+    if KIND_NAMES[k] == nil then
+      fail(fn, "argument " .. i .. " is not a tensor kind (ferry.ACTIVATION, " ..
+        "ferry.PARAMETER, ferry.BUFFER, ferry.OTHER): " .. tostring(k), 3)
+    end
+    set[k] = true
+    names[#names + 1] = KIND_NAMES[k]
+  end
+  return set, concat(names, ", ")
+end
+
+local function number_set(fn, what, ...)
+  local n = select("#", ...)
+  if n == 0 then fail(fn, "give at least one " .. what, 3) end
+  local set, names = {}, {}
+  for i = 1, n do
+    local v = select(i, ...)
+    if type(v) ~= "number" then
+      fail(fn, "argument " .. i .. " must be a " .. what .. " number, got " .. type(v), 3)
+    end
+    set[v] = true
+    names[#names + 1] = tostring(v)
+  end
+  return set, concat(names, ", ")
+end
+
+-- ---------------------------------------------------------------------------
+-- module matchers
+
+--[[ A matcher says which modules a rule is about. It is a string or a table:
+
+  "lm_head"                 same as { under = { "lm_head" } }
+  {
+    name     = { "o_proj", "attn.c_proj" },  -- the module's own name: the
+                              -- path ends with it at a dot ("a.b" = last two)
+    under    = { "mlp" },     -- the module or one of its parents is named so
+    top      = { "lm_head" }, -- like under, but only outside the repeated
+                              -- blocks (before the first numeric component:
+                              -- "model.norm" yes, "model.layers.3.norm" no)
+    class    = { "LigerRMSNorm" },   -- module class equals
+    contains = { "liger" },   -- path or class contains it, ignoring case
+    pattern  = { "^model%.layers%.%d+%.mlp%." },  -- Lua pattern on the path
+  }
+
+A module matches when any entry of any field matches. Paths are dotted
+module paths as PyTorch's named_modules() gives them.]]
+
+local MATCHER_FIELDS = { name = true, under = true, top = true, class = true,
+  contains = true, pattern = true }
+
+local function string_list(fn, field, v)
+  if type(v) == "string" then v = { v } end
+  if type(v) ~= "table" then
+    fail(fn, "matcher field '" .. field .. "' must be a string or a list of strings", 4)
+  end
+  local out = {}
+  for i, s in ipairs(v) do
+    if type(s) ~= "string" or s == "" then
+      fail(fn, "matcher field '" .. field .. "' entry " .. i .. " must be a non-empty string", 4)
+    end
+    out[i] = s
+  end
+  return out
+end
+
+-- Turns a matcher into a plain function(path, class) -> boolean, plus a
+-- description. Called at load, never per tensor.
+local function compile_matcher(fn, m)
+  if type(m) == "string" then m = { under = { m } } end
+  if type(m) ~= "table" then
+    fail(fn, "a module matcher must be a string or a table, got " .. type(m), 3)
+  end
+  local names, under, top, classes, contains, patterns = {}, {}, {}, {}, {}, {}
+  local desc = {}
+  for k, v in pairs(m) do
+    if type(k) ~= "string" or not MATCHER_FIELDS[k] then
+      fail(fn, "unknown matcher field '" .. tostring(k) ..
+        "' (known: name, under, top, class, contains, pattern)", 3)
+    end
+  end
+  for _, k in ipairs({ "name", "under", "top", "class", "contains", "pattern" }) do
+    if m[k] ~= nil then
+      local list = string_list(fn, k, m[k])
+      desc[#desc + 1] = k .. "=" .. concat(list, "|")
+      for _, s in ipairs(list) do
+        if k == "name" then names[#names + 1] = "." .. s
+        elseif k == "under" then under[#under + 1] = "." .. s .. "."
+        elseif k == "top" then top[#top + 1] = "." .. s .. "."
+        elseif k == "class" then classes[s] = true
+        elseif k == "contains" then contains[#contains + 1] = lower(s)
+        else
+          local ok, err = pcall(find, "", s)
+          if not ok then fail(fn, "bad Lua pattern '" .. s .. "': " .. tostring(err), 3) end
+          patterns[#patterns + 1] = s
+        end
+      end
+    end
+  end
+  if #desc == 0 then fail(fn, "empty module matcher", 3) end
+
+  local function matches(path, class)
+    if classes[class] then return true end
+    local dotted = "." .. path .. "."
+    for i = 1, #names do
+      local s = names[i]
+      if sub(dotted, -#s - 1, -2) == s then return true end
+    end
+    for i = 1, #under do
+      if find(dotted, under[i], 1, true) then return true end
+    end
+    if #top > 0 then
+      -- the part of the path before the first all-digit component
+      local cut = find(dotted, "%.%d+%.")
+      local outside = cut and sub(dotted, 1, cut) or dotted
+      for i = 1, #top do
+        if find(outside, top[i], 1, true) then return true end
+      end
+    end
+    if #contains > 0 then
+      local lp, lc = lower(path), lower(class)
+      for i = 1, #contains do
+        local s = contains[i]
+        if find(lp, s, 1, true) or find(lc, s, 1, true) then return true end
+      end
+    end
+    for i = 1, #patterns do
+      if find(path, patterns[i]) then return true end
+    end
+    return false
+  end
+  return matches, "{" .. concat(desc, " ") .. "}"
+end
+
+-- Ready-made matchers. Extend or copy them: they are plain tables.
+
+-- Output heads and final norms, outside the repeated blocks (TRL disables
+-- offloading for model.output, output.linear, lm_head, decoder.output,
+-- decoder.lm_head, final_layer_norm, ln_f and head; torchtune for output).
+R.HEAD = { top = { "lm_head", "output", "head", "ln_f", "final_layer_norm",
+  "final_layernorm", "norm", "final_norm", "embed_out", "score", "classifier" } }
+-- Liger kernel modules: "liger" anywhere in the path or the class, any case.
+R.LIGER = { contains = { "liger" } }
+
+-- Module kinds inside a transformer block (Megatron's --offload-modules
+-- choices and their usual names in HF, torchtune, Megatron and GPT-2 code).
+R.ATTN_NORM = { name = { "input_layernorm", "attn_norm", "ln_1", "attention_norm",
+  "self_attn_layer_norm", "sa_norm" } }
+R.QKV = { name = { "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value",
+  "linear_qkv", "c_attn", "Wqkv", "wqkv", "query", "key", "value", "in_proj", "wq", "wk", "wv" } }
+R.CORE_ATTN = { name = { "core_attention", "core_attn", "self_attn", "attn", "attention",
+  "self_attention" } }
+R.ATTN_PROJ = { name = { "o_proj", "out_proj", "output_proj", "linear_proj", "attn.c_proj",
+  "attention.dense", "attention.output.dense", "wo" } }
+R.MLP_NORM = { name = { "post_attention_layernorm", "pre_mlp_layernorm", "mlp_norm", "ln_2",
+  "ffn_norm", "mlp_norm", "pre_feedforward_layernorm" } }
+R.FC1 = { name = { "fc1", "linear_fc1", "up_proj", "gate_proj", "gate_up_proj", "c_fc", "w1",
+  "w3", "dense_h_to_4h", "intermediate.dense", "wi" } }
+R.FC2 = { name = { "fc2", "linear_fc2", "down_proj", "mlp.c_proj", "w2", "dense_4h_to_h" } }
+R.MLP = { under = { "mlp", "feed_forward", "ffn", "block_sparse_moe", "experts" } }
+R.EXPERT_FC1 = { pattern = { "experts%..*fc1", "experts%..*up_proj", "experts%..*gate_proj",
+  "experts%..*w1" } }
+R.MOE_ACT = { pattern = { "experts%..*act", "experts%..*activation" } }
+
+-- ---------------------------------------------------------------------------
+-- filters on the site: cached by the engine when they keep a tensor
+
+-- Keep tensors smaller than n bytes; also sets the engine knob
+-- min_offload_bytes = n, so smaller tensors never reach Lua at all.
+function R.min_bytes(n)
+  check_number("min_bytes", "n", n, 0, 2 ^ 53, true)
+  return rule {
+    name = "min_bytes(" .. n .. ")", stage = 1, scope = "site",
+    knobs = { min_offload_bytes = n },
+    test = function(t) return t.bytes >= n end,
+  }
+end
+
+-- Keep tensors with fewer than n elements (product of the shape), like
+-- Megatron's min_offloaded_tensor_size and TE's min_tensor_size_to_offload.
+function R.min_elements(n)
+  check_number("min_elements", "n", n, 0, 2 ^ 53, true)
+  return rule {
+    name = "min_elements(" .. n .. ")", stage = 1, scope = "site",
+    test = function(t)
+      local count = 1
+      for i = 0, t.ndim - 1 do count = count * tonumber(t.shape[i]) end
+      return count >= n
+    end,
+  }
+end
+
+-- Offload only these kinds (ferry.ACTIVATION, ferry.PARAMETER, ...).
+function R.kinds(...)
+  local set, names = kind_set("kinds", ...)
+  return rule {
+    name = "kinds(" .. names .. ")", stage = 1, scope = "site",
+    test = function(t) return set[t.kind] == true end,
+  }
+end
+
+-- Keep tensors of these kinds.
+function R.exclude_kinds(...)
+  local set, names = kind_set("exclude_kinds", ...)
+  return rule {
+    name = "exclude_kinds(" .. names .. ")", stage = 1, scope = "site",
+    test = function(t) return set[t.kind] == nil end,
+  }
+end
+
+-- Parameters and buffers stay (torchtune/TRL never offload them).
+function R.exclude_params_and_buffers()
+  local r = R.exclude_kinds(PARAMETER, BUFFER)
+  r.name = "exclude_params_and_buffers()"
+  return r
+end
+
+-- Only activations (kind OTHER is kept too).
+function R.activations_only()
+  local r = R.kinds(ACTIVATION)
+  r.name = "activations_only()"
+  return r
+end
+
+-- Offload only these dtypes (ferry.DTYPE_* numbers), or keep these dtypes.
+function R.dtypes(...)
+  local set, names = number_set("dtypes", "dtype", ...)
+  return rule {
+    name = "dtypes(" .. names .. ")", stage = 1, scope = "site",
+    test = function(t) return set[t.dtype] == true end,
+  }
+end
+
+function R.exclude_dtypes(...)
+  local set, names = number_set("exclude_dtypes", "dtype", ...)
+  return rule {
+    name = "exclude_dtypes(" .. names .. ")", stage = 1, scope = "site",
+    test = function(t) return set[t.dtype] == nil end,
+  }
+end
+
+local function module_rule(fn, exclude, ...)
+  local n = select("#", ...)
+  if n == 0 then fail(fn, "give at least one module matcher (e.g. R.HEAD or \"lm_head\")", 2) end
+  local fns, descs = {}, {}
+  for i = 1, n do
+    fns[i], descs[i] = compile_matcher(fn, (select(i, ...)))
+  end
+  local function matches(path, class)
+    for i = 1, n do
+      if fns[i](path, class) then return true end
+    end
+    return false
+  end
+  return rule {
+    name = fn .. "(" .. concat(descs, ", ") .. ")", stage = 1, scope = "site",
+    module = true, exclude = exclude, matches = matches,
+  }
+end
+
+-- Keep tensors saved by modules that match (or by their submodules, per
+-- the matcher's fields).
+function R.exclude_modules(...)
+  return module_rule("exclude_modules", true, ...)
+end
+
+-- Offload only tensors saved by modules that match.
+function R.only_modules(...)
+  return module_rule("only_modules", false, ...)
+end
+
+-- ---------------------------------------------------------------------------
+-- filters on the layer (t.layer, t.layer_count)
+
+-- Offload only tensors of the first n repeated blocks (layers 0 .. n-1);
+-- tensors outside the blocks (t.layer == -1) are kept. Transformer Engine's
+-- and Megatron's num_layers.
+function R.first_layers(n)
+  check_number("first_layers", "n", n, 0, 1e6, true)
+  return rule {
+    name = "first_layers(" .. n .. ")", stage = 2, scope = "layer",
+    test = function(t)
+      local layer = t.layer
+      return layer >= 0 and layer < n
+    end,
+  }
+end
+
+-- Keep the tensors of the last k layers (layer >= layer_count - k): backward
+-- needs them first, so offloading them only adds a reload on the critical
+-- path. No effect while layer_count is unknown (0).
+function R.keep_last_layers(k)
+  check_number("keep_last_layers", "k", k, 0, 1e6, true)
+  return rule {
+    name = "keep_last_layers(" .. k .. ")", stage = 2, scope = "layer",
+    test = function(t)
+      local count = t.layer_count
+      return count <= 0 or t.layer < count - k
+    end,
+  }
+end
+
+-- ---------------------------------------------------------------------------
+-- filters on the tensor: never cached
+
+-- Keep tensors packed while recomputing (activation checkpointing): they
+-- are unpacked moments later, an offload would only add two copies.
+function R.forward_only()
+  return rule {
+    name = "forward_only()", stage = 3, scope = "tensor",
+    test = function(t) return t.phase == FORWARD end,
+  }
+end
+
+-- Your own test: fn(t, ctx) returns true to let the tensor through.
+-- opts.site = true promises the answer depends only on the site (module
+-- path, shape, dtype, kind), so a "keep" may be cached.
+function R.when(fn, opts)
+  if type(fn) ~= "function" then fail("when", "expected a function(t, ctx), got " .. type(fn)) end
+  opts = opts or {}
+  if type(opts) ~= "table" then fail("when", "opts must be a table") end
+  return rule {
+    name = "when(" .. tostring(opts.name or "fn") .. ")", stage = 3,
+    scope = opts.site and "site" or "tensor",
+    test = fn,
+  }
+end
+
+-- ---------------------------------------------------------------------------
+-- guards on the engine's state: never cached
+
+-- Keep everything while the host's RAM use is at or above pct percent
+-- (torchtune/TRL only warn past 60%).
+function R.ram_cap(pct)
+  check_number("ram_cap", "pct", pct, 0, 100)
+  return rule {
+    name = "ram_cap(" .. pct .. "%)", stage = 4, scope = "ctx",
+    test = function(t, ctx) return ctx.host_ram_used_pct < pct end,
+  }
+end
+
+-- Keep a tensor when copies already in flight plus this one would exceed
+-- the cap (bytes). One copy may always start, whatever its size.
+function R.in_flight_cap(cap)
+  check_number("in_flight_cap", "bytes", cap, 1, 2 ^ 53)
+  return rule {
+    name = "in_flight_cap(" .. cap .. ")", stage = 4, scope = "ctx",
+    test = function(t, ctx)
+      local busy = tonumber(ctx.bytes_in_flight)
+      return busy == 0 or busy + tonumber(t.bytes) <= cap
+    end,
+  }
+end
+
+-- Keep a tensor when it would take the pinned arena past pct percent of its
+-- cap (no effect without a cap). The engine enforces the cap itself; this
+-- leaves headroom for others sharing the arena.
+function R.arena_cap(pct)
+  check_number("arena_cap", "pct", pct, 0, 100)
+  local frac = pct / 100
+  return rule {
+    name = "arena_cap(" .. pct .. "%)", stage = 4, scope = "ctx",
+    test = function(t, ctx)
+      local cap = tonumber(ctx.arena_cap)
+      return cap == 0 or tonumber(ctx.arena_in_use) + tonumber(t.bytes) <= frac * cap
+    end,
+  }
+end
+
+-- ---------------------------------------------------------------------------
+-- selectors: count within a step, never cached
+
+-- Offload a fraction f of the eligible tensors, deterministically.
+--   order "first" (default): the first ceil(f * n) eligible tensors of each
+--     step, n being the previous step's eligible count (Megatron's
+--     activation_offload_fraction keeps the earliest groups: released
+--     soonest, reloaded last). The first step, with n unknown, uses "spread".
+--   order "spread": the k-th eligible tensor is offloaded when ceil(f * k)
+--     grows, so any prefix of k tensors has exactly ceil(f * k) offloaded
+--     (Bresenham: evenly spread, no total needed).
+function R.fraction(f, order)
+  check_number("fraction", "f", f, 0, 1)
+  order = order or "first"
+  if order ~= "first" and order ~= "spread" then
+    fail("fraction", "order must be \"first\" or \"spread\", got " .. tostring(order))
+  end
+  local eps = 1e-9 -- f * k is not exact in binary floating point
+  local seen, previous = 0, nil
+  return rule {
+    name = "fraction(" .. f .. ", " .. order .. ")", stage = 5, scope = "step",
+    on_step = function()
+      if seen > 0 then previous = seen end
+      seen = 0
+    end,
+    test = function()
+      local k = seen + 1
+      seen = k
+      if order == "first" and previous then
+        return k <= ceil(f * previous - eps)
+      end
+      return ceil(f * k - eps) > ceil(f * (k - 1) - eps)
+    end,
+  }
+end
+
+-- Aim for a device-memory budget: at the end of the forward pass (the peak)
+-- at most `budget` bytes of eligible tensors stay on device. Knowing the
+-- previous step's eligible bytes T, the rule offloads in pack order until
+-- T - budget bytes are offloaded and keeps the rest: the tensors packed
+-- last, which backward needs first, stay; the ones packed first, reloaded
+-- last with the most time to prefetch them, go. If a step grows past the
+-- projection, anything that would push the kept bytes past the budget is
+-- offloaded too. The first step, with T unknown, offloads everything.
+--   opts.bytes    = absolute budget in bytes, or
+--   opts.fraction = budget as a fraction of T, or
+--   opts.layers   = budget as k layers' worth (T / layers seen in the step).
+function R.budget(opts)
+  if type(opts) ~= "table" then
+    fail("budget", "expected a table { bytes = n } or { fraction = f } or { layers = k }")
+  end
+  local given = (opts.bytes and 1 or 0) + (opts.fraction and 1 or 0) + (opts.layers and 1 or 0)
+  if given ~= 1 then fail("budget", "give exactly one of bytes, fraction, layers") end
+  local bytes, fraction, layers = opts.bytes, opts.fraction, opts.layers
+  if bytes then check_number("budget", "bytes", bytes, 0, 2 ^ 53) end
+  if fraction then check_number("budget", "fraction", fraction, 0, 1) end
+  if layers then check_number("budget", "layers", layers, 0, 1e6) end
+  local total, offloaded, seen_layers, layer_count = 0, 0, {}, 0
+  local prev_total, prev_layers = nil, 0
+  local budget, need = 0, 0
+  local desc = bytes and ("bytes=" .. bytes) or fraction and ("fraction=" .. fraction)
+    or ("layers=" .. layers)
+  return rule {
+    name = "budget(" .. desc .. ")", stage = 5, scope = "step",
+    on_step = function()
+      if total > 0 then prev_total, prev_layers = total, layer_count end
+      total, offloaded, layer_count = 0, 0, 0
+      seen_layers = {}
+      if prev_total then
+        budget = bytes or (fraction and fraction * prev_total)
+          or layers * prev_total / (prev_layers > 0 and prev_layers or 1)
+        need = prev_total - budget
+      end
+    end,
+    test = function(t)
+      local b = tonumber(t.bytes)
+      total = total + b
+      local layer = t.layer
+      if layer >= 0 and not seen_layers[layer] then
+        seen_layers[layer] = true
+        layer_count = layer_count + 1
+      end
+      if not prev_total or offloaded < need or total - offloaded > budget then
+        offloaded = offloaded + b
+        return true
+      end
+      return false
+    end,
+  }
+end
+
+-- Engine knob: device buffers kept alive in the forward stash (torchtune's
+-- max_fwd_stash_size).
+function R.max_stash(n)
+  check_number("max_stash", "n", n, 0, 1048576, true)
+  return rule { name = "max_stash(" .. n .. ")", stage = 0, knobs = { max_fwd_stash = n } }
+end
+
+-- ---------------------------------------------------------------------------
+-- reload specs (the policy's `reload` field)
+
+-- Reload when unpacked.
+function R.on_use()
+  return setmetatable({ name = "on_use()", mode = ON_USE }, RELOAD)
+end
+
+-- When a tensor is unpacked, also start reloading the next `distance`
+-- offloaded tensors backward will need (the ones packed before it).
+-- nil = the engine's prefetch_distance knob.
+function R.prefetch(distance)
+  if distance ~= nil then check_number("prefetch", "distance", distance, 0, 4096, true) end
+  return setmetatable({ name = "prefetch(" .. tostring(distance or "default") .. ")",
+    mode = PREFETCH, distance = distance }, RELOAD)
+end
+
+-- Prefetch k layers ahead: the distance is k times the largest number of
+-- tensors offloaded in one layer, learned during the first step that
+-- offloads anything and then fixed (so decisions can be cached again).
+-- Until then the engine's default distance is used.
+function R.prefetch_layers(k)
+  check_number("prefetch_layers", "k", k or 1, 0, 1000)
+  return setmetatable({ name = "prefetch_layers(" .. (k or 1) .. ")", mode = PREFETCH,
+    layers = k or 1, learn = true }, RELOAD)
+end
+
+-- ---------------------------------------------------------------------------
+-- composing a policy
+
+local KNOB_LIMITS = {
+  max_fwd_stash = { 0, 1048576 },
+  prefetch_distance = { 0, 4096 },
+  min_offload_bytes = { 0, 2 ^ 53 },
+}
+
+local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
+
+--[[ R.policy(spec) -> a policy table for the policy host:
+  spec.name    string (default "policy")
+  spec.reload  R.on_use() (default), R.prefetch(d) or R.prefetch_layers(k)
+  spec.knobs   engine knobs { max_fwd_stash, prefetch_distance,
+               min_offload_bytes }; rules may set some (min_bytes sets
+               min_offload_bytes); giving one twice with different values
+               is an error
+  spec.cache   false to never let the engine cache a decision
+  spec[1..n]   the rules
+The result has api = 1, name, knobs, decide, and also rules (their names,
+in evaluation order) and explain(t, ctx) -> action, rule name, for tools.]]
+function R.policy(spec)
+  if type(spec) ~= "table" then fail("policy", "expected a table of rules") end
+  local name = spec.name or "policy"
+  if type(name) ~= "string" then fail("policy", "name must be a string") end
+  for k in pairs(spec) do
+    if type(k) ~= "number" and k ~= "name" and k ~= "reload" and k ~= "knobs" and k ~= "cache" then
+      fail("policy", "unknown field '" .. tostring(k) .. "' (known: name, reload, knobs, cache)")
+    end
+  end
+  local reload = spec.reload or R.on_use()
+  if getmetatable(reload) ~= RELOAD then
+    fail("policy", "reload must be R.on_use(), R.prefetch(d) or R.prefetch_layers(k)")
+  end
+  local cache_allowed = spec.cache ~= false
+
+  -- knobs: from rules, then spec.knobs; validated here so a typo fails at load
+  local knobs, knob_source = {}, {}
+  local function set_knob(k, v, source)
+    local lim = KNOB_LIMITS[k]
+    if not lim then
+      fail("policy", "unknown knob '" .. tostring(k) ..
+        "' (known: max_fwd_stash, prefetch_distance, min_offload_bytes)", 3)
+    end
+    if type(v) ~= "number" or v ~= floor(v) or v < lim[1] or v > lim[2] then
+      fail("policy", format("knob %s must be an integer within [%d, %.0f], got %s",
+        k, lim[1], lim[2], tostring(v)), 3)
+    end
+    if knobs[k] ~= nil and knobs[k] ~= v then
+      fail("policy", format("knob %s set twice: %s by %s, %s by %s", k,
+        tostring(knobs[k]), knob_source[k], tostring(v), source), 3)
+    end
+    knobs[k], knob_source[k] = v, source
+  end
+
+  -- sort rules into stages, keeping the written order within a stage
+  local stages = { [1] = {}, [2] = {}, [3] = {}, [4] = {}, [5] = {} }
+  local modules = {}
+  local n = #spec
+  for i = 1, n do
+    local r = spec[i]
+    if getmetatable(r) ~= RULE then
+      fail("policy", "entry " .. i .. " is not a rule (got " .. type(r) ..
+        "); build rules with R.min_bytes(...), R.exclude_modules(...), ...")
+    end
+    if r.knobs then
+      for k, v in pairs(r.knobs) do set_knob(k, v, r.name) end
+    end
+    if r.module then
+      modules[#modules + 1] = r
+    elseif r.stage > 0 then
+      local list = stages[r.stage]
+      list[#list + 1] = r
+    end
+  end
+  if spec.knobs ~= nil then
+    if type(spec.knobs) ~= "table" then fail("policy", "knobs must be a table") end
+    for k, v in pairs(spec.knobs) do set_knob(k, v, "knobs") end
+  end
+
+  -- All module rules become one site filter with a memo per path string, so
+  -- the matchers (string.find) run once per module, not once per tensor.
+  if #modules > 0 then
+    local nmod = #modules
+    local by_path, by_class, memo_size = {}, {}, 0
+    local names = {}
+    for i = 1, nmod do names[i] = modules[i].name end
+    local function verdict(path, class)
+      for i = 1, nmod do
+        local m = modules[i]
+        if m.matches(path, class) == m.exclude then return i end
+      end
+      return 0
+    end
+    local merged = rule {
+      name = concat(names, ", "), stage = 1, scope = "site",
+      test = function(t)
+        local path = t:path()
+        local v
+        if path ~= "" then
+          v = by_path[path]
+          if v == nil then
+            v = verdict(path, t:class())
+            if memo_size >= MEMO_LIMIT then by_path, by_class, memo_size = {}, {}, 0 end
+            by_path[path] = v
+            memo_size = memo_size + 1
+          end
+        else
+          local class = t:class()
+          v = by_class[class]
+          if v == nil then
+            v = verdict("", class)
+            by_class[class] = v
+          end
+        end
+        return v == 0
+      end,
+    }
+    merged.which = function(t)
+      local i = verdict(t:path(), t:class())
+      return i > 0 and modules[i].name or nil
+    end
+    -- module filters after the cheap field filters of stage 1
+    stages[1][#stages[1] + 1] = merged
+  end
+
+  -- flatten into arrays the decide loop indexes by number
+  local tests, scopes, names = {}, {}, {}
+  local nfilter, nguard, nselect = 0, 0, 0
+  local on_steps = {}
+  for s = 1, 5 do
+    for _, r in ipairs(stages[s]) do
+      local i = #tests + 1
+      tests[i], scopes[i], names[i] = r.test, r.scope, r
+      if s <= 3 then nfilter = nfilter + 1
+      elseif s == 4 then nguard = nguard + 1
+      else nselect = nselect + 1 end
+      if r.on_step then on_steps[#on_steps + 1] = r.on_step end
+    end
+  end
+  local ntest = #tests
+  local nstep = #on_steps
+
+  -- reload: fixed, or learned (tensors per layer) and then fixed
+  local rmode, rdist = reload.mode, reload.distance
+  local learning = reload.learn == true
+  local per_layer, learned_max = {}, 0
+  local function finish_learning()
+    if learned_max > 0 then
+      rdist = ceil(reload.layers * learned_max)
+      if rdist > 4096 then rdist = 4096 end
+      learning = false
+      per_layer = nil
+    end
+  end
+  if learning then
+    on_steps[#on_steps + 1] = function()
+      if learning then finish_learning() end
+      if learning then per_layer = {}; learned_max = 0 end
+    end
+    nstep = #on_steps
+  end
+
+  local offload_cacheable = cache_allowed and nguard == 0 and nselect == 0
+  local any_layer_scope, any_tensor_scope = false, false
+  for i = 1, nfilter do
+    if scopes[i] == "layer" then any_layer_scope = true end
+    if scopes[i] == "tensor" then any_tensor_scope = true end
+  end
+  if any_tensor_scope then offload_cacheable = false end
+
+  local current_step = nil
+
+  -- decide(t, ctx) -> action, reload, distance, cacheable, index of the rule
+  -- that kept the tensor (0 when offloaded). Allocates nothing per call.
+  local function decide(t, ctx)
+    if nstep > 0 then
+      local step = tonumber(ctx.step)
+      if step ~= current_step then
+        current_step = step
+        for i = 1, nstep do on_steps[i](step) end
+      end
+    end
+    local stable = not learning
+    for i = 1, ntest do
+      if not tests[i](t, ctx) then
+        local cacheable = false
+        if i <= nfilter and cache_allowed and stable then
+          local scope = scopes[i]
+          if scope == "site" then
+            cacheable = true
+          elseif scope == "layer" then
+            cacheable = t:path() ~= ""
+          end
+        end
+        return KEEP, rmode, rdist, cacheable, i
+      end
+    end
+    if learning then
+      local layer = t.layer
+      if layer >= 0 then
+        local c = (per_layer[layer] or 0) + 1
+        per_layer[layer] = c
+        if c > learned_max then learned_max = c end
+      end
+    end
+    local cacheable = offload_cacheable and stable
+    if cacheable and any_layer_scope then cacheable = t:path() ~= "" end
+    return OFFLOAD, rmode, rdist, cacheable, 0
+  end
+
+  local order = {}
+  for i = 1, ntest do order[i] = names[i].name end
+
+  -- explain(t, ctx) -> action, name of the rule that kept it (or nil).
+  -- It runs decide, so selectors count the tensor like a real decision.
+  local function explain(t, ctx)
+    local action, _, _, _, i = decide(t, ctx)
+    if i == 0 then return action, nil end
+    local r = names[i]
+    if r.which then return action, r.which(t) end
+    return action, r.name
+  end
+
+  return {
+    api = 1,
+    name = name,
+    knobs = next(knobs) ~= nil and knobs or nil,
+    decide = decide,
+    explain = explain,
+    rules = order,
+    reload = reload.name,
+  }
+end
+
+return R

@@ -1,0 +1,57 @@
+/* test_buffers.c — refcounted test buffers used as owner tokens, and the
+ * engine callbacks over them. Counters are atomic: pack and unpack run on
+ * different threads in the threaded tests. */
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "test_device.h"
+
+test_buffer *test_buffer_new(size_t bytes) {
+  test_buffer *b = calloc(1, sizeof *b);
+  if (!b) return NULL;
+  b->ptr = test_dev_malloc(bytes);
+  b->bytes = bytes;
+  atomic_init(&b->refs, 1);
+  return b;
+}
+
+/* Drop one reference; the buffer is freed with the last. Returns 1 then. */
+int test_buffer_unref(test_buffer *b) {
+  if (atomic_fetch_sub(&b->refs, 1) == 1) {
+    test_dev_free(b->ptr);
+    free(b);
+    return 1;
+  }
+  return 0;
+}
+
+int test_device_alloc_cb(void *ud, uint64_t bytes, void *stream, void **device_ptr,
+                         void **owner) {
+  test_device_stats *st = ud;
+  if (st && atomic_load(&st->alloc_failures_to_inject) > 0) {
+    atomic_fetch_sub(&st->alloc_failures_to_inject, 1);
+    return -1;
+  }
+  test_buffer *b = test_buffer_new((size_t)bytes);
+  if (!b) return -1;
+  if (st) {
+    atomic_fetch_add(&st->allocs, 1);
+    atomic_fetch_add(&st->live_buffers, 1);
+  }
+  *device_ptr = b->ptr;
+  *owner = b;
+  return 0;
+}
+
+void test_device_release_cb(void *ud, void *owner) {
+  test_device_stats *st = ud;
+  if (st) atomic_fetch_add(&st->releases, 1);
+  if (test_buffer_unref(owner) && st) atomic_fetch_sub(&st->live_buffers, 1);
+}
+
+void test_device_retain_cb(void *ud, void *owner) {
+  test_device_stats *st = ud;
+  test_buffer *b = owner;
+  if (st) atomic_fetch_add(&st->retains, 1);
+  atomic_fetch_add(&b->refs, 1);
+}

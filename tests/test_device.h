@@ -1,0 +1,38 @@
+/* test_device.h — "device" memory for the engine tests, whichever backend
+ * they run over: plain host memory for the host backend; for the cuda backend
+ * (built against the CUDA test double) memory from its cudaMalloc. The
+ * allocator/release callbacks the tests give the engine use these. */
+#ifndef FERRY_TEST_DEVICE_H
+#define FERRY_TEST_DEVICE_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+void *test_dev_malloc(size_t bytes);
+void test_dev_free(void *p);
+/* Copy between device memory and ordinary host memory, synchronously. */
+void test_dev_write(void *dev, const void *src, size_t bytes);
+void test_dev_read(void *dst, const void *dev, size_t bytes);
+
+/* An owner token as the tests hand it to the engine: a refcounted buffer. */
+typedef struct test_buffer {
+  void *ptr;
+  size_t bytes;
+  atomic_int refs;
+} test_buffer;
+
+/* A buffer with one reference; freed (device memory too) with the last. */
+test_buffer *test_buffer_new(size_t bytes);
+int test_buffer_unref(test_buffer *b); /* 1 when that freed it */
+/* Engine callbacks over test_buffer owners; ud is a test_device_stats*. */
+typedef struct test_device_stats {
+  atomic_long allocs, releases, retains;
+  atomic_long live_buffers; /* allocated by the callback, not yet freed */
+  atomic_long alloc_failures_to_inject;
+} test_device_stats;
+int test_device_alloc_cb(void *ud, uint64_t bytes, void *stream, void **device_ptr, void **owner);
+void test_device_release_cb(void *ud, void *owner);
+void test_device_retain_cb(void *ud, void *owner);
+
+#endif
