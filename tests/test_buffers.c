@@ -6,12 +6,17 @@
 
 #include "test_device.h"
 
+static atomic_long live_buffers;
+
+long test_buffers_live(void) { return atomic_load(&live_buffers); }
+
 test_buffer *test_buffer_new(size_t bytes) {
   test_buffer *b = calloc(1, sizeof *b);
   if (!b) return NULL;
   b->ptr = test_dev_malloc(bytes);
   b->bytes = bytes;
   atomic_init(&b->refs, 1);
+  atomic_fetch_add(&live_buffers, 1);
   return b;
 }
 
@@ -20,6 +25,7 @@ int test_buffer_unref(test_buffer *b) {
   if (atomic_fetch_sub(&b->refs, 1) == 1) {
     test_dev_free(b->ptr);
     free(b);
+    atomic_fetch_sub(&live_buffers, 1);
     return 1;
   }
   return 0;
@@ -34,10 +40,7 @@ int test_device_alloc_cb(void *ud, uint64_t bytes, void *stream, void **device_p
   }
   test_buffer *b = test_buffer_new((size_t)bytes);
   if (!b) return -1;
-  if (st) {
-    atomic_fetch_add(&st->allocs, 1);
-    atomic_fetch_add(&st->live_buffers, 1);
-  }
+  if (st) atomic_fetch_add(&st->allocs, 1);
   *device_ptr = b->ptr;
   *owner = b;
   return 0;
@@ -46,7 +49,7 @@ int test_device_alloc_cb(void *ud, uint64_t bytes, void *stream, void **device_p
 void test_device_release_cb(void *ud, void *owner) {
   test_device_stats *st = ud;
   if (st) atomic_fetch_add(&st->releases, 1);
-  if (test_buffer_unref(owner) && st) atomic_fetch_sub(&st->live_buffers, 1);
+  test_buffer_unref(owner);
 }
 
 void test_device_retain_cb(void *ud, void *owner) {

@@ -25,10 +25,11 @@ typedef struct test_buffer {
 /* A buffer with one reference; freed (device memory too) with the last. */
 test_buffer *test_buffer_new(size_t bytes);
 int test_buffer_unref(test_buffer *b); /* 1 when that freed it */
+/* test_buffers not yet freed, in this process: 0 when nothing leaked. */
+long test_buffers_live(void);
 /* Engine callbacks over test_buffer owners; ud is a test_device_stats*. */
 typedef struct test_device_stats {
   atomic_long allocs, releases, retains;
-  atomic_long live_buffers; /* allocated by the callback, not yet freed */
   atomic_long alloc_failures_to_inject;
 } test_device_stats;
 int test_device_alloc_cb(void *ud, uint64_t bytes, void *stream, void **device_ptr, void **owner);

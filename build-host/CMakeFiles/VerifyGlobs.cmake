@@ -5,6 +5,7 @@ cmake_policy(SET CMP0009 NEW)
 # FERRY_BENCH_SOURCES at bench/CMakeLists.txt:1 (file)
 file(GLOB NEW_GLOB LIST_DIRECTORIES true "/work/main/bench/bench_*.c")
 set(OLD_GLOB
+  "/work/main/bench/bench_arena.c"
   "/work/main/bench/bench_host_copy.c"
   )
 if(NOT "${NEW_GLOB}" STREQUAL "${OLD_GLOB}")
@@ -29,6 +30,7 @@ set(OLD_GLOB
   "/work/main/tests/test_backend_host.c"
   "/work/main/tests/test_buffers.c"
   "/work/main/tests/test_device.c"
+  "/work/main/tests/test_stash.c"
   )
 if(NOT "${NEW_GLOB}" STREQUAL "${OLD_GLOB}")
   message("-- GLOB mismatch!")

@@ -29,6 +29,7 @@
  */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,11 +87,15 @@ typedef struct je_arena {
   unsigned index;
   int flags; /* MALLOCX_ARENA(index) | MALLOCX_TCACHE_NONE */
   int created;
+  /* 1 while this arena refuses jemalloc's rounded-up retained grows (see
+   * je_hook_alloc); cleared if this jemalloc turns out not to retry. */
+  atomic_int exact_extents;
 } je_arena;
 
-/* Set by the alloc hook when the cap refused, read by je_alloc on the same
+/* What the alloc hook did during one mallocx, read by je_alloc on the same
  * thread (hooks run on the allocating thread). */
 static _Thread_local ferry_arena *je_cap_refused_by;
+static _Thread_local int je_grow_refused, je_exact_requested;
 
 static void *je_hook_alloc(extent_hooks_t *hooks, void *new_addr, size_t size,
                            size_t alignment, bool *zero, bool *commit,
@@ -99,6 +104,17 @@ static void *je_hook_alloc(extent_hooks_t *hooks, void *new_addr, size_t size,
   /* Extending an extent in place needs memory at a given address, which the
    * backend cannot promise. */
   if (new_addr != NULL) return NULL;
+  /* jemalloc 5.3 first tries to grow its retained region, asking for the
+   * needed extent rounded up to the next page size class (*commit false on
+   * entry); when that fails it asks for the exact extent (*commit true).
+   * A large extent is its size class plus a page, so the rounding adds up
+   * to 25% of pinned memory that later requests only partly reuse. Taking
+   * only exact requests keeps reserved near the bytes in use. */
+  if (!*commit && atomic_load_explicit(&ja->exact_extents, memory_order_relaxed)) {
+    je_grow_refused = 1;
+    return NULL;
+  }
+  je_exact_requested = 1;
   if (alignment < ARENA_CHUNK_ALIGN) alignment = ARENA_CHUNK_ALIGN;
   int cap_refused = 0;
   void *p = arena_backend_reserve(ja->owner, size, alignment, &cap_refused);
@@ -150,8 +166,16 @@ static int je_ctl_arena_write(const je_arena *ja, const char *leaf, void *value,
 static void *je_alloc(ferry_arena *a, size_t bytes, int *cap_refused) {
   je_arena *ja = a->kind_state;
   je_cap_refused_by = NULL;
+  je_grow_refused = je_exact_requested = 0;
   /* mallocx(0) is undefined; a zero-byte allocation still gets an address. */
-  void *p = je_api.mallocx(bytes ? bytes : 1, ja->flags);
+  size_t n = bytes ? bytes : 1;
+  void *p = je_api.mallocx(n, ja->flags);
+  if (!p && je_grow_refused && !je_exact_requested) {
+    /* This jemalloc does not follow a refused grow with an exact request:
+     * let it grow its retained region (bounded by retain_grow_limit). */
+    atomic_store(&ja->exact_extents, 0);
+    p = je_api.mallocx(n, ja->flags);
+  }
   if (!p && je_cap_refused_by == a) *cap_refused = 1;
   return p;
 }
@@ -212,6 +236,7 @@ int arena_jemalloc_init(ferry_arena *a, char *errbuf, size_t errlen) {
       .merge = je_hook_merge,
   };
   ja->owner = a;
+  atomic_init(&ja->exact_extents, getenv("FERRY_JE_NO_EXACT") ? 0 : 1);
   a->kind = &je_kind_ops;
   a->kind_state = ja;
 

@@ -37,8 +37,10 @@
  * the set of copies in progress, so the time a copy takes is never less than
  * the model says.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* pthread_setname_np */
+#endif
 #include <errno.h>
-#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -329,13 +331,14 @@ static void run_op(host_stream *s, const stream_op *op) {
     case OP_COPY_D2H:
     case OP_COPY_H2D: {
       copy_dir d = op->kind == OP_COPY_D2H ? DIR_D2H : DIR_H2D;
+      /* (A 0-byte copy may carry NULL pointers, which memcpy must not get.) */
       if (!l->throttled) {
-        memcpy(op->dst, op->src, op->bytes);
+        if (op->bytes) memcpy(op->dst, op->src, op->bytes);
         break;
       }
       link_copy c;
       link_join(l, &c, op->bytes, d);
-      memcpy(op->dst, op->src, op->bytes);
+      if (op->bytes) memcpy(op->dst, op->src, op->bytes);
       link_finish(l, &c);
       break;
     }

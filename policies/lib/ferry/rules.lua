@@ -47,8 +47,8 @@ local FORWARD = F.FORWARD or 0
 
 local type, tostring, tonumber, error, select, ipairs, pairs =
   type, tostring, tonumber, error, select, ipairs, pairs
-local setmetatable, getmetatable = setmetatable, getmetatable
-local floor, ceil, huge = math.floor, math.ceil, math.huge
+local setmetatable, getmetatable, next, pcall = setmetatable, getmetatable, next, pcall
+local floor, ceil = math.floor, math.ceil
 local lower, find, sub, format = string.lower, string.find, string.sub, string.format
 local concat = table.concat
 
@@ -244,7 +244,7 @@ R.CORE_ATTN = { name = { "core_attention", "core_attn", "self_attn", "attn", "at
 R.ATTN_PROJ = { name = { "o_proj", "out_proj", "output_proj", "linear_proj", "attn.c_proj",
   "attention.dense", "attention.output.dense", "wo" } }
 R.MLP_NORM = { name = { "post_attention_layernorm", "pre_mlp_layernorm", "mlp_norm", "ln_2",
-  "ffn_norm", "mlp_norm", "pre_feedforward_layernorm" } }
+  "ffn_norm", "pre_feedforward_layernorm" } }
 R.FC1 = { name = { "fc1", "linear_fc1", "up_proj", "gate_proj", "gate_up_proj", "c_fc", "w1",
   "w3", "dense_h_to_4h", "intermediate.dense", "wi" } }
 R.FC2 = { name = { "fc2", "linear_fc2", "down_proj", "mlp.c_proj", "w2", "dense_4h_to_h" } }
@@ -515,7 +515,9 @@ function R.budget(opts)
   if bytes then check_number("budget", "bytes", bytes, 0, 2 ^ 53) end
   if fraction then check_number("budget", "fraction", fraction, 0, 1) end
   if layers then check_number("budget", "layers", layers, 0, 1e6) end
-  local total, offloaded, seen_layers, layer_count = 0, 0, {}, 0
+  -- seen_layers[layer] holds the number of the step it was last seen in:
+  -- no table is allocated per step
+  local total, offloaded, seen_layers, layer_count, stamp = 0, 0, {}, 0, 0
   local prev_total, prev_layers = nil, 0
   local budget, need = 0, 0
   local desc = bytes and ("bytes=" .. bytes) or fraction and ("fraction=" .. fraction)
@@ -524,8 +526,7 @@ function R.budget(opts)
     name = "budget(" .. desc .. ")", stage = 5, scope = "step",
     on_step = function()
       if total > 0 then prev_total, prev_layers = total, layer_count end
-      total, offloaded, layer_count = 0, 0, 0
-      seen_layers = {}
+      total, offloaded, layer_count, stamp = 0, 0, 0, stamp + 1
       if prev_total then
         budget = bytes or (fraction and fraction * prev_total)
           or layers * prev_total / (prev_layers > 0 and prev_layers or 1)
@@ -536,8 +537,8 @@ function R.budget(opts)
       local b = tonumber(t.bytes)
       total = total + b
       local layer = t.layer
-      if layer >= 0 and not seen_layers[layer] then
-        seen_layers[layer] = true
+      if layer >= 0 and seen_layers[layer] ~= stamp then
+        seen_layers[layer] = stamp
         layer_count = layer_count + 1
       end
       if not prev_total or offloaded < need or total - offloaded > budget then
@@ -756,9 +757,10 @@ function R.policy(spec)
   if any_tensor_scope then offload_cacheable = false end
 
   local current_step = nil
+  local last_rule = 0 -- index of the rule that kept the last tensor, 0 = offloaded
 
-  -- decide(t, ctx) -> action, reload, distance, cacheable, index of the rule
-  -- that kept the tensor (0 when offloaded). Allocates nothing per call.
+  -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
+  -- per call.
   local function decide(t, ctx)
     if nstep > 0 then
       local step = tonumber(ctx.step)
@@ -779,7 +781,8 @@ function R.policy(spec)
             cacheable = t:path() ~= ""
           end
         end
-        return KEEP, rmode, rdist, cacheable, i
+        last_rule = i
+        return KEEP, rmode, rdist, cacheable
       end
     end
     if learning then
@@ -792,7 +795,8 @@ function R.policy(spec)
     end
     local cacheable = offload_cacheable and stable
     if cacheable and any_layer_scope then cacheable = t:path() ~= "" end
-    return OFFLOAD, rmode, rdist, cacheable, 0
+    last_rule = 0
+    return OFFLOAD, rmode, rdist, cacheable
   end
 
   local order = {}
@@ -801,7 +805,8 @@ function R.policy(spec)
   -- explain(t, ctx) -> action, name of the rule that kept it (or nil).
   -- It runs decide, so selectors count the tensor like a real decision.
   local function explain(t, ctx)
-    local action, _, _, _, i = decide(t, ctx)
+    local action = decide(t, ctx)
+    local i = last_rule
     if i == 0 then return action, nil end
     local r = names[i]
     if r.which then return action, r.which(t) end

@@ -1,0 +1,1090 @@
+/*
+ * cuda_double.c — a TEST DOUBLE of the CUDA runtime on host threads.
+ * What it models and which rules it enforces: cuda_double.h.
+ *
+ * One lock (g_lock) guards all state and one condition variable (g_cv) is
+ * broadcast on every change; the double favours being obviously right over
+ * being fast. Streams and events are never freed before exit, so a handle
+ * used after its destroy is recognized instead of being reused memory.
+ */
+#include "cuda_double.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_DEVICES 8
+#define MAX_INJECTIONS 16
+#define MAX_COUNTED_CALLS 48
+#define HANDLE_BUCKETS 4096u
+#define HOST_PAGE 4096u
+#define DEVICE_ALIGN 256u
+#define DEFAULT_COPY_DELAY_US 100u
+#define UNINITIALIZED_DEVICE_BYTE 0xA5 /* fresh cudaMalloc memory */
+
+/* ---- objects --------------------------------------------------------------- */
+typedef struct marker { /* completion of one cudaEventRecord */
+  int refs;
+  int done;
+  long *clock; /* the recording stream's vector clock at the record */
+  int clock_len;
+} marker;
+
+typedef enum { OP_COPY, OP_RECORD, OP_WAIT } op_kind;
+
+typedef struct op {
+  op_kind kind;
+  long seq; /* position on its stream, from 1 */
+  char *dst;
+  const char *src;
+  size_t bytes;
+  unsigned delay_us;
+  marker *m; /* RECORD: completes it; WAIT: waits for it */
+  struct op *next;
+} op;
+
+struct CUstream_st {
+  int destroyed;
+  int internal; /* a default stream (legacy or per-thread): never destroyed */
+  int device;
+  int id;
+  op *head, *tail;
+  /* Vector clock: clock[id] counts this stream's ops; clock[other] is the
+   * last op of `other` that every later op here is ordered after. */
+  long *clock;
+  int clock_len;
+  pthread_t thread;
+  int exited, joined;
+  struct CUstream_st *next_all;
+};
+
+struct CUevent_st {
+  int destroyed;
+  int device;
+  marker *latest; /* NULL until first recorded */
+  struct CUevent_st *next_all;
+};
+
+typedef enum { REG_DEVICE, REG_HOSTALLOC, REG_REGISTERED } region_kind;
+typedef struct region {
+  char *base;
+  size_t size;
+  region_kind kind;
+  int device;
+  struct region *next;
+} region;
+
+typedef enum { H_STREAM = 1, H_EVENT = 2 } handle_kind;
+typedef struct handle_entry {
+  const void *ptr;
+  handle_kind kind;
+  struct handle_entry *next;
+} handle_entry;
+
+/* ---- state ----------------------------------------------------------------- */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static int g_no_driver;
+static int g_device_count = 1;
+static int g_register_supported = 1;
+static unsigned g_default_delay_us = DEFAULT_COPY_DELAY_US;
+static unsigned g_delay_us = DEFAULT_COPY_DELAY_US;
+static int g_paused;
+static int g_shutdown;
+
+static long g_violations;
+static char g_last_violation[512];
+
+static region *g_regions;
+static struct CUstream_st *g_streams;
+static struct CUevent_st *g_events;
+static int g_next_stream_id;
+static struct CUstream_st *g_legacy[MAX_DEVICES];
+static handle_entry *g_handles[HANDLE_BUCKETS];
+
+static struct {
+  char name[48];
+  int countdown;
+  cudaError_t err;
+} g_inject[MAX_INJECTIONS];
+static struct {
+  const char *name;
+  long count;
+} g_calls[MAX_COUNTED_CALLS];
+
+static _Thread_local int t_device;
+static _Thread_local cudaError_t t_last_error;
+static _Thread_local struct CUstream_st *t_per_thread[MAX_DEVICES];
+
+static void lock(void) { pthread_mutex_lock(&g_lock); }
+static void unlock(void) { pthread_mutex_unlock(&g_lock); }
+
+/* ---- errors and violations ------------------------------------------------ */
+static cudaError_t fail(cudaError_t e) {
+  t_last_error = e;
+  return e;
+}
+
+/* Record a rule violation (g_lock held) and fail the call with e. */
+static cudaError_t violation(cudaError_t e, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_last_violation, sizeof g_last_violation, fmt, ap);
+  va_end(ap);
+  g_violations++;
+  fprintf(stderr, "cuda double: VIOLATION: %s\n", g_last_violation);
+  return fail(e);
+}
+
+static void at_exit(void);
+
+static void init_once(void) {
+  const char *d = getenv("CUDA_DOUBLE_COPY_DELAY_US");
+  if (d && *d) g_default_delay_us = (unsigned)strtoul(d, NULL, 10);
+  g_delay_us = g_default_delay_us;
+  atexit(at_exit);
+}
+
+static void count_call(const char *name) {
+  for (int i = 0; i < MAX_COUNTED_CALLS; i++) {
+    if (!g_calls[i].name) g_calls[i].name = name;
+    if (g_calls[i].name == name || strcmp(g_calls[i].name, name) == 0) {
+      g_calls[i].count++;
+      return;
+    }
+  }
+}
+
+static cudaError_t injected(const char *name) {
+  for (int i = 0; i < MAX_INJECTIONS; i++) {
+    if (g_inject[i].countdown > 0 && strcmp(g_inject[i].name, name) == 0 &&
+        --g_inject[i].countdown == 0)
+      return g_inject[i].err;
+  }
+  return cudaSuccess;
+}
+
+/* Start of every entry point: count it, then the no-driver switch and
+ * injected failures. Returns with g_lock held on success. */
+static cudaError_t enter(const char *name) {
+  pthread_once(&g_once, init_once);
+  lock();
+  count_call(name);
+  cudaError_t e = g_no_driver ? cudaErrorInsufficientDriver : injected(name);
+  if (e != cudaSuccess) {
+    unlock();
+    return fail(e);
+  }
+  return cudaSuccess;
+}
+
+#define ENTER(name)                                                          \
+  do {                                                                       \
+    cudaError_t enter_rc_ = enter(name);                                     \
+    if (enter_rc_ != cudaSuccess) return enter_rc_;                          \
+  } while (0)
+
+/* Unlock and return: the common tail of entry points. */
+static cudaError_t leave(cudaError_t e) {
+  unlock();
+  return e == cudaSuccess ? e : e; /* fail()/violation() already set it */
+}
+
+/* ---- handles --------------------------------------------------------------- */
+static unsigned handle_bucket(const void *p) {
+  uintptr_t v = (uintptr_t)p;
+  return (unsigned)((v >> 4) ^ (v >> 16)) & (HANDLE_BUCKETS - 1);
+}
+
+static int handle_add(const void *p, handle_kind kind) {
+  handle_entry *h = malloc(sizeof *h);
+  if (!h) return 0;
+  h->ptr = p;
+  h->kind = kind;
+  unsigned b = handle_bucket(p);
+  h->next = g_handles[b];
+  g_handles[b] = h;
+  return 1;
+}
+
+static int handle_known(const void *p, handle_kind kind) {
+  for (handle_entry *h = g_handles[handle_bucket(p)]; h; h = h->next)
+    if (h->ptr == p && h->kind == kind) return 1;
+  return 0;
+}
+
+/* ---- markers and clocks ---------------------------------------------------- */
+static void marker_release(marker *m) {
+  if (m && --m->refs == 0) {
+    free(m->clock);
+    free(m);
+  }
+}
+
+static long clock_get(const long *clock, int len, int id) {
+  return id < len ? clock[id] : 0;
+}
+
+static int clock_grow(long **clock, int *len, int want) {
+  if (want <= *len) return 1;
+  long *c = realloc(*clock, (size_t)want * sizeof *c);
+  if (!c) return 0;
+  memset(c + *len, 0, (size_t)(want - *len) * sizeof *c);
+  *clock = c;
+  *len = want;
+  return 1;
+}
+
+/* ---- streams --------------------------------------------------------------- */
+static void *stream_worker(void *arg);
+
+static void join_finished_streams(void) {
+  for (struct CUstream_st *s = g_streams; s; s = s->next_all)
+    if (s->exited && !s->joined) {
+      pthread_join(s->thread, NULL); /* already returned: does not block */
+      s->joined = 1;
+    }
+}
+
+static struct CUstream_st *stream_new(int device, int internal) {
+  struct CUstream_st *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->device = device;
+  s->internal = internal;
+  s->id = g_next_stream_id;
+  if (!clock_grow(&s->clock, &s->clock_len, s->id + 1) || !handle_add(s, H_STREAM)) {
+    free(s->clock);
+    free(s);
+    return NULL;
+  }
+  if (pthread_create(&s->thread, NULL, stream_worker, s) != 0) {
+    /* The handle entry stays; the object is kept as destroyed. */
+    s->destroyed = s->exited = s->joined = 1;
+    s->next_all = g_streams;
+    g_streams = s;
+    return NULL;
+  }
+  g_next_stream_id++;
+  s->next_all = g_streams;
+  g_streams = s;
+  return s;
+}
+
+static struct CUstream_st *legacy_stream(int device) {
+  if (!g_legacy[device]) g_legacy[device] = stream_new(device, 1);
+  return g_legacy[device];
+}
+
+static struct CUstream_st *per_thread_stream(int device) {
+  if (!t_per_thread[device]) t_per_thread[device] = stream_new(device, 1);
+  return t_per_thread[device];
+}
+
+/* Resolve a cudaStream_t (g_lock held). */
+static cudaError_t resolve_stream(cudaStream_t h, const char *call,
+                                  struct CUstream_st **out) {
+  *out = NULL;
+  if (h == NULL || h == cudaStreamLegacy || h == cudaStreamPerThread) {
+    *out = h == cudaStreamPerThread ? per_thread_stream(t_device)
+                                    : legacy_stream(t_device);
+    return *out ? cudaSuccess : fail(cudaErrorMemoryAllocation);
+  }
+  if (!handle_known(h, H_STREAM))
+    return violation(cudaErrorInvalidResourceHandle,
+                     "%s: %p is not a stream created by cudaStreamCreateWithFlags",
+                     call, (void *)h);
+  if (h->destroyed)
+    return violation(cudaErrorInvalidResourceHandle,
+                     "%s: stream %p (#%d) used after cudaStreamDestroy", call,
+                     (void *)h, h->id);
+  *out = h;
+  return cudaSuccess;
+}
+
+static cudaError_t resolve_event(cudaEvent_t h, const char *call) {
+  if (!h || !handle_known(h, H_EVENT))
+    return violation(cudaErrorInvalidResourceHandle,
+                     "%s: %p is not an event created by cudaEventCreateWithFlags",
+                     call, (void *)h);
+  if (h->destroyed)
+    return violation(cudaErrorInvalidResourceHandle,
+                     "%s: event %p used after cudaEventDestroy", call, (void *)h);
+  return cudaSuccess;
+}
+
+static op *enqueue(struct CUstream_st *s, op_kind kind) {
+  op *o = calloc(1, sizeof *o);
+  if (!o) return NULL;
+  o->kind = kind;
+  o->seq = ++s->clock[s->id];
+  if (s->tail)
+    s->tail->next = o;
+  else
+    s->head = o;
+  s->tail = o;
+  pthread_cond_broadcast(&g_cv);
+  return o;
+}
+
+static void sleep_us(unsigned us) {
+  struct timespec ts = {(time_t)(us / 1000000u), (long)(us % 1000000u) * 1000L};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+}
+
+static void *stream_worker(void *arg) {
+  struct CUstream_st *s = arg;
+  lock();
+  for (;;) {
+    op *o = s->head;
+    if (!o) {
+      if (s->destroyed || g_shutdown) break;
+      pthread_cond_wait(&g_cv, &g_lock);
+      continue;
+    }
+    if (g_paused && !s->internal) {
+      pthread_cond_wait(&g_cv, &g_lock);
+      continue;
+    }
+    if (o->kind == OP_WAIT && !o->m->done) {
+      pthread_cond_wait(&g_cv, &g_lock);
+      continue;
+    }
+    if (o->kind == OP_RECORD) o->m->done = 1;
+    if (o->kind == OP_COPY) {
+      /* Stays at the head (in flight) while the bytes move. */
+      unlock();
+      if (o->delay_us) sleep_us(o->delay_us);
+      memcpy(o->dst, o->src, o->bytes);
+      lock();
+    }
+    s->head = o->next;
+    if (!s->head) s->tail = NULL;
+    marker_release(o->m);
+    free(o);
+    pthread_cond_broadcast(&g_cv);
+  }
+  s->exited = 1;
+  pthread_cond_broadcast(&g_cv);
+  unlock();
+  return NULL;
+}
+
+/* ---- memory regions -------------------------------------------------------- */
+static region *region_containing(const void *p, size_t n, unsigned kinds) {
+  const char *c = p;
+  for (region *r = g_regions; r; r = r->next)
+    if ((kinds & (1u << r->kind)) && c >= r->base && n <= r->size &&
+        (size_t)(c - r->base) <= r->size - n)
+      return r;
+  return NULL;
+}
+
+static int ranges_overlap(const char *a, size_t an, const char *b, size_t bn) {
+  return an && bn && a < b + bn && b < a + an;
+}
+
+static region *region_overlapping(const void *p, size_t n, unsigned kinds) {
+  for (region *r = g_regions; r; r = r->next)
+    if ((kinds & (1u << r->kind)) && ranges_overlap(p, n, r->base, r->size))
+      return r;
+  return NULL;
+}
+
+static int region_add(void *base, size_t size, region_kind kind) {
+  region *r = malloc(sizeof *r);
+  if (!r) return 0;
+  r->base = base;
+  r->size = size;
+  r->kind = kind;
+  r->device = t_device;
+  r->next = g_regions;
+  g_regions = r;
+  return 1;
+}
+
+static void region_remove(region *target) {
+  for (region **pp = &g_regions; *pp; pp = &(*pp)->next)
+    if (*pp == target) {
+      *pp = target->next;
+      free(target);
+      return;
+    }
+}
+
+#define KIND_BIT(k) (1u << (k))
+#define PINNED_KINDS (KIND_BIT(REG_HOSTALLOC) | KIND_BIT(REG_REGISTERED))
+
+/* A copy, queued or running, that touches [p, p+n); NULL if none. */
+static op *copy_in_flight(const char *p, size_t n, struct CUstream_st **on) {
+  for (struct CUstream_st *s = g_streams; s; s = s->next_all)
+    for (op *o = s->head; o; o = o->next)
+      if (o->kind == OP_COPY && (ranges_overlap(p, n, o->dst, o->bytes) ||
+                                 ranges_overlap(p, n, o->src, o->bytes))) {
+        *on = s;
+        return o;
+      }
+  return NULL;
+}
+
+static cudaError_t check_free_while_copying(const char *call, region *r) {
+  struct CUstream_st *s = NULL;
+  op *o = copy_in_flight(r->base, r->size, &s);
+  if (!o) return cudaSuccess;
+  return violation(cudaErrorIllegalState,
+                   "%s(%p): copy #%ld on stream #%d still %s these bytes; free "
+                   "only after an event recorded after the copy has completed",
+                   call, (void *)r->base, o->seq, s->id,
+                   ranges_overlap(r->base, r->size, o->dst, o->bytes) ? "writes"
+                                                                      : "reads");
+}
+
+/* Rule 9: a new copy on s against copies in flight on other streams. */
+static cudaError_t check_unordered(struct CUstream_st *s, const char *call,
+                                   const char *dst, const char *src, size_t n) {
+  for (struct CUstream_st *t = g_streams; t; t = t->next_all) {
+    if (t == s) continue;
+    long ordered_upto = clock_get(s->clock, s->clock_len, t->id);
+    for (op *o = t->head; o; o = o->next) {
+      if (o->kind != OP_COPY || o->seq <= ordered_upto) continue;
+      int conflict = ranges_overlap(dst, n, o->dst, o->bytes) ||
+                     ranges_overlap(dst, n, o->src, o->bytes) ||
+                     ranges_overlap(src, n, o->dst, o->bytes);
+      if (conflict)
+        return violation(
+            cudaErrorIllegalState,
+            "%s on stream #%d: [%p, +%zu) <- [%p, +%zu) races with copy #%ld on "
+            "stream #%d ([%p, +%zu) <- [%p, +%zu)), still in flight: no event "
+            "recorded after it was waited on (missing cudaStreamWaitEvent?)",
+            call, s->id, (void *)dst, n, (const void *)src, n, o->seq, t->id,
+            (void *)o->dst, o->bytes, (const void *)o->src, o->bytes);
+    }
+  }
+  return cudaSuccess;
+}
+
+/* Rules 1-3: the two sides of a copy. */
+static cudaError_t check_copy_sides(const char *call, const void *dst,
+                                    const void *src, size_t n,
+                                    enum cudaMemcpyKind kind, int async) {
+  const void *dev[2] = {NULL, NULL};
+  const void *host = NULL;
+  const char *host_role = "";
+  switch (kind) {
+  case cudaMemcpyDeviceToHost:
+    dev[0] = src, host = dst, host_role = "destination";
+    break;
+  case cudaMemcpyHostToDevice:
+    dev[0] = dst, host = src, host_role = "source";
+    break;
+  case cudaMemcpyDeviceToDevice:
+    if (!async) {
+      dev[0] = src, dev[1] = dst;
+      break;
+    }
+    /* fall through: ferry never copies device to device */
+  default:
+    return violation(cudaErrorInvalidMemcpyDirection,
+                     "%s: direction %d; the double implements DeviceToHost and "
+                     "HostToDevice%s (ferry states its directions explicitly)",
+                     call, (int)kind, async ? "" : " and DeviceToDevice");
+  }
+  for (int i = 0; i < 2 && dev[i]; i++)
+    if (!region_containing(dev[i], n, KIND_BIT(REG_DEVICE)))
+      return violation(cudaErrorInvalidValue,
+                       "%s: device %s [%p, +%zu) is not inside a cudaMalloc block",
+                       call, dev[i] == src ? "source" : "destination", dev[i], n);
+  if (async && !region_containing(host, n, PINNED_KINDS))
+    return violation(cudaErrorInvalidValue,
+                     "%s: host %s [%p, +%zu) is not pinned (not from cudaHostAlloc "
+                     "or cudaHostRegister); CUDA would run it as a synchronous "
+                     "staged copy, with no overlap",
+                     call, host_role, host, n);
+  return cudaSuccess;
+}
+
+/* ---- devices --------------------------------------------------------------- */
+cudaError_t CUDARTAPI cudaGetDeviceCount(int *count) {
+  ENTER("cudaGetDeviceCount");
+  if (!count) return leave(fail(cudaErrorInvalidValue));
+  *count = g_device_count;
+  if (g_device_count == 0) return leave(fail(cudaErrorNoDevice));
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaGetDevice(int *device) {
+  ENTER("cudaGetDevice");
+  if (!device) return leave(fail(cudaErrorInvalidValue));
+  if (g_device_count == 0) return leave(fail(cudaErrorNoDevice));
+  *device = t_device;
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaSetDevice(int device) {
+  ENTER("cudaSetDevice");
+  if (device < 0 || device >= g_device_count)
+    return leave(fail(cudaErrorInvalidDevice));
+  t_device = device;
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr,
+                                             int device) {
+  ENTER("cudaDeviceGetAttribute");
+  if (!value) return leave(fail(cudaErrorInvalidValue));
+  if (device < 0 || device >= g_device_count)
+    return leave(fail(cudaErrorInvalidDevice));
+  if (attr != cudaDevAttrHostRegisterSupported)
+    return leave(fail(cudaErrorInvalidValue)); /* not modeled */
+  *value = g_register_supported;
+  return leave(cudaSuccess);
+}
+
+/* ---- errors ---------------------------------------------------------------- */
+cudaError_t CUDARTAPI cudaGetLastError(void) {
+  cudaError_t e = t_last_error;
+  t_last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t CUDARTAPI cudaPeekAtLastError(void) { return t_last_error; }
+
+/* The runtime's own texts for the codes the double produces or tests inject. */
+static const struct {
+  cudaError_t code;
+  const char *name, *text;
+} error_texts[] = {
+    {cudaSuccess, "cudaSuccess", "no error"},
+    {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
+    {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
+    {cudaErrorInitializationError, "cudaErrorInitializationError", "initialization error"},
+    {cudaErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection",
+     "invalid copy direction for memcpy"},
+    {cudaErrorInsufficientDriver, "cudaErrorInsufficientDriver",
+     "CUDA driver version is insufficient for CUDA runtime version"},
+    {cudaErrorDevicesUnavailable, "cudaErrorDevicesUnavailable",
+     "CUDA-capable device(s) is/are busy or unavailable"},
+    {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
+    {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
+    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle",
+     "invalid resource handle"},
+    {cudaErrorIllegalState, "cudaErrorIllegalState",
+     "the operation cannot be performed in the present state"},
+    {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
+    {cudaErrorIllegalAddress, "cudaErrorIllegalAddress",
+     "an illegal memory access was encountered"},
+    {cudaErrorHostMemoryAlreadyRegistered, "cudaErrorHostMemoryAlreadyRegistered",
+     "part or all of the requested memory range is already mapped"},
+    {cudaErrorHostMemoryNotRegistered, "cudaErrorHostMemoryNotRegistered",
+     "pointer does not correspond to a registered memory region"},
+    {cudaErrorLaunchFailure, "cudaErrorLaunchFailure", "unspecified launch failure"},
+    {cudaErrorNotSupported, "cudaErrorNotSupported", "operation not supported"},
+    {cudaErrorUnknown, "cudaErrorUnknown", "unknown error"},
+};
+
+const char *CUDARTAPI cudaGetErrorString(cudaError_t error) {
+  for (size_t i = 0; i < sizeof error_texts / sizeof error_texts[0]; i++)
+    if (error_texts[i].code == error) return error_texts[i].text;
+  return "unrecognized error code";
+}
+
+const char *CUDARTAPI cudaGetErrorName(cudaError_t error) {
+  for (size_t i = 0; i < sizeof error_texts / sizeof error_texts[0]; i++)
+    if (error_texts[i].code == error) return error_texts[i].name;
+  return "cudaErrorUnknown";
+}
+
+/* ---- host memory ----------------------------------------------------------- */
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+cudaError_t CUDARTAPI cudaHostAlloc(void **ptr, size_t size, unsigned int flags) {
+  ENTER("cudaHostAlloc");
+  if (!ptr || size == 0) return leave(fail(cudaErrorInvalidValue));
+  *ptr = NULL;
+  void *p = aligned_alloc(HOST_PAGE, round_up(size, HOST_PAGE));
+  if (!p) return leave(fail(cudaErrorMemoryAllocation));
+  if (!region_add(p, size, REG_HOSTALLOC)) {
+    free(p);
+    return leave(fail(cudaErrorMemoryAllocation));
+  }
+  *ptr = p;
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaFreeHost(void *ptr) {
+  ENTER("cudaFreeHost");
+  if (!ptr) return leave(cudaSuccess);
+  region *r = region_containing(ptr, 1, PINNED_KINDS);
+  if (!r || r->base != ptr)
+    return leave(violation(cudaErrorInvalidValue,
+                           "cudaFreeHost(%p): not a block from cudaHostAlloc", ptr));
+  if (r->kind == REG_REGISTERED)
+    return leave(violation(cudaErrorInvalidValue,
+                           "cudaFreeHost(%p): the range was registered with "
+                           "cudaHostRegister; release it with cudaHostUnregister",
+                           ptr));
+  cudaError_t e = check_free_while_copying("cudaFreeHost", r);
+  if (e != cudaSuccess) return leave(e);
+  region_remove(r);
+  free(ptr);
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaHostRegister(void *ptr, size_t size, unsigned int flags) {
+  ENTER("cudaHostRegister");
+  if (!ptr || size == 0) return leave(fail(cudaErrorInvalidValue));
+  if (region_overlapping(ptr, size, PINNED_KINDS))
+    return leave(violation(cudaErrorHostMemoryAlreadyRegistered,
+                           "cudaHostRegister(%p, %zu): part of the range is "
+                           "already pinned",
+                           ptr, size));
+  if (region_overlapping(ptr, size, KIND_BIT(REG_DEVICE)))
+    return leave(violation(cudaErrorInvalidValue,
+                           "cudaHostRegister(%p, %zu): the range is device memory",
+                           ptr, size));
+  if (!region_add(ptr, size, REG_REGISTERED))
+    return leave(fail(cudaErrorMemoryAllocation));
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaHostUnregister(void *ptr) {
+  ENTER("cudaHostUnregister");
+  region *r = ptr ? region_containing(ptr, 1, KIND_BIT(REG_REGISTERED)) : NULL;
+  if (!r || r->base != ptr)
+    return leave(violation(cudaErrorHostMemoryNotRegistered,
+                           "cudaHostUnregister(%p): not the start of a range "
+                           "registered with cudaHostRegister",
+                           ptr));
+  cudaError_t e = check_free_while_copying("cudaHostUnregister", r);
+  if (e != cudaSuccess) return leave(e);
+  region_remove(r);
+  return leave(cudaSuccess);
+}
+
+/* ---- device memory --------------------------------------------------------- */
+cudaError_t CUDARTAPI cudaMalloc(void **devPtr, size_t size) {
+  ENTER("cudaMalloc");
+  if (!devPtr) return leave(fail(cudaErrorInvalidValue));
+  *devPtr = NULL;
+  if (size == 0) return leave(cudaSuccess);
+  void *p = aligned_alloc(DEVICE_ALIGN, round_up(size, DEVICE_ALIGN));
+  if (!p) return leave(fail(cudaErrorMemoryAllocation));
+  memset(p, UNINITIALIZED_DEVICE_BYTE, round_up(size, DEVICE_ALIGN));
+  if (!region_add(p, size, REG_DEVICE)) {
+    free(p);
+    return leave(fail(cudaErrorMemoryAllocation));
+  }
+  *devPtr = p;
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaFree(void *devPtr) {
+  ENTER("cudaFree");
+  if (!devPtr) return leave(cudaSuccess);
+  region *r = region_containing(devPtr, 1, KIND_BIT(REG_DEVICE));
+  if (!r || r->base != devPtr)
+    return leave(violation(cudaErrorInvalidValue,
+                           "cudaFree(%p): not a block from cudaMalloc", devPtr));
+  cudaError_t e = check_free_while_copying("cudaFree", r);
+  if (e != cudaSuccess) return leave(e);
+  region_remove(r);
+  free(devPtr);
+  return leave(cudaSuccess);
+}
+
+/* ---- streams --------------------------------------------------------------- */
+cudaError_t CUDARTAPI cudaStreamCreateWithFlags(cudaStream_t *pStream,
+                                                unsigned int flags) {
+  ENTER("cudaStreamCreateWithFlags");
+  if (!pStream) return leave(fail(cudaErrorInvalidValue));
+  *pStream = NULL;
+  if (flags != cudaStreamNonBlocking)
+    return leave(violation(cudaErrorInvalidValue,
+                           "cudaStreamCreateWithFlags: flags 0x%x; ferry's streams "
+                           "are cudaStreamNonBlocking (a blocking stream "
+                           "serializes with the embedder's legacy default stream)",
+                           flags));
+  join_finished_streams();
+  struct CUstream_st *s = stream_new(t_device, 0);
+  if (!s) return leave(fail(cudaErrorMemoryAllocation));
+  *pStream = s;
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
+  ENTER("cudaStreamDestroy");
+  if (stream == NULL || stream == cudaStreamLegacy || stream == cudaStreamPerThread)
+    return leave(violation(cudaErrorInvalidResourceHandle,
+                           "cudaStreamDestroy: a default stream cannot be destroyed"));
+  struct CUstream_st *s;
+  cudaError_t e = resolve_stream(stream, "cudaStreamDestroy", &s);
+  if (e != cudaSuccess) return leave(e);
+  /* Like CUDA: returns at once; the queued work still runs. */
+  s->destroyed = 1;
+  pthread_cond_broadcast(&g_cv);
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaMemcpyAsync(void *dst, const void *src, size_t count,
+                                      enum cudaMemcpyKind kind, cudaStream_t stream) {
+  ENTER("cudaMemcpyAsync");
+  struct CUstream_st *s;
+  cudaError_t e = resolve_stream(stream, "cudaMemcpyAsync", &s);
+  if (e != cudaSuccess) return leave(e);
+  if (count == 0) return leave(cudaSuccess);
+  if ((e = check_copy_sides("cudaMemcpyAsync", dst, src, count, kind, 1)) ||
+      (e = check_unordered(s, "cudaMemcpyAsync", dst, src, count)))
+    return leave(e);
+  op *o = enqueue(s, OP_COPY);
+  if (!o) return leave(fail(cudaErrorMemoryAllocation));
+  o->dst = dst;
+  o->src = src;
+  o->bytes = count;
+  o->delay_us = g_delay_us;
+  return leave(cudaSuccess);
+}
+
+static marker *marker_new(const struct CUstream_st *s) {
+  marker *m = calloc(1, sizeof *m);
+  if (!m) return NULL;
+  m->clock = malloc((size_t)s->clock_len * sizeof *m->clock);
+  if (!m->clock) {
+    free(m);
+    return NULL;
+  }
+  memcpy(m->clock, s->clock, (size_t)s->clock_len * sizeof *m->clock);
+  m->clock_len = s->clock_len;
+  return m;
+}
+
+/* Queue a record of a new marker on s; the caller holds one reference. */
+static marker *record_marker(struct CUstream_st *s) {
+  op *o = enqueue(s, OP_RECORD);
+  if (!o) return NULL;
+  marker *m = marker_new(s); /* after enqueue: the clock includes the record */
+  if (!m) {
+    o->kind = OP_WAIT; /* harmless placeholder: a wait on a done marker */
+    o->m = calloc(1, sizeof *o->m);
+    if (o->m) o->m->done = o->m->refs = 1;
+    return NULL;
+  }
+  m->refs = 2; /* the op's and the caller's */
+  o->m = m;
+  return m;
+}
+
+static void wait_marker(marker *m) {
+  while (!m->done) pthread_cond_wait(&g_cv, &g_lock);
+}
+
+cudaError_t CUDARTAPI cudaMemcpy(void *dst, const void *src, size_t count,
+                                 enum cudaMemcpyKind kind) {
+  ENTER("cudaMemcpy");
+  struct CUstream_st *s = legacy_stream(t_device);
+  if (!s) return leave(fail(cudaErrorMemoryAllocation));
+  if (count == 0) return leave(cudaSuccess);
+  cudaError_t e;
+  if ((e = check_copy_sides("cudaMemcpy", dst, src, count, kind, 0)) ||
+      (e = check_unordered(s, "cudaMemcpy", dst, src, count)))
+    return leave(e);
+  /* Synchronous: queued on the legacy default stream (so ordered after the
+   * waits queued there), then waited for. */
+  op *o = enqueue(s, OP_COPY);
+  if (!o) return leave(fail(cudaErrorMemoryAllocation));
+  o->dst = dst;
+  o->src = src;
+  o->bytes = count;
+  marker *m = record_marker(s);
+  if (!m) return leave(fail(cudaErrorMemoryAllocation));
+  wait_marker(m);
+  marker_release(m);
+  return leave(cudaSuccess);
+}
+
+/* ---- events ---------------------------------------------------------------- */
+cudaError_t CUDARTAPI cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
+  ENTER("cudaEventCreateWithFlags");
+  if (!event) return leave(fail(cudaErrorInvalidValue));
+  *event = NULL;
+  if (!(flags & cudaEventDisableTiming))
+    return leave(violation(cudaErrorInvalidValue,
+                           "cudaEventCreateWithFlags: flags 0x%x; ferry's events "
+                           "are cudaEventDisableTiming (timing costs and is never "
+                           "read)",
+                           flags));
+  struct CUevent_st *ev = calloc(1, sizeof *ev);
+  if (!ev || !handle_add(ev, H_EVENT)) {
+    free(ev);
+    return leave(fail(cudaErrorMemoryAllocation));
+  }
+  ev->device = t_device;
+  ev->next_all = g_events;
+  g_events = ev;
+  *event = ev;
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event) {
+  ENTER("cudaEventDestroy");
+  cudaError_t e = resolve_event(event, "cudaEventDestroy");
+  if (e != cudaSuccess) return leave(e);
+  event->destroyed = 1;
+  marker_release(event->latest);
+  event->latest = NULL;
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  ENTER("cudaEventRecord");
+  struct CUstream_st *s;
+  cudaError_t e = resolve_event(event, "cudaEventRecord");
+  if (e != cudaSuccess || (e = resolve_stream(stream, "cudaEventRecord", &s)))
+    return leave(e);
+  if (event->device != s->device)
+    return leave(violation(cudaErrorInvalidResourceHandle,
+                           "cudaEventRecord: event of device %d recorded on "
+                           "stream #%d of device %d",
+                           event->device, s->id, s->device));
+  marker *m = record_marker(s);
+  if (!m) return leave(fail(cudaErrorMemoryAllocation));
+  marker_release(event->latest);
+  event->latest = m; /* re-arms: queries now see this record only */
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaEventQuery(cudaEvent_t event) {
+  ENTER("cudaEventQuery");
+  cudaError_t e = resolve_event(event, "cudaEventQuery");
+  if (e != cudaSuccess) return leave(e);
+  if (event->latest && !event->latest->done) return leave(fail(cudaErrorNotReady));
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
+  ENTER("cudaEventSynchronize");
+  cudaError_t e = resolve_event(event, "cudaEventSynchronize");
+  if (e != cudaSuccess) return leave(e);
+  marker *m = event->latest;
+  if (m) {
+    m->refs++;
+    wait_marker(m);
+    marker_release(m);
+  }
+  return leave(cudaSuccess);
+}
+
+cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event,
+                                          unsigned int flags) {
+  ENTER("cudaStreamWaitEvent");
+  struct CUstream_st *s;
+  cudaError_t e = resolve_event(event, "cudaStreamWaitEvent");
+  if (e != cudaSuccess || (e = resolve_stream(stream, "cudaStreamWaitEvent", &s)))
+    return leave(e);
+  if (flags != 0)
+    return leave(violation(cudaErrorInvalidValue,
+                           "cudaStreamWaitEvent: flags 0x%x (ferry waits with 0)",
+                           flags));
+  marker *m = event->latest;
+  if (!m)
+    return leave(violation(cudaErrorIllegalState,
+                           "cudaStreamWaitEvent: event %p was never recorded "
+                           "(CUDA makes this a no-op; in ferry it is a wait on a "
+                           "copy that was never issued)",
+                           (void *)event));
+  if (!clock_grow(&s->clock, &s->clock_len, m->clock_len))
+    return leave(fail(cudaErrorMemoryAllocation));
+  op *o = enqueue(s, OP_WAIT);
+  if (!o) return leave(fail(cudaErrorMemoryAllocation));
+  m->refs++;
+  o->m = m;
+  /* Everything queued on s from now on is ordered after the record. */
+  for (int i = 0; i < m->clock_len; i++)
+    if (m->clock[i] > s->clock[i] && i != s->id) s->clock[i] = m->clock[i];
+  return leave(cudaSuccess);
+}
+
+/* ---- the double's own API -------------------------------------------------- */
+long cuda_double_violations(void) {
+  lock();
+  long n = g_violations;
+  unlock();
+  return n;
+}
+
+const char *cuda_double_last_violation(void) { return g_last_violation; }
+
+void cuda_double_clear_violations(void) {
+  lock();
+  g_violations = 0;
+  g_last_violation[0] = '\0';
+  unlock();
+}
+
+void cuda_double_reset(void) {
+  pthread_once(&g_once, init_once);
+  lock();
+  g_no_driver = 0;
+  g_device_count = 1;
+  g_register_supported = 1;
+  g_delay_us = g_default_delay_us;
+  g_paused = 0;
+  memset(g_inject, 0, sizeof g_inject);
+  pthread_cond_broadcast(&g_cv);
+  unlock();
+  t_device = 0;
+  t_last_error = cudaSuccess;
+}
+
+void cuda_double_set_no_driver(int on) {
+  lock();
+  g_no_driver = on;
+  unlock();
+}
+
+void cuda_double_set_device_count(int n) {
+  lock();
+  g_device_count = n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
+  unlock();
+}
+
+void cuda_double_set_host_register_supported(int on) {
+  lock();
+  g_register_supported = on;
+  unlock();
+}
+
+void cuda_double_set_copy_delay_us(unsigned us) {
+  lock();
+  g_delay_us = us;
+  unlock();
+}
+
+void cuda_double_pause_streams(int paused) {
+  lock();
+  g_paused = paused;
+  pthread_cond_broadcast(&g_cv);
+  unlock();
+}
+
+void cuda_double_drain(void) {
+  lock();
+  for (;;) {
+    int busy = 0;
+    for (struct CUstream_st *s = g_streams; s && !busy; s = s->next_all)
+      busy = s->head != NULL;
+    if (!busy) break;
+    pthread_cond_wait(&g_cv, &g_lock);
+  }
+  unlock();
+}
+
+void cuda_double_fail_call(const char *entry_point, int nth, cudaError_t err) {
+  lock();
+  for (int i = 0; i < MAX_INJECTIONS; i++)
+    if (g_inject[i].countdown <= 0) {
+      snprintf(g_inject[i].name, sizeof g_inject[i].name, "%s", entry_point);
+      g_inject[i].countdown = nth < 1 ? 1 : nth;
+      g_inject[i].err = err;
+      break;
+    }
+  unlock();
+}
+
+long cuda_double_calls(const char *entry_point) {
+  long n = 0;
+  lock();
+  for (int i = 0; i < MAX_COUNTED_CALLS && g_calls[i].name; i++)
+    if (strcmp(g_calls[i].name, entry_point) == 0) n = g_calls[i].count;
+  unlock();
+  return n;
+}
+
+int cuda_double_stream_device(cudaStream_t h) {
+  int device = -1;
+  lock();
+  if (h == NULL || h == cudaStreamLegacy || h == cudaStreamPerThread)
+    device = t_device;
+  else if (handle_known(h, H_STREAM) && !h->destroyed)
+    device = h->device;
+  unlock();
+  return device;
+}
+
+int cuda_double_event_device(cudaEvent_t h) {
+  int device = -1;
+  lock();
+  if (h && handle_known(h, H_EVENT) && !h->destroyed) device = h->device;
+  unlock();
+  return device;
+}
+
+void cuda_double_get_counts(cuda_double_counts *out) {
+  memset(out, 0, sizeof *out);
+  lock();
+  for (struct CUstream_st *s = g_streams; s; s = s->next_all) {
+    if (!s->internal && !s->destroyed) out->streams++;
+    for (op *o = s->head; o; o = o->next) out->ops_queued++;
+  }
+  for (struct CUevent_st *e = g_events; e; e = e->next_all)
+    if (!e->destroyed) out->events++;
+  for (region *r = g_regions; r; r = r->next) {
+    if (r->kind == REG_DEVICE) {
+      out->device_blocks++;
+      out->device_bytes += r->size;
+    } else {
+      out->pinned_blocks++;
+      out->pinned_bytes += r->size;
+      if (r->kind == REG_REGISTERED)
+        out->registered_ranges++;
+      else
+        out->hostalloc_blocks++;
+    }
+  }
+  unlock();
+}
+
+/* Stop the workers; report what was never released (rule 12); make the
+ * process fail if violations were left uncleared. */
+static void at_exit(void) {
+  lock();
+  g_shutdown = 1;
+  g_paused = 0;
+  pthread_cond_broadcast(&g_cv);
+  unlock();
+  for (struct CUstream_st *s = g_streams; s; s = s->next_all) {
+    if (s->joined) continue;
+    pthread_join(s->thread, NULL);
+    s->joined = 1;
+  }
+  lock();
+  for (struct CUstream_st *s = g_streams; s; s = s->next_all)
+    if (!s->internal && !s->destroyed)
+      violation(cudaSuccess, "at exit: stream #%d was never destroyed", s->id);
+  for (struct CUevent_st *e = g_events; e; e = e->next_all)
+    if (!e->destroyed)
+      violation(cudaSuccess, "at exit: event %p was never destroyed", (void *)e);
+  for (region *r = g_regions; r; r = r->next)
+    if (r->kind != REG_DEVICE)
+      violation(cudaSuccess, "at exit: pinned host memory %p (%zu bytes, %s) was "
+                             "never released",
+                (void *)r->base, r->size,
+                r->kind == REG_REGISTERED ? "cudaHostRegister" : "cudaHostAlloc");
+  long n = g_violations;
+  unlock();
+  if (n > 0) {
+    fflush(stdout);
+    fprintf(stderr,
+            "cuda double: %ld rule violation(s) not cleared by a test; the last: "
+            "%s\n",
+            n, g_last_violation);
+    fflush(stderr);
+    _exit(1);
+  }
+}
