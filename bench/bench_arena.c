@@ -7,7 +7,9 @@
  *   - reserved / peak in use (pinned bytes held over bytes actually needed;
  *     a power-of-two caching allocator, like PyTorch's, reaches up to 2x),
  *   - backend allocations after the first step (0 = steady state),
- *   - the cost of one alloc+free pair in steady state.
+ *   - the cost of one alloc+free pair in steady state,
+ *   - reserved / peak when every size varies by up to +25% from step to step
+ *     (variable sequence lengths), where freed blocks rarely fit exactly.
  * The backend here is a counting one over mmap that never touches the pages
  * (the arena itself never writes into them), so the multi-GiB step costs no
  * physical memory. */
@@ -23,6 +25,7 @@
 
 #define BENCH_TENSORS 300
 #define BENCH_STEPS 8
+#define BENCH_VARYING_STEPS 40
 
 typedef struct bench_backend {
   ferry_backend base;
@@ -80,7 +83,8 @@ typedef struct kind_result {
   int ok;
 } kind_result;
 
-static kind_result bench_kind(int kind, const size_t *sizes) {
+/* jitter: 0 = the same sizes every step; else each step adds up to 25%. */
+static kind_result bench_kind(int kind, const size_t *base_sizes, int jitter) {
   kind_result res = {0};
   bench_backend bb = {.base = {.ops = &bench_backend_ops}};
   ferry_arena *a = NULL;
@@ -90,9 +94,13 @@ static kind_result bench_kind(int kind, const size_t *sizes) {
     return res;
   }
   void *ptrs[BENCH_TENSORS];
-  uint64_t allocs_after_first = 0;
+  size_t sizes[BENCH_TENSORS];
+  uint64_t allocs_after_first = 0, rng = 77;
   double ns = 0;
-  for (int step = 0; step < BENCH_STEPS; step++) {
+  int steps = jitter ? BENCH_VARYING_STEPS : BENCH_STEPS;
+  for (int step = 0; step < steps; step++) {
+    for (int i = 0; i < BENCH_TENSORS; i++)
+      sizes[i] = base_sizes[i] + (jitter ? bench_rng(&rng) % (base_sizes[i] / 4 + 1) : 0);
     double t0 = bench_now_ns();
     for (int i = 0; i < BENCH_TENSORS; i++) {
       ptrs[i] = ferry_arena_alloc(a, sizes[i]);
@@ -115,7 +123,7 @@ static kind_result bench_kind(int kind, const size_t *sizes) {
   ferry_arena_get_stats(a, &st);
   res.reserved_over_peak = (double)st.reserved / (double)st.peak;
   res.backend_allocs_after_warmup = (double)(bb.allocs - allocs_after_first);
-  res.ns_per_alloc_free = ns / ((double)(BENCH_STEPS - 1) * BENCH_TENSORS);
+  res.ns_per_alloc_free = ns / ((double)(steps - 1) * BENCH_TENSORS);
   res.ok = 1;
   ferry_arena_destroy(a);
   return res;
@@ -135,8 +143,13 @@ void bench_arena(bench_report *r) {
            "rounding alone would give %.2f",
            BENCH_TENSORS, total / (1024.0 * 1024 * 1024), pow2_total / total);
 
+  const char *varying_note = "same tensors, each size +0..25% at random every step, 40 steps";
   if (ferry_arena_jemalloc_available()) {
-    kind_result je = bench_kind(FERRY_ARENA_JEMALLOC, sizes);
+    kind_result je = bench_kind(FERRY_ARENA_JEMALLOC, sizes, 0);
+    kind_result je_var = bench_kind(FERRY_ARENA_JEMALLOC, sizes, 1);
+    if (je_var.ok)
+      bench_metric(r, "arena_reserved_over_peak_varying", je_var.reserved_over_peak, "ratio",
+                   varying_note);
     if (je.ok) {
       bench_metric(r, "arena_reserved_over_peak", je.reserved_over_peak, "ratio", note);
       bench_metric(r, "arena_backend_allocs_after_warmup", je.backend_allocs_after_warmup,
@@ -148,7 +161,11 @@ void bench_arena(bench_report *r) {
     bench_metric(r, "arena_reserved_over_peak", NAN, "ratio",
                  "jemalloc not loaded in this process");
   }
-  kind_result pool = bench_kind(FERRY_ARENA_POOL, sizes);
+  kind_result pool = bench_kind(FERRY_ARENA_POOL, sizes, 0);
+  kind_result pool_var = bench_kind(FERRY_ARENA_POOL, sizes, 1);
+  if (pool_var.ok)
+    bench_metric(r, "arena_reserved_over_peak_varying_pool", pool_var.reserved_over_peak,
+                 "ratio", varying_note);
   if (pool.ok) {
     bench_metric(r, "arena_reserved_over_peak_pool", pool.reserved_over_peak, "ratio", note);
     bench_metric(r, "arena_backend_allocs_after_warmup_pool", pool.backend_allocs_after_warmup,

@@ -14,16 +14,6 @@
 #include "arena.h"
 #include "test.h"
 
-/* jemalloc and AddressSanitizer each want to own the heap; see
- * arena_kinds_to_test(). */
-#if defined(__SANITIZE_ADDRESS__)
-#define TEST_ARENA_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define TEST_ARENA_UNDER_ASAN 1
-#endif
-#endif
-
 /* ---- counting backend ----------------------------------------------------- */
 
 typedef struct counting_backend {
@@ -86,20 +76,13 @@ static const char *kind_label(int kind) {
   return kind == FERRY_ARENA_JEMALLOC ? "jemalloc" : "pool";
 }
 
-/* The kinds this build can test. Under ASan the jemalloc kind is skipped:
- * ASan replaces malloc while the program is also linked with jemalloc, and
- * jemalloc's own allocations are invisible to ASan anyway. */
+/* Both kinds, also under the sanitizers: ASan and TSan replace malloc, and
+ * the jemalloc arena only uses jemalloc's mallocx/mallctl, which still work
+ * next to them. */
 static int arena_kinds_to_test(int kinds[2]) {
-  int n = 0;
-#ifdef TEST_ARENA_UNDER_ASAN
-  static int said;
-  if (!said++)
-    printf("note: jemalloc arena kind skipped under AddressSanitizer\n");
-#else
-  kinds[n++] = FERRY_ARENA_JEMALLOC;
-#endif
-  kinds[n++] = FERRY_ARENA_POOL;
-  return n;
+  kinds[0] = FERRY_ARENA_JEMALLOC;
+  kinds[1] = FERRY_ARENA_POOL;
+  return 2;
 }
 
 static uint8_t pattern_byte(uint64_t seed, size_t i) {

@@ -157,8 +157,10 @@ int ferry_arena_create(ferry_backend *bk, int kind, uint64_t cap_bytes,
 void ferry_arena_destroy(ferry_arena *a) {
   if (!a) return;
   if (a->kind) a->kind->destroy(a);
-  for (size_t i = 0; i < a->n_chunks; i++)
+  for (size_t i = 0; i < a->n_chunks; i++) {
+    ARENA_UNPOISON(a->chunks[i].addr, a->chunks[i].size);
     a->bk->ops->host_free(a->bk, (void *)a->chunks[i].addr, a->chunks[i].size);
+  }
   free(a->chunks);
   pthread_mutex_destroy(&a->lock);
   free(a);

@@ -13,6 +13,26 @@
 
 #include "arena.h"
 
+/* Under AddressSanitizer the pool marks free and slack bytes of pinned
+ * chunks unaddressable, so the engine's out-of-bounds or use-after-free
+ * accesses to host buffers are caught; arena.c clears the marks before a
+ * chunk goes back to the backend. */
+#if defined(__SANITIZE_ADDRESS__)
+#define ARENA_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ARENA_ASAN 1
+#endif
+#endif
+#ifdef ARENA_ASAN
+#include <sanitizer/asan_interface.h>
+#define ARENA_POISON(p, n) ASAN_POISON_MEMORY_REGION((void *)(p), (n))
+#define ARENA_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((void *)(p), (n))
+#else
+#define ARENA_POISON(p, n) ((void)(p), (void)(n))
+#define ARENA_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 /* Alignment asked of the backend for every pinned chunk. */
 #define ARENA_CHUNK_ALIGN ((size_t)4096)
 /* The backend accepts alignments up to this (backend.h). */

@@ -194,6 +194,7 @@ static int pool_carve(pool_state *s, pool_block *b, size_t need, size_t requeste
   b->is_free = 0;
   b->requested = requested;
   live_put(s, b);
+  ARENA_UNPOISON(b->addr, requested);
   return 0;
 }
 
@@ -227,6 +228,10 @@ static void *pool_alloc(ferry_arena *a, size_t bytes, int *cap_refused) {
   size_t need = pool_class_units(c) << POOL_GRANULE_SHIFT;
 
   pthread_mutex_lock(&a->lock);
+  /* Before splitting a bigger block, merge what was freed since the last
+   * miss: splitting blocks that could have been whole again is what
+   * fragments a pool when sizes vary from step to step. */
+  if (!s->bins[c] && s->frees_since_coalesce) pool_coalesce(s);
   pool_block *b = bin_take_fit(s, c);
   if (!b && s->frees_since_coalesce) {
     pool_coalesce(s);
@@ -257,6 +262,7 @@ static void *pool_alloc(ferry_arena *a, size_t bytes, int *cap_refused) {
   }
   head->addr = (uintptr_t)mem;
   head->size = chunk;
+  ARENA_POISON(mem, chunk);
 
   pthread_mutex_lock(&a->lock);
   int registered = 0, carved = 0;
@@ -292,6 +298,7 @@ static size_t pool_free(ferry_arena *a, void *p, size_t bytes) {
     return 0;
   }
   size_t requested = b->requested;
+  ARENA_POISON(b->addr, b->size);
   bin_push(s, b);
   s->frees_since_coalesce++;
   pthread_mutex_unlock(&a->lock);

@@ -672,7 +672,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
     rc = engine_fail(e, FERRY_EINVAL, "ferry_unpack: %s is NULL", !device_ptr ? "device_ptr" : "owner");
     goto unlock;
   }
-  uint32_t slot, p;
+  uint32_t slot = 0, p = 0;
   if ((rc = resolve(e, h, "ferry_unpack", &slot, &p))) goto unlock;
   wait_while_reloading(e, p);
   /* Another thread may have consumed this handle while we waited. */
@@ -720,7 +720,7 @@ int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream) {
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
-  uint32_t slot, p;
+  uint32_t slot = 0, p = 0;
   if ((rc = resolve(e, h, "ferry_prefetch", &slot, &p)) == FERRY_OK &&
       e->entries[p].state == ENTRY_OFFLOADED) {
     rc = reload(e, p, compute_stream);
@@ -734,7 +734,7 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
-  uint32_t slot, p;
+  uint32_t slot = 0, p = 0;
   void *to_release = NULL;
   if ((rc = resolve(e, h, "ferry_discard", &slot, &p)) == FERRY_OK) {
     wait_while_reloading(e, p);

@@ -194,7 +194,7 @@ static cudaError_t enter(const char *name) {
 /* Unlock and return: the common tail of entry points. */
 static cudaError_t leave(cudaError_t e) {
   unlock();
-  return e == cudaSuccess ? e : e; /* fail()/violation() already set it */
+  return e; /* on failure, fail()/violation() already set the last error */
 }
 
 /* ---- handles --------------------------------------------------------------- */
@@ -258,7 +258,7 @@ static struct CUstream_st *stream_new(int device, int internal) {
   if (!s) return NULL;
   s->device = device;
   s->internal = internal;
-  s->id = g_next_stream_id;
+  s->id = g_next_stream_id++;
   if (!clock_grow(&s->clock, &s->clock_len, s->id + 1) || !handle_add(s, H_STREAM)) {
     free(s->clock);
     free(s);
@@ -271,7 +271,6 @@ static struct CUstream_st *stream_new(int device, int internal) {
     g_streams = s;
     return NULL;
   }
-  g_next_stream_id++;
   s->next_all = g_streams;
   g_streams = s;
   return s;
@@ -470,6 +469,14 @@ static cudaError_t check_unordered(struct CUstream_st *s, const char *call,
   return cudaSuccess;
 }
 
+static cudaError_t bad_direction(const char *call, enum cudaMemcpyKind kind,
+                                 int async) {
+  return violation(cudaErrorInvalidMemcpyDirection,
+                   "%s: direction %d; the double implements DeviceToHost and "
+                   "HostToDevice%s (ferry states its directions explicitly)",
+                   call, (int)kind, async ? "" : " and DeviceToDevice");
+}
+
 /* Rules 1-3: the two sides of a copy. */
 static cudaError_t check_copy_sides(const char *call, const void *dst,
                                     const void *src, size_t n,
@@ -484,17 +491,14 @@ static cudaError_t check_copy_sides(const char *call, const void *dst,
   case cudaMemcpyHostToDevice:
     dev[0] = dst, host = src, host_role = "source";
     break;
-  case cudaMemcpyDeviceToDevice:
+  case cudaMemcpyDeviceToDevice: /* tests only: ferry never copies on device */
     if (!async) {
       dev[0] = src, dev[1] = dst;
       break;
     }
-    /* fall through: ferry never copies device to device */
+    return bad_direction(call, kind, async);
   default:
-    return violation(cudaErrorInvalidMemcpyDirection,
-                     "%s: direction %d; the double implements DeviceToHost and "
-                     "HostToDevice%s (ferry states its directions explicitly)",
-                     call, (int)kind, async ? "" : " and DeviceToDevice");
+    return bad_direction(call, kind, async);
   }
   for (int i = 0; i < 2 && dev[i]; i++)
     if (!region_containing(dev[i], n, KIND_BIT(REG_DEVICE)))
@@ -766,16 +770,16 @@ static marker *marker_new(const struct CUstream_st *s) {
 
 /* Queue a record of a new marker on s; the caller holds one reference. */
 static marker *record_marker(struct CUstream_st *s) {
+  marker *m = marker_new(s);
+  if (!m) return NULL;
   op *o = enqueue(s, OP_RECORD);
-  if (!o) return NULL;
-  marker *m = marker_new(s); /* after enqueue: the clock includes the record */
-  if (!m) {
-    o->kind = OP_WAIT; /* harmless placeholder: a wait on a done marker */
-    o->m = calloc(1, sizeof *o->m);
-    if (o->m) o->m->done = o->m->refs = 1;
+  if (!o) {
+    m->refs = 1;
+    marker_release(m);
     return NULL;
   }
-  m->refs = 2; /* the op's and the caller's */
+  m->clock[s->id] = o->seq; /* the record itself is part of what it covers */
+  m->refs = 2;              /* the op's and the caller's */
   o->m = m;
   return m;
 }
@@ -918,7 +922,13 @@ long cuda_double_violations(void) {
   return n;
 }
 
-const char *cuda_double_last_violation(void) { return g_last_violation; }
+const char *cuda_double_last_violation(void) {
+  static _Thread_local char copy[sizeof g_last_violation];
+  lock();
+  memcpy(copy, g_last_violation, sizeof copy);
+  unlock();
+  return copy;
+}
 
 void cuda_double_clear_violations(void) {
   lock();

@@ -1,0 +1,162 @@
+/*
+ * bench_main.c — `ferry_bench [--json FILE] [--only NAME]`: runs every
+ * benchmark in one process, prints a table (each ratio is measured against a
+ * baseline taken in the same run) and writes a flat JSON object of metric
+ * name to number. Where valgrind is installed it also re-runs the
+ * pack/unpack loops under callgrind and reports instructions per pair,
+ * which, unlike nanoseconds, do not move with machine load.
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bench.h"
+
+extern char **environ;
+
+struct bench_report {
+  cJSON *json;
+};
+
+void bench_metric(bench_report *r, const char *name, double value, const char *unit,
+                  const char *note) {
+  printf("  %-40s %14.4g %-8s %s\n", name, value, unit ? unit : "", note ? note : "");
+  fflush(stdout);
+  cJSON_DeleteItemFromObject(r->json, name);
+  cJSON_AddNumberToObject(r->json, name, value);
+}
+
+double bench_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+void bench_engine(bench_report *r);
+void bench_host_copy(bench_report *r);
+void bench_arena(bench_report *r);
+void bench_policy(bench_report *r);
+/* Instruction-count mode, run under callgrind (bench_engine.c). */
+int bench_engine_instr(const char *which, long iters);
+
+typedef struct {
+  const char *name;
+  void (*fn)(bench_report *);
+} bench_entry;
+
+static const bench_entry benches[] = {
+    {"engine", bench_engine},
+    {"host_copy", bench_host_copy},
+    {"arena", bench_arena},
+    {"policy", bench_policy},
+};
+
+/* Instructions per iteration of `which`, from two callgrind runs of
+ * different lengths (their difference cancels start-up costs). -1 if
+ * valgrind is not available. */
+static double callgrind_per_iter(const char *self, const char *which) {
+  long iters[2] = {20000, 60000};
+  double total[2];
+  for (int k = 0; k < 2; k++) {
+    char out[] = "/tmp/ferry-callgrind-XXXXXX";
+    int fd = mkstemp(out);
+    if (fd < 0) return -1;
+    close(fd);
+    char outarg[64], itarg[32];
+    snprintf(outarg, sizeof outarg, "--callgrind-out-file=%s", out);
+    snprintf(itarg, sizeof itarg, "%ld", iters[k]);
+    char *argv[] = {"valgrind", "--tool=callgrind", "--collect-atstart=no", outarg, "-q",
+                    (char *)self, "--instr", (char *)which, itarg, NULL};
+    pid_t pid;
+    if (posix_spawnp(&pid, "valgrind", NULL, NULL, argv, environ) != 0) return -1;
+    int st = 0;
+    waitpid(pid, &st, 0);
+    total[k] = -1;
+    FILE *f = fopen(out, "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f))
+      if (!strncmp(line, "totals:", 7) || !strncmp(line, "summary:", 8))
+        total[k] = atof(strchr(line, ':') + 1);
+    if (f) fclose(f);
+    unlink(out);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0 || total[k] < 0) return -1;
+  }
+  return (total[1] - total[0]) / (double)(iters[1] - iters[0]);
+}
+
+int main(int argc, char **argv) {
+  const char *json_path = "build/bench.json", *only = NULL;
+  static const struct option opts[] = {{"json", required_argument, 0, 'j'},
+                                       {"only", required_argument, 0, 'o'},
+                                       {"instr", required_argument, 0, 'i'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
+  int c;
+  while ((c = getopt_long(argc, argv, "j:o:i:h", opts, NULL)) != -1) {
+    switch (c) {
+    case 'j': json_path = optarg; break;
+    case 'o': only = optarg; break;
+    case 'i': return bench_engine_instr(optarg, optind < argc ? atol(argv[optind]) : 10000);
+    default:
+      fprintf(stderr, "usage: ferry_bench [--json FILE] [--only engine|host_copy|arena|policy]\n");
+      return c == 'h' ? 0 : 2;
+    }
+  }
+  bench_report r = {cJSON_CreateObject()};
+  FILE *old = fopen(json_path, "r"); /* keep metrics other runs (e.g. Python) wrote */
+  if (old) {
+    fseek(old, 0, SEEK_END);
+    long n = ftell(old);
+    rewind(old);
+    char *buf = malloc((size_t)n + 1);
+    if (buf && fread(buf, 1, (size_t)n, old) == (size_t)n) {
+      buf[n] = 0;
+      cJSON *prev = cJSON_Parse(buf);
+      if (cJSON_IsObject(prev)) {
+        cJSON_Delete(r.json);
+        r.json = prev;
+      } else {
+        cJSON_Delete(prev);
+      }
+    }
+    free(buf);
+    fclose(old);
+  }
+  printf("  %-40s %14s %-8s %s\n", "metric", "value", "unit", "note");
+  for (size_t i = 0; i < sizeof benches / sizeof benches[0]; i++) {
+    if (only && strcmp(only, benches[i].name)) continue;
+    printf("[%s]\n", benches[i].name);
+    benches[i].fn(&r);
+  }
+  if (!only || !strcmp(only, "engine")) {
+    printf("[callgrind]\n");
+    double keep = callgrind_per_iter(argv[0], "keep");
+    double offl = callgrind_per_iter(argv[0], "offload");
+    if (keep > 0) {
+      bench_metric(&r, "pack_unpack_keep_instr", keep, "instr", "callgrind, per pack+unpack");
+      bench_metric(&r, "pack_unpack_offload_instr", offl, "instr",
+                   "callgrind, per pack+unpack, engine thread only");
+    } else {
+      printf("  (valgrind not available: no instruction counts)\n");
+    }
+  }
+  char *text = cJSON_Print(r.json);
+  FILE *f = fopen(json_path, "w");
+  if (!f || !text) {
+    fprintf(stderr, "ferry_bench: cannot write %s\n", json_path);
+    return 1;
+  }
+  fputs(text, f);
+  fputc('\n', f);
+  fclose(f);
+  free(text);
+  cJSON_Delete(r.json);
+  printf("wrote %s\n", json_path);
+  return 0;
+}

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Runs every test suite of ferry; `make test` calls it after building $BUILD.
+#   1. ctest: the C suite over the host backend with each arena, and over
+#      the cuda backend linked to the CUDA test double
+#   2. the C suite under ASan+UBSan, and the threaded tests under TSan
+#   3. valgrind memcheck on the C suite (shorter soak)
+#   4. install + an out-of-tree find_package(ferry) consumer
+#   5. busted specs under LuaJIT, pytest (when those suites exist)
+# Stages can be skipped with FERRY_SKIP="asan tsan valgrind ..." for local runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+JOBS=${JOBS:-2}
+ROOT=$PWD
+skip() { [[ " ${FERRY_SKIP:-} " == *" $1 "* ]]; }
+stage() { printf '\n==== %s ====\n' "$*"; }
+summary=()
+
+stage "ctest ($BUILD)"
+ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS"
+summary+=("ctest: ok")
+
+THREADED='host_|threads|two_threads|recompute|concurrent'
+
+if ! skip asan; then
+  stage "C suite under ASan+UBSan"
+  cmake -S . -B build-asan -DFERRY_ASAN=ON -DFERRY_WERROR=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null
+  cmake --build build-asan -j"$JOBS" --target ferry_tests
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan --output-on-failure -j"$JOBS" -R '^c(-pool)?/'
+  summary+=("asan+ubsan: ok")
+fi
+
+if ! skip tsan; then
+  stage "threaded tests under TSan"
+  cmake -S . -B build-tsan -DFERRY_TSAN=ON -DFERRY_WERROR=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null
+  cmake --build build-tsan -j"$JOBS" --target ferry_tests
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir build-tsan --output-on-failure -j"$JOBS" -R "^c(-pool)?/.*($THREADED)"
+  summary+=("tsan: ok")
+fi
+
+if ! skip valgrind && command -v valgrind >/dev/null; then
+  stage "C suite under valgrind memcheck"
+  FERRY_TEST_STEPS=300 valgrind -q --error-exitcode=99 --leak-check=full \
+    --errors-for-leak-kinds=definite "$BUILD/bin/ferry_tests"
+  summary+=("valgrind: ok")
+fi
+
+if ! skip install; then
+  stage "install + find_package(ferry) consumer"
+  rm -rf "$BUILD/install-test" "$BUILD/consumer"
+  cmake --install "$BUILD" --prefix "$ROOT/$BUILD/install-test" >/dev/null
+  cmake -S tests/install -B "$BUILD/consumer" -DCMAKE_PREFIX_PATH="$ROOT/$BUILD/install-test" >/dev/null
+  cmake --build "$BUILD/consumer" -j"$JOBS" >/dev/null
+  "$BUILD/consumer/consumer"
+  "$BUILD/consumer/consumer_static"
+  PKG_CONFIG_PATH="$ROOT/$BUILD/install-test/lib/pkgconfig" pkg-config --exists ferry
+  summary+=("install: ok")
+fi
+
+if ! skip busted && [ -d tests/lua ] && ls tests/lua/*_spec.lua >/dev/null 2>&1; then
+  stage "busted specs (LuaJIT)"
+  FERRY_LIB="$ROOT/$BUILD/lib/libferry.so" luajit /usr/bin/busted --lpath="$ROOT/bindings/lua/?.lua" tests/lua
+  summary+=("busted: ok")
+fi
+
+if ! skip pytest && [ -x tests/python/run.sh ]; then
+  stage "pytest"
+  BUILD=$BUILD tests/python/run.sh
+  summary+=("pytest: ok")
+fi
+
+stage "summary"
+printf '%s\n' "${summary[@]}"
