@@ -144,33 +144,34 @@ void bench_arena(bench_report *r) {
            BENCH_TENSORS, total / (1024.0 * 1024 * 1024), pow2_total / total);
 
   const char *varying_note = "same tensors, each size +0..25% at random every step, 40 steps";
-  if (ferry_arena_jemalloc_available()) {
-    kind_result je = bench_kind(FERRY_ARENA_JEMALLOC, sizes, 0);
-    kind_result je_var = bench_kind(FERRY_ARENA_JEMALLOC, sizes, 1);
-    if (je_var.ok)
-      bench_metric(r, "arena_reserved_over_peak_varying", je_var.reserved_over_peak, "ratio",
-                   varying_note);
-    if (je.ok) {
-      bench_metric(r, "arena_reserved_over_peak", je.reserved_over_peak, "ratio", note);
-      bench_metric(r, "arena_backend_allocs_after_warmup", je.backend_allocs_after_warmup,
-                   "calls", "jemalloc kind, steps 2..8 of the same sizes");
-      bench_metric(r, "arena_alloc_free_ns", je.ns_per_alloc_free, "ns",
-                   "jemalloc kind, one alloc+free pair in steady state");
+  static const struct {
+    int kind;
+    const char *suffix, *label;
+  } kinds[] = {{FERRY_ARENA_JEMALLOC, "", "jemalloc"}, {FERRY_ARENA_POOL, "_pool", "pool"}};
+  for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+    char name[96], what[128];
+    if (kinds[k].kind == FERRY_ARENA_JEMALLOC && !ferry_arena_jemalloc_available()) {
+      bench_metric(r, "arena_reserved_over_peak", NAN, "ratio",
+                   "jemalloc not loaded in this process");
+      continue;
     }
-  } else {
-    bench_metric(r, "arena_reserved_over_peak", NAN, "ratio",
-                 "jemalloc not loaded in this process");
-  }
-  kind_result pool = bench_kind(FERRY_ARENA_POOL, sizes, 0);
-  kind_result pool_var = bench_kind(FERRY_ARENA_POOL, sizes, 1);
-  if (pool_var.ok)
-    bench_metric(r, "arena_reserved_over_peak_varying_pool", pool_var.reserved_over_peak,
-                 "ratio", varying_note);
-  if (pool.ok) {
-    bench_metric(r, "arena_reserved_over_peak_pool", pool.reserved_over_peak, "ratio", note);
-    bench_metric(r, "arena_backend_allocs_after_warmup_pool", pool.backend_allocs_after_warmup,
-                 "calls", "pool kind, steps 2..8 of the same sizes");
-    bench_metric(r, "arena_alloc_free_ns_pool", pool.ns_per_alloc_free, "ns",
-                 "pool kind, one alloc+free pair in steady state");
+    kind_result same = bench_kind(kinds[k].kind, sizes, 0);
+    kind_result varying = bench_kind(kinds[k].kind, sizes, 1);
+    if (same.ok) {
+      snprintf(name, sizeof name, "arena_reserved_over_peak%s", kinds[k].suffix);
+      bench_metric(r, name, same.reserved_over_peak, "ratio", note);
+      snprintf(name, sizeof name, "arena_backend_allocs_after_warmup%s", kinds[k].suffix);
+      snprintf(what, sizeof what, "%s kind, steps 2..%d of the same sizes", kinds[k].label,
+               BENCH_STEPS);
+      bench_metric(r, name, same.backend_allocs_after_warmup, "calls", what);
+      snprintf(name, sizeof name, "arena_alloc_free_ns%s", kinds[k].suffix);
+      snprintf(what, sizeof what, "%s kind, one alloc+free pair in steady state",
+               kinds[k].label);
+      bench_metric(r, name, same.ns_per_alloc_free, "ns", what);
+    }
+    if (varying.ok) {
+      snprintf(name, sizeof name, "arena_reserved_over_peak_varying%s", kinds[k].suffix);
+      bench_metric(r, name, varying.reserved_over_peak, "ratio", varying_note);
+    }
   }
 }

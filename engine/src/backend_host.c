@@ -423,13 +423,19 @@ static int engine_stream(host_backend *hb, bk_stream h, const char *what,
 static int enqueue(host_backend *hb, host_stream *s, const stream_op *op,
                    const char *what) {
   pthread_mutex_lock(&s->lock);
-  if (s->stopping) {
-    pthread_mutex_unlock(&s->lock);
-    return fail(&hb->base, FERRY_EINVAL, "%s: stream %p is being destroyed",
-                what, (void *)s);
+  uint64_t n;
+  for (;;) {
+    if (s->stopping) {
+      pthread_mutex_unlock(&s->lock);
+      return fail(&hb->base, FERRY_EINVAL, "%s: stream %p is being destroyed",
+                  what, (void *)s);
+    }
+    n = atomic_load_explicit(&s->enqueued, memory_order_relaxed);
+    if (n < STREAM_RING_CAP || reached(s, n - STREAM_RING_CAP + 1)) break;
+    /* Full. Waiting releases the lock, so another producer may take the
+     * freed slot first: look again after waking. */
+    wait_reached_locked(s, n - STREAM_RING_CAP + 1);
   }
-  uint64_t n = atomic_load_explicit(&s->enqueued, memory_order_relaxed);
-  if (n >= STREAM_RING_CAP) wait_reached_locked(s, n - STREAM_RING_CAP + 1);
   s->ring[n % STREAM_RING_CAP] = *op;
   atomic_store_explicit(&s->enqueued, n + 1, memory_order_release);
   if (s->worker_sleeping) pthread_cond_signal(&s->work_cv);

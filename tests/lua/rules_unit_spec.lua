@@ -84,7 +84,7 @@ describe("ferry.rules", function()
     assert.equal(KEEP, (run(p, { path = "model.layers.0.liger_swiglu" })))
     assert.equal(KEEP, (run(p, { path = "model.layers.0.mlp", class = "LigerSwiGLUMLP" })))
     assert.equal(KEEP, (run(p, { path = "", class = "LIGERRMSNorm" })))
-    assert.equal(OFFLOAD, (run(p, { path = "model.layers.0.mlp", class = "LlamaMLP" })))
+    assert.equal(OFFLOAD, (run(p, { path = "model.layers.1.mlp", class = "LlamaMLP" })))
     assert.equal(OFFLOAD, (run(p, { path = "", class = "Linear" })))
   end)
 
@@ -195,8 +195,8 @@ describe("ferry.rules", function()
     local ctx = D.ctx { step = 0 }
     local first = {}
     for k = 1, 10 do first[k] = p.decide(D.desc {}, ctx) end
-    -- first step spreads: 0.3 -> tensors 1, 4, 7, 10
-    assert.same({ 1, 0, 0, 1, 0, 0, 1, 0, 0, 1 }, first)
+    -- first step spreads: ceil(0.3 k) grows at k = 1, 4, 7
+    assert.same({ 1, 0, 0, 1, 0, 0, 1, 0, 0, 0 }, first)
     ctx.step = 1
     local second = {}
     for k = 1, 10 do second[k] = p.decide(D.desc {}, ctx) end
@@ -285,9 +285,11 @@ describe("ferry.rules", function()
       assert.is_false(ok)
       return err
     end
-    assert.matches('policy:2: ferry.rules.min_bytes: n must be within %[0,',
+    assert.matches('policy:3: ferry.rules.min_bytes: n must be within %[0, 1125899906842624%], got %-1',
       load_error("return R.policy {\nR.min_bytes(-1) }"))
-    assert.matches("policy:1: ferry.rules.policy: entry 1 is not a rule",
+    -- `return R.policy {...}` is a tail call: no caller line to point at,
+    -- so R.policy's own errors name the entry instead
+    assert.matches("^ferry.rules.policy: entry 1 is not a rule %(got number%)",
       load_error("return R.policy { 42 }"))
     assert.matches("unknown field 'relaod'", load_error("return R.policy { relaod = R.on_use() }"))
     assert.matches("unknown matcher field 'path'",
@@ -319,7 +321,7 @@ describe("ferry.rules", function()
       descs[#descs + 1] = D.desc { path = "lm_head", class = "Linear", bytes = 65536 }
       local ctx = D.ctx { step = 0, host_ram_used_pct = 10 }
       local decide = p.decide
-      jit.off(decide)
+      jit.off() -- the whole measurement interpreted: trace exits would box values
       -- warm up: two steps, so memos and learned values are in place
       for s = 0, 1 do
         ctx.step = s
@@ -334,6 +336,7 @@ describe("ferry.rules", function()
       end
       local grew = collectgarbage("count") - before
       collectgarbage("restart")
+      jit.on()
       assert.is_true(grew < 1, file .. " allocated " .. grew .. " KiB in 1700 calls")
     end
   end)

@@ -54,6 +54,8 @@ local concat = table.concat
 
 local R = { api = 1 }
 
+local MAX_BYTES = 2 ^ 50 -- 1 PiB, the engine's limit on a tensor
+
 -- ---------------------------------------------------------------------------
 -- helpers
 
@@ -69,8 +71,8 @@ local function check_number(fn, what, v, lo, hi, integer)
     fail(fn, what .. " must be a number, got " .. type(v), 3)
   end
   if (lo and v < lo) or (hi and v > hi) then
-    fail(fn, format("%s must be within [%s, %s], got %s", what, tostring(lo or "-inf"),
-      tostring(hi or "inf"), tostring(v)), 3)
+    fail(fn, format("%s must be within [%s, %s], got %s", what, lo and format("%.14g", lo)
+      or "-inf", hi and format("%.17g", hi) or "inf", tostring(v)), 3)
   end
   if integer and v ~= floor(v) then
     fail(fn, what .. " must be an integer, got " .. tostring(v), 3)
@@ -259,7 +261,7 @@ R.MOE_ACT = { pattern = { "experts%..*act", "experts%..*activation" } }
 -- Keep tensors smaller than n bytes; also sets the engine knob
 -- min_offload_bytes = n, so smaller tensors never reach Lua at all.
 function R.min_bytes(n)
-  check_number("min_bytes", "n", n, 0, 2 ^ 53, true)
+  check_number("min_bytes", "n", n, 0, MAX_BYTES, true)
   return rule {
     name = "min_bytes(" .. n .. ")", stage = 1, scope = "site",
     knobs = { min_offload_bytes = n },
@@ -270,7 +272,7 @@ end
 -- Keep tensors with fewer than n elements (product of the shape), like
 -- Megatron's min_offloaded_tensor_size and TE's min_tensor_size_to_offload.
 function R.min_elements(n)
-  check_number("min_elements", "n", n, 0, 2 ^ 53, true)
+  check_number("min_elements", "n", n, 0, MAX_BYTES, true)
   return rule {
     name = "min_elements(" .. n .. ")", stage = 1, scope = "site",
     test = function(t)
@@ -433,7 +435,7 @@ end
 -- Keep a tensor when copies already in flight plus this one would exceed
 -- the cap (bytes). One copy may always start, whatever its size.
 function R.in_flight_cap(cap)
-  check_number("in_flight_cap", "bytes", cap, 1, 2 ^ 53)
+  check_number("in_flight_cap", "bytes", cap, 1, MAX_BYTES)
   return rule {
     name = "in_flight_cap(" .. cap .. ")", stage = 4, scope = "ctx",
     test = function(t, ctx)
@@ -512,7 +514,7 @@ function R.budget(opts)
   local given = (opts.bytes and 1 or 0) + (opts.fraction and 1 or 0) + (opts.layers and 1 or 0)
   if given ~= 1 then fail("budget", "give exactly one of bytes, fraction, layers") end
   local bytes, fraction, layers = opts.bytes, opts.fraction, opts.layers
-  if bytes then check_number("budget", "bytes", bytes, 0, 2 ^ 53) end
+  if bytes then check_number("budget", "bytes", bytes, 0, MAX_BYTES) end
   if fraction then check_number("budget", "fraction", fraction, 0, 1) end
   if layers then check_number("budget", "layers", layers, 0, 1e6) end
   -- seen_layers[layer] holds the number of the step it was last seen in:
@@ -590,7 +592,7 @@ end
 local KNOB_LIMITS = {
   max_fwd_stash = { 0, 1048576 },
   prefetch_distance = { 0, 4096 },
-  min_offload_bytes = { 0, 2 ^ 53 },
+  min_offload_bytes = { 0, MAX_BYTES },
 }
 
 local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
