@@ -514,3 +514,54 @@ TEST(host_concurrent_record_query) {
   free(dev), free(back);
   return 0;
 }
+
+/* Several threads enqueue on one stream at once, far more than its ring
+ * holds, without waiting in between: every copy must run exactly once. */
+enum { FILL_THREADS = 4, FILL_COPIES = 1500, FILL_SLOT = 16 };
+typedef struct {
+  ferry_backend *b;
+  bk_stream s;
+  const uint8_t *src;
+  uint8_t *dst;
+  int id;
+  int failed;
+} fill_arg;
+
+static void *fill_worker(void *p) {
+  fill_arg *a = p;
+  for (int i = 0; i < FILL_COPIES; i++) {
+    size_t slot = (size_t)a->id * FILL_COPIES + (size_t)i;
+    if (a->b->ops->copy_d2h(a->b, a->dst + slot * FILL_SLOT,
+                            a->src + slot * FILL_SLOT, FILL_SLOT, a->s) != 0)
+      a->failed = 1;
+  }
+  return NULL;
+}
+
+TEST(host_concurrent_producers_fill_ring) {
+  ferry_backend *b = make_backend(0, 0, 0, 1);
+  CHECK(b);
+  const ferry_backend_ops *o = b->ops;
+  const size_t total = (size_t)FILL_THREADS * FILL_COPIES * FILL_SLOT;
+  uint8_t *src = malloc(total), *dst = calloc(1, total);
+  CHECK(src && dst);
+  fill_pattern(src, total, 21);
+  bk_stream s;
+  CHECK_OK(o->stream_create(b, &s));
+  fill_arg args[FILL_THREADS];
+  pthread_t th[FILL_THREADS];
+  for (int i = 0; i < FILL_THREADS; i++) {
+    args[i] = (fill_arg){b, s, src, dst, i, 0};
+    CHECK_EQ(pthread_create(&th[i], NULL, fill_worker, &args[i]), 0);
+  }
+  for (int i = 0; i < FILL_THREADS; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < FILL_THREADS; i++) CHECK_EQ(args[i].failed, 0);
+  bk_event *ev;
+  CHECK_OK(o->event_create(b, &ev));
+  CHECK_OK(o->event_record(b, ev, s));
+  CHECK_OK(o->event_synchronize(b, ev));
+  CHECK_EQ(memcmp(src, dst, total), 0);
+  o->destroy(b);
+  free(src), free(dst);
+  return 0;
+}

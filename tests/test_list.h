@@ -18,6 +18,7 @@
   X(host_backend_rejects_bad_arguments)                                    \
   X(host_stream_destroy_drains)                                            \
   X(host_concurrent_record_query)                                          \
+  X(host_concurrent_producers_fill_ring)                                   \
   /* @@backend_host */                                                     \
   /* arena (test_arena.c) */                                               \
   X(arena_kind_selection)                                                  \

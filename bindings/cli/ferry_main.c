@@ -1,0 +1,53 @@
+/*
+ * ferry_main.c — the `ferry` command: one binary, one subcommand per job.
+ * Each subcommand lives in its own file (cli_*.c) and is declared here.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "ferry.h"
+
+int ferry_cli_check(int argc, char **argv); /* cli_check.c: ferry check POLICY */
+int ferry_cli_sim(int argc, char **argv);   /* cli_sim.c: ferry sim ... */
+int ferry_cli_trace(int argc, char **argv); /* cli_trace.c: ferry trace synth ... */
+int ferry_cli_run(int argc, char **argv);   /* cli_run.c: ferry run -- CMD ... */
+
+typedef struct {
+  const char *name;
+  int (*fn)(int, char **);
+  const char *summary;
+} subcommand;
+
+static const subcommand commands[] = {
+    {"check", ferry_cli_check, "load a policy and print its decisions on built-in tensors"},
+    {"sim", ferry_cli_sim, "dry-run policies over a trace on a simulated GPU link"},
+    {"trace", ferry_cli_trace, "synthesize traces (ferry trace synth ...)"},
+    {"run", ferry_cli_run, "run a trainer with jemalloc preloaded and ferry settings"},
+};
+
+static void usage(FILE *to) {
+  fprintf(to, "usage: ferry <command> [args]\n\ncommands:\n");
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    fprintf(to, "  %-8s %s\n", commands[i].name, commands[i].summary);
+  fprintf(to, "\n`ferry <command> --help` for each; `ferry --version`.\n");
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) {
+    printf("ferry %s\n", ferry_version_string());
+    return 0;
+  }
+  if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+    usage(stdout);
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+  fprintf(stderr, "ferry: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
