@@ -632,6 +632,12 @@ static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_releas
   }
   void *owner = s->owner;
   if (s->in_alias_map) alias_remove(&e->aliases, (uintptr_t)s->dev_ptr);
+  if (!hand_out && owner && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1) {
+    /* Discarded while a copy still touches the device buffer: the embedder
+     * may free it as soon as it gets the release. */
+    e->stats.waits++;
+    e->bk->ops->event_synchronize(e->bk, s->ev);
+  }
   if (s->state == ENTRY_STASHED) {
     e->ctx.stash_depth--;
     e->bytes_in_flight -= s->bytes;
@@ -687,7 +693,16 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   uint64_t step = s->step;
   int prefetch = s->reload == FERRY_RELOAD_PREFETCH && pos != UINT32_MAX;
   if (s->state == ENTRY_STASHED) {
+    /* Stash hit: no copy back, but the D2H copy may still be reading the
+     * buffer, which the caller is free to overwrite or free once it has it:
+     * its stream waits for the copy (a host wait only on the host backend's
+     * calling-thread stream). */
     e->stats.stash_hits++;
+    if ((rc = e->bk->ops->stream_wait_event(e->bk, compute_stream, s->ev))) {
+      rc = engine_fail(e, rc, "ferry_unpack: compute stream cannot wait for the offload copy: %s",
+                       e->bk->err);
+      goto unlock;
+    }
   } else if (s->state == ENTRY_OFFLOADED) {
     if ((rc = reload(e, p, compute_stream))) goto unlock;
     if (lookup(e, h) < 0) { /* consumed while the lock was dropped */
