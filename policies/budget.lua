@@ -21,8 +21,7 @@ local BUDGET_BYTES = nil -- e.g. 8 * 2^30; nil = BUDGET_LAYERS layers' worth
 local BUDGET_LAYERS = 1
 local PREFETCH_LAYERS = 1
 local MIN_BYTES = 1024
-local FWD_STASH = 2 -- the stash stays small: the budget, not the stash,
-                    -- decides what is on device at the peak
+local FWD_STASH = 4 -- offloaded buffers kept alive while their copies run
 
 local R = require "ferry.rules"
 

@@ -21,7 +21,13 @@ typedef struct counting_backend {
   atomic_long allocs, frees, bad_alignments;
   atomic_llong outstanding_bytes;
   atomic_int fail_allocs; /* host_alloc fails while set */
+  /* The first CHUNK_LOG allocations, to check where arena blocks lie. */
+  pthread_mutex_t log_lock;
+  struct { uintptr_t addr; size_t bytes; } chunks[256];
+  int n_chunks;
 } counting_backend;
+
+#define CHUNK_LOG 256
 
 static int counting_host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
                                void **out) {
@@ -47,6 +53,12 @@ static int counting_host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
     if (p + len < base + len + slack) munmap(p + len, (size_t)(base + len + slack - (p + len)));
   }
   atomic_fetch_add(&cb->outstanding_bytes, (long long)bytes);
+  pthread_mutex_lock(&cb->log_lock);
+  if (cb->n_chunks < CHUNK_LOG) {
+    cb->chunks[cb->n_chunks].addr = (uintptr_t)p;
+    cb->chunks[cb->n_chunks++].bytes = bytes;
+  }
+  pthread_mutex_unlock(&cb->log_lock);
   *out = p;
   return 0;
 }
@@ -68,6 +80,16 @@ static const ferry_backend_ops counting_ops = {
 static void counting_init(counting_backend *cb) {
   memset(cb, 0, sizeof *cb);
   cb->base.ops = &counting_ops;
+  pthread_mutex_init(&cb->log_lock, NULL);
+}
+
+/* Whether [p, p + n) lies inside one logged backend allocation. */
+static int in_one_chunk(counting_backend *cb, const void *p, size_t n) {
+  uintptr_t a = (uintptr_t)p;
+  for (int i = 0; i < cb->n_chunks; i++)
+    if (a >= cb->chunks[i].addr && a + n <= cb->chunks[i].addr + cb->chunks[i].bytes)
+      return 1;
+  return 0;
 }
 
 /* ---- helpers -------------------------------------------------------------- */
@@ -464,5 +486,48 @@ TEST(arena_destroy_frees_live_allocations) {
   CHECK_EQ(st.reserved, 0);
   CHECK_EQ(st.backend_allocs, 0);
   ferry_arena_destroy(a);
+  return 0;
+}
+
+/* A pinned region is one backend allocation: a block spanning two of them
+ * (adjacent by chance) could not be copied as one pinned buffer. */
+TEST(arena_blocks_never_straddle_backend_allocations) {
+  int kinds[2], nk = arena_kinds_to_test(kinds);
+  for (int k = 0; k < nk; k++) {
+    counting_backend cb;
+    counting_init(&cb);
+    ferry_arena *a = NULL;
+    CHECK_OK(create_arena(&cb, kinds[k], 0, &a));
+    /* Many same-size blocks, each large enough for its own backend
+     * allocation; mmap tends to place them next to each other. */
+    enum { N = 24 };
+    const size_t small = ((size_t)1 << 20) + 4096, big = (size_t)5 << 20;
+    void *ptrs[N];
+    for (int i = 0; i < N; i++) {
+      ptrs[i] = ferry_arena_alloc(a, small);
+      CHECK(ptrs[i] != NULL);
+      CHECK(in_one_chunk(&cb, ptrs[i], small));
+    }
+    int adjacent = 0;
+    for (int i = 0; i < cb.n_chunks; i++)
+      for (int j = 0; j < cb.n_chunks; j++)
+        adjacent += cb.chunks[i].addr + ((cb.chunks[i].bytes + 4095) & ~(size_t)4095) ==
+                    cb.chunks[j].addr;
+    for (int i = 0; i < N; i++) ferry_arena_free(a, ptrs[i], small);
+    /* Blocks bigger than any one backend allocation so far. */
+    for (int i = 0; i < 4; i++) {
+      ptrs[i] = ferry_arena_alloc(a, big);
+      CHECK(ptrs[i] != NULL);
+      fill_pattern(ptrs[i], big, (uint64_t)i);
+      CHECK(in_one_chunk(&cb, ptrs[i], big));
+    }
+    for (int i = 0; i < 4; i++) {
+      CHECK(check_pattern(ptrs[i], big, (uint64_t)i));
+      ferry_arena_free(a, ptrs[i], big);
+    }
+    printf("  %s: %d adjacent backend allocations\n", kind_label(kinds[k]), adjacent);
+    ferry_arena_destroy(a);
+    CHECK_EQ(atomic_load(&cb.outstanding_bytes), 0);
+  }
   return 0;
 }

@@ -28,6 +28,7 @@
   X(arena_steady_state_has_no_backend_calls)                               \
   X(arena_threads_allocate_and_free_concurrently)                          \
   X(arena_destroy_frees_live_allocations)                                  \
+  X(arena_blocks_never_straddle_backend_allocations)                       \
   /* @@arena */                                                            \
   /* stash manager (test_stash.c) */                                       \
   X(stash_roundtrip_random)                                                \
@@ -47,6 +48,20 @@
   X(trace_records_every_event)                                             \
   /* @@trace */                                                            \
   /* cuda backend (test_backend_cuda.c) */                                 \
+  X(cuda_create_without_driver_is_enodev)                                  \
+  X(cuda_backend_round_trip)                                               \
+  X(cuda_backend_events_and_waits)                                         \
+  X(cuda_backend_rejects_bad_arguments)                                    \
+  /* only in ferry_tests_cuda_double: */                                   \
+  FERRY_CUDA_DOUBLE_TEST_LIST(X)                                           \
   /* @@cuda */                                                             \
   /* policy host (test_policy.c) */                                        \
   /* @@policy */
+
+/* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's
+ * rules); tests/cuda_double/CMakeLists.txt registers them with ctest. */
+#ifdef FERRY_TEST_CUDA_DOUBLE
+#include "cuda_double/cuda_double_test_list.h"
+#else
+#define FERRY_CUDA_DOUBLE_TEST_LIST(X)
+#endif

@@ -69,7 +69,6 @@
 #define WAITER_POLL_S 200e-6
 #define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
 
-#define STREAM_MAGIC 0x66727374u /* "frst" */
 #define EVENT_MAGIC 0x66657674u  /* "fevt" */
 
 typedef enum { DIR_D2H = 0, DIR_H2D = 1 } copy_dir;
@@ -90,7 +89,6 @@ typedef struct stream_op {
 typedef struct host_backend host_backend;
 
 struct host_stream {
-  uint32_t magic;
   host_backend *backend;
   pthread_t thread;
   bool thread_started;
@@ -539,7 +537,6 @@ static int stream_create(ferry_backend *b, bk_stream *out) {
     free(s);
     return fail(b, FERRY_ENOMEM, "stream_create: out of memory");
   }
-  s->magic = STREAM_MAGIC;
   s->backend = hb;
   pthread_mutex_init(&s->lock, NULL);
   pthread_cond_init(&s->work_cv, NULL);
@@ -727,7 +724,6 @@ static void host_destroy(ferry_backend *b) {
   while (hb->streams) {
     host_stream *s = hb->streams;
     hb->streams = s->next;
-    s->magic = 0;
     stream_free(s);
   }
   while (hb->events) {

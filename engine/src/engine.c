@@ -207,6 +207,7 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     set_err(errbuf, errlen, rc, "arena: %s", msg);
     goto fail;
   }
+  e->ctx.arena_cap = cap;
   if ((rc = stash_init(e))) {
     set_err(errbuf, errlen, rc, "out of memory creating the stash");
     goto fail;

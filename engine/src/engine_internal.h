@@ -38,7 +38,8 @@ typedef struct stash_entry {
   uint32_t primary;  /* alias: index of the primary entry */
   uint32_t prefetch_distance;
   int32_t layer;
-  uint32_t offl_pos; /* position in the step's offload order, offloaded only */
+  uint32_t offl_pos;  /* position in the step's offload order, offloaded only */
+  uint32_t offl_mark; /* offloads packed before this entry in its step */
   uint64_t step;
   uint64_t bytes;
   void *dev_ptr;

@@ -491,6 +491,7 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   s->step = e->step;
   s->refs = 1;
   s->state = ENTRY_KEPT;
+  s->offl_mark = e->n_offl;
 
   if (d.action == FERRY_OFFLOAD) {
     s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
@@ -617,6 +618,20 @@ static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uin
   }
 }
 
+/* Backward consumes tensors in reverse pack order: once the entry packed
+ * after `mark` offloads is unpacked, the next offloaded tensor needed is the
+ * one at position mark - 1. If the policy asked for it to be prefetched,
+ * start it and the ones before it, up to its prefetch distance. Kept tensors
+ * carry a mark too, so a run of kept layers at the end of the forward pass
+ * (unpacked first) already starts the reloads of the offloaded ones. */
+static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream) {
+  if (step != e->step || mark == 0 || mark > e->n_offl) return;
+  const stash_entry *next = &e->entries[e->offl_order[mark - 1]];
+  if (next->step != step || next->offl_pos != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
+    return;
+  prefetch_ahead(e, mark, next->prefetch_distance, step, compute_stream);
+}
+
 static void wait_while_reloading(ferry_engine *e, uint32_t idx) {
   while (e->entries[idx].state == ENTRY_RELOADING) pthread_cond_wait(&e->reload_done, &e->lock);
 }
@@ -689,9 +704,8 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   }
   pending_poll(e);
   stash_entry *s = &e->entries[p];
-  uint32_t pos = s->offl_pos, dist = s->prefetch_distance;
+  uint32_t mark = s->offl_mark;
   uint64_t step = s->step;
-  int prefetch = s->reload == FERRY_RELOAD_PREFETCH && pos != UINT32_MAX;
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
      * buffer, which the caller is free to overwrite or free once it has it:
@@ -725,7 +739,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   *owner = consume(e, p, 1, &unused);
   e->stats.tensors_unpacked++;
   trace_event(e, "unpack", tid);
-  if (prefetch && step == e->step && pos < e->n_offl) prefetch_ahead(e, pos, dist, step, compute_stream);
+  prefetch_next(e, mark, step, compute_stream);
 unlock:
   pthread_mutex_unlock(&e->lock);
   return rc;

@@ -2,9 +2,11 @@
  * cuda_double.c — a TEST DOUBLE of the CUDA runtime on host threads.
  * What it models and which rules it enforces: cuda_double.h.
  *
- * One lock (g_lock) guards all state and one condition variable (g_cv) is
- * broadcast on every change; the double favours being obviously right over
- * being fast. Streams and events are never freed before exit, so a handle
+ * One lock (g_lock) guards all state; the double favours being obviously
+ * right over being fast. Each stream's worker sleeps on its own condition
+ * variable until work arrives; everything that waits for work to complete
+ * (host waits, stream waits on events) sleeps on g_done, broadcast whenever an
+ * operation completes. Streams and events are never freed before exit, so a handle
  * used after its destroy is recognized instead of being reused memory.
  */
 #include "cuda_double.h"
@@ -44,6 +46,7 @@ typedef struct op {
   const char *src;
   size_t bytes;
   unsigned delay_us;
+  int by_caller; /* a synchronous copy the calling thread runs itself */
   marker *m; /* RECORD: completes it; WAIT: waits for it */
   struct op *next;
 } op;
@@ -59,6 +62,7 @@ struct CUstream_st {
   long *clock;
   int clock_len;
   pthread_t thread;
+  pthread_cond_t work; /* the worker sleeps here while it has nothing to do */
   int exited, joined;
   struct CUstream_st *next_all;
 };
@@ -88,7 +92,7 @@ typedef struct handle_entry {
 
 /* ---- state ----------------------------------------------------------------- */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
 static int g_no_driver;
@@ -245,6 +249,13 @@ static int clock_grow(long **clock, int *len, int want) {
 /* ---- streams --------------------------------------------------------------- */
 static void *stream_worker(void *arg);
 
+/* After a change every worker must look at (pause, shutdown). */
+static void wake_all(void) {
+  for (struct CUstream_st *s = g_streams; s; s = s->next_all)
+    pthread_cond_signal(&s->work);
+  pthread_cond_broadcast(&g_done);
+}
+
 static void join_finished_streams(void) {
   for (struct CUstream_st *s = g_streams; s; s = s->next_all)
     if (s->exited && !s->joined) {
@@ -259,6 +270,7 @@ static struct CUstream_st *stream_new(int device, int internal) {
   s->device = device;
   s->internal = internal;
   s->id = g_next_stream_id++;
+  pthread_cond_init(&s->work, NULL);
   if (!clock_grow(&s->clock, &s->clock_len, s->id + 1) || !handle_add(s, H_STREAM)) {
     free(s->clock);
     free(s);
@@ -328,7 +340,7 @@ static op *enqueue(struct CUstream_st *s, op_kind kind) {
   else
     s->head = o;
   s->tail = o;
-  pthread_cond_broadcast(&g_cv);
+  pthread_cond_signal(&s->work);
   return o;
 }
 
@@ -345,15 +357,15 @@ static void *stream_worker(void *arg) {
     op *o = s->head;
     if (!o) {
       if (s->destroyed || g_shutdown) break;
-      pthread_cond_wait(&g_cv, &g_lock);
+      pthread_cond_wait(&s->work, &g_lock);
       continue;
     }
     if (g_paused && !s->internal) {
-      pthread_cond_wait(&g_cv, &g_lock);
+      pthread_cond_wait(&s->work, &g_lock);
       continue;
     }
-    if (o->kind == OP_WAIT && !o->m->done) {
-      pthread_cond_wait(&g_cv, &g_lock);
+    if ((o->kind == OP_WAIT && !o->m->done) || o->by_caller) {
+      pthread_cond_wait(&g_done, &g_lock);
       continue;
     }
     if (o->kind == OP_RECORD) o->m->done = 1;
@@ -368,10 +380,10 @@ static void *stream_worker(void *arg) {
     if (!s->head) s->tail = NULL;
     marker_release(o->m);
     free(o);
-    pthread_cond_broadcast(&g_cv);
+    pthread_cond_broadcast(&g_done);
   }
   s->exited = 1;
-  pthread_cond_broadcast(&g_cv);
+  pthread_cond_broadcast(&g_done);
   unlock();
   return NULL;
 }
@@ -460,8 +472,9 @@ static cudaError_t check_unordered(struct CUstream_st *s, const char *call,
         return violation(
             cudaErrorIllegalState,
             "%s on stream #%d: [%p, +%zu) <- [%p, +%zu) races with copy #%ld on "
-            "stream #%d ([%p, +%zu) <- [%p, +%zu)), still in flight: no event "
-            "recorded after it was waited on (missing cudaStreamWaitEvent?)",
+            "stream #%d ([%p, +%zu) <- [%p, +%zu)), still in flight, and nothing "
+            "orders the two (missing cudaStreamWaitEvent on an event recorded "
+            "after that copy?)",
             call, s->id, (void *)dst, n, (const void *)src, n, o->seq, t->id,
             (void *)o->dst, o->bytes, (const void *)o->src, o->bytes);
     }
@@ -732,7 +745,7 @@ cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
   if (e != cudaSuccess) return leave(e);
   /* Like CUDA: returns at once; the queued work still runs. */
   s->destroyed = 1;
-  pthread_cond_broadcast(&g_cv);
+  pthread_cond_signal(&s->work);
   return leave(cudaSuccess);
 }
 
@@ -785,7 +798,7 @@ static marker *record_marker(struct CUstream_st *s) {
 }
 
 static void wait_marker(marker *m) {
-  while (!m->done) pthread_cond_wait(&g_cv, &g_lock);
+  while (!m->done) pthread_cond_wait(&g_done, &g_lock);
 }
 
 cudaError_t CUDARTAPI cudaMemcpy(void *dst, const void *src, size_t count,
@@ -798,13 +811,27 @@ cudaError_t CUDARTAPI cudaMemcpy(void *dst, const void *src, size_t count,
   if ((e = check_copy_sides("cudaMemcpy", dst, src, count, kind, 0)) ||
       (e = check_unordered(s, "cudaMemcpy", dst, src, count)))
     return leave(e);
-  /* Synchronous: queued on the legacy default stream (so ordered after the
-   * waits queued there), then waited for. */
+  /* Synchronous, in the order of the legacy default stream: queued there
+   * (after the waits queued before it), then waited for. On an idle stream
+   * the calling thread moves the bytes itself, with the op at the head of
+   * the queue so the stream's later work still comes after it. */
+  int idle = s->head == NULL;
   op *o = enqueue(s, OP_COPY);
   if (!o) return leave(fail(cudaErrorMemoryAllocation));
   o->dst = dst;
   o->src = src;
   o->bytes = count;
+  if (idle) {
+    o->by_caller = 1;
+    unlock();
+    memcpy(dst, src, count);
+    lock();
+    s->head = o->next;
+    if (!s->head) s->tail = NULL;
+    free(o);
+    pthread_cond_broadcast(&g_done);
+    return leave(cudaSuccess);
+  }
   marker *m = record_marker(s);
   if (!m) return leave(fail(cudaErrorMemoryAllocation));
   wait_marker(m);
@@ -946,7 +973,7 @@ void cuda_double_reset(void) {
   g_delay_us = g_default_delay_us;
   g_paused = 0;
   memset(g_inject, 0, sizeof g_inject);
-  pthread_cond_broadcast(&g_cv);
+  wake_all();
   unlock();
   t_device = 0;
   t_last_error = cudaSuccess;
@@ -979,7 +1006,7 @@ void cuda_double_set_copy_delay_us(unsigned us) {
 void cuda_double_pause_streams(int paused) {
   lock();
   g_paused = paused;
-  pthread_cond_broadcast(&g_cv);
+  wake_all();
   unlock();
 }
 
@@ -990,7 +1017,7 @@ void cuda_double_drain(void) {
     for (struct CUstream_st *s = g_streams; s && !busy; s = s->next_all)
       busy = s->head != NULL;
     if (!busy) break;
-    pthread_cond_wait(&g_cv, &g_lock);
+    pthread_cond_wait(&g_done, &g_lock);
   }
   unlock();
 }
@@ -1060,39 +1087,44 @@ void cuda_double_get_counts(cuda_double_counts *out) {
   unlock();
 }
 
-/* Stop the workers; report what was never released (rule 12); make the
- * process fail if violations were left uncleared. */
+/* Rule 12: record a violation for each stream, event and pinned range still
+ * held. Does not fail a call; the exit handler runs it. */
+void cuda_double_check_leaks(void) {
+  lock();
+  for (struct CUstream_st *s = g_streams; s; s = s->next_all)
+    if (!s->internal && !s->destroyed)
+      violation(cudaSuccess, "stream #%d was never destroyed", s->id);
+  for (struct CUevent_st *e = g_events; e; e = e->next_all)
+    if (!e->destroyed) violation(cudaSuccess, "event %p was never destroyed", (void *)e);
+  for (region *r = g_regions; r; r = r->next)
+    if (r->kind != REG_DEVICE)
+      violation(cudaSuccess, "pinned host memory %p (%zu bytes, %s) was never released",
+                (void *)r->base, r->size,
+                r->kind == REG_REGISTERED ? "cudaHostRegister" : "cudaHostAlloc");
+  unlock();
+}
+
+/* Stop the workers, report what was never released, and make the process
+ * fail if violations were left uncleared. */
 static void at_exit(void) {
   lock();
   g_shutdown = 1;
   g_paused = 0;
-  pthread_cond_broadcast(&g_cv);
+  wake_all();
   unlock();
   for (struct CUstream_st *s = g_streams; s; s = s->next_all) {
     if (s->joined) continue;
     pthread_join(s->thread, NULL);
     s->joined = 1;
   }
+  cuda_double_check_leaks();
   lock();
-  for (struct CUstream_st *s = g_streams; s; s = s->next_all)
-    if (!s->internal && !s->destroyed)
-      violation(cudaSuccess, "at exit: stream #%d was never destroyed", s->id);
-  for (struct CUevent_st *e = g_events; e; e = e->next_all)
-    if (!e->destroyed)
-      violation(cudaSuccess, "at exit: event %p was never destroyed", (void *)e);
-  for (region *r = g_regions; r; r = r->next)
-    if (r->kind != REG_DEVICE)
-      violation(cudaSuccess, "at exit: pinned host memory %p (%zu bytes, %s) was "
-                             "never released",
-                (void *)r->base, r->size,
-                r->kind == REG_REGISTERED ? "cudaHostRegister" : "cudaHostAlloc");
   long n = g_violations;
   unlock();
   if (n > 0) {
     fflush(stdout);
     fprintf(stderr,
-            "cuda double: %ld rule violation(s) not cleared by a test; the last: "
-            "%s\n",
+            "cuda double: %ld rule violation(s) not cleared by a test; the last: %s\n",
             n, g_last_violation);
     fflush(stderr);
     _exit(1);

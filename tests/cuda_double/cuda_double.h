@@ -110,4 +110,8 @@ typedef struct cuda_double_counts {
 } cuda_double_counts;
 void cuda_double_get_counts(cuda_double_counts *out);
 
+/* Rule 12 now: a violation for each stream, event and pinned range still
+ * held (the exit handler runs this). */
+void cuda_double_check_leaks(void);
+
 #endif

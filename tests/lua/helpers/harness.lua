@@ -45,6 +45,7 @@ end
 function Session:pack(spec)
   local e = self.e
   local bytes = spec.bytes or 4096
+  spec.bytes = bytes
   self.serial = self.serial + 1
   local fill = pattern(self.serial)
   local ptr, owner = self.dev:new_buffer(bytes, fill)
