@@ -175,8 +175,8 @@ void bench_engine(bench_report *r) {
     ferry_handle hs[NS];
     ferry_step_begin(e);
     for (int i = 0; i < NS; i++) {
-      void *p, *o;
-      alloc_cb(NULL, sizes[i], NULL, &p, &o);
+      void *p = NULL, *o = NULL;
+      if (alloc_cb(NULL, sizes[i], NULL, &p, &o)) abort();
       d.bytes = sizes[i];
       if (ferry_pack(e, &d, p, o, NULL, &hs[i])) abort();
     }

@@ -10,6 +10,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <valgrind/valgrind.h>
+
 #include "test.h"
 #include "test_device.h"
 
@@ -539,8 +541,8 @@ TEST(stash_error_paths_lose_nothing) {
 /* The backend's pinned allocator really fails (address-space limit in a
  * child process): the offload falls back to keeping, nothing is lost. */
 TEST(stash_backend_alloc_failure_keeps) {
-  if (UNDER_SANITIZER || test_backend_kind() != FERRY_BACKEND_HOST) {
-    printf("skipped: RLIMIT_AS cannot be used under a sanitizer's shadow memory\n");
+  if (UNDER_SANITIZER || RUNNING_ON_VALGRIND || test_backend_kind() != FERRY_BACKEND_HOST) {
+    printf("skipped: RLIMIT_AS cannot be used under a sanitizer's or valgrind's address space\n");
     return 0;
   }
   pid_t pid = fork();

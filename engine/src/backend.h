@@ -31,7 +31,10 @@ typedef struct ferry_backend_ops {
   const char *name;
   void (*destroy)(ferry_backend *b);
 
-  /* Page-locked host memory. alignment is a power of two <= 2 MiB. */
+  /* Page-locked host memory. alignment is a power of two <= 2 MiB. Must
+   * come from the OS or the driver (mmap, cudaHostAlloc), never from malloc:
+   * the arena may hand it to a jemalloc arena, and heap pages there corrupt
+   * the process allocator. */
   int (*host_alloc)(ferry_backend *b, size_t bytes, size_t alignment, void **out);
   int (*host_free)(ferry_backend *b, void *p, size_t bytes);
 

@@ -26,7 +26,7 @@
 #define HANDLE_BUCKETS 4096u
 #define HOST_PAGE 4096u
 #define DEVICE_ALIGN 256u
-#define DEFAULT_COPY_DELAY_US 100u
+#define DEFAULT_COPY_DELAY_US 50u
 #define UNINITIALIZED_DEVICE_BYTE 0xA5 /* fresh cudaMalloc memory */
 
 /* ---- objects --------------------------------------------------------------- */

@@ -78,7 +78,7 @@ void cuda_double_set_no_driver(int on);
 void cuda_double_set_device_count(int n);
 /* What cudaDeviceGetAttribute(cudaDevAttrHostRegisterSupported) answers. */
 void cuda_double_set_host_register_supported(int on);
-/* Each async copy sleeps this long before moving its bytes (default 100 us,
+/* Each async copy sleeps this long before moving its bytes (default 50 us,
  * or CUDA_DOUBLE_COPY_DELAY_US from the environment). */
 void cuda_double_set_copy_delay_us(unsigned us);
 /* While paused, stream workers start no operation (deterministic "not yet"). */
