@@ -154,12 +154,12 @@ void bench_engine(bench_report *r) {
     offl[i] = run_pairs(eo, iters / 10, BATCH, 0);
     base[i] = run_malloc_baseline(iters, BATCH);
   }
-  double k = median_of(keep, REPS), o = median_of(offl, REPS), b = median_of(base, REPS);
+  double k = median_of(keep, REPS), off = median_of(offl, REPS), b = median_of(base, REPS);
   char note[128];
   snprintf(note, sizeof note, "median of %d; %.1fx a malloc+free pair (%.1f ns)", REPS, k / b, b);
   bench_metric(r, "pack_unpack_keep_ns", k, "ns", note);
   snprintf(note, sizeof note, "median of %d; 256 B tensors, stash of 4", REPS);
-  bench_metric(r, "pack_unpack_offload_ns", o, "ns", note);
+  bench_metric(r, "pack_unpack_offload_ns", off, "ns", note);
   bench_metric(r, "malloc_free_pair_ns", b, "ns", "baseline, same run");
   ferry_engine_destroy(ek);
   ferry_engine_destroy(eo);

@@ -21,6 +21,7 @@
 #include "cuda_double.h"
 #endif
 
+#ifdef FERRY_HAVE_CUDA
 static void fill_pattern(uint8_t *p, size_t n, uint32_t seed) {
   uint32_t x = seed * 2654435761u + 1;
   for (size_t i = 0; i < n; i++) {
@@ -28,6 +29,7 @@ static void fill_pattern(uint8_t *p, size_t n, uint32_t seed) {
     p[i] = (uint8_t)(x >> 24);
   }
 }
+#endif
 
 /* Create a cuda backend on `device`. *b is NULL afterwards when this build
  * or machine has no usable CUDA; the way creation failed is checked then. */
@@ -64,13 +66,12 @@ static int open_cuda(int device, ferry_backend **b) {
 #endif
 }
 
-static int engine_config(ferry_config *c) {
+static void engine_config(ferry_config *c) {
   ferry_config d = FERRY_CONFIG_INIT;
   *c = d;
   c->backend = FERRY_BACKEND_CUDA;
   c->device_alloc = test_device_alloc_cb;
   c->release = test_device_release_cb;
-  return 0;
 }
 
 /* What CI machines have: the toolkit, no driver. The engine refuses to be

@@ -58,8 +58,6 @@
 #define MULTIARCH "aarch64-linux-gnu"
 #elif defined(__powerpc64__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define MULTIARCH "powerpc64le-linux-gnu"
-#else
-#define MULTIARCH NULL
 #endif
 
 static void usage(FILE *to) {
@@ -198,11 +196,11 @@ static int find_in_dirs(char *out, size_t outlen, char *looked, size_t lookedlen
     if (len < (int)sizeof dir && find_in_dir(dir, (size_t)len, out, outlen)) return 1;
   }
   static const char *const system_dirs[] = {
-      MULTIARCH ? "/usr/lib/" MULTIARCH : NULL,
-      MULTIARCH ? "/lib/" MULTIARCH : NULL,
+#ifdef MULTIARCH
+      "/usr/lib/" MULTIARCH, "/lib/" MULTIARCH,
+#endif
       "/usr/local/lib", "/usr/lib64", "/lib64", "/usr/lib", "/lib"};
   for (size_t i = 0; i < sizeof system_dirs / sizeof system_dirs[0]; i++) {
-    if (!system_dirs[i]) continue;
     NOTE("%s ", system_dirs[i]);
     if (find_in_dir(system_dirs[i], strlen(system_dirs[i]), out, outlen)) return 1;
   }

@@ -7,10 +7,11 @@
 
 #include "ferry.h"
 
-int ferry_cli_check(int argc, char **argv); /* cli_check.c: ferry check POLICY */
-int ferry_cli_sim(int argc, char **argv);   /* cli_sim.c: ferry sim ... */
-int ferry_cli_trace(int argc, char **argv); /* cli_trace.c: ferry trace synth ... */
-int ferry_cli_run(int argc, char **argv);   /* cli_run.c: ferry run -- CMD ... */
+/* Weak: a build without one of the cli_*.c files still links and says so. */
+__attribute__((weak)) int ferry_cli_check(int argc, char **argv); /* cli_check.c */
+__attribute__((weak)) int ferry_cli_sim(int argc, char **argv);   /* cli_sim.c */
+__attribute__((weak)) int ferry_cli_trace(int argc, char **argv); /* cli_trace.c */
+__attribute__((weak)) int ferry_cli_run(int argc, char **argv);   /* cli_run.c */
 
 typedef struct {
   const char *name;
@@ -46,7 +47,13 @@ int main(int argc, char **argv) {
     return 0;
   }
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-    if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+    if (!strcmp(argv[1], commands[i].name)) {
+      if (!commands[i].fn) {
+        fprintf(stderr, "ferry: '%s' is not part of this build\n", argv[1]);
+        return 2;
+      }
+      return commands[i].fn(argc - 1, argv + 1);
+    }
   fprintf(stderr, "ferry: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 2;

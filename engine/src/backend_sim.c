@@ -74,7 +74,7 @@ typedef struct sim_backend {
   pthread_mutex_t lock;
   double bytes_per_us[2]; /* 0 = unlimited */
   double latency_us;
-  double duplex;
+  double duplex[2]; /* factor on direction d while the other one is busy */
   double now;  /* the embedder's clock */
   double link; /* the link has been simulated up to here (<= now, except
                   right after a wait ran it to the copy's end) */
@@ -111,7 +111,7 @@ static int is_own_stream(sim_backend *sb, bk_stream s) {
 static double rate_of(const sim_backend *sb, int d) {
   double bw = sb->bytes_per_us[d];
   if (bw <= 0) return 0;
-  if (sb->active[1 - d]) bw *= sb->duplex;
+  if (sb->active[1 - d]) bw *= sb->duplex[d];
   return bw / (double)(sb->active[d] ? sb->active[d] : 1);
 }
 
@@ -558,7 +558,7 @@ int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **out, char 
   sb->bytes_per_us[0] = l->d2h_bytes_per_s / 1e6;
   sb->bytes_per_us[1] = l->h2d_bytes_per_s / 1e6;
   sb->latency_us = l->latency_us;
-  sb->duplex = l->duplex;
+  sb->duplex[0] = sb->duplex[1] = l->duplex;
   *out = &sb->base;
   return FERRY_OK;
 }
@@ -603,4 +603,16 @@ void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, void *ud) 
   sb->listener = fn;
   sb->listener_ud = ud;
   pthread_mutex_unlock(&sb->lock);
+}
+
+int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d) {
+  sim_backend *sb = as_sim(b);
+  if (!(d2h > 0 && d2h <= 1) || !(h2d > 0 && h2d <= 1))
+    return fail(b, FERRY_EINVAL, "sim duplex factors must be within (0, 1], got %g and %g", d2h, h2d);
+  pthread_mutex_lock(&sb->lock);
+  link_run_to(sb, sb->now);
+  sb->duplex[0] = d2h;
+  sb->duplex[1] = h2d;
+  pthread_mutex_unlock(&sb->lock);
+  return FERRY_OK;
 }

@@ -50,5 +50,8 @@ double sim_backend_now(ferry_backend *b);
 /* Runs the link up to now, so that copies finished by now are counted. */
 void sim_backend_get_stats(ferry_backend *b, sim_backend_stats *out);
 void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, void *ud);
+/* Direction-dependent duplex (links where one direction suffers more when
+ * both run, e.g. A100: H2D drops to ~48%, D2H to ~96%). */
+int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d);
 
 #endif

@@ -204,7 +204,8 @@ static int add_event(reader *r, uint8_t type, uint32_t tensor, double gap) {
   sim_trace *t = r->t;
   if (grow((void **)&t->events, &r->cap_events, sizeof *t->events, t->n_events + 1))
     return rd_fail(r, "out of memory");
-  t->events[t->n_events++] = (trace_event){.type = type, .tensor = tensor, .gap_us = gap};
+  t->events[t->n_events++] =
+      (trace_ev){.type = type, .layer = -1, .tensor = tensor, .gap_us = gap};
   return 0;
 }
 
@@ -218,8 +219,6 @@ static int get_live_tensor(reader *r, const cJSON *o, const char *ev, uint32_t *
   if (r->state[*idx] == TS_DONE)
     return rd_fail(r, "%s of id %lld, which was already unpacked or discarded (line %u packed it)",
                    ev, (long long)id, r->t->tensors[*idx].line);
-  if (r->t->tensors[*idx].desc.layer_count == -2) /* never */
-    return rd_fail(r, "internal");
   return 0;
 }
 
@@ -479,8 +478,14 @@ static int parse_line(reader *r, const char *s, size_t n) {
       rc = rd_fail(r, "compute outside a step");
       goto out;
     }
+    int64_t layer = -1;
+    const char *op = NULL;
+    if ((rc = get_int(r, o, "layer", 0, -1, MAX_LAYERS, &layer)) < 0) goto out;
+    if ((rc = get_str(r, o, "op", 0, &op)) < 0) goto out;
     t->has_compute = 1;
-    rc = add_event(r, TEV_COMPUTE, 0, us->valuedouble);
+    if ((rc = add_event(r, TEV_COMPUTE, 0, us->valuedouble))) goto out;
+    t->events[t->n_events - 1].layer = (int32_t)layer;
+    if (op && !(t->events[t->n_events - 1].op = str_own(r, op))) rc = rd_fail(r, "out of memory");
   } else if (!strcmp(ev, "resident")) {
     int64_t bytes;
     const char *what;
@@ -653,5 +658,532 @@ int sim_trace_load(const char *path, sim_trace **out, char *err, size_t errlen) 
   }
   rc = sim_trace_parse(path, buf, n, out, err, errlen);
   free(buf);
+  return rc;
+}
+
+/* ============================================================================
+ * Replay
+ * ========================================================================== */
+
+/* A device buffer of the replayed trainer; the owner token handed to ferry.
+ * On the sim backend it has no memory (its address is the device pointer);
+ * on the host backend it has real bytes, checked on every unpack. */
+typedef struct sim_buf {
+  uint64_t bytes;
+  uint32_t refs;
+  uint8_t counted; /* adds to device memory (not a parameter/buffer's own) */
+  uint8_t pattern; /* host backend: the fill byte */
+  uint8_t *mem;
+  struct sim_buf *next_free;
+} sim_buf;
+
+#define BUF_SLAB 1024
+
+typedef struct replay {
+  const sim_trace *t;
+  const sim_config *c;
+  ferry_engine *e;
+  ferry_backend *sim; /* NULL on the host backend */
+  double host_t0_us, host_scale;
+  ferry_tensor_desc *descs;
+  ferry_handle *handles;
+  sim_buf **bufs;       /* per tensor, while packed */
+  sim_buf **slabs;
+  uint32_t n_slabs;
+  sim_buf *free_bufs;
+  uint64_t live_bytes, peak_live;
+  int recording;
+  sim_result *res;
+  int alloc_failed;
+  int bad_bytes;        /* host backend: an unpack gave different bytes */
+} replay;
+
+static double wall_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static double rp_now(replay *r) {
+  if (r->sim) return sim_backend_now(r->sim);
+  return (wall_us() - r->host_t0_us) / r->host_scale;
+}
+
+static void rp_compute(replay *r, double us) {
+  if (!(us > 0)) return;
+  if (r->sim) {
+    sim_backend_advance(r->sim, us);
+    return;
+  }
+  /* The host backend's compute stream is this thread: keep it busy. */
+  double end = wall_us() + us * r->host_scale;
+  while (wall_us() < end) {
+  }
+}
+
+static int tl_push_iv(sim_timeline *tl, sim_interval iv) {
+  if (tl->n_iv == tl->cap_iv) {
+    size_t n = tl->cap_iv ? tl->cap_iv * 2 : 1024;
+    sim_interval *p = realloc(tl->iv, n * sizeof *p);
+    if (!p) return -1;
+    tl->iv = p;
+    tl->cap_iv = n;
+  }
+  tl->iv[tl->n_iv++] = iv;
+  return 0;
+}
+
+static void mem_sample(replay *r) {
+  if (!r->recording) return;
+  sim_timeline *tl = &r->res->tl;
+  double t = rp_now(r);
+  uint64_t b = r->t->resident_bytes + r->live_bytes;
+  if (tl->n_mem && tl->mem[tl->n_mem - 1].t == t) {
+    tl->mem[tl->n_mem - 1].bytes = b;
+    return;
+  }
+  if (tl->n_mem == tl->cap_mem) {
+    size_t n = tl->cap_mem ? tl->cap_mem * 2 : 1024;
+    sim_mem_sample *p = realloc(tl->mem, n * sizeof *p);
+    if (!p) return;
+    tl->mem = p;
+    tl->cap_mem = n;
+  }
+  tl->mem[tl->n_mem++] = (sim_mem_sample){t, b};
+}
+
+static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes) {
+  replay *r = ud;
+  if (!r->recording) return;
+  tl_push_iv(&r->res->tl, (sim_interval){t0, t1, bytes, 1 + dir, -1});
+}
+
+static sim_buf *buf_new(replay *r, uint64_t bytes, int counted, uint8_t pattern) {
+  if (!r->free_bufs) {
+    sim_buf *slab = calloc(BUF_SLAB, sizeof *slab);
+    sim_buf **slabs = slab ? realloc(r->slabs, (r->n_slabs + 1) * sizeof *slabs) : NULL;
+    if (!slabs) {
+      free(slab);
+      return NULL;
+    }
+    r->slabs = slabs;
+    r->slabs[r->n_slabs++] = slab;
+    for (int i = BUF_SLAB - 1; i >= 0; i--) {
+      slab[i].next_free = r->free_bufs;
+      r->free_bufs = &slab[i];
+    }
+  }
+  sim_buf *b = r->free_bufs;
+  if (!r->sim) {
+    b->mem = malloc(bytes);
+    if (!b->mem) return NULL;
+  }
+  r->free_bufs = b->next_free;
+  b->bytes = bytes;
+  b->refs = 1;
+  b->counted = (uint8_t)counted;
+  b->pattern = pattern;
+  if (counted) {
+    r->live_bytes += bytes;
+    if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
+    mem_sample(r);
+  }
+  return b;
+}
+
+static void buf_unref(replay *r, sim_buf *b) {
+  if (--b->refs) return;
+  if (b->counted) {
+    r->live_bytes -= b->bytes;
+    mem_sample(r);
+  }
+  free(b->mem);
+  b->mem = NULL;
+  b->next_free = r->free_bufs;
+  r->free_bufs = b;
+}
+
+static void *buf_ptr(sim_buf *b) { return b->mem ? (void *)b->mem : (void *)b; }
+
+static int cb_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
+  replay *r = ud;
+  sim_buf *b = buf_new(r, bytes, 1, 0);
+  if (!b) {
+    r->alloc_failed = 1;
+    return -1;
+  }
+  *dev = buf_ptr(b);
+  *owner = b;
+  return 0;
+}
+
+static void cb_release(void *ud, void *owner) { buf_unref(ud, owner); }
+static void cb_retain(void *ud, void *owner) {
+  (void)ud;
+  ((sim_buf *)owner)->refs++;
+}
+
+static int cb_recorded(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
+                       ferry_decision *out) {
+  replay *r = ud;
+  (void)ctx;
+  size_t i = (size_t)(d - r->descs);
+  out->action = i < r->t->n_tensors ? r->t->tensors[i].decision : FERRY_KEEP;
+  out->reload = FERRY_RELOAD_ON_USE;
+  out->prefetch_distance = -1;
+  out->cacheable = 0;
+  return 0;
+}
+
+static uint64_t engine_offloaded(ferry_engine *e) {
+  pthread_mutex_lock(&e->lock);
+  uint64_t n = e->stats.tensors_offloaded;
+  pthread_mutex_unlock(&e->lock);
+  return n;
+}
+
+static double sim_stall(replay *r, double *host_wait) {
+  if (!r->sim) {
+    *host_wait = 0;
+    return 0;
+  }
+  sim_backend_stats st;
+  sim_backend_get_stats(r->sim, &st);
+  *host_wait = st.host_wait_us;
+  return st.stall_us;
+}
+
+static const char *base_name(const char *path) {
+  const char *s = strrchr(path, '/');
+  return s ? s + 1 : path;
+}
+
+void sim_result_free(sim_result *r) {
+  if (!r) return;
+  free(r->layers);
+  free(r->tl.iv);
+  free(r->tl.mem);
+  free(r->decisions);
+  memset(r, 0, sizeof *r);
+}
+
+static int rp_fail(char *err, size_t errlen, int rc, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int rp_fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
+  if (err && errlen) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return rc;
+}
+
+/* Fill (on pack) or check (on unpack) a real buffer's bytes. */
+static int buf_bytes_ok(const sim_buf *b, int fill) {
+  if (!b->mem) return 1;
+  if (fill) {
+    memset(b->mem, b->pattern, b->bytes);
+    return 1;
+  }
+  for (uint64_t i = 0; i < b->bytes; i++)
+    if (b->mem[i] != b->pattern) return 0;
+  return 1;
+}
+
+int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
+               size_t errlen) {
+  memset(out, 0, sizeof *out);
+  if (err && errlen) err[0] = 0;
+  if (!t || !c) return rp_fail(err, errlen, FERRY_EINVAL, "sim_replay: NULL trace or config");
+  int host = c->backend == FERRY_BACKEND_HOST;
+  if (!host && c->backend != FERRY_BACKEND_SIM && c->backend != 0)
+    return rp_fail(err, errlen, FERRY_EINVAL, "sim_replay: backend must be sim or host");
+  replay r;
+  memset(&r, 0, sizeof r);
+  r.t = t;
+  r.c = c;
+  r.res = out;
+  r.host_scale = c->host_time_scale > 0 ? c->host_time_scale : 1;
+  uint32_t steps = c->steps ? c->steps : t->n_steps;
+  if (c->label) snprintf(out->label, sizeof out->label, "%s", c->label);
+  else if (c->replay_decisions) snprintf(out->label, sizeof out->label, "recorded decisions");
+  else if (c->policy_path) {
+    snprintf(out->label, sizeof out->label, "%s", base_name(c->policy_path));
+    char *dot = strrchr(out->label, '.');
+    if (dot && !strcmp(dot, ".lua")) *dot = 0;
+  } else if (c->policy_source) snprintf(out->label, sizeof out->label, "policy");
+  else snprintf(out->label, sizeof out->label, "no offload");
+  snprintf(out->backend, sizeof out->backend, "%s", host ? "host" : "sim");
+
+  ferry_config cfg = FERRY_CONFIG_INIT;
+  cfg.backend = host ? FERRY_BACKEND_HOST : FERRY_BACKEND_SIM;
+  cfg.arena = host ? FERRY_ARENA_AUTO : FERRY_ARENA_POOL;
+  cfg.link = c->link;
+  if (!(cfg.link.duplex > 0)) cfg.link.duplex = 1.0;
+  cfg.host_cap_bytes = c->host_cap_bytes;
+  cfg.device_alloc = cb_alloc;
+  cfg.release = cb_release;
+  cfg.retain = cb_retain;
+  cfg.callback_ud = &r;
+  if (c->replay_decisions) {
+    cfg.decide = cb_recorded;
+    cfg.decide_ud = &r;
+  } else {
+    cfg.policy_path = c->policy_path;
+    cfg.policy_source = c->policy_path ? NULL : c->policy_source;
+  }
+  char msg[512] = "";
+  int rc = ferry_engine_create(&cfg, &r.e, msg, sizeof msg);
+  if (rc) return rp_fail(err, errlen, rc, "%s: %s", out->label, msg);
+  r.sim = host ? NULL : sim_backend_of_engine(r.e);
+  if (r.sim) {
+    sim_backend_set_listener(r.sim, on_copy, &r);
+    if ((c->duplex_d2h > 0 || c->duplex_h2d > 0) &&
+        (rc = sim_backend_set_duplex(r.sim, c->duplex_d2h > 0 ? c->duplex_d2h : cfg.link.duplex,
+                                     c->duplex_h2d > 0 ? c->duplex_h2d : cfg.link.duplex))) {
+      rc = rp_fail(err, errlen, rc, "%s", r.sim->err);
+      goto done;
+    }
+  }
+
+  int32_t max_layer = -1;
+  r.descs = malloc((size_t)(t->n_tensors ? t->n_tensors : 1) * sizeof *r.descs);
+  r.handles = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r.handles);
+  r.bufs = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r.bufs);
+  if (!r.descs || !r.handles || !r.bufs) {
+    rc = rp_fail(err, errlen, FERRY_ENOMEM, "out of memory");
+    goto done;
+  }
+  for (uint32_t i = 0; i < t->n_tensors; i++) {
+    r.descs[i] = t->tensors[i].desc;
+    if (r.descs[i].module_path) r.descs[i].module_path = ferry_intern(r.e, r.descs[i].module_path);
+    if (r.descs[i].module_class) r.descs[i].module_class = ferry_intern(r.e, r.descs[i].module_class);
+    if (r.descs[i].layer > max_layer) max_layer = r.descs[i].layer;
+  }
+  out->n_layers = (uint32_t)(max_layer + 2);
+  out->layers = calloc(out->n_layers, sizeof *out->layers);
+  if (!out->layers) {
+    rc = rp_fail(err, errlen, FERRY_ENOMEM, "out of memory");
+    goto done;
+  }
+  for (uint32_t i = 0; i < out->n_layers; i++) out->layers[i].layer = (int32_t)i - 1;
+  out->resident_bytes = t->resident_bytes;
+  out->steps = steps;
+
+  double t_start = wall_us();
+  r.host_t0_us = t_start;
+  double sum_step = 0, sum_stall = 0, sum_wait = 0;
+  double sum_d2h = 0, sum_h2d = 0, sum_packed = 0, sum_off = 0, sum_kept = 0, sum_pf = 0,
+         sum_hits = 0;
+  uint32_t n_steady = 0;
+  double host_stall = 0, host_wait = 0; /* host backend: wall time inside ferry */
+  for (uint32_t si = 0; si < steps; si++) {
+    const trace_step *ts = &t->steps[si % t->n_steps];
+    int last = si + 1 == steps;
+    r.recording = last && c->timeline;
+    if (last && c->record_decisions) {
+      free(out->decisions);
+      out->decisions = malloc((size_t)(ts->end - ts->first) + 1);
+      out->n_decisions = 0;
+    }
+    if (last)
+      for (uint32_t k = 0; k < out->n_layers; k++) {
+        int32_t l = out->layers[k].layer;
+        memset(&out->layers[k], 0, sizeof out->layers[k]);
+        out->layers[k].layer = l;
+      }
+    ferry_stats s0, s1;
+    ferry_get_stats(r.e, &s0, sizeof s0);
+    double w0, st0 = sim_stall(&r, &w0);
+    double hs0 = host_stall, hw0 = host_wait;
+    double t0 = 0;
+    int32_t cur_layer = -1;
+    for (uint32_t k = ts->first; k < ts->end; k++) {
+      const trace_ev *ev = &t->events[k];
+      if (ev->gap_us > 0) {
+        double a = rp_now(&r);
+        rp_compute(&r, ev->gap_us);
+        if (r.recording) {
+          /* the layer this compute belongs to: the next tensor event's */
+          int32_t layer = cur_layer;
+          if (ev->type == TEV_COMPUTE && ev->layer >= 0) layer = ev->layer;
+          else for (uint32_t j = k; j < ts->end && j < k + 64; j++)
+            if (t->events[j].type == TEV_PACK || t->events[j].type == TEV_UNPACK) {
+              layer = t->tensors[t->events[j].tensor].desc.layer;
+              break;
+            }
+          tl_push_iv(&out->tl, (sim_interval){a, rp_now(&r), 0, 0, layer});
+        }
+      }
+      out->events++;
+      switch (ev->type) {
+      case TEV_STEP_BEGIN:
+        if ((rc = ferry_step_begin(r.e))) goto engine_err;
+        t0 = rp_now(&r);
+        if (r.recording) {
+          out->tl.t_begin = t0;
+          mem_sample(&r);
+        }
+        break;
+      case TEV_PACK: {
+        uint32_t ti = ev->tensor;
+        const trace_tensor *tt = &t->tensors[ti];
+        const ferry_tensor_desc *d = &r.descs[ti];
+        cur_layer = d->layer;
+        sim_buf *b;
+        if (tt->alias_of >= 0) {
+          b = r.bufs[tt->alias_of];
+          b->refs++;
+        } else {
+          int counted = d->kind != FERRY_KIND_PARAMETER && d->kind != FERRY_KIND_BUFFER;
+          b = buf_new(&r, d->bytes, counted, (uint8_t)(ti * 131u + 7u));
+          if (!b) {
+            rc = rp_fail(err, errlen, FERRY_ENOMEM, "out of memory for a %llu-byte buffer",
+                         (unsigned long long)d->bytes);
+            goto done;
+          }
+          buf_bytes_ok(b, 1);
+          /* The trainer holds it until its last alias is packed. */
+          if (tt->last_alias >= 0) b->refs++;
+        }
+        r.bufs[ti] = b;
+        uint64_t off0 = engine_offloaded(r.e);
+        double a = host ? wall_us() : 0;
+        rc = ferry_pack(r.e, d, buf_ptr(b), b, NULL, &r.handles[ti]);
+        if (host) host_wait += wall_us() - a;
+        if (rc) {
+          buf_unref(&r, b);
+          goto engine_err;
+        }
+        if (tt->alias_of >= 0 && t->tensors[tt->alias_of].last_alias == (int32_t)ti)
+          buf_unref(&r, r.bufs[tt->alias_of]); /* the trainer's reference */
+        int offloaded = engine_offloaded(r.e) != off0;
+        if (last) {
+          sim_layer_row *row = &out->layers[d->layer + 1];
+          row->packed++;
+          row->saved_bytes += d->bytes;
+          if (offloaded) {
+            row->offloaded++;
+            row->offloaded_bytes += d->bytes;
+          }
+          if (out->decisions) out->decisions[out->n_decisions++] = (uint8_t)offloaded;
+        }
+        break;
+      }
+      case TEV_UNPACK: {
+        uint32_t ti = ev->tensor;
+        cur_layer = r.descs[ti].layer;
+        void *dev = NULL, *owner = NULL;
+        double w, s_before = sim_stall(&r, &w);
+        double a = host ? wall_us() : 0;
+        rc = ferry_unpack(r.e, r.handles[ti], NULL, &dev, &owner);
+        double dt = host ? wall_us() - a : 0;
+        if (rc) goto engine_err;
+        host_stall += dt;
+        sim_buf *b = owner;
+        if (!buf_bytes_ok(b, 0) || buf_ptr(b) != dev) r.bad_bytes++;
+        if (last) {
+          double s_after = sim_stall(&r, &w);
+          out->layers[cur_layer + 1].stall_us += host ? dt / r.host_scale : s_after - s_before;
+        }
+        buf_unref(&r, b); /* backward used it and let it go */
+        r.bufs[ti] = NULL;
+        break;
+      }
+      case TEV_DISCARD: {
+        uint32_t ti = ev->tensor;
+        if ((rc = ferry_discard(r.e, r.handles[ti]))) goto engine_err;
+        r.bufs[ti] = NULL;
+        break;
+      }
+      case TEV_BACKWARD_BEGIN:
+        if ((rc = ferry_backward_begin(r.e))) goto engine_err;
+        break;
+      case TEV_BACKWARD_END:
+        if ((rc = ferry_backward_end(r.e))) goto engine_err;
+        break;
+      case TEV_STEP_END: {
+        double a = host ? wall_us() : 0;
+        rc = ferry_step_end(r.e);
+        if (host) host_wait += wall_us() - a;
+        if (rc) goto engine_err;
+        if (r.recording) {
+          mem_sample(&r);
+          out->tl.t_end = rp_now(&r);
+        }
+        break;
+      }
+      default: break;
+      }
+    }
+    double step_us = rp_now(&r) - t0;
+    ferry_get_stats(r.e, &s1, sizeof s1);
+    double w1, st1 = sim_stall(&r, &w1);
+    if (host) {
+      st0 = hs0 / r.host_scale;
+      st1 = host_stall / r.host_scale;
+      w0 = hw0 / r.host_scale;
+      w1 = host_wait / r.host_scale;
+    }
+    if (si == 0) out->first_step_us = step_us;
+    if (si > 0 || steps == 1) {
+      n_steady++;
+      sum_step += step_us;
+      sum_stall += st1 - st0;
+      sum_wait += w1 - w0;
+      sum_d2h += (double)(s1.bytes_d2h - s0.bytes_d2h);
+      sum_h2d += (double)(s1.bytes_h2d - s0.bytes_h2d);
+      sum_packed += (double)(s1.tensors_packed - s0.tensors_packed);
+      sum_off += (double)(s1.tensors_offloaded - s0.tensors_offloaded);
+      sum_kept += (double)(s1.tensors_kept - s0.tensors_kept);
+      sum_pf += (double)(s1.prefetches - s0.prefetches);
+      sum_hits += (double)(s1.stash_hits - s0.stash_hits);
+    }
+    if (c->progress) c->progress(c->progress_ud, si + 1, steps);
+  }
+  out->wall_s = (wall_us() - t_start) / 1e6;
+  double n = n_steady ? n_steady : 1;
+  out->step_us = sum_step / n;
+  out->stall_us = sum_stall / n;
+  out->host_wait_us = sum_wait / n;
+  out->bytes_d2h = sum_d2h / n;
+  out->bytes_h2d = sum_h2d / n;
+  out->tensors_packed = sum_packed / n;
+  out->tensors_offloaded = sum_off / n;
+  out->tensors_kept = sum_kept / n;
+  out->prefetches = sum_pf / n;
+  out->stash_hits = sum_hits / n;
+  out->peak_saved_bytes = r.peak_live;
+  out->peak_device_bytes = t->resident_bytes + r.peak_live;
+  ferry_stats fs;
+  ferry_get_stats(r.e, &fs, sizeof fs);
+  out->peak_host_bytes = fs.arena_peak;
+  out->host_reserved_bytes = fs.arena_reserved;
+  out->policy_errors = fs.policy_errors;
+  out->policy_calls = fs.policy_calls;
+  out->policy_cache_hits = fs.policy_cache_hits;
+  out->cap_fallbacks = fs.cap_fallbacks;
+  snprintf(out->policy_error, sizeof out->policy_error, "%s", ferry_last_policy_error(r.e));
+  if (r.bad_bytes)
+    rc = rp_fail(err, errlen, FERRY_EBACKEND, "%s: %d unpack(s) gave back different bytes",
+                 out->label, r.bad_bytes);
+  goto done;
+
+engine_err:
+  rc = rp_fail(err, errlen, rc, "%s: %s (replaying %s)", out->label, ferry_last_error(r.e),
+               t->name);
+done:
+  if (r.e) ferry_engine_destroy(r.e);
+  /* Buffers the trainer still held (an error stopped the step midway). */
+  for (uint32_t i = 0; i < r.n_slabs; i++) {
+    for (int k = 0; k < BUF_SLAB; k++) free(r.slabs[i][k].mem);
+    free(r.slabs[i]);
+  }
+  free(r.slabs);
+  free(r.descs);
+  free(r.handles);
+  free(r.bufs);
+  if (rc && rc != FERRY_EBACKEND) sim_result_free(out);
   return rc;
 }

@@ -29,11 +29,13 @@ typedef enum trace_ev_type {
   TEV_COMPUTE
 } trace_ev_type;
 
-typedef struct trace_event {
+typedef struct trace_ev {
   uint8_t type;    /* trace_ev_type */
+  int32_t layer;   /* compute: its optional "layer", else -1 */
   uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors */
+  const char *op;  /* compute: its optional "op" name (owned by the trace) */
   double gap_us;   /* compute time before this event */
-} trace_event;
+} trace_ev;
 
 typedef struct trace_tensor {
   ferry_tensor_desc desc; /* strings are owned by the trace */
@@ -56,7 +58,7 @@ typedef struct trace_resident {
 
 typedef struct sim_trace {
   char *name;
-  trace_event *events;
+  trace_ev *events;
   uint32_t n_events;
   trace_tensor *tensors;
   uint32_t n_tensors;
@@ -81,6 +83,7 @@ void sim_trace_free(sim_trace *t);
 /* ---- replay ------------------------------------------------------------------- */
 typedef struct sim_config {
   ferry_link link;
+  double duplex_d2h, duplex_h2d; /* sim: per-direction duplex, 0 = link.duplex */
   uint32_t steps;          /* steps to replay, cycling the trace's; 0 = the trace's */
   const char *policy_path; /* policy under test; both NULL = keep everything */
   const char *policy_source;

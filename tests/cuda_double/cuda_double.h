@@ -70,7 +70,8 @@ const char *cuda_double_last_violation(void);
 void cuda_double_clear_violations(void);
 
 /* Back to defaults: driver present, 1 device, host registration supported,
- * default copy delay, no injected failures, streams running. */
+ * default copy delay, no injected failures, streams running; the calling
+ * thread back on device 0 with no last error. Violations are kept. */
 void cuda_double_reset(void);
 /* 1: every entry point fails with cudaErrorInsufficientDriver. */
 void cuda_double_set_no_driver(int on);
