@@ -56,6 +56,22 @@
   FERRY_CUDA_DOUBLE_TEST_LIST(X)                                           \
   /* @@cuda */                                                             \
   /* policy host (test_policy.c) */                                        \
+  X(policy_sees_descriptor_and_context)                            \
+  X(policy_sandbox_refuses_escapes)                                \
+  X(policy_refuses_bytecode)                                       \
+  X(policy_runtime_errors_carry_file_line)                         \
+  X(policy_load_errors)                                            \
+  X(policy_api_version_mismatch)                                   \
+  X(policy_bad_knobs)                                              \
+  X(policy_nonsense_answers_kept)                                  \
+  X(policy_runaway_loops_interrupted)                              \
+  X(policy_memory_bomb_stopped)                                    \
+  X(policy_error_budget_disables)                                  \
+  X(policy_site_cache)                                             \
+  X(policy_trusted_gets_ffi)                                       \
+  X(policy_require_library_modules)                                \
+  X(policy_failed_reload_keeps_old)                                \
+  X(policy_shipped_default_loads)                                  \
   /* @@policy */
 
 /* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's

@@ -320,7 +320,9 @@ static int check_policy(const char *path, char *out, size_t outlen) {
     return fail("--policy %s: %s", path, strerror(errno));
   if (!S_ISREG(st.st_mode)) return fail("--policy %s: not a regular file", path);
   if (access(path, R_OK) != 0) return fail("--policy %s: %s", path, strerror(errno));
-  return absolute_path("--policy", path, out, outlen);
+  char real[PATH_MAX];
+  if (!realpath(path, real)) return fail("--policy %s: %s", path, strerror(errno));
+  return absolute_path("--policy", real, out, outlen);
 }
 
 static int check_trace(const char *path, char *out, size_t outlen) {
@@ -351,12 +353,13 @@ static int compose_preload(const char *jemalloc, char **out) {
   size_t len = (size_t)snprintf(s, cap, "%s", jemalloc);
   while (old && *old) {
     size_t n = strcspn(old, ": ");
+    int same = 0;
     if (n && n < sizeof tok) {
       memcpy(tok, old, n);
       tok[n] = '\0';
-      int same = !strcmp(tok, jemalloc) || (realpath(tok, tok_real) && !strcmp(tok_real, je_real));
-      if (!same) len += (size_t)snprintf(s + len, cap - len, ":%s", tok);
+      same = !strcmp(tok, jemalloc) || (realpath(tok, tok_real) && !strcmp(tok_real, je_real));
     }
+    if (n && !same) len += (size_t)snprintf(s + len, cap - len, ":%.*s", (int)n, old);
     old += n + (old[n] != '\0');
   }
   *out = s;
@@ -439,8 +442,10 @@ int ferry_cli_run(int argc, char **argv) {
   for (size_t i = 0; i < sizeof env / sizeof env[0]; i++) {
     if (!env[i].value) continue;
     if (dry_run) printf("%s=%s\n", env[i].name, env[i].value);
-    else if (setenv(env[i].name, env[i].value, 1) != 0)
+    else if (setenv(env[i].name, env[i].value, 1) != 0) {
+      free(preload);
       return fail("cannot set %s: %s", env[i].name, strerror(errno));
+    }
   }
   free(preload);
   if (dry_run) {

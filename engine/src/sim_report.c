@@ -1,0 +1,463 @@
+/*
+ * sim_report.c — presets, link syntax, tables, JSON, Chrome trace and SVG
+ * of the simulator (sim_report.h).
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "sim_report.h"
+
+#define GB 1e9
+#define GIB 1073741824.0
+
+/* Published measurements (docs/simulator.md gives the sources). latency is
+ * the per-copy fixed cost: 3-7 us of host submission for cudaMemcpyAsync. */
+static const sim_hw presets[] = {
+    {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
+     50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+"},
+    {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
+     50.0 / 55.0, 50.0 / 55.0, 141 * GB,
+     "DeepSpeed PR #8283 (duplex not published: H100's figure)"},
+    {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
+     12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53"},
+    {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
+     96 * GB, "NVIDIA/nvbandwidth issues #23 and #41"},
+};
+
+const sim_hw *sim_hw_preset(const char *name) {
+  for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+    if (name && !strcasecmp(name, presets[i].name)) return &presets[i];
+  return NULL;
+}
+
+const char *sim_hw_names(void) { return "h100, h200, a100, gh200"; }
+
+static int parse_num_unit(const char *v, const char *const *units, const double *scale, int nu,
+                          double *out) {
+  char *end;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (end == v || errno || !isfinite(x) || x < 0) return -1;
+  if (!*end) {
+    *out = x * scale[0];
+    return 0;
+  }
+  for (int i = 0; i < nu; i++)
+    if (!strcasecmp(end, units[i])) {
+      *out = x * scale[i];
+      return 0;
+    }
+  return -1;
+}
+
+int sim_parse_link(const char *spec, sim_hw *hw, char *err, size_t errlen) {
+  static const char *const bw_units[] = {"GB/s", "B/s", "KB/s", "MB/s", "TB/s", "GiB/s", "MiB/s"};
+  static const double bw_scale[] = {1e9, 1, 1e3, 1e6, 1e12, GIB, 1048576.0};
+  static const char *const t_units[] = {"us", "ns", "ms", "s"};
+  static const double t_scale[] = {1, 1e-3, 1e3, 1e6};
+  char *copy = strdup(spec ? spec : "");
+  if (!copy) return -1;
+  int rc = 0;
+  for (char *save = NULL, *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    char *eq = strchr(tok, '=');
+    if (!eq) {
+      snprintf(err, errlen, "--link: \"%s\" is not key=value (keys: h2d, d2h, latency, duplex, "
+                            "duplex_h2d, duplex_d2h)", tok);
+      rc = -1;
+      break;
+    }
+    *eq = 0;
+    const char *k = tok, *v = eq + 1;
+    double x;
+    if (!strcmp(k, "h2d") || !strcmp(k, "d2h")) {
+      if (parse_num_unit(v, bw_units, bw_scale, 7, &x) || x <= 0) {
+        snprintf(err, errlen, "--link: %s=%s is not a bandwidth > 0 (e.g. 55GB/s)", k, v);
+        rc = -1;
+        break;
+      }
+      if (k[0] == 'h') hw->link.h2d_bytes_per_s = x;
+      else hw->link.d2h_bytes_per_s = x;
+    } else if (!strcmp(k, "latency")) {
+      if (parse_num_unit(v, t_units, t_scale, 4, &x) || x > 1e6) {
+        snprintf(err, errlen, "--link: latency=%s is not a time within 0..1s (e.g. 5us)", v);
+        rc = -1;
+        break;
+      }
+      hw->link.latency_us = x;
+    } else if (!strcmp(k, "duplex") || !strcmp(k, "duplex_h2d") || !strcmp(k, "duplex_d2h")) {
+      char *end;
+      x = strtod(v, &end);
+      if (end == v || *end || !(x > 0 && x <= 1)) {
+        snprintf(err, errlen, "--link: %s=%s must be a number within (0, 1]", k, v);
+        rc = -1;
+        break;
+      }
+      if (!strcmp(k, "duplex")) hw->link.duplex = hw->duplex_d2h = hw->duplex_h2d = x;
+      else if (k[7] == 'h') hw->duplex_h2d = x;
+      else hw->duplex_d2h = x;
+    } else {
+      snprintf(err, errlen, "--link: unknown key \"%s\" (keys: h2d, d2h, latency, duplex, "
+                            "duplex_h2d, duplex_d2h)", k);
+      rc = -1;
+      break;
+    }
+  }
+  free(copy);
+  return rc;
+}
+
+/* ---- tables ---------------------------------------------------------------------- */
+static void fmt_bytes(char *b, size_t n, double v) {
+  if (v >= GIB) snprintf(b, n, "%.2f GiB", v / GIB);
+  else if (v >= 1048576.0) snprintf(b, n, "%.1f MiB", v / 1048576.0);
+  else if (v >= 1024.0) snprintf(b, n, "%.1f KiB", v / 1024.0);
+  else snprintf(b, n, "%.0f B", v);
+}
+
+static void fmt_us(char *b, size_t n, double us) {
+  if (us >= 1e6) snprintf(b, n, "%.3f s", us / 1e6);
+  else if (us >= 1e3) snprintf(b, n, "%.1f ms", us / 1e3);
+  else snprintf(b, n, "%.1f us", us);
+}
+
+static double pct(double v, double base) { return base > 0 ? 100.0 * (v - base) / base : 0; }
+
+void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
+  const sim_trace *t = info->trace;
+  const sim_hw *hw = info->hw;
+  char res[32];
+  fmt_bytes(res, sizeof res, (double)t->resident_bytes);
+  fprintf(f, "trace %s: %d layers, %u step(s) in the trace, %s resident\n", info->trace_path,
+          t->layers, t->n_steps, res);
+  fprintf(f, "link %s: H2D %.1f GB/s, D2H %.1f GB/s, %.1f us per copy, duplex H2D %.2f D2H %.2f; "
+             "%u steps replayed, per-step figures are the mean of steps 2..N\n\n",
+          hw->name, hw->link.h2d_bytes_per_s / GB, hw->link.d2h_bytes_per_s / GB,
+          hw->link.latency_us, hw->duplex_h2d, hw->duplex_d2h, rs[0].steps);
+  fprintf(f, "%-22s %11s %7s %11s %8s %10s %10s %10s %10s %10s %8s %7s %6s\n", "policy",
+          "peak dev", "reduct", "step", "overhead", "stall", "D2H/step", "H2D/step",
+          "host peak", "host rsv", "offload", "kept", "errors");
+  for (int i = 0; i < n; i++) {
+    const sim_result *r = &rs[i];
+    char pk[32], st[32], sl[32], d2h[32], h2d[32], hp[32], hr[32], red[16], ovh[16];
+    fmt_bytes(pk, sizeof pk, (double)r->peak_device_bytes);
+    fmt_us(st, sizeof st, r->step_us);
+    fmt_us(sl, sizeof sl, r->stall_us + r->host_wait_us);
+    fmt_bytes(d2h, sizeof d2h, r->bytes_d2h);
+    fmt_bytes(h2d, sizeof h2d, r->bytes_h2d);
+    fmt_bytes(hp, sizeof hp, (double)r->peak_host_bytes);
+    fmt_bytes(hr, sizeof hr, (double)r->host_reserved_bytes);
+    if (i == 0) {
+      snprintf(red, sizeof red, "-");
+      snprintf(ovh, sizeof ovh, "-");
+    } else {
+      snprintf(red, sizeof red, "%.1f%%",
+               -pct((double)r->peak_device_bytes, (double)rs[0].peak_device_bytes));
+      snprintf(ovh, sizeof ovh, "%+.1f%%", pct(r->step_us, rs[0].step_us));
+    }
+    fprintf(f, "%-22.22s %11s %7s %11s %8s %10s %10s %10s %10s %10s %8.0f %7.0f %6llu\n", r->label,
+            pk, red, st, ovh, sl, d2h, h2d, hp, hr, r->tensors_offloaded, r->tensors_kept,
+            (unsigned long long)r->policy_errors);
+  }
+  if (hw->device_bytes > 0) {
+    fprintf(f, "\n%s has %.0f GB of device memory:", hw->name, hw->device_bytes / GB);
+    for (int i = 0; i < n; i++)
+      fprintf(f, " %s %s%s", rs[i].label,
+              (double)rs[i].peak_device_bytes <= hw->device_bytes ? "fits" : "DOES NOT FIT",
+              i + 1 < n ? ";" : "\n");
+  }
+  for (int i = 1; i < n; i++)
+    if (rs[i].policy_errors)
+      fprintf(f, "policy %s: %llu error(s), last: %s\n", rs[i].label,
+              (unsigned long long)rs[i].policy_errors, rs[i].policy_error);
+}
+
+void sim_print_layers(FILE *f, const sim_result *rs, int n) {
+  if (n < 2) return;
+  fprintf(f, "\nper layer, last step: saved bytes; for each policy the bytes offloaded and the "
+             "exposed reload stall\n%-7s %10s", "layer", "saved");
+  for (int i = 1; i < n; i++) fprintf(f, "  %-12.12s %8s", rs[i].label, "stall");
+  fputc('\n', f);
+  for (uint32_t k = 0; k < rs[0].n_layers; k++) {
+    const sim_layer_row *b = &rs[0].layers[k];
+    if (!b->packed) continue;
+    char lab[16], sv[32];
+    if (b->layer < 0) snprintf(lab, sizeof lab, "other");
+    else snprintf(lab, sizeof lab, "%d", b->layer);
+    fmt_bytes(sv, sizeof sv, (double)b->saved_bytes);
+    fprintf(f, "%-7s %10s", lab, sv);
+    for (int i = 1; i < n; i++) {
+      char ob[32], st[32];
+      const sim_layer_row *p = k < rs[i].n_layers ? &rs[i].layers[k] : NULL;
+      fmt_bytes(ob, sizeof ob, p ? (double)p->offloaded_bytes : 0);
+      fmt_us(st, sizeof st, p ? p->stall_us : 0);
+      fprintf(f, "  %-12s %8s", ob, st);
+    }
+    fputc('\n', f);
+  }
+}
+
+/* ---- JSON ---------------------------------------------------------------------------- */
+static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
+  cJSON_AddStringToObject(o, "name", r->label);
+  cJSON_AddNumberToObject(o, "peak_device_bytes", (double)r->peak_device_bytes);
+  cJSON_AddNumberToObject(o, "peak_device_bytes_baseline", (double)base->peak_device_bytes);
+  cJSON_AddNumberToObject(o, "device_reduction_pct",
+                          -pct((double)r->peak_device_bytes, (double)base->peak_device_bytes));
+  cJSON_AddNumberToObject(o, "peak_saved_bytes", (double)r->peak_saved_bytes);
+  cJSON_AddNumberToObject(o, "resident_bytes", (double)r->resident_bytes);
+  cJSON_AddNumberToObject(o, "step_us", r->step_us);
+  cJSON_AddNumberToObject(o, "step_us_baseline", base->step_us);
+  cJSON_AddNumberToObject(o, "step_overhead_pct", pct(r->step_us, base->step_us));
+  cJSON_AddNumberToObject(o, "first_step_us", r->first_step_us);
+  cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
+  cJSON_AddNumberToObject(o, "reload_stall_us", r->stall_us);
+  cJSON_AddNumberToObject(o, "host_wait_us", r->host_wait_us);
+  cJSON_AddNumberToObject(o, "bytes_d2h", r->bytes_d2h);
+  cJSON_AddNumberToObject(o, "bytes_h2d", r->bytes_h2d);
+  cJSON_AddNumberToObject(o, "peak_host_bytes", (double)r->peak_host_bytes);
+  cJSON_AddNumberToObject(o, "host_reserved_bytes", (double)r->host_reserved_bytes);
+  cJSON_AddNumberToObject(o, "tensors_packed", r->tensors_packed);
+  cJSON_AddNumberToObject(o, "tensors_offloaded", r->tensors_offloaded);
+  cJSON_AddNumberToObject(o, "tensors_kept", r->tensors_kept);
+  cJSON_AddNumberToObject(o, "prefetches", r->prefetches);
+  cJSON_AddNumberToObject(o, "stash_hits", r->stash_hits);
+  cJSON_AddNumberToObject(o, "cap_fallbacks", (double)r->cap_fallbacks);
+  cJSON_AddNumberToObject(o, "policy_errors", (double)r->policy_errors);
+  cJSON_AddStringToObject(o, "policy_last_error", r->policy_error);
+  cJSON_AddNumberToObject(o, "policy_calls", (double)r->policy_calls);
+  cJSON_AddNumberToObject(o, "policy_cache_hits", (double)r->policy_cache_hits);
+  cJSON_AddNumberToObject(o, "steps", r->steps);
+  cJSON_AddNumberToObject(o, "events", (double)r->events);
+  cJSON_AddNumberToObject(o, "wall_s", r->wall_s);
+  cJSON *layers = cJSON_AddArrayToObject(o, "layers");
+  for (uint32_t k = 0; layers && k < r->n_layers; k++) {
+    const sim_layer_row *l = &r->layers[k];
+    if (!l->packed) continue;
+    cJSON *x = cJSON_CreateObject();
+    cJSON_AddNumberToObject(x, "layer", l->layer);
+    cJSON_AddNumberToObject(x, "saved_bytes", (double)l->saved_bytes);
+    cJSON_AddNumberToObject(x, "offloaded_bytes", (double)l->offloaded_bytes);
+    cJSON_AddNumberToObject(x, "tensors", l->packed);
+    cJSON_AddNumberToObject(x, "tensors_offloaded", l->offloaded);
+    cJSON_AddNumberToObject(x, "stall_us", l->stall_us);
+    cJSON_AddItemToArray(layers, x);
+  }
+}
+
+static int write_text(const char *path, const char *text, char *err, size_t errlen) {
+  FILE *f = fopen(path, "w");
+  if (!f) {
+    snprintf(err, errlen, "cannot write %s: %s", path, strerror(errno));
+    return -1;
+  }
+  fputs(text, f);
+  int bad = ferror(f);
+  if (fclose(f) || bad) {
+    snprintf(err, errlen, "write error on %s", path);
+    return -1;
+  }
+  return 0;
+}
+
+int sim_write_json(const char *path, const sim_run_info *info, const sim_result *rs, int n,
+                   char *err, size_t errlen) {
+  cJSON *root = cJSON_CreateObject();
+  cJSON_AddStringToObject(root, "format", "ferry-sim-report");
+  cJSON_AddNumberToObject(root, "version", 1);
+  cJSON_AddStringToObject(root, "trace", info->trace_path);
+  cJSON_AddStringToObject(root, "hw", info->hw->name);
+  cJSON *link = cJSON_AddObjectToObject(root, "link");
+  cJSON_AddNumberToObject(link, "h2d_bytes_per_s", info->hw->link.h2d_bytes_per_s);
+  cJSON_AddNumberToObject(link, "d2h_bytes_per_s", info->hw->link.d2h_bytes_per_s);
+  cJSON_AddNumberToObject(link, "latency_us", info->hw->link.latency_us);
+  cJSON_AddNumberToObject(link, "duplex_h2d", info->hw->duplex_h2d);
+  cJSON_AddNumberToObject(link, "duplex_d2h", info->hw->duplex_d2h);
+  cJSON_AddNumberToObject(root, "device_bytes", info->hw->device_bytes);
+  cJSON_AddNumberToObject(root, "layers", info->trace->layers);
+  /* The first policy's figures at the top level, for scripts comparing one. */
+  const sim_result *first = n > 1 ? &rs[1] : &rs[0];
+  cJSON *top = cJSON_CreateObject();
+  add_metrics(top, first, &rs[0]);
+  for (cJSON *x = top->child; x; x = x->next)
+    if (strcmp(x->string, "layers")) cJSON_AddItemToObject(root, x->string, cJSON_Duplicate(x, 1));
+  cJSON_Delete(top);
+  cJSON *b = cJSON_AddObjectToObject(root, "baseline");
+  add_metrics(b, &rs[0], &rs[0]);
+  cJSON *arr = cJSON_AddArrayToObject(root, "policies");
+  for (int i = 1; i < n; i++) {
+    cJSON *o = cJSON_CreateObject();
+    add_metrics(o, &rs[i], &rs[0]);
+    cJSON_AddItemToArray(arr, o);
+  }
+  char *text = cJSON_Print(root);
+  cJSON_Delete(root);
+  if (!text) {
+    snprintf(err, errlen, "out of memory writing %s", path);
+    return -1;
+  }
+  int rc = write_text(path, text, err, errlen);
+  free(text);
+  return rc;
+}
+
+/* ---- Chrome trace events ---------------------------------------------------------- */
+int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *err,
+                           size_t errlen) {
+  FILE *f = fopen(path, "w");
+  if (!f) {
+    snprintf(err, errlen, "cannot write %s: %s", path, strerror(errno));
+    return -1;
+  }
+  static const char *const lanes[3] = {"compute", "D2H copies", "H2D copies"};
+  fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", f);
+  int first = 1;
+#define SEP() (first ? (first = 0, "") : ",\n")
+  for (int i = 0; i < n; i++) {
+    const sim_result *r = &rs[i];
+    const sim_timeline *tl = &r->tl;
+    cJSON *s = cJSON_CreateString(r->label);
+    char *esc = cJSON_PrintUnformatted(s);
+    cJSON_Delete(s);
+    fprintf(f, "%s{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":%d,\"args\":{\"name\":%s}}", SEP(),
+            i + 1, esc ? esc : "\"?\"");
+    fprintf(f, "%s{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":%d,\"args\":{\"sort_index\":%d}}",
+            SEP(), i + 1, i);
+    free(esc);
+    for (int k = 0; k < 3; k++)
+      fprintf(f, "%s{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}",
+              SEP(), i + 1, k + 1, lanes[k]);
+    double t0 = tl->t_begin;
+    for (size_t k = 0; k < tl->n_iv; k++) {
+      const sim_interval *iv = &tl->iv[k];
+      if (iv->t1 < t0) continue;
+      if (iv->lane == 0)
+        fprintf(f, "%s{\"ph\":\"X\",\"pid\":%d,\"tid\":1,\"ts\":%.3f,\"dur\":%.3f,\"name\":\"%s%d\"}",
+                SEP(), i + 1, iv->t0 - t0, iv->t1 - iv->t0, iv->layer >= 0 ? "layer " : "outside layers",
+                iv->layer >= 0 ? iv->layer : 0);
+      else
+        fprintf(f, "%s{\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,\"name\":\"%s\","
+                   "\"args\":{\"bytes\":%llu}}",
+                SEP(), i + 1, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0,
+                iv->lane == 1 ? "offload" : "reload", (unsigned long long)iv->bytes);
+    }
+    for (size_t k = 0; k < tl->n_mem; k++)
+      fprintf(f, "%s{\"ph\":\"C\",\"pid\":%d,\"name\":\"device memory\",\"ts\":%.3f,\"args\":{\"GiB\":%.4f}}",
+              SEP(), i + 1, tl->mem[k].t - t0, (double)tl->mem[k].bytes / GIB);
+  }
+#undef SEP
+  fputs("\n]}\n", f);
+  int bad = ferror(f);
+  if (fclose(f) || bad) {
+    snprintf(err, errlen, "write error on %s", path);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- SVG ------------------------------------------------------------------------------ */
+static double nice_step(double range, int ticks) {
+  double raw = range / ticks, mag = pow(10, floor(log10(raw))), f = raw / mag;
+  return (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * mag;
+}
+
+static void xml_text(FILE *f, const char *s) {
+  for (; *s; s++) {
+    if (*s == '<') fputs("&lt;", f);
+    else if (*s == '>') fputs("&gt;", f);
+    else if (*s == '&') fputs("&amp;", f);
+    else if (*s == '"') fputs("&quot;", f);
+    else fputc(*s, f);
+  }
+}
+
+int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
+                  char *err, size_t errlen) {
+  FILE *f = fopen(path, "w");
+  if (!f) {
+    snprintf(err, errlen, "cannot write %s: %s", path, strerror(errno));
+    return -1;
+  }
+  static const char *const colors[] = {"#555555", "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e",
+                                       "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"};
+  const int W = 960, H = 540, L = 80, R = 200, T = 50, B = 60;
+  const int pw = W - L - R, ph = H - T - B;
+  double tmax = 0, ymax = 0;
+  for (int i = 0; i < n; i++) {
+    double d = rs[i].tl.t_end - rs[i].tl.t_begin;
+    if (d > tmax) tmax = d;
+    for (size_t k = 0; k < rs[i].tl.n_mem; k++)
+      if ((double)rs[i].tl.mem[k].bytes > ymax) ymax = (double)rs[i].tl.mem[k].bytes;
+  }
+  double cap = info->hw ? info->hw->device_bytes : 0;
+  if (cap > ymax && cap < ymax * 1.5) ymax = cap;
+  if (tmax <= 0) tmax = 1;
+  if (ymax <= 0) ymax = 1;
+  double tms = tmax / 1e3, yg = ymax / GIB * 1.05;
+  double xs = nice_step(tms, 8), ys = nice_step(yg, 6);
+  tms = ceil(tms / xs) * xs;
+  yg = ceil(yg / ys) * ys;
+  fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+             "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n", W, H, W, H);
+  fprintf(f, "<rect width=\"%d\" height=\"%d\" fill=\"white\"/>\n", W, H);
+  fprintf(f, "<text x=\"%d\" y=\"24\" font-size=\"16\" text-anchor=\"middle\">Device memory over "
+             "one training step (", L + pw / 2);
+  xml_text(f, info->trace_path ? info->trace_path : "trace");
+  fprintf(f, " on %s)</text>\n", info->hw ? info->hw->name : "?");
+  /* grid and ticks */
+  for (double x = 0; x <= tms + 1e-9; x += xs) {
+    double px = L + x / tms * pw;
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%d\" stroke=\"#e0e0e0\"/>\n", px, T, px, T + ph);
+    fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">%g</text>\n", px, T + ph + 18, x);
+  }
+  for (double y = 0; y <= yg + 1e-9; y += ys) {
+    double py = T + ph - y / yg * ph;
+    fprintf(f, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#e0e0e0\"/>\n", L, py, L + pw, py);
+    fprintf(f, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n", L - 8, py + 4, y);
+  }
+  fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"black\"/>\n",
+          L, T, pw, ph);
+  fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">time since step start (ms)</text>\n",
+          L + pw / 2, H - 18);
+  fprintf(f, "<text x=\"20\" y=\"%d\" text-anchor=\"middle\" transform=\"rotate(-90 20 %d)\">"
+             "device memory in use (GiB)</text>\n", T + ph / 2, T + ph / 2);
+  if (cap > 0 && cap / GIB <= yg) {
+    double py = T + ph - cap / GIB / yg * ph;
+    fprintf(f, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"black\" "
+               "stroke-dasharray=\"6 4\"/>\n", L, py, L + pw, py);
+    fprintf(f, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s capacity %.0f GB</text>\n",
+            L + pw - 4, py - 4, info->hw->name, cap / GB);
+  }
+  for (int i = 0; i < n; i++) {
+    const sim_timeline *tl = &rs[i].tl;
+    const char *c = colors[i % 10];
+    fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" points=\"", c,
+            i ? "1.6" : "2.4");
+    double prev_py = -1;
+    for (size_t k = 0; k < tl->n_mem; k++) {
+      double px = L + (tl->mem[k].t - tl->t_begin) / 1e3 / tms * pw;
+      double py = T + ph - (double)tl->mem[k].bytes / GIB / yg * ph;
+      if (prev_py >= 0) fprintf(f, "%.1f,%.1f ", px, prev_py); /* step shape */
+      fprintf(f, "%.1f,%.1f ", px, py);
+      prev_py = py;
+    }
+    fputs("\"/>\n", f);
+    int ly = T + 20 + i * 22;
+    fprintf(f, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"%s\" stroke-width=\"3\"/>\n",
+            L + pw + 12, ly, L + pw + 36, ly, c);
+    fprintf(f, "<text x=\"%d\" y=\"%d\">", L + pw + 42, ly + 4);
+    xml_text(f, rs[i].label);
+    fprintf(f, " (%.1f GiB)</text>\n", (double)rs[i].peak_device_bytes / GIB);
+  }
+  fputs("</svg>\n", f);
+  int bad = ferror(f);
+  if (fclose(f) || bad) {
+    snprintf(err, errlen, "write error on %s", path);
+    return -1;
+  }
+  return 0;
+}

@@ -1,0 +1,877 @@
+/* test_policy.c — the Lua policy host: sandbox, faults, budgets, cache.
+ * Policies are written to files in a temporary directory so that every
+ * error message can be checked for its exact "file:line: message". */
+#include <lauxlib.h>
+#include <lua.h>
+#include <math.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "policy_host.h"
+#include "test.h"
+
+/* ---- helpers ------------------------------------------------------------ */
+static char tmp_dir[64];
+
+static const char *temp_dir(void) {
+  if (!tmp_dir[0]) {
+    snprintf(tmp_dir, sizeof tmp_dir, "/tmp/ferry-policy-XXXXXX");
+    if (!mkdtemp(tmp_dir)) {
+      perror("mkdtemp");
+      abort();
+    }
+  }
+  return tmp_dir;
+}
+
+/* Write `text` to DIR/name and return the path (static buffer per call
+ * site is not needed: callers copy it). */
+static void write_file(char *path, size_t n, const char *name, const char *text) {
+  snprintf(path, n, "%s/%s", temp_dir(), name);
+  FILE *f = fopen(path, "wb");
+  if (!f) {
+    perror(path);
+    abort();
+  }
+  fputs(text, f);
+  fclose(f);
+}
+
+static ferry_tensor_desc desc_of(const char *path, const char *cls, int kind, uint64_t bytes) {
+  ferry_tensor_desc d;
+  memset(&d, 0, sizeof d);
+  d.bytes = bytes;
+  d.dtype = FERRY_DTYPE_BF16;
+  d.kind = kind;
+  d.ndim = 2;
+  d.shape[0] = 4;
+  d.shape[1] = (int64_t)(bytes / 8);
+  d.flags = FERRY_FLAG_CONTIGUOUS;
+  d.layer = 3;
+  d.layer_count = 8;
+  d.phase = FERRY_PHASE_FORWARD;
+  d.module_path = path;
+  d.module_class = cls;
+  return d;
+}
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* Load a policy file that must fail; compare the whole message. */
+static int expect_load_error(const char *name, const char *text, int trusted, int line,
+                             const char *msg) {
+  char path[256], err[1024], want[1024];
+  write_file(path, sizeof path, name, text);
+  ferry_policy *p = NULL;
+  int rc = ferry_policy_create(path, NULL, trusted, &p, err, sizeof err);
+  if (line)
+    snprintf(want, sizeof want, "%s:%d: %s", path, line, msg);
+  else
+    snprintf(want, sizeof want, "%s: %s", path, msg);
+  if (rc != FERRY_EPOLICY || p != NULL || strcmp(err, want) != 0) {
+    fprintf(stderr, "%s: rc %d\n  got  \"%s\"\n  want \"%s\"\n", name, rc, err, want);
+    ferry_policy_destroy(p);
+    return 1;
+  }
+  return 0;
+}
+
+static ferry_policy *load_file(const char *name, const char *text, int trusted, char *path,
+                               size_t pathlen) {
+  write_file(path, pathlen, name, text);
+  char err[1024];
+  ferry_policy *p = NULL;
+  if (ferry_policy_create(path, NULL, trusted, &p, err, sizeof err) != FERRY_OK)
+    fprintf(stderr, "%s: unexpected load error: %s\n", name, err);
+  return p;
+}
+
+/* last_error must be exactly "path:line: msg" */
+static int expect_fault(ferry_policy *p, const char *path, int line, const char *msg) {
+  char want[1024];
+  snprintf(want, sizeof want, "%s:%d: %s", path, line, msg);
+  if (strcmp(ferry_policy_last_error(p), want) != 0) {
+    fprintf(stderr, "  got  \"%s\"\n  want \"%s\"\n", ferry_policy_last_error(p), want);
+    return 1;
+  }
+  return 0;
+}
+
+/* ---- tests -------------------------------------------------------------- */
+
+/* Everything the contract promises a policy can see arrives intact, and
+ * the answer comes back as given. */
+TEST(policy_sees_descriptor_and_context) {
+  char path[256];
+  ferry_policy *p = load_file("fields.lua",
+      "local seen = {}\n"
+      "return { api = 1, name = 'fields',\n"
+      "  knobs = { max_fwd_stash = 6, prefetch_distance = 3, min_offload_bytes = 2048 },\n"
+      "  decide = function(t, ctx)\n"
+      "    assert(type(t) == 'cdata' and type(ctx) == 'cdata')\n"
+      "    assert(t.bytes == 2^40, 'bytes ' .. t.bytes)\n"
+      "    assert(t.dtype == ferry.BF16 and t.dtype == ferry.DTYPE_BF16)\n"
+      "    assert(t.kind == ferry.ACTIVATION and t.ndim == 3)\n"
+      "    assert(t.shape[0] == 2 and t.shape[1] == 3 and t.shape[2] == 5 and t.shape[3] == nil)\n"
+      "    assert(t.flags == ferry.VIEW + ferry.CONTIGUOUS)\n"
+      "    assert(t.layer == 3 and t.layer_count == 8 and t.phase == ferry.RECOMPUTE)\n"
+      "    assert(t.step == 41 and ctx.step == 41 and ctx.phase == ferry.BACKWARD)\n"
+      "    assert(t:path() == 'model.layers.3.mlp.up_proj' and t:class() == 'Linear')\n"
+      "    assert(ctx.host_ram_used_pct == 12.5 and ctx.arena_in_use == 1000)\n"
+      "    assert(ctx.arena_cap == 2^33 and ctx.stash_depth == 2)\n"
+      "    assert(ctx.bytes_in_flight == 77 and ctx.packed_this_step == 10)\n"
+      "    assert(ctx.offloaded_this_step == 4 and ctx.bytes_offloaded_this_step == 4096)\n"
+      "    assert(ctx:offloaded_in_layer(0) == 1 and ctx:offloaded_in_layer(2) == 9)\n"
+      "    assert(ctx:offloaded_in_layer(3) == 0 and ctx:offloaded_in_layer(-1) == 0)\n"
+      "    assert(ctx:offloaded_in_layer(1.5) == 0)\n"
+      "    -- interned: the same Lua string object every call\n"
+      "    seen[t:path()] = (seen[t:path()] or 0) + 1\n"
+      "    return ferry.OFFLOAD, ferry.PREFETCH, 7, false\n"
+      "  end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  CHECK(strcmp(ferry_policy_name(p), "fields") == 0);
+  ferry_policy_knobs k;
+  ferry_policy_get_knobs(p, &k);
+  CHECK(k.has_max_fwd_stash && k.max_fwd_stash == 6);
+  CHECK(k.has_prefetch_distance && k.prefetch_distance == 3);
+  CHECK(k.has_min_offload_bytes && k.min_offload_bytes == 2048);
+
+  ferry_tensor_desc d = desc_of("model.layers.3.mlp.up_proj", "Linear", FERRY_KIND_ACTIVATION,
+                                1ull << 40);
+  d.ndim = 3;
+  d.shape[0] = 2, d.shape[1] = 3, d.shape[2] = 5;
+  d.flags = FERRY_FLAG_VIEW | FERRY_FLAG_CONTIGUOUS;
+  d.phase = FERRY_PHASE_RECOMPUTE;
+  uint32_t per_layer[3] = {1, 0, 9};
+  ferry_context c = {.step = 41, .phase = FERRY_PHASE_BACKWARD, .host_ram_used_pct = 12.5,
+                     .arena_in_use = 1000, .arena_cap = 1ull << 33, .stash_depth = 2,
+                     .bytes_in_flight = 77, .packed_this_step = 10, .offloaded_this_step = 4,
+                     .bytes_offloaded_this_step = 4096, .offloaded_per_layer = per_layer,
+                     .layers_tracked = 3};
+  for (int i = 0; i < 3; i++) {
+    ferry_decision out;
+    ferry_policy_decide(p, &d, &c, &out);
+    if (ferry_policy_last_error(p)[0]) fprintf(stderr, "%s\n", ferry_policy_last_error(p));
+    CHECK_EQ(out.action, FERRY_OFFLOAD);
+    CHECK_EQ(out.reload, FERRY_RELOAD_PREFETCH);
+    CHECK_EQ(out.prefetch_distance, 7);
+    CHECK_EQ(out.cacheable, 0);
+  }
+  ferry_policy_stats s;
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, 3);
+  CHECK_EQ(s.errors, 0);
+  ferry_policy_destroy(p);
+
+  /* A shorter shape leaves no stale entries; no ctx reads as zeros. */
+  p = load_file("short.lua",
+      "return { api = 1, decide = function(t, ctx)\n"
+      "  if t.ndim == 3 then return ferry.KEEP end\n"
+      "  assert(t.ndim == 1 and t.shape[0] == 4 and t.shape[1] == nil and t.shape[2] == nil)\n"
+      "  assert(ctx.step == 0 and ctx.arena_cap == 0 and ctx:offloaded_in_layer(0) == 0)\n"
+      "  assert(t:path() == '' and t:class() == '')\n"
+      "  return ferry.KEEP end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  CHECK(strcmp(ferry_policy_name(p), "short") == 0); /* from the file name */
+  ferry_decision out;
+  ferry_policy_decide(p, &d, &c, &out);
+  ferry_tensor_desc d1 = desc_of(NULL, NULL, FERRY_KIND_ACTIVATION, 64);
+  d1.ndim = 1;
+  ferry_policy_decide(p, &d1, NULL, &out);
+  CHECK(ferry_policy_last_error(p)[0] == '\0');
+  CHECK_EQ(out.action, FERRY_KEEP);
+  CHECK_EQ(out.prefetch_distance, -1); /* nil distance: the engine's default */
+  ferry_policy_destroy(p);
+  return 0;
+}
+
+/* Each way out of the sandbox, tried at line 2 of a policy, is refused with
+ * its exact message. */
+TEST(policy_sandbox_refuses_escapes) {
+  static const struct {
+    const char *code, *msg;
+  } cases[] = {
+      {"io.open('/etc/passwd')", "unknown global 'io'"},
+      {"os.execute('true')", "'os.execute' is not available to policies (only os.clock and os.time are)"},
+      {"os.getenv('HOME')", "'os.getenv' is not available to policies (only os.clock and os.time are)"},
+      {"require 'ffi'", "module 'ffi' is only available to trusted policies"},
+      {"require 'io'", NULL}, /* message names the library dir, checked below */
+      {"require '../../etc/passwd'", "module name '../../etc/passwd' is not valid (use names like ferry.rules)"},
+      {"loadstring('return 1')", "unknown global 'loadstring'"},
+      {"load('return 1')", "unknown global 'load'"},
+      {"dofile('/etc/passwd')", "unknown global 'dofile'"},
+      {"loadfile('/etc/passwd')", "unknown global 'loadfile'"},
+      {"string.dump(string.len)", "'string.dump' is not available to policies"},
+      {"local f = ('x').dump", "'string.dump' is not available to policies"},
+      {"local f = getmetatable('').__index.dump", "attempt to index a nil value"},
+      {"debug.getinfo(1)", "unknown global 'debug'"},
+      {"getfenv(1)", "unknown global 'getfenv'"},
+      {"setfenv(1, {})", "unknown global 'setfenv'"},
+      {"rawset(_G, 'x', 1)", "unknown global 'rawset'"},
+      {"_G.x = 1", "unknown global '_G'"},
+      {"x = 1", "unknown global 'x'"},
+      {"local y = undefined_name", "unknown global 'undefined_name'"},
+      {"collectgarbage()", "unknown global 'collectgarbage'"},
+      {"jit.on()", "unknown global 'jit'"},
+      {"newproxy(true)", "unknown global 'newproxy'"},
+      {"coroutine.wrap(print)", "unknown global 'coroutine'"},
+      {"module('m')", "unknown global 'module'"},
+      {"print('hi')", "unknown global 'print'"},
+      {"package.loaded.os.exit()", "unknown global 'package'"},
+  };
+  setenv("FERRY_POLICY_LIBDIR", temp_dir(), 1);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char text[512], msg[512];
+    snprintf(text, sizeof text,
+             "-- escape %zu\n%s\nreturn { api = 1, decide = function() return 0 end }\n", i,
+             cases[i].code);
+    if (cases[i].msg)
+      snprintf(msg, sizeof msg, "%s", cases[i].msg);
+    else
+      snprintf(msg, sizeof msg,
+               "module 'io' not found (policies may only require ferry's modules, from %s)",
+               temp_dir());
+    if (expect_load_error("escape.lua", text, 0, 2, msg)) {
+      fprintf(stderr, "escape case %zu: %s\n", i, cases[i].code);
+      unsetenv("FERRY_POLICY_LIBDIR");
+      return 1;
+    }
+  }
+  unsetenv("FERRY_POLICY_LIBDIR");
+
+  /* The string metatable is hidden; what a policy gets is harmless. */
+  char path[256];
+  ferry_policy *p = load_file("meta.lua",
+      "assert(getmetatable('') == 'string')\n"
+      "assert(('abc'):upper() == 'ABC' and string.format('%d', 3) == '3')\n"
+      "assert(type(os.clock()) == 'number' and type(os.time()) == 'number')\n"
+      "assert(math.floor(2.5) == 2 and table.concat({'a', 'b'}) == 'ab')\n"
+      "return { api = 1, decide = function(t, ctx)\n"
+      "  local ok, e = pcall(function() t.bytes = 1 end)\n"
+      "  assert(not ok and e:find('attempt to write to constant location'), e)\n"
+      "  ok, e = pcall(function() return t[100000] end)\n"
+      "  assert(not ok and e:find('cannot be indexed with'), e)\n"
+      "  ok, e = pcall(function() return t + 1 end)\n"
+      "  assert(not ok and e:find('attempt to perform arithmetic'), e)\n"
+      "  ok, e = pcall(function() return ctx.offloaded_per_layer end)\n"
+      "  assert(not ok and e:find('has no member named'), e)\n"
+      "  assert(getmetatable(t) == 'ffi')\n"
+      "  return ferry.OFFLOAD end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  ferry_tensor_desc d = desc_of("a", "B", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision out;
+  ferry_policy_decide(p, &d, NULL, &out);
+  if (ferry_policy_last_error(p)[0]) fprintf(stderr, "%s\n", ferry_policy_last_error(p));
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_destroy(p);
+
+  return 0;
+}
+
+/* Writer for lua_dump into a FILE. */
+static int dump_to_file(lua_State *L, const void *data, size_t n, void *ud) {
+  (void)L;
+  return fwrite(data, 1, n, ud) == n ? 0 : 1;
+}
+
+TEST(policy_refuses_bytecode) {
+  char path[256];
+  snprintf(path, sizeof path, "%s/bytecode.lua", temp_dir());
+  lua_State *L = luaL_newstate();
+  CHECK(luaL_loadstring(L, "return { api = 1, decide = function() return 1 end }") == 0);
+  FILE *f = fopen(path, "wb");
+  CHECK(f != NULL);
+  CHECK(lua_dump(L, dump_to_file, f) == 0);
+  fclose(f);
+  lua_close(L);
+  ferry_policy *p = NULL;
+  char err[512];
+  CHECK_RC(ferry_policy_create(path, NULL, 0, &p, err, sizeof err), FERRY_EPOLICY);
+  CHECK(p == NULL);
+  CHECK_STR_CONTAINS(err, path);
+  CHECK_STR_CONTAINS(err, "attempt to load chunk with wrong mode");
+  return 0;
+}
+
+/* Runtime faults in decide: kept, counted, reported with file:line. */
+TEST(policy_runtime_errors_carry_file_line) {
+  char path[256];
+  ferry_policy *p = load_file("errors.lua",
+      "return { api = 1, decide = function(t)\n" /* line 1 */
+      "  local p = t:path()\n"
+      "  if p == 'boom' then error('boom') end\n" /* 3 */
+      "  if p == 'level0' then error('no position', 0) end\n" /* 4 */
+      "  if p == 'table' then error({}) end\n" /* 5 */
+      "  if p == 'nil' then return nil + 1 end\n" /* 6 */
+      "  if p == 'global' then return undefined_thing end\n" /* 7 */
+      "  if p == 'setglobal' then leaked = 1 end\n" /* 8 */
+      "  if p == 'assign' then t.bytes = 0 end\n" /* 9 */
+      "  return ferry.OFFLOAD\n"
+      "end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  static const struct {
+    const char *site;
+    int line;
+    const char *msg;
+  } cases[] = {
+      {"boom", 3, "boom"},
+      {"level0", 4, "no position"},
+      {"table", 5, "error object is a table value"},
+      {"nil", 6, "attempt to perform arithmetic on a nil value"},
+      {"global", 7, "unknown global 'undefined_thing'"},
+      {"setglobal", 8, "unknown global 'leaked'"},
+      {"assign", 9, "attempt to write to constant location"},
+  };
+  uint64_t n = sizeof cases / sizeof cases[0];
+  for (uint64_t i = 0; i < n; i++) {
+    ferry_tensor_desc d = desc_of(cases[i].site, "X", FERRY_KIND_ACTIVATION, 4096);
+    ferry_decision out = {FERRY_OFFLOAD, 1, 5, 1};
+    ferry_policy_decide(p, &d, NULL, &out);
+    CHECK_EQ(out.action, FERRY_KEEP);
+    CHECK_EQ(out.cacheable, 0);
+    if (expect_fault(p, path, cases[i].line, cases[i].msg)) return 1;
+  }
+  ferry_tensor_desc ok = desc_of("fine", "X", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision out;
+  ferry_policy_decide(p, &ok, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_stats s;
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.errors, n);
+  CHECK_EQ(s.calls, n + 1);
+  CHECK_EQ(s.disabled, 0);
+  ferry_policy_destroy(p);
+
+  /* A policy given as source text is named "policy" in messages. */
+  char err[512];
+  CHECK_RC(ferry_policy_create(NULL, "\n\nlocal x = = 1\n", 0, &p, err, sizeof err), FERRY_EPOLICY);
+  CHECK(strcmp(err, "policy:3: unexpected symbol near '='") == 0);
+  return 0;
+}
+
+/* Load-time errors: syntax, runtime, the shape of the returned table. */
+TEST(policy_load_errors) {
+  if (expect_load_error("syntax.lua", "return {\n  api = 1,\n  decide = function( end\n}\n", 0, 3,
+                        "<name> or '...' expected near 'end'"))
+    return 1;
+  if (expect_load_error("runtime.lua", "local x = nil\nlocal y = x.field\n", 0, 2,
+                        "attempt to index local 'x' (a nil value)"))
+    return 1;
+  if (expect_load_error("notable.lua", "local a = 1\nreturn 42\n", 0, 2,
+                        "a policy must return a table { api = 1, decide = function(t, ctx) ... "
+                        "end }, got number"))
+    return 1;
+  if (expect_load_error("noapi.lua", "local d = function() return 0 end\nreturn { decide = d }\n", 0,
+                        2, "the policy table has no 'api' field (this ferry provides API version 1: "
+                           "return { api = 1, ... })"))
+    return 1;
+  if (expect_load_error("nodecide.lua", "-- no decide\nreturn { api = 1 }\n", 0, 2,
+                        "the policy table has no decide function (decide = function(t, ctx) ... end)"))
+    return 1;
+  if (expect_load_error("baddecide.lua", "return {\n  api = 1,\n  decide = 7,\n}\n", 0, 3,
+                        "decide must be a function, got number"))
+    return 1;
+  if (expect_load_error("badname.lua", "return { api = 1,\n name = 5, decide = function() end }\n",
+                        0, 2, "name must be a non-empty string shorter than 128 bytes, got 5"))
+    return 1;
+  char err[256];
+  ferry_policy *p = NULL;
+  CHECK_RC(ferry_policy_create("/nonexistent/dir/p.lua", NULL, 0, &p, err, sizeof err),
+           FERRY_EPOLICY);
+  CHECK(strcmp(err, "/nonexistent/dir/p.lua: cannot open the policy file: No such file or "
+                    "directory") == 0);
+  CHECK_RC(ferry_policy_create(NULL, NULL, 0, &p, err, sizeof err), FERRY_EINVAL);
+  return 0;
+}
+
+TEST(policy_api_version_mismatch) {
+  if (expect_load_error("api2.lua", "-- wants a newer ferry\nreturn {\n  api = 2,\n"
+                        "  decide = function() return 0 end }\n", 0, 3,
+                        "policy requires API version 2, this ferry provides 1"))
+    return 1;
+  if (expect_load_error("apistr.lua", "return { api = '1',\n decide = function() end }\n", 0, 1,
+                        "api must be an integer, got string \"1\""))
+    return 1;
+  return 0;
+}
+
+TEST(policy_bad_knobs) {
+  static const struct {
+    const char *knobs;
+    const char *msg;
+  } cases[] = {
+      {"max_stash = 4", "unknown knob 'max_stash' (known: max_fwd_stash, prefetch_distance, "
+                        "min_offload_bytes)"},
+      {"max_fwd_stash = -1", "knob 'max_fwd_stash' must be within [0, 1048576], got -1"},
+      {"max_fwd_stash = 2.5", "knob 'max_fwd_stash' must be an integer, got 2.5"},
+      {"prefetch_distance = '2'", "knob 'prefetch_distance' must be an integer, got string \"2\""},
+      {"prefetch_distance = 5000", "knob 'prefetch_distance' must be within [0, 4096], got 5000"},
+      {"min_offload_bytes = 2^60", "knob 'min_offload_bytes' must be within [0, 1125899906842624], "
+                                   "got 1.152921504606847e+18"},
+      {"min_offload_bytes = 0/0", "knob 'min_offload_bytes' must be an integer, got nan"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char text[512];
+    snprintf(text, sizeof text,
+             "return {\n  api = 1,\n  knobs = {\n    %s,\n  },\n  decide = function() end }\n",
+             cases[i].knobs);
+    if (expect_load_error("knobs.lua", text, 0, 4, cases[i].msg)) return 1;
+  }
+  if (expect_load_error("knobtype.lua", "return {\n api = 1,\n knobs = 3,\n decide = print }\n", 0,
+                        3, "unknown global 'print'"))
+    return 1;
+  if (expect_load_error("knobtype2.lua", "return {\n api = 1,\n knobs = 3,\n decide = type }\n", 0,
+                        3, "knobs must be a table, got number"))
+    return 1;
+  /* no knobs: nothing set */
+  char path[256];
+  ferry_policy *p = load_file("noknobs.lua", "return { api = 1, decide = function() end }\n", 0,
+                              path, sizeof path);
+  CHECK(p != NULL);
+  ferry_policy_knobs k;
+  ferry_policy_get_knobs(p, &k);
+  CHECK(!k.has_max_fwd_stash && !k.has_prefetch_distance && !k.has_min_offload_bytes);
+  ferry_policy_destroy(p);
+  return 0;
+}
+
+/* Nonsense answers become KEEP, counted, with decide's file:line. */
+TEST(policy_nonsense_answers_kept) {
+  static const struct {
+    const char *ret, *msg;
+  } cases[] = {
+      {"nil", "action: nil (expected ferry.KEEP or ferry.OFFLOAD)"},
+      {"'offload'", "action: string \"offload\" (expected ferry.KEEP or ferry.OFFLOAD)"},
+      {"7", "action: 7 (expected ferry.KEEP or ferry.OFFLOAD)"},
+      {"true", "action: true (expected ferry.KEEP or ferry.OFFLOAD)"},
+      {"{}", "action: table (expected ferry.KEEP or ferry.OFFLOAD)"},
+      {"0/0", "action: nan (expected ferry.KEEP or ferry.OFFLOAD)"},
+      {"1, 2", "reload: 2 (expected ferry.ON_USE or ferry.PREFETCH)"},
+      {"1, 1, -1", "prefetch distance: -1 (expected an integer in [0, 4096] or nil)"},
+      {"1, 1, 0.5", "prefetch distance: 0.5 (expected an integer in [0, 4096] or nil)"},
+      {"1, 1, 0/0", "prefetch distance: nan (expected an integer in [0, 4096] or nil)"},
+      {"1, 1, 1e9", "prefetch distance: 1000000000 (expected an integer in [0, 4096] or nil)"},
+      {"1, 1, 2, 'yes'", "cache flag: string \"yes\" (expected true, false or nil)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char text[512], path[256], msg[512];
+    snprintf(text, sizeof text, "-- nonsense\n\nreturn { api = 1,\n decide = function(t, ctx)\n"
+                                "  return %s\nend }\n", cases[i].ret);
+    ferry_policy *p = load_file("nonsense.lua", text, 0, path, sizeof path);
+    CHECK(p != NULL);
+    ferry_tensor_desc d = desc_of("m", "M", FERRY_KIND_ACTIVATION, 4096);
+    ferry_decision out;
+    ferry_policy_decide(p, &d, NULL, &out);
+    CHECK_EQ(out.action, FERRY_KEEP);
+    CHECK_EQ(out.cacheable, 0);
+    ferry_policy_stats s;
+    ferry_policy_get_stats(p, &s);
+    CHECK_EQ(s.errors, 1);
+    snprintf(msg, sizeof msg, "decide returned a nonsense %s; the tensor was kept", cases[i].msg);
+    if (expect_fault(p, path, 4, msg)) return 1;
+    ferry_policy_destroy(p);
+  }
+  return 0;
+}
+
+/* Runaway loops are interrupted whatever their form, including a loop that
+ * ran hot many times (would be JIT-compiled) before a later tensor made it
+ * endless. */
+TEST(policy_runaway_loops_interrupted) {
+  char path[256];
+  ferry_policy *p = load_file("loops.lua",
+      "local function spin(n) local s = 0 for i = 1, n do s = s + i end return s end\n" /* 1 */
+      "local function tail(n) return tail(n + 1) end\n" /* 2 */
+      "local function deep(n) return 1 + deep(n + 1) end\n" /* 3 */
+      "local function swallow()\n" /* 4 */
+      "  while true do pcall(function() while true do end end) end\n" /* 5 */
+      "end\n"
+      "local function handler() while true do end end\n" /* 7 */
+      "return { api = 1, decide = function(t)\n" /* 8 */
+      "  local p = t:path()\n"
+      "  if p == 'while' then while true do end end\n" /* 10 */
+      "  if p == 'repeat' then repeat until false end\n" /* 11 */
+      "  if p == 'hot' then spin(t.bytes) end\n" /* 12 */
+      "  if p == 'tail' then tail(0) end\n" /* 13 */
+      "  if p == 'deep' then deep(0) end\n" /* 14 */
+      "  if p == 'swallow' then swallow() end\n" /* 15 */
+      "  if p == 'xpcall' then xpcall(function() while true do end end, handler) end\n" /* 16 */
+      "  if p == 'gsub' then local function f(s) return (s:gsub('.', f)) end f('ab') end\n" /* 17 */
+      "  return ferry.OFFLOAD\n"
+      "end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  const char *budget = "interrupted after 10000000 VM instructions (runaway loop?)";
+  /* 2000 calls of a 300-iteration loop: hot by any JIT threshold */
+  ferry_tensor_desc hot = desc_of("hot", "X", FERRY_KIND_ACTIVATION, 300);
+  for (int i = 0; i < 2000; i++) {
+    ferry_decision out;
+    ferry_policy_decide(p, &hot, NULL, &out);
+    CHECK_EQ(out.action, FERRY_OFFLOAD);
+  }
+  static const struct {
+    const char *site;
+    uint64_t bytes;
+    int line;
+    int budget;
+    const char *msg;
+  } cases[] = {
+      {"while", 1, 10, 1, NULL},
+      {"repeat", 1, 11, 1, NULL},
+      {"hot", 1ull << 50, 1, 1, NULL},
+      {"tail", 1, 2, 1, NULL},
+      {"deep", 1, 3, 0, "stack overflow"},
+      {"swallow", 1, 5, 1, NULL},
+      {"xpcall", 1, 16, 1, NULL},
+      {"gsub", 1, 17, 0, "string.gsub nested too deeply (limit 64)"},
+  };
+  uint64_t n = sizeof cases / sizeof cases[0];
+  for (uint64_t i = 0; i < n; i++) {
+    ferry_tensor_desc d = desc_of(cases[i].site, "X", FERRY_KIND_ACTIVATION, cases[i].bytes);
+    ferry_decision out = {FERRY_OFFLOAD, 0, 0, 1};
+    double t0 = now_ms();
+    ferry_policy_decide(p, &d, NULL, &out);
+    double ms = now_ms() - t0;
+    CHECK_EQ(out.action, FERRY_KEEP);
+    if (expect_fault(p, path, cases[i].line, cases[i].budget ? budget : cases[i].msg)) {
+      fprintf(stderr, "runaway case '%s'\n", cases[i].site);
+      return 1;
+    }
+    printf("  %-8s stopped after %.1f ms\n", cases[i].site, ms);
+  }
+  /* Still usable afterwards, the hot loop included. */
+  ferry_decision out;
+  ferry_policy_decide(p, &hot, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_stats s;
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.errors, n);
+  ferry_policy_destroy(p);
+
+  /* At load time too, with the load budget. */
+  return expect_load_error("loadloop.lua", "local x = 0\nwhile true do x = x + 1 end\n", 0, 2,
+                           "interrupted after 100000000 VM instructions (runaway loop?)");
+}
+
+/* An allocation bomb is stopped by the memory cap, counted, and the state
+ * recovers its memory. */
+TEST(policy_memory_bomb_stopped) {
+  setenv("FERRY_POLICY_MEM_MB", "16", 1);
+  char path[256];
+  ferry_policy *p = load_file("bomb.lua",
+      "local keep = {}\n"
+      "return { api = 1, decide = function(t)\n"
+      "  local p = t:path()\n"
+      "  if p == 'table' then local x = {} for i = 1, 1e9 do x[i] = i end end\n" /* 4 */
+      "  if p == 'strings' then for i = 1, 1e9 do keep[i] = ('x'):rep(64) .. i end end\n" /* 5 */
+      "  if p == 'rep' then local s = ('x'):rep(2^30) end\n" /* 6 */
+      "  if p == 'swallow' then pcall(function() local x = {} for i = 1, 1e9 do x[i] = {} end end) end\n" /* 7 */
+      "  if p == 'clear' then keep = {} end\n"
+      "  return ferry.OFFLOAD\n"
+      "end }\n",
+      0, path, sizeof path);
+  unsetenv("FERRY_POLICY_MEM_MB");
+  CHECK(p != NULL);
+  static const struct {
+    const char *site;
+    int line;
+  } cases[] = {{"table", 4}, {"rep", 6}, {"swallow", 7}, {"strings", 5}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ferry_tensor_desc d = desc_of(cases[i].site, "X", FERRY_KIND_ACTIVATION, 4096);
+    ferry_decision out = {FERRY_OFFLOAD, 0, 0, 1};
+    ferry_policy_decide(p, &d, NULL, &out);
+    CHECK_EQ(out.action, FERRY_KEEP);
+    const char *e = ferry_policy_last_error(p);
+    char want[300];
+    snprintf(want, sizeof want, "%s:%d: policy memory limit of 16 MiB exceeded", path,
+             cases[i].line);
+    if (strncmp(e, want, strlen(want)) != 0) {
+      fprintf(stderr, "bomb '%s':\n  got  \"%s\"\n  want \"%s...\"\n", cases[i].site, e, want);
+      return 1;
+    }
+  }
+  /* 'strings' left its garbage reachable: until the policy drops it, calls
+   * that allocate may fail, but the host keeps answering. */
+  ferry_tensor_desc clear = desc_of("clear", "X", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision out;
+  ferry_policy_decide(p, &clear, NULL, &out);
+  ferry_tensor_desc fine = desc_of("fine", "X", FERRY_KIND_ACTIVATION, 4096);
+  ferry_policy_decide(p, &fine, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_stats s;
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.errors, 4);
+  ferry_policy_destroy(p);
+
+  setenv("FERRY_POLICY_MEM_MB", "16", 1);
+  int rc = expect_load_error("loadbomb.lua", "local t = {}\nfor i = 1, 1e9 do t[i] = i end\n", 0, 2,
+                             "policy memory limit of 16 MiB exceeded (allocation of 16777224 bytes "
+                             "refused)");
+  unsetenv("FERRY_POLICY_MEM_MB");
+  return rc;
+}
+
+/* After the error budget (100 faults) the policy is disabled: everything is
+ * kept without calling Lua, and last_error says so. */
+TEST(policy_error_budget_disables) {
+  char path[256];
+  ferry_policy *p = load_file("budget.lua",
+      "return { api = 1, decide = function(t)\n"
+      "  if t:path() == 'bad' then error('always wrong') end\n"
+      "  return ferry.OFFLOAD\n"
+      "end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  ferry_tensor_desc bad = desc_of("bad", "X", FERRY_KIND_ACTIVATION, 4096);
+  ferry_tensor_desc good = desc_of("good", "X", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision out;
+  for (int i = 0; i < 99; i++) ferry_policy_decide(p, &bad, NULL, &out);
+  ferry_policy_stats s;
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.errors, 99);
+  CHECK_EQ(s.disabled, 0);
+  ferry_policy_decide(p, &good, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_decide(p, &bad, NULL, &out);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.errors, 100);
+  CHECK_EQ(s.disabled, 1);
+  char want[512];
+  snprintf(want, sizeof want,
+           "%s:2: always wrong (policy disabled after 100 faults: every tensor is now kept)", path);
+  CHECK(strcmp(ferry_policy_last_error(p), want) == 0);
+  uint64_t calls = s.calls;
+  ferry_policy_decide(p, &good, NULL, &out);
+  CHECK_EQ(out.action, FERRY_KEEP);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, calls);
+  ferry_policy_destroy(p);
+
+  /* The budget can be lowered from the environment. */
+  setenv("FERRY_POLICY_ERROR_BUDGET", "3", 1);
+  p = load_file("budget.lua", "return { api = 1, decide = function() error('x') end }\n", 0, path,
+                sizeof path);
+  unsetenv("FERRY_POLICY_ERROR_BUDGET");
+  CHECK(p != NULL);
+  for (int i = 0; i < 5; i++) ferry_policy_decide(p, &bad, NULL, &out);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.errors, 3);
+  CHECK_EQ(s.disabled, 1);
+  ferry_policy_destroy(p);
+  return 0;
+}
+
+/* cache=true answers are reused per site (path, class, shape, dtype, kind);
+ * a hit gives exactly the uncached answer and does not call Lua. */
+TEST(policy_site_cache) {
+  char path[256];
+  ferry_policy *p = load_file("cache.lua",
+      "return { api = 1, decide = function(t)\n"
+      "  if t:path() == 'nocache' then return ferry.OFFLOAD, ferry.ON_USE, nil, false end\n"
+      "  if t:path():find('keep') then return ferry.KEEP, ferry.ON_USE, nil, true end\n"
+      "  return ferry.OFFLOAD, ferry.PREFETCH, t.shape[1] % 7, true\n"
+      "end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  ferry_tensor_desc a = desc_of("model.a", "Linear", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision first, again;
+  ferry_policy_decide(p, &a, NULL, &first);
+  ferry_policy_decide(p, &a, NULL, &again);
+  CHECK_EQ(first.action, FERRY_OFFLOAD);
+  CHECK_EQ(first.reload, FERRY_RELOAD_PREFETCH);
+  CHECK_EQ(first.prefetch_distance, 512 % 7);
+  CHECK_EQ(first.cacheable, 1);
+  CHECK(memcmp(&first, &again, sizeof first) == 0);
+  ferry_policy_stats s;
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, 1);
+  CHECK_EQ(s.cache_hits, 1);
+
+  /* Same content at another address: the same site. */
+  char copy[32];
+  strcpy(copy, "model.a");
+  ferry_tensor_desc a2 = a;
+  a2.module_path = copy;
+  ferry_policy_decide(p, &a2, NULL, &again);
+  CHECK(memcmp(&first, &again, sizeof first) == 0);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.cache_hits, 2);
+
+  /* The same address with other content is another site, not a stale hit. */
+  strcpy(copy, "model.keep");
+  ferry_policy_decide(p, &a2, NULL, &again);
+  CHECK_EQ(again.action, FERRY_KEEP);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, 2);
+
+  /* Any key field changing is another site. */
+  ferry_tensor_desc v[4];
+  for (int i = 0; i < 4; i++) v[i] = a;
+  v[0].shape[1] = 9;
+  v[1].dtype = FERRY_DTYPE_F32;
+  v[2].kind = FERRY_KIND_OTHER;
+  v[3].module_class = "Conv";
+  for (int i = 0; i < 4; i++) ferry_policy_decide(p, &v[i], NULL, &again);
+  CHECK_EQ(again.action, FERRY_OFFLOAD);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, 6);
+  CHECK_EQ(s.cache_hits, 2);
+  /* ... while fields outside the key (layer, phase, bytes) are not. */
+  ferry_tensor_desc same = a;
+  same.layer = 7;
+  same.phase = FERRY_PHASE_RECOMPUTE;
+  ferry_policy_decide(p, &same, NULL, &again);
+  CHECK(memcmp(&first, &again, sizeof first) == 0);
+
+  /* cache=false is never cached */
+  ferry_tensor_desc nc = desc_of("nocache", "X", FERRY_KIND_ACTIVATION, 4096);
+  ferry_policy_decide(p, &nc, NULL, &again);
+  ferry_policy_decide(p, &nc, NULL, &again);
+  CHECK_EQ(again.cacheable, 0);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, 8);
+  CHECK_EQ(s.cache_hits, 3);
+  ferry_policy_destroy(p);
+  return 0;
+}
+
+TEST(policy_trusted_gets_ffi) {
+  const char *text =
+      "local ffi = require 'ffi'\n"
+      "ffi.cdef 'int abs(int);'\n"
+      "assert(ffi.C.abs(-3) == 3)\n"
+      "return { api = 1, decide = function() return ferry.OFFLOAD end }\n";
+  char path[256];
+  ferry_policy *p = load_file("trusted.lua", text, 1, path, sizeof path);
+  CHECK(p != NULL);
+  ferry_tensor_desc d = desc_of("m", "M", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision out;
+  ferry_policy_decide(p, &d, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_destroy(p);
+  return expect_load_error("trusted.lua", text, 0, 1,
+                           "module 'ffi' is only available to trusted policies");
+}
+
+/* require loads ferry's modules from the library dir, into the same
+ * sandbox; errors inside a module carry the module's file:line. */
+TEST(policy_require_library_modules) {
+  char dir[256], mod[300], path[256];
+  snprintf(dir, sizeof dir, "%s/ferry", temp_dir());
+  mkdir(dir, 0700);
+  snprintf(mod, sizeof mod, "ferry/helper.lua");
+  write_file(path, sizeof path, mod,
+             "local M = {}\nfunction M.big(t) return t.bytes >= 1024 end\n"
+             "M.loads = (M.loads or 0) + 1\nreturn M\n");
+  write_file(path, sizeof path, "ferry/evil.lua", "local M = {}\nio.write('x')\nreturn M\n");
+  char evil[256];
+  snprintf(evil, sizeof evil, "%s", path);
+  write_file(path, sizeof path, "ferry/loop_a.lua", "return require 'ferry.loop_a'\n");
+  setenv("FERRY_POLICY_LIBDIR", temp_dir(), 1);
+  ferry_policy *p = load_file("usesmod.lua",
+      "local H = require 'ferry.helper'\n"
+      "assert(require 'ferry.helper' == H)\n"
+      "return { api = 1, decide = function(t)\n"
+      "  return H.big(t) and ferry.OFFLOAD or ferry.KEEP\n"
+      "end }\n",
+      0, path, sizeof path);
+  CHECK(p != NULL);
+  ferry_tensor_desc big = desc_of("m", "M", FERRY_KIND_ACTIVATION, 4096);
+  ferry_tensor_desc small = desc_of("m", "M", FERRY_KIND_ACTIVATION, 16);
+  ferry_decision out;
+  ferry_policy_decide(p, &big, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_decide(p, &small, NULL, &out);
+  CHECK_EQ(out.action, FERRY_KEEP);
+  ferry_policy_destroy(p);
+
+  char err[1024], want[1024];
+  write_file(path, sizeof path, "usesevil.lua",
+             "local E = require 'ferry.evil'\nreturn { api = 1, decide = E }\n");
+  CHECK_RC(ferry_policy_create(path, NULL, 0, &p, err, sizeof err), FERRY_EPOLICY);
+  snprintf(want, sizeof want, "%s:2: unknown global 'io'", evil);
+  CHECK(strcmp(err, want) == 0);
+  write_file(path, sizeof path, "usesloop.lua", "\nlocal L = require 'ferry.loop_a'\n");
+  CHECK_RC(ferry_policy_create(path, NULL, 0, &p, err, sizeof err), FERRY_EPOLICY);
+  snprintf(want, sizeof want,
+           "%s/ferry/loop_a.lua:1: module 'ferry.loop_a' requires itself (a require loop)",
+           temp_dir());
+  unsetenv("FERRY_POLICY_LIBDIR");
+  if (strcmp(err, want) != 0) {
+    fprintf(stderr, "  got  \"%s\"\n  want \"%s\"\n", err, want);
+    return 1;
+  }
+  return 0;
+}
+
+/* Reloading: a policy that fails to load leaves the running one intact. */
+TEST(policy_failed_reload_keeps_old) {
+  char path[256], err[512];
+  ferry_policy *p = load_file("reload.lua",
+      "return { api = 1, decide = function() return ferry.OFFLOAD end }\n", 0, path, sizeof path);
+  CHECK(p != NULL);
+  write_file(path, sizeof path, "reload.lua", "return { api = 1, decide = function() return\n");
+  ferry_policy *next = NULL;
+  CHECK_RC(ferry_policy_create(path, NULL, 0, &next, err, sizeof err), FERRY_EPOLICY);
+  CHECK(next == NULL);
+  CHECK_STR_CONTAINS(err, "reload.lua:2:");
+  ferry_tensor_desc d = desc_of("m", "M", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision out;
+  ferry_policy_decide(p, &d, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_destroy(p);
+  return 0;
+}
+
+/* The shipped default policy loads in the host and keeps what today's
+ * offloaders keep (its rules are covered in detail by the busted specs). */
+TEST(policy_shipped_default_loads) {
+  char path[1024];
+  const char *slash = strrchr(__FILE__, '/');
+  CHECK(slash != NULL);
+  snprintf(path, sizeof path, "%.*s/../policies/default.lua", (int)(slash - __FILE__), __FILE__);
+  if (access(path, R_OK) != 0) {
+    printf("  (no %s yet; skipped)\n", path);
+    return 0;
+  }
+  char err[1024];
+  ferry_policy *p = NULL;
+  CHECK_RC(ferry_policy_create(path, NULL, 0, &p, err, sizeof err), FERRY_OK);
+  CHECK(strcmp(ferry_policy_name(p), "default") == 0);
+  ferry_tensor_desc mlp = desc_of("model.layers.0.mlp.up_proj", "Linear", FERRY_KIND_ACTIVATION,
+                                  1 << 20);
+  ferry_tensor_desc head = desc_of("lm_head", "Linear", FERRY_KIND_ACTIVATION, 1 << 20);
+  ferry_tensor_desc param = desc_of("model.layers.0.mlp.up_proj", "Linear",
+                                    FERRY_KIND_PARAMETER, 1 << 20);
+  ferry_tensor_desc tiny = desc_of("model.layers.0.mlp.up_proj", "Linear", FERRY_KIND_ACTIVATION,
+                                   512);
+  ferry_tensor_desc liger = desc_of("model.loss", "LigerFusedLinearCrossEntropy",
+                                    FERRY_KIND_ACTIVATION, 1 << 20);
+  ferry_context c = {.step = 1};
+  ferry_decision out;
+  ferry_policy_decide(p, &mlp, &c, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_decide(p, &head, &c, &out);
+  CHECK_EQ(out.action, FERRY_KEEP);
+  ferry_policy_decide(p, &param, &c, &out);
+  CHECK_EQ(out.action, FERRY_KEEP);
+  ferry_policy_decide(p, &tiny, &c, &out);
+  CHECK_EQ(out.action, FERRY_KEEP);
+  ferry_policy_decide(p, &liger, &c, &out);
+  CHECK_EQ(out.action, FERRY_KEEP);
+  ferry_policy_stats s;
+  ferry_policy_get_stats(p, &s);
+  if (s.errors) fprintf(stderr, "%s\n", ferry_policy_last_error(p));
+  CHECK_EQ(s.errors, 0);
+  ferry_policy_destroy(p);
+  return 0;
+}
