@@ -55,6 +55,8 @@
   /* only in ferry_tests_cuda_double: */                                   \
   FERRY_CUDA_DOUBLE_TEST_LIST(X)                                           \
   /* @@cuda */                                                             \
+  /* checkpoint staging (test_snapshot.c) */                               \
+  /* @@snapshot */                                                         \
   /* policy host (test_policy.c) */                                        \
   X(policy_sees_descriptor_and_context)                            \
   X(policy_sandbox_refuses_escapes)                                \

@@ -306,6 +306,42 @@ FERRY_API int ferry_set_policy(ferry_engine *e, const char *path,
  * "file:line: message", or "" if none. */
 FERRY_API const char *ferry_last_policy_error(ferry_engine *e);
 
+/* ---- checkpoint staging --------------------------------------------------
+ * Snapshot training state into the pinned arena on the D2H stream and write
+ * it to disk on a writer thread while training goes on. The file is a zip
+ * archive (stored, ZIP64) of named records in the given order — the layout
+ * torch.save uses, so a caller that supplies the pickle record gets a file
+ * torch.load reads. Written to "<path>.tmp", fsynced, then renamed: a crash
+ * leaves any previous file at path intact. */
+typedef struct ferry_snapshot ferry_snapshot;
+
+typedef struct ferry_snapshot_record {
+  const char *name;       /* entry name in the archive, e.g. "archive/data/0" */
+  const void *host_data;  /* small host bytes, copied at start (pickles), or */
+  const void *device_ptr; /* device bytes, staged through the arena */
+  uint64_t bytes;
+} ferry_snapshot_record;
+
+/* Start a snapshot of n records. Device records are copied after the work
+ * already enqueued on compute_stream; nothing is added to device memory. If
+ * the arena cannot hold everything under its cap, records are staged in
+ * chunks as the writer drains them. */
+FERRY_API int ferry_snapshot_start(ferry_engine *e, const char *path,
+                                   const ferry_snapshot_record *records,
+                                   size_t n, void *compute_stream,
+                                   ferry_snapshot **out);
+/* Order compute_stream after every device copy of the snapshot: call before
+ * the next in-place update of those tensors (the optimizer step). Blocks the
+ * host only while chunked staging has copies left to issue. */
+FERRY_API int ferry_snapshot_fence(ferry_snapshot *s, void *compute_stream);
+/* FERRY_OK when the file is durable at path; 1 while in progress; else the
+ * error (also in ferry_snapshot_error). */
+FERRY_API int ferry_snapshot_poll(ferry_snapshot *s);
+FERRY_API int ferry_snapshot_wait(ferry_snapshot *s);
+FERRY_API const char *ferry_snapshot_error(ferry_snapshot *s);
+/* Waits for the snapshot to finish, then frees it. */
+FERRY_API void ferry_snapshot_free(ferry_snapshot *s);
+
 /* ---- stats -------------------------------------------------------------- */
 typedef struct ferry_stats {
   uint64_t steps;

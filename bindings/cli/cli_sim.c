@@ -1,0 +1,408 @@
+/*
+ * cli_sim.c — `ferry sim`: dry-run policies over a trace on a simulated
+ * GPU link and print what each saves and costs (docs/simulator.md).
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "sim_report.h"
+#include "trace_replayer.h"
+#include "trace_synth.h"
+
+#define MAX_RUNS 256
+
+static void sim_usage(FILE *f) {
+  fprintf(f,
+          "usage: ferry sim --policy P[,P2...] --trace T [--hw %s] [options]\n"
+          "       ferry sim --demo DIR\n"
+          "\n"
+          "Replays trace T through the real engine on a virtual clock, once without\n"
+          "offloading and once per policy, and compares them.\n"
+          "\n"
+          "  --policy LIST       policy files, comma-separated (a bare name is looked up in\n"
+          "                      policies/, e.g. default, layers, budget)\n"
+          "  --trace FILE        trace (docs/trace-format.md; `ferry trace synth` writes one)\n"
+          "  --hw NAME           link preset (default h100)\n"
+          "  --link SPEC         override it: h2d=55GB/s,d2h=55GB/s,latency=5us,duplex=0.9\n"
+          "                      (also duplex_h2d=, duplex_d2h=)\n"
+          "  --steps N           steps to replay, cycling the trace's (default 3)\n"
+          "  --sweep KNOB=A..B[:STEP]  run each policy with `local KNOB = v` for v in A..B\n"
+          "  --recorded          also replay the decisions recorded in the trace\n"
+          "  --host-cap BYTES    pinned host cap (suffixes K, M, G)\n"
+          "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
+          "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
+          "  --svg FILE          device memory over the last step, baseline vs policies\n"
+          "  --no-layers         skip the per-layer table\n"
+          "  --demo DIR          synthesize the Llama-3-8B-like trace, dry-run default, layers\n"
+          "                      and budget on h100, write every output into DIR\n",
+          sim_hw_names());
+}
+
+static int file_exists(const char *p) {
+  struct stat st;
+  return stat(p, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+/* A policy argument: a path, or a name under policies/ (from the working
+ * directory, or the source tree next to this binary's build directory). */
+static int resolve_policy(const char *arg, char *out, size_t n) {
+  if (file_exists(arg)) {
+    snprintf(out, n, "%s", arg);
+    return 0;
+  }
+  char exe[PATH_MAX] = "";
+  ssize_t k = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (k > 0) {
+    exe[k] = 0;
+    char *s = strrchr(exe, '/');
+    if (s) *s = 0;
+  }
+  const char *env = getenv("FERRY_POLICY_DIR");
+  const char *dirs[3] = {env, "policies", exe[0] ? exe : NULL};
+  const char *ups[3] = {"", "", "/../../policies"};
+  for (int i = 0; i < 3; i++) {
+    if (!dirs[i] || !*dirs[i]) continue;
+    for (int lua = 0; lua < 2; lua++) {
+      snprintf(out, n, "%s%s/%s%s", dirs[i], ups[i], arg, lua ? ".lua" : "");
+      if (file_exists(out)) return 0;
+    }
+  }
+  return -1;
+}
+
+static char *read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  rewind(f);
+  char *b = n >= 0 ? malloc((size_t)n + 1) : NULL;
+  if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
+    free(b);
+    b = NULL;
+  }
+  if (b) b[n] = 0;
+  fclose(f);
+  return b;
+}
+
+/* The policy source with its line `local KNOB = ...` set to value. */
+static char *with_knob(const char *src, const char *knob, long value) {
+  size_t kl = strlen(knob);
+  for (const char *line = src; line && *line;) {
+    const char *p = line;
+    while (*p == ' ' || *p == '\t') p++;
+    if (!strncmp(p, "local", 5) && (p[5] == ' ' || p[5] == '\t')) {
+      p += 5;
+      while (*p == ' ' || *p == '\t') p++;
+      if (!strncmp(p, knob, kl) && (p[kl] == ' ' || p[kl] == '\t' || p[kl] == '=')) {
+        const char *eq = strchr(p, '=');
+        const char *eol = strchr(p, '\n');
+        if (!eol) eol = p + strlen(p);
+        if (eq && eq < eol) {
+          const char *tail = eol;
+          for (const char *c = eq; c + 1 < eol; c++)
+            if (c[0] == '-' && c[1] == '-') {
+              tail = c;
+              break;
+            }
+          size_t head = (size_t)(eq + 1 - src);
+          char *out = malloc(strlen(src) + 64);
+          if (!out) return NULL;
+          sprintf(out, "%.*s %ld %s", (int)head, src, value, tail);
+          return out;
+        }
+      }
+    }
+    line = strchr(line, '\n');
+    if (line) line++;
+  }
+  return NULL;
+}
+
+static int parse_size(const char *v, uint64_t *out) {
+  char *end;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (end == v || errno || x < 0) return -1;
+  double m = 1;
+  if (*end == 'K' || *end == 'k') m = 1024, end++;
+  else if (*end == 'M' || *end == 'm') m = 1048576.0, end++;
+  else if (*end == 'G' || *end == 'g') m = 1073741824.0, end++;
+  else if (*end == 'T' || *end == 't') m = 1099511627776.0, end++;
+  if (*end == 'i') end++;
+  if (*end == 'B') end++;
+  if (*end) return -1;
+  *out = (uint64_t)(x * m);
+  return 0;
+}
+
+typedef struct progress_state {
+  const char *label;
+  int tty;
+} progress_state;
+
+static void on_progress(void *ud, uint32_t step, uint32_t steps) {
+  progress_state *p = ud;
+  if (!p->tty) return;
+  fprintf(stderr, "\rferry sim: %-24.24s step %u/%u", p->label, step, steps);
+  if (step == steps) fprintf(stderr, "\r%60s\r", "");
+  fflush(stderr);
+}
+
+typedef struct sim_job {
+  char label[128];
+  char path[PATH_MAX];
+  char *source; /* sweep: the substituted source */
+  int recorded;
+} sim_job;
+
+static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, uint32_t steps,
+                   uint64_t host_cap, const char *json, const char *chrome, const char *svg,
+                   int layers_table) {
+  char err[1024];
+  sim_trace *t = NULL;
+  if (sim_trace_load(trace_path, &t, err, sizeof err)) {
+    fprintf(stderr, "ferry sim: %s\n", err);
+    return 1;
+  }
+  int want_tl = chrome || svg;
+  sim_result *rs = calloc((size_t)n_jobs + 1, sizeof *rs);
+  progress_state ps = {.tty = isatty(2)};
+  int rc = 0;
+  for (int i = 0; i <= n_jobs && !rc; i++) {
+    sim_config c = {0};
+    c.link = hw.link;
+    c.duplex_d2h = hw.duplex_d2h;
+    c.duplex_h2d = hw.duplex_h2d;
+    c.steps = steps;
+    c.host_cap_bytes = host_cap;
+    c.timeline = want_tl;
+    c.progress = on_progress;
+    c.progress_ud = &ps;
+    if (i > 0) {
+      sim_job *j = &jobs[i - 1];
+      c.label = j->label;
+      if (j->recorded) c.replay_decisions = 1;
+      else if (j->source) c.policy_source = j->source;
+      else c.policy_path = j->path;
+    }
+    ps.label = i ? jobs[i - 1].label : "no offload";
+    if (sim_replay(t, &c, &rs[i], err, sizeof err)) {
+      fprintf(stderr, "ferry sim: %s\n", err);
+      rc = 1;
+    }
+  }
+  if (!rc) {
+    sim_run_info info = {trace_path, t, &hw};
+    sim_print_table(stdout, &info, rs, n_jobs + 1);
+    if (layers_table && n_jobs <= 4) sim_print_layers(stdout, rs, n_jobs + 1);
+    if (json && sim_write_json(json, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    if (!rc && chrome && sim_write_chrome_trace(chrome, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    if (!rc && svg && sim_write_svg(svg, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    if (rc) fprintf(stderr, "ferry sim: %s\n", err);
+    for (int i = 1; i <= n_jobs && !rc; i++)
+      if (rs[i].policy_errors) rc = 3; /* a policy that faulted is worth a non-zero exit */
+  }
+  for (int i = 0; i <= n_jobs; i++) sim_result_free(&rs[i]);
+  free(rs);
+  sim_trace_free(t);
+  return rc;
+}
+
+static int demo(const char *dir) {
+  if (mkdir(dir, 0777) && errno != EEXIST) {
+    fprintf(stderr, "ferry sim --demo: cannot create %s: %s\n", dir, strerror(errno));
+    return 1;
+  }
+  char trace[PATH_MAX], json[PATH_MAX], chrome[PATH_MAX], svg[PATH_MAX], err[256];
+  snprintf(trace, sizeof trace, "%s/llama3-8b.jsonl", dir);
+  snprintf(json, sizeof json, "%s/sim.json", dir);
+  snprintf(chrome, sizeof chrome, "%s/sim-trace.json", dir);
+  snprintf(svg, sizeof svg, "%s/memory.svg", dir);
+  synth_model m;
+  synth_preset("llama3-8b", &m);
+  FILE *f = fopen(trace, "w");
+  if (!f || synth_write(&m, f, err, sizeof err) || fclose(f)) {
+    fprintf(stderr, "ferry sim --demo: cannot write %s\n", trace);
+    return 1;
+  }
+  printf("synthesized %s: Llama-3-8B-like, seq %d, micro-batch %d, bf16, flash attention, "
+         "FSDP shard %d, %.0f TFLOP/s\n\n", trace, m.seq, m.micro_batch, m.shard, m.tflops);
+  static const char *const names[3] = {"default", "layers", "budget"};
+  sim_job jobs[3];
+  memset(jobs, 0, sizeof jobs);
+  for (int i = 0; i < 3; i++) {
+    snprintf(jobs[i].label, sizeof jobs[i].label, "%s", names[i]);
+    if (resolve_policy(names[i], jobs[i].path, sizeof jobs[i].path)) {
+      fprintf(stderr, "ferry sim --demo: policy %s not found (run from the source tree or set "
+                      "FERRY_POLICY_DIR)\n", names[i]);
+      return 1;
+    }
+  }
+  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, 3, 0, json, chrome, svg, 1);
+  if (rc == 0 || rc == 3)
+    printf("\nwrote %s, %s (open in https://ui.perfetto.dev), %s and the trace %s\n", json, chrome,
+           svg, trace);
+  return rc;
+}
+
+int ferry_cli_sim(int argc, char **argv) {
+  static const struct option opts[] = {
+      {"policy", required_argument, 0, 'p'},  {"trace", required_argument, 0, 't'},
+      {"hw", required_argument, 0, 'w'},      {"link", required_argument, 0, 'l'},
+      {"steps", required_argument, 0, 'n'},   {"json", required_argument, 0, 'j'},
+      {"chrome-trace", required_argument, 0, 'c'}, {"svg", required_argument, 0, 's'},
+      {"sweep", required_argument, 0, 'S'},   {"recorded", no_argument, 0, 'r'},
+      {"host-cap", required_argument, 0, 'C'}, {"no-layers", no_argument, 0, 'L'},
+      {"demo", required_argument, 0, 'D'},    {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
+  const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
+             *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
+  long steps = 3;
+  int recorded = 0, layers_table = 1, c;
+  uint64_t host_cap = 0;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+    case 'p': policies = optarg; break;
+    case 't': trace = optarg; break;
+    case 'w': hw_name = optarg; break;
+    case 'l': link = optarg; break;
+    case 'n': {
+      char *end;
+      steps = strtol(optarg, &end, 10);
+      if (end == optarg || *end || steps < 1 || steps > 1000000) {
+        fprintf(stderr, "ferry sim: --steps %s must be within 1..1000000\n", optarg);
+        return 2;
+      }
+      break;
+    }
+    case 'j': json = optarg; break;
+    case 'c': chrome = optarg; break;
+    case 's': svg = optarg; break;
+    case 'S': sweep = optarg; break;
+    case 'r': recorded = 1; break;
+    case 'C':
+      if (parse_size(optarg, &host_cap)) {
+        fprintf(stderr, "ferry sim: --host-cap %s is not a size (e.g. 64G)\n", optarg);
+        return 2;
+      }
+      break;
+    case 'L': layers_table = 0; break;
+    case 'D': demo_dir = optarg; break;
+    case 'h': sim_usage(stdout); return 0;
+    default: sim_usage(stderr); return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "ferry sim: unexpected argument '%s'\n", argv[optind]);
+    return 2;
+  }
+  if (demo_dir) return demo(demo_dir);
+  const sim_hw *preset = sim_hw_preset(hw_name);
+  if (!preset) {
+    fprintf(stderr, "ferry sim: unknown --hw %s (presets: %s)\n", hw_name, sim_hw_names());
+    return 2;
+  }
+  sim_hw hw = *preset;
+  char err[512];
+  if (link && sim_parse_link(link, &hw, err, sizeof err)) {
+    fprintf(stderr, "ferry sim: %s\n", err);
+    return 2;
+  }
+  if (!trace) {
+    fprintf(stderr, "ferry sim: --trace FILE is required (`ferry trace synth` writes one)\n");
+    return 2;
+  }
+  if (!policies && !recorded) {
+    fprintf(stderr, "ferry sim: --policy is required (e.g. --policy default,budget)\n");
+    return 2;
+  }
+  /* sweep range */
+  char knob[64] = "";
+  long lo = 0, hi = -1, step = 1;
+  if (sweep) {
+    const char *eq = strchr(sweep, '=');
+    int ok = eq && eq > sweep && (size_t)(eq - sweep) < sizeof knob;
+    if (ok) {
+      snprintf(knob, sizeof knob, "%.*s", (int)(eq - sweep), sweep);
+      char *end;
+      lo = strtol(eq + 1, &end, 10);
+      ok = end != eq + 1 && end[0] == '.' && end[1] == '.';
+      if (ok) {
+        const char *b = end + 2;
+        hi = strtol(b, &end, 10);
+        ok = end != b;
+        if (ok && *end == ':') {
+          b = end + 1;
+          step = strtol(b, &end, 10);
+          ok = end != b && step > 0;
+        }
+        ok = ok && !*end && hi >= lo && (hi - lo) / step < MAX_RUNS;
+      }
+    }
+    if (!ok) {
+      fprintf(stderr, "ferry sim: --sweep %s: expected KNOB=A..B[:STEP] with A <= B, at most "
+                      "%d values\n", sweep, MAX_RUNS);
+      return 2;
+    }
+  }
+  sim_job *jobs = calloc(MAX_RUNS + 1, sizeof *jobs);
+  int n = 0, rc = 0;
+  char *list = strdup(policies ? policies : "");
+  for (char *save = NULL, *p = strtok_r(list, ",", &save); p && !rc; p = strtok_r(NULL, ",", &save)) {
+    char path[PATH_MAX];
+    if (resolve_policy(p, path, sizeof path)) {
+      fprintf(stderr, "ferry sim: policy %s not found (a file, or a name in policies/)\n", p);
+      rc = 2;
+      break;
+    }
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    char name[100];
+    snprintf(name, sizeof name, "%.99s", base);
+    char *dot = strrchr(name, '.');
+    if (dot && !strcmp(dot, ".lua")) *dot = 0;
+    if (!sweep) {
+      if (n >= MAX_RUNS) break;
+      snprintf(jobs[n].label, sizeof jobs[n].label, "%s", name);
+      snprintf(jobs[n].path, sizeof jobs[n].path, "%s", path);
+      n++;
+      continue;
+    }
+    char *src = read_file(path);
+    if (!src) {
+      fprintf(stderr, "ferry sim: cannot read %s\n", path);
+      rc = 2;
+      break;
+    }
+    for (long v = lo; v <= hi && n < MAX_RUNS; v += step) {
+      char *s = with_knob(src, knob, v);
+      if (!s) {
+        fprintf(stderr, "ferry sim: --sweep: %s has no line `local %s = ...` to set\n", path, knob);
+        rc = 2;
+        break;
+      }
+      snprintf(jobs[n].label, sizeof jobs[n].label, "%s %s=%ld", name, knob, v);
+      snprintf(jobs[n].path, sizeof jobs[n].path, "%s", path);
+      jobs[n].source = s;
+      n++;
+    }
+    free(src);
+  }
+  free(list);
+  if (!rc && recorded && n < MAX_RUNS) {
+    snprintf(jobs[n].label, sizeof jobs[n].label, "recorded decisions");
+    jobs[n++].recorded = 1;
+  }
+  if (!rc) rc = run_sim(trace, hw, jobs, n, (uint32_t)steps, host_cap, json, chrome, svg, layers_table);
+  for (int i = 0; i < n; i++) free(jobs[i].source);
+  free(jobs);
+  return rc;
+}

@@ -1,0 +1,204 @@
+/*
+ * cli_trace.c — `ferry trace synth ...`: write the trace of a decoder-only
+ * transformer's training step from its shape (engine/src/trace_synth.h).
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ferry.h"
+#include "names.h"
+#include "trace_synth.h"
+
+static void synth_usage(FILE *f) {
+  fprintf(f,
+          "usage: ferry trace synth [--preset NAME] [options] -o FILE\n"
+          "\n"
+          "Writes the trace (docs/trace-format.md) of a decoder-only transformer's training\n"
+          "steps, for `ferry sim --trace FILE`. Presets: %s.\n"
+          "\n"
+          "  --preset NAME        start from a preset (default llama3-8b)\n"
+          "  --arch llama|gpt     llama: RMSNorm, GQA, SwiGLU; gpt: LayerNorm, GeLU, dropout\n"
+          "  --layers N --hidden N --heads N --kv-heads N --ffn N --vocab N\n"
+          "  --seq N              sequence length (default 8192)\n"
+          "  --micro-batch N      sequences per micro-batch (default 1)\n"
+          "  --dtype T            bf16 (default), f16, f32\n"
+          "  --flash on|off       FlashAttention (default on): no s^2 tensors\n"
+          "  --checkpoint MODE    off (default), full, selective[:attn_core+mlp_act]\n"
+          "  --shard N            data-parallel sharding degree, FSDP/ZeRO-3 (default 8)\n"
+          "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
+          "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
+          "  --steps N            steps in the trace (default 1)\n"
+          "  -o, --output FILE    where to write (\"-\" = stdout)\n",
+          synth_preset_names());
+}
+
+static int int_arg(const char *opt, const char *v, int *out) {
+  char *end;
+  errno = 0;
+  long x = strtol(v, &end, 10);
+  if (end == v || *end || errno || x < 0 || x > 1 << 30) {
+    fprintf(stderr, "ferry trace synth: %s %s is not a non-negative integer\n", opt, v);
+    return -1;
+  }
+  *out = (int)x;
+  return 0;
+}
+
+static int num_arg(const char *opt, const char *v, double *out) {
+  char *end;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (end == v || *end || errno || !(x > 0)) {
+    fprintf(stderr, "ferry trace synth: %s %s is not a number > 0\n", opt, v);
+    return -1;
+  }
+  *out = x;
+  return 0;
+}
+
+static int parse_checkpoint(const char *v, synth_model *m) {
+  if (!strcmp(v, "off")) m->checkpoint = SYNTH_CKPT_OFF;
+  else if (!strcmp(v, "full")) m->checkpoint = SYNTH_CKPT_FULL;
+  else if (!strncmp(v, "selective", 9) && (v[9] == 0 || v[9] == ':')) {
+    m->checkpoint = SYNTH_CKPT_SELECTIVE;
+    m->recompute = SYNTH_RECOMPUTE_ATTN_CORE;
+    if (v[9] == ':') {
+      m->recompute = 0;
+      char buf[128];
+      snprintf(buf, sizeof buf, "%s", v + 10);
+      for (char *save = NULL, *t = strtok_r(buf, "+,", &save); t; t = strtok_r(NULL, "+,", &save)) {
+        if (!strcmp(t, "attn_core")) m->recompute |= SYNTH_RECOMPUTE_ATTN_CORE;
+        else if (!strcmp(t, "mlp_act")) m->recompute |= SYNTH_RECOMPUTE_MLP_ACT;
+        else {
+          fprintf(stderr, "ferry trace synth: unknown op group '%s' (attn_core, mlp_act)\n", t);
+          return -1;
+        }
+      }
+    }
+  } else {
+    fprintf(stderr, "ferry trace synth: --checkpoint %s: off, full or selective[:groups]\n", v);
+    return -1;
+  }
+  return 0;
+}
+
+static int trace_synth_main(int argc, char **argv) {
+  synth_model m;
+  synth_preset("llama3-8b", &m);
+  /* --preset first, so the other options change it */
+  for (int i = 1; i + 1 < argc; i++)
+    if (!strcmp(argv[i], "--preset")) {
+      if (synth_preset(argv[i + 1], &m)) {
+        fprintf(stderr, "ferry trace synth: unknown preset '%s' (presets: %s)\n", argv[i + 1],
+                synth_preset_names());
+        return 2;
+      }
+    }
+  static const struct option opts[] = {
+      {"preset", required_argument, 0, 'P'}, {"arch", required_argument, 0, 'a'},
+      {"layers", required_argument, 0, 'L'}, {"hidden", required_argument, 0, 'H'},
+      {"heads", required_argument, 0, 'n'},  {"kv-heads", required_argument, 0, 'k'},
+      {"ffn", required_argument, 0, 'f'},    {"vocab", required_argument, 0, 'V'},
+      {"seq", required_argument, 0, 's'},    {"micro-batch", required_argument, 0, 'b'},
+      {"dtype", required_argument, 0, 'd'},  {"flash", required_argument, 0, 'F'},
+      {"checkpoint", required_argument, 0, 'c'}, {"shard", required_argument, 0, 'S'},
+      {"tflops", required_argument, 0, 't'}, {"hbm", required_argument, 0, 'm'},
+      {"steps", required_argument, 0, 'N'},  {"output", required_argument, 0, 'o'},
+      {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+  const char *out = NULL;
+  int c, bad = 0;
+  optind = 1;
+  while ((c = getopt_long(argc, argv, "o:h", opts, NULL)) != -1) {
+    switch (c) {
+    case 'P': break;
+    case 'a':
+      if (!strcmp(optarg, "llama")) m.arch = SYNTH_LLAMA;
+      else if (!strcmp(optarg, "gpt")) m.arch = SYNTH_GPT;
+      else {
+        fprintf(stderr, "ferry trace synth: --arch %s: llama or gpt\n", optarg);
+        bad = 1;
+      }
+      break;
+    case 'L': bad |= int_arg("--layers", optarg, &m.layers) != 0; break;
+    case 'H': bad |= int_arg("--hidden", optarg, &m.hidden) != 0; break;
+    case 'n': bad |= int_arg("--heads", optarg, &m.heads) != 0; break;
+    case 'k': bad |= int_arg("--kv-heads", optarg, &m.kv_heads) != 0; break;
+    case 'f': bad |= int_arg("--ffn", optarg, &m.ffn) != 0; break;
+    case 'V': bad |= int_arg("--vocab", optarg, &m.vocab) != 0; break;
+    case 's': bad |= int_arg("--seq", optarg, &m.seq) != 0; break;
+    case 'b': bad |= int_arg("--micro-batch", optarg, &m.micro_batch) != 0; break;
+    case 'S': bad |= int_arg("--shard", optarg, &m.shard) != 0; break;
+    case 'N': bad |= int_arg("--steps", optarg, &m.steps) != 0; break;
+    case 't': bad |= num_arg("--tflops", optarg, &m.tflops) != 0; break;
+    case 'm': bad |= num_arg("--hbm", optarg, &m.hbm_gbps) != 0; break;
+    case 'd':
+      m.dtype = ferry_dtype_parse(optarg);
+      if (m.dtype != FERRY_DTYPE_BF16 && m.dtype != FERRY_DTYPE_F16 && m.dtype != FERRY_DTYPE_F32) {
+        fprintf(stderr, "ferry trace synth: --dtype %s: bf16, f16 or f32\n", optarg);
+        bad = 1;
+      }
+      break;
+    case 'F':
+      if (!strcmp(optarg, "on")) m.flash = 1;
+      else if (!strcmp(optarg, "off")) m.flash = 0;
+      else {
+        fprintf(stderr, "ferry trace synth: --flash %s: on or off\n", optarg);
+        bad = 1;
+      }
+      break;
+    case 'c': bad |= parse_checkpoint(optarg, &m) != 0; break;
+    case 'o': out = optarg; break;
+    case 'h': synth_usage(stdout); return 0;
+    default: synth_usage(stderr); return 2;
+    }
+  }
+  if (bad) return 2;
+  if (optind < argc) {
+    fprintf(stderr, "ferry trace synth: unexpected argument '%s'\n", argv[optind]);
+    return 2;
+  }
+  if (!out) {
+    fprintf(stderr, "ferry trace synth: -o FILE is required\n");
+    return 2;
+  }
+  char err[256];
+  if (synth_validate(&m, err, sizeof err)) {
+    fprintf(stderr, "ferry trace synth: %s\n", err);
+    return 2;
+  }
+  FILE *f = strcmp(out, "-") ? fopen(out, "w") : stdout;
+  if (!f) {
+    fprintf(stderr, "ferry trace synth: cannot write %s: %s\n", out, strerror(errno));
+    return 1;
+  }
+  int rc = synth_write(&m, f, err, sizeof err);
+  if (f != stdout && fclose(f) && !rc) {
+    snprintf(err, sizeof err, "write error");
+    rc = -1;
+  }
+  if (rc) {
+    fprintf(stderr, "ferry trace synth: %s: %s\n", out, err);
+    return 1;
+  }
+  fprintf(stderr,
+          "ferry trace synth: %s: %s, %.2fB parameters, %.2f GiB resident per GPU (shard %d), "
+          "%.2f GiB of activations per layer, %d step(s)\n",
+          out, m.name[0] ? m.name : "custom", (double)synth_param_count(&m) / 1e9,
+          (double)synth_resident_bytes(&m) / 1073741824.0, m.shard,
+          (double)synth_layer_activation_bytes(&m) / 1073741824.0, m.steps);
+  return 0;
+}
+
+int ferry_cli_trace(int argc, char **argv) {
+  if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+    fprintf(argc < 2 ? stderr : stdout, "usage: ferry trace synth [options] -o FILE\n"
+                                        "       ferry trace synth --help\n");
+    return argc < 2 ? 2 : 0;
+  }
+  if (!strcmp(argv[1], "synth")) return trace_synth_main(argc - 1, argv + 1);
+  fprintf(stderr, "ferry trace: unknown subcommand '%s' (synth)\n", argv[1]);
+  return 2;
+}
