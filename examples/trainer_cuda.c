@@ -240,7 +240,12 @@ static int train_step(trainer *t, ferry_engine *e, int step, unsigned char *host
     host_x = host_y;
     host_y = swap;
   }
-  dev_tensor_unref(x); /* the output: a real trainer computes its loss here */
+  /* The output: a real trainer computes its loss here. Its upload may still
+   * be running on the compute stream, and a stream-ordered allocator would
+   * not wait for it, so wait before freeing. */
+  CUDA_OK(cudaEventRecord(t->read_done, t->stream));
+  CUDA_OK(cudaEventSynchronize(t->read_done));
+  dev_tensor_unref(x);
 
   if (ferry_backward_begin(e) != FERRY_OK) goto ferry_error;
   for (int l = t->layers - 1; l >= 0; l--) {

@@ -56,7 +56,32 @@
   FERRY_CUDA_DOUBLE_TEST_LIST(X)                                           \
   /* @@cuda */                                                             \
   /* checkpoint staging (test_snapshot.c) */                               \
+  X(snapshot_round_trip_random)                                            \
+  X(snapshot_consistent_after_fence)                                       \
+  X(snapshot_cap_holds_chunked)                                            \
+  X(snapshot_error_unwritable_path)                                        \
+  X(snapshot_error_write_fails_midway)                                     \
+  X(snapshot_crash_keeps_previous)                                         \
+  X(snapshot_engine_destroy_waits)                                         \
+  X(snapshot_concurrent_pack_unpack)                                       \
+  X(snapshot_zip64)                                                        \
+  X(snapshot_torch_load)                                                   \
+  X(snapshot_rejects_bad_input)                                            \
   /* @@snapshot */                                                         \
+  /* simulator (test_sim.c) */                                             \
+  X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
+  X(sim_duplex_slows_both_directions_exactly)                           \
+  X(sim_stream_waits_for_compute_event)                                 \
+  X(sim_host_memory_is_address_space_only)                              \
+  X(sim_trace_reader_names_line_and_problem)                            \
+  X(sim_synth_matches_korthikanti_formula)                              \
+  X(sim_synth_llama_shapes_and_sizes)                                   \
+  X(sim_replay_matches_hand_computed_times)                             \
+  X(sim_replay_policies_on_synthesized_llama)                           \
+  X(sim_link_presets_and_syntax)                                        \
+  X(sim_consistent_with_host_backend)                                   \
+  X(sim_fuzz_corpus_replays_clean)                                      \
+  /* @@sim */                                                              \
   /* policy host (test_policy.c) */                                        \
   X(policy_sees_descriptor_and_context)                            \
   X(policy_sandbox_refuses_escapes)                                \
@@ -74,6 +99,7 @@
   X(policy_require_library_modules)                                \
   X(policy_failed_reload_keeps_old)                                \
   X(policy_shipped_default_loads)                                  \
+  X(policy_cli_check_exit_codes)                                   \
   /* @@policy */
 
 /* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's

@@ -42,6 +42,9 @@
 #include <unistd.h>
 
 #include "ferry.h"
+/* Only for effective_min_bytes() below: the policy's min_offload_bytes knob
+ * overrides the config's, and ferry.h has no getter for it (asked for). */
+#include "engine_internal.h"
 
 /* ---- torch objects, looked up on first engine creation --------------------
  * `import ferry` must work without torch, so nothing here is touched at
@@ -54,6 +57,7 @@ static struct {
   PyObject *strided;      /* torch.strided */
   PyObject *uint8;        /* torch.uint8 */
   PyObject *empty;        /* torch.empty */
+  PyObject *empty_strided; /* torch.empty_strided */
   PyObject *cuda_current_stream; /* torch.cuda.current_stream, or NULL */
   int has_is_nested;
 } T;
@@ -87,14 +91,16 @@ static int torch_init(void) {
   PyObject *strided = PyObject_GetAttrString(torch, "strided");
   PyObject *uint8 = PyObject_GetAttrString(torch, "uint8");
   PyObject *empty = PyObject_GetAttrString(torch, "empty");
+  PyObject *empty_strided = PyObject_GetAttrString(torch, "empty_strided");
   Py_XDECREF(nn);
-  if (!tensor || !param || !strided || !uint8 || !empty || !PyType_Check(tensor) ||
+  if (!tensor || !param || !strided || !uint8 || !empty || !empty_strided || !PyType_Check(tensor) ||
       !PyType_Check(param)) {
     Py_XDECREF(tensor);
     Py_XDECREF(param);
     Py_XDECREF(strided);
     Py_XDECREF(uint8);
     Py_XDECREF(empty);
+    Py_XDECREF(empty_strided);
     Py_DECREF(torch);
     if (!PyErr_Occurred())
       PyErr_SetString(PyExc_ImportError, "ferry: this torch lacks Tensor/Parameter types");
@@ -106,6 +112,7 @@ static int torch_init(void) {
   T.strided = strided;
   T.uint8 = uint8;
   T.empty = empty;
+  T.empty_strided = empty_strided;
   T.has_is_nested = PyObject_HasAttr(tensor, s_is_nested);
   T.ready = 1;
   return 0;
@@ -234,6 +241,7 @@ struct EngineObject {
   uint64_t allocs_live; /* device_alloc buffers not yet released: debug aid */
   PyObject *pack_hook, *unpack_hook;
   PyObject *last_pack_error; /* str or NULL */
+  struct HandleObject *unpacking; /* the handle in ferry_unpack, for device_alloc */
   PyObject *node_cap;        /* NodeCap kept alive while the engine uses it */
   PyObject *weakreflist;
 };
@@ -262,13 +270,21 @@ static int engine_live(EngineObject *self) {
 /* Engine callbacks. All run with the GIL held (see the file comment); the
  * PyGILState calls make that true even for an embedder that calls the engine
  * from a thread without it. */
+static PyObject *empty_like_handle(EngineObject *self, uint64_t bytes);
+static PyObject *int_tuple(const int64_t *v, int32_t n);
+
 static int cb_device_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
   EngineObject *self = ud;
   PyGILState_STATE g = PyGILState_Ensure();
   int rc = -1;
-  PyObject *args = Py_BuildValue("(K)", (unsigned long long)bytes);
-  PyObject *t = args ? PyObject_Call(T.empty, args, self->alloc_kw) : NULL;
-  Py_XDECREF(args);
+  /* The handle being unpacked gets a buffer with its own dtype and strides,
+   * so unpack hands it out as is; others (prefetches) get raw bytes. */
+  PyObject *t = empty_like_handle(self, bytes);
+  if (!t && !PyErr_Occurred()) {
+    PyObject *args = Py_BuildValue("(K)", (unsigned long long)bytes);
+    t = args ? PyObject_Call(T.empty, args, self->alloc_kw) : NULL;
+    Py_XDECREF(args);
+  }
   if (t) {
     PyObject *p = PyObject_CallMethodNoArgs(t, s_data_ptr);
     if (p) {
@@ -621,6 +637,15 @@ static int cb_reserve(void *ud, uint64_t bytes, int release) {
 }
 #endif
 
+/* The engine's min_offload_bytes after policy knobs: the fast keep path
+ * must not keep a tensor the engine would have shown the policy. */
+static uint64_t effective_min_bytes(ferry_engine *e) {
+  pthread_mutex_lock(&e->lock);
+  uint64_t v = e->min_offload_bytes;
+  pthread_mutex_unlock(&e->lock);
+  return v;
+}
+
 /* ---- Engine type ------------------------------------------------------------- */
 static int backend_of(const char *name) {
   if (!strcmp(name, "host")) return FERRY_BACKEND_HOST;
@@ -735,7 +760,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     return -1;
   }
   self->e = e;
-  self->min_bytes = min_bytes;
+  self->min_bytes = effective_min_bytes(e);
   self->fast_keep = fast_keep && !trace_path;
   self->pack_hook = make_hook(&PackHookType, self);
   self->unpack_hook = make_hook(&UnpackHookType, self);
@@ -828,7 +853,9 @@ static PyObject *engine_set_policy(EngineObject *self, PyObject *args, PyObject 
   if (!PyArg_ParseTupleAndKeywords(args, kw, "|zzp", kwlist, &path, &source, &trusted))
     return NULL;
   if (!engine_live(self)) return NULL;
-  return check_rc(self, ferry_set_policy(self->e, path, source, trusted));
+  int rc = ferry_set_policy(self->e, path, source, trusted);
+  if (!rc) self->min_bytes = effective_min_bytes(self->e);
+  return check_rc(self, rc);
 }
 
 static PyObject *engine_stats(EngineObject *self, PyObject *unused) {
@@ -1079,7 +1106,7 @@ static PyTypeObject EngineType = {
 };
 
 /* ---- Handle ------------------------------------------------------------------- */
-typedef struct {
+typedef struct HandleObject {
   PyObject_HEAD EngineObject *eng;
   ferry_handle h;   /* 0 once unpacked */
   PyObject *dtype;  /* torch.dtype */
@@ -1240,12 +1267,8 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
                           tp->tp_name);
     return keep_with(eng, t, KEEP_SUBCLASS);
   }
-  PyObject *v = PyObject_GetAttr(t, s_layout);
-  if (!v) return NULL;
-  int strided = v == T.strided;
-  Py_DECREF(v);
-  if (!strided) return keep_with(eng, t, KEEP_SPARSE);
-  v = PyObject_CallMethodNoArgs(t, s_numel);
+  /* Fast path first: the size, from numel and dtype only. */
+  PyObject *v = PyObject_CallMethodNoArgs(t, s_numel);
   if (!v) return NULL;
   long long numel = PyLong_AsLongLong(v);
   Py_DECREF(v);
@@ -1258,6 +1281,11 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
   uint64_t bytes = (uint64_t)numel * di->itemsize;
   if (bytes == 0 || (eng->fast_keep && bytes < eng->min_bytes))
     return keep_with(eng, t, KEEP_SMALL);
+  v = PyObject_GetAttr(t, s_layout);
+  if (!v) return NULL;
+  int strided = v == T.strided;
+  Py_DECREF(v);
+  if (!strided) return keep_with(eng, t, KEEP_SPARSE);
   if (!eng->e) return keep_with(eng, t, KEEP_ERROR);
   if (T.has_is_nested) {
     v = PyObject_GetAttr(t, s_is_nested);
@@ -1471,6 +1499,35 @@ static PyObject *rebuild(EngineObject *eng, HandleObject *hd, PyObject *owner, v
   return res;
 }
 
+/* torch.empty_strided(shape, strides, dtype=..., device=...) for the handle
+ * being unpacked when its span is `bytes`; NULL without an exception when
+ * there is none. Dense handles only reach the engine, so the new tensor's
+ * bytes are exactly [data_ptr, data_ptr + bytes). */
+static PyObject *empty_like_handle(EngineObject *self, uint64_t bytes) {
+  HandleObject *hd = self->unpacking;
+  if (!hd) return NULL;
+  self->unpacking = NULL; /* once: later allocations are prefetches */
+  int64_t numel = 1;
+  for (int32_t i = 0; i < hd->ndim; i++) numel *= hd->shape[i];
+  const dtype_info *di = NULL;
+  for (int i = 0; i < n_dtypes; i++)
+    if (dtypes[i].dtype == hd->dtype) di = &dtypes[i];
+  if (!di || (uint64_t)numel * di->itemsize != bytes) return NULL;
+  PyObject *shape = int_tuple(hd->shape, hd->ndim);
+  PyObject *strides = int_tuple(hd->strides, hd->ndim);
+  PyObject *kw = PyDict_Copy(self->alloc_kw);
+  PyObject *t = NULL;
+  if (shape && strides && kw && PyDict_SetItemString(kw, "dtype", hd->dtype) == 0) {
+    PyObject *args = PyTuple_Pack(2, shape, strides);
+    if (args) t = PyObject_Call(T.empty_strided, args, kw);
+    Py_XDECREF(args);
+  }
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(kw);
+  return t;
+}
+
 static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
   if (Py_TYPE(obj) != &HandleType) { /* kept as a plain tensor */
     Py_INCREF(obj);
@@ -1493,7 +1550,9 @@ static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
   void *stream = compute_stream(eng);
   if (PyErr_Occurred()) return NULL;
   void *ptr = NULL, *owner = NULL;
+  eng->unpacking = hd;
   int rc = ferry_unpack(eng->e, hd->h, stream, &ptr, &owner);
+  eng->unpacking = NULL;
   if (rc) return raise_ferry(rc, ferry_last_error(eng->e));
   hd->h = 0;
   PyObject *res = rebuild(eng, hd, (PyObject *)owner, ptr);
@@ -1597,13 +1656,13 @@ static PyTypeObject SiteHookType = {
     .tp_clear = (inquiry)site_clear,
 };
 
-static PyObject *new_site_hook(EngineObject *eng, int32_t site, int enter) {
+static PyObject *new_site_hook(EngineObject *eng, int32_t site_index, int enter) {
   SiteHookObject *h = PyObject_GC_New(SiteHookObject, &SiteHookType);
   if (!h) return NULL;
   h->vectorcall = site_vectorcall;
   Py_INCREF(eng);
   h->eng = eng;
-  h->site = site;
+  h->site = site_index;
   h->enter = enter;
   PyObject_GC_Track(h);
   return (PyObject *)h;
@@ -1689,9 +1748,13 @@ static PyMethodDef module_methods[] = {
      "unlink_node_cap(name): remove a NodeCap's shared-memory segment."},
     {NULL}};
 
-static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_ferry",
-                                       "C extension of the ferry package (libferry inside).", -1,
-                                       module_methods};
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_ferry",
+    .m_doc = "C extension of the ferry package (libferry inside).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
 
 PyMODINIT_FUNC PyInit__ferry(void) {
   if (intern_names()) return NULL;

@@ -240,6 +240,7 @@ fail:
 void ferry_engine_destroy(ferry_engine *e) {
   if (!e) return;
   registry_remove(e);
+  snapshot_engine_shutdown(e);
   if (e->entries || e->fwd) stash_destroy(e);
   trace_close(e);
   if (e->policy) ferry_policy_destroy(e->policy);

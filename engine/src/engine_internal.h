@@ -125,6 +125,9 @@ struct ferry_engine {
   FILE *trace;
   double trace_t0_us;
   uint64_t trace_seq;
+
+  /* checkpoint staging (snapshot.c): snapshots not yet freed */
+  ferry_snapshot *snapshots;
 };
 
 /* engine.c */
@@ -139,6 +142,9 @@ double engine_now_us(void);
 /* stash.c */
 int stash_init(ferry_engine *e);
 void stash_destroy(ferry_engine *e); /* waits for copies, releases owners */
+
+/* snapshot.c: waits for every snapshot still writing and detaches it */
+void snapshot_engine_shutdown(ferry_engine *e);
 
 /* trace_recorder.c */
 int trace_open(ferry_engine *e, const char *path);

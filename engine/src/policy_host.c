@@ -311,15 +311,28 @@ static int sandbox_pcall(lua_State *L) {
   return finish_pcall(L, p, status, nesting, 1);
 }
 
+/* The handler xpcall installs: the policy's handler, except during an
+ * interrupt (LuaJIT calls the handler again for an error raised inside it,
+ * so a looping handler would otherwise be re-entered without end). */
+static int xpcall_handler(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  if (p->interrupt) return 1; /* the error object, unchanged */
+  lua_pushvalue(L, lua_upvalueindex(1));
+  lua_insert(L, 1);
+  lua_call(L, lua_gettop(L) - 1, 1);
+  return 1;
+}
+
 static int sandbox_xpcall(lua_State *L) {
   ferry_policy *p = policy_of(L);
   luaL_checkany(L, 1);
   luaL_checktype(L, 2, LUA_TFUNCTION);
   int nesting = p->c_nesting;
   enter_nested(L, p, "xpcall");
-  /* stack: f, handler, args... -> handler, f, args... */
+  /* stack: f, handler, args... -> wrapped handler, f, args... */
   lua_pushvalue(L, 1);
   lua_pushvalue(L, 2);
+  lua_pushcclosure(L, xpcall_handler, 1);
   lua_replace(L, 1);
   lua_replace(L, 2);
   int status = lua_pcall(L, lua_gettop(L) - 2, LUA_MULTRET, 1);
@@ -658,6 +671,22 @@ static int source_line_of(const char *src, const char *word) {
   return 0;
 }
 
+/* Line of the last statement starting with `return` (the policy table), 0 if none. */
+static int last_return_line(const char *src) {
+  int line = 1, found = 0;
+  for (const char *c = src; c && *c; c++) {
+    const char *s = c;
+    while (*s == ' ' || *s == '\t') s++;
+    if (!strncmp(s, "return", 6) && !(s[6] == '_' || (s[6] >= 'a' && s[6] <= 'z') ||
+                                      (s[6] >= 'A' && s[6] <= 'Z') || (s[6] >= '0' && s[6] <= '9')))
+      found = line;
+    while (*c && *c != '\n') c++;
+    if (!*c) break;
+    line++;
+  }
+  return found;
+}
+
 /* Write "chunk:line: msg" (or "chunk: msg" without a line) into errbuf. */
 static int load_fail(ferry_policy *p, const char *src, const char *word, char *errbuf,
                      size_t errlen, const char *fmt, ...) {
@@ -666,8 +695,8 @@ static int load_fail(ferry_policy *p, const char *src, const char *word, char *e
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  int line = word ? source_line_of(src, word) : 0;
-  if (!line && word) line = source_line_of(src, "return");
+  int line = !word ? 0 : !strcmp(word, "return") ? last_return_line(src) : source_line_of(src, word);
+  if (!line && word) line = last_return_line(src);
   if (errbuf && errlen) {
     if (line)
       snprintf(errbuf, errlen, "%s:%d: %s", p->chunk, line, msg);
@@ -680,7 +709,10 @@ static int load_fail(ferry_policy *p, const char *src, const char *word, char *e
 static const char *describe_value(lua_State *L, int idx, char *buf, size_t n) {
   switch (lua_type(L, idx)) {
   case LUA_TNUMBER:
-    snprintf(buf, n, "%.17g", lua_tonumber(L, idx));
+    if (isnan(lua_tonumber(L, idx)))
+      snprintf(buf, n, "nan");
+    else
+      snprintf(buf, n, "%.17g", lua_tonumber(L, idx));
     break;
   case LUA_TSTRING:
     snprintf(buf, n, "string \"%.40s\"", lua_tostring(L, idx));
@@ -845,8 +877,10 @@ static void take_fault(ferry_policy *p, int status, char *out, size_t n) {
     copy_str(out, n, p->interrupt_msg);
   else if (status == LUA_ERRMEM)
     snprintf(out, n, "%s: out of memory", p->chunk);
-  else if (lua_type(L, -1) == LUA_TSTRING)
+  else if (lua_type(L, -1) == LUA_TSTRING && has_position(lua_tostring(L, -1)))
     copy_str(out, n, lua_tostring(L, -1));
+  else if (lua_type(L, -1) == LUA_TSTRING) /* e.g. from the loader */
+    snprintf(out, n, "%s: %s", p->chunk, lua_tostring(L, -1));
   else
     snprintf(out, n, "%s: error object is a %s value", p->chunk, luaL_typename(L, -1));
   lua_pop(L, 1);

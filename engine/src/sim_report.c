@@ -156,7 +156,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
       snprintf(ovh, sizeof ovh, "-");
     } else {
       snprintf(red, sizeof red, "%.1f%%",
-               -pct((double)r->peak_device_bytes, (double)rs[0].peak_device_bytes));
+               0.0 - pct((double)r->peak_device_bytes, (double)rs[0].peak_device_bytes));
       snprintf(ovh, sizeof ovh, "%+.1f%%", pct(r->step_us, rs[0].step_us));
     }
     fprintf(f, "%-22.22s %11s %7s %11s %8s %10s %10s %10s %10s %10s %8.0f %7.0f %6llu\n", r->label,
@@ -429,8 +429,8 @@ int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *
     double py = T + ph - cap / GIB / yg * ph;
     fprintf(f, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"black\" "
                "stroke-dasharray=\"6 4\"/>\n", L, py, L + pw, py);
-    fprintf(f, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s capacity %.0f GB</text>\n",
-            L + pw - 4, py - 4, info->hw->name, cap / GB);
+    fprintf(f, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s capacity %.0f GB (%.1f GiB)</text>\n",
+            L + pw - 4, py - 4, info->hw->name, cap / GB, cap / GIB);
   }
   for (int i = 0; i < n; i++) {
     const sim_timeline *tl = &rs[i].tl;

@@ -672,7 +672,6 @@ typedef struct sim_buf {
   uint64_t bytes;
   uint32_t refs;
   uint8_t counted; /* adds to device memory (not a parameter/buffer's own) */
-  uint8_t pattern; /* host backend: the fill byte */
   uint8_t *mem;
   struct sim_buf *next_free;
 } sim_buf;
@@ -685,6 +684,7 @@ typedef struct replay {
   ferry_engine *e;
   ferry_backend *sim; /* NULL on the host backend */
   double host_t0_us, host_scale;
+  double host_excluded_us; /* wall time spent filling and checking buffers */
   ferry_tensor_desc *descs;
   ferry_handle *handles;
   sim_buf **bufs;       /* per tensor, while packed */
@@ -706,7 +706,7 @@ static double wall_us(void) {
 
 static double rp_now(replay *r) {
   if (r->sim) return sim_backend_now(r->sim);
-  return (wall_us() - r->host_t0_us) / r->host_scale;
+  return (wall_us() - r->host_t0_us - r->host_excluded_us) / r->host_scale;
 }
 
 static void rp_compute(replay *r, double us) {
@@ -738,10 +738,7 @@ static void mem_sample(replay *r) {
   sim_timeline *tl = &r->res->tl;
   double t = rp_now(r);
   uint64_t b = r->t->resident_bytes + r->live_bytes;
-  if (tl->n_mem && tl->mem[tl->n_mem - 1].t == t) {
-    tl->mem[tl->n_mem - 1].bytes = b;
-    return;
-  }
+  if (tl->n_mem && tl->mem[tl->n_mem - 1].bytes == b) return;
   if (tl->n_mem == tl->cap_mem) {
     size_t n = tl->cap_mem ? tl->cap_mem * 2 : 1024;
     sim_mem_sample *p = realloc(tl->mem, n * sizeof *p);
@@ -758,7 +755,7 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes) {
   tl_push_iv(&r->res->tl, (sim_interval){t0, t1, bytes, 1 + dir, -1});
 }
 
-static sim_buf *buf_new(replay *r, uint64_t bytes, int counted, uint8_t pattern) {
+static sim_buf *buf_new(replay *r, uint64_t bytes, int counted) {
   if (!r->free_bufs) {
     sim_buf *slab = calloc(BUF_SLAB, sizeof *slab);
     sim_buf **slabs = slab ? realloc(r->slabs, (r->n_slabs + 1) * sizeof *slabs) : NULL;
@@ -782,7 +779,6 @@ static sim_buf *buf_new(replay *r, uint64_t bytes, int counted, uint8_t pattern)
   b->bytes = bytes;
   b->refs = 1;
   b->counted = (uint8_t)counted;
-  b->pattern = pattern;
   if (counted) {
     r->live_bytes += bytes;
     if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
@@ -807,7 +803,7 @@ static void *buf_ptr(sim_buf *b) { return b->mem ? (void *)b->mem : (void *)b; }
 
 static int cb_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
   replay *r = ud;
-  sim_buf *b = buf_new(r, bytes, 1, 0);
+  sim_buf *b = buf_new(r, bytes, 1);
   if (!b) {
     r->alloc_failed = 1;
     return -1;
@@ -879,15 +875,18 @@ static int rp_fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
   return rc;
 }
 
+/* Host backend: the bytes a tensor's buffer holds. */
+static uint8_t tensor_pattern(uint32_t ti) { return (uint8_t)(ti * 131u + 7u); }
+
 /* Fill (on pack) or check (on unpack) a real buffer's bytes. */
-static int buf_bytes_ok(const sim_buf *b, int fill) {
+static int buf_bytes_ok(const sim_buf *b, uint8_t pattern, int fill) {
   if (!b->mem) return 1;
   if (fill) {
-    memset(b->mem, b->pattern, b->bytes);
+    memset(b->mem, pattern, b->bytes);
     return 1;
   }
   for (uint64_t i = 0; i < b->bytes; i++)
-    if (b->mem[i] != b->pattern) return 0;
+    if (b->mem[i] != pattern) return 0;
   return 1;
 }
 
@@ -896,9 +895,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   memset(out, 0, sizeof *out);
   if (err && errlen) err[0] = 0;
   if (!t || !c) return rp_fail(err, errlen, FERRY_EINVAL, "sim_replay: NULL trace or config");
-  int host = c->backend == FERRY_BACKEND_HOST;
-  if (!host && c->backend != FERRY_BACKEND_SIM && c->backend != 0)
-    return rp_fail(err, errlen, FERRY_EINVAL, "sim_replay: backend must be sim or host");
+  int host = c->host_backend != 0;
   replay r;
   memset(&r, 0, sizeof r);
   r.t = t;
@@ -1037,13 +1034,18 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
           b->refs++;
         } else {
           int counted = d->kind != FERRY_KIND_PARAMETER && d->kind != FERRY_KIND_BUFFER;
-          b = buf_new(&r, d->bytes, counted, (uint8_t)(ti * 131u + 7u));
+          b = buf_new(&r, d->bytes, counted);
           if (!b) {
             rc = rp_fail(err, errlen, FERRY_ENOMEM, "out of memory for a %llu-byte buffer",
                          (unsigned long long)d->bytes);
             goto done;
           }
-          buf_bytes_ok(b, 1);
+          if (host) {
+            /* the trainer's work, not part of the modeled time */
+            double w = wall_us();
+            buf_bytes_ok(b, tensor_pattern(ti), 1);
+            r.host_excluded_us += wall_us() - w;
+          }
           /* The trainer holds it until its last alias is packed. */
           if (tt->last_alias >= 0) b->refs++;
         }
@@ -1082,7 +1084,11 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
         if (rc) goto engine_err;
         host_stall += dt;
         sim_buf *b = owner;
-        if (!buf_bytes_ok(b, 0) || buf_ptr(b) != dev) r.bad_bytes++;
+        /* an alias hands back its primary's buffer */
+        uint32_t src = t->tensors[ti].alias_of >= 0 ? (uint32_t)t->tensors[ti].alias_of : ti;
+        double wb = host ? wall_us() : 0;
+        if (!buf_bytes_ok(b, tensor_pattern(src), 0) || buf_ptr(b) != dev) r.bad_bytes++;
+        if (host) r.host_excluded_us += wall_us() - wb;
         if (last) {
           double s_after = sim_stall(&r, &w);
           out->layers[cur_layer + 1].stall_us += host ? dt / r.host_scale : s_after - s_before;

@@ -90,7 +90,7 @@ typedef struct sim_config {
   const char *label;       /* name in reports; default: policy file name or "no offload" */
   int replay_decisions;    /* answer with the decisions recorded in the trace */
   uint64_t host_cap_bytes; /* 0 = none */
-  int backend;             /* FERRY_BACKEND_SIM (default 0 means sim) or _HOST */
+  int host_backend;        /* 0: the sim backend; 1: the host backend */
   /* host backend only: wall µs per trace µs of compute (e.g. 100 to slow
    * the trace down as the link was scaled down), and real buffers whose
    * contents are checked on every unpack */

@@ -20,6 +20,7 @@
 #define MAX_SAVES 6
 #define MAX_OPS 24
 #define MAX_BUFS 32
+#define SYNTH_MIN_OP_US 4.0
 
 typedef struct saved {
   int buf;       /* layer-local buffer id: equal ids are one buffer */
@@ -346,7 +347,9 @@ typedef struct writer {
 static double op_us(const synth_model *m, const op *o) {
   double t_flops = o->flops / (m->tflops * 1e12);
   double t_bytes = o->bytes / (m->hbm_gbps * 1e9);
-  return (t_flops > t_bytes ? t_flops : t_bytes) * 1e6;
+  double us = (t_flops > t_bytes ? t_flops : t_bytes) * 1e6;
+  /* an eager op is at least a kernel launch or two */
+  return us > SYNTH_MIN_OP_US ? us : SYNTH_MIN_OP_US;
 }
 
 static void w_compute(writer *w, double us, int layer, const char *opname) {

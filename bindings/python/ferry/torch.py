@@ -1,0 +1,424 @@
+"""ferry.torch — offload a PyTorch model's saved activations through ferry.
+
+    import ferry.torch
+    for batch in data:
+        with ferry.torch.offload(model, policy="default"):
+            loss = model(batch)
+        loss.backward()          # may run after the with block
+        opt.step(); opt.zero_grad()
+    ferry.torch.step()           # end the last step (stats back to zero)
+
+How it works: the context installs torch.autograd.graph.saved_tensors_hooks
+whose pack/unpack hooks are C callables of the extension (no Python frame
+per saved tensor), and module forward pre/post hooks (also C) that keep the
+stack of modules, so each saved tensor is described to the policy with its
+module path and class, the index of the repeated block it belongs to and
+the block count, and whether it is (a view of) a parameter or buffer.
+
+Engines are kept per configuration (backend, trace, caps, knobs) and reused
+across steps; the policy can change between steps (hot swap). Each entry
+of the context starts a step (steps="auto"), ending the previous one.
+
+Defaults come from the environment `ferry run` sets: FERRY_POLICY,
+FERRY_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments win).
+"""
+import os
+import warnings
+import weakref
+
+import torch
+
+import ferry as _pkg
+from . import _ferry
+from ._ferry import FerryError
+
+__all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_sites"]
+
+_ENGINE_KNOBS = {"min_offload_bytes", "max_fwd_stash", "prefetch_distance", "link", "arena",
+                 "policy_trusted", "fast_keep"}
+
+_sessions = {}
+_current = None
+
+
+# ---- configuration --------------------------------------------------------
+_UNITS = {"": 0, "k": 10, "kib": 10, "m": 20, "mib": 20, "g": 30, "gib": 30, "t": 40, "tib": 40}
+
+
+def _parse_cap(value, what):
+    """bytes (int), "16G", "512MiB" or "40%" -> (bytes, pct)."""
+    if value is None:
+        return 0, 0.0
+    if isinstance(value, bool):
+        raise TypeError(f"ferry: {what} must be bytes or a string like '16G' or '40%'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"ferry: {what} must be > 0 bytes, got {value}")
+        return value, 0.0
+    if isinstance(value, float):
+        raise TypeError(f"ferry: {what}={value!r}: give whole bytes (int) or a string like '40%'")
+    s = str(value).strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            pct = -1
+        if not 0 < pct <= 100:
+            raise ValueError(f"ferry: {what}={value!r}: a percentage must be in (0, 100]")
+        return 0, pct
+    num = s.rstrip("KkMmGgTtIiBb")
+    unit = s[len(num):].lower()
+    if not num.isdigit() or unit not in _UNITS:
+        raise ValueError(f"ferry: {what}={value!r}: expected bytes (e.g. 1073741824, 512M, 16G) "
+                         "or a percentage of MemTotal (e.g. 40%)")
+    n = int(num) << _UNITS[unit]
+    if n <= 0:
+        raise ValueError(f"ferry: {what}={value!r} is 0")
+    return n, 0.0
+
+
+def _resolve_backend(backend, model):
+    if backend is None:
+        backend = os.environ.get("FERRY_BACKEND") or "auto"
+    if backend not in ("auto", "host", "cuda"):
+        raise ValueError(f"ferry: backend {backend!r} is not one of 'auto', 'host', 'cuda'")
+    on_cuda = False
+    device = -1
+    if model is not None:
+        for p in model.parameters():
+            on_cuda = p.is_cuda
+            device = p.get_device() if on_cuda else -1
+            break
+    if backend == "auto":
+        backend = "cuda" if torch.cuda.is_available() and (model is None or on_cuda) else "host"
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            raise FerryError("ferry: backend='cuda' but this torch sees no GPU "
+                             f"(torch {torch.__version__}); use backend='host' or 'auto'",
+                             "FERRY_ENODEV")
+        if device < 0:
+            device = torch.cuda.current_device()
+    return backend, device
+
+
+def _default_node_cap_name():
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and run != "none":
+        tag = run
+    else:
+        tag = "%s_%s" % (os.environ.get("MASTER_ADDR", "local"), os.environ.get("MASTER_PORT", "0"))
+    return "ferry-cap-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in tag)[:80]
+
+
+# ---- model description -----------------------------------------------------
+def _find_blocks(model):
+    """The model's repeated blocks: the ModuleList/Sequential whose children
+    all have one class, with the most parameters (ties: most children).
+    Returns (container path, {child name: index}) or (None, {})."""
+    best = None
+    for path, m in model.named_modules():
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        kids = list(m.named_children())
+        if len(kids) < 2:
+            continue
+        cls = type(kids[0][1])
+        if cls in (torch.nn.ModuleList, torch.nn.Sequential) or any(type(k) is not cls for _, k in kids):
+            continue
+        nparams = sum(p.numel() for p in m.parameters())
+        score = (nparams, len(kids))
+        if best is None or score > best[0]:
+            best = (score, path, {name: i for i, (name, _) in enumerate(kids)})
+    if best is None:
+        return None, {}
+    return best[1], best[2]
+
+
+def model_sites(model):
+    """[(module, path, class, layer, layer_count)] for every module of model,
+    as the policy will see them."""
+    cpath, blocks = _find_blocks(model)
+    count = len(blocks)
+    prefix = (cpath + ".") if cpath else ""
+    out = []
+    for path, m in model.named_modules():
+        layer = -1
+        if cpath is not None and path.startswith(prefix) and len(path) > len(prefix):
+            layer = blocks.get(path[len(prefix):].split(".", 1)[0], -1)
+        out.append((m, path, type(m).__name__, layer, count if cpath is not None else 0))
+    return out
+
+
+def _storage_range(t):
+    try:
+        st = t.untyped_storage()
+    except AttributeError:  # torch < 2.0
+        st = t.storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def _param_ranges(model):
+    out, seen = [], set()
+    for is_buffer, tensors in ((False, model.parameters()), (True, model.buffers())):
+        for t in tensors:
+            ptr, n = _storage_range(t)
+            if ptr and (ptr, n) not in seen:
+                seen.add((ptr, n))
+                out.append((ptr, n, is_buffer))
+    return out
+
+
+class _ModelHooks:
+    """The C site hooks of one model in one engine."""
+
+    def __init__(self, engine, model):
+        sites = model_sites(model)
+        first = engine.add_sites([s[1:] for s in sites])
+        self.pairs = [(weakref.ref(s[0]),) + tuple(engine.site_hooks(first + i))
+                      for i, s in enumerate(sites)]
+
+    def install(self):
+        handles = []
+        for ref, pre, post in self.pairs:
+            m = ref()
+            if m is not None:
+                handles.append(m.register_forward_pre_hook(pre))
+                handles.append(m.register_forward_hook(post))
+        return handles
+
+
+# ---- sessions ----------------------------------------------------------------
+class _Session:
+    def __init__(self, cfg, policy_path, node_cap):
+        self.cfg = cfg
+        self.node_cap = node_cap  # keeps the shared-memory slot for this process
+        self.engine = _ferry.Engine(policy_path=policy_path, **cfg)
+        self.policy_path = policy_path
+        self.models = weakref.WeakKeyDictionary()
+        self.policy_errors_seen = 0
+        self.warned_policy = False
+        self.warned_live = False
+
+    def set_policy(self, policy_path):
+        if policy_path == self.policy_path:
+            return
+        if self.engine.in_step:
+            self.end_step()
+        self.engine.set_policy(path=policy_path)  # FerryError with file:line on failure
+        self.policy_path = policy_path
+
+    def begin_step(self):
+        if self.engine.in_step:
+            self.end_step()
+        self.engine.step_begin()
+
+    def end_step(self):
+        if not self.engine.in_step:
+            return 0
+        live = self.engine.step_end()
+        self.check_policy()
+        if live and not self.warned_live:
+            self.warned_live = True
+            warnings.warn(f"ferry: a step ended with {live} saved tensor(s) neither used nor freed "
+                          "(a graph kept alive, e.g. retain_graph=True); they stay valid",
+                          RuntimeWarning, stacklevel=3)
+        return live
+
+    def check_policy(self):
+        s = self.engine.stats()
+        if s["policy_errors"] > self.policy_errors_seen:
+            self.policy_errors_seen = s["policy_errors"]
+            if not self.warned_policy:
+                self.warned_policy = True
+                warnings.warn(f"ferry: policy {self.policy_path} failed at run time: "
+                              f"{self.engine.policy_error()}; the tensors concerned were kept on "
+                              "device and training goes on (further faults are counted in "
+                              "ferry.torch.stats()['policy_errors'])", RuntimeWarning, stacklevel=3)
+
+    def hooks_for(self, model):
+        h = self.models.get(model)
+        if h is None:
+            h = self.models[model] = _ModelHooks(self.engine, model)
+        return h
+
+
+def _session_for(policy_path, cfg, node_cap_spec):
+    key = tuple(sorted((k, v) for k, v in cfg.items())) + (node_cap_spec,)
+    s = _sessions.get(key)
+    if s is None or s.engine.closed:
+        node_cap = None
+        if node_cap_spec is not None:
+            name, cap = node_cap_spec
+            node_cap = _ferry.NodeCap(name, cap)
+            if _ferry.HAVE_NODE_CAP_HOOK:
+                cfg = dict(cfg, node_cap=node_cap)
+            else:
+                # Without the engine's reserve hook the node cap is split
+                # statically: each local rank reserves cap/LOCAL_WORLD_SIZE in
+                # the shared segment up front and caps its own arena there.
+                local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                share = cap // local
+                if not node_cap.reserve(share):
+                    st = node_cap.state()
+                    raise FerryError(f"ferry: node host cap {name}: cannot reserve this rank's share "
+                                     f"of {share} bytes ({st['total']} of {st['cap']} held by "
+                                     f"{len(st['slots']) - 1} other process(es))", "FERRY_ECAP")
+                own = cfg.get("host_cap_bytes") or share
+                cfg = dict(cfg, host_cap_bytes=min(own, share))
+        s = _Session(cfg, policy_path, node_cap)
+        _sessions[key] = s
+    return s
+
+
+class offload:
+    """Context manager offloading what `model` saves for backward.
+
+    offload(model, policy=None, backend=None, *, record_trace=None,
+            host_cap=None, node_host_cap=None, node_cap_name=None,
+            steps="auto", **knobs)
+
+    policy: a shipped policy name ("default", "layers", "fraction", "ramcap",
+        "budget") or a path to a Lua file; default $FERRY_POLICY or "default".
+        An unknown name or a missing file raises before anything runs.
+    backend: "auto" (cuda when the model is on a GPU, else host), "host",
+        "cuda"; default $FERRY_BACKEND or "auto".
+    record_trace: write the engine's JSONL trace there (docs/trace-format.md);
+        default $FERRY_TRACE. While tracing, every saved tensor reaches the
+        engine (the small-tensor fast path is off) so the trace is complete.
+    host_cap: pinned host memory cap, bytes or "16G"/"40%"; default
+        $FERRY_HOST_CAP.
+    node_host_cap: a cap shared by the processes of this node (DDP local
+        ranks) through shared memory named node_cap_name.
+    steps: "auto" — each entry ends the previous step and starts one;
+        "manual" — call ferry.torch.step() yourself.
+    knobs: min_offload_bytes, max_fwd_stash, prefetch_distance,
+        link=(d2h_B_per_s, h2d_B_per_s, latency_us, duplex), arena
+        ("auto"/"jemalloc"/"pool"), policy_trusted, fast_keep.
+    """
+
+    def __init__(self, model=None, policy=None, backend=None, *, record_trace=None, host_cap=None,
+                 node_host_cap=None, node_cap_name=None, steps="auto", **knobs):
+        unknown = set(knobs) - _ENGINE_KNOBS
+        if unknown:
+            raise TypeError(f"ferry.torch.offload: unknown knob(s) {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(sorted(_ENGINE_KNOBS))}")
+        if steps not in ("auto", "manual"):
+            raise ValueError(f"ferry.torch.offload: steps={steps!r} is not 'auto' or 'manual'")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ferry.torch.offload: model must be a torch.nn.Module, not {type(model).__name__}")
+        if model is not None and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            raise NotImplementedError(
+                "ferry.torch.offload does not take a torch.compile'd module: compiled graphs save "
+                "tensors in their own autograd functions, which ferry cannot attribute to modules. "
+                "Pass the uncompiled model (model._orig_mod) or compile only submodules inside it.")
+        self.model = model
+        self.steps = steps
+        self.policy_path = _pkg.policy_path(policy or os.environ.get("FERRY_POLICY") or "default")
+        backend, device = _resolve_backend(backend, model)
+        if record_trace is None:
+            record_trace = os.environ.get("FERRY_TRACE") or None
+        cap_bytes, cap_pct = _parse_cap(host_cap if host_cap is not None
+                                        else os.environ.get("FERRY_HOST_CAP") or None, "host_cap")
+        cfg = dict(knobs, backend=backend, device=device, host_cap_bytes=cap_bytes,
+                   host_cap_pct=cap_pct)
+        if record_trace:
+            cfg["trace_path"] = os.path.abspath(os.fspath(record_trace))
+        if "link" in cfg and cfg["link"] is not None:
+            cfg["link"] = tuple(float(x) for x in cfg["link"])
+        node_spec = None
+        if node_host_cap is not None or os.environ.get("FERRY_NODE_HOST_CAP"):
+            nb, npct = _parse_cap(node_host_cap if node_host_cap is not None
+                                  else os.environ["FERRY_NODE_HOST_CAP"], "node_host_cap")
+            if npct:
+                with open("/proc/meminfo") as f:
+                    total = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemTotal:"))
+                nb = int(total * npct / 100)
+            node_spec = (node_cap_name or os.environ.get("FERRY_NODE_CAP_NAME")
+                         or _default_node_cap_name(), nb)
+        self.session = _session_for(self.policy_path, cfg, node_spec)
+        self._ctx = None
+        self._handles = ()
+
+    @property
+    def engine(self):
+        return self.session.engine
+
+    def __enter__(self):
+        global _current
+        s = self.session
+        s.set_policy(self.policy_path)
+        if self.steps == "auto":
+            s.begin_step()
+        elif not s.engine.in_step:
+            s.engine.step_begin()
+        if self.model is not None:
+            s.engine.set_param_ranges(_param_ranges(self.model))
+            self._handles = s.hooks_for(self.model).install()
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(*s.engine.hooks())
+        self._ctx.__enter__()
+        _current = s
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._ctx.__exit__(*exc)
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles = ()
+            self.session.check_policy()
+        return False
+
+
+# ---- module-level API -------------------------------------------------------------
+def _session():
+    if _current is None:
+        raise FerryError("ferry.torch: no offload context has been entered yet", "FERRY_ESTATE")
+    return _current
+
+
+def engine():
+    """The _ferry.Engine of the most recently entered offload context."""
+    return _session().engine
+
+
+def step():
+    """End the current step: waits for outstanding copies, frees their host
+    buffers. Returns the number of saved tensors still live (0 unless a
+    graph is kept alive). Automatic at each context entry with steps="auto";
+    call it after the last step, or every step with steps="manual"."""
+    return _session().end_step()
+
+
+def set_policy(policy):
+    """Swap the current engine's policy (a name or a path) between steps.
+    The previous policy stays in force if the new one fails to load."""
+    _session().set_policy(_pkg.policy_path(policy))
+
+
+def stats():
+    """Engine stats (ferry_stats) plus the binding's counters as a dict:
+    kept_small (fast path), kept_subclass, kept_sparse, kept_nested,
+    kept_device, kept_non_dense, kept_ndim, kept_pack_error,
+    recompute_packs, unpack_rebuilds, pack_errors, unpacks_repeated;
+    and policy, backend, arena."""
+    s = _session()
+    d = s.engine.stats()
+    info = s.engine.info()
+    d.update(policy=s.policy_path, backend=info["backend"], arena=info["arena"],
+             policy_error=s.engine.policy_error())
+    return d
+
+
+def close():
+    """End every engine's step and destroy the engines (tests, shutdown).
+    Saved tensors still held by a graph become unusable."""
+    global _current
+    for s in list(_sessions.values()):
+        if not s.engine.closed:
+            try:
+                s.end_step()
+            finally:
+                s.engine.close()
+    _sessions.clear()
+    _current = None

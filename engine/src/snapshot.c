@@ -1,0 +1,698 @@
+/*
+ * snapshot.c — checkpoint staging: copy training state into the pinned
+ * arena on the engine's D2H stream and write it to disk as a zip archive on
+ * a writer thread while training goes on (ferry.h, "checkpoint staging").
+ *
+ * Staging. The device records form one byte stream, in record order. At
+ * start the snapshot takes staging buffers ("slots") from the arena, up to
+ * the whole stream in pieces of at most SNAP_CHUNK_MAX, or as much as the
+ * cap allows. Each slot holds one window of the stream (a "batch", possibly
+ * spanning several small records) with one event recorded after its copies.
+ * Batches are written in the order they were issued; once the writer has
+ * written a batch, it issues the next window of the stream into the same
+ * slot. So a snapshot never holds more arena memory than it took at start,
+ * never waits for the arena after start (no deadlock with a training loop
+ * that frees arena memory only when it runs), and the cap holds throughout.
+ *
+ * Ordering. The D2H stream waits on an event recorded on the caller's
+ * compute stream at start, so every copy reads the state as of the start
+ * call. Copies issued later by the writer (chunked staging) are still
+ * correct as long as the caller does not modify the tensors before
+ * ferry_snapshot_fence(), which blocks the host until the last copy has been
+ * issued and then makes the compute stream wait for it.
+ *
+ * Threads. One writer thread per snapshot: snapshots are rare (every N
+ * steps), a thread costs tens of microseconds to start, and a thread per
+ * snapshot ties its lifetime to the handle, with no queue or idle thread in
+ * the engine. Backend calls on the D2H stream and the event pool are made
+ * under the engine lock, as the stash manager makes them; waits on the
+ * snapshot's own events, arena frees (the arena is thread-safe) and all file
+ * I/O run without it. Lock order: engine lock, then the snapshot's mutex.
+ *
+ * Durability. The archive goes to "<path>.tmp", which is fsynced, closed and
+ * renamed over path; then the directory is fsynced. On any error the
+ * temporary file is removed and a previous file at path is left as it was.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "engine_internal.h"
+#include "snapshot_zip.h"
+
+#define SNAP_CHUNK_MAX ((size_t)16 << 20) /* largest staging buffer */
+#define SNAP_CHUNK_MIN ((size_t)256 << 10) /* smallest, unless the state is smaller */
+#define SNAP_MAX_RECORD_BYTES (1ull << 50)
+#define SNAP_MSG 768
+
+typedef struct snap_record {
+  char *name;
+  void *host;      /* our copy of host_data */
+  const void *dev; /* device bytes, staged through the arena */
+  uint64_t bytes;
+} snap_record;
+
+typedef struct snap_slot {
+  void *buf; /* arena memory; NULL once given back */
+  size_t cap;
+  bk_event *ev; /* recorded after the copies of the slot's current batch */
+} snap_slot;
+
+typedef struct snap_batch {
+  uint32_t slot;
+  uint64_t len;
+} snap_batch;
+
+struct ferry_snapshot {
+  ferry_engine *e; /* NULL once the engine was destroyed */
+  ferry_snapshot *prev, *next; /* the engine's list, under e->lock */
+  char *path, *tmp_path;
+  snap_record *rec;
+  size_t n;
+  uint64_t dev_total; /* bytes of all device records */
+  int fd;
+
+  /* Staging. Owned by start, then by the writer thread alone, except that
+   * issuing copies takes the engine lock. */
+  snap_slot *slots;
+  uint32_t n_slots;
+  snap_batch *queue; /* ring of n_slots: batches issued, not yet written */
+  uint32_t q_head, q_count;
+  uint64_t issued;  /* bytes of the device stream issued so far */
+  size_t issue_rec; /* where the next window starts */
+  uint64_t issue_off;
+  bk_event *last_issued_ev;
+
+  pthread_t thread;
+  int thread_started;
+
+  pthread_mutex_t mu; /* guards what follows */
+  pthread_cond_t cv;
+  int issue_done;    /* no copy will be issued any more */
+  bk_event *last_ev; /* event after the last copy, once issue_done */
+  int done;
+  int rc;
+  int joined;
+  char msg[SNAP_MSG]; /* written once, before done is set */
+};
+
+/* ---- helpers ------------------------------------------------------------- */
+static int start_fail(ferry_engine *e, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int start_fail(ferry_engine *e, int code, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&e->lock);
+  engine_fail(e, code, "ferry_snapshot_start: %s", msg);
+  pthread_mutex_unlock(&e->lock);
+  return code;
+}
+
+/* Record the snapshot's failure (the first one wins; none after done). */
+static int snap_fail(ferry_snapshot *s, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int snap_fail(ferry_snapshot *s, int code, const char *fmt, ...) {
+  pthread_mutex_lock(&s->mu);
+  if (s->rc == FERRY_OK && !s->done) {
+    s->rc = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->msg, sizeof s->msg, fmt, ap);
+    va_end(ap);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return code;
+}
+
+static int failed(ferry_snapshot *s) {
+  pthread_mutex_lock(&s->mu);
+  int rc = s->rc;
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+static int cmp_names(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static void snapshot_free_memory(ferry_snapshot *s) {
+  for (size_t i = 0; i < s->n; i++) {
+    free(s->rec[i].name);
+    free(s->rec[i].host);
+  }
+  free(s->rec);
+  free(s->slots);
+  free(s->queue);
+  free(s->path);
+  free(s->tmp_path);
+  pthread_cond_destroy(&s->cv);
+  pthread_mutex_destroy(&s->mu);
+  free(s);
+}
+
+/* ---- staging -------------------------------------------------------------- */
+/* Take staging buffers from the arena: the whole device stream if it fits,
+ * else as much as the cap gives, halving the request on each refusal. */
+static int take_slots(ferry_snapshot *s) {
+  ferry_engine *e = s->e;
+  uint64_t remaining = s->dev_total;
+  size_t want = SNAP_CHUNK_MAX;
+  uint32_t cap = 0;
+  while (remaining) {
+    size_t size = remaining < want ? (size_t)remaining : want;
+    void *p = ferry_arena_alloc(e->arena, size);
+    if (!p) {
+      if (size <= SNAP_CHUNK_MIN) break;
+      want = size / 2;
+      continue;
+    }
+    if (s->n_slots == cap) {
+      uint32_t ncap = cap ? cap * 2 : 16;
+      snap_slot *n = realloc(s->slots, ncap * sizeof *n);
+      if (!n) {
+        ferry_arena_free(e->arena, p, size);
+        return FERRY_ENOMEM;
+      }
+      s->slots = n;
+      cap = ncap;
+    }
+    s->slots[s->n_slots++] = (snap_slot){p, size, NULL};
+    remaining -= size;
+  }
+  if (s->n_slots) {
+    s->queue = calloc(s->n_slots, sizeof *s->queue);
+    if (!s->queue) return FERRY_ENOMEM;
+  }
+  return FERRY_OK;
+}
+
+/* Issue the next window of the device stream into slot i: its copies, then
+ * its event. Called with the engine lock held. */
+static int issue_batch(ferry_snapshot *s, uint32_t i) {
+  ferry_engine *e = s->e;
+  const ferry_backend_ops *o = e->bk->ops;
+  snap_slot *slot = &s->slots[i];
+  uint64_t left = s->dev_total - s->issued;
+  uint64_t len = left < slot->cap ? left : slot->cap;
+  int rc = FERRY_OK;
+  for (uint64_t off = 0; off < len && !rc;) {
+    snap_record *r = &s->rec[s->issue_rec];
+    if (!r->dev || s->issue_off == r->bytes) { /* host record or exhausted */
+      s->issue_rec++;
+      s->issue_off = 0;
+      continue;
+    }
+    uint64_t piece = r->bytes - s->issue_off;
+    if (piece > len - off) piece = len - off;
+    rc = o->copy_d2h(e->bk, (char *)slot->buf + off, (const char *)r->dev + s->issue_off,
+                     (size_t)piece, e->d2h);
+    off += piece;
+    s->issue_off += piece;
+  }
+  /* Recorded even after a failed copy: it then covers whatever was issued,
+   * so waiting on it makes the buffer safe to give back. */
+  int rc2 = o->event_record(e->bk, slot->ev, e->d2h);
+  if (!rc) rc = rc2;
+  if (rc2 == FERRY_OK) s->last_issued_ev = slot->ev;
+  if (rc) return rc;
+  s->issued += len;
+  s->queue[(s->q_head + s->q_count) % s->n_slots] = (snap_batch){i, len};
+  s->q_count++;
+  if (s->issued == s->dev_total) {
+    pthread_mutex_lock(&s->mu);
+    s->issue_done = 1;
+    s->last_ev = slot->ev;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+  }
+  return FERRY_OK;
+}
+
+/* No more copies: let fence go on with what was issued. */
+static void stop_issuing(ferry_snapshot *s) {
+  pthread_mutex_lock(&s->mu);
+  if (!s->issue_done) {
+    s->issue_done = 1;
+    s->last_ev = s->last_issued_ev;
+    pthread_cond_broadcast(&s->cv);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* Wait for every copy into the slots, then give the buffers back. */
+static void release_slots(ferry_snapshot *s) {
+  ferry_engine *e = s->e;
+  for (uint32_t i = 0; i < s->n_slots; i++) {
+    snap_slot *slot = &s->slots[i];
+    if (!slot->buf) continue;
+    if (slot->ev) e->bk->ops->event_synchronize(e->bk, slot->ev);
+    ferry_arena_free(e->arena, slot->buf, slot->cap);
+    slot->buf = NULL;
+  }
+}
+
+/* ---- the writer thread ---------------------------------------------------- */
+typedef struct batch_cursor {
+  int have;
+  uint32_t slot;
+  uint64_t len, off;
+} batch_cursor;
+
+static int io_fail(ferry_snapshot *s, const char *what, int err) {
+  return snap_fail(s, FERRY_EIO,
+                   "snapshot %s: %s %s failed: %s; the previous file at that path (if any) "
+                   "is untouched",
+                   s->path, what, s->tmp_path, strerror(err));
+}
+
+static int zip_fail(ferry_snapshot *s, const zip_writer *z, int err) {
+  char what[96];
+  snprintf(what, sizeof what, "%s to", z->failed_op ? z->failed_op : "write");
+  return io_fail(s, what, err);
+}
+
+/* Make the oldest issued batch current once its copies are complete. */
+static int next_batch(ferry_snapshot *s, batch_cursor *c) {
+  ferry_engine *e = s->e;
+  if (!s->q_count)
+    return snap_fail(s, FERRY_ESTATE, "snapshot %s: internal error: no staged data left",
+                     s->path);
+  snap_batch b = s->queue[s->q_head];
+  s->q_head = (s->q_head + 1) % s->n_slots;
+  s->q_count--;
+  int rc = e->bk->ops->event_synchronize(e->bk, s->slots[b.slot].ev);
+  if (rc) {
+    char bk_msg[256];
+    pthread_mutex_lock(&e->lock);
+    snprintf(bk_msg, sizeof bk_msg, "%s", e->bk->err);
+    pthread_mutex_unlock(&e->lock);
+    return snap_fail(s, rc, "snapshot %s: waiting for a staging copy failed: %s", s->path,
+                     bk_msg);
+  }
+  *c = (batch_cursor){1, b.slot, b.len, 0};
+  return FERRY_OK;
+}
+
+/* The current batch is written: reuse its slot for the next window, or give
+ * the buffer back when the whole stream has been issued. */
+static int batch_written(ferry_snapshot *s, batch_cursor *c) {
+  ferry_engine *e = s->e;
+  c->have = 0;
+  if (s->issued < s->dev_total) {
+    pthread_mutex_lock(&e->lock);
+    int rc = issue_batch(s, c->slot);
+    char bk_msg[256] = "";
+    if (rc) snprintf(bk_msg, sizeof bk_msg, "%s", e->bk->err);
+    pthread_mutex_unlock(&e->lock);
+    if (rc)
+      return snap_fail(s, rc, "snapshot %s: staging copy failed: %s", s->path, bk_msg);
+    return FERRY_OK;
+  }
+  snap_slot *slot = &s->slots[c->slot];
+  ferry_arena_free(e->arena, slot->buf, slot->cap);
+  slot->buf = NULL;
+  return FERRY_OK;
+}
+
+static int write_records(ferry_snapshot *s, zip_writer *z) {
+  batch_cursor c = {0};
+  int err;
+  for (size_t i = 0; i < s->n; i++) {
+    snap_record *r = &s->rec[i];
+    if ((err = zipw_begin_entry(z, r->name, r->bytes))) return zip_fail(s, z, err);
+    if (r->dev) {
+      uint64_t left = r->bytes;
+      while (left) {
+        int rc;
+        if (!c.have && (rc = next_batch(s, &c))) return rc;
+        uint64_t take = c.len - c.off < left ? c.len - c.off : left;
+        const char *p = (const char *)s->slots[c.slot].buf + c.off;
+        if ((err = zipw_write(z, p, (size_t)take))) return zip_fail(s, z, err);
+        c.off += take;
+        left -= take;
+        if (c.off == c.len && (rc = batch_written(s, &c))) return rc;
+      }
+    } else if (r->bytes && (err = zipw_write(z, r->host, (size_t)r->bytes))) {
+      return zip_fail(s, z, err);
+    }
+    if ((err = zipw_end_entry(z))) return zip_fail(s, z, err);
+    if (failed(s)) return failed(s);
+  }
+  if ((err = zipw_finish(z))) return zip_fail(s, z, err);
+  return FERRY_OK;
+}
+
+/* The directory of path, for the fsync that makes the rename durable. */
+static int fsync_parent_dir(const char *path) {
+  const char *slash = strrchr(path, '/');
+  char dir[PATH_MAX];
+  if (!slash) {
+    strcpy(dir, ".");
+  } else if (slash == path) {
+    strcpy(dir, "/");
+  } else {
+    size_t len = (size_t)(slash - path);
+    if (len >= sizeof dir) return ENAMETOOLONG;
+    memcpy(dir, path, len);
+    dir[len] = '\0';
+  }
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  int rc = fsync(fd) ? errno : 0;
+  close(fd);
+  return rc;
+}
+
+static void *writer_main(void *arg) {
+  ferry_snapshot *s = arg;
+  zip_writer z;
+  int err = zipw_init(&z, s->fd);
+  int rc = err ? io_fail(s, "allocating the writer for", err) : write_records(s, &z);
+  zipw_free(&z);
+  /* Whatever happened, no copy may still target the slots when they go. */
+  stop_issuing(s);
+  release_slots(s);
+  if (rc == FERRY_OK && fsync(s->fd) != 0) rc = io_fail(s, "fsync of", errno);
+  if (close(s->fd) != 0 && rc == FERRY_OK) rc = io_fail(s, "close of", errno);
+  s->fd = -1;
+  if (rc == FERRY_OK && rename(s->tmp_path, s->path) != 0)
+    rc = snap_fail(s, FERRY_EIO, "snapshot %s: rename of %s to %s failed: %s", s->path,
+                   s->tmp_path, s->path, strerror(errno));
+  if (rc != FERRY_OK) {
+    unlink(s->tmp_path);
+  } else if ((err = fsync_parent_dir(s->path))) {
+    snap_fail(s, FERRY_EIO,
+              "snapshot %s: the file is complete and renamed into place, but the fsync of "
+              "its directory failed: %s; the rename may not survive a crash",
+              s->path, strerror(err));
+  }
+  pthread_mutex_lock(&s->mu);
+  s->done = 1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+/* ---- start ---------------------------------------------------------------- */
+static int validate(ferry_engine *e, const char *path, const ferry_snapshot_record *records,
+                    size_t n, ferry_snapshot **out) {
+  if (!out) return start_fail(e, FERRY_EINVAL, "out is NULL");
+  *out = NULL;
+  if (!path || !*path) return start_fail(e, FERRY_EINVAL, "path is NULL or empty");
+  if (strlen(path) + 5 > PATH_MAX)
+    return start_fail(e, FERRY_EINVAL, "path is longer than PATH_MAX with \".tmp\" appended");
+  if (n && !records) return start_fail(e, FERRY_EINVAL, "records is NULL but n is %zu", n);
+  if (n >= (size_t)UINT32_MAX)
+    return start_fail(e, FERRY_EINVAL, "%zu records is absurd (max 2^32 - 1)", n);
+  for (size_t i = 0; i < n; i++) {
+    const ferry_snapshot_record *r = &records[i];
+    if (!r->name || !*r->name)
+      return start_fail(e, FERRY_EINVAL, "record %zu has no name", i);
+    size_t len = strlen(r->name);
+    if (len > ZIP_MAX_NAME)
+      return start_fail(e, FERRY_EINVAL, "record %zu: name is %zu bytes (zip allows %d)", i,
+                        len, ZIP_MAX_NAME);
+    if (r->bytes > SNAP_MAX_RECORD_BYTES)
+      return start_fail(e, FERRY_EINVAL, "record %zu (%s): %llu bytes is absurd (max 2^50)", i,
+                        r->name, (unsigned long long)r->bytes);
+    if (r->bytes && !!r->host_data == !!r->device_ptr)
+      return start_fail(e, FERRY_EINVAL,
+                        "record %zu (%s): exactly one of host_data and device_ptr must be set "
+                        "(both are %s)",
+                        i, r->name, r->host_data ? "set" : "NULL");
+  }
+  if (n > 1) {
+    const char **names = malloc(n * sizeof *names);
+    if (!names) return start_fail(e, FERRY_ENOMEM, "out of memory checking record names");
+    for (size_t i = 0; i < n; i++) names[i] = records[i].name;
+    qsort(names, n, sizeof *names, cmp_names);
+    for (size_t i = 1; i < n; i++)
+      if (strcmp(names[i - 1], names[i]) == 0) {
+        int rc = start_fail(e, FERRY_EINVAL, "two records are named \"%s\"", names[i]);
+        free(names);
+        return rc;
+      }
+    free(names);
+  }
+  return FERRY_OK;
+}
+
+static ferry_snapshot *snapshot_new(ferry_engine *e, const char *path,
+                                    const ferry_snapshot_record *records, size_t n) {
+  ferry_snapshot *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->e = e;
+  s->fd = -1;
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->cv, NULL);
+  size_t plen = strlen(path);
+  s->path = malloc(plen + 1);
+  s->tmp_path = malloc(plen + 5);
+  s->rec = calloc(n ? n : 1, sizeof *s->rec);
+  if (!s->path || !s->tmp_path || !s->rec) goto oom;
+  memcpy(s->path, path, plen + 1);
+  memcpy(s->tmp_path, path, plen);
+  memcpy(s->tmp_path + plen, ".tmp", 5);
+  s->n = n;
+  for (size_t i = 0; i < n; i++) {
+    const ferry_snapshot_record *in = &records[i];
+    snap_record *r = &s->rec[i];
+    size_t len = strlen(in->name);
+    if (!(r->name = malloc(len + 1))) goto oom;
+    memcpy(r->name, in->name, len + 1);
+    r->bytes = in->bytes;
+    if (!in->bytes) continue;
+    if (in->device_ptr) {
+      r->dev = in->device_ptr;
+      s->dev_total += in->bytes;
+    } else {
+      if (in->bytes > SIZE_MAX || !(r->host = malloc((size_t)in->bytes))) goto oom;
+      memcpy(r->host, in->host_data, (size_t)in->bytes);
+    }
+  }
+  return s;
+oom:
+  snapshot_free_memory(s);
+  return NULL;
+}
+
+/* Add s to the engine's list unless a snapshot to the same path is still
+ * running there: both would write the same temporary file. */
+static int register_snapshot(ferry_engine *e, ferry_snapshot *s) {
+  pthread_mutex_lock(&e->lock);
+  for (ferry_snapshot *o = e->snapshots; o; o = o->next) {
+    pthread_mutex_lock(&o->mu);
+    int busy = !o->done && strcmp(o->path, s->path) == 0;
+    pthread_mutex_unlock(&o->mu);
+    if (busy) {
+      engine_fail(e, FERRY_ESTATE,
+                  "ferry_snapshot_start: a snapshot to %s is still in progress; wait for it "
+                  "first",
+                  s->path);
+      pthread_mutex_unlock(&e->lock);
+      return FERRY_ESTATE;
+    }
+  }
+  s->next = e->snapshots;
+  if (e->snapshots) e->snapshots->prev = s;
+  e->snapshots = s;
+  pthread_mutex_unlock(&e->lock);
+  return FERRY_OK;
+}
+
+/* Called with the engine lock held. */
+static void unlink_snapshot_locked(ferry_engine *e, ferry_snapshot *s) {
+  if (s->prev) s->prev->next = s->next;
+  else if (e->snapshots == s) e->snapshots = s->next;
+  if (s->next) s->next->prev = s->prev;
+  s->prev = s->next = NULL;
+}
+
+/* Give the slots' events back to the pool. Called with the engine lock. */
+static void put_events_locked(ferry_engine *e, ferry_snapshot *s) {
+  for (uint32_t i = 0; i < s->n_slots; i++) {
+    event_put(e, s->slots[i].ev);
+    s->slots[i].ev = NULL;
+  }
+}
+
+/* Undo a start that failed after the snapshot was registered. */
+static void abandon(ferry_engine *e, ferry_snapshot *s) {
+  release_slots(s);
+  if (s->fd >= 0) {
+    close(s->fd);
+    unlink(s->tmp_path);
+  }
+  pthread_mutex_lock(&e->lock);
+  put_events_locked(e, s);
+  unlink_snapshot_locked(e, s);
+  pthread_mutex_unlock(&e->lock);
+  snapshot_free_memory(s);
+}
+
+int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot_record *records,
+                         size_t n, void *compute_stream, ferry_snapshot **out) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  if ((rc = validate(e, path, records, n, out))) return rc;
+  ferry_snapshot *s = snapshot_new(e, path, records, n);
+  if (!s) return start_fail(e, FERRY_ENOMEM, "out of host memory copying the records");
+  if ((rc = register_snapshot(e, s))) {
+    snapshot_free_memory(s);
+    return rc;
+  }
+
+  s->fd = open(s->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (s->fd < 0) {
+    /* An I/O error: reported on the handle like every other one. */
+    io_fail(s, "creating", errno);
+    pthread_mutex_lock(&s->mu);
+    s->issue_done = s->done = 1;
+    pthread_mutex_unlock(&s->mu);
+    *out = s;
+    return FERRY_OK;
+  }
+
+  if ((rc = take_slots(s))) {
+    abandon(e, s);
+    return start_fail(e, rc, "out of host memory for the staging list");
+  }
+  if (s->dev_total && !s->n_slots) {
+    ferry_arena_stats a;
+    ferry_arena_get_stats(e->arena, &a);
+    abandon(e, s);
+    return start_fail(e, FERRY_ECAP,
+                      "the pinned arena has no room to stage %llu bytes (cap %llu, reserved "
+                      "%llu, in use %llu); free arena memory or raise the cap",
+                      (unsigned long long)s->dev_total, (unsigned long long)a.cap,
+                      (unsigned long long)a.reserved, (unsigned long long)a.in_use);
+  }
+
+  const ferry_backend_ops *o = e->bk->ops;
+  pthread_mutex_lock(&e->lock);
+  for (uint32_t i = 0; i < s->n_slots && !rc; i++) rc = event_get(e, &s->slots[i].ev);
+  if (!rc && s->n_slots &&
+      ((rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) ||
+       (rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch))))
+    engine_fail(e, rc, "ferry_snapshot_start: ordering after the compute stream failed: %s",
+                e->bk->err);
+  for (uint32_t i = 0; i < s->n_slots && !rc; i++)
+    if ((rc = issue_batch(s, i)))
+      engine_fail(e, rc, "ferry_snapshot_start: staging copy failed: %s", e->bk->err);
+  if (!s->n_slots) stop_issuing(s); /* nothing on the device: no copies */
+  pthread_mutex_unlock(&e->lock);
+  if (rc) {
+    abandon(e, s);
+    return rc;
+  }
+
+  /* The writer must not take the embedder's signals (as the streams). */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int prc = pthread_create(&s->thread, NULL, writer_main, s);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (prc) {
+    abandon(e, s);
+    return start_fail(e, FERRY_ENOMEM, "cannot start the writer thread: %s", strerror(prc));
+  }
+  s->thread_started = 1;
+#if defined(__GLIBC__)
+  pthread_setname_np(s->thread, "ferry-snapshot");
+#endif
+  *out = s;
+  return FERRY_OK;
+}
+
+/* ---- completion ------------------------------------------------------------ */
+int ferry_snapshot_fence(ferry_snapshot *s, void *compute_stream) {
+  if (!s) return FERRY_EINVAL;
+  pthread_mutex_lock(&s->mu);
+  while (!s->issue_done) pthread_cond_wait(&s->cv, &s->mu);
+  bk_event *last = s->last_ev;
+  ferry_engine *e = s->e;
+  pthread_mutex_unlock(&s->mu);
+  if (!last || !e) return FERRY_OK; /* nothing on the device, or all done */
+  /* The event is the snapshot's until ferry_snapshot_free and is not
+   * recorded again after issue_done: no engine lock needed to wait on it. */
+  int rc = e->bk->ops->stream_wait_event(e->bk, compute_stream, last);
+  if (rc) snap_fail(s, rc, "snapshot %s: ordering the compute stream after it failed", s->path);
+  return rc;
+}
+
+int ferry_snapshot_poll(ferry_snapshot *s) {
+  if (!s) return FERRY_EINVAL;
+  pthread_mutex_lock(&s->mu);
+  int rc = s->done ? s->rc : 1;
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+int ferry_snapshot_wait(ferry_snapshot *s) {
+  if (!s) return FERRY_EINVAL;
+  pthread_mutex_lock(&s->mu);
+  while (!s->done) pthread_cond_wait(&s->cv, &s->mu);
+  int rc = s->rc;
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+const char *ferry_snapshot_error(ferry_snapshot *s) {
+  if (!s) return "snapshot is NULL";
+  pthread_mutex_lock(&s->mu);
+  const char *m = s->done ? s->msg : ""; /* immutable once done */
+  pthread_mutex_unlock(&s->mu);
+  return m;
+}
+
+static void join_writer(ferry_snapshot *s) {
+  pthread_mutex_lock(&s->mu);
+  int join = s->thread_started && !s->joined;
+  s->joined = 1;
+  pthread_mutex_unlock(&s->mu);
+  if (join) pthread_join(s->thread, NULL);
+}
+
+void ferry_snapshot_free(ferry_snapshot *s) {
+  if (!s) return;
+  join_writer(s);
+  pthread_mutex_lock(&s->mu);
+  ferry_engine *e = s->e;
+  pthread_mutex_unlock(&s->mu);
+  if (e) {
+    pthread_mutex_lock(&e->lock);
+    put_events_locked(e, s);
+    unlink_snapshot_locked(e, s);
+    pthread_mutex_unlock(&e->lock);
+  }
+  snapshot_free_memory(s);
+}
+
+/* Engine teardown: let every snapshot finish (its file is written), then
+ * detach it; the handles stay valid for poll/wait/error/free. */
+void snapshot_engine_shutdown(ferry_engine *e) {
+  for (;;) {
+    pthread_mutex_lock(&e->lock);
+    ferry_snapshot *s = e->snapshots;
+    if (s) unlink_snapshot_locked(e, s);
+    pthread_mutex_unlock(&e->lock);
+    if (!s) return;
+    join_writer(s);
+    pthread_mutex_lock(&e->lock);
+    put_events_locked(e, s);
+    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_lock(&s->mu);
+    s->e = NULL;
+    pthread_mutex_unlock(&s->mu);
+  }
+}

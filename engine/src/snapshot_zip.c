@@ -1,0 +1,321 @@
+/*
+ * snapshot_zip.c — the zip writer of checkpoint snapshots (snapshot_zip.h).
+ * Field layouts follow PKWARE's APPNOTE.TXT (sections 4.3.7 local file
+ * header, 4.3.12 central directory header, 4.3.14-16 end records, 4.5.3
+ * ZIP64 extra field). All integers are little-endian.
+ */
+#include "snapshot_zip.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#define SIG_LOCAL 0x04034b50u
+#define SIG_CENTRAL 0x02014b50u
+#define SIG_END 0x06054b50u
+#define SIG_END64 0x06064b50u
+#define SIG_END64_LOCATOR 0x07064b50u
+#define EXTRA_ZIP64 0x0001u
+#define EXTRA_PADDING 0x4246u /* "FB": torch.save's alignment padding */
+#define DATA_ALIGNMENT 64
+#define VERSION_CLASSIC 20
+#define VERSION_ZIP64 45
+#define FLAG_UTF8_NAME 0x0800u
+#define DOS_DATE_1980_01_01 0x0021u /* fixed: the same state gives the same file */
+#define WRITE_BUFFER 65536
+#define DIRECT_WRITE_MIN 16384 /* larger pieces skip the buffer */
+
+static _Atomic uint64_t zip64_threshold = 0xffffffffu;
+
+void zipw_set_zip64_threshold(uint64_t threshold) {
+  atomic_store(&zip64_threshold, threshold ? threshold : 0xffffffffu);
+}
+
+static uint64_t threshold(void) { return atomic_load(&zip64_threshold); }
+
+/* ---- little-endian encoding -------------------------------------------- */
+static unsigned char *put16(unsigned char *p, uint32_t v) {
+  p[0] = (unsigned char)v;
+  p[1] = (unsigned char)(v >> 8);
+  return p + 2;
+}
+static unsigned char *put32(unsigned char *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+  return p + 4;
+}
+static unsigned char *put64(unsigned char *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+  return p + 8;
+}
+
+/* ---- output -------------------------------------------------------------- */
+static int write_all(zip_writer *z, const void *data, size_t n) {
+  const unsigned char *p = data;
+  while (n) {
+    ssize_t w = write(z->fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      z->failed_op = "write";
+      return errno;
+    }
+    if (w == 0) { /* cannot happen for a regular file; never spin */
+      z->failed_op = "write";
+      return EIO;
+    }
+    p += w;
+    n -= (size_t)w;
+    z->flushed += (uint64_t)w;
+  }
+  return 0;
+}
+
+static int flush(zip_writer *z) {
+  if (!z->buf_len) return 0;
+  int rc = write_all(z, z->buf, z->buf_len);
+  z->buf_len = 0;
+  return rc;
+}
+
+static int emit(zip_writer *z, const void *data, size_t n) {
+  int rc;
+  if (n >= DIRECT_WRITE_MIN) {
+    if ((rc = flush(z)) || (rc = write_all(z, data, n))) return rc;
+  } else {
+    if (z->buf_len + n > z->buf_cap && (rc = flush(z))) return rc;
+    memcpy(z->buf + z->buf_len, data, n);
+    z->buf_len += n;
+  }
+  z->offset += n;
+  return 0;
+}
+
+/* Overwrite 4 bytes at archive offset `at`, in the buffer if still there. */
+static int patch32(zip_writer *z, uint64_t at, uint32_t v) {
+  unsigned char b[4];
+  put32(b, v);
+  if (at >= z->flushed) {
+    memcpy(z->buf + (at - z->flushed), b, 4);
+    return 0;
+  }
+  const unsigned char *p = b;
+  size_t n = 4;
+  while (n) {
+    ssize_t w = pwrite(z->fd, p, n, (off_t)at);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      z->failed_op = "pwrite";
+      return w < 0 ? errno : EIO;
+    }
+    p += w;
+    n -= (size_t)w;
+    at += (uint64_t)w;
+  }
+  return 0;
+}
+
+/* ---- the archive -------------------------------------------------------- */
+int zipw_init(zip_writer *z, int fd) {
+  memset(z, 0, sizeof *z);
+  z->fd = fd;
+  z->buf = malloc(WRITE_BUFFER);
+  if (!z->buf) {
+    z->failed_op = "malloc";
+    return ENOMEM;
+  }
+  z->buf_cap = WRITE_BUFFER;
+  return 0;
+}
+
+void zipw_free(zip_writer *z) {
+  for (size_t i = 0; i < z->n_entries; i++) free(z->entries[i].name);
+  free(z->entries);
+  free(z->buf);
+  z->entries = NULL;
+  z->buf = NULL;
+  z->n_entries = z->cap_entries = 0;
+}
+
+static uint16_t name_flags(const char *name, size_t len) {
+  for (size_t i = 0; i < len; i++)
+    if ((unsigned char)name[i] >= 0x80) return FLAG_UTF8_NAME;
+  return 0;
+}
+
+int zipw_begin_entry(zip_writer *z, const char *name, uint64_t size) {
+  size_t len = strlen(name);
+  if (z->open || len == 0 || len > ZIP_MAX_NAME) {
+    z->failed_op = z->open ? "begin_entry (an entry is open)" : "begin_entry (name length)";
+    return EINVAL;
+  }
+  if (z->n_entries == z->cap_entries) {
+    size_t ncap = z->cap_entries ? z->cap_entries * 2 : 64;
+    zip_entry_info *n = realloc(z->entries, ncap * sizeof *n);
+    if (!n) {
+      z->failed_op = "malloc";
+      return ENOMEM;
+    }
+    z->entries = n;
+    z->cap_entries = ncap;
+  }
+  zip_entry_info *e = &z->entries[z->n_entries];
+  e->name = malloc(len + 1);
+  if (!e->name) {
+    z->failed_op = "malloc";
+    return ENOMEM;
+  }
+  memcpy(e->name, name, len + 1);
+  e->name_len = (uint16_t)len;
+  e->header_offset = z->offset;
+  e->size = size;
+  e->crc = 0;
+  z->n_entries++;
+
+  int zip64 = size >= threshold();
+  size_t z64_len = zip64 ? 4 + 16 : 0;
+  uint64_t before_pad = z->offset + 30 + len + z64_len + 4;
+  size_t pad = (size_t)((DATA_ALIGNMENT - before_pad % DATA_ALIGNMENT) % DATA_ALIGNMENT);
+
+  unsigned char h[30 + 20 + 4 + DATA_ALIGNMENT], *p = h;
+  p = put32(p, SIG_LOCAL);
+  p = put16(p, zip64 ? VERSION_ZIP64 : VERSION_CLASSIC);
+  p = put16(p, name_flags(name, len));
+  p = put16(p, 0); /* stored */
+  p = put16(p, 0); /* time 00:00 */
+  p = put16(p, DOS_DATE_1980_01_01);
+  p = put32(p, 0); /* CRC-32, patched by end_entry */
+  p = put32(p, zip64 ? 0xffffffffu : (uint32_t)size);
+  p = put32(p, zip64 ? 0xffffffffu : (uint32_t)size);
+  p = put16(p, (uint32_t)len);
+  p = put16(p, (uint32_t)(z64_len + 4 + pad));
+  int rc = emit(z, h, (size_t)(p - h));
+  if (!rc) rc = emit(z, name, len);
+  if (rc) return rc;
+  p = h;
+  if (zip64) {
+    p = put16(p, EXTRA_ZIP64);
+    p = put16(p, 16);
+    p = put64(p, size);
+    p = put64(p, size);
+  }
+  p = put16(p, EXTRA_PADDING);
+  p = put16(p, (uint32_t)pad);
+  memset(p, 'Z', pad);
+  p += pad;
+  if ((rc = emit(z, h, (size_t)(p - h)))) return rc;
+  z->open = 1;
+  z->written_in_entry = 0;
+  z->crc = (uint32_t)crc32_z(0L, Z_NULL, 0);
+  return 0;
+}
+
+int zipw_write(zip_writer *z, const void *data, size_t n) {
+  if (!z->open) {
+    z->failed_op = "write_entry (no entry is open)";
+    return EINVAL;
+  }
+  const zip_entry_info *e = &z->entries[z->n_entries - 1];
+  if (n > e->size - z->written_in_entry) {
+    z->failed_op = "write_entry (more bytes than declared)";
+    return EINVAL;
+  }
+  if (!n) return 0;
+  z->crc = (uint32_t)crc32_z(z->crc, data, n);
+  z->written_in_entry += n;
+  return emit(z, data, n);
+}
+
+int zipw_end_entry(zip_writer *z) {
+  if (!z->open) {
+    z->failed_op = "end_entry (no entry is open)";
+    return EINVAL;
+  }
+  zip_entry_info *e = &z->entries[z->n_entries - 1];
+  if (z->written_in_entry != e->size) {
+    z->failed_op = "end_entry (fewer bytes than declared)";
+    return EINVAL;
+  }
+  z->open = 0;
+  e->crc = z->crc;
+  return patch32(z, e->header_offset + 14, e->crc);
+}
+
+int zipw_finish(zip_writer *z) {
+  if (z->open) {
+    z->failed_op = "finish (an entry is open)";
+    return EINVAL;
+  }
+  uint64_t thr = threshold();
+  uint64_t cd_start = z->offset;
+  int rc;
+  for (size_t i = 0; i < z->n_entries; i++) {
+    const zip_entry_info *e = &z->entries[i];
+    int big_size = e->size >= thr, big_offset = e->header_offset >= thr;
+    size_t z64_fields = (big_size ? 2 : 0) + (big_offset ? 1 : 0);
+    size_t extra_len = z64_fields ? 4 + 8 * z64_fields : 0;
+    unsigned char h[46 + 4 + 24], *p = h;
+    p = put32(p, SIG_CENTRAL);
+    p = put16(p, VERSION_ZIP64); /* made by: MS-DOS attributes, spec 4.5 */
+    p = put16(p, z64_fields ? VERSION_ZIP64 : VERSION_CLASSIC);
+    p = put16(p, name_flags(e->name, e->name_len));
+    p = put16(p, 0);
+    p = put16(p, 0);
+    p = put16(p, DOS_DATE_1980_01_01);
+    p = put32(p, e->crc);
+    p = put32(p, big_size ? 0xffffffffu : (uint32_t)e->size);
+    p = put32(p, big_size ? 0xffffffffu : (uint32_t)e->size);
+    p = put16(p, e->name_len);
+    p = put16(p, (uint32_t)extra_len);
+    p = put16(p, 0); /* comment */
+    p = put16(p, 0); /* disk */
+    p = put16(p, 0); /* internal attributes */
+    p = put32(p, 0); /* external attributes */
+    p = put32(p, big_offset ? 0xffffffffu : (uint32_t)e->header_offset);
+    if ((rc = emit(z, h, (size_t)(p - h))) || (rc = emit(z, e->name, e->name_len))) return rc;
+    if (z64_fields) {
+      /* Only the fields that overflowed, in the spec's order. */
+      p = h;
+      p = put16(p, EXTRA_ZIP64);
+      p = put16(p, (uint32_t)(8 * z64_fields));
+      if (big_size) {
+        p = put64(p, e->size);
+        p = put64(p, e->size);
+      }
+      if (big_offset) p = put64(p, e->header_offset);
+      if ((rc = emit(z, h, (size_t)(p - h)))) return rc;
+    }
+  }
+  uint64_t cd_size = z->offset - cd_start;
+  uint64_t n = z->n_entries;
+  int zip64 = n >= 0xffff || cd_start >= thr || cd_size >= thr;
+  unsigned char h[56 + 20 + 22], *p = h;
+  if (zip64) {
+    uint64_t end64_at = z->offset;
+    p = put32(p, SIG_END64);
+    p = put64(p, 44); /* size of the rest of this record */
+    p = put16(p, VERSION_ZIP64);
+    p = put16(p, VERSION_ZIP64);
+    p = put32(p, 0);
+    p = put32(p, 0);
+    p = put64(p, n);
+    p = put64(p, n);
+    p = put64(p, cd_size);
+    p = put64(p, cd_start);
+    p = put32(p, SIG_END64_LOCATOR);
+    p = put32(p, 0);
+    p = put64(p, end64_at);
+    p = put32(p, 1);
+  }
+  p = put32(p, SIG_END);
+  p = put16(p, 0);
+  p = put16(p, 0);
+  p = put16(p, n >= 0xffff ? 0xffffu : (uint32_t)n);
+  p = put16(p, n >= 0xffff ? 0xffffu : (uint32_t)n);
+  p = put32(p, zip64 && cd_size >= thr ? 0xffffffffu : (uint32_t)cd_size);
+  p = put32(p, zip64 && cd_start >= thr ? 0xffffffffu : (uint32_t)cd_start);
+  p = put16(p, 0); /* comment */
+  if ((rc = emit(z, h, (size_t)(p - h)))) return rc;
+  return flush(z);
+}

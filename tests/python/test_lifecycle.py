@@ -1,0 +1,247 @@
+"""Items 1, 3, 7: package import, no leak over 1,000 steps, bad input."""
+import gc
+import os
+import subprocess
+import sys
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import ferry
+import ferry.torch as ft
+from conftest import GPT, gpt_batch, gpt_loss
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_py(code, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+
+
+# ---- item 1: the package -----------------------------------------------------------
+def test_import_without_torch():
+    r = run_py("import sys; sys.modules['torch'] = None\n"
+               "import ferry; i = ferry.info(); print(i['version'], i['arena'], 'torch' in sys.modules and sys.modules['torch'])")
+    assert r.returncode == 0, r.stderr
+    version, arena, torch_loaded = r.stdout.split()
+    assert version == ferry.__version__ and arena == "pool" and torch_loaded == "None"
+
+
+def test_info_reports_jemalloc_when_preloaded():
+    lib = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+    if not os.path.exists(lib):
+        pytest.skip("Debian's libjemalloc2 is not installed")
+    r = run_py("import ferry; print(ferry.info()['arena'], ferry.info()['jemalloc_preloaded'])",
+               {"LD_PRELOAD": lib})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["jemalloc", "True"]
+
+
+def test_info_backends():
+    i = ferry.info()
+    assert i["backends"]["host"]["available"] is True
+    cuda = i["backends"]["cuda"]
+    assert cuda["available"] == torch.cuda.is_available() or "error" in cuda
+    if not cuda["available"]:
+        assert cuda["error"]  # says why
+
+
+# ---- item 3: no leak ------------------------------------------------------------------
+class Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+        self.head = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def test_no_leak_over_1000_steps():
+    torch.manual_seed(0)
+    model = Small()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 64)
+    refs = []
+    catch = lambda mod, inp, out: refs.append(weakref.ref(out))
+    hooks = [b.register_forward_hook(catch) for b in model.blocks]
+    counts = {}
+    for i in range(1000):
+        with ft.offload(model, policy="default"):
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss
+        if i in (99, 999):
+            gc.collect()
+            counts[i] = len(gc.get_objects()) - len(refs)
+    for h in hooks:
+        h.remove()
+    assert ft.step() == 0
+    s = ft.stats()
+    assert s["steps"] == 1000
+    assert s["tensors_offloaded"] >= 1000 * 3 and s["bytes_h2d"] + s["stash_hits"] > 0
+    for k in ("live_handles", "device_bytes_held", "arena_in_use"):
+        assert s[k] == 0, (k, s[k])
+    gc.collect()
+    alive = [r for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} activations kept alive"
+    # Python objects do not pile up step after step (slack for caches)
+    assert counts[999] - counts[99] < 200, counts
+
+
+def test_forward_without_backward_frees_everything():
+    """A graph dropped without backward (evaluation with grad on) must not
+    leak: kept outputs are stored without their grad_fn (no C++ cycle)."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    refs = []
+    model.h[0].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    with ft.offload(model, policy="default"):
+        out = model(gpt_batch()[:, :-1])
+        y = out.exp()  # exp saves its output
+    assert ft.stats()["live_handles"] > 0
+    del out, y
+    gc.collect()
+    assert ft.stats()["live_handles"] == 0
+    assert ft.step() == 0
+    s = ft.stats()
+    assert s["device_bytes_held"] == 0 and s["arena_in_use"] == 0
+    assert all(r() is None for r in refs)
+
+
+def test_close_with_live_graph_then_gc():
+    model = GPT(layers=2)
+    with ft.offload(model, policy="default"):
+        loss = gpt_loss(model, gpt_batch())
+    ft.close()  # engine destroyed while the graph still holds handles
+    with pytest.raises(RuntimeError, match="engine holding this saved tensor was closed"):
+        loss.backward()  # autograd re-raises the hook's FerryError as RuntimeError
+    del loss
+    gc.collect()
+
+
+# ---- item 7: bad input ------------------------------------------------------------------
+def test_unknown_policy_name():
+    with pytest.raises(FileNotFoundError) as e:
+        ft.offload(torch.nn.Linear(2, 2), policy="no_such_policy")
+    msg = str(e.value)
+    assert "no_such_policy" in msg and "default" in msg  # lists the shipped ones
+
+
+def test_missing_policy_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ft.offload(torch.nn.Linear(2, 2), policy=str(tmp_path / "nope.lua"))
+
+
+def test_policy_that_does_not_load(tmp_path):
+    p = tmp_path / "broken.lua"
+    p.write_text("return {\n api = 1,\n decide = function(t, ctx) return end end\n")  # syntax error
+    with pytest.raises(ferry.FerryError) as e:
+        ft.offload(torch.nn.Linear(2, 2), policy=str(p))
+    assert "broken.lua" in str(e.value)
+
+
+def test_policy_failing_at_run_time_never_stops_training(tmp_path):
+    p = tmp_path / "fails.lua"
+    p.write_text("return { api = 1, name = 'fails', decide = function(t, ctx)\n"
+                 "  error('boom') end }\n")
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    ref = GPT(layers=2)
+    ref.load_state_dict(model.state_dict())
+    batch = gpt_batch()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with ft.offload(model, policy=str(p)):
+                loss = gpt_loss(model, batch)
+            loss.backward()
+        ft.step()
+    mine = [x for x in w if "fails.lua" in str(x.message)]
+    assert len(mine) == 1, [str(x.message) for x in w]  # warned once
+    assert "boom" in str(mine[0].message)
+    s = ft.stats()
+    assert s["policy_errors"] > 0 and s["tensors_offloaded"] == 0
+    for _ in range(3):
+        gpt_loss(ref, batch).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_unknown_knob_and_bad_values():
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="unknown knob"):
+        ft.offload(m, max_stash=3)
+    with pytest.raises(ValueError, match="backend"):
+        ft.offload(m, backend="tpu")
+    with pytest.raises(ValueError, match="percentage"):
+        ft.offload(m, host_cap="140%")
+    with pytest.raises(ValueError, match="expected bytes"):
+        ft.offload(m, host_cap="12 parsecs")
+    with pytest.raises(TypeError, match="nn.Module"):
+        ft.offload(object())
+    if not torch.cuda.is_available():
+        with pytest.raises(ferry.FerryError, match="no GPU"):
+            ft.offload(m, backend="cuda")
+
+
+def test_special_tensors_kept_with_reason():
+    """Sparse and subclass tensors (and non-dense views, see test_autograd)
+    are kept, each counted under its reason."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    w = torch.randn(64, 64, requires_grad=True)
+    sp = torch.randn(64, 64).relu().to_sparse().requires_grad_()
+    sub = torch.randn(64, 64).as_subclass(Sub).requires_grad_()
+    with ft.offload(None, policy="default"):
+        a = torch.sparse.mm(sp, w).sum()
+        b = (sub * w).sum()
+    (a + b).backward()
+    s = ft.stats()
+    assert s["kept_sparse"] > 0, s
+    assert s["kept_subclass"] > 0, s
+
+
+def test_env_defaults(tmp_path):
+    """`ferry run` passes FERRY_POLICY/FERRY_TRACE/FERRY_HOST_CAP/FERRY_BACKEND."""
+    trace = tmp_path / "env.jsonl"
+    code = ("import torch, ferry.torch as ft\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))\n"
+            "with ft.offload(m):\n"
+            "    l = m(torch.randn(32, 64)).sum()\n"
+            "l.backward(); ft.step(); s = ft.stats()\n"
+            "print(s['policy'], s['arena_cap'], s['backend'])\n"
+            "ft.close()\n")
+    r = run_py(code, {"FERRY_POLICY": ferry.policy_path("layers"), "FERRY_TRACE": str(trace),
+                      "FERRY_HOST_CAP": "64M", "FERRY_BACKEND": "host"})
+    assert r.returncode == 0, r.stderr
+    policy, cap, backend = r.stdout.split()
+    assert policy.endswith("layers.lua") and int(cap) == 64 << 20 and backend == "host"
+    assert trace.exists() and trace.stat().st_size > 0
+
+
+def test_host_cap_falls_back_to_keep():
+    """A cap too small for anything: everything is kept, counted, gradients fine."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    ref = GPT(layers=2)
+    ref.load_state_dict(model.state_dict())
+    batch = gpt_batch()
+    with ft.offload(model, policy="default", host_cap=4096):
+        loss = gpt_loss(model, batch)
+    loss.backward()
+    gpt_loss(ref, batch).backward()
+    s = ft.stats()
+    assert s["cap_fallbacks"] > 0 and s["arena_reserved"] <= 4096
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -1,0 +1,151 @@
+"""Item 3: every shipped policy gives identical gradients, and the decisions
+(seen in the recorded trace and the stats) are the ones each should make.
+Item 2: hot swap between steps; stats; record_trace."""
+import os
+
+import pytest
+import torch
+
+import ferry
+import ferry.torch as ft
+from conftest import GPT, SHIPPED_POLICIES, assert_same_training, gpt_batch, gpt_loss, read_trace, train
+
+LAYERS = 4
+
+
+def make():
+    return GPT(layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return train(make, gpt_batch, gpt_loss, steps=3)
+
+
+def run_policy(policy, trace):
+    mine = train(make, gpt_batch, gpt_loss, steps=3,
+                 offload=lambda m: ft.offload(m, policy=policy, record_trace=trace))
+    ft.step()
+    s = ft.stats()
+    ft.close()  # flushes the trace
+    packs = [e for e in read_trace(trace) if e["ev"] == "pack"]
+    return mine, s, packs
+
+
+def offloaded(packs):
+    return [p for p in packs if p["decision"] == "offload"]
+
+
+def test_all_shipped_policies_are_tested():
+    assert set(SHIPPED_POLICIES) >= {"default", "layers", "fraction", "ramcap", "budget"}
+
+
+@pytest.mark.parametrize("policy", SHIPPED_POLICIES)
+def test_policy_identical_gradients(policy, baseline, tmp_path):
+    mine, s, packs = run_policy(policy, str(tmp_path / "trace.jsonl"))
+    assert_same_training(baseline, mine)
+    assert s["live_handles"] == 0 and s["arena_in_use"] == 0 and s["device_bytes_held"] == 0, s
+    assert s["policy_errors"] == 0, s["policy_error"]
+    off = offloaded(packs)
+    assert off, f"{policy} offloaded nothing"
+    # No shipped policy offloads parameters or buffers.
+    assert all(p["kind"] == "activation" for p in off), {p["kind"] for p in off}
+    # Every saved tensor reached the engine while tracing, and the trace
+    # agrees with the stats.
+    assert len(packs) == s["tensors_packed"]
+    stored = [p for p in off if not p.get("alias")]  # an alias is the same bytes again
+    assert len(stored) == s["tensors_offloaded"]
+    assert sum(p["bytes"] for p in stored) == s["bytes_d2h"]
+    # Paths and layers are the model's.
+    layered = [p for p in packs if p["layer"] >= 0]
+    assert layered and all(p["layers"] == LAYERS for p in layered)
+    assert all(p["module"].startswith("h.%d" % p["layer"]) for p in layered)
+
+
+def test_default_policy_decisions(tmp_path):
+    _, s, packs = run_policy("default", str(tmp_path / "t.jsonl"))
+    params = [p for p in packs if p["kind"] == "parameter"]
+    assert params, "the model's weights are saved (matmul) and must be seen as parameters"
+    assert all(p["decision"] == "keep" for p in params)
+    head = [p for p in packs if p.get("module", "").split(".")[0] in ("lm_head", "ln_f")]
+    assert head and all(p["decision"] == "keep" for p in head)
+    # everything else of at least 1024 bytes is offloaded
+    rest = [p for p in packs if p["kind"] == "activation" and p["bytes"] >= 1024 and p not in head]
+    assert rest and all(p["decision"] == "offload" for p in rest)
+    assert s["policy_cache_hits"] > 0  # default's answers are cached per site
+
+
+def test_layers_policy_offloads_only_first_two_layers(tmp_path):
+    _, s, packs = run_policy("layers", str(tmp_path / "t.jsonl"))
+    layers = {p["layer"] for p in offloaded(packs)}
+    assert layers == {0, 1}, layers
+    assert s["prefetches"] > 0
+
+
+def test_fraction_policy_only_selected_modules(tmp_path):
+    _, s, packs = run_policy("fraction", str(tmp_path / "t.jsonl"))
+    off = offloaded(packs)
+    assert all(p["layer"] != LAYERS - 1 for p in off)  # last layer kept
+    mods = {p["module"].split(".", 2)[2] for p in off}
+    assert mods <= {"attn", "attn.c_proj", "mlp.c_fc"}, mods
+    eligible = [p for p in packs if p["layer"] not in (-1, LAYERS - 1) and p["kind"] == "activation"
+                and p["bytes"] >= 1024 and p["module"].split(".", 2)[2] in mods]
+    assert 0 < len(off) < len(eligible)  # a fraction, not all
+
+
+def test_budget_policy_keeps_the_last_packed(tmp_path):
+    _, s, packs = run_policy("budget", str(tmp_path / "t.jsonl"))
+    step3 = [p for p in packs if p["step"] == 3 and p["kind"] == "activation" and p["bytes"] >= 1024
+             and p.get("module", "").split(".")[0] not in ("lm_head", "ln_f")]
+    decisions = [p["decision"] for p in step3]
+    assert "offload" in decisions and "keep" in decisions
+    # the kept ones come after the offloaded ones (pack order)
+    assert decisions.index("keep") > decisions.index("offload")
+    assert decisions[-1] == "keep"
+
+
+def test_hot_swap_between_steps(tmp_path):
+    torch.manual_seed(0)
+    m = make()
+    trace = str(tmp_path / "t.jsonl")
+    for policy in ("layers", "default", "layers"):
+        with ft.offload(m, policy=policy, record_trace=trace):
+            loss = gpt_loss(m, gpt_batch())
+        loss.backward()
+        assert ft.stats()["policy"].endswith(policy + ".lua")
+    ft.set_policy("default")  # explicit swap API
+    with ft.offload(m, policy="default", record_trace=trace):
+        loss = gpt_loss(m, gpt_batch())
+    loss.backward()
+    ft.close()
+    packs = [e for e in read_trace(trace) if e["ev"] == "pack"]
+    by_step = {}
+    for p in offloaded(packs):
+        by_step.setdefault(p["step"], set()).add(p["layer"])
+    assert by_step[1] == {0, 1} and by_step[3] == {0, 1}
+    assert by_step[2] >= {0, 1, 2, 3} and by_step[4] >= {0, 1, 2, 3}
+
+
+def test_failed_swap_keeps_previous_policy(tmp_path):
+    bad = tmp_path / "bad.lua"
+    bad.write_text("return { api = 1, name = 'bad', decide = function(t, ctx) return ferry.KEEP end\n")
+    m = make()
+    with ft.offload(m, policy="layers"):
+        gpt_loss(m, gpt_batch()).backward()
+    with pytest.raises(ferry.FerryError) as e:
+        ft.set_policy(str(bad))
+    assert "bad.lua" in str(e.value)
+    assert ft.stats()["policy"].endswith("layers.lua")
+
+
+def test_stats_keys_and_policy_by_path():
+    m = make()
+    path = os.path.join(os.path.dirname(ferry.policy_path("default")), "default.lua")
+    with ft.offload(m, policy=path):
+        gpt_loss(m, gpt_batch()).backward()
+    s = ft.stats()
+    for k in ("tensors_packed", "tensors_offloaded", "bytes_d2h", "bytes_h2d", "live_handles",
+              "arena_in_use", "arena_peak", "policy_calls", "kept_small", "backend", "arena"):
+        assert k in s
+    assert s["backend"] == "host"
+    assert s["kept_small"] > 0  # tiny tensors took the fast path
