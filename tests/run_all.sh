@@ -5,7 +5,7 @@
 #   2. the C suite under ASan+UBSan, and the threaded tests under TSan
 #   3. valgrind memcheck on the C suite (shorter soak)
 #   4. install + an out-of-tree find_package(ferry) consumer
-#   5. busted specs under LuaJIT, pytest (when those suites exist)
+#   5. pytest (when that suite exists); the busted specs run inside ctest
 # Stages can be skipped with FERRY_SKIP="asan tsan valgrind ..." for local runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,12 +57,6 @@ if ! skip install; then
   "$BUILD/consumer/consumer_static"
   PKG_CONFIG_PATH="$ROOT/$BUILD/install-test/lib/pkgconfig" pkg-config --exists ferry
   summary+=("install: ok")
-fi
-
-if ! skip busted && [ -d tests/lua ] && ls tests/lua/*_spec.lua >/dev/null 2>&1; then
-  stage "busted specs (LuaJIT)"
-  FERRY_LIB="$ROOT/$BUILD/lib/libferry.so" luajit /usr/bin/busted --lpath="$ROOT/bindings/lua/?.lua" tests/lua
-  summary+=("busted: ok")
 fi
 
 if ! skip pytest && [ -x tests/python/run.sh ]; then

@@ -114,6 +114,19 @@ int ferry_backward_begin(ferry_engine *e);
 int ferry_backward_end(ferry_engine *e);
 int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted);
 const char *ferry_last_policy_error(ferry_engine *e);
+typedef struct ferry_snapshot ferry_snapshot;
+typedef struct ferry_snapshot_record {
+const char *name;
+const void *host_data;
+const void *device_ptr;
+uint64_t bytes;
+}ferry_snapshot_record;
+int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot_record *records, size_t n, void *compute_stream, ferry_snapshot **out);
+int ferry_snapshot_fence(ferry_snapshot *s, void *compute_stream);
+int ferry_snapshot_poll(ferry_snapshot *s);
+int ferry_snapshot_wait(ferry_snapshot *s);
+const char *ferry_snapshot_error(ferry_snapshot *s);
+void ferry_snapshot_free(ferry_snapshot *s);
 typedef struct ferry_stats {
 uint64_t steps;
 uint64_t tensors_packed;
