@@ -14,9 +14,11 @@ build: deps
 	@cmake -S . -B $(BUILD) -DFERRY_WERROR=ON $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD) -j$(JOBS)
 
-# The main job on a bundled default.
+# The main job on a bundled default: synthesize a Llama-3-8B-like trace,
+# dry-run default/layers/budget on an H100 link, write JSON, Chrome trace
+# and SVG into $(BUILD)/demo/.
 demo: build
-	$(BUILD)/bin/trainer_host
+	$(BUILD)/bin/ferry sim --demo $(BUILD)/demo
 
 # Every suite: ctest (host, pool arena, CUDA double), sanitizers, valgrind,
 # install, busted, pytest.
@@ -31,4 +33,4 @@ install: build
 	cmake --install $(BUILD)
 
 clean:
-	rm -rf $(BUILD) build-asan build-tsan
+	rm -rf $(BUILD) build-asan build-tsan build-nocuda

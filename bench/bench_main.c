@@ -42,6 +42,7 @@ void bench_engine(bench_report *r);
 void bench_host_copy(bench_report *r);
 void bench_arena(bench_report *r);
 void bench_policy(bench_report *r);
+void bench_sim(bench_report *r);
 /* Instruction-count mode, run under callgrind (bench_engine.c). */
 int bench_engine_instr(const char *which, long iters);
 
@@ -55,6 +56,7 @@ static const bench_entry benches[] = {
     {"host_copy", bench_host_copy},
     {"arena", bench_arena},
     {"policy", bench_policy},
+    {"sim", bench_sim},
 };
 
 /* Instructions per iteration of `which`, from two callgrind runs of
@@ -104,7 +106,7 @@ int main(int argc, char **argv) {
     case 'o': only = optarg; break;
     case 'i': return bench_engine_instr(optarg, optind < argc ? atol(argv[optind]) : 10000);
     default:
-      fprintf(stderr, "usage: ferry_bench [--json FILE] [--only engine|host_copy|arena|policy]\n");
+      fprintf(stderr, "usage: ferry_bench [--json FILE] [--only engine|host_copy|arena|policy|sim|snapshot]\n");
       return c == 'h' ? 0 : 2;
     }
   }

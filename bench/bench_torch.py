@@ -16,6 +16,8 @@ Metrics (merged into the flat JSON object of --json):
   torch_save_on_cpu_overhead_ratio   save_on_cpu / noop
   torch_ferry_offload_overhead_ratio ferry_offload / noop
   torch_<mode>_overhead_us           per saved tensor, microseconds
+  torch_hook_call_ns_{ferry_keep,noop}  the pack+unpack pair alone, called
+                                     directly (min of 5; robust to load)
 Usage: python bench/bench_torch.py [--json build/bench.json] [--reps 15]
 """
 import argparse
@@ -85,20 +87,50 @@ def main():
         "noop": noop,
         "save_on_cpu": torch.autograd.graph.save_on_cpu,
         "ferry_keep": lambda: ft.offload(None, policy="default", backend="host"),
-        "ferry_offload": lambda: ft.offload(None, policy=offload_all, backend="host"),
+        # its own engine (another knob value), so no policy swap per run
+        "ferry_offload": lambda: ft.offload(None, policy=offload_all, backend="host", max_fwd_stash=64),
     }
     times = {m: [] for m in modes}
     for m, ctx in modes.items():  # warm-up: engines, caches, allocator
         with ctx():
             chain()
+    import gc
+
     for _ in range(args.reps):
         for m, ctx in modes.items():
+            gc.collect()
+            gc.disable()  # a collection inside one run would swamp microseconds
             t0 = time.perf_counter()
             with ctx():
                 chain()
             times[m].append(time.perf_counter() - t0)
+            gc.enable()
+    # The hooks alone, called directly (min of 5 x 100k calls: robust to a
+    # loaded machine): what ferry itself adds per saved tensor, next to the
+    # Python no-op pair. Half leaf (w), half non-leaf (y) tensors, as above.
+    import timeit
+
+    keep_ctx = modes["ferry_keep"]()
+    keep_ctx.__enter__()
+    pack, unpack = keep_ctx.engine.hooks()
+    w = torch.randn(16, requires_grad=True)
+    y = w * 1.5
+    noop_pack = noop_unpack = lambda t: t
+    env = dict(pack=pack, unpack=unpack, noop_pack=noop_pack, noop_unpack=noop_unpack, w=w, y=y)
+
+    def call_ns(stmt):
+        return min(timeit.repeat(stmt, globals=env, number=100000, repeat=5)) / 100000 * 1e9
+
+    hook_ns = {
+        "ferry_keep": (call_ns("unpack(pack(w))") + call_ns("unpack(pack(y))")) / 2,
+        "noop": (call_ns("noop_unpack(noop_pack(w))") + call_ns("noop_unpack(noop_pack(y))")) / 2,
+    }
+    keep_ctx.__exit__(None, None, None)
     ft.step()
-    stats = ft.stats()
+    with modes["ferry_offload"]():
+        pass
+    ft.step()
+    stats = ft.stats()  # the offload engine's, for the report line
     ft.close()
     os.unlink(offload_all)
 
@@ -110,12 +142,16 @@ def main():
     out["torch_save_on_cpu_overhead_ratio"] = round(per["save_on_cpu"] / noop_us, 4)
     out["torch_ferry_offload_overhead_ratio"] = round(per["ferry_offload"] / noop_us, 4)
     out["torch_chain_none_ms"] = round(med["none"] * 1e3, 3)
+    out["torch_hook_call_ns_ferry_keep"] = round(hook_ns["ferry_keep"], 1)
+    out["torch_hook_call_ns_noop"] = round(hook_ns["noop"], 1)
 
     print(f"torch {torch.__version__}, {CHAIN} chained multiplies, {saved_per_run} saved tensors/run, "
           f"median of {args.reps}")
     print(f"  no hooks: {med['none'] * 1e3:.2f} ms/run")
     for m in per:
         print(f"  {m:14s} {per[m]:7.3f} us per saved tensor  ({per[m] / noop_us:5.2f} x no-op Python hooks)")
+    print(f"  hooks alone (pack+unpack called directly): ferry keep {hook_ns['ferry_keep']:.0f} ns, "
+          f"Python no-op pair {hook_ns['noop']:.0f} ns")
     print(f"  ferry_offload moved {stats['bytes_d2h']} bytes D2H, {stats['bytes_h2d']} H2D "
           f"({stats['tensors_offloaded']} tensors, {stats['tensors_aliased']} aliased)")
     print(json.dumps(out, indent=1))

@@ -40,6 +40,14 @@ if ! skip tsan; then
   summary+=("tsan: ok")
 fi
 
+if ! skip cuda-off; then
+  stage "FERRY_CUDA=OFF build: the cuda backend answers FERRY_EUNSUPPORTED"
+  cmake -S . -B build-nocuda -DFERRY_CUDA=OFF -DFERRY_WERROR=ON >/dev/null
+  cmake --build build-nocuda -j"$JOBS" --target ferry_tests
+  build-nocuda/bin/ferry_tests $(build-nocuda/bin/ferry_tests --list | grep '^cuda_')
+  summary+=("cuda=off: ok")
+fi
+
 if ! skip valgrind && command -v valgrind >/dev/null; then
   stage "C suite under valgrind memcheck"
   FERRY_TEST_STEPS=300 valgrind -q --error-exitcode=99 --leak-check=full \

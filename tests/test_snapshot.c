@@ -336,7 +336,8 @@ TEST(snapshot_consistent_after_fence) {
     CHECK(state_make(&st, 16, size_1m, 0, 21 + (uint64_t)chunked) == 0);
     ferry_snapshot *s = NULL;
     CHECK_OK(ferry_snapshot_start(f.e, path, st.rec, st.n, NULL, &s));
-    CHECK_EQ(ferry_snapshot_poll(s), 1); /* the link makes it take a while */
+    if (test_backend_kind() == FERRY_BACKEND_HOST)
+      CHECK_EQ(ferry_snapshot_poll(s), 1); /* the link makes it take a while */
     CHECK_OK(ferry_snapshot_fence(s, NULL));
     state_scribble(&st, 12345); /* "optimizer step" */
     CHECK_OK(ferry_snapshot_wait(s));
@@ -623,7 +624,8 @@ TEST(snapshot_engine_destroy_waits) {
   CHECK(state_make(&st, 8, size_1m, 0, 71) == 0);
   ferry_snapshot *s = NULL;
   CHECK_OK(ferry_snapshot_start(f.e, path, st.rec, st.n, NULL, &s));
-  CHECK_EQ(ferry_snapshot_poll(s), 1);
+  if (test_backend_kind() == FERRY_BACKEND_HOST)
+    CHECK_EQ(ferry_snapshot_poll(s), 1); /* still staging over the slow link */
   ferry_engine_destroy(f.e);
   CHECK_OK(ferry_snapshot_poll(s));
   CHECK_OK(ferry_snapshot_fence(s, NULL));

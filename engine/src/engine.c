@@ -202,6 +202,9 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     set_err(errbuf, errlen, rc, "backend %s: %s", e->bk->ops->name, e->bk->err);
     goto fail;
   }
+  /* The sim backend's host memory is address space that must never be
+   * touched, and a jemalloc arena writes into its extents: use the pool. */
+  if (c.backend == FERRY_BACKEND_SIM && c.arena == FERRY_ARENA_AUTO) c.arena = FERRY_ARENA_POOL;
   uint64_t cap = cap_bytes(&c);
   if ((rc = ferry_arena_create(e->bk, c.arena, cap, &e->arena, msg, sizeof msg))) {
     set_err(errbuf, errlen, rc, "arena: %s", msg);

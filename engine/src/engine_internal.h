@@ -93,8 +93,9 @@ struct ferry_engine {
   uint32_t n_free;
   alias_map aliases;
 
-  /* forward stash: FIFO ring of entry indices (STASHED entries, in order) */
-  uint32_t *fwd;
+  /* forward stash: FIFO ring of (gen << 32 | index) of STASHED entries in
+   * pack order; entries unpacked meanwhile are skipped lazily by their gen */
+  uint64_t *fwd;
   uint32_t fwd_head, fwd_count, fwd_cap;
 
   /* offloaded entries of this step in pack order, for prefetch */

@@ -570,11 +570,12 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
   if (s->dev_total && !s->n_slots) {
     ferry_arena_stats a;
     ferry_arena_get_stats(e->arena, &a);
+    uint64_t need = s->dev_total;
     abandon(e, s);
     return start_fail(e, FERRY_ECAP,
                       "the pinned arena has no room to stage %llu bytes (cap %llu, reserved "
                       "%llu, in use %llu); free arena memory or raise the cap",
-                      (unsigned long long)s->dev_total, (unsigned long long)a.cap,
+                      (unsigned long long)need, (unsigned long long)a.cap,
                       (unsigned long long)a.reserved, (unsigned long long)a.in_use);
   }
 

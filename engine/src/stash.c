@@ -224,7 +224,7 @@ static void host_buffer_drop(ferry_engine *e, stash_entry *s, int copy_may_run) 
 static int fwd_push(ferry_engine *e, uint32_t idx) {
   if (e->fwd_count == e->fwd_cap) {
     uint32_t ncap = e->fwd_cap ? e->fwd_cap * 2 : 64;
-    uint32_t *n = malloc((size_t)ncap * sizeof *n);
+    uint64_t *n = malloc((size_t)ncap * sizeof *n);
     if (!n) return -1;
     for (uint32_t i = 0; i < e->fwd_count; i++) n[i] = e->fwd[(e->fwd_head + i) % e->fwd_cap];
     free(e->fwd);
@@ -232,7 +232,7 @@ static int fwd_push(ferry_engine *e, uint32_t idx) {
     e->fwd_cap = ncap;
     e->fwd_head = 0;
   }
-  e->fwd[(e->fwd_head + e->fwd_count) % e->fwd_cap] = idx;
+  e->fwd[(e->fwd_head + e->fwd_count) % e->fwd_cap] = ((uint64_t)e->entries[idx].gen << 32) | idx;
   e->fwd_count++;
   return 0;
 }
@@ -261,11 +261,14 @@ static void *stash_release(ferry_engine *e, uint32_t idx) {
 static uint32_t fwd_enforce_bound(ferry_engine *e, void **owners, uint32_t max_owners) {
   uint32_t n = 0;
   while (e->ctx.stash_depth > e->max_fwd_stash && e->fwd_count && n < max_owners) {
-    uint32_t idx = e->fwd[e->fwd_head];
+    uint64_t slot = e->fwd[e->fwd_head];
+    uint32_t idx = (uint32_t)slot;
     e->fwd_head = (e->fwd_head + 1) % e->fwd_cap;
     e->fwd_count--;
-    /* Entries unpacked while stashed are skipped lazily. */
-    if (e->entries[idx].state != ENTRY_STASHED) continue;
+    /* Entries unpacked while stashed are skipped lazily; their slot may
+     * already hold a newer entry, which its own ring position stands for. */
+    if (e->entries[idx].gen != (uint32_t)(slot >> 32) || e->entries[idx].state != ENTRY_STASHED)
+      continue;
     owners[n++] = stash_release(e, idx);
   }
   if (!e->ctx.stash_depth) e->fwd_head = e->fwd_count = 0;

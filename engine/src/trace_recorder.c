@@ -78,7 +78,11 @@ void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int d
   if (d->module_path) cJSON_AddStringToObject(o, "module", d->module_path);
   if (d->module_class) cJSON_AddStringToObject(o, "class", d->module_class);
   cJSON_AddStringToObject(o, "decision", decision == FERRY_OFFLOAD ? "offload" : "keep");
-  if (aliased) cJSON_AddBoolToObject(o, "alias", 1);
+  if (aliased) {
+    cJSON_AddBoolToObject(o, "alias", 1);
+    const stash_entry *primary = &e->entries[e->entries[idx].primary];
+    if (primary->trace_id) cJSON_AddNumberToObject(o, "alias_of", (double)primary->trace_id);
+  }
   emit(e, o);
 }
 

@@ -715,8 +715,16 @@ static void rp_compute(replay *r, double us) {
     sim_backend_advance(r->sim, us);
     return;
   }
-  /* The host backend's compute stream is this thread: keep it busy. */
+  /* The host backend's compute stream is this thread. Sleep through most of
+   * it, leaving the cores to the copy workers (a GPU computes without the
+   * CPU), and spin the last 100 us to end on time. */
   double end = wall_us() + us * r->host_scale;
+  if (end - wall_us() > 300) {
+    double until = end - 100;
+    struct timespec ts = {(time_t)(until / 1e6), (long)(fmod(until, 1e6) * 1e3)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+  }
   while (wall_us() < end) {
   }
 }

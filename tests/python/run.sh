@@ -22,6 +22,7 @@ skipped=()
 
 run_with() { # python label
   local py=$1 label=$2
+  shift 2
   if ! PYTHONPATH="$PYPATH" "$py" -c "import ferry._ferry" 2>/tmp/ferry-import.$$; then
     echo "FAILED: $label: the ferry extension does not import with $py:" >&2
     cat /tmp/ferry-import.$$ >&2
