@@ -43,6 +43,7 @@ void bench_host_copy(bench_report *r);
 void bench_arena(bench_report *r);
 void bench_policy(bench_report *r);
 void bench_sim(bench_report *r);
+void bench_snapshot(bench_report *r);
 /* Instruction-count mode, run under callgrind (bench_engine.c). */
 int bench_engine_instr(const char *which, long iters);
 
@@ -57,6 +58,7 @@ static const bench_entry benches[] = {
     {"arena", bench_arena},
     {"policy", bench_policy},
     {"sim", bench_sim},
+    {"snapshot", bench_snapshot},
 };
 
 /* Instructions per iteration of `which`, from two callgrind runs of

@@ -43,6 +43,7 @@
   X(stash_step_end_reports_leaks)                                          \
   X(stash_pack_unpack_on_two_threads)                                      \
   X(stash_recompute_during_backward)                                       \
+  X(stash_shared_budget_hook)                                              \
   /* @@stash */                                                            \
   /* trace recorder (test_trace.c) */                                      \
   X(trace_records_every_event)                                             \

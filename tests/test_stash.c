@@ -806,3 +806,60 @@ TEST(trace_records_every_event) {
   CHECK_EQ(offl, (int)s.tensors_offloaded);
   return 0;
 }
+
+/* ---- a shared host budget ------------------------------------------------------------------- */
+typedef struct budget {
+  atomic_long used, limit, refusals, calls;
+} budget;
+
+static int budget_cb(void *ud, uint64_t bytes, int release) {
+  budget *b = ud;
+  atomic_fetch_add(&b->calls, 1);
+  if (release) {
+    atomic_fetch_sub(&b->used, (long)bytes);
+    return 0;
+  }
+  if (atomic_fetch_add(&b->used, (long)bytes) + (long)bytes > atomic_load(&b->limit)) {
+    atomic_fetch_sub(&b->used, (long)bytes);
+    atomic_fetch_add(&b->refusals, 1);
+    return 1;
+  }
+  return 0;
+}
+
+TEST(stash_shared_budget_hook) {
+  fixture f;
+  ferry_config c = fixture_config(&f, 1);
+  budget b;
+  atomic_init(&b.used, 0);
+  atomic_init(&b.limit, 3 << 20);
+  atomic_init(&b.refusals, 0);
+  atomic_init(&b.calls, 0);
+  c.host_reserve = budget_cb;
+  c.host_reserve_ud = &b;
+  c.max_fwd_stash = 1;
+  CHECK_OK(fixture_open(&f, &c));
+  enum { M = 12, SZ = 1 << 20 };
+  ferry_handle hs[M];
+  uint64_t sums[M];
+  for (int i = 0; i < M; i++) {
+    CHECK((hs[i] = pack_new(&f, SZ, (uint64_t)i, &sums[i])));
+    CHECK(atomic_load(&b.used) <= 3 << 20);
+  }
+  ferry_stats s;
+  CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+  CHECK(atomic_load(&b.calls) > 0);
+  CHECK(atomic_load(&b.refusals) > 0);
+  CHECK(s.cap_fallbacks > 0);
+  CHECK_EQ((long)s.arena_reserved, atomic_load(&b.used));
+  for (int i = M - 1; i >= 0; i--)
+    if (unpack_check(&f, hs[i], SZ, sums[i])) return 1;
+  CHECK_OK(ferry_step_end(f.e));
+  ferry_knobs k;
+  CHECK_OK(ferry_get_knobs(f.e, &k));
+  CHECK_EQ(k.max_fwd_stash, 1);
+  CHECK_EQ(k.min_offload_bytes, 1);
+  ferry_engine_destroy(f.e);
+  CHECK_EQ(atomic_load(&b.used), 0); /* everything given back at destroy */
+  return 0;
+}

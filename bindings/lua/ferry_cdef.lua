@@ -72,6 +72,7 @@ double h2d_bytes_per_s;
 double latency_us;
 double duplex;
 }ferry_link;
+typedef int (*ferry_reserve_fn)(void *ud, uint64_t bytes, int release);
 typedef struct ferry_config {
 uint32_t struct_size;
 uint32_t version;
@@ -96,6 +97,8 @@ const char *policy_source;
 int32_t policy_trusted;
 int32_t reserved1;
 const char *trace_path;
+ferry_reserve_fn host_reserve;
+void *host_reserve_ud;
 }ferry_config;
 void ferry_config_init(ferry_config *cfg);
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf, size_t errlen);
@@ -114,6 +117,12 @@ int ferry_backward_begin(ferry_engine *e);
 int ferry_backward_end(ferry_engine *e);
 int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted);
 const char *ferry_last_policy_error(ferry_engine *e);
+typedef struct ferry_knobs {
+uint32_t max_fwd_stash;
+uint32_t prefetch_distance;
+uint64_t min_offload_bytes;
+}ferry_knobs;
+int ferry_get_knobs(ferry_engine *e, ferry_knobs *out);
 typedef struct ferry_snapshot ferry_snapshot;
 typedef struct ferry_snapshot_record {
 const char *name;

@@ -42,9 +42,6 @@
 #include <unistd.h>
 
 #include "ferry.h"
-/* Only for effective_min_bytes() below: the policy's min_offload_bytes knob
- * overrides the config's, and ferry.h has no getter for it (asked for). */
-#include "engine_internal.h"
 
 /* ---- torch objects, looked up on first engine creation --------------------
  * `import ferry` must work without torch, so nothing here is touched at
@@ -640,10 +637,8 @@ static int cb_reserve(void *ud, uint64_t bytes, int release) {
 /* The engine's min_offload_bytes after policy knobs: the fast keep path
  * must not keep a tensor the engine would have shown the policy. */
 static uint64_t effective_min_bytes(ferry_engine *e) {
-  pthread_mutex_lock(&e->lock);
-  uint64_t v = e->min_offload_bytes;
-  pthread_mutex_unlock(&e->lock);
-  return v;
+  ferry_knobs k;
+  return ferry_get_knobs(e, &k) == FERRY_OK ? k.min_offload_bytes : 0;
 }
 
 /* ---- Engine type ------------------------------------------------------------- */

@@ -207,6 +207,13 @@ typedef struct ferry_link {
   double duplex;     /* fraction of bandwidth each way when both run, (0,1] */
 } ferry_link;
 
+/* Consulted before the pinned arena takes `bytes` more from the backend
+ * (release = 0; nonzero return refuses it, as the cap would) and when it
+ * gives them back (release = 1): lets several processes share one node-wide
+ * host budget. Never called with an engine lock held. */
+#define FERRY_HAVE_RESERVE_FN 1
+typedef int (*ferry_reserve_fn)(void *ud, uint64_t bytes, int release);
+
 typedef struct ferry_config {
   uint32_t struct_size; /* sizeof(ferry_config) of the caller */
   uint32_t version;     /* FERRY_VERSION_HEX of the caller's header */
@@ -234,6 +241,9 @@ typedef struct ferry_config {
   int32_t reserved1;
   /* JSONL trace of every pack/unpack/step event (docs/trace-format.md) */
   const char *trace_path;
+  /* optional shared host budget (e.g. all ranks of a node) */
+  ferry_reserve_fn host_reserve;
+  void *host_reserve_ud;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \
@@ -305,6 +315,14 @@ FERRY_API int ferry_set_policy(ferry_engine *e, const char *path,
 /* The last policy fault (runtime error, timeout, nonsense answer) as
  * "file:line: message", or "" if none. */
 FERRY_API const char *ferry_last_policy_error(ferry_engine *e);
+
+/* The knobs in force: the config's, overridden by the policy's. */
+typedef struct ferry_knobs {
+  uint32_t max_fwd_stash;
+  uint32_t prefetch_distance;
+  uint64_t min_offload_bytes;
+} ferry_knobs;
+FERRY_API int ferry_get_knobs(ferry_engine *e, ferry_knobs *out);
 
 /* ---- checkpoint staging --------------------------------------------------
  * Snapshot training state into the pinned arena on the D2H stream and write

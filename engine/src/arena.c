@@ -73,6 +73,14 @@ void *arena_backend_reserve(ferry_arena *a, size_t bytes, size_t alignment,
   a->stats.reserved += bytes;
   pthread_mutex_unlock(&a->lock);
 
+  /* The shared budget, outside the lock: it may take a process-wide one. */
+  if (a->reserve && a->reserve(a->reserve_ud, bytes, 0) != 0) {
+    pthread_mutex_lock(&a->lock);
+    a->stats.reserved -= bytes;
+    pthread_mutex_unlock(&a->lock);
+    *cap_refused = 1;
+    return NULL;
+  }
   void *p = NULL;
   int rc = a->bk->ops->host_alloc(a->bk, bytes, alignment, &p);
 
@@ -86,7 +94,13 @@ void *arena_backend_reserve(ferry_arena *a, size_t bytes, size_t alignment,
   pthread_mutex_unlock(&a->lock);
   /* A chunk we cannot record would leak at destroy: give it back now. */
   if (rc == 0 && p) a->bk->ops->host_free(a->bk, p, bytes);
+  if (a->reserve) a->reserve(a->reserve_ud, bytes, 1);
   return NULL;
+}
+
+void ferry_arena_set_reserve_hook(ferry_arena *a, ferry_reserve_fn fn, void *ud) {
+  a->reserve = fn;
+  a->reserve_ud = ud;
 }
 
 int arena_ledger_same_chunk(ferry_arena *a, const void *p, size_t n) {
@@ -161,8 +175,10 @@ void ferry_arena_destroy(ferry_arena *a) {
     ARENA_UNPOISON(a->chunks[i].addr, a->chunks[i].size);
     a->bk->ops->host_free(a->bk, (void *)a->chunks[i].addr, a->chunks[i].size);
   }
+  uint64_t held = a->stats.reserved;
   free(a->chunks);
   pthread_mutex_destroy(&a->lock);
+  if (a->reserve && held) a->reserve(a->reserve_ud, held, 1);
   free(a);
 }
 

@@ -35,6 +35,9 @@ typedef struct ferry_arena_stats {
 int ferry_arena_create(ferry_backend *bk, int kind, uint64_t cap_bytes,
                        ferry_arena **out, char *errbuf, size_t errlen);
 void ferry_arena_destroy(ferry_arena *a);
+/* A shared budget consulted before every backend reservation (and told of
+ * each release); set right after creation, before any allocation. */
+void ferry_arena_set_reserve_hook(ferry_arena *a, ferry_reserve_fn fn, void *ud);
 /* NULL when the cap (or the backend) refuses; never blocks on copies. */
 void *ferry_arena_alloc(ferry_arena *a, size_t bytes);
 void ferry_arena_free(ferry_arena *a, void *p, size_t bytes);

@@ -65,6 +65,8 @@ struct ferry_arena {
   ferry_arena_stats stats;
   arena_chunk *chunks; /* sorted by address */
   size_t n_chunks, chunks_cap;
+  ferry_reserve_fn reserve; /* shared budget, or NULL */
+  void *reserve_ud;
 };
 
 /* Obtains `bytes` of pinned memory from the backend and records it in the

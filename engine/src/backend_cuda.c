@@ -306,6 +306,10 @@ static int copy_args(ferry_backend *b, const char *what, const void *dst,
   return FERRY_OK;
 }
 
+/* No device guard on copies: the CUDA programming guide ("Stream and Event
+ * Behavior") says a memory copy succeeds when issued to a stream of another
+ * device than the current one (only kernel launches fail), so a writer or
+ * backward thread sitting on device 0 may enqueue them as they are. */
 static int copy_d2h(ferry_backend *b, void *dst_host, const void *src_dev,
                     size_t bytes, bk_stream s) {
   if (bytes == 0) return FERRY_OK;

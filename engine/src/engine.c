@@ -210,6 +210,7 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     set_err(errbuf, errlen, rc, "arena: %s", msg);
     goto fail;
   }
+  if (c.host_reserve) ferry_arena_set_reserve_hook(e->arena, c.host_reserve, c.host_reserve_ud);
   e->ctx.arena_cap = cap;
   if ((rc = stash_init(e))) {
     set_err(errbuf, errlen, rc, "out of memory creating the stash");
@@ -376,6 +377,18 @@ int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int 
 const char *ferry_last_policy_error(ferry_engine *e) {
   if (engine_check(e) || !e->policy) return "";
   return ferry_policy_last_error(e->policy);
+}
+
+int ferry_get_knobs(ferry_engine *e, ferry_knobs *out) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  if (!out) return FERRY_EINVAL;
+  pthread_mutex_lock(&e->lock);
+  out->max_fwd_stash = e->max_fwd_stash;
+  out->prefetch_distance = e->prefetch_distance;
+  out->min_offload_bytes = e->min_offload_bytes;
+  pthread_mutex_unlock(&e->lock);
+  return FERRY_OK;
 }
 
 /* ---- stats ------------------------------------------------------------------- */

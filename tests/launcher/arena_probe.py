@@ -60,7 +60,8 @@ class Config(ctypes.Structure):
                 ("callback_ud", ctypes.c_void_p), ("decide", DECIDE_FN),
                 ("decide_ud", ctypes.c_void_p), ("policy_path", ctypes.c_char_p),
                 ("policy_source", ctypes.c_char_p), ("policy_trusted", ctypes.c_int32),
-                ("reserved1", ctypes.c_int32), ("trace_path", ctypes.c_char_p)]
+                ("reserved1", ctypes.c_int32), ("trace_path", ctypes.c_char_p),
+                ("host_reserve", ctypes.c_void_p), ("host_reserve_ud", ctypes.c_void_p)]
 
 
 def jemalloc_mapped():
