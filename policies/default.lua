@@ -14,9 +14,20 @@ get_act_offloading_ctx_manager with their defaults:
 Every answer depends only on the tensor's site, so after the first step the
 engine answers from its cache and never calls Lua.
 
+Checkpoint snapshots (ferry.torch.snapshot, the Lightning plugin and
+callback) ask `snapshot`: by default every tensor of every top-level key is
+staged through the pinned arena while training goes on, in the order
+torch.save would write it; nothing is copied while the loop waits.
+
 Knobs: edit the lines below. ]]
 local MIN_BYTES = 1024 -- torchtune/TRL min_offload_size
 local FWD_STASH = 5 -- torchtune/TRL max_fwd_stash_size
+-- snapshots: top-level keys staged (nil = all; Lightning's CPUOffloadCallback
+-- uses { "state_dict", "optimizer_states", "lr_schedulers" }), smaller
+-- tensors copied at start instead, keys written first
+local SNAPSHOT_KEYS = nil
+local SNAPSHOT_MIN_BYTES = 0
+local SNAPSHOT_ORDER = nil
 
 local R = require "ferry.rules"
 
@@ -28,4 +39,6 @@ return R.policy {
   R.exclude_modules(R.LIGER),
   R.max_stash(FWD_STASH),
   reload = R.on_use(),
+  snapshot = R.snapshot { keys = SNAPSHOT_KEYS, min_bytes = SNAPSHOT_MIN_BYTES,
+                          order = SNAPSHOT_ORDER },
 }

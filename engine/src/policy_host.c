@@ -127,6 +127,8 @@ struct ferry_policy {
   char name[128];
   char chunk[MSG_LEN];        /* short name for messages: path or "policy" */
   char decide_where[MSG_LEN]; /* "file:line" of the decide function */
+  char snapshot_where[MSG_LEN]; /* "file:line" of the snapshot function, if any */
+  int has_snapshot;             /* the function is in the registry as "ferry.snapshot" */
   const char *running;        /* where the running call is, when nothing better is known */
   char libdir[1024];
   int trusted;
@@ -792,6 +794,28 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
   }
   lua_pop(L, 1);
 
+  /* Optional snapshot(e) (checkpoint entries): kept in the registry, so the
+   * permanent stack of decide stays as it is. */
+  lua_pushliteral(L, "snapshot");
+  lua_rawget(L, tbl);
+  if (!lua_isnil(L, -1)) {
+    if (!lua_isfunction(L, -1))
+      return load_fail(p, src, "snapshot", errbuf, errlen,
+                       "snapshot must be a function (snapshot = function(e) ... end), got %s",
+                       luaL_typename(L, -1));
+    lua_Debug ar;
+    lua_pushvalue(L, -1);
+    if (lua_getinfo(L, ">S", &ar) && ar.linedefined > 0)
+      snprintf(p->snapshot_where, sizeof p->snapshot_where, "%s:%d", ar.short_src,
+               ar.linedefined);
+    else
+      copy_str(p->snapshot_where, sizeof p->snapshot_where, p->chunk);
+    lua_pushvalue(L, -1);
+    lua_setfield(L, LUA_REGISTRYINDEX, "ferry.snapshot");
+    p->has_snapshot = 1;
+  }
+  lua_pop(L, 1);
+
   lua_pushliteral(L, "knobs");
   lua_rawget(L, tbl);
   int knobs = lua_gettop(L);
@@ -1333,6 +1357,68 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
         if (!h) h = site_hash(&key);
         site_insert(p, &key, h, &d);
       }
+    }
+  }
+  lua_settop(L, SLOT_COUNT_);
+}
+
+/* ---- checkpoint snapshots ----------------------------------------------- */
+int ferry_policy_has_snapshot(const ferry_policy *p) { return p && p->has_snapshot; }
+
+static void snapshot_nonsense(ferry_policy *p, const char *what, const char *expected, int idx) {
+  char vb[96], msg[MSG_LEN];
+  snprintf(msg, sizeof msg,
+           "%.300s: snapshot returned a nonsense %s: %s (expected %s); the entry was staged",
+           p->snapshot_where, what, describe_value(p->L, idx, vb, sizeof vb), expected);
+  count_fault(p, msg);
+}
+
+static void set_string_field(lua_State *L, const char *name, const char *value) {
+  lua_pushstring(L, value ? value : "");
+  lua_setfield(L, -2, name);
+}
+
+static void set_number_field(lua_State *L, const char *name, lua_Number value) {
+  lua_pushnumber(L, value);
+  lua_setfield(L, -2, name);
+}
+
+void ferry_policy_snapshot(ferry_policy *p, const ferry_snapshot_entry *e,
+                           ferry_snapshot_choice *out) {
+  if (!out) return;
+  out->stage = 1;
+  out->order = e ? (double)e->index : 0;
+  if (!p || !e || !p->has_snapshot || p->stats.disabled) return;
+  lua_State *L = p->L;
+  /* Snapshots are rare (every N steps) and have few entries: a fresh table
+   * per call keeps the Lua side simple. */
+  lua_getfield(L, LUA_REGISTRYINDEX, "ferry.snapshot");
+  lua_createtable(L, 0, 6); /* stack: ..., snapshot, e */
+  set_string_field(L, "key", e->key);
+  set_string_field(L, "path", e->path);
+  set_number_field(L, "bytes", (lua_Number)e->bytes);
+  set_number_field(L, "index", e->index);
+  set_number_field(L, "dtype", e->dtype);
+  lua_pushboolean(L, e->on_device != 0);
+  lua_setfield(L, -2, "device");
+  p->stats.calls++;
+  p->running = p->snapshot_where;
+  int status = run_protected(p, 1, 2, SLOT_MSGH, DECIDE_MAX_INSTRUCTIONS);
+  p->running = NULL;
+  if (status) {
+    char msg[MSG_LEN];
+    take_fault(p, status, msg, sizeof msg);
+    count_fault(p, msg);
+  } else {
+    int st = SLOT_COUNT_ + 1, ord = SLOT_COUNT_ + 2;
+    if (!lua_isnil(L, st) && lua_type(L, st) != LUA_TBOOLEAN) {
+      snapshot_nonsense(p, "stage flag", "true, false or nil", st);
+    } else if (!lua_isnil(L, ord) &&
+               (lua_type(L, ord) != LUA_TNUMBER || !isfinite(lua_tonumber(L, ord)))) {
+      snapshot_nonsense(p, "order", "a finite number or nil", ord);
+    } else {
+      out->stage = lua_isnil(L, st) || lua_toboolean(L, st);
+      if (!lua_isnil(L, ord)) out->order = lua_tonumber(L, ord);
     }
   }
   lua_settop(L, SLOT_COUNT_);

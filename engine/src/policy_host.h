@@ -54,4 +54,35 @@ void ferry_policy_get_stats(const ferry_policy *p, ferry_policy_stats *out);
 /* Last fault as "file:line: message", "" if none. */
 const char *ferry_policy_last_error(const ferry_policy *p);
 
+/* ---- checkpoint snapshots -------------------------------------------------
+ * A policy may have a `snapshot(e)` function beside `decide`: called once
+ * per tensor of a checkpoint (ferry.torch.snapshot) with a Lua table
+ * e = { key, path, bytes, index, dtype, device }, it answers
+ *   stage [, order]
+ * stage: true (or nil) = staged through the pinned arena while training goes
+ * on; false = copied by the caller when the snapshot starts (torch.save's
+ * way). order: a number; entries are written in ascending order, ties in
+ * traversal order (nil = index). Without the function every entry is
+ * staged in traversal order. A fault or a nonsense answer stages the entry
+ * in traversal order (nothing is ever left out), counted like decide's. */
+typedef struct ferry_snapshot_entry {
+  const char *key;   /* top-level key of the checkpoint ("state_dict"), "" if none */
+  const char *path;  /* dotted path from the top: "optimizer_states.0.state.3.exp_avg" */
+  uint64_t bytes;
+  int32_t index;     /* position in traversal order, from 0 */
+  int32_t dtype;     /* ferry_dtype */
+  int32_t on_device; /* 1: device memory; 0: already in host memory */
+} ferry_snapshot_entry;
+
+typedef struct ferry_snapshot_choice {
+  int stage;    /* 1: stage through the arena; 0: copy when the snapshot starts */
+  double order; /* ascending write order */
+} ferry_snapshot_choice;
+
+/* Whether the policy defines snapshot(e). */
+int ferry_policy_has_snapshot(const ferry_policy *p);
+/* Decide for one checkpoint entry. Never fails (see above). */
+void ferry_policy_snapshot(ferry_policy *p, const ferry_snapshot_entry *e,
+                           ferry_snapshot_choice *out);
+
 #endif

@@ -8,7 +8,7 @@
         loss = model(batch).loss
     loss.backward()
 
-See docs/python.md.
+See docs/pytorch.md.
 """
 import os as _os
 

@@ -587,6 +587,66 @@ function R.prefetch_layers(k)
 end
 
 -- ---------------------------------------------------------------------------
+-- checkpoint snapshots (the policy's `snapshot` field)
+
+--[[ R.snapshot(opts) -> a snapshot(e) function for the policy's `snapshot`
+field. ferry.torch.snapshot calls it once per tensor of a checkpoint, with
+e = { key, path, bytes, index, dtype, device }, and it answers stage, order:
+staged tensors are copied into the pinned arena while training goes on;
+the others are copied when the snapshot starts (torch.save's way: the loop
+waits for them). Nothing is ever left out of the file.
+  opts.keys          top-level keys whose tensors are staged (nil: every
+                     key); Lightning's CPUOffloadCallback offloads
+                     { "state_dict", "optimizer_states", "lr_schedulers" }
+  opts.exclude_keys  top-level keys whose tensors are copied at start
+  opts.min_bytes     tensors under n bytes are copied at start (default 0)
+  opts.order         top-level keys written first, in this order; the
+                     others follow in traversal order (nil: traversal order)
+Options are checked at load.]]
+local SNAPSHOT_OPTS = { keys = true, exclude_keys = true, min_bytes = true, order = true }
+
+function R.snapshot(opts)
+  if opts == nil then opts = {} end
+  if type(opts) ~= "table" then
+    fail("snapshot", "expected a table { keys = {...}, exclude_keys = {...}, min_bytes = n, " ..
+      "order = {...} }, got " .. type(opts))
+  end
+  for k in pairs(opts) do
+    if not SNAPSHOT_OPTS[k] then
+      fail("snapshot", "unknown option '" .. tostring(k) ..
+        "' (known: keys, exclude_keys, min_bytes, order)")
+    end
+  end
+  local function key_list(what, v)
+    if v == nil then return nil end
+    if type(v) == "string" then v = { v } end
+    if type(v) ~= "table" then fail("snapshot", what .. " must be a list of strings", 3) end
+    local set, n = {}, 0
+    for i, k in ipairs(v) do
+      if type(k) ~= "string" or k == "" then
+        fail("snapshot", what .. " entry " .. i .. " must be a non-empty string", 3)
+      end
+      n = n + 1
+      set[k] = n
+    end
+    return set
+  end
+  local keys = key_list("keys", opts.keys)
+  local exclude = key_list("exclude_keys", opts.exclude_keys) or {}
+  local first = key_list("order", opts.order) or {}
+  local min = opts.min_bytes or 0
+  check_number("snapshot", "min_bytes", min, 0, MAX_BYTES, true)
+  local rest = 1
+  for _ in pairs(first) do rest = rest + 1 end
+  local GROUP = 2 ^ 32 -- indices stay below it; groups below 2^21 keep it exact
+  return function(e)
+    local key = e.key
+    local stage = (keys == nil or keys[key] ~= nil) and exclude[key] == nil and e.bytes >= min
+    return stage, (first[key] or rest) * GROUP + e.index
+  end
+end
+
+-- ---------------------------------------------------------------------------
 -- composing a policy
 
 local KNOB_LIMITS = {
@@ -605,6 +665,7 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
                min_offload_bytes); giving one twice with different values
                is an error
   spec.cache   false to never let the engine cache a decision
+  spec.snapshot  the checkpoint snapshot function, e.g. R.snapshot { ... }
   spec[1..n]   the rules
 The result has api = 1, name, knobs, decide, and also rules (their names,
 in evaluation order) and explain(t, ctx) -> action, rule name, for tools.]]
@@ -613,9 +674,15 @@ function R.policy(spec)
   local name = spec.name or "policy"
   if type(name) ~= "string" then fail("policy", "name must be a string") end
   for k in pairs(spec) do
-    if type(k) ~= "number" and k ~= "name" and k ~= "reload" and k ~= "knobs" and k ~= "cache" then
-      fail("policy", "unknown field '" .. tostring(k) .. "' (known: name, reload, knobs, cache)")
+    if type(k) ~= "number" and k ~= "name" and k ~= "reload" and k ~= "knobs" and k ~= "cache"
+      and k ~= "snapshot" then
+      fail("policy", "unknown field '" .. tostring(k) ..
+        "' (known: name, reload, knobs, cache, snapshot)")
     end
+  end
+  if spec.snapshot ~= nil and type(spec.snapshot) ~= "function" then
+    fail("policy", "snapshot must be a function, e.g. R.snapshot { ... }, got " ..
+      type(spec.snapshot))
   end
   local reload = spec.reload or R.on_use()
   if getmetatable(reload) ~= RELOAD then
@@ -823,6 +890,7 @@ function R.policy(spec)
     explain = explain,
     rules = order,
     reload = reload.name,
+    snapshot = spec.snapshot,
   }
 end
 
