@@ -2,6 +2,7 @@
 BUILD ?= build
 JOBS ?= 2
 CMAKE_FLAGS ?=
+PYTHON_TORCH ?= /usr/bin/python3
 
 .PHONY: all deps build demo test bench install clean
 
@@ -20,7 +21,6 @@ build: deps
 # Then a real run: a small GPT-style model trains a few steps on CPU through
 # ferry.torch.offload (Debian's torch), recording its trace, which the
 # simulator replays beside the synthesized one.
-PYTHON_TORCH ?= /usr/bin/python3
 demo: build
 	$(BUILD)/bin/ferry sim --demo $(BUILD)/demo
 	PYTHONPATH=$(BUILD)/python $(PYTHON_TORCH) examples/train_gpt.py --steps 4 --trace $(BUILD)/demo/gpt-cpu.jsonl
@@ -33,6 +33,8 @@ test: build
 
 bench: build
 	$(BUILD)/bin/ferry_bench --json $(BUILD)/bench.json
+	@py=$$(.ci/python-env 2>/dev/null | tail -1); [ -x "$$py" ] || py=$(PYTHON_TORCH); \
+	  echo "[torch] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json
 	@if [ -x ../shared/tools/scoreboard ]; then ../shared/tools/scoreboard $(BUILD)/bench.json; fi
 
 install: build
