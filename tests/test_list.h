@@ -82,6 +82,7 @@
   X(sim_link_presets_and_syntax)                                        \
   X(sim_consistent_with_host_backend)                                   \
   X(sim_fuzz_corpus_replays_clean)                                      \
+  X(sim_budget_beats_default_on_llama3_8b)                                 \
   /* @@sim */                                                              \
   /* policy host (test_policy.c) */                                        \
   X(policy_sees_descriptor_and_context)                            \
@@ -101,6 +102,9 @@
   X(policy_failed_reload_keeps_old)                                \
   X(policy_shipped_default_loads)                                  \
   X(policy_cli_check_exit_codes)                                   \
+  X(policy_snapshot_answers)                                       \
+  X(policy_snapshot_faults_stage)                                  \
+  X(policy_snapshot_rules_and_default)                             \
   /* @@policy */
 
 /* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's

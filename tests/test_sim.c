@@ -634,3 +634,46 @@ TEST(sim_fuzz_corpus_replays_clean) {
   CHECK(files >= 10);
   return 0;
 }
+
+/* The policy-quality figures of the closing note, pinned on the virtual
+ * clock (deterministic): on the Llama-3-8B-like trace at seq 8192 on h100,
+ * budget.lua reaches at least default.lua's peak reduction with well under
+ * half its exposed stall. (The issue's 1/5 is below what the link allows
+ * here: docs/simulator.md, "Policy quality".) */
+TEST(sim_budget_beats_default_on_llama3_8b) {
+  synth_model m;
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  CHECK_EQ(m.seq, 8192);
+  sim_trace *t = NULL;
+  CHECK_OK(synth_to_trace(&m, &t));
+  const sim_hw *hw = sim_hw_preset("h100");
+  CHECK(hw);
+  static const char *const names[] = {"default", "budget"};
+  sim_result rs[2];
+  char err[512];
+  for (int i = 0; i < 2; i++) {
+    sim_config c = {0};
+    c.link = hw->link;
+    c.duplex_d2h = hw->duplex_d2h;
+    c.duplex_h2d = hw->duplex_h2d;
+    c.steps = 3;
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s.lua", policy_dir(), names[i]);
+    c.policy_path = path;
+    int rc = sim_replay(t, &c, &rs[i], err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_EQ(rs[i].policy_errors, 0);
+  }
+  /* exposed stall = reload waits of the compute stream + host waits */
+  double stall[2];
+  for (int i = 0; i < 2; i++) stall[i] = rs[i].stall_us + rs[i].host_wait_us;
+  printf("  default: peak %.2f GiB, stall %.1f ms; budget: peak %.2f GiB, stall %.1f ms\n",
+         rs[0].peak_device_bytes / 1073741824.0, stall[0] / 1e3,
+         rs[1].peak_device_bytes / 1073741824.0, stall[1] / 1e3);
+  CHECK(rs[1].peak_device_bytes <= rs[0].peak_device_bytes);
+  CHECK(stall[1] < 0.5 * stall[0]);
+  for (int i = 0; i < 2; i++) sim_result_free(&rs[i]);
+  sim_trace_free(t);
+  return 0;
+}
