@@ -259,6 +259,45 @@ describe("ferry.rules", function()
     assert.same({ OFFLOAD, PREFETCH, 3, true }, { run(p, {}) })
   end)
 
+  it("prefetch_bytes counts the window in bytes, bounded by what backward frees first", function()
+    local function step(window)
+      local q = policy(([[return R.policy { R.exclude_modules(R.LOSS),
+        reload = R.prefetch_bytes(%d) }]]):format(window))
+      local out = {}
+      for _, k in ipairs({ 0, 1 }) do
+        local ctx = D.ctx { step = k }
+        out = {}
+        for i, b in ipairs({ 100, 200, 300, 50 }) do
+          ctx.offloaded_this_step = i - 1
+          local a, r, d, c = q.decide(D.desc { bytes = b, path = "model.layers.0.x" }, ctx)
+          assert.same({ OFFLOAD, PREFETCH }, { a, r })
+          out[i] = { d, c }
+        end
+        -- the loss, kept, packed last: what backward frees before the 2nd reload
+        assert.equal(KEEP, (q.decide(D.desc { bytes = 1000, path = "loss" }, ctx)))
+        if k == 0 then -- first step: one tensor each, nothing cached
+          assert.same({ { 1, false }, { 1, false }, { 1, false }, { 1, false } }, out)
+        end
+      end
+      return out
+    end
+    -- 550 bytes: 300 + 200 fit, + 100 does not; the last offload gets one tensor
+    assert.same({ { 1, true }, { 2, true }, { 2, true }, { 1, true } }, step(550))
+    -- a window past the loss's 1000 bytes is cut to them: 300 + 200 + 100
+    assert.same({ { 1, true }, { 2, true }, { 3, true }, { 1, true } }, step(5000))
+    assert.matches("prefetch_bytes: bytes must be within", select(2, pcall(policy,
+      [[return R.policy { reload = R.prefetch_bytes(0) }]])))
+  end)
+
+  it("R.LOSS matches the loss module outside the blocks, by name or class", function()
+    local p = policy [[return R.policy { R.exclude_modules(R.LOSS) }]]
+    assert.equal(KEEP, (run(p, { path = "loss" })))
+    assert.equal(KEEP, (run(p, { path = "model.loss_fn" })))
+    assert.equal(KEEP, (run(p, { path = "x", class = "CrossEntropyLoss" })))
+    assert.equal(OFFLOAD, (run(p, { path = "model.layers.0.loss" })))
+    assert.equal(OFFLOAD, (run(p, { path = "lm_head" })))
+  end)
+
   it("selectors and guards make offloads uncached; cache = false disables caching", function()
     local p = policy [[return R.policy { R.min_bytes(10), R.fraction(1) }]]
     assert.is_false(select(4, run(p, { bytes = 100 })))

@@ -234,6 +234,14 @@ R.HEAD = { top = { "lm_head", "output", "head", "ln_f", "final_layer_norm",
   "final_layernorm", "norm", "final_norm", "embed_out", "score", "classifier" } }
 -- Liger kernel modules: "liger" anywhere in the path or the class, any case.
 R.LIGER = { contains = { "liger" } }
+-- The loss module, outside the blocks. A language model's cross-entropy
+-- saves its fp32 log-probabilities (sequence x vocabulary: Llama-3-8B at
+-- 8192 tokens, 3.9 GiB, the largest saved tensor of the step); they are
+-- created at the very end of the forward pass, when memory peaks anyway, and
+-- backward needs them first: an offload cannot lower the peak, it only adds
+-- two copies (and a stall) for the biggest tensor.
+R.LOSS = { top = { "loss", "loss_fn", "criterion" },
+  class = { "CrossEntropyLoss", "NLLLoss" } }
 
 -- Module kinds inside a transformer block (Megatron's --offload-modules
 -- choices and their usual names in HF, torchtune, Megatron and GPT-2 code).
@@ -646,6 +654,26 @@ function R.snapshot(opts)
   end
 end
 
+-- Prefetch a window of bytes: when a tensor is unpacked, the offloaded
+-- tensors backward needs next are reloaded until `bytes` are on their way
+-- (at least one tensor). The distance handed to the engine is counted in
+-- tensors; each offloaded tensor's is computed when it is packed, from the
+-- sizes of the offloaded tensors packed just before it in the same step, so
+-- a window of big MLP tensors and one of small norm inputs hold the same
+-- bytes. Size it from the link: bytes = bandwidth x the compute time the
+-- reloads must hide (one layer's backward, or more to build a lead).
+-- The window never takes device memory above the forward pass's peak: it is
+-- at most the bytes kept after the last offloaded tensor (the loss's
+-- log-probabilities, a kept tail), which backward frees before the second
+-- reload starts; the first reload, started while they are still on device,
+-- is one tensor. Those bytes are learned in the first step, which uses
+-- one-tensor windows and caches nothing.
+function R.prefetch_bytes(bytes)
+  check_number("prefetch_bytes", "bytes", bytes, 1, MAX_BYTES)
+  return setmetatable({ name = "prefetch_bytes(" .. format("%.0f", bytes) .. ")",
+    mode = PREFETCH, bytes = bytes }, RELOAD)
+end
+
 -- ---------------------------------------------------------------------------
 -- composing a policy
 
@@ -659,7 +687,8 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
 
 --[[ R.policy(spec) -> a policy table for the policy host:
   spec.name    string (default "policy")
-  spec.reload  R.on_use() (default), R.prefetch(d) or R.prefetch_layers(k)
+  spec.reload  R.on_use() (default), R.prefetch(d), R.prefetch_layers(k) or
+               R.prefetch_bytes(n)
   spec.knobs   engine knobs { max_fwd_stash, prefetch_distance,
                min_offload_bytes }; rules may set some (min_bytes sets
                min_offload_bytes); giving one twice with different values
@@ -686,7 +715,8 @@ function R.policy(spec)
   end
   local reload = spec.reload or R.on_use()
   if getmetatable(reload) ~= RELOAD then
-    fail("policy", "reload must be R.on_use(), R.prefetch(d) or R.prefetch_layers(k)")
+    fail("policy", "reload must be R.on_use(), R.prefetch(d), R.prefetch_layers(k) or " ..
+      "R.prefetch_bytes(n)")
   end
   local cache_allowed = spec.cache ~= false
 
@@ -817,6 +847,48 @@ function R.policy(spec)
     nstep = #on_steps
   end
 
+  -- reload window in bytes: cumulative sizes of this step's offloaded
+  -- tensors by engine position (ctx.offloaded_this_step), reused every step
+  local window = reload.bytes
+  local win_sum, win_stamp, win_first, win_step = {}, {}, 0, 0
+  local win_count, win_prev_count = 0, nil -- offloads this step, last step
+  local tail, freed = 0, nil -- kept bytes since the last offload; learned
+  local function window_distance(pos, b)
+    win_count = pos + 1
+    tail = 0
+    local limit = 0 -- one tensor
+    if freed and pos < win_prev_count - 1 then
+      limit = freed < window and freed or window
+    end
+    local before = 0
+    if pos > 0 and win_stamp[pos - 1] == win_step then
+      before = win_sum[pos - 1]
+    else
+      win_first = pos -- a gap (a cached or refused offload): start over here
+    end
+    local total = before + b
+    win_sum[pos], win_stamp[pos] = total, win_step
+    -- the smallest j >= win_first with total - sum(j - 1) <= limit
+    local lo, hi = win_first, pos
+    while lo < hi do
+      local mid = floor((lo + hi) / 2)
+      local below = mid > win_first and win_sum[mid - 1] or 0
+      if total - below <= limit then hi = mid else lo = mid + 1 end
+    end
+    local d = pos - lo + 1
+    return d > 4096 and 4096 or d
+  end
+  if window then
+    on_steps[#on_steps + 1] = function()
+      if win_count > 0 then
+        win_prev_count = win_count
+        if not freed then freed = tail end
+      end
+      win_count, tail, win_step = 0, 0, win_step + 1
+    end
+    nstep = #on_steps
+  end
+
   local offload_cacheable = cache_allowed and nguard == 0 and nselect == 0
   local any_layer_scope, any_tensor_scope = false, false
   for i = 1, nfilter do
@@ -838,9 +910,13 @@ function R.policy(spec)
         for i = 1, nstep do on_steps[i](step) end
       end
     end
-    local stable = not learning
+    local stable = not learning and not (window and not freed)
     for i = 1, ntest do
       if not tests[i](t, ctx) then
+        if window and not freed then
+          local kind = t.kind
+          if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
+        end
         local cacheable = false
         if i <= nfilter and cache_allowed and stable then
           local scope = scopes[i]
@@ -865,6 +941,10 @@ function R.policy(spec)
     local cacheable = offload_cacheable and stable
     if cacheable and any_layer_scope then cacheable = t:path() ~= "" end
     last_rule = 0
+    if window then
+      return OFFLOAD, rmode, window_distance(tonumber(ctx.offloaded_this_step),
+        tonumber(t.bytes)), cacheable
+    end
     return OFFLOAD, rmode, rdist, cacheable
   end
 
