@@ -258,8 +258,7 @@ void ferry_engine_destroy(ferry_engine *e) {
     e->bk->ops->destroy(e->bk);
   }
   free(e->event_pool);
-  for (size_t i = 0; i < e->interned.cap; i++) free(e->interned.slots[i]);
-  free(e->interned.slots);
+  intern_clear(&e->interned);
   pthread_cond_destroy(&e->reload_done);
   pthread_mutex_destroy(&e->lock);
   free(e);
@@ -302,45 +301,10 @@ void event_put(ferry_engine *e, bk_event *ev) {
 }
 
 /* ---- interning --------------------------------------------------------------- */
-static uint64_t hash_str(const char *s) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a */
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return h;
-}
-
-const char *engine_intern_locked(ferry_engine *e, const char *s) {
-  intern_table *t = &e->interned;
-  if (!s) return NULL;
-  if ((t->count + 1) * 2 > t->cap) {
-    size_t ncap = t->cap ? t->cap * 2 : 256;
-    char **n = calloc(ncap, sizeof *n);
-    if (!n) return NULL;
-    for (size_t i = 0; i < t->cap; i++) {
-      if (!t->slots[i]) continue;
-      size_t j = hash_str(t->slots[i]) & (ncap - 1);
-      while (n[j]) j = (j + 1) & (ncap - 1);
-      n[j] = t->slots[i];
-    }
-    free(t->slots);
-    t->slots = n;
-    t->cap = ncap;
-  }
-  size_t j = hash_str(s) & (t->cap - 1);
-  while (t->slots[j]) {
-    if (t->slots[j] == s || strcmp(t->slots[j], s) == 0) return t->slots[j];
-    j = (j + 1) & (t->cap - 1);
-  }
-  char *copy = strdup(s);
-  if (!copy) return NULL;
-  t->slots[j] = copy;
-  t->count++;
-  return copy;
-}
-
 const char *ferry_intern(ferry_engine *e, const char *s) {
   if (engine_check(e) || !s) return NULL;
   pthread_mutex_lock(&e->lock);
-  const char *r = engine_intern_locked(e, s);
+  const char *r = intern_get(&e->interned, s);
   pthread_mutex_unlock(&e->lock);
   return r;
 }

@@ -15,6 +15,7 @@
 #include "arena.h"
 #include "backend.h"
 #include "ferry.h"
+#include "intern.h"
 #include "policy_host.h"
 
 /* Where a saved tensor is. */
@@ -56,10 +57,6 @@ typedef struct pending_free {
   bk_event *ev;
 } pending_free;
 
-typedef struct intern_table {
-  char **slots; /* open addressing, power-of-two size */
-  size_t cap, count;
-} intern_table;
 
 typedef struct alias_map {
   uintptr_t *keys; /* device pointers, 0 = empty */
@@ -135,7 +132,6 @@ struct ferry_engine {
 int engine_fail(ferry_engine *e, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 int engine_check(ferry_engine *e); /* FERRY_OK if e is a live engine */
-const char *engine_intern_locked(ferry_engine *e, const char *s);
 int event_get(ferry_engine *e, bk_event **out);
 void event_put(ferry_engine *e, bk_event *ev);
 double engine_now_us(void);

@@ -16,6 +16,7 @@
 #include "engine_internal.h"
 #include "names.h"
 #include "trace_replayer.h"
+#include "intern.h"
 
 #define MAX_TENSOR_BYTES (1ull << 50) /* the engine's own bound (stash.c) */
 #define MAX_LAYERS 1000000
@@ -32,11 +33,6 @@ typedef struct id_map { /* trace id -> tensor index, open addressing */
   size_t cap, count;
 } id_map;
 
-typedef struct str_set { /* owned strings, deduplicated */
-  char **slots;
-  size_t cap, count;
-} str_set;
-
 enum { TS_PACKED = 1, TS_DONE = 2 };
 
 typedef struct reader {
@@ -46,7 +42,7 @@ typedef struct reader {
   size_t errlen;
   uint32_t line;
   id_map ids;
-  str_set strs;
+  intern_table strs; /* owned strings, deduplicated */
   uint8_t *state; /* per tensor: TS_* */
   uint32_t cap_events, cap_tensors, cap_steps, cap_resident;
   int seen_header;
@@ -122,40 +118,8 @@ static int idmap_put(id_map *m, uint64_t key, uint32_t val) {
   return 0;
 }
 
-static uint64_t hash_str(const char *s) {
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return h;
-}
-
 /* An owned copy of s, shared by equal strings; NULL out of memory. */
-static const char *str_own(reader *r, const char *s) {
-  str_set *t = &r->strs;
-  if ((t->count + 1) * 2 > t->cap) {
-    size_t ncap = t->cap ? t->cap * 2 : 256;
-    char **n = calloc(ncap, sizeof *n);
-    if (!n) return NULL;
-    for (size_t i = 0; i < t->cap; i++) {
-      if (!t->slots[i]) continue;
-      size_t j = hash_str(t->slots[i]) & (ncap - 1);
-      while (n[j]) j = (j + 1) & (ncap - 1);
-      n[j] = t->slots[i];
-    }
-    free(t->slots);
-    t->slots = n;
-    t->cap = ncap;
-  }
-  size_t j = hash_str(s) & (t->cap - 1);
-  while (t->slots[j]) {
-    if (!strcmp(t->slots[j], s)) return t->slots[j];
-    j = (j + 1) & (t->cap - 1);
-  }
-  char *c = strdup(s);
-  if (!c) return NULL;
-  t->slots[j] = c;
-  t->count++;
-  return c;
-}
+static const char *str_own(reader *r, const char *s) { return intern_get(&r->strs, s); }
 
 static int grow(void **arr, uint32_t *cap, size_t elem, uint32_t need) {
   if (need <= *cap) return 0;

@@ -1,0 +1,50 @@
+/* intern.c — see intern.h. */
+#include "intern.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t hash_str(const char *s) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h;
+}
+
+static int grow(intern_table *t) {
+  size_t ncap = t->cap ? t->cap * 2 : 256;
+  char **n = calloc(ncap, sizeof *n);
+  if (!n) return -1;
+  for (size_t i = 0; i < t->cap; i++) {
+    if (!t->slots[i]) continue;
+    size_t j = hash_str(t->slots[i]) & (ncap - 1);
+    while (n[j]) j = (j + 1) & (ncap - 1);
+    n[j] = t->slots[i];
+  }
+  free(t->slots);
+  t->slots = n;
+  t->cap = ncap;
+  return 0;
+}
+
+const char *intern_get(intern_table *t, const char *s) {
+  if (!s) return NULL;
+  if ((t->count + 1) * 2 > t->cap && grow(t)) return NULL;
+  size_t j = hash_str(s) & (t->cap - 1);
+  while (t->slots[j]) {
+    if (t->slots[j] == s || strcmp(t->slots[j], s) == 0) return t->slots[j];
+    j = (j + 1) & (t->cap - 1);
+  }
+  char *copy = strdup(s);
+  if (!copy) return NULL;
+  t->slots[j] = copy;
+  t->count++;
+  return copy;
+}
+
+void intern_clear(intern_table *t) {
+  for (size_t i = 0; i < t->cap; i++) free(t->slots[i]);
+  free(t->slots);
+  t->slots = NULL;
+  t->cap = t->count = 0;
+}
