@@ -32,7 +32,8 @@ import ferry as _pkg
 from . import _ferry
 from ._ferry import FerryError
 
-__all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_sites"]
+__all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_sites", "snapshot",
+           "Snapshot", "CheckpointError"]
 
 _ENGINE_KNOBS = {"min_offload_bytes", "max_fwd_stash", "prefetch_distance", "link", "arena",
                  "policy_trusted", "fast_keep"}
@@ -422,3 +423,7 @@ def close():
                 s.engine.close()
     _sessions.clear()
     _current = None
+
+
+# Checkpoint staging (ferry/checkpoint.py, docs/checkpoints.md).
+from .checkpoint import CheckpointError, Snapshot, snapshot  # noqa: E402

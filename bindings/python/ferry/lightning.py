@@ -1,0 +1,243 @@
+"""ferry.lightning — checkpoint staging for PyTorch Lightning (pip `lightning`).
+
+    from ferry.lightning import FerryCheckpointIO, FerryOffloadCallback
+    trainer = Trainer(plugins=[FerryCheckpointIO()])          # the plugin alone
+    trainer = Trainer(callbacks=[FerryOffloadCallback(), ModelCheckpoint(...)])
+
+FerryCheckpointIO saves with ferry.torch.snapshot: the checkpoint's tensors
+are staged through ferry's pinned arena while training goes on and written
+by a writer thread, in place of AsyncCheckpointIO's clone of every tensor
+on the device (no device memory is added) and of a synchronous torch.save.
+The file is the one torch.save writes; loading is TorchCheckpointIO's.
+
+FerryOffloadCallback replaces CPUOffloadCallback: the same offload_keys
+(the checkpoint's top-level keys whose tensors are staged; the others are
+copied when the save starts), rank 0 only under DDP, a report of the
+objects that are not tensors, and strategy checks: FSDP, DeepSpeed, XLA and
+other sharded strategies keep their own checkpointing (the callback
+disables itself with a message naming the strategy).
+"""
+import logging
+import os
+import time
+
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from .checkpoint import CheckpointError, describe, snapshot
+
+__all__ = ["FerryCheckpointIO", "FerryOffloadCallback", "strategy_support"]
+
+log = logging.getLogger("ferry.lightning")
+
+DEFAULT_OFFLOAD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
+
+
+class FerryCheckpointIO(TorchCheckpointIO):
+    """A CheckpointIO that stages checkpoints through ferry.
+
+    FerryCheckpointIO(policy=None, keys=None, host_cap=None, backend=None,
+                      **knobs)
+
+    policy: the policy file whose snapshot(e) decides per tensor (default
+        $FERRY_POLICY or "default"); keys: top-level keys whose tensors may
+        be staged (None: all); host_cap, backend, knobs: as for
+        ferry.torch.snapshot.
+
+    save_checkpoint returns at once. The snapshot is fenced before the next
+    optimizer step and before the next training forward of a module that
+    owns buffers (the optimizers and the LightningModule given by
+    FerryOffloadCallback, else torch's global hooks). A failed write raises
+    CheckpointError at the next save, load, remove or teardown. Saving to a
+    path still being written waits for it first.
+    """
+
+    def __init__(self, policy=None, keys=None, host_cap=None, backend=None, **knobs):
+        super().__init__()
+        self.policy = policy
+        self.keys = None if keys is None else list(keys)
+        self.host_cap = host_cap
+        self.backend = backend
+        self.knobs = knobs
+        self.optimizers = []  # set by FerryOffloadCallback
+        self.modules = []
+        self.reporter = None  # FerryOffloadCallback's report, on the final checkpoint dict
+        self._pending = {}  # path -> Snapshot
+        self.last_stats = None
+        self.saves = 0
+
+    def _check_failures(self):
+        for path, h in list(self._pending.items()):
+            try:
+                if h.done():
+                    del self._pending[path]
+            except CheckpointError:
+                del self._pending[path]
+                raise
+
+    def _wait_for(self, path):
+        h = self._pending.pop(os.fspath(path), None)
+        if h is not None:
+            h.wait()
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if storage_options is not None:
+            raise TypeError("FerryCheckpointIO.save_checkpoint does not take storage_options "
+                            f"(got {storage_options!r})")
+        self._check_failures()
+        path = os.fspath(path)
+        self._wait_for(path)
+        if self.reporter is not None:
+            self.reporter(checkpoint)
+        fs = get_filesystem(path)
+        fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        h = snapshot(checkpoint, path, optimizer=self.optimizers or None,
+                     module=self.modules or None, policy=self.policy, keys=self.keys,
+                     backend=self.backend, host_cap=self.host_cap, distributed="all",
+                     **self.knobs)
+        self._pending[path] = h
+        self.last_stats = h.stats
+        self.saves += 1
+
+    def load_checkpoint(self, path, *args, **kwargs):
+        self._wait_for(path)
+        return super().load_checkpoint(path, *args, **kwargs)
+
+    def remove_checkpoint(self, path):
+        self._wait_for(path)
+        super().remove_checkpoint(path)
+
+    def wait(self):
+        """Wait for every checkpoint this plugin started; raises the first
+        failure."""
+        first = None
+        for path in list(self._pending):
+            try:
+                self._wait_for(path)
+            except CheckpointError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def teardown(self):
+        self.wait()
+
+
+# ---- strategies ------------------------------------------------------------------
+_SHARDED = {
+    "FSDPStrategy": "FSDP saves sharded state dicts through its own checkpointing",
+    "DeepSpeedStrategy": "DeepSpeed writes its own checkpoint format",
+    "XLAStrategy": "XLA tensors are not host or CUDA memory",
+    "XLAFSDPStrategy": "XLA FSDP saves sharded state through its own checkpointing",
+    "ModelParallelStrategy": "model-parallel (DTensor) state goes through torch.distributed.checkpoint",
+}
+_SUPPORTED = ("SingleDeviceStrategy", "DDPStrategy", "DataParallelStrategy")
+
+
+def strategy_support(strategy):
+    """(supported, reason) for a Lightning strategy object: single device
+    and DDP are; FSDP, DeepSpeed, XLA and model parallel are left to their
+    own checkpointing; unknown strategies are not touched."""
+    for cls in type(strategy).__mro__:
+        if cls.__name__ in _SHARDED:
+            return False, _SHARDED[cls.__name__]
+    for cls in type(strategy).__mro__:
+        if cls.__name__ in _SUPPORTED:
+            return True, cls.__name__
+    return False, (f"{type(strategy).__name__} is not a strategy ferry knows (supported: "
+                   f"{', '.join(_SUPPORTED)})")
+
+
+class FerryOffloadCallback(Callback):
+    """Stage Lightning checkpoints through ferry (replaces CPUOffloadCallback).
+
+    FerryOffloadCallback(offload_keys=("state_dict", "optimizer_states",
+                         "lr_schedulers"), log_skipped=False, policy=None,
+                         host_cap=None, **knobs)
+
+    At setup it checks the strategy and, when supported, puts a
+    FerryCheckpointIO on it (unless one is there), staging the tensors under
+    offload_keys; tensors under other keys are copied when the save starts.
+    Each save (global rank 0) counts the tensors and reports the objects
+    that are not tensors or plain values (first and last 10, or all with
+    log_skipped=True). Only global rank 0 saves under DDP (Lightning calls
+    the plugin there); other ranks do nothing.
+    """
+
+    def __init__(self, offload_keys=None, log_skipped=False, policy=None, host_cap=None,
+                 **knobs):
+        super().__init__()
+        self.offload_keys = list(offload_keys if offload_keys is not None
+                                 else DEFAULT_OFFLOAD_KEYS)
+        self.log_skipped = log_skipped
+        self.policy = policy
+        self.host_cap = host_cap
+        self.knobs = knobs
+        self.enabled = False
+        self.disabled_reason = None
+        self.plugin = None
+        self.checkpoints = 0
+        self.last_report = None
+
+    def setup(self, trainer, pl_module, stage):
+        ok, reason = strategy_support(trainer.strategy)
+        self.enabled = ok
+        if not ok:
+            self.disabled_reason = reason
+            rank_zero_warn(f"FerryOffloadCallback is disabled for this run: {reason}; "
+                           "checkpoints are saved by the strategy's own checkpointing.")
+            return
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, FerryCheckpointIO):
+            self.plugin = io
+        elif type(io) is TorchCheckpointIO:
+            self.plugin = FerryCheckpointIO(policy=self.policy, keys=self.offload_keys,
+                                            host_cap=self.host_cap, **self.knobs)
+            trainer.strategy.checkpoint_io = self.plugin
+        else:
+            self.enabled = False
+            self.disabled_reason = (f"the strategy already has the checkpoint plugin "
+                                    f"{type(io).__name__}")
+            rank_zero_warn(f"FerryOffloadCallback is disabled: {self.disabled_reason}; pass "
+                           "ferry.lightning.FerryCheckpointIO as the plugin instead.")
+            return
+        if self.plugin.keys is None:
+            self.plugin.keys = self.offload_keys
+        self.plugin.reporter = self._report
+
+    def on_train_start(self, trainer, pl_module):
+        if self.enabled:
+            # fence before these optimizers step and before a training
+            # forward of the module's buffer owners
+            self.plugin.optimizers = list(trainer.optimizers)
+            self.plugin.modules = [pl_module]
+
+    def _report(self, checkpoint):
+        # Called by the plugin with the final dict (the LightningModule's
+        # on_save_checkpoint runs after the callbacks'), on the saving rank.
+        self.checkpoints += 1
+        t0 = time.perf_counter()
+        d = describe(checkpoint, keys=self.offload_keys)
+        skipped = d["skipped"]
+        step = checkpoint.get("global_step", -1)
+        self.last_report = {"step": step, "tensors": d["tensors"],
+                            "tensor_bytes": d["tensor_bytes"], "primitives": d["primitives"],
+                            "skipped": skipped,
+                            "other_keys": sorted(str(k) for k in checkpoint
+                                                 if k not in self.offload_keys)}
+        if skipped:
+            shown = skipped if self.log_skipped or len(skipped) <= 20 else \
+                skipped[:10] + [f"... ({len(skipped) - 20} more) ..."] + skipped[-10:]
+            log.warning("ferry: checkpoint at step %d: %d object(s) under %s are not tensors and "
+                        "are saved as they are:\n  %s", step, len(skipped),
+                        ", ".join(self.offload_keys), "\n  ".join(shown))
+        log.info("ferry: checkpoint at step %d: %d tensor(s), %.1f MiB to stage (%.2f ms to "
+                 "describe)", step, d["tensors"], d["tensor_bytes"] / 2**20,
+                 (time.perf_counter() - t0) * 1e3)
+
+    def teardown(self, trainer, pl_module, stage):
+        if self.enabled and self.plugin is not None:
+            self.plugin.wait()
