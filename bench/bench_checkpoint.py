@@ -11,7 +11,7 @@ fences); separately it times a snapshot alone from start to durable file.
 Metrics (merged into the flat JSON object of --json; the C benchmark's
 snapshot_* figures come from bench/bench_snapshot.c, these are torch_*):
   torch_snapshot_state_MiB         the checkpoint's tensor bytes
-  torch_snapshot_blocked_ms        median time the loop is blocked per
+  snapshot_blocked_ms              median time the loop is blocked per
                                    snapshot: the snapshot() call (pickle,
                                    policy, start) plus the fence in the next
                                    optimizer step's pre-hook
@@ -21,7 +21,7 @@ snapshot_* figures come from bench/bench_snapshot.c, these are torch_*):
                                    tensors into fresh host memory (what
                                    `.cpu()` of every tensor costs on a GPU,
                                    and AsyncCheckpointIO's clone on the CPU)
-  torch_snapshot_blocked_vs_sync_cpu   blocked / sync copy (target <= 0.1)
+  snapshot_blocked_vs_sync_cpu     blocked / sync copy (target <= 0.1)
   torch_save_blocked_ms            median torch.save of the same state to the
                                    same disk (what TorchCheckpointIO blocks)
   torch_snapshot_step_ms           median compute of one training step
@@ -172,11 +172,11 @@ def main():
     med = statistics.median
     out = {
         "torch_snapshot_state_MiB": round(nbytes / 2**20, 1),
-        "torch_snapshot_blocked_ms": round(med(blocked), 3),
+        "snapshot_blocked_ms": round(med(blocked), 3),
         "torch_snapshot_call_ms": round(med(call_ms), 3),
         "torch_snapshot_fence_ms": round(med(fence_ms), 3),
-        "torch_sync_cpu_copy_ms": round(med(sync_ms), 3),
-        "torch_snapshot_blocked_vs_sync_cpu": round(med(blocked) / med(sync_ms), 4),
+        "sync_cpu_copy_ms": round(med(sync_ms), 3),
+        "snapshot_blocked_vs_sync_cpu": round(med(blocked) / med(sync_ms), 4),
         "torch_save_blocked_ms": round(med(save_ms), 3),
         "torch_snapshot_step_ms": round(med(step_ms), 3),
         "torch_snapshot_GBps": round(nbytes / med(total_s) / 1e9, 3),

@@ -178,14 +178,14 @@ void bench_snapshot(bench_report *r) {
   double memcpy_gbps = gb / (median(memcpy_ms, ROUNDS) / 1e3);
   double write_gbps = gb / (median(write_ms, ROUNDS) / 1e3);
   double disk_gbps = gb / (median(raw_ms, ROUNDS) / 1e3);
-  bench_metric(r, "snapshot_state_MiB", (double)STATE_BYTES / (1 << 20), "MiB",
+  bench_metric(r, "engine_snapshot_state_MiB", (double)STATE_BYTES / (1 << 20), "MiB",
                "16 tensors, host backend");
-  bench_metric(r, "snapshot_staging_GBps", stage_gbps, "GB/s", "start to last copy done");
-  bench_metric(r, "snapshot_memcpy_GBps", memcpy_gbps, "GB/s", "same bytes, one thread");
-  bench_metric(r, "snapshot_staging_vs_memcpy", stage_gbps / memcpy_gbps, "ratio", NULL);
-  bench_metric(r, "snapshot_write_GBps", write_gbps, "GB/s", "start to durable file in /tmp");
-  bench_metric(r, "snapshot_disk_write_GBps", disk_gbps, "GB/s", "write()+fsync, same bytes");
-  bench_metric(r, "snapshot_write_vs_disk", write_gbps / disk_gbps, "ratio", NULL);
+  bench_metric(r, "engine_snapshot_staging_GBps", stage_gbps, "GB/s", "start to last copy done");
+  bench_metric(r, "engine_snapshot_memcpy_GBps", memcpy_gbps, "GB/s", "same bytes, one thread");
+  bench_metric(r, "engine_snapshot_staging_vs_memcpy", stage_gbps / memcpy_gbps, "ratio", NULL);
+  bench_metric(r, "engine_snapshot_write_GBps", write_gbps, "GB/s", "start to durable file in /tmp");
+  bench_metric(r, "engine_snapshot_disk_write_GBps", disk_gbps, "GB/s", "write()+fsync, same bytes");
+  bench_metric(r, "engine_snapshot_write_vs_disk", write_gbps / disk_gbps, "ratio", NULL);
 
   /* The step's compute, in passes over the activations, from the staging
    * time: one pass timed here. */
@@ -235,13 +235,13 @@ void bench_snapshot(bench_report *r) {
     snprintf(name, sizeof name, "%s%s", base, sfx);    \
     bench_metric(r, name, value, unit, note);          \
   } while (0)
-    METRIC("snapshot_step_compute_ms", median(compute_ms, ROUNDS), "ms",
+    METRIC("engine_snapshot_step_compute_ms", median(compute_ms, ROUNDS), "ms",
            k == 0 ? "1.5x the staging time" : "0.33x the staging time");
-    METRIC("snapshot_start_ms", median(t_start, ROUNDS), "ms", NULL);
-    METRIC("snapshot_fence_ms", median(t_fence, ROUNDS), "ms", "host backend: waits for copies");
-    METRIC("snapshot_blocked_ms", blocked_med, "ms", "start + fence, median");
-    METRIC("sync_cpu_ms", sync_med, "ms", "memcpy of the state, warm destination");
-    METRIC("snapshot_blocked_vs_sync_cpu", blocked_med / sync_med, "ratio",
+    METRIC("engine_snapshot_start_ms", median(t_start, ROUNDS), "ms", NULL);
+    METRIC("engine_snapshot_fence_ms", median(t_fence, ROUNDS), "ms", "host backend: waits for copies");
+    METRIC("engine_snapshot_blocked_ms", blocked_med, "ms", "start + fence, median");
+    METRIC("engine_sync_memcpy_ms", sync_med, "ms", "memcpy of the state, warm destination");
+    METRIC("engine_snapshot_blocked_vs_sync_cpu", blocked_med / sync_med, "ratio",
            k == 0 ? "target <= 0.1" : "compute shorter than staging");
 #undef METRIC
   }
