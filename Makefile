@@ -13,7 +13,7 @@ deps:
 
 build: deps
 	@cmake -S . -B $(BUILD) -DFERRY_WERROR=ON $(CMAKE_FLAGS) >/dev/null
-	@cmake --build $(BUILD) -j$(JOBS)
+	@cmake --build $(BUILD) -j$(JOBS) -- --no-print-directory
 
 # The main job on a bundled default: synthesize a Llama-3-8B-like trace,
 # dry-run default/layers/budget on an H100 link, write JSON, Chrome trace
