@@ -14,8 +14,10 @@ does. So:
     55 GB/s, against 1.28 GiB per 11 ms layer of Llama-3-8B), a byte kept is
     a byte more at the peak, so the default budget is 0; on a faster link
     (GH200) keep the last layer or two: BUDGET_BYTES = their size;
-  - FWD_STASH offloaded buffers stay alive while their copies run, so the
-    copy stream never waits for compute (the forward pass is copy-bound);
+  - offloaded buffers stay alive while their copies run, up to FWD_STASH_BYTES
+    of them (and at most FWD_STASH buffers), so the copy stream never waits
+    for compute (the forward pass is copy-bound); a byte bound, not a count,
+    because an attention block packs many small tensors between large ones;
   - reloads are prefetched by bytes (R.prefetch_bytes): while backward runs,
     PREFETCH_BYTES of the tensors it needs next are coming back, whatever
     their sizes; size it above link bandwidth x one layer's backward. The
@@ -26,7 +28,8 @@ does. So:
 Knobs: edit the lines below. ]]
 local BUDGET_BYTES = 0 -- kept of the eligible tensors at the peak
 local MIN_BYTES = 1024
-local FWD_STASH = 7 -- offloaded buffers kept alive while their copies run
+local FWD_STASH = 7 -- offloaded buffers kept alive while their copies run...
+local FWD_STASH_BYTES = 2^30 -- ...and their bytes
 local PREFETCH_BYTES = 3 * 2^30 -- reload window in backward
 
 local R = require "ferry.rules"
@@ -39,5 +42,6 @@ return R.policy {
   R.exclude_modules(R.LIGER),
   R.budget { bytes = BUDGET_BYTES },
   R.max_stash(FWD_STASH),
+  R.max_stash_bytes(FWD_STASH_BYTES),
   reload = R.prefetch_bytes(PREFETCH_BYTES),
 }

@@ -44,6 +44,7 @@
   X(stash_pack_unpack_on_two_threads)                                      \
   X(stash_recompute_during_backward)                                       \
   X(stash_shared_budget_hook)                                              \
+  X(stash_fwd_bound_in_bytes)                                              \
   /* @@stash */                                                            \
   /* trace recorder (test_trace.c) */                                      \
   X(trace_records_every_event)                                             \

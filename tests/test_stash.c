@@ -863,3 +863,47 @@ TEST(stash_shared_budget_hook) {
   CHECK_EQ(atomic_load(&b.used), 0); /* everything given back at destroy */
   return 0;
 }
+
+/* The forward stash bounded by bytes as well as by count. */
+TEST(stash_fwd_bound_in_bytes) {
+  fixture f;
+  ferry_config c = fixture_config(&f, 1);
+  c.max_fwd_stash = 100;
+  c.max_fwd_stash_bytes = 3u << 20;
+  CHECK_OK(fixture_open(&f, &c));
+  enum { M = 10, SZ = 1 << 20 };
+  ferry_handle hs[M];
+  uint64_t sums[M];
+  for (int i = 0; i < M; i++) {
+    CHECK((hs[i] = pack_new(&f, SZ, (uint64_t)i + 7, &sums[i])));
+    ferry_stats s;
+    CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+    CHECK(s.device_bytes_held <= 3ull * SZ);
+    CHECK_EQ(atomic_load(&f.dev.releases), i + 1 > 3 ? i + 1 - 3 : 0);
+  }
+  ferry_knobs k;
+  CHECK_OK(ferry_get_knobs(f.e, &k));
+  CHECK_EQ(k.max_fwd_stash_bytes, 3u << 20);
+  for (int i = M - 1; i >= 0; i--)
+    if (unpack_check(&f, hs[i], SZ, sums[i])) return 1;
+  CHECK_OK(ferry_step_end(f.e));
+  if (check_quiescent(&f)) return 1;
+
+  /* a policy knob overrides the config */
+  CHECK_OK(ferry_set_policy(f.e, NULL,
+                            "return { api = 1, knobs = { max_fwd_stash_bytes = 1048576 },"
+                            " decide = function(t, ctx) return ferry.OFFLOAD end }",
+                            0));
+  CHECK_OK(ferry_get_knobs(f.e, &k));
+  CHECK_EQ(k.max_fwd_stash_bytes, 1u << 20);
+  for (int i = 0; i < 4; i++) CHECK((hs[i] = pack_new(&f, SZ / 2, (uint64_t)i, &sums[i])));
+  ferry_stats s;
+  CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+  CHECK(s.device_bytes_held <= 1u << 20);
+  for (int i = 3; i >= 0; i--)
+    if (unpack_check(&f, hs[i], SZ / 2, sums[i])) return 1;
+  CHECK_OK(ferry_step_end(f.e));
+  if (check_quiescent(&f)) return 1;
+  ferry_engine_destroy(f.e);
+  return 0;
+}

@@ -99,6 +99,7 @@ int32_t reserved1;
 const char *trace_path;
 ferry_reserve_fn host_reserve;
 void *host_reserve_ud;
+uint64_t max_fwd_stash_bytes;
 }ferry_config;
 void ferry_config_init(ferry_config *cfg);
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf, size_t errlen);
@@ -121,6 +122,7 @@ typedef struct ferry_knobs {
 uint32_t max_fwd_stash;
 uint32_t prefetch_distance;
 uint64_t min_offload_bytes;
+uint64_t max_fwd_stash_bytes;
 }ferry_knobs;
 int ferry_get_knobs(ferry_engine *e, ferry_knobs *out);
 typedef struct ferry_snapshot ferry_snapshot;

@@ -244,6 +244,9 @@ typedef struct ferry_config {
   /* optional shared host budget (e.g. all ranks of a node) */
   ferry_reserve_fn host_reserve;
   void *host_reserve_ud;
+  /* also bound the forward stash by bytes (0 = by count only): a count is a
+   * poor proxy when tensor sizes vary by orders of magnitude */
+  uint64_t max_fwd_stash_bytes;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \
@@ -321,6 +324,7 @@ typedef struct ferry_knobs {
   uint32_t max_fwd_stash;
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
+  uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
 } ferry_knobs;
 FERRY_API int ferry_get_knobs(ferry_engine *e, ferry_knobs *out);
 

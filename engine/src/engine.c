@@ -161,12 +161,14 @@ static void apply_policy_knobs(ferry_engine *e) {
   e->max_fwd_stash = e->cfg.max_fwd_stash;
   e->prefetch_distance = e->cfg.prefetch_distance;
   e->min_offload_bytes = e->cfg.min_offload_bytes;
+  e->max_fwd_stash_bytes = e->cfg.max_fwd_stash_bytes;
   if (!e->policy) return;
   ferry_policy_knobs k;
   ferry_policy_get_knobs(e->policy, &k);
   if (k.has_max_fwd_stash) e->max_fwd_stash = k.max_fwd_stash;
   if (k.has_prefetch_distance) e->prefetch_distance = k.prefetch_distance;
   if (k.has_min_offload_bytes) e->min_offload_bytes = k.min_offload_bytes;
+  if (k.has_max_fwd_stash_bytes) e->max_fwd_stash_bytes = k.max_fwd_stash_bytes;
 }
 
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf,
@@ -351,6 +353,7 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out) {
   out->max_fwd_stash = e->max_fwd_stash;
   out->prefetch_distance = e->prefetch_distance;
   out->min_offload_bytes = e->min_offload_bytes;
+  out->max_fwd_stash_bytes = e->max_fwd_stash_bytes;
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }

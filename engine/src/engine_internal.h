@@ -82,6 +82,8 @@ struct ferry_engine {
   uint32_t max_fwd_stash;
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
+  uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
+  uint64_t fwd_bytes;           /* bytes of the STASHED entries */
 
   /* entries; index + 1 and gen form a handle */
   stash_entry *entries;

@@ -737,6 +737,7 @@ static const knob_spec KNOBS[] = {
     {"max_fwd_stash", KNOB_MAX_FWD_STASH},
     {"prefetch_distance", KNOB_MAX_PREFETCH_DISTANCE},
     {"min_offload_bytes", (double)KNOB_MAX_MIN_OFFLOAD_BYTES},
+    {"max_fwd_stash_bytes", (double)KNOB_MAX_MIN_OFFLOAD_BYTES},
 };
 
 /* The policy table is at the top of the stack. Reads it with raw accesses
@@ -834,7 +835,7 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
       if (which == sizeof KNOBS / sizeof KNOBS[0])
         return load_fail(p, src, k, errbuf, errlen,
                          "unknown knob '%s' (known: max_fwd_stash, prefetch_distance, "
-                         "min_offload_bytes)", k);
+                         "min_offload_bytes, max_fwd_stash_bytes)", k);
       double v = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : NAN;
       if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v))
         return load_fail(p, src, k, errbuf, errlen, "knob '%s' must be an integer, got %s", k,
@@ -848,9 +849,12 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
       } else if (which == 1) {
         p->knobs.has_prefetch_distance = 1;
         p->knobs.prefetch_distance = (uint32_t)v;
-      } else {
+      } else if (which == 2) {
         p->knobs.has_min_offload_bytes = 1;
         p->knobs.min_offload_bytes = (uint64_t)v;
+      } else {
+        p->knobs.has_max_fwd_stash_bytes = 1;
+        p->knobs.max_fwd_stash_bytes = (uint64_t)v;
       }
       lua_pop(L, 1);
     }

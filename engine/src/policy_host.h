@@ -23,9 +23,11 @@ typedef struct ferry_policy ferry_policy;
  * only when its has_ flag is set. Validated at load. */
 typedef struct ferry_policy_knobs {
   int has_max_fwd_stash, has_prefetch_distance, has_min_offload_bytes;
+  int has_max_fwd_stash_bytes;
   uint32_t max_fwd_stash;
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
+  uint64_t max_fwd_stash_bytes;
 } ferry_policy_knobs;
 
 typedef struct ferry_policy_stats {

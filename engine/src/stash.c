@@ -253,14 +253,20 @@ static void *stash_release(ferry_engine *e, uint32_t idx) {
   s->state = ENTRY_OFFLOADED;
   e->stats.device_bytes_held -= s->bytes;
   e->ctx.stash_depth--;
+  e->fwd_bytes -= s->bytes;
   e->bytes_in_flight -= s->bytes;
   return owner;
 }
 
-/* Pop the oldest stashed entries until the bound holds. */
+static int fwd_over_bound(const ferry_engine *e) {
+  return e->ctx.stash_depth > e->max_fwd_stash ||
+         (e->max_fwd_stash_bytes && e->fwd_bytes > e->max_fwd_stash_bytes);
+}
+
+/* Pop the oldest stashed entries until the bounds (count, bytes) hold. */
 static uint32_t fwd_enforce_bound(ferry_engine *e, void **owners, uint32_t max_owners) {
   uint32_t n = 0;
-  while (e->ctx.stash_depth > e->max_fwd_stash && e->fwd_count && n < max_owners) {
+  while (fwd_over_bound(e) && e->fwd_count && n < max_owners) {
     uint64_t slot = e->fwd[e->fwd_head];
     uint32_t idx = (uint32_t)slot;
     e->fwd_head = (e->fwd_head + 1) % e->fwd_cap;
@@ -517,6 +523,7 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
       e->offl_order[e->n_offl++] = idx;
       e->ctx.arena_in_use += s->bytes;
       e->ctx.stash_depth++;
+      e->fwd_bytes += s->bytes;
       e->ctx.offloaded_this_step++;
       e->ctx.bytes_offloaded_this_step += s->bytes;
       e->bytes_in_flight += s->bytes;
@@ -658,6 +665,7 @@ static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_releas
   }
   if (s->state == ENTRY_STASHED) {
     e->ctx.stash_depth--;
+    e->fwd_bytes -= s->bytes;
     e->bytes_in_flight -= s->bytes;
   }
   if (owner) e->stats.device_bytes_held -= s->bytes;

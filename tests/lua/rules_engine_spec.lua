@@ -170,4 +170,13 @@ describe("rules through the engine", function()
     assert.is_true(large.stash_hits > small.stash_hits)
     assert.equal(6, large.stash_hits)
   end)
+
+  it("max_stash_bytes bounds the forward stash by bytes too", function()
+    local specs = {}
+    for i = 1, 6 do specs[i] = { path = "m.t" .. i, bytes = 4096 } end
+    local _, by_count = decide("R.max_stash(6)", specs)
+    local _, by_bytes = decide("R.max_stash(6), R.max_stash_bytes(8192)", specs)
+    assert.equal(6, by_count.stash_hits)
+    assert.equal(2, by_bytes.stash_hits)
+  end)
 end)

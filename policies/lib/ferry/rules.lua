@@ -567,6 +567,14 @@ function R.max_stash(n)
   return rule { name = "max_stash(" .. n .. ")", stage = 0, knobs = { max_fwd_stash = n } }
 end
 
+-- Also bound the forward stash by bytes: offloaded device buffers stay
+-- alive while their copies run only while they total at most `bytes`.
+function R.max_stash_bytes(bytes)
+  check_number("max_stash_bytes", "bytes", bytes, 0, 2 ^ 50, true)
+  return rule { name = "max_stash_bytes(" .. bytes .. ")", stage = 0,
+                knobs = { max_fwd_stash_bytes = bytes } }
+end
+
 -- ---------------------------------------------------------------------------
 -- reload specs (the policy's `reload` field)
 
@@ -681,6 +689,7 @@ local KNOB_LIMITS = {
   max_fwd_stash = { 0, 1048576 },
   prefetch_distance = { 0, 4096 },
   min_offload_bytes = { 0, MAX_BYTES },
+  max_fwd_stash_bytes = { 0, MAX_BYTES },
 }
 
 local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
@@ -690,7 +699,7 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
   spec.reload  R.on_use() (default), R.prefetch(d), R.prefetch_layers(k) or
                R.prefetch_bytes(n)
   spec.knobs   engine knobs { max_fwd_stash, prefetch_distance,
-               min_offload_bytes }; rules may set some (min_bytes sets
+               min_offload_bytes, max_fwd_stash_bytes }; rules may set some (min_bytes sets
                min_offload_bytes); giving one twice with different values
                is an error
   spec.cache   false to never let the engine cache a decision
@@ -726,7 +735,8 @@ function R.policy(spec)
     local lim = KNOB_LIMITS[k]
     if not lim then
       fail("policy", "unknown knob '" .. tostring(k) ..
-        "' (known: max_fwd_stash, prefetch_distance, min_offload_bytes)", 3)
+        "' (known: max_fwd_stash, prefetch_distance, min_offload_bytes, " ..
+        "max_fwd_stash_bytes)", 3)
     end
     if type(v) ~= "number" or v ~= floor(v) or v < lim[1] or v > lim[2] then
       fail("policy", format("knob %s must be an integer within [%d, %.0f], got %s",
