@@ -13,15 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "errbuf.h"
 #include "arena_internal.h"
-
-static void arena_set_error(char *errbuf, size_t errlen, const char *fmt, ...) {
-  if (!errbuf || errlen == 0) return;
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(errbuf, errlen, fmt, ap);
-  va_end(ap);
-}
 
 /* ---- ledger --------------------------------------------------------------- */
 
@@ -122,24 +115,24 @@ int ferry_arena_create(ferry_backend *bk, int kind, uint64_t cap_bytes,
                        ferry_arena **out, char *errbuf, size_t errlen) {
   if (out) *out = NULL;
   if (!out) {
-    arena_set_error(errbuf, errlen, "ferry_arena_create: out is NULL");
+    ferry_errbuf(errbuf, errlen, 0, "ferry_arena_create: out is NULL");
     return FERRY_EINVAL;
   }
   if (!bk || !bk->ops || !bk->ops->host_alloc || !bk->ops->host_free) {
-    arena_set_error(errbuf, errlen,
+    ferry_errbuf(errbuf, errlen, 0,
                     "ferry_arena_create: backend has no host_alloc/host_free");
     return FERRY_EINVAL;
   }
   if (kind == FERRY_ARENA_AUTO)
     kind = ferry_arena_jemalloc_available() ? FERRY_ARENA_JEMALLOC : FERRY_ARENA_POOL;
   if (kind != FERRY_ARENA_JEMALLOC && kind != FERRY_ARENA_POOL) {
-    arena_set_error(errbuf, errlen,
+    ferry_errbuf(errbuf, errlen, 0,
                     "ferry_arena_create: unknown arena kind %d (expected "
                     "FERRY_ARENA_AUTO, _JEMALLOC or _POOL)", kind);
     return FERRY_EINVAL;
   }
   if (kind == FERRY_ARENA_JEMALLOC && !ferry_arena_jemalloc_available()) {
-    arena_set_error(errbuf, errlen,
+    ferry_errbuf(errbuf, errlen, 0,
                     "jemalloc is not loaded in this process; preload "
                     "libjemalloc.so.2 or use the pool arena");
     return FERRY_EUNSUPPORTED;
@@ -147,12 +140,12 @@ int ferry_arena_create(ferry_backend *bk, int kind, uint64_t cap_bytes,
 
   ferry_arena *a = calloc(1, sizeof *a);
   if (!a) {
-    arena_set_error(errbuf, errlen, "ferry_arena_create: out of host memory");
+    ferry_errbuf(errbuf, errlen, 0, "ferry_arena_create: out of host memory");
     return FERRY_ENOMEM;
   }
   if (pthread_mutex_init(&a->lock, NULL) != 0) {
     free(a);
-    arena_set_error(errbuf, errlen, "ferry_arena_create: pthread_mutex_init failed");
+    ferry_errbuf(errbuf, errlen, 0, "ferry_arena_create: pthread_mutex_init failed");
     return FERRY_ENOMEM;
   }
   a->bk = bk;

@@ -43,6 +43,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "errbuf.h"
 #include "backend.h"
 
 #define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
@@ -405,17 +406,6 @@ static const ferry_backend_ops cuda_ops = {
 };
 
 /* ---- creation ------------------------------------------------------------ */
-static int create_fail(char *errbuf, size_t errlen, int code, const char *fmt,
-                       ...) {
-  if (errbuf && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(errbuf, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
-
 #define CREATE_CALL(fn, args) create_check(fn args, #fn, errbuf, errlen)
 
 static int create_check(cudaError_t e, const char *call, char *errbuf,
@@ -427,22 +417,22 @@ static int create_check(cudaError_t e, const char *call, char *errbuf,
 int ferry_backend_cuda_create(const ferry_config *cfg, ferry_backend **out,
                               char *errbuf, size_t errlen) {
   if (errbuf && errlen) errbuf[0] = '\0';
-  if (!out) return create_fail(errbuf, errlen, FERRY_EINVAL, "out is NULL");
+  if (!out) return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "out is NULL");
   *out = NULL;
-  if (!cfg) return create_fail(errbuf, errlen, FERRY_EINVAL, "config is NULL");
+  if (!cfg) return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config is NULL");
 
   /* Probe the driver first: with none, this is where creation stops. */
   int count = 0;
   int rc = CREATE_CALL(cudaGetDeviceCount, (&count));
   if (rc) return rc;
   if (count <= 0)
-    return create_fail(errbuf, errlen, FERRY_ENODEV,
+    return ferry_errbuf(errbuf, errlen, FERRY_ENODEV,
                        "cudaGetDeviceCount: no CUDA device is visible");
   int current = -1;
   if ((rc = CREATE_CALL(cudaGetDevice, (&current)))) return rc;
   int device = cfg->device >= 0 ? cfg->device : current;
   if (device >= count)
-    return create_fail(errbuf, errlen, FERRY_ENODEV,
+    return ferry_errbuf(errbuf, errlen, FERRY_ENODEV,
                        "config.device %d does not exist: %d CUDA device%s visible",
                        device, count, count == 1 ? " is" : "s are");
 
@@ -460,7 +450,7 @@ int ferry_backend_cuda_create(const ferry_config *cfg, ferry_backend **out,
   if (rc) return rc;
 
   cuda_backend *cb = calloc(1, sizeof *cb);
-  if (!cb) return create_fail(errbuf, errlen, FERRY_ENOMEM, "out of memory");
+  if (!cb) return ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "out of memory");
   cb->base.ops = &cuda_ops;
   cb->device = device;
   cb->pin = register_supported ? PIN_REGISTER : PIN_HOSTALLOC;

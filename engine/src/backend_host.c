@@ -56,6 +56,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "errbuf.h"
 #include "backend.h"
 
 /* Operations a stream can hold before a producer blocks (CUDA's launch queue
@@ -756,51 +757,40 @@ static const ferry_backend_ops host_ops = {
     .stream_wait_event = stream_wait_event,
 };
 
-static int create_fail(char *errbuf, size_t errlen, int code, const char *fmt,
-                       ...) {
-  if (errbuf && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(errbuf, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
-
 static bool bad_rate(double v) { return !isfinite(v) || v < 0; }
 
 int ferry_backend_host_create(const ferry_config *cfg, ferry_backend **out,
                               char *errbuf, size_t errlen) {
   if (!out)
-    return create_fail(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                        "host backend: out is NULL");
   *out = NULL;
   if (!cfg)
-    return create_fail(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                        "host backend: config is NULL");
   const ferry_link *ln = &cfg->link;
   if (bad_rate(ln->d2h_bytes_per_s))
-    return create_fail(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                        "host backend: link.d2h_bytes_per_s must be finite and "
                        ">= 0 (0 = unthrottled), got %g", ln->d2h_bytes_per_s);
   if (bad_rate(ln->h2d_bytes_per_s))
-    return create_fail(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                        "host backend: link.h2d_bytes_per_s must be finite and "
                        ">= 0 (0 = unthrottled), got %g", ln->h2d_bytes_per_s);
   if (bad_rate(ln->latency_us))
-    return create_fail(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                        "host backend: link.latency_us must be finite and >= 0, "
                        "got %g", ln->latency_us);
   bool throttled = ln->d2h_bytes_per_s > 0 || ln->h2d_bytes_per_s > 0 ||
                    ln->latency_us > 0;
   if (throttled && !(ln->duplex > 0 && ln->duplex <= 1))
-    return create_fail(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                        "host backend: link.duplex must be in (0, 1], got %g",
                        ln->duplex);
 
   host_backend *hb = calloc(1, sizeof *hb);
   if (!hb)
-    return create_fail(errbuf, errlen, FERRY_ENOMEM,
+    return ferry_errbuf(errbuf, errlen, FERRY_ENOMEM,
                        "host backend: out of memory");
   hb->base.ops = &host_ops;
   pthread_mutex_init(&hb->lock, NULL);
@@ -815,7 +805,7 @@ int ferry_backend_host_create(const ferry_config *cfg, ferry_backend **out,
     pthread_mutex_destroy(&l->lock);
     pthread_mutex_destroy(&hb->lock);
     free(hb);
-    return create_fail(errbuf, errlen, FERRY_EBACKEND,
+    return ferry_errbuf(errbuf, errlen, FERRY_EBACKEND,
                        "host backend: cannot create a CLOCK_MONOTONIC "
                        "condition variable");
   }

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "errbuf.h"
 #include "engine_internal.h"
 
 /* ---- registry of live engines --------------------------------------------
@@ -78,67 +79,55 @@ void ferry_config_init(ferry_config *cfg) {
   *cfg = d;
 }
 
-static int set_err(char *errbuf, size_t errlen, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int set_err(char *errbuf, size_t errlen, int code, const char *fmt, ...) {
-  if (errbuf && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(errbuf, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
-
 /* Copy the caller's config (which may be an older, shorter struct) over the
  * defaults and reject values that make no sense, naming the field. */
 static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
                        size_t errlen) {
   ferry_config_init(out);
-  if (!in) return set_err(errbuf, errlen, FERRY_EINVAL, "config is NULL");
+  if (!in) return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config is NULL");
   if (in->struct_size < offsetof(ferry_config, link) || in->struct_size > sizeof *in)
-    return set_err(errbuf, errlen, FERRY_EVERSION,
+    return ferry_errbuf(errbuf, errlen, FERRY_EVERSION,
                    "config.struct_size %u is not a ferry_config size this library knows "
                    "(expected %zu); initialise it with FERRY_CONFIG_INIT or ferry_config_init()",
                    in->struct_size, sizeof *in);
   if ((in->version >> 16) != FERRY_VERSION_MAJOR)
-    return set_err(errbuf, errlen, FERRY_EVERSION,
+    return ferry_errbuf(errbuf, errlen, FERRY_EVERSION,
                    "config.version %u.%u is from another major version than libferry %s",
                    in->version >> 16, (in->version >> 8) & 0xff, ferry_version_string());
   memcpy(out, in, in->struct_size);
   out->struct_size = sizeof *out;
 
   if (out->backend < FERRY_BACKEND_HOST || out->backend > FERRY_BACKEND_SIM)
-    return set_err(errbuf, errlen, FERRY_EINVAL, "config.backend %d is not a ferry_backend_kind",
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config.backend %d is not a ferry_backend_kind",
                    out->backend);
   if (out->arena < FERRY_ARENA_AUTO || out->arena > FERRY_ARENA_POOL)
-    return set_err(errbuf, errlen, FERRY_EINVAL, "config.arena %d is not a ferry_arena_kind",
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config.arena %d is not a ferry_arena_kind",
                    out->arena);
   if (!out->device_alloc)
-    return set_err(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.device_alloc is required: the engine never allocates device memory");
   if (!out->release)
-    return set_err(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.release is required: the engine must hand owner tokens back");
   if (out->max_fwd_stash > (1u << 20))
-    return set_err(errbuf, errlen, FERRY_EINVAL, "config.max_fwd_stash %u is absurd (max 1048576)",
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config.max_fwd_stash %u is absurd (max 1048576)",
                    out->max_fwd_stash);
   if (out->prefetch_distance > 4096)
-    return set_err(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.prefetch_distance %u is absurd (max 4096)", out->prefetch_distance);
   if (!(out->host_cap_pct >= 0.0 && out->host_cap_pct <= 100.0))
-    return set_err(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.host_cap_pct %g must be within [0, 100]", out->host_cap_pct);
   const ferry_link *l = &out->link;
   if (!(l->d2h_bytes_per_s >= 0) || !(l->h2d_bytes_per_s >= 0) || !(l->latency_us >= 0) ||
       !isfinite(l->d2h_bytes_per_s) || !isfinite(l->h2d_bytes_per_s) || !isfinite(l->latency_us))
-    return set_err(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.link: bandwidths and latency must be finite and >= 0");
   if (!(l->duplex > 0.0 && l->duplex <= 1.0))
-    return set_err(errbuf, errlen, FERRY_EINVAL, "config.link.duplex %g must be within (0, 1]",
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config.link.duplex %g must be within (0, 1]",
                    l->duplex);
   if (out->policy_path && out->policy_source)
-    return set_err(errbuf, errlen, FERRY_EINVAL,
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.policy_path and config.policy_source are exclusive");
   /* Strings are not retained past creation. */
   out->policy_path = out->policy_source = out->trace_path = NULL;
@@ -173,14 +162,14 @@ static void apply_policy_knobs(ferry_engine *e) {
 
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf,
                         size_t errlen) {
-  if (!out) return set_err(errbuf, errlen, FERRY_EINVAL, "out is NULL");
+  if (!out) return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "out is NULL");
   *out = NULL;
   ferry_config c;
   int rc = config_load(cfg, &c, errbuf, errlen);
   if (rc) return rc;
 
   ferry_engine *e = calloc(1, sizeof *e);
-  if (!e) return set_err(errbuf, errlen, FERRY_ENOMEM, "out of memory creating the engine");
+  if (!e) return ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "out of memory creating the engine");
   e->cfg = c;
   pthread_mutex_init(&e->lock, NULL);
   pthread_cond_init(&e->reload_done, NULL);
@@ -195,13 +184,13 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
   default: rc = ferry_backend_sim_create(&c, &e->bk, msg, sizeof msg); break;
   }
   if (rc) {
-    set_err(errbuf, errlen, rc, "backend: %s", msg[0] ? msg : ferry_strerror(rc));
+    ferry_errbuf(errbuf, errlen, rc, "backend: %s", msg[0] ? msg : ferry_strerror(rc));
     goto fail;
   }
   if ((rc = e->bk->ops->stream_create(e->bk, &e->d2h)) ||
       (rc = e->bk->ops->stream_create(e->bk, &e->h2d)) ||
       (rc = e->bk->ops->event_create(e->bk, &e->ev_scratch))) {
-    set_err(errbuf, errlen, rc, "backend %s: %s", e->bk->ops->name, e->bk->err);
+    ferry_errbuf(errbuf, errlen, rc, "backend %s: %s", e->bk->ops->name, e->bk->err);
     goto fail;
   }
   /* The sim backend's host memory is address space that must never be
@@ -209,29 +198,29 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
   if (c.backend == FERRY_BACKEND_SIM && c.arena == FERRY_ARENA_AUTO) c.arena = FERRY_ARENA_POOL;
   uint64_t cap = cap_bytes(&c);
   if ((rc = ferry_arena_create(e->bk, c.arena, cap, &e->arena, msg, sizeof msg))) {
-    set_err(errbuf, errlen, rc, "arena: %s", msg);
+    ferry_errbuf(errbuf, errlen, rc, "arena: %s", msg);
     goto fail;
   }
   if (c.host_reserve) ferry_arena_set_reserve_hook(e->arena, c.host_reserve, c.host_reserve_ud);
   e->ctx.arena_cap = cap;
   if ((rc = stash_init(e))) {
-    set_err(errbuf, errlen, rc, "out of memory creating the stash");
+    ferry_errbuf(errbuf, errlen, rc, "out of memory creating the stash");
     goto fail;
   }
   if (cfg->policy_path || cfg->policy_source) {
     if ((rc = ferry_policy_create(cfg->policy_path, cfg->policy_source, cfg->policy_trusted,
                                   &e->policy, msg, sizeof msg))) {
-      set_err(errbuf, errlen, rc, "%s", msg);
+      ferry_errbuf(errbuf, errlen, rc, "%s", msg);
       goto fail;
     }
   }
   apply_policy_knobs(e);
   if (cfg->trace_path && (rc = trace_open(e, cfg->trace_path))) {
-    set_err(errbuf, errlen, rc, "%s", e->last_error);
+    ferry_errbuf(errbuf, errlen, rc, "%s", e->last_error);
     goto fail;
   }
   if (registry_add(e)) {
-    rc = set_err(errbuf, errlen, FERRY_ENOMEM, "too many live engines (max %d)", MAX_ENGINES);
+    rc = ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "too many live engines (max %d)", MAX_ENGINES);
     goto fail;
   }
   *out = e;

@@ -1,5 +1,9 @@
 /* errors.c — names and messages of ferry's error codes, from the one list
  * in ferry.h, and the version functions. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "errbuf.h"
 #include "ferry.h"
 
 const char *ferry_strerror(int code) {
@@ -28,4 +32,14 @@ unsigned ferry_version(void) { return FERRY_VERSION_HEX; }
 const char *ferry_version_string(void) {
   return FERRY_STR_(FERRY_VERSION_MAJOR) "." FERRY_STR_(FERRY_VERSION_MINOR) "." FERRY_STR_(
       FERRY_VERSION_PATCH);
+}
+
+int ferry_errbuf(char *errbuf, size_t errlen, int code, const char *fmt, ...) {
+  if (errbuf && errlen) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return code;
 }

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "errbuf.h"
 #include "backend_sim.h"
 #include "engine_internal.h"
 #include "names.h"
@@ -835,18 +836,6 @@ void sim_result_free(sim_result *r) {
   memset(r, 0, sizeof *r);
 }
 
-static int rp_fail(char *err, size_t errlen, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int rp_fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return rc;
-}
-
 /* Host backend: the bytes a tensor's buffer holds. */
 static uint8_t tensor_pattern(uint32_t ti) { return (uint8_t)(ti * 131u + 7u); }
 
@@ -866,7 +855,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
                size_t errlen) {
   memset(out, 0, sizeof *out);
   if (err && errlen) err[0] = 0;
-  if (!t || !c) return rp_fail(err, errlen, FERRY_EINVAL, "sim_replay: NULL trace or config");
+  if (!t || !c) return ferry_errbuf(err, errlen, FERRY_EINVAL, "sim_replay: NULL trace or config");
   int host = c->host_backend != 0;
   replay r;
   memset(&r, 0, sizeof r);
@@ -904,14 +893,14 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   }
   char msg[512] = "";
   int rc = ferry_engine_create(&cfg, &r.e, msg, sizeof msg);
-  if (rc) return rp_fail(err, errlen, rc, "%s: %s", out->label, msg);
+  if (rc) return ferry_errbuf(err, errlen, rc, "%s: %s", out->label, msg);
   r.sim = host ? NULL : sim_backend_of_engine(r.e);
   if (r.sim) {
     sim_backend_set_listener(r.sim, on_copy, &r);
     if ((c->duplex_d2h > 0 || c->duplex_h2d > 0) &&
         (rc = sim_backend_set_duplex(r.sim, c->duplex_d2h > 0 ? c->duplex_d2h : cfg.link.duplex,
                                      c->duplex_h2d > 0 ? c->duplex_h2d : cfg.link.duplex))) {
-      rc = rp_fail(err, errlen, rc, "%s", r.sim->err);
+      rc = ferry_errbuf(err, errlen, rc, "%s", r.sim->err);
       goto done;
     }
   }
@@ -921,7 +910,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   r.handles = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r.handles);
   r.bufs = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r.bufs);
   if (!r.descs || !r.handles || !r.bufs) {
-    rc = rp_fail(err, errlen, FERRY_ENOMEM, "out of memory");
+    rc = ferry_errbuf(err, errlen, FERRY_ENOMEM, "out of memory");
     goto done;
   }
   for (uint32_t i = 0; i < t->n_tensors; i++) {
@@ -933,7 +922,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   out->n_layers = (uint32_t)(max_layer + 2);
   out->layers = calloc(out->n_layers, sizeof *out->layers);
   if (!out->layers) {
-    rc = rp_fail(err, errlen, FERRY_ENOMEM, "out of memory");
+    rc = ferry_errbuf(err, errlen, FERRY_ENOMEM, "out of memory");
     goto done;
   }
   for (uint32_t i = 0; i < out->n_layers; i++) out->layers[i].layer = (int32_t)i - 1;
@@ -1008,7 +997,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
           int counted = d->kind != FERRY_KIND_PARAMETER && d->kind != FERRY_KIND_BUFFER;
           b = buf_new(&r, d->bytes, counted);
           if (!b) {
-            rc = rp_fail(err, errlen, FERRY_ENOMEM, "out of memory for a %llu-byte buffer",
+            rc = ferry_errbuf(err, errlen, FERRY_ENOMEM, "out of memory for a %llu-byte buffer",
                          (unsigned long long)d->bytes);
             goto done;
           }
@@ -1144,12 +1133,12 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   out->cap_fallbacks = fs.cap_fallbacks;
   snprintf(out->policy_error, sizeof out->policy_error, "%s", ferry_last_policy_error(r.e));
   if (r.bad_bytes)
-    rc = rp_fail(err, errlen, FERRY_EBACKEND, "%s: %d unpack(s) gave back different bytes",
+    rc = ferry_errbuf(err, errlen, FERRY_EBACKEND, "%s: %d unpack(s) gave back different bytes",
                  out->label, r.bad_bytes);
   goto done;
 
 engine_err:
-  rc = rp_fail(err, errlen, rc, "%s: %s (replaying %s)", out->label, ferry_last_error(r.e),
+  rc = ferry_errbuf(err, errlen, rc, "%s: %s (replaying %s)", out->label, ferry_last_error(r.e),
                t->name);
 done:
   if (r.e) ferry_engine_destroy(r.e);
