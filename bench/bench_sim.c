@@ -10,9 +10,9 @@
 #include <string.h>
 
 #include "bench.h"
-#include "sim_report.h"
-#include "trace_replayer.h"
-#include "trace_synth.h"
+#include "sim/sim_report.h"
+#include "sim/trace_replayer.h"
+#include "sim/trace_synth.h"
 
 void bench_sim(bench_report *r);
 

@@ -8,7 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "policy_host.h"
+#include "policy/policy_host.h"
 #include "test.h"
 
 /* ---- helpers ------------------------------------------------------------ */

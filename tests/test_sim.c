@@ -8,13 +8,13 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend_sim.h"
-#include "sim_report.h"
+#include "backend/backend_sim.h"
+#include "sim/sim_report.h"
 #include <valgrind/valgrind.h>
 
 #include "test.h"
-#include "trace_replayer.h"
-#include "trace_synth.h"
+#include "sim/trace_replayer.h"
+#include "sim/trace_synth.h"
 
 #define CHECK_NEAR(a, b, tol)                                                          \
   do {                                                                                 \

@@ -17,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "snapshot_zip.h"
+#include "checkpoint/zip_writer.h"
 #include "test.h"
 #include "test_device.h"
 

@@ -11,9 +11,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "sim_report.h"
-#include "trace_replayer.h"
-#include "trace_synth.h"
+#include "sim/sim_report.h"
+#include "sim/trace_replayer.h"
+#include "sim/trace_synth.h"
 
 #define MAX_RUNS 256
 

@@ -9,8 +9,8 @@
 #include <string.h>
 
 #include "ferry.h"
-#include "names.h"
-#include "trace_synth.h"
+#include "core/names.h"
+#include "sim/trace_synth.h"
 
 static void synth_usage(FILE *f) {
   fprintf(f,

@@ -12,8 +12,8 @@ mkdir -p "$out"
 CC=${CC:-clang}
 # the engine's sources as CMake lists them, without CUDA
 srcs=$(sed -n '/^set(FERRY_ENGINE_SOURCES/,/^)/p' "$root/engine/CMakeLists.txt" |
-  grep -o 'src/[a-z_0-9]*\.c' | sed "s|^|$root/engine/|")
-srcs="$srcs $root/engine/src/backend_cuda_absent.c"
+  grep -o 'src/[a-z_0-9/]*\.c' | sed "s|^|$root/engine/|")
+srcs="$srcs $root/engine/src/backend/backend_cuda_absent.c"
 extra_libs=$(pkg-config --libs zlib 2>/dev/null || true)
 $CC -g -O1 -std=c11 -D_GNU_SOURCE -DFERRY_LIBFUZZER -DFERRY_BUILDING \
   -DFERRY_POLICY_LIBDIR="\"$root/policies/lib\"" \

@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "errbuf.h"
-#include "arena_internal.h"
+#include "util/errbuf.h"
+#include "arena/arena_internal.h"
 
 /* ---- ledger --------------------------------------------------------------- */
 

@@ -38,7 +38,7 @@
 
 #include <jemalloc/jemalloc.h>
 
-#include "arena_internal.h"
+#include "arena/arena_internal.h"
 
 /* Where retained grows do happen (see je_hook_alloc), grow by no more than
  * this per backend call. jemalloc grows geometrically by default; capped at

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena_internal.h"
+#include "arena/arena_internal.h"
 
 #define POOL_GRANULE_SHIFT 8 /* 256-byte blocks, the alignment copies like */
 #define POOL_GRANULE ((size_t)1 << POOL_GRANULE_SHIFT)

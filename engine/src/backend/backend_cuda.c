@@ -43,8 +43,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "errbuf.h"
-#include "backend.h"
+#include "util/errbuf.h"
+#include "backend/backend.h"
 
 #define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)

@@ -56,8 +56,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "errbuf.h"
-#include "backend.h"
+#include "util/errbuf.h"
+#include "backend/backend.h"
 
 /* Operations a stream can hold before a producer blocks (CUDA's launch queue
  * holds about a thousand). */

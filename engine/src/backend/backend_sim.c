@@ -25,8 +25,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "backend_sim.h"
-#include "engine_internal.h"
+#include "backend/backend_sim.h"
+#include "core/engine_internal.h"
 
 #define SIM_MAX_ALIGNMENT ((size_t)2 << 20)
 #define SIM_EVENT_MAGIC 0x7369656du /* "siem" */

@@ -24,7 +24,7 @@
 
 #include <stdint.h>
 
-#include "backend.h"
+#include "backend/backend.h"
 
 typedef struct sim_backend_stats {
   double now_us;        /* the compute clock */

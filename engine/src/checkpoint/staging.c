@@ -44,8 +44,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine_internal.h"
-#include "snapshot_zip.h"
+#include "core/engine_internal.h"
+#include "checkpoint/zip_writer.h"
 
 #define SNAP_CHUNK_MAX ((size_t)16 << 20) /* largest staging buffer */
 #define SNAP_CHUNK_MIN ((size_t)256 << 10) /* smallest, unless the state is smaller */

@@ -13,8 +13,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "errbuf.h"
-#include "engine_internal.h"
+#include "util/errbuf.h"
+#include "core/engine_internal.h"
 
 /* ---- registry of live engines --------------------------------------------
  * A call on a destroyed engine must fail with an error instead of touching

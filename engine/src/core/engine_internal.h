@@ -12,11 +12,11 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "arena.h"
-#include "backend.h"
+#include "arena/arena.h"
+#include "backend/backend.h"
 #include "ferry.h"
-#include "intern.h"
-#include "policy_host.h"
+#include "util/intern.h"
+#include "policy/policy_host.h"
 
 /* Where a saved tensor is. */
 typedef enum entry_state {

@@ -3,7 +3,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "errbuf.h"
+#include "util/errbuf.h"
 #include "ferry.h"
 
 const char *ferry_strerror(int code) {

@@ -1,5 +1,5 @@
 /* names.c — see names.h. */
-#include "names.h"
+#include "core/names.h"
 
 #include <string.h>
 

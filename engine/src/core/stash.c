@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_internal.h"
+#include "core/engine_internal.h"
 
 #define HANDLE_INDEX_MASK 0xffffffffull
 #define MAX_TENSOR_BYTES (1ull << 50) /* 1 PiB: anything larger is a bug */

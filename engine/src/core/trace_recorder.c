@@ -9,8 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine_internal.h"
-#include "names.h"
+#include "core/engine_internal.h"
+#include "core/names.h"
 
 #define TRACE_FORMAT_VERSION 1
 

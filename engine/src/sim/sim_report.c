@@ -10,7 +10,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "sim_report.h"
+#include "sim/sim_report.h"
 
 #define GB 1e9
 #define GIB 1073741824.0

@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdio.h>
 
-#include "trace_replayer.h"
+#include "sim/trace_replayer.h"
 
 typedef struct sim_hw {
   const char *name;

@@ -12,12 +12,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "errbuf.h"
-#include "backend_sim.h"
-#include "engine_internal.h"
-#include "names.h"
-#include "trace_replayer.h"
-#include "intern.h"
+#include "util/errbuf.h"
+#include "backend/backend_sim.h"
+#include "core/engine_internal.h"
+#include "core/names.h"
+#include "sim/trace_replayer.h"
+#include "util/intern.h"
 
 #define MAX_TENSOR_BYTES (1ull << 50) /* the engine's own bound (stash.c) */
 #define MAX_LAYERS 1000000

@@ -14,8 +14,8 @@
 #include <string.h>
 
 #include "ferry.h"
-#include "names.h"
-#include "trace_synth.h"
+#include "core/names.h"
+#include "sim/trace_synth.h"
 
 #define MAX_SAVES 6
 #define MAX_OPS 24

@@ -1,5 +1,5 @@
 /* intern.c — see intern.h. */
-#include "intern.h"
+#include "util/intern.h"
 
 #include <stdint.h>
 #include <stdlib.h>
