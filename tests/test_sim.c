@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "backend/backend_sim.h"
+#include "test_device.h"
 #include "sim/sim_report.h"
 #include <valgrind/valgrind.h>
 
@@ -165,9 +166,16 @@ TEST(sim_host_memory_is_address_space_only) {
   ferry_config c = FERRY_CONFIG_INIT;
   c.backend = FERRY_BACKEND_SIM;
   c.arena = FERRY_ARENA_JEMALLOC;
+  c.device_alloc = test_device_alloc_cb;
+  c.release = test_device_release_cb;
   char err[256] = "";
-  CHECK_RC(ferry_backend_sim_create(&c, &b, err, sizeof err), FERRY_EINVAL);
+  ferry_engine *e = NULL;
+  CHECK_RC(ferry_engine_create(&c, &e, err, sizeof err), FERRY_EINVAL);
   CHECK_STR_CONTAINS(err, "pool arena");
+  c.arena = FERRY_ARENA_AUTO; /* AUTO picks the pool for the sim backend */
+  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  CHECK(strcmp(ferry_arena_name(e), "pool") == 0);
+  ferry_engine_destroy(e);
   return 0;
 }
 

@@ -27,8 +27,16 @@ typedef struct ferry_backend ferry_backend;
 typedef void *bk_stream; /* backend-defined; external streams pass through */
 typedef struct bk_event bk_event;
 
+/* ferry_backend_ops.flags */
+enum {
+  /* host_alloc hands out address space that must never be touched (sim):
+   * the arena keeps its bookkeeping outside the blocks */
+  BK_HOST_MEMORY_OPAQUE = 1u << 0,
+};
+
 typedef struct ferry_backend_ops {
   const char *name;
+  unsigned flags;
   void (*destroy)(ferry_backend *b);
 
   /* Page-locked host memory. alignment is a power of two <= 2 MiB. Must

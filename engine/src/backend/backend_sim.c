@@ -26,7 +26,6 @@
 #include <sys/mman.h>
 
 #include "backend/backend_sim.h"
-#include "core/engine_internal.h"
 
 #define SIM_MAX_ALIGNMENT ((size_t)2 << 20)
 #define SIM_EVENT_MAGIC 0x7369656du /* "siem" */
@@ -510,6 +509,7 @@ static void sim_destroy(ferry_backend *b) {
 
 static const ferry_backend_ops sim_ops = {
     .name = "sim",
+    .flags = BK_HOST_MEMORY_OPAQUE,
     .destroy = sim_destroy,
     .host_alloc = sim_host_alloc,
     .host_free = sim_host_free,
@@ -538,16 +538,6 @@ int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **out, char 
                "(0, 1]");
     return FERRY_EINVAL;
   }
-  /* Its host memory is address space that must never be touched: only the
-   * pool arena keeps its bookkeeping outside the blocks. */
-  if (cfg->arena == FERRY_ARENA_JEMALLOC ||
-      (cfg->arena == FERRY_ARENA_AUTO && ferry_arena_jemalloc_available())) {
-    if (errbuf && errlen)
-      snprintf(errbuf, errlen,
-               "sim backend: needs the pool arena (config.arena = FERRY_ARENA_POOL): its host "
-               "memory is address space only and the jemalloc arena may touch it");
-    return FERRY_EINVAL;
-  }
   sim_backend *sb = calloc(1, sizeof *sb);
   if (!sb) {
     if (errbuf && errlen) snprintf(errbuf, errlen, "sim backend: out of memory");
@@ -566,11 +556,6 @@ int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **out, char 
 /* ---- simulator API (backend_sim.h) ------------------------------------------- */
 
 int sim_backend_is(const ferry_backend *b) { return b && b->ops == &sim_ops; }
-
-ferry_backend *sim_backend_of_engine(ferry_engine *e) {
-  if (engine_check(e) != FERRY_OK) return NULL;
-  return sim_backend_is(e->bk) ? e->bk : NULL;
-}
 
 void sim_backend_advance(ferry_backend *b, double us) {
   sim_backend *sb = as_sim(b);

@@ -40,8 +40,7 @@ typedef struct sim_backend_stats {
 typedef void (*sim_copy_listener)(void *ud, int dir, double start_us, double end_us,
                                   uint64_t bytes);
 
-/* The sim backend of an engine created with FERRY_BACKEND_SIM, or NULL. */
-ferry_backend *sim_backend_of_engine(ferry_engine *e);
+/* Whether b is a sim backend (an engine's: engine_backend in core.h). */
 int sim_backend_is(const ferry_backend *b);
 
 /* The embedder's thread computes for us µs (us >= 0). */

@@ -39,12 +39,13 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/engine_internal.h"
+#include "core/core.h"
 #include "checkpoint/zip_writer.h"
 
 #define SNAP_CHUNK_MAX ((size_t)16 << 20) /* largest staging buffer */
@@ -72,7 +73,7 @@ typedef struct snap_batch {
 
 struct ferry_snapshot {
   ferry_engine *e; /* NULL once the engine was destroyed */
-  ferry_snapshot *prev, *next; /* the engine's list, under e->lock */
+  ferry_snapshot *prev, *next; /* the engine's list, under the engine lock */
   char *path, *tmp_path;
   snap_record *rec;
   size_t n;
@@ -112,9 +113,9 @@ static int start_fail(ferry_engine *e, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  pthread_mutex_lock(&e->lock);
+  engine_lock(e);
   engine_fail(e, code, "ferry_snapshot_start: %s", msg);
-  pthread_mutex_unlock(&e->lock);
+  engine_unlock(e);
   return code;
 }
 
@@ -170,7 +171,7 @@ static int take_slots(ferry_snapshot *s) {
   uint32_t cap = 0;
   while (remaining) {
     size_t size = remaining < want ? (size_t)remaining : want;
-    void *p = ferry_arena_alloc(e->arena, size);
+    void *p = ferry_arena_alloc(engine_arena(e), size);
     if (!p) {
       if (size <= SNAP_CHUNK_MIN) break;
       want = size / 2;
@@ -180,7 +181,7 @@ static int take_slots(ferry_snapshot *s) {
       uint32_t ncap = cap ? cap * 2 : 16;
       snap_slot *n = realloc(s->slots, ncap * sizeof *n);
       if (!n) {
-        ferry_arena_free(e->arena, p, size);
+        ferry_arena_free(engine_arena(e), p, size);
         return FERRY_ENOMEM;
       }
       s->slots = n;
@@ -200,7 +201,7 @@ static int take_slots(ferry_snapshot *s) {
  * its event. Called with the engine lock held. */
 static int issue_batch(ferry_snapshot *s, uint32_t i) {
   ferry_engine *e = s->e;
-  const ferry_backend_ops *o = e->bk->ops;
+  const ferry_backend_ops *o = engine_backend(e)->ops;
   snap_slot *slot = &s->slots[i];
   uint64_t left = s->dev_total - s->issued;
   uint64_t len = left < slot->cap ? left : slot->cap;
@@ -214,14 +215,14 @@ static int issue_batch(ferry_snapshot *s, uint32_t i) {
     }
     uint64_t piece = r->bytes - s->issue_off;
     if (piece > len - off) piece = len - off;
-    rc = o->copy_d2h(e->bk, (char *)slot->buf + off, (const char *)r->dev + s->issue_off,
-                     (size_t)piece, e->d2h);
+    rc = o->copy_d2h(engine_backend(e), (char *)slot->buf + off, (const char *)r->dev + s->issue_off,
+                     (size_t)piece, engine_d2h_stream(e));
     off += piece;
     s->issue_off += piece;
   }
   /* Recorded even after a failed copy: it then covers whatever was issued,
    * so waiting on it makes the buffer safe to give back. */
-  int rc2 = o->event_record(e->bk, slot->ev, e->d2h);
+  int rc2 = o->event_record(engine_backend(e), slot->ev, engine_d2h_stream(e));
   if (!rc) rc = rc2;
   if (rc2 == FERRY_OK) s->last_issued_ev = slot->ev;
   if (rc) return rc;
@@ -255,8 +256,8 @@ static void release_slots(ferry_snapshot *s) {
   for (uint32_t i = 0; i < s->n_slots; i++) {
     snap_slot *slot = &s->slots[i];
     if (!slot->buf) continue;
-    if (slot->ev) e->bk->ops->event_synchronize(e->bk, slot->ev);
-    ferry_arena_free(e->arena, slot->buf, slot->cap);
+    if (slot->ev) engine_backend(e)->ops->event_synchronize(engine_backend(e), slot->ev);
+    ferry_arena_free(engine_arena(e), slot->buf, slot->cap);
     slot->buf = NULL;
   }
 }
@@ -290,12 +291,12 @@ static int next_batch(ferry_snapshot *s, batch_cursor *c) {
   snap_batch b = s->queue[s->q_head];
   s->q_head = (s->q_head + 1) % s->n_slots;
   s->q_count--;
-  int rc = e->bk->ops->event_synchronize(e->bk, s->slots[b.slot].ev);
+  int rc = engine_backend(e)->ops->event_synchronize(engine_backend(e), s->slots[b.slot].ev);
   if (rc) {
     char bk_msg[256];
-    pthread_mutex_lock(&e->lock);
-    snprintf(bk_msg, sizeof bk_msg, "%s", e->bk->err);
-    pthread_mutex_unlock(&e->lock);
+    engine_lock(e);
+    snprintf(bk_msg, sizeof bk_msg, "%s", engine_backend(e)->err);
+    engine_unlock(e);
     return snap_fail(s, rc, "snapshot %s: waiting for a staging copy failed: %s", s->path,
                      bk_msg);
   }
@@ -309,17 +310,17 @@ static int batch_written(ferry_snapshot *s, batch_cursor *c) {
   ferry_engine *e = s->e;
   c->have = 0;
   if (s->issued < s->dev_total) {
-    pthread_mutex_lock(&e->lock);
+    engine_lock(e);
     int rc = issue_batch(s, c->slot);
     char bk_msg[256] = "";
-    if (rc) snprintf(bk_msg, sizeof bk_msg, "%s", e->bk->err);
-    pthread_mutex_unlock(&e->lock);
+    if (rc) snprintf(bk_msg, sizeof bk_msg, "%s", engine_backend(e)->err);
+    engine_unlock(e);
     if (rc)
       return snap_fail(s, rc, "snapshot %s: staging copy failed: %s", s->path, bk_msg);
     return FERRY_OK;
   }
   snap_slot *slot = &s->slots[c->slot];
-  ferry_arena_free(e->arena, slot->buf, slot->cap);
+  ferry_arena_free(engine_arena(e), slot->buf, slot->cap);
   slot->buf = NULL;
   return FERRY_OK;
 }
@@ -486,11 +487,27 @@ oom:
   return NULL;
 }
 
+/* The engine's snapshots not yet freed: registered with the engine as the
+ * data of its shutdown hook (core.h), under the engine lock. */
+typedef struct snapshot_list {
+  ferry_snapshot *head;
+} snapshot_list;
+
+static void snapshot_engine_shutdown(ferry_engine *e, void *ud);
+
 /* Add s to the engine's list unless a snapshot to the same path is still
  * running there: both would write the same temporary file. */
 static int register_snapshot(ferry_engine *e, ferry_snapshot *s) {
-  pthread_mutex_lock(&e->lock);
-  for (ferry_snapshot *o = e->snapshots; o; o = o->next) {
+  engine_lock(e);
+  snapshot_list *l = engine_shutdown_data(e, snapshot_engine_shutdown);
+  if (!l) {
+    if (!(l = calloc(1, sizeof *l)) || engine_on_shutdown(e, snapshot_engine_shutdown, l)) {
+      free(l);
+      engine_unlock(e);
+      return FERRY_ENOMEM;
+    }
+  }
+  for (ferry_snapshot *o = l->head; o; o = o->next) {
     pthread_mutex_lock(&o->mu);
     int busy = !o->done && strcmp(o->path, s->path) == 0;
     pthread_mutex_unlock(&o->mu);
@@ -499,21 +516,22 @@ static int register_snapshot(ferry_engine *e, ferry_snapshot *s) {
                   "ferry_snapshot_start: a snapshot to %s is still in progress; wait for it "
                   "first",
                   s->path);
-      pthread_mutex_unlock(&e->lock);
+      engine_unlock(e);
       return FERRY_ESTATE;
     }
   }
-  s->next = e->snapshots;
-  if (e->snapshots) e->snapshots->prev = s;
-  e->snapshots = s;
-  pthread_mutex_unlock(&e->lock);
+  s->next = l->head;
+  if (l->head) l->head->prev = s;
+  l->head = s;
+  engine_unlock(e);
   return FERRY_OK;
 }
 
 /* Called with the engine lock held. */
 static void unlink_snapshot_locked(ferry_engine *e, ferry_snapshot *s) {
+  snapshot_list *l = engine_shutdown_data(e, snapshot_engine_shutdown);
   if (s->prev) s->prev->next = s->next;
-  else if (e->snapshots == s) e->snapshots = s->next;
+  else if (l && l->head == s) l->head = s->next;
   if (s->next) s->next->prev = s->prev;
   s->prev = s->next = NULL;
 }
@@ -533,10 +551,10 @@ static void abandon(ferry_engine *e, ferry_snapshot *s) {
     close(s->fd);
     unlink(s->tmp_path);
   }
-  pthread_mutex_lock(&e->lock);
+  engine_lock(e);
   put_events_locked(e, s);
   unlink_snapshot_locked(e, s);
-  pthread_mutex_unlock(&e->lock);
+  engine_unlock(e);
   snapshot_free_memory(s);
 }
 
@@ -569,7 +587,7 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
   }
   if (s->dev_total && !s->n_slots) {
     ferry_arena_stats a;
-    ferry_arena_get_stats(e->arena, &a);
+    ferry_arena_get_stats(engine_arena(e), &a);
     uint64_t need = s->dev_total;
     abandon(e, s);
     return start_fail(e, FERRY_ECAP,
@@ -579,19 +597,19 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
                       (unsigned long long)a.reserved, (unsigned long long)a.in_use);
   }
 
-  const ferry_backend_ops *o = e->bk->ops;
-  pthread_mutex_lock(&e->lock);
+  const ferry_backend_ops *o = engine_backend(e)->ops;
+  engine_lock(e);
   for (uint32_t i = 0; i < s->n_slots && !rc; i++) rc = event_get(e, &s->slots[i].ev);
   if (!rc && s->n_slots &&
-      ((rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) ||
-       (rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch))))
+      ((rc = o->event_record(engine_backend(e), engine_scratch_event(e), compute_stream)) ||
+       (rc = o->stream_wait_event(engine_backend(e), engine_d2h_stream(e), engine_scratch_event(e)))))
     engine_fail(e, rc, "ferry_snapshot_start: ordering after the compute stream failed: %s",
-                e->bk->err);
+                engine_backend(e)->err);
   for (uint32_t i = 0; i < s->n_slots && !rc; i++)
     if ((rc = issue_batch(s, i)))
-      engine_fail(e, rc, "ferry_snapshot_start: staging copy failed: %s", e->bk->err);
+      engine_fail(e, rc, "ferry_snapshot_start: staging copy failed: %s", engine_backend(e)->err);
   if (!s->n_slots) stop_issuing(s); /* nothing on the device: no copies */
-  pthread_mutex_unlock(&e->lock);
+  engine_unlock(e);
   if (rc) {
     abandon(e, s);
     return rc;
@@ -626,7 +644,7 @@ int ferry_snapshot_fence(ferry_snapshot *s, void *compute_stream) {
   if (!last || !e) return FERRY_OK; /* nothing on the device, or all done */
   /* The event is the snapshot's until ferry_snapshot_free and is not
    * recorded again after issue_done: no engine lock needed to wait on it. */
-  int rc = e->bk->ops->stream_wait_event(e->bk, compute_stream, last);
+  int rc = engine_backend(e)->ops->stream_wait_event(engine_backend(e), compute_stream, last);
   if (rc) snap_fail(s, rc, "snapshot %s: ordering the compute stream after it failed", s->path);
   return rc;
 }
@@ -671,29 +689,31 @@ void ferry_snapshot_free(ferry_snapshot *s) {
   ferry_engine *e = s->e;
   pthread_mutex_unlock(&s->mu);
   if (e) {
-    pthread_mutex_lock(&e->lock);
+    engine_lock(e);
     put_events_locked(e, s);
     unlink_snapshot_locked(e, s);
-    pthread_mutex_unlock(&e->lock);
+    engine_unlock(e);
   }
   snapshot_free_memory(s);
 }
 
-/* Engine teardown: let every snapshot finish (its file is written), then
- * detach it; the handles stay valid for poll/wait/error/free. */
-void snapshot_engine_shutdown(ferry_engine *e) {
+/* Engine teardown (a shutdown hook): let every snapshot finish (its file is
+ * written), then detach it; the handles stay valid for poll/wait/error/free. */
+static void snapshot_engine_shutdown(ferry_engine *e, void *ud) {
+  snapshot_list *l = ud;
   for (;;) {
-    pthread_mutex_lock(&e->lock);
-    ferry_snapshot *s = e->snapshots;
+    engine_lock(e);
+    ferry_snapshot *s = l->head;
     if (s) unlink_snapshot_locked(e, s);
-    pthread_mutex_unlock(&e->lock);
-    if (!s) return;
+    engine_unlock(e);
+    if (!s) break;
     join_writer(s);
-    pthread_mutex_lock(&e->lock);
+    engine_lock(e);
     put_events_locked(e, s);
-    pthread_mutex_unlock(&e->lock);
+    engine_unlock(e);
     pthread_mutex_lock(&s->mu);
     s->e = NULL;
     pthread_mutex_unlock(&s->mu);
   }
+  free(l);
 }

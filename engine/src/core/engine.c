@@ -160,6 +160,13 @@ static void apply_policy_knobs(ferry_engine *e) {
   if (k.has_max_fwd_stash_bytes) e->max_fwd_stash_bytes = k.max_fwd_stash_bytes;
 }
 
+/* Constructors by ferry_backend_kind (config_load checked the range). */
+static int (*const backend_create[])(const ferry_config *, ferry_backend **, char *, size_t) = {
+    [FERRY_BACKEND_HOST] = ferry_backend_host_create,
+    [FERRY_BACKEND_CUDA] = ferry_backend_cuda_create,
+    [FERRY_BACKEND_SIM] = ferry_backend_sim_create,
+};
+
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf,
                         size_t errlen) {
   if (!out) return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "out is NULL");
@@ -178,11 +185,7 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
   e->phase = FERRY_PHASE_FORWARD;
 
   char msg[512] = "";
-  switch (c.backend) {
-  case FERRY_BACKEND_HOST: rc = ferry_backend_host_create(&c, &e->bk, msg, sizeof msg); break;
-  case FERRY_BACKEND_CUDA: rc = ferry_backend_cuda_create(&c, &e->bk, msg, sizeof msg); break;
-  default: rc = ferry_backend_sim_create(&c, &e->bk, msg, sizeof msg); break;
-  }
+  rc = backend_create[c.backend](&c, &e->bk, msg, sizeof msg);
   if (rc) {
     ferry_errbuf(errbuf, errlen, rc, "backend: %s", msg[0] ? msg : ferry_strerror(rc));
     goto fail;
@@ -193,9 +196,19 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     ferry_errbuf(errbuf, errlen, rc, "backend %s: %s", e->bk->ops->name, e->bk->err);
     goto fail;
   }
-  /* The sim backend's host memory is address space that must never be
-   * touched, and a jemalloc arena writes into its extents: use the pool. */
-  if (c.backend == FERRY_BACKEND_SIM && c.arena == FERRY_ARENA_AUTO) c.arena = FERRY_ARENA_POOL;
+  /* A jemalloc arena writes into its extents: where host memory must not be
+   * touched (sim), only the pool keeps its bookkeeping outside the blocks. */
+  if (e->bk->ops->flags & BK_HOST_MEMORY_OPAQUE) {
+    if (c.arena == FERRY_ARENA_JEMALLOC) {
+      rc = ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
+                        "backend: %s backend: needs the pool arena (config.arena = "
+                        "FERRY_ARENA_POOL): its host memory is address space only and the "
+                        "jemalloc arena may touch it",
+                        e->bk->ops->name);
+      goto fail;
+    }
+    c.arena = FERRY_ARENA_POOL;
+  }
   uint64_t cap = cap_bytes(&c);
   if ((rc = ferry_arena_create(e->bk, c.arena, cap, &e->arena, msg, sizeof msg))) {
     ferry_errbuf(errbuf, errlen, rc, "arena: %s", msg);
@@ -235,7 +248,9 @@ fail:
 void ferry_engine_destroy(ferry_engine *e) {
   if (!e) return;
   registry_remove(e);
-  snapshot_engine_shutdown(e);
+  for (uint32_t i = e->n_shutdown_hooks; i-- > 0;)
+    e->shutdown_hooks[i].fn(e, e->shutdown_hooks[i].ud);
+  free(e->shutdown_hooks);
   if (e->entries || e->fwd) stash_destroy(e);
   trace_close(e);
   if (e->policy) ferry_policy_destroy(e->policy);
@@ -253,6 +268,30 @@ void ferry_engine_destroy(ferry_engine *e) {
   pthread_cond_destroy(&e->reload_done);
   pthread_mutex_destroy(&e->lock);
   free(e);
+}
+
+/* ---- core.h: what sim/ and checkpoint/ use of an engine ---------------- */
+
+void engine_lock(ferry_engine *e) { pthread_mutex_lock(&e->lock); }
+void engine_unlock(ferry_engine *e) { pthread_mutex_unlock(&e->lock); }
+ferry_backend *engine_backend(ferry_engine *e) { return e->bk; }
+ferry_arena *engine_arena(ferry_engine *e) { return e->arena; }
+bk_stream engine_d2h_stream(ferry_engine *e) { return e->d2h; }
+bk_event *engine_scratch_event(ferry_engine *e) { return e->ev_scratch; }
+
+int engine_on_shutdown(ferry_engine *e, engine_shutdown_fn fn, void *ud) {
+  struct shutdown_hook *h =
+      realloc(e->shutdown_hooks, (e->n_shutdown_hooks + 1) * sizeof *e->shutdown_hooks);
+  if (!h) return FERRY_ENOMEM;
+  e->shutdown_hooks = h;
+  h[e->n_shutdown_hooks++] = (struct shutdown_hook){fn, ud};
+  return FERRY_OK;
+}
+
+void *engine_shutdown_data(ferry_engine *e, engine_shutdown_fn fn) {
+  for (uint32_t i = 0; i < e->n_shutdown_hooks; i++)
+    if (e->shutdown_hooks[i].fn == fn) return e->shutdown_hooks[i].ud;
+  return NULL;
 }
 
 const char *ferry_backend_name(ferry_engine *e) {

@@ -14,6 +14,7 @@
 
 #include "arena/arena.h"
 #include "backend/backend.h"
+#include "core/core.h"
 #include "ferry.h"
 #include "util/intern.h"
 #include "policy/policy_host.h"
@@ -126,24 +127,20 @@ struct ferry_engine {
   double trace_t0_us;
   uint64_t trace_seq;
 
-  /* checkpoint staging (snapshot.c): snapshots not yet freed */
-  ferry_snapshot *snapshots;
+  /* hooks of the rooms above the core (core.h), newest last */
+  struct shutdown_hook {
+    engine_shutdown_fn fn;
+    void *ud;
+  } *shutdown_hooks;
+  uint32_t n_shutdown_hooks;
 };
 
-/* engine.c */
-int engine_fail(ferry_engine *e, int code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-int engine_check(ferry_engine *e); /* FERRY_OK if e is a live engine */
-int event_get(ferry_engine *e, bk_event **out);
-void event_put(ferry_engine *e, bk_event *ev);
+/* engine.c (engine_fail, engine_check, event_get/put: core.h) */
 double engine_now_us(void);
 
 /* stash.c */
 int stash_init(ferry_engine *e);
 void stash_destroy(ferry_engine *e); /* waits for copies, releases owners */
-
-/* snapshot.c: waits for every snapshot still writing and detaches it */
-void snapshot_engine_shutdown(ferry_engine *e);
 
 /* trace_recorder.c */
 int trace_open(ferry_engine *e, const char *path);

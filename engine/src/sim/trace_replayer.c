@@ -14,7 +14,7 @@
 
 #include "util/errbuf.h"
 #include "backend/backend_sim.h"
-#include "core/engine_internal.h"
+#include "core/core.h"
 #include "core/names.h"
 #include "sim/trace_replayer.h"
 #include "util/intern.h"
@@ -805,10 +805,8 @@ static int cb_recorded(void *ud, const ferry_tensor_desc *d, const ferry_context
 }
 
 static uint64_t engine_offloaded(ferry_engine *e) {
-  pthread_mutex_lock(&e->lock);
-  uint64_t n = e->stats.tensors_offloaded;
-  pthread_mutex_unlock(&e->lock);
-  return n;
+  ferry_stats st;
+  return ferry_get_stats(e, &st, sizeof st) ? 0 : st.tensors_offloaded;
 }
 
 static double sim_stall(replay *r, double *host_wait) {
@@ -894,7 +892,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   char msg[512] = "";
   int rc = ferry_engine_create(&cfg, &r.e, msg, sizeof msg);
   if (rc) return ferry_errbuf(err, errlen, rc, "%s: %s", out->label, msg);
-  r.sim = host ? NULL : sim_backend_of_engine(r.e);
+  r.sim = host || !sim_backend_is(engine_backend(r.e)) ? NULL : engine_backend(r.e);
   if (r.sim) {
     sim_backend_set_listener(r.sim, on_copy, &r);
     if ((c->duplex_d2h > 0 || c->duplex_h2d > 0) &&
