@@ -67,8 +67,7 @@ static ferry_engine *open_engine(ferry_decide_fn fn, uint32_t stash) {
 }
 
 static ferry_tensor_desc small_desc(void) {
-  ferry_tensor_desc d;
-  memset(&d, 0, sizeof d);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
   d.bytes = 256;
   d.dtype = FERRY_DTYPE_F32;
   d.ndim = 1;

@@ -47,7 +47,7 @@ static void bench_fill(ferry_tensor_desc *d) {
       "model.layers.0.mlp.gate_proj",    "model.layers.0.mlp.up_proj",
       "model.layers.0.mlp.down_proj",    "lm_head"};
   for (int i = 0; i < N_SITES; i++) {
-    memset(&d[i], 0, sizeof d[i]);
+    d[i] = (ferry_tensor_desc)FERRY_TENSOR_DESC_INIT;
     d[i].dtype = FERRY_DTYPE_BF16;
     d[i].kind = FERRY_KIND_ACTIVATION;
     d[i].ndim = 3;

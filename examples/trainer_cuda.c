@@ -215,8 +215,7 @@ static int train_step(trainer *t, ferry_engine *e, int step, unsigned char *host
     /* Save the layer input for backward. ferry takes the trainer's
      * reference to x; `stream` is the stream whose work produced x, so
      * ferry's offload copy is ordered after it. */
-    ferry_tensor_desc d;
-    memset(&d, 0, sizeof d);
+    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
     d.bytes = bytes;
     d.dtype = FERRY_DTYPE_U8;
     d.kind = FERRY_KIND_ACTIVATION;

@@ -112,8 +112,7 @@ static double train_step(model *m, ferry_engine *e, int step, double *compute_s)
     tensor *y = tensor_new(bytes);
     for (size_t i = 0; i < m->n; i++) y->data[i] = tanhf(m->a[l] * x->data[i] + m->b[l]);
     if (e) {
-      ferry_tensor_desc d;
-      memset(&d, 0, sizeof d);
+      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
       d.bytes = bytes;
       d.dtype = FERRY_DTYPE_F32;
       d.kind = FERRY_KIND_ACTIVATION;

@@ -39,8 +39,7 @@ static void write_file(char *path, size_t n, const char *name, const char *text)
 }
 
 static ferry_tensor_desc desc_of(const char *path, const char *cls, int kind, uint64_t bytes) {
-  ferry_tensor_desc d;
-  memset(&d, 0, sizeof d);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
   d.bytes = bytes;
   d.dtype = FERRY_DTYPE_BF16;
   d.kind = kind;

@@ -110,8 +110,7 @@ static uint64_t dev_checksum(const void *dev, size_t bytes) {
 }
 
 static ferry_tensor_desc desc_of(size_t bytes, int layer) {
-  ferry_tensor_desc d;
-  memset(&d, 0, sizeof d);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
   d.bytes = bytes;
   d.dtype = FERRY_DTYPE_U8;
   d.kind = FERRY_KIND_ACTIVATION;

@@ -31,9 +31,6 @@ typedef struct site {
   int64_t shape[4];
 } site;
 
-static const char *const DTYPE_NAMES[FERRY_DTYPE_COUNT_] = {
-    "?", "f32", "f16", "bf16", "f64", "f8e4m3", "f8e5m2", "i64", "i32", "i16", "i8", "u8", "bool"};
-static const int DTYPE_SIZES[FERRY_DTYPE_COUNT_] = {1, 4, 2, 2, 8, 1, 1, 8, 4, 2, 1, 1, 1};
 static const char *const KIND_NAMES[] = {"activation", "parameter", "buffer", "other"};
 
 static void usage(FILE *to) {
@@ -130,7 +127,7 @@ static void site_to_desc(const site *s, const model_shape *m, int phase, ferry_t
     d->shape[i] = s->shape[i];
     elems *= (uint64_t)s->shape[i];
   }
-  d->bytes = elems * (uint64_t)DTYPE_SIZES[s->dtype];
+  d->bytes = elems * (uint64_t)ferry_dtype_size(s->dtype);
   d->dtype = s->dtype;
   d->kind = s->kind;
   d->ndim = s->ndim;
@@ -282,7 +279,7 @@ int ferry_cli_check(int argc, char **argv) {
       printf("  %-8s %-13s %-6s %-10s %-5s %-10s %-24s %s (%s)\n",
              dec.action == FERRY_OFFLOAD ? "offload" : "keep", reload,
              from_cache ? "hit" : dec.cacheable ? "stored" : "-", KIND_NAMES[d.kind & 3],
-             DTYPE_NAMES[d.dtype], human_bytes(d.bytes, bytes, sizeof bytes), shape,
+             ferry_dtype_name(d.dtype), human_bytes(d.bytes, bytes, sizeof bytes), shape,
              d.module_path ? d.module_path : "-", d.module_class ? d.module_class : "-");
     }
     char ob[32];

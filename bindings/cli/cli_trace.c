@@ -135,7 +135,7 @@ static int trace_synth_main(int argc, char **argv) {
     case 't': bad |= num_arg("--tflops", optarg, &m.tflops) != 0; break;
     case 'm': bad |= num_arg("--hbm", optarg, &m.hbm_gbps) != 0; break;
     case 'd':
-      m.dtype = ferry_dtype_parse(optarg);
+      m.dtype = ferry_dtype_from_name(optarg);
       if (m.dtype != FERRY_DTYPE_BF16 && m.dtype != FERRY_DTYPE_F16 && m.dtype != FERRY_DTYPE_F32) {
         fprintf(stderr, "ferry trace synth: --dtype %s: bf16, f16 or f32\n", optarg);
         bad = 1;

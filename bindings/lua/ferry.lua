@@ -76,8 +76,12 @@ local function enum_table(prefix, names)
   for _, n in ipairs(names) do t[n] = tonumber(C[prefix .. n]) end
   return t
 end
-M.dtype = enum_table("FERRY_DTYPE_", { "UNKNOWN", "F32", "F16", "BF16", "F64", "F8E4M3",
-  "F8E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL" })
+-- dtypes as the header's FERRY_DTYPE_LIST expands them into the enum
+local DTYPE_NAMES = {}
+for name in generated.cdef:match("enum ferry_dtype {(.-)}"):gmatch("FERRY_DTYPE_([%w_]+)") do
+  if name ~= "COUNT_" then DTYPE_NAMES[#DTYPE_NAMES + 1] = name end
+end
+M.dtype = enum_table("FERRY_DTYPE_", DTYPE_NAMES)
 M.kind = enum_table("FERRY_KIND_", { "ACTIVATION", "PARAMETER", "BUFFER", "OTHER" })
 M.phase = enum_table("FERRY_PHASE_", { "FORWARD", "RECOMPUTE", "BACKWARD" })
 M.backend = enum_table("FERRY_BACKEND_", { "HOST", "CUDA", "SIM" })
@@ -259,8 +263,6 @@ end
 "BF16"), kind (number or "ACTIVATION"...), shape (list; default { bytes /
 element size }), flags, layer (-1), layer_count (0), phase (number or
 "FORWARD"...), path, class (interned through the engine).]]
-local ELEMENT_BYTES = { F32 = 4, F16 = 2, BF16 = 2, F64 = 8, F8E4M3 = 1, F8E5M2 = 1,
-  I64 = 8, I32 = 4, I16 = 2, I8 = 1, U8 = 1, BOOL = 1 }
 function Engine:desc(o)
   local d = ffi.new("ferry_tensor_desc")
   d.bytes = o.bytes or 0
@@ -272,9 +274,7 @@ function Engine:desc(o)
   d.layer_count = o.layer_count or 0
   local shape = o.shape
   if not shape then
-    local name
-    for k, v in pairs(M.dtype) do if v == d.dtype then name = k end end
-    local size = ELEMENT_BYTES[name] or 1
+    local size = math.max(C.ferry_dtype_size(d.dtype), 1)
     shape = { math.floor(tonumber(d.bytes) / size) }
   end
   d.ndim = #shape

@@ -10,6 +10,9 @@ const char *ferry_strerror(int code);
 const char *ferry_err_name(int code);
 typedef enum ferry_dtype {
 FERRY_DTYPE_UNKNOWN = 0, FERRY_DTYPE_F32, FERRY_DTYPE_F16, FERRY_DTYPE_BF16, FERRY_DTYPE_F64, FERRY_DTYPE_F8E4M3, FERRY_DTYPE_F8E5M2, FERRY_DTYPE_I64, FERRY_DTYPE_I32, FERRY_DTYPE_I16, FERRY_DTYPE_I8, FERRY_DTYPE_U8, FERRY_DTYPE_BOOL, FERRY_DTYPE_COUNT_}ferry_dtype;
+const char *ferry_dtype_name(int dtype);
+int ferry_dtype_size(int dtype);
+int ferry_dtype_from_name(const char *name);
 typedef enum ferry_kind {
 FERRY_KIND_ACTIVATION = 0, FERRY_KIND_PARAMETER = 1, FERRY_KIND_BUFFER = 2, FERRY_KIND_OTHER = 3}ferry_kind;
 typedef enum ferry_phase {

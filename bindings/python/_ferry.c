@@ -127,19 +127,11 @@ typedef struct dtype_info {
 static dtype_info dtypes[MAX_DTYPES];
 static int n_dtypes;
 
+/* "torch.bfloat16" -> FERRY_DTYPE_BF16, by the table in ferry.h. */
 static int32_t ferry_dtype_of_name(const char *name) {
-  static const struct {
-    const char *name;
-    int32_t code;
-  } map[] = {{"torch.float32", FERRY_DTYPE_F32},      {"torch.float16", FERRY_DTYPE_F16},
-             {"torch.bfloat16", FERRY_DTYPE_BF16},    {"torch.float64", FERRY_DTYPE_F64},
-             {"torch.float8_e4m3fn", FERRY_DTYPE_F8E4M3}, {"torch.float8_e5m2", FERRY_DTYPE_F8E5M2},
-             {"torch.int64", FERRY_DTYPE_I64},        {"torch.int32", FERRY_DTYPE_I32},
-             {"torch.int16", FERRY_DTYPE_I16},        {"torch.int8", FERRY_DTYPE_I8},
-             {"torch.uint8", FERRY_DTYPE_U8},         {"torch.bool", FERRY_DTYPE_BOOL}};
-  for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
-    if (!strcmp(name, map[i].name)) return map[i].code;
-  return FERRY_DTYPE_UNKNOWN;
+  if (strncmp(name, "torch.", 6) != 0) return FERRY_DTYPE_UNKNOWN;
+  int d = ferry_dtype_from_name(name + 6);
+  return d > 0 ? d : FERRY_DTYPE_UNKNOWN;
 }
 
 /* Returns the entry for dtype, adding it on first sight; NULL with an
@@ -1321,8 +1313,7 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
     Py_DECREF(ty);
     if (!cpu) return keep_with(eng, t, KEEP_DEVICE);
   }
-  ferry_tensor_desc d;
-  memset(&d, 0, sizeof d);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
   int64_t strides[FERRY_MAX_DIMS];
   int32_t nstrides = 0;
   v = PyObject_GetAttr(t, s_shape);

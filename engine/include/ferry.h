@@ -80,14 +80,38 @@ FERRY_API const char *ferry_err_name(int code);
 /* ---- tensors ------------------------------------------------------------ */
 #define FERRY_MAX_DIMS 8
 
+/* Every dtype, once: X(ENUM, name, bytes per element, torch name, numpy
+ * char). The enum, the names in traces and reports, the LuaJIT cdef, the
+ * Python binding and the docs all come from this list; "" where numpy has
+ * no such type. */
+#define FERRY_DTYPE_LIST(X)                       \
+  X(F32, "f32", 4, "float32", "f")                \
+  X(F16, "f16", 2, "float16", "e")                \
+  X(BF16, "bf16", 2, "bfloat16", "")              \
+  X(F64, "f64", 8, "float64", "d")                \
+  X(F8E4M3, "f8e4m3", 1, "float8_e4m3fn", "")     \
+  X(F8E5M2, "f8e5m2", 1, "float8_e5m2", "")       \
+  X(I64, "i64", 8, "int64", "q")                  \
+  X(I32, "i32", 4, "int32", "i")                  \
+  X(I16, "i16", 2, "int16", "h")                  \
+  X(I8, "i8", 1, "int8", "b")                     \
+  X(U8, "u8", 1, "uint8", "B")                    \
+  X(BOOL, "bool", 1, "bool", "?")
+
+#define FERRY_DTYPE_ENUM_(e, name, bytes, torch, np) FERRY_DTYPE_##e,
 typedef enum ferry_dtype {
   FERRY_DTYPE_UNKNOWN = 0,
-  FERRY_DTYPE_F32, FERRY_DTYPE_F16, FERRY_DTYPE_BF16, FERRY_DTYPE_F64,
-  FERRY_DTYPE_F8E4M3, FERRY_DTYPE_F8E5M2,
-  FERRY_DTYPE_I64, FERRY_DTYPE_I32, FERRY_DTYPE_I16, FERRY_DTYPE_I8,
-  FERRY_DTYPE_U8, FERRY_DTYPE_BOOL,
+  FERRY_DTYPE_LIST(FERRY_DTYPE_ENUM_)
   FERRY_DTYPE_COUNT_
 } ferry_dtype;
+#undef FERRY_DTYPE_ENUM_
+
+/* "bf16" for FERRY_DTYPE_BF16, "unknown" for anything else; never NULL. */
+FERRY_API const char *ferry_dtype_name(int dtype);
+/* Bytes per element, 0 for FERRY_DTYPE_UNKNOWN or out of range. */
+FERRY_API int ferry_dtype_size(int dtype);
+/* The dtype named "bf16" (or torch's "bfloat16"), -1 if none is. */
+FERRY_API int ferry_dtype_from_name(const char *name);
 
 typedef enum ferry_kind {
   FERRY_KIND_ACTIVATION = 0,
@@ -127,6 +151,10 @@ typedef struct ferry_tensor_desc {
   const char *module_path;  /* "model.layers.3.mlp.up_proj", or NULL */
   const char *module_class; /* "Linear", or NULL */
 } ferry_tensor_desc;
+
+/* A descriptor of which nothing is known yet: no layer (-1), no layer count,
+ * forward phase. Start from this, not from memset: zero would mean layer 0. */
+#define FERRY_TENSOR_DESC_INIT {.layer = -1}
 
 /* ---- decisions ---------------------------------------------------------- */
 typedef enum ferry_action {

@@ -690,8 +690,7 @@ TEST(cuda_engine_round_trip_over_double) {
     CHECK(want[i]);
     for (size_t k = 0; k < SZ; k++) want[i][k] = (unsigned char)(k * 13 + (size_t)i);
     test_dev_write(b->ptr, want[i], SZ);
-    ferry_tensor_desc d;
-    memset(&d, 0, sizeof d);
+    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
     d.bytes = SZ;
     d.dtype = FERRY_DTYPE_U8;
     d.ndim = 1;

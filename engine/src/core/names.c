@@ -5,19 +5,13 @@
 
 #include "ferry.h"
 
+#define NAME_(e, name, bytes, torch, np) [FERRY_DTYPE_##e] = name,
+#define SIZE_(e, name, bytes, torch, np) [FERRY_DTYPE_##e] = bytes,
+#define TORCH_(e, name, bytes, torch, np) [FERRY_DTYPE_##e] = torch,
 static const char *const dtype_names[FERRY_DTYPE_COUNT_] = {
-    [FERRY_DTYPE_UNKNOWN] = "unknown", [FERRY_DTYPE_F32] = "f32",
-    [FERRY_DTYPE_F16] = "f16",         [FERRY_DTYPE_BF16] = "bf16",
-    [FERRY_DTYPE_F64] = "f64",         [FERRY_DTYPE_F8E4M3] = "f8e4m3",
-    [FERRY_DTYPE_F8E5M2] = "f8e5m2",   [FERRY_DTYPE_I64] = "i64",
-    [FERRY_DTYPE_I32] = "i32",         [FERRY_DTYPE_I16] = "i16",
-    [FERRY_DTYPE_I8] = "i8",           [FERRY_DTYPE_U8] = "u8",
-    [FERRY_DTYPE_BOOL] = "bool"};
-static const int dtype_sizes[FERRY_DTYPE_COUNT_] = {
-    [FERRY_DTYPE_F32] = 4, [FERRY_DTYPE_F16] = 2,    [FERRY_DTYPE_BF16] = 2,
-    [FERRY_DTYPE_F64] = 8, [FERRY_DTYPE_F8E4M3] = 1, [FERRY_DTYPE_F8E5M2] = 1,
-    [FERRY_DTYPE_I64] = 8, [FERRY_DTYPE_I32] = 4,    [FERRY_DTYPE_I16] = 2,
-    [FERRY_DTYPE_I8] = 1,  [FERRY_DTYPE_U8] = 1,     [FERRY_DTYPE_BOOL] = 1};
+    [FERRY_DTYPE_UNKNOWN] = "unknown", FERRY_DTYPE_LIST(NAME_)};
+static const int dtype_sizes[FERRY_DTYPE_COUNT_] = {FERRY_DTYPE_LIST(SIZE_)};
+static const char *const dtype_torch_names[FERRY_DTYPE_COUNT_] = {FERRY_DTYPE_LIST(TORCH_)};
 static const char *const kind_names[] = {"activation", "parameter", "buffer", "other"};
 static const char *const phase_names[] = {"forward", "recompute", "backward"};
 
@@ -31,7 +25,10 @@ static int parse(const char *const *names, int n, const char *s) {
 const char *ferry_dtype_name(int d) {
   return d >= 0 && d < FERRY_DTYPE_COUNT_ ? dtype_names[d] : "unknown";
 }
-int ferry_dtype_parse(const char *s) { return parse(dtype_names, FERRY_DTYPE_COUNT_, s); }
+int ferry_dtype_from_name(const char *s) {
+  int d = parse(dtype_names, FERRY_DTYPE_COUNT_, s);
+  return d >= 0 ? d : parse(dtype_torch_names, FERRY_DTYPE_COUNT_, s);
+}
 int ferry_dtype_size(int d) { return d >= 0 && d < FERRY_DTYPE_COUNT_ ? dtype_sizes[d] : 0; }
 const char *ferry_kind_name(int k) { return k >= 0 && k < 4 ? kind_names[k] : "other"; }
 int ferry_kind_parse(const char *s) { return parse(kind_names, 4, s); }

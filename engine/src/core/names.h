@@ -3,9 +3,7 @@
 #ifndef FERRY_NAMES_H
 #define FERRY_NAMES_H
 
-const char *ferry_dtype_name(int dtype); /* "bf16" */
-int ferry_dtype_parse(const char *s);
-int ferry_dtype_size(int dtype); /* bytes per element, 0 if unknown */
+/* dtypes: ferry_dtype_name, ferry_dtype_size, ferry_dtype_from_name (ferry.h) */
 const char *ferry_kind_name(int kind); /* "activation" */
 int ferry_kind_parse(const char *s);
 const char *ferry_phase_name(int phase); /* "forward" */

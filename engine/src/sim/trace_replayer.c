@@ -209,10 +209,9 @@ static int parse_pack(reader *r, const cJSON *o, double gap) {
     return rc;
   if ((rc = get_str(r, o, "module", 0, &module)) < 0 || (rc = get_str(r, o, "class", 0, &cls)) < 0)
     return rc;
-  ferry_tensor_desc d;
-  memset(&d, 0, sizeof d);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
   d.bytes = (uint64_t)bytes;
-  if ((d.dtype = ferry_dtype_parse(dtype)) < 0) return rd_fail(r, "unknown dtype \"%s\"", dtype);
+  if ((d.dtype = ferry_dtype_from_name(dtype)) < 0) return rd_fail(r, "unknown dtype \"%s\"", dtype);
   if ((d.kind = ferry_kind_parse(kind)) < 0) return rd_fail(r, "unknown kind \"%s\"", kind);
   if ((d.phase = ferry_phase_parse(phase)) < 0) return rd_fail(r, "unknown phase \"%s\"", phase);
   uint8_t dec;
