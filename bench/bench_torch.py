@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-saved-tensor cost of ferry's PyTorch hooks (FACTS.md micro-benchmark).
+"""Per-saved-tensor cost of ferry's PyTorch hooks (docs/hardware.md micro-benchmark).
 
 2000 chained multiplies of a 16-element tensor, y = y * w, forward and
 backward: 4000 saved tensors per run (each multiply saves y and w). Modes,

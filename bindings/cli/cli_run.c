@@ -6,7 +6,7 @@
  *             [--backend host|cuda|auto] [--dry-run] -- CMD [ARGS...]
  *
  * Why preload: libferry does not link jemalloc; its pinned arena uses
- * jemalloc only when jemalloc is already the process's allocator (FACTS.md:
+ * jemalloc only when jemalloc is already the process's allocator (docs/hardware.md:
  * a Python process cannot dlopen Debian's libjemalloc, whose TLS is
  * initial-exec). LD_PRELOAD at process start is the one way in.
  *

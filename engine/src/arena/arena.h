@@ -3,12 +3,12 @@
  *
  * All offloaded bytes live here. Memory is obtained from the backend's
  * pinned allocator only, never returned to it before the arena is destroyed
- * (pinning is expensive: FACTS.md), and never beyond the hard cap.
+ * (pinning is expensive: docs/hardware.md), and never beyond the hard cap.
  * Two implementations behind one interface:
  *   - jemalloc: a dedicated arena (arenas.create with extent hooks that call
  *     the backend), used when jemalloc is the process's allocator; its
  *     symbols are looked up at run time so libferry never links jemalloc
- *     (a Python process cannot dlopen it: FACTS.md);
+ *     (a Python process cannot dlopen it: docs/hardware.md);
  *   - pool: ferry's own size-class free lists over the same backend calls.
  * Thread-safe: pack and unpack come from different threads.
  */

@@ -4,7 +4,7 @@
  * A dedicated jemalloc arena whose extent hooks get memory from the backend
  * (through arena.c's ledger, which enforces the cap). libferry never links
  * jemalloc: a Python process cannot dlopen a library linked to Debian's
- * libjemalloc (initial-exec TLS, FACTS.md). The API is looked up with
+ * libjemalloc (initial-exec TLS, docs/hardware.md). The API is looked up with
  * dlsym(RTLD_DEFAULT) and used only when jemalloc is already the process's
  * allocator (linked by the program, or LD_PRELOADed). <jemalloc/jemalloc.h>
  * is included for its types and flag macros only.

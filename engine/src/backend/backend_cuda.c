@@ -55,7 +55,7 @@
  * How pinned memory is obtained.
  *
  * PIN_REGISTER (the default): mmap, touch every page, cudaHostRegister. It is
- * 3-4x faster to obtain than cudaHostAlloc (FACTS.md: cudaHostAlloc costs
+ * 3-4x faster to obtain than cudaHostAlloc (docs/hardware.md: cudaHostAlloc costs
  * 0.25-0.5 s per GiB), the alignment is exact (the mapping is trimmed to the
  * aligned span, nothing wasted), and freeing is cudaHostUnregister + munmap.
  * The pages are touched before registering so the kernel populates them
