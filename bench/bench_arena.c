@@ -20,7 +20,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "arena/arena.h"
+#include "ferry_tools.h"
 #include "bench.h"
 
 #define BENCH_TENSORS 300

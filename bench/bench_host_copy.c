@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/backend.h"
+#include "ferry_tools.h"
 #include "bench.h"
 
 static int cmp_double(const void *a, const void *b) {

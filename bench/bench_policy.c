@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "bench.h"
-#include "policy/policy_host.h"
+#include "ferry_tools.h"
 
 /* The same rules as default.lua, written out, when it cannot be found. */
 static const char INLINE_DEFAULT[] =

@@ -10,9 +10,7 @@
 #include <string.h>
 
 #include "bench.h"
-#include "sim/sim_report.h"
-#include "sim/trace_replayer.h"
-#include "sim/trace_synth.h"
+#include "ferry_tools.h"
 
 void bench_sim(bench_report *r);
 

@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <sys/mman.h>
 
-#include "arena/arena.h"
+#include "ferry_tools.h"
 #include "test.h"
 
 /* ---- counting backend ----------------------------------------------------- */

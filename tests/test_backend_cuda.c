@@ -10,7 +10,7 @@
  * under injected failures are in tests/cuda_double/test_cuda_double.c. */
 #include <stdint.h>
 
-#include "backend/backend.h"
+#include "ferry_tools.h"
 #include "test.h"
 #include "test_device.h"
 

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <time.h>
 
-#include "backend/backend.h"
+#include "ferry_tools.h"
 #include "test.h"
 
 static double mono_s(void) {

@@ -8,7 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "policy/policy_host.h"
+#include "ferry_tools.h"
 #include "test.h"
 
 /* ---- helpers ------------------------------------------------------------ */

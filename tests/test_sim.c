@@ -8,14 +8,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend/backend_sim.h"
+#include "ferry_tools.h"
 #include "test_device.h"
-#include "sim/sim_report.h"
 #include <valgrind/valgrind.h>
 
 #include "test.h"
-#include "sim/trace_replayer.h"
-#include "sim/trace_synth.h"
 
 #define CHECK_NEAR(a, b, tol)                                                          \
   do {                                                                                 \

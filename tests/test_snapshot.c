@@ -17,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "checkpoint/zip_writer.h"
+#include "ferry_tools.h"
 #include "test.h"
 #include "test_device.h"
 

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "ferry.h"
-#include "policy/policy_host.h"
+#include "ferry_tools.h"
 
 int ferry_cli_check(int argc, char **argv);
 

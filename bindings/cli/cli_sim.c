@@ -11,9 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "sim/sim_report.h"
-#include "sim/trace_replayer.h"
-#include "sim/trace_synth.h"
+#include "ferry_tools.h"
 
 #define MAX_RUNS 256
 

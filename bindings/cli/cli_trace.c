@@ -9,8 +9,7 @@
 #include <string.h>
 
 #include "ferry.h"
-#include "core/names.h"
-#include "sim/trace_synth.h"
+#include "ferry_tools.h"
 
 static void synth_usage(FILE *f) {
   fprintf(f,

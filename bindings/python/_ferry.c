@@ -42,7 +42,7 @@
 #include <unistd.h>
 
 #include "ferry.h"
-#include "policy/policy_host.h" /* snapshot(e) of policies: SnapshotPolicy */
+#include "ferry_tools.h" /* snapshot(e) of policies: SnapshotPolicy */
 
 /* ---- torch objects, looked up on first engine creation --------------------
  * `import ferry` must work without torch, so nothing here is touched at

@@ -9,7 +9,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#include "backend/backend.h"
+#include "ferry_tools.h"
 #include "cuda_double.h"
 #include "test.h"
 #include "test_device.h"

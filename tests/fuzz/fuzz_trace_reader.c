@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "sim/trace_replayer.h"
+#include "ferry_tools.h"
 
 int fuzz_trace_reader_one(const uint8_t *data, size_t size);
 

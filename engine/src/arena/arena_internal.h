@@ -11,7 +11,7 @@
 
 #include <pthread.h>
 
-#include "arena/arena.h"
+#include "ferry_tools.h"
 
 /* Under AddressSanitizer the pool marks free and slack bytes of pinned
  * chunks unaddressable, so the engine's out-of-bounds or use-after-free

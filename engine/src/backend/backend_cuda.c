@@ -44,7 +44,7 @@
 #include <unistd.h>
 
 #include "util/errbuf.h"
-#include "backend/backend.h"
+#include "ferry_tools.h"
 
 #define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)

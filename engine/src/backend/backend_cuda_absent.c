@@ -4,7 +4,7 @@
  */
 #include <stdio.h>
 
-#include "backend/backend.h"
+#include "ferry_tools.h"
 
 int ferry_backend_cuda_create(const ferry_config *cfg, ferry_backend **out,
                               char *errbuf, size_t errlen) {

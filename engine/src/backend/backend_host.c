@@ -57,7 +57,7 @@
 #include <unistd.h>
 
 #include "util/errbuf.h"
-#include "backend/backend.h"
+#include "ferry_tools.h"
 
 /* Operations a stream can hold before a producer blocks (CUDA's launch queue
  * holds about a thousand). */

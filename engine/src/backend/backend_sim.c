@@ -25,7 +25,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "backend/backend_sim.h"
+#include "ferry_tools.h"
 
 #define SIM_MAX_ALIGNMENT ((size_t)2 << 20)
 #define SIM_EVENT_MAGIC 0x7369656du /* "siem" */

@@ -46,7 +46,7 @@
 #include <unistd.h>
 
 #include "core/core.h"
-#include "checkpoint/zip_writer.h"
+#include "ferry_tools.h"
 
 #define SNAP_CHUNK_MAX ((size_t)16 << 20) /* largest staging buffer */
 #define SNAP_CHUNK_MIN ((size_t)256 << 10) /* smallest, unless the state is smaller */

@@ -4,7 +4,7 @@
  * header, 4.3.12 central directory header, 4.3.14-16 end records, 4.5.3
  * ZIP64 extra field). All integers are little-endian.
  */
-#include "checkpoint/zip_writer.h"
+#include "ferry_tools.h"
 
 #include <errno.h>
 #include <stdatomic.h>

@@ -6,8 +6,7 @@
 #ifndef FERRY_CORE_H
 #define FERRY_CORE_H
 
-#include "arena/arena.h"
-#include "backend/backend.h"
+#include "ferry_tools.h"
 #include "ferry.h"
 
 int engine_check(ferry_engine *e); /* FERRY_OK if e is a live engine */

@@ -12,12 +12,10 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "arena/arena.h"
-#include "backend/backend.h"
+#include "ferry_tools.h"
 #include "core/core.h"
 #include "ferry.h"
 #include "util/intern.h"
-#include "policy/policy_host.h"
 
 /* Where a saved tensor is. */
 typedef enum entry_state {

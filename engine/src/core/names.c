@@ -1,5 +1,5 @@
 /* names.c — see names.h. */
-#include "core/names.h"
+#include "ferry_tools.h"
 
 #include <string.h>
 

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "core/engine_internal.h"
-#include "core/names.h"
+#include "ferry_tools.h"
 
 #define TRACE_FORMAT_VERSION 1
 

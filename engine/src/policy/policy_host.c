@@ -31,7 +31,7 @@
  * nesting limit: gsub keeps an 8 KiB buffer on the C stack per level and
  * recursing through it would overflow the C stack before the Lua stack.
  */
-#include "policy/policy_host.h"
+#include "ferry_tools.h"
 
 #include <errno.h>
 #include <inttypes.h>

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "sim/sim_report.h"
+#include "ferry_tools.h"
 
 #define GB 1e9
 #define GIB 1073741824.0

@@ -13,10 +13,8 @@
 #include <time.h>
 
 #include "util/errbuf.h"
-#include "backend/backend_sim.h"
+#include "ferry_tools.h"
 #include "core/core.h"
-#include "core/names.h"
-#include "sim/trace_replayer.h"
 #include "util/intern.h"
 
 #define MAX_TENSOR_BYTES (1ull << 50) /* the engine's own bound (stash.c) */

@@ -14,8 +14,7 @@
 #include <string.h>
 
 #include "ferry.h"
-#include "core/names.h"
-#include "sim/trace_synth.h"
+#include "ferry_tools.h"
 
 #define MAX_SAVES 6
 #define MAX_OPS 24

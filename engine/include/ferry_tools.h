@@ -1,0 +1,520 @@
+/*
+ * ferry_tools.h — what ferry's own tools use of the engine beyond ferry.h:
+ * the CLI, the Python extension, the LuaJIT module, the benchmarks and the
+ * tests. Installed, but not a stable API: it changes with any release and
+ * carries no ABI promise. Embedders use ferry.h alone.
+ */
+#ifndef FERRY_TOOLS_H
+#define FERRY_TOOLS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "ferry.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- enum names as traces, reports and policies write them */
+
+/* "activation", "forward"; parsing returns -1 for an unknown name. */
+FERRY_API const char *ferry_kind_name(int kind);
+FERRY_API int ferry_kind_parse(const char *s);
+FERRY_API const char *ferry_phase_name(int phase);
+FERRY_API int ferry_phase_parse(const char *s);
+
+
+/* ---- the policy host: Lua policies (policy API v1) in a sandboxed LuaJIT state, one state per policy; a fault never propagates (the answer becomes FERRY_KEEP, counted, with "file:line: message")
+ */
+
+#define FERRY_POLICY_API_VERSION 1
+
+typedef struct ferry_policy ferry_policy;
+
+/* Engine knobs a policy may set at load (policy.knobs); a field is applied
+ * only when its has_ flag is set. Validated at load. */
+typedef struct ferry_policy_knobs {
+  int has_max_fwd_stash, has_prefetch_distance, has_min_offload_bytes;
+  int has_max_fwd_stash_bytes;
+  uint32_t max_fwd_stash;
+  uint32_t prefetch_distance;
+  uint64_t min_offload_bytes;
+  uint64_t max_fwd_stash_bytes;
+} ferry_policy_knobs;
+
+typedef struct ferry_policy_stats {
+  uint64_t calls;      /* decide calls that ran Lua */
+  uint64_t cache_hits; /* decide calls answered from the site cache */
+  uint64_t errors;     /* faults: errors, timeouts, memory, nonsense */
+  int disabled;        /* error budget exhausted: everything kept */
+} ferry_policy_stats;
+
+/* Load from a file (path) or from source text (path NULL; chunk name
+ * "=policy"). trusted allows the FFI. On failure returns FERRY_EPOLICY and
+ * writes "file:line: message" into errbuf. */
+FERRY_API int ferry_policy_create(const char *path, const char *source, int trusted,
+                        ferry_policy **out, char *errbuf, size_t errlen);
+FERRY_API void ferry_policy_destroy(ferry_policy *p);
+FERRY_API const char *ferry_policy_name(const ferry_policy *p);
+FERRY_API void ferry_policy_get_knobs(const ferry_policy *p, ferry_policy_knobs *out);
+
+/* Decide for one tensor. Never fails: any fault gives FERRY_KEEP. */
+FERRY_API void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc,
+                         const ferry_context *ctx, ferry_decision *out);
+/* Called by the engine at each step begin (cache epochs, ctx sampling). */
+FERRY_API void ferry_policy_step_begin(ferry_policy *p, uint64_t step);
+
+FERRY_API void ferry_policy_get_stats(const ferry_policy *p, ferry_policy_stats *out);
+/* Last fault as "file:line: message", "" if none. */
+FERRY_API const char *ferry_policy_last_error(const ferry_policy *p);
+
+/* ---- checkpoint snapshots -------------------------------------------------
+ * A policy may have a `snapshot(e)` function beside `decide`: called once
+ * per tensor of a checkpoint (ferry.torch.snapshot) with a Lua table
+ * e = { key, path, bytes, index, dtype, device }, it answers
+ *   stage [, order]
+ * stage: true (or nil) = staged through the pinned arena while training goes
+ * on; false = copied by the caller when the snapshot starts (torch.save's
+ * way). order: a number; entries are written in ascending order, ties in
+ * traversal order (nil = index). Without the function every entry is
+ * staged in traversal order. A fault or a nonsense answer stages the entry
+ * in traversal order (nothing is ever left out), counted like decide's. */
+typedef struct ferry_snapshot_entry {
+  const char *key;   /* top-level key of the checkpoint ("state_dict"), "" if none */
+  const char *path;  /* dotted path from the top: "optimizer_states.0.state.3.exp_avg" */
+  uint64_t bytes;
+  int32_t index;     /* position in traversal order, from 0 */
+  int32_t dtype;     /* ferry_dtype */
+  int32_t on_device; /* 1: device memory; 0: already in host memory */
+} ferry_snapshot_entry;
+
+typedef struct ferry_snapshot_choice {
+  int stage;    /* 1: stage through the arena; 0: copy when the snapshot starts */
+  double order; /* ascending write order */
+} ferry_snapshot_choice;
+
+/* Whether the policy defines snapshot(e). */
+FERRY_API int ferry_policy_has_snapshot(const ferry_policy *p);
+/* Decide for one checkpoint entry. Never fails (see above). */
+FERRY_API void ferry_policy_snapshot(ferry_policy *p, const ferry_snapshot_entry *e,
+                           ferry_snapshot_choice *out);
+
+
+/* ---- backends: the interface every backend (host, cuda, sim) implements.
+ * The semantics are CUDA's, so the cuda backend is a thin mapping:
+ *   - a stream runs its operations in order; different streams are unordered
+ *     unless one waits on an event;
+ *   - event_record captures the work enqueued on the stream so far; an event
+ *     never recorded counts as complete (cudaEventQuery semantics);
+ *   - copies are asynchronous: the source stays valid and the destination
+ *     untouched until an event recorded after the copy has completed;
+ *   - external streams (the embedder's compute stream; NULL is the default
+ *     one) are never created or destroyed by the engine.
+ * Every function returns 0 or a negative FERRY_E* code and writes a message
+ * into the backend's err buffer on failure. */
+
+typedef struct ferry_backend ferry_backend;
+typedef void *bk_stream; /* backend-defined; external streams pass through */
+typedef struct bk_event bk_event;
+
+/* ferry_backend_ops.flags */
+enum {
+  /* host_alloc hands out address space that must never be touched (sim):
+   * the arena keeps its bookkeeping outside the blocks */
+  BK_HOST_MEMORY_OPAQUE = 1u << 0,
+};
+
+typedef struct ferry_backend_ops {
+  const char *name;
+  unsigned flags;
+  void (*destroy)(ferry_backend *b);
+
+  /* Page-locked host memory. alignment is a power of two <= 2 MiB. Must
+   * come from the OS or the driver (mmap, cudaHostAlloc), never from malloc:
+   * the arena may hand it to a jemalloc arena, and heap pages there corrupt
+   * the process allocator. */
+  int (*host_alloc)(ferry_backend *b, size_t bytes, size_t alignment, void **out);
+  int (*host_free)(ferry_backend *b, void *p, size_t bytes);
+
+  /* Engine-owned streams. */
+  int (*stream_create)(ferry_backend *b, bk_stream *out);
+  int (*stream_destroy)(ferry_backend *b, bk_stream s);
+
+  /* Asynchronous copies on an engine-owned stream. */
+  int (*copy_d2h)(ferry_backend *b, void *dst_host, const void *src_dev,
+                  size_t bytes, bk_stream s);
+  int (*copy_h2d)(ferry_backend *b, void *dst_dev, const void *src_host,
+                  size_t bytes, bk_stream s);
+
+  int (*event_create)(ferry_backend *b, bk_event **out);
+  int (*event_destroy)(ferry_backend *b, bk_event *ev);
+  /* s may be an engine stream or an external one (NULL included). */
+  int (*event_record)(ferry_backend *b, bk_event *ev, bk_stream s);
+  /* 1 = complete, 0 = not yet, negative = error. */
+  int (*event_query)(ferry_backend *b, bk_event *ev);
+  int (*event_synchronize)(ferry_backend *b, bk_event *ev);
+  /* Work enqueued on s after this call waits for ev. s may be external. */
+  int (*stream_wait_event)(ferry_backend *b, bk_stream s, bk_event *ev);
+} ferry_backend_ops;
+
+struct ferry_backend {
+  const ferry_backend_ops *ops;
+  char err[256]; /* message of the last failure */
+};
+
+/* Constructors. cfg is the engine's config (link model, device). On failure
+ * they return a negative code and write a message into errbuf. */
+FERRY_API int ferry_backend_host_create(const ferry_config *cfg, ferry_backend **out,
+                              char *errbuf, size_t errlen);
+FERRY_API int ferry_backend_cuda_create(const ferry_config *cfg, ferry_backend **out,
+                              char *errbuf, size_t errlen);
+FERRY_API int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **out,
+                             char *errbuf, size_t errlen);
+
+
+/* ---- the sim backend's virtual clock, stall counters and copy listener (docs/simulator.md)
+ */
+
+typedef struct sim_backend_stats {
+  double now_us;        /* the compute clock */
+  double stall_us;      /* compute stream waited on a copy (reload not ready) */
+  double host_wait_us;  /* the host waited on an event (stash bound, step end) */
+  double busy_us[2];    /* time with a copy in progress, [0] D2H, [1] H2D */
+  uint64_t copies[2];   /* copies finished, per direction */
+  uint64_t bytes[2];    /* bytes of the finished copies */
+  uint64_t host_reserved_bytes; /* address space handed out by host_alloc */
+} sim_backend_stats;
+
+/* dir: 0 = D2H, 1 = H2D; times in µs of the virtual clock. */
+typedef void (*sim_copy_listener)(void *ud, int dir, double start_us, double end_us,
+                                  uint64_t bytes);
+
+/* Whether b is a sim backend (an engine's: engine_backend in core.h). */
+FERRY_API int sim_backend_is(const ferry_backend *b);
+
+/* The embedder's thread computes for us µs (us >= 0). */
+FERRY_API void sim_backend_advance(ferry_backend *b, double us);
+FERRY_API double sim_backend_now(ferry_backend *b);
+/* Runs the link up to now, so that copies finished by now are counted. */
+FERRY_API void sim_backend_get_stats(ferry_backend *b, sim_backend_stats *out);
+FERRY_API void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, void *ud);
+/* Direction-dependent duplex (links where one direction suffers more when
+ * both run, e.g. A100: H2D drops to ~48%, D2H to ~96%). */
+FERRY_API int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d);
+
+
+/* ---- the pinned host arena: jemalloc or pool kind, hard cap, thread-safe
+ */
+
+typedef struct ferry_arena ferry_arena;
+
+typedef struct ferry_arena_stats {
+  uint64_t in_use;         /* bytes handed out by arena_alloc, as requested */
+  uint64_t peak;           /* max of in_use */
+  uint64_t reserved;       /* bytes obtained from the backend and held */
+  uint64_t cap;            /* 0 = none */
+  uint64_t backend_allocs; /* calls to the backend's host_alloc */
+  uint64_t cap_refusals;   /* arena_alloc calls refused by the cap */
+} ferry_arena_stats;
+
+/* kind: ferry_arena_kind. cap_bytes 0 = no cap. */
+FERRY_API int ferry_arena_create(ferry_backend *bk, int kind, uint64_t cap_bytes,
+                       ferry_arena **out, char *errbuf, size_t errlen);
+FERRY_API void ferry_arena_destroy(ferry_arena *a);
+/* A shared budget consulted before every backend reservation (and told of
+ * each release); set right after creation, before any allocation. */
+FERRY_API void ferry_arena_set_reserve_hook(ferry_arena *a, ferry_reserve_fn fn, void *ud);
+/* NULL when the cap (or the backend) refuses; never blocks on copies. */
+FERRY_API void *ferry_arena_alloc(ferry_arena *a, size_t bytes);
+FERRY_API void ferry_arena_free(ferry_arena *a, void *p, size_t bytes);
+FERRY_API void ferry_arena_get_stats(ferry_arena *a, ferry_arena_stats *out);
+FERRY_API const char *ferry_arena_kind_name(const ferry_arena *a); /* "jemalloc"/"pool" */
+/* Whether jemalloc's API is present in this process. */
+FERRY_API int ferry_arena_jemalloc_available(void);
+/* MemTotal from /proc/meminfo in bytes, 0 if unknown. */
+FERRY_API uint64_t ferry_mem_total_bytes(void);
+
+
+/* ---- traces (docs/trace-format.md): reading, validated with "FILE:LINE: message", and replay through a real engine on the sim or host backend
+ */
+
+/* ---- the trace in memory ----------------------------------------------------- */
+typedef enum trace_ev_type {
+  TEV_STEP_BEGIN = 0,
+  TEV_STEP_END,
+  TEV_PACK,
+  TEV_UNPACK,
+  TEV_DISCARD,
+  TEV_BACKWARD_BEGIN,
+  TEV_BACKWARD_END,
+  TEV_COMPUTE
+} trace_ev_type;
+
+typedef struct trace_ev {
+  uint8_t type;    /* trace_ev_type */
+  int32_t layer;   /* compute: its optional "layer", else -1 */
+  uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors */
+  const char *op;  /* compute: its optional "op" name (owned by the trace) */
+  double gap_us;   /* compute time before this event */
+} trace_ev;
+
+typedef struct trace_tensor {
+  ferry_tensor_desc desc; /* strings are owned by the trace */
+  uint64_t id;
+  int32_t alias_of;    /* tensor whose buffer this pack shares, or -1 */
+  int32_t last_alias;  /* last tensor that aliases this one, or -1 */
+  uint8_t decision;    /* recorded: FERRY_KEEP or FERRY_OFFLOAD */
+  uint32_t line;
+} trace_tensor;
+
+typedef struct trace_step {
+  uint32_t first, end; /* events [first, end): step_begin .. step_end */
+  uint64_t number;
+} trace_step;
+
+typedef struct trace_resident {
+  char *what;
+  uint64_t bytes;
+} trace_resident;
+
+typedef struct sim_trace {
+  char *name;
+  trace_ev *events;
+  uint32_t n_events;
+  trace_tensor *tensors;
+  uint32_t n_tensors;
+  trace_step *steps;
+  uint32_t n_steps;
+  trace_resident *resident;
+  uint32_t n_resident;
+  uint64_t resident_bytes;
+  int has_compute; /* synthesized: time comes from compute events */
+  int32_t layers;  /* largest `layers` seen, 0 if none */
+  char **strings;  /* owned strings (module paths, classes) */
+  size_t n_strings, cap_strings;
+} sim_trace;
+
+/* Read a trace file. On failure *out is NULL and err holds "FILE:LINE: ...". */
+FERRY_API int sim_trace_load(const char *path, sim_trace **out, char *err, size_t errlen);
+/* The same from memory; name is used in messages. data need not end in 0. */
+FERRY_API int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **out, char *err,
+                    size_t errlen);
+FERRY_API void sim_trace_free(sim_trace *t);
+
+/* ---- replay ------------------------------------------------------------------- */
+typedef struct sim_config {
+  ferry_link link;
+  double duplex_d2h, duplex_h2d; /* sim: per-direction duplex, 0 = link.duplex */
+  uint32_t steps;          /* steps to replay, cycling the trace's; 0 = the trace's */
+  const char *policy_path; /* policy under test; both NULL = keep everything */
+  const char *policy_source;
+  const char *label;       /* name in reports; default: policy file name or "no offload" */
+  int replay_decisions;    /* answer with the decisions recorded in the trace */
+  uint64_t host_cap_bytes; /* 0 = none */
+  int host_backend;        /* 0: the sim backend; 1: the host backend */
+  /* host backend only: wall µs per trace µs of compute (e.g. 100 to slow
+   * the trace down as the link was scaled down), and real buffers whose
+   * contents are checked on every unpack */
+  double host_time_scale;
+  int timeline;            /* record the last step's timeline */
+  int record_decisions;    /* record the last step's decision per pack */
+  /* progress, called after each step (may be NULL) */
+  void (*progress)(void *ud, uint32_t step, uint32_t steps);
+  void *progress_ud;
+} sim_config;
+
+typedef struct sim_layer_row {
+  int32_t layer;            /* -1: outside the repeated blocks */
+  uint64_t saved_bytes;     /* activations and others packed in the step */
+  uint64_t offloaded_bytes;
+  uint32_t packed, offloaded;
+  double stall_us;          /* compute waits on its reloads */
+} sim_layer_row;
+
+typedef struct sim_interval {
+  double t0, t1;
+  uint64_t bytes; /* copies */
+  int32_t lane;   /* 0 compute, 1 D2H, 2 H2D */
+  int32_t layer;  /* compute: layer of the next tensor event, -1 if none */
+} sim_interval;
+
+typedef struct sim_mem_sample {
+  double t;
+  uint64_t bytes; /* device bytes in use (resident + saved) */
+} sim_mem_sample;
+
+typedef struct sim_timeline {
+  double t_begin, t_end; /* the recorded step */
+  sim_interval *iv;
+  size_t n_iv, cap_iv;
+  sim_mem_sample *mem;
+  size_t n_mem, cap_mem;
+} sim_timeline;
+
+typedef struct sim_result {
+  char label[128];
+  char backend[16];
+  uint32_t steps;
+  /* peaks over all steps */
+  uint64_t peak_device_bytes;  /* resident + saved tensors on device */
+  uint64_t resident_bytes;
+  uint64_t peak_saved_bytes;   /* saved tensors alone */
+  uint64_t peak_host_bytes;    /* pinned arena in use */
+  uint64_t host_reserved_bytes;
+  /* per step: the mean over steps 2..N (step 1 warms caches and learns) */
+  double step_us, stall_us, host_wait_us;
+  double first_step_us;
+  double bytes_d2h, bytes_h2d;
+  double tensors_packed, tensors_offloaded, tensors_kept;
+  double prefetches, stash_hits;
+  uint64_t policy_errors, policy_calls, policy_cache_hits, cap_fallbacks;
+  char policy_error[256];
+  /* the last step, per layer: index 0 is layer -1, then layer k at k + 1 */
+  sim_layer_row *layers;
+  uint32_t n_layers;
+  sim_timeline tl;
+  uint8_t *decisions; /* last step, per pack event, if record_decisions */
+  uint32_t n_decisions;
+  uint64_t events;    /* trace events replayed */
+  double wall_s;      /* wall time of the replay loop */
+} sim_result;
+
+/* Replay t under c. On failure err names the problem. */
+FERRY_API int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
+               size_t errlen);
+FERRY_API void sim_result_free(sim_result *r);
+
+
+/* ---- the trace synthesizer: a decoder-only transformer's training step from its shape (docs/simulator.md)
+ */
+
+enum { SYNTH_LLAMA = 0, SYNTH_GPT = 1 };
+enum { SYNTH_CKPT_OFF = 0, SYNTH_CKPT_FULL = 1, SYNTH_CKPT_SELECTIVE = 2 };
+/* What selective checkpointing recomputes (bit mask). */
+enum {
+  SYNTH_RECOMPUTE_ATTN_CORE = 1u << 0, /* softmax & co: the s^2 tensors */
+  SYNTH_RECOMPUTE_MLP_ACT = 1u << 1    /* the MLP activation's output */
+};
+
+typedef struct synth_model {
+  char name[64];
+  int arch;        /* SYNTH_LLAMA or SYNTH_GPT */
+  int layers, hidden, heads, kv_heads, ffn, vocab;
+  int seq, micro_batch;
+  int dtype;       /* ferry_dtype of activations and weights */
+  int flash;       /* FlashAttention: no s^2 tensors */
+  int checkpoint;  /* SYNTH_CKPT_* */
+  unsigned recompute; /* SYNTH_RECOMPUTE_* for selective */
+  int shard;       /* data-parallel sharding degree (FSDP / ZeRO-3), >= 1 */
+  double tflops;   /* achieved matmul throughput, TFLOP/s */
+  double hbm_gbps; /* achieved memory bandwidth of element-wise kernels, GB/s */
+  int steps;       /* steps in the trace */
+} synth_model;
+
+/* Fill *m with a preset ("llama3-8b", "llama3-70b", "gpt3-1.3b", "tiny")
+ * and the defaults (seq 8192, micro-batch 1, bf16, flash on, no
+ * checkpointing, shard 8, 400 TFLOP/s, 2000 GB/s, 1 step). -1 if unknown. */
+FERRY_API int synth_preset(const char *name, synth_model *m);
+/* Names of the presets, for help texts. */
+FERRY_API const char *synth_preset_names(void);
+/* 0, or -1 with a message naming the bad field. */
+FERRY_API int synth_validate(const synth_model *m, char *err, size_t errlen);
+/* Write the trace; 0, or -1 with a message (I/O error). */
+FERRY_API int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen);
+
+/* Bytes of the distinct activation buffers one layer saves in the forward
+ * pass (no parameters; a buffer saved by several ops counts once). */
+FERRY_API uint64_t synth_layer_activation_bytes(const synth_model *m);
+/* Parameters of the model, and the resident bytes per GPU (parameters,
+ * gradients, optimizer states, sharded by m->shard). */
+FERRY_API uint64_t synth_param_count(const synth_model *m);
+FERRY_API uint64_t synth_resident_bytes(const synth_model *m);
+
+
+/* ---- simulator reports: hardware presets, link syntax, tables, JSON, Chrome trace, SVG
+ */
+
+typedef struct sim_hw {
+  const char *name;
+  const char *description;
+  ferry_link link;
+  double duplex_d2h, duplex_h2d; /* per direction, as measured */
+  double device_bytes;           /* HBM capacity */
+  const char *source;
+} sim_hw;
+
+/* NULL if unknown. */
+FERRY_API const sim_hw *sim_hw_preset(const char *name);
+FERRY_API const char *sim_hw_names(void);
+/* "h2d=55GB/s,d2h=55GB/s,latency=5us,duplex=0.9" over *hw (fields not
+ * named keep their values). 0, or -1 with a message. */
+FERRY_API int sim_parse_link(const char *spec, sim_hw *hw, char *err, size_t errlen);
+
+typedef struct sim_run_info {
+  const char *trace_path;
+  const sim_trace *trace;
+  const sim_hw *hw;
+} sim_run_info;
+
+/* rs[0] is the baseline (no offload), rs[1..n-1] the policies. */
+FERRY_API void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n);
+FERRY_API void sim_print_layers(FILE *f, const sim_result *rs, int n);
+FERRY_API int sim_write_json(const char *path, const sim_run_info *info, const sim_result *rs, int n,
+                   char *err, size_t errlen);
+FERRY_API int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *err,
+                           size_t errlen);
+FERRY_API int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
+                  char *err, size_t errlen);
+
+
+/* ---- the zip writer of checkpoint snapshots (stored entries, ZIP64, 64-byte aligned data); errors are errno values
+ */
+
+#define ZIP_MAX_NAME 0xffff /* the name length field is 16 bits */
+
+typedef struct zip_entry_info {
+  uint64_t header_offset;
+  uint64_t size;
+  uint32_t crc;
+  uint16_t name_len;
+  char *name;
+} zip_entry_info;
+
+typedef struct zip_writer {
+  int fd;
+  uint64_t offset;         /* bytes of the archive produced so far */
+  uint64_t flushed;        /* bytes of it already in the file */
+  unsigned char *buf;      /* small writes are gathered here */
+  size_t buf_len, buf_cap;
+  zip_entry_info *entries;
+  size_t n_entries, cap_entries;
+  uint64_t written_in_entry; /* data bytes of the open entry so far */
+  uint32_t crc;              /* running CRC-32 of the open entry */
+  int open;                  /* an entry is between begin and end */
+  const char *failed_op;     /* "write", "pwrite", ... after an error */
+} zip_writer;
+
+/* fd: a new, empty file opened for writing (not closed by the writer). */
+FERRY_API int zipw_init(zip_writer *z, int fd);
+/* Frees the writer's memory; does not close fd. */
+FERRY_API void zipw_free(zip_writer *z);
+FERRY_API int zipw_begin_entry(zip_writer *z, const char *name, uint64_t size);
+FERRY_API int zipw_write(zip_writer *z, const void *data, size_t n);
+/* EINVAL if fewer or more bytes than declared were written. */
+FERRY_API int zipw_end_entry(zip_writer *z);
+/* Central directory and end records; everything is in the file afterwards. */
+FERRY_API int zipw_finish(zip_writer *z);
+
+/* Values at or above this threshold are written as ZIP64 (default
+ * 0xffffffff, the spec's). Tests lower it to exercise the ZIP64 paths with
+ * small files; it applies to archives begun after the call. */
+FERRY_API void zipw_set_zip64_threshold(uint64_t threshold);
+
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

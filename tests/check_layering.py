@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Fails if an include or import runs against ferry's layering
+(docs/architecture.md):
+
+- outside engine/, C files include only the public headers (ferry.h,
+  ferry_tools.h), never a file under engine/src/;
+- inside engine/src/, a room includes only itself and rooms below it
+  (util < backend, policy < arena < core < sim, checkpoint), and never
+  another room's private header (*_internal.h);
+- the Python package's modules import each other one way (no cycle).
+
+Usage: check_layering.py [REPO_ROOT]; prints each violation as FILE:LINE.
+"""
+import os
+import re
+import subprocess
+import sys
+
+RANK = {"util": 0, "backend": 1, "policy": 1, "arena": 2, "core": 3, "sim": 4, "checkpoint": 4}
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+PY_IMPORT = re.compile(r"^\s*(?:from\s+(\.[\w.]*|ferry[\w.]*)\s+import\s+([\w, ]+)|import\s+(ferry[\w.]*))")
+
+
+def tracked(root, *patterns):
+    """The repository's files matching patterns; every file when root is not
+    a git checkout (an unpacked source archive)."""
+    r = subprocess.run(["git", "-C", root, "ls-files", *patterns], capture_output=True, text=True)
+    if r.returncode == 0:
+        return [p for p in r.stdout.split("\n") if p]
+    exts = tuple(p.lstrip("*") for p in patterns)
+    return [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
+            if "/build" not in d and "/." not in d for f in fs if f.endswith(exts)]
+
+
+def check_c(root):
+    bad = []
+    for path in tracked(root, "*.c", "*.h"):
+        parts = path.split("/")
+        in_engine = parts[:2] == ["engine", "src"] and len(parts) > 3
+        room = parts[2] if in_engine else None
+        if parts[0] == "engine" and not in_engine:
+            continue  # engine/include: the public headers
+        with open(os.path.join(root, path), encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                m = INCLUDE.match(line)
+                if not m:
+                    continue
+                inc = m.group(1)
+                target = inc.split("/")[0] if "/" in inc else None
+                if not in_engine:
+                    if "engine/src" in inc or target in RANK:
+                        bad.append(f"{path}:{n}: includes the engine-internal \"{inc}\"; "
+                                   "use ferry.h or ferry_tools.h")
+                    continue
+                if target is None or target not in RANK:
+                    continue
+                if target != room and RANK[target] >= RANK[room]:
+                    bad.append(f"{path}:{n}: room {room}/ includes \"{inc}\" of room {target}/, "
+                               "which is not below it")
+                elif target != room and inc.endswith("_internal.h"):
+                    bad.append(f"{path}:{n}: room {room}/ includes {target}/'s private header "
+                               f"\"{inc}\"")
+    return bad
+
+
+def check_python(root):
+    pkg = os.path.join(root, "bindings", "python", "ferry")
+    mods = {f[:-3] for f in os.listdir(pkg) if f.endswith(".py")}
+    edges = {m: {} for m in mods}
+    for m in mods:
+        with open(os.path.join(pkg, m + ".py"), encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                mm = PY_IMPORT.match(line)
+                if not mm:
+                    continue
+                src, names, plain = mm.groups()
+                targets = []
+                if plain:
+                    targets = [plain.split(".")[1] if "." in plain else "__init__"]
+                elif src in (".", "ferry"):
+                    targets = [x.strip() for x in names.split(",")]
+                else:
+                    targets = [src.lstrip(".").replace("ferry.", "", 1).split(".")[0] or "__init__"]
+                for t in targets:
+                    if t in mods and t != m:
+                        edges[m].setdefault(t, n)
+    bad, state = [], {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for t, line in edges[m].items():
+            if t == "__init__" or m == "__init__":
+                continue  # the package re-exports its modules: not a layer
+            if state.get(t) == 1:
+                cyc = stack[stack.index(t):] + [m, t]
+                bad.append(f"bindings/python/ferry/{m}.py:{line}: import cycle "
+                           + " -> ".join(cyc))
+            elif not state.get(t):
+                visit(t, stack + [m])
+        state[m] = 2
+
+    for m in sorted(mods):
+        if not state.get(m):
+            visit(m, [])
+    return bad
+
+
+def main():
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))
+    bad = check_c(root) + check_python(root)
+    for b in bad:
+        print(b)
+    print(f"layering: {len(bad)} violation(s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
