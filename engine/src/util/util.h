@@ -1,0 +1,46 @@
+/* util.h — small helpers every room uses: growing arrays, a 64-bit hash
+ * mixer, the monotonic clock. Header-only: each is a few lines, inlined. */
+#ifndef FERRY_UTIL_H
+#define FERRY_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+/* Makes room for need elements of elem bytes in *arr (capacity *cap,
+ * doubled from first, at least 1); 0, or -1 out of memory or past 2^31. */
+static inline int util_grow(void **arr, uint32_t *cap, size_t elem, uint32_t need,
+                            uint32_t first) {
+  if (need <= *cap) return 0;
+  uint32_t ncap = *cap ? *cap : (first ? first : 1);
+  while (ncap < need) {
+    if (ncap > UINT32_MAX / 2) return -1;
+    ncap *= 2;
+  }
+  void *n = realloc(*arr, (size_t)ncap * elem);
+  if (!n) return -1;
+  *arr = n;
+  *cap = ncap;
+  return 0;
+}
+
+/* murmur3's 64-bit finalizer: every input bit affects every output bit, so
+ * the low bits index an open-addressing table well. */
+static inline uint64_t util_mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+/* CLOCK_MONOTONIC in microseconds. */
+static inline double util_now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+#endif
