@@ -6,6 +6,7 @@
   X(errors_one_list)                                                       \
   X(version_matches_header)                                                \
   X(config_rejects_bad_values)                                             \
+  X(number_parser_is_strict)                                               \
   /* host backend (test_backend_host.c) */                                 \
   X(host_stream_runs_copies_in_order)                                      \
   X(host_event_never_recorded_is_complete)                                 \

@@ -26,6 +26,23 @@ FERRY_API const char *ferry_phase_name(int phase);
 FERRY_API int ferry_phase_parse(const char *s);
 
 
+/* ---- strict numbers: one parser for every flag, environment variable and
+ * keyword. Rejects empty text, NaN, infinities, hex, trailing garbage,
+ * values outside [min, max] (min excluded when min_open) and fractions where
+ * a whole number is meant; the message names what, the text and what was
+ * expected ("--host-cap 0.4: must be a whole number of bytes"). */
+typedef enum ferry_number_kind {
+  FERRY_NUMBER_COUNT,     /* a whole number: "8" */
+  FERRY_NUMBER_REAL,      /* a plain number: "0.5" */
+  FERRY_NUMBER_BYTES,     /* bytes: "4096", "512M", "16GiB"; K/M/G/T = KiB..TiB, KB..TB = 1000^n */
+  FERRY_NUMBER_PERCENT,   /* "40%" gives 40 */
+  FERRY_NUMBER_BANDWIDTH, /* bytes per second: "55GB/s", "12GiB/s" */
+  FERRY_NUMBER_DURATION   /* microseconds: "300ns", "5us", "2ms", "1s" */
+} ferry_number_kind;
+FERRY_API int ferry_parse_number(const char *what, const char *text, int kind, double min,
+                                 double max, int min_open, double *out, char *err,
+                                 size_t errlen);
+
 /* ---- the policy host: Lua policies (policy API v1) in a sandboxed LuaJIT state, one state per policy; a fault never propagates (the answer becomes FERRY_KEEP, counted, with "file:line: message")
  */
 
