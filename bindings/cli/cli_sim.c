@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "ferry_tools.h"
 
 #define MAX_RUNS 256
@@ -122,23 +123,6 @@ static char *with_knob(const char *src, const char *knob, long value) {
     if (line) line++;
   }
   return NULL;
-}
-
-static int parse_size(const char *v, uint64_t *out) {
-  char *end;
-  errno = 0;
-  double x = strtod(v, &end);
-  if (end == v || errno || x < 0) return -1;
-  double m = 1;
-  if (*end == 'K' || *end == 'k') m = 1024, end++;
-  else if (*end == 'M' || *end == 'm') m = 1048576.0, end++;
-  else if (*end == 'G' || *end == 'g') m = 1073741824.0, end++;
-  else if (*end == 'T' || *end == 't') m = 1099511627776.0, end++;
-  if (*end == 'i') end++;
-  if (*end == 'B') end++;
-  if (*end) return -1;
-  *out = (uint64_t)(x * m);
-  return 0;
 }
 
 typedef struct progress_state {
@@ -273,25 +257,16 @@ int ferry_cli_sim(int argc, char **argv) {
     case 't': trace = optarg; break;
     case 'w': hw_name = optarg; break;
     case 'l': link = optarg; break;
-    case 'n': {
-      char *end;
-      steps = strtol(optarg, &end, 10);
-      if (end == optarg || *end || steps < 1 || steps > 1000000) {
-        fprintf(stderr, "ferry sim: --steps %s must be within 1..1000000\n", optarg);
-        return 2;
-      }
+    case 'n':
+      if (cli_int("sim", "--steps", optarg, 1, 1000000, &steps)) return 2;
       break;
-    }
     case 'j': json = optarg; break;
     case 'c': chrome = optarg; break;
     case 's': svg = optarg; break;
     case 'S': sweep = optarg; break;
     case 'r': recorded = 1; break;
     case 'C':
-      if (parse_size(optarg, &host_cap)) {
-        fprintf(stderr, "ferry sim: --host-cap %s is not a size (e.g. 64G)\n", optarg);
-        return 2;
-      }
+      if (cli_bytes("sim", "--host-cap", optarg, 1, &host_cap)) return 2;
       break;
     case 'L': layers_table = 0; break;
     case 'D': demo_dir = optarg; break;

@@ -55,11 +55,34 @@ static double unit_scale(const unit *units, const char *suffix) {
   return 0;
 }
 
+/* v as the kind writes it: "8 PiB", "1 s", "55 GB/s", "40%", "3". */
+static void format_value(char *b, size_t n, int kind, double v) {
+  static const char *const bin[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int i = 0;
+  switch (kind) {
+  case FERRY_NUMBER_BYTES:
+    while (i < 5 && fabs(v) >= 1024) v /= 1024, i++;
+    snprintf(b, n, "%.4g %s", v, bin[i]);
+    break;
+  case FERRY_NUMBER_BANDWIDTH: snprintf(b, n, "%.4g GB/s", v / 1e9); break;
+  case FERRY_NUMBER_DURATION:
+    if (fabs(v) >= 1e6) snprintf(b, n, "%.4g s", v / 1e6);
+    else if (fabs(v) >= 1e3) snprintf(b, n, "%.4g ms", v / 1e3);
+    else snprintf(b, n, "%.4g us", v);
+    break;
+  case FERRY_NUMBER_PERCENT: snprintf(b, n, "%.6g%%", v); break;
+  default: snprintf(b, n, "%.15g", v);
+  }
+}
+
 /* "between 1 and 100", "at least 1", "above 0 and at most 1" for messages. */
-static void describe_range(char *b, size_t n, double min, double max, int min_open) {
-  if (isinf(max)) snprintf(b, n, "%s %.15g", min_open ? "above" : "at least", min);
-  else if (min_open) snprintf(b, n, "above %.15g and at most %.15g", min, max);
-  else snprintf(b, n, "between %.15g and %.15g", min, max);
+static void describe_range(char *b, size_t n, int kind, double min, double max, int min_open) {
+  char lo[40], hi[40];
+  format_value(lo, sizeof lo, kind, min);
+  format_value(hi, sizeof hi, kind, max);
+  if (isinf(max)) snprintf(b, n, "%s %s", min_open ? "above" : "at least", lo);
+  else if (min_open) snprintf(b, n, "above %s and at most %s", lo, hi);
+  else snprintf(b, n, "between %s and %s", lo, hi);
 }
 
 int ferry_parse_number(const char *what, const char *text, int kind, double min, double max,
@@ -92,8 +115,8 @@ int ferry_parse_number(const char *what, const char *text, int kind, double min,
   if (errno == ERANGE || !isfinite(x))
     return ferry_errbuf(err, errlen, FERRY_EINVAL, "%s %s: out of range; expected %s",
                         what, text, k->expected);
-  char range[96];
-  describe_range(range, sizeof range, min, max, min_open);
+  char range[128];
+  describe_range(range, sizeof range, kind, min, max, min_open);
   if (x < min || (min_open && x == min) || x > max)
     return ferry_errbuf(err, errlen, FERRY_EINVAL, "%s %s: must be %s", what, text, range);
   if (k->integral && x != floor(x))
