@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ferry.h"
+#include "cli.h"
 #include "ferry_tools.h"
 
 int ferry_cli_check(int argc, char **argv);
@@ -53,12 +54,8 @@ static void usage(FILE *to) {
 }
 
 static int parse_int(const char *s, int lo, int hi, const char *what, int *out) {
-  char *end;
-  long v = strtol(s, &end, 10);
-  if (!*s || *end || v < lo || v > hi) {
-    fprintf(stderr, "ferry check: %s must be an integer in [%d, %d], got '%s'\n", what, lo, hi, s);
-    return -1;
-  }
+  long v;
+  if (cli_int("check", what, s, lo, hi, &v)) return -1;
   *out = (int)v;
   return 0;
 }

@@ -41,6 +41,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cli.h"
+#include "ferry_tools.h"
+
 #define RUN_EXIT_FAILED 125
 #define RUN_EXIT_CANNOT_EXECUTE 126
 #define RUN_EXIT_NOT_FOUND 127
@@ -263,40 +266,19 @@ static int find_jemalloc(char *out, size_t outlen) {
 
 /* ---- option values ------------------------------------------------------------ */
 
-/* "40%" or "12.5%" -> "40%", "12.5%"; "16G", "512MiB", "1073741824" -> bytes.
- * Units are binary (K = 1024). */
+/* "40%" (of MemTotal) or a size in bytes ("16G", "512MiB") as the trainer's
+ * FERRY_HOST_CAP value: "40%" or a byte count. */
 static int parse_cap(const char *s, char *out, size_t outlen) {
-  char *end;
-  errno = 0;
-  if (strchr(s, '%')) {
-    double pct = strtod(s, &end);
-    if (end == s || strcmp(end, "%") != 0 || errno || !(pct > 0 && pct <= 100))
-      return fail("--cap '%s': a percentage must be a number in (0, 100] followed by %%", s);
-    snprintf(out, outlen, "%g%%", pct);
+  double v;
+  size_t n = strlen(s);
+  if (n && s[n - 1] == '%') {
+    if (cli_number("run", "--cap", s, FERRY_NUMBER_PERCENT, 0, 100, 1, &v)) return RUN_EXIT_FAILED;
+    snprintf(out, outlen, "%g%%", v);
     return 0;
   }
-  if (*s < '0' || *s > '9')
-    return fail("--cap '%s': expected bytes (e.g. 1073741824, 512M, 16G) or a percentage "
-                "of MemTotal (e.g. 40%%)",
-                s);
-  unsigned long long v = strtoull(s, &end, 10);
-  static const struct {
-    const char *suffix;
-    unsigned shift;
-  } units[] = {{"", 0},    {"K", 10},   {"KiB", 10}, {"M", 20},   {"MiB", 20},
-               {"G", 30},  {"GiB", 30}, {"T", 40},   {"TiB", 40}};
-  int unit = -1;
-  for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
-    if (!strcasecmp(end, units[i].suffix)) unit = (int)i;
-  if (unit < 0)
-    return fail("--cap '%s': unknown unit '%s' (use K, M, G, T or KiB, MiB, GiB, TiB; "
-                "binary units)",
-                s, end);
-  if (errno || (units[unit].shift && v > (ULLONG_MAX >> units[unit].shift)))
-    return fail("--cap '%s': too large", s);
-  v <<= units[unit].shift;
-  if (v == 0) return fail("--cap '%s': a cap of 0 bytes; leave --cap out for no cap", s);
-  snprintf(out, outlen, "%llu", v);
+  uint64_t bytes;
+  if (cli_bytes("run", "--cap", s, 1, &bytes)) return RUN_EXIT_FAILED;
+  snprintf(out, outlen, "%llu", (unsigned long long)bytes);
   return 0;
 }
 

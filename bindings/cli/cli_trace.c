@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "ferry.h"
+#include "cli.h"
 #include "ferry_tools.h"
 
 static void synth_usage(FILE *f) {
@@ -34,28 +35,17 @@ static void synth_usage(FILE *f) {
           synth_preset_names());
 }
 
+/* A model dimension or count: a whole number in [0, 2^30]. */
 static int int_arg(const char *opt, const char *v, int *out) {
-  char *end;
-  errno = 0;
-  long x = strtol(v, &end, 10);
-  if (end == v || *end || errno || x < 0 || x > 1 << 30) {
-    fprintf(stderr, "ferry trace synth: %s %s is not a non-negative integer\n", opt, v);
-    return -1;
-  }
+  long x;
+  if (cli_int("trace synth", opt, v, 0, 1L << 30, &x)) return -1;
   *out = (int)x;
   return 0;
 }
 
+/* A throughput: a number above 0. */
 static int num_arg(const char *opt, const char *v, double *out) {
-  char *end;
-  errno = 0;
-  double x = strtod(v, &end);
-  if (end == v || *end || errno || !(x > 0)) {
-    fprintf(stderr, "ferry trace synth: %s %s is not a number > 0\n", opt, v);
-    return -1;
-  }
-  *out = x;
-  return 0;
+  return cli_number("trace synth", opt, v, FERRY_NUMBER_REAL, 0, 1e9, 1, out) ? -1 : 0;
 }
 
 static int parse_checkpoint(const char *v, synth_model *m) {
