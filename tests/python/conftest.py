@@ -2,10 +2,28 @@
 
 Run with PYTHONPATH=<build>/python (tests/python/run.sh does it)."""
 import contextlib
+import importlib
 import json
 import os
 
 import pytest
+
+# run.sh names the modules an interpreter must have (the torch 2.x venv:
+# transformers, lightning, torchvision): missing one fails the session
+# instead of silently skipping the tests that need it.
+REQUIRED = [m for m in os.environ.get("FERRY_REQUIRE_MODULES", "").split() if m]
+
+
+def pytest_sessionstart(session):
+    missing = []
+    for m in REQUIRED:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # ImportError, or a broken install
+            missing.append(f"{m} ({type(e).__name__}: {e})")
+    if missing:
+        pytest.exit("required test dependencies missing: " + "; ".join(missing), returncode=1)
+
 
 torch = pytest.importorskip("torch")
 

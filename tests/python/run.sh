@@ -3,8 +3,9 @@
 # torch: Debian's /usr/bin/python3 (torch 1.13) and the venv that
 # .ci/python-env creates (torch 2.x, transformers, torchvision).
 #   BUILD=build tests/python/run.sh [pytest args]
-# A venv that cannot be created (no network) is reported as SKIPPED and does
-# not fail the run; a test failure does. FERRY_SKIP_VENV=1 skips the venv.
+# Under CI (CI=true) a missing interpreter, venv or test dependency fails the
+# run; a local run skips it with a loud summary. FERRY_SKIP_VENV=1 skips the
+# venv (locally). The venv must import every module in VENV_MODULES.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -55,7 +56,8 @@ else
   venv_out=$(.ci/python-env)
   rc=$?
   if [ $rc -eq 0 ]; then
-    run_with "$(printf '%s\n' "$venv_out" | tail -1)" "torch 2.x venv" "$@"
+    FERRY_REQUIRE_MODULES="torch torchvision transformers lightning numpy" \
+      run_with "$(printf '%s\n' "$venv_out" | tail -1)" "torch 2.x venv" "$@"
   else
     skipped+=("torch 2.x venv: .ci/python-env failed with exit $rc (PyPI unreachable or pip failed; see above): torch 2.x, transformers and torch.compile tests were NOT run")
   fi
@@ -64,6 +66,15 @@ fi
 printf '\n---- python tests summary ----\n'
 for r in "${ran[@]}"; do echo "ran: $r"; done
 for s in "${skipped[@]}"; do echo "SKIPPED: $s"; done
+if [ ${#skipped[@]} -gt 0 ]; then
+  if [ "${CI:-}" = true ]; then
+    echo "FAILED: under CI every Python test environment must run (${#skipped[@]} skipped, above)" >&2
+    status=1
+  else
+    printf '\n*** %d Python test environment(s) SKIPPED: the tests above did not all run ***\n' \
+      "${#skipped[@]}" >&2
+  fi
+fi
 if [ ${#ran[@]} -eq 0 ]; then
   echo "no interpreter with torch could run the tests" >&2
   exit 1
