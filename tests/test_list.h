@@ -86,6 +86,10 @@
   X(sim_fuzz_corpus_replays_clean)                                      \
   X(sim_budget_beats_default_on_llama3_8b)                                 \
   /* @@sim */                                                              \
+  /* policies by name (test_policy_files.c) */                             \
+  X(policy_found_by_shipped_name)                                          \
+  X(policy_dir_env_comes_first)                                            \
+  X(suggest_finds_typos_only)                                              \
   /* policy host (test_policy.c) */                                        \
   X(policy_sees_descriptor_and_context)                            \
   X(policy_sandbox_refuses_escapes)                                \

@@ -11,6 +11,7 @@
  * stand-alone `ferry-check`.
  */
 #include <getopt.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -194,13 +195,15 @@ int ferry_cli_check(int argc, char **argv) {
     }
   }
   if (optind != argc - 1) {
-    fprintf(stderr, "ferry check: give exactly one POLICY file\n\n");
+    fprintf(stderr, "ferry check: give exactly one POLICY (a shipped name or a .lua file)\n\n");
     usage(stderr);
     return 2;
   }
-  const char *path = argv[optind];
-
-  char err[1024];
+  char path[PATH_MAX], err[1024];
+  if (ferry_policy_find(argv[optind], path, sizeof path, err, sizeof err)) {
+    fprintf(stderr, "ferry check: %s\n", err);
+    return 2;
+  }
   ferry_policy *p = NULL;
   int rc = ferry_policy_create(path, NULL, trusted, &p, err, sizeof err);
   if (rc != FERRY_OK) {

@@ -296,8 +296,15 @@ static int absolute_path(const char *opt, const char *path, char *out, size_t ou
   return 0;
 }
 
+/* A policy file, or a shipped policy's name ("budget"). */
 static int check_policy(const char *path, char *out, size_t outlen) {
   struct stat st;
+  char found[PATH_MAX], err[512];
+  if (!strchr(path, '/') && !strstr(path, ".lua") && stat(path, &st) != 0) {
+    if (ferry_policy_find(path, found, sizeof found, err, sizeof err))
+      return fail("--policy: %s", err);
+    path = found;
+  }
   if (stat(path, &st) != 0)
     return fail("--policy %s: %s", path, strerror(errno));
   if (!S_ISREG(st.st_mode)) return fail("--policy %s: not a regular file", path);

@@ -43,37 +43,6 @@ static void sim_usage(FILE *f) {
           sim_hw_names());
 }
 
-static int file_exists(const char *p) {
-  struct stat st;
-  return stat(p, &st) == 0 && S_ISREG(st.st_mode);
-}
-
-/* A policy argument: a path, or a name under policies/ (from the working
- * directory, or the source tree next to this binary's build directory). */
-static int resolve_policy(const char *arg, char *out, size_t n) {
-  if (file_exists(arg)) {
-    snprintf(out, n, "%s", arg);
-    return 0;
-  }
-  char exe[PATH_MAX] = "";
-  ssize_t k = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (k > 0) {
-    exe[k] = 0;
-    char *s = strrchr(exe, '/');
-    if (s) *s = 0;
-  }
-  const char *env = getenv("FERRY_POLICY_DIR");
-  const char *dirs[3] = {env, "policies", exe[0] ? exe : NULL};
-  const char *ups[3] = {"", "", "/../../policies"};
-  for (int i = 0; i < 3; i++) {
-    if (!dirs[i] || !*dirs[i]) continue;
-    for (int lua = 0; lua < 2; lua++) {
-      snprintf(out, n, "%s%s/%s%s", dirs[i], ups[i], arg, lua ? ".lua" : "");
-      if (file_exists(out)) return 0;
-    }
-  }
-  return -1;
-}
 
 static char *read_file(const char *path) {
   FILE *f = fopen(path, "rb");
@@ -222,9 +191,9 @@ static int demo(const char *dir) {
   memset(jobs, 0, sizeof jobs);
   for (int i = 0; i < 3; i++) {
     snprintf(jobs[i].label, sizeof jobs[i].label, "%s", names[i]);
-    if (resolve_policy(names[i], jobs[i].path, sizeof jobs[i].path)) {
-      fprintf(stderr, "ferry sim --demo: policy %s not found (run from the source tree or set "
-                      "FERRY_POLICY_DIR)\n", names[i]);
+    char why[512];
+    if (ferry_policy_find(names[i], jobs[i].path, sizeof jobs[i].path, why, sizeof why)) {
+      fprintf(stderr, "ferry sim --demo: %s\n", why);
       return 1;
     }
   }
@@ -332,8 +301,9 @@ int ferry_cli_sim(int argc, char **argv) {
   char *list = strdup(policies ? policies : "");
   for (char *save = NULL, *p = strtok_r(list, ",", &save); p && !rc; p = strtok_r(NULL, ",", &save)) {
     char path[PATH_MAX];
-    if (resolve_policy(p, path, sizeof path)) {
-      fprintf(stderr, "ferry sim: policy %s not found (a file, or a name in policies/)\n", p);
+    char why[512];
+    if (ferry_policy_find(p, path, sizeof path, why, sizeof why)) {
+      fprintf(stderr, "ferry sim: --policy: %s\n", why);
       rc = 2;
       break;
     }

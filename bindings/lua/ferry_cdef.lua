@@ -5,7 +5,7 @@ return {
 unsigned ferry_version(void);
 const char *ferry_version_string(void);
 typedef enum ferry_status {
-FERRY_OK = 0, FERRY_EINVAL = -1, FERRY_ENOMEM = -2, FERRY_ECAP = -3, FERRY_ENODEV = -4, FERRY_EBACKEND = -5, FERRY_EHANDLE = -6, FERRY_EALLOC = -7, FERRY_ESTATE = -8, FERRY_ELEAK = -9, FERRY_EPOLICY = -10, FERRY_EIO = -11, FERRY_EUNSUPPORTED = -12, FERRY_EVERSION = -13, FERRY_EPARSE = -14,}ferry_status;
+FERRY_OK = 0, FERRY_EINVAL = -1, FERRY_ENOMEM = -2, FERRY_ECAP = -3, FERRY_ENODEV = -4, FERRY_EBACKEND = -5, FERRY_EHANDLE = -6, FERRY_EALLOC = -7, FERRY_ESTATE = -8, FERRY_ELEAK = -9, FERRY_EPOLICY = -10, FERRY_EIO = -11, FERRY_EUNSUPPORTED = -12, FERRY_EVERSION = -13, FERRY_EPARSE = -14, FERRY_ENOENT = -15,}ferry_status;
 const char *ferry_strerror(int code);
 const char *ferry_err_name(int code);
 typedef enum ferry_dtype {
@@ -120,6 +120,7 @@ int ferry_step_end(ferry_engine *e);
 int ferry_backward_begin(ferry_engine *e);
 int ferry_backward_end(ferry_engine *e);
 int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted);
+int ferry_policy_find(const char *name, char *path, size_t pathlen, char *err, size_t errlen);
 const char *ferry_last_policy_error(ferry_engine *e);
 typedef struct ferry_knobs {
 uint32_t max_fwd_stash;

@@ -64,7 +64,8 @@ FERRY_API const char *ferry_version_string(void);
   X(EIO, -11, "input/output error")                                          \
   X(EUNSUPPORTED, -12, "not supported by this build or backend")             \
   X(EVERSION, -13, "struct or API version mismatch")                         \
-  X(EPARSE, -14, "malformed input")
+  X(EPARSE, -14, "malformed input")                                          \
+  X(ENOENT, -15, "no such file or policy")
 
 typedef enum ferry_status {
 #define FERRY_ENUM_(name, code, msg) FERRY_##name = code,
@@ -343,6 +344,13 @@ FERRY_API int ferry_backward_end(ferry_engine *e);
  * with file:line, is in ferry_last_error(). */
 FERRY_API int ferry_set_policy(ferry_engine *e, const char *path,
                                const char *source, int trusted);
+/* The file of a policy given by name ("default": a shipped policy, found in
+ * $FERRY_POLICY_DIR, then <prefix>/share/ferry/policies beside the installed
+ * library, then the source tree it was built from) or by path (anything with
+ * a '/' or ".lua"). FERRY_ENOENT names the shipped policies and the closest
+ * one to a mistyped name. */
+FERRY_API int ferry_policy_find(const char *name, char *path, size_t pathlen, char *err,
+                                size_t errlen);
 /* The last policy fault (runtime error, timeout, nonsense answer) as
  * "file:line: message", or "" if none. */
 FERRY_API const char *ferry_last_policy_error(ferry_engine *e);

@@ -43,6 +43,10 @@ FERRY_API int ferry_parse_number(const char *what, const char *text, int kind, d
                                  double max, int min_open, double *out, char *err,
                                  size_t errlen);
 
+/* ---- "did you mean": the name in names[0..n) within a typo's distance of
+ * word (about a third of its letters), or NULL. */
+FERRY_API const char *ferry_suggest(const char *word, const char *const *names, size_t n);
+
 /* ---- the policy host: Lua policies (policy API v1) in a sandboxed LuaJIT state, one state per policy; a fault never propagates (the answer becomes FERRY_KEEP, counted, with "file:line: message")
  */
 

@@ -4,6 +4,7 @@
  * manager (pack/unpack) is in stash.c.
  */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -160,6 +161,18 @@ static void apply_policy_knobs(ferry_engine *e) {
   if (k.has_max_fwd_stash_bytes) e->max_fwd_stash_bytes = k.max_fwd_stash_bytes;
 }
 
+/* A policy by file or by shipped name ("default", ferry_policy_find). */
+static int load_policy(const char *path, const char *source, int trusted, ferry_policy **out,
+                       char *msg, size_t msglen) {
+  char found[PATH_MAX];
+  if (path) {
+    int rc = ferry_policy_find(path, found, sizeof found, msg, msglen);
+    if (rc) return rc;
+    path = found;
+  }
+  return ferry_policy_create(path, source, trusted, out, msg, msglen);
+}
+
 /* Constructors by ferry_backend_kind (config_load checked the range). */
 static int (*const backend_create[])(const ferry_config *, ferry_backend **, char *, size_t) = {
     [FERRY_BACKEND_HOST] = ferry_backend_host_create,
@@ -221,8 +234,8 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     goto fail;
   }
   if (cfg->policy_path || cfg->policy_source) {
-    if ((rc = ferry_policy_create(cfg->policy_path, cfg->policy_source, cfg->policy_trusted,
-                                  &e->policy, msg, sizeof msg))) {
+    if ((rc = load_policy(cfg->policy_path, cfg->policy_source, cfg->policy_trusted, &e->policy,
+                          msg, sizeof msg))) {
       ferry_errbuf(errbuf, errlen, rc, "%s", msg);
       goto fail;
     }
@@ -347,7 +360,7 @@ int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int 
   char msg[512];
   ferry_policy *p = NULL;
   /* Load outside the lock: a slow or broken file must not stall training. */
-  rc = ferry_policy_create(path, source, trusted, &p, msg, sizeof msg);
+  rc = load_policy(path, source, trusted, &p, msg, sizeof msg);
   pthread_mutex_lock(&e->lock);
   if (rc) {
     rc = engine_fail(e, rc, "%s (the previous policy stays in force)", msg);
