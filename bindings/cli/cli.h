@@ -12,4 +12,11 @@ int cli_number(const char *cmd, const char *flag, const char *text, int kind, do
 int cli_bytes(const char *cmd, const char *flag, const char *text, uint64_t min, uint64_t *out);
 int cli_int(const char *cmd, const char *flag, const char *text, long min, long max, long *out);
 
+struct option;
+/* Prints "ferry CMD: unknown option '--stpes'; did you mean '--steps'?" (or
+ * "option '--x' needs a value" when missing_value) for the getopt_long
+ * error at argv[optind - 1], with opterr = 0. */
+void cli_bad_option(const char *cmd, const struct option *opts, char **argv, int optind,
+                    int optopt, int missing_value);
+
 #endif

@@ -176,8 +176,9 @@ int ferry_cli_check(int argc, char **argv) {
   model_shape m = {.layers = 4, .batch = 1, .seq = 2048, .hidden = 4096, .heads = 32,
                    .intermediate = 14336, .vocab = 128256};
   optind = 1; /* callable more than once in one process (tests) */
+  opterr = 0; /* cli_bad_option names the flag and a close one */
   int c;
-  while ((c = getopt_long(argc, argv, "tl:s:r:qh", longopts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":tl:s:r:qh", longopts, NULL)) != -1) {
     switch (c) {
     case 't': trusted = 1; break;
     case 'q': quiet = 1; break;
@@ -191,6 +192,11 @@ int ferry_cli_check(int argc, char **argv) {
       if (parse_int(optarg, 0, 100, "--ram-pct", &ram_pct)) return 2;
       break;
     case 'h': usage(stdout); return 0;
+    case ':':
+    case '?':
+      cli_bad_option("check", longopts, argv, optind, optopt, c == ':');
+      fprintf(stderr, "see 'ferry check --help'\n");
+      return 2;
     default: usage(stderr); return 2;
     }
   }

@@ -391,13 +391,10 @@ int ferry_cli_run(int argc, char **argv) {
     case 'b': backend = optarg; break;
     case 'n': dry_run = 1; break;
     case 'h': usage(stdout); return 0;
-    case ':':
-      fail("option '%s' needs a value", argv[optind - 1]);
-      return usage_hint();
-    default: /* optopt is the letter of an unknown short option, 0 for a long one */
-      if (optopt) fail("unknown option '-%c'", optopt);
-      else fail("unknown option '%s'", argv[optind - 1]);
-      return usage_hint();
+    default: /* ':' a missing value; optopt: an unknown short option, 0 for a long one */
+      cli_bad_option("run", opts, argv, optind, optopt, c == ':');
+      usage_hint();
+      return RUN_EXIT_FAILED;
     }
   }
   if (optind >= argc) {

@@ -220,7 +220,8 @@ int ferry_cli_sim(int argc, char **argv) {
   int recorded = 0, layers_table = 1, c;
   uint64_t host_cap = 0;
   optind = 1;
-  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+  opterr = 0; /* cli_bad_option names the flag and a close one */
+  while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
     switch (c) {
     case 'p': policies = optarg; break;
     case 't': trace = optarg; break;
@@ -240,6 +241,11 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'L': layers_table = 0; break;
     case 'D': demo_dir = optarg; break;
     case 'h': sim_usage(stdout); return 0;
+    case ':':
+    case '?':
+      cli_bad_option("sim", opts, argv, optind, optopt, c == ':');
+      fprintf(stderr, "see 'ferry sim --help'\n");
+      return 2;
     default: sim_usage(stderr); return 2;
     }
   }

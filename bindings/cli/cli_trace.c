@@ -100,7 +100,8 @@ static int trace_synth_main(int argc, char **argv) {
   const char *out = NULL;
   int c, bad = 0;
   optind = 1;
-  while ((c = getopt_long(argc, argv, "o:h", opts, NULL)) != -1) {
+  opterr = 0; /* cli_bad_option names the flag and a close one */
+  while ((c = getopt_long(argc, argv, ":o:h", opts, NULL)) != -1) {
     switch (c) {
     case 'P': break;
     case 'a':
@@ -141,6 +142,11 @@ static int trace_synth_main(int argc, char **argv) {
     case 'c': bad |= parse_checkpoint(optarg, &m) != 0; break;
     case 'o': out = optarg; break;
     case 'h': synth_usage(stdout); return 0;
+    case ':':
+    case '?':
+      cli_bad_option("trace synth", opts, argv, optind, optopt, c == ':');
+      fprintf(stderr, "see 'ferry trace synth --help'\n");
+      return 2;
     default: synth_usage(stderr); return 2;
     }
   }

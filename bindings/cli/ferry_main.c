@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "ferry.h"
+#include "ferry_tools.h"
 
 /* Weak: a build without one of the cli_*.c files still links and says so. */
 __attribute__((weak)) int ferry_cli_check(int argc, char **argv); /* cli_check.c */
@@ -30,7 +30,10 @@ static void usage(FILE *to) {
   fprintf(to, "usage: ferry <command> [args]\n\ncommands:\n");
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     fprintf(to, "  %-8s %s\n", commands[i].name, commands[i].summary);
-  fprintf(to, "\n`ferry <command> --help` for each; `ferry --version`.\n");
+  fprintf(to, "\n`ferry <command> --help` for each; `ferry -V` (--version).\n"
+              "\nexit status: 0 ok; 1 a policy, trace or run error; 2 usage (a bad flag or\n"
+              "value); 130 interrupted. `ferry run` passes the trainer's status through\n"
+              "and uses 125-127 for its own failures.\n");
 }
 
 int main(int argc, char **argv) {
@@ -38,7 +41,7 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) {
+  if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V") || !strcmp(argv[1], "version")) {
     printf("ferry %s\n", ferry_version_string());
     return 0;
   }
@@ -54,7 +57,11 @@ int main(int argc, char **argv) {
       }
       return commands[i].fn(argc - 1, argv + 1);
     }
-  fprintf(stderr, "ferry: unknown command '%s'\n\n", argv[1]);
+  const char *names[sizeof commands / sizeof commands[0]];
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) names[i] = commands[i].name;
+  const char *close = ferry_suggest(argv[1], names, sizeof commands / sizeof commands[0]);
+  if (close) fprintf(stderr, "ferry: unknown command '%s'; did you mean '%s'?\n\n", argv[1], close);
+  else fprintf(stderr, "ferry: unknown command '%s'\n\n", argv[1]);
   usage(stderr);
   return 2;
 }
