@@ -70,6 +70,8 @@
   X(snapshot_zip64)                                                        \
   X(snapshot_torch_load)                                                   \
   X(snapshot_rejects_bad_input)                                            \
+  X(snapshot_target_must_be_regular)                                       \
+  X(snapshot_two_processes_one_path)                                       \
   /* @@snapshot */                                                         \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \

@@ -29,9 +29,9 @@
  * snapshot's own events, arena frees (the arena is thread-safe) and all file
  * I/O run without it. Lock order: engine lock, then the snapshot's mutex.
  *
- * Durability. The archive goes to "<path>.tmp", which is fsynced, closed and
- * renamed over path; then the directory is fsynced. On any error the
- * temporary file is removed and a previous file at path is left as it was.
+ * Durability (docs/checkpoints.md): each snapshot writes its own temporary
+ * file beside the target, created exclusively, then fsync, rename, fsync of
+ * the directory; a target that is not a regular file is refused.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -410,8 +410,8 @@ static int validate(ferry_engine *e, const char *path, const ferry_snapshot_reco
   if (!out) return start_fail(e, FERRY_EINVAL, "out is NULL");
   *out = NULL;
   if (!path || !*path) return start_fail(e, FERRY_EINVAL, "path is NULL or empty");
-  if (strlen(path) + 5 > PATH_MAX)
-    return start_fail(e, FERRY_EINVAL, "path is longer than PATH_MAX with \".tmp\" appended");
+  if (strlen(path) + 24 > PATH_MAX)
+    return start_fail(e, FERRY_EINVAL, "path is too long for its temporary file (PATH_MAX)");
   if (n && !records) return start_fail(e, FERRY_EINVAL, "records is NULL but n is %zu", n);
   if (n >= (size_t)UINT32_MAX)
     return start_fail(e, FERRY_EINVAL, "%zu records is absurd (max 2^32 - 1)", n);
@@ -458,12 +458,15 @@ static ferry_snapshot *snapshot_new(ferry_engine *e, const char *path,
   pthread_cond_init(&s->cv, NULL);
   size_t plen = strlen(path);
   s->path = malloc(plen + 1);
-  s->tmp_path = malloc(plen + 5);
+  s->tmp_path = malloc(plen + 24);
   s->rec = calloc(n ? n : 1, sizeof *s->rec);
   if (!s->path || !s->tmp_path || !s->rec) goto oom;
   memcpy(s->path, path, plen + 1);
-  memcpy(s->tmp_path, path, plen);
-  memcpy(s->tmp_path + plen, ".tmp", 5);
+  /* "<dir>/.<name>.ferry-XXXXXX": hidden, beside the target (same file
+   * system for the rename), unique per writer (mkostemp) */
+  const char *slash = strrchr(path, '/');
+  size_t dir_len = slash ? (size_t)(slash - path) + 1 : 0;
+  snprintf(s->tmp_path, plen + 24, "%.*s.%s.ferry-XXXXXX", (int)dir_len, path, path + dir_len);
   s->n = n;
   for (size_t i = 0; i < n; i++) {
     const ferry_snapshot_record *in = &records[i];
@@ -558,19 +561,75 @@ static void abandon(ferry_engine *e, ferry_snapshot *s) {
   snapshot_free_memory(s);
 }
 
+/* The process's umask, read without changing it (umask() would, racily). */
+static mode_t process_umask(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  unsigned mask = 022;
+  char line[128];
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "Umask: %o", &mask) == 1) break;
+  if (f) fclose(f);
+  return (mode_t)mask;
+}
+
+static const char *file_type(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+/* The file a snapshot to path replaces: path itself when it does not exist
+ * or is a regular file; the regular file a symbolic link names (the link
+ * stays). Anything else that exists is refused, never replaced. */
+static int resolve_target(ferry_engine *e, const char *path, char *out, size_t outlen) {
+  struct stat st;
+  if (lstat(path, &st) != 0) {
+    if (errno != ENOENT)
+      return start_fail(e, FERRY_EIO, "%s: %s", path, strerror(errno));
+    snprintf(out, outlen, "%s", path);
+    return FERRY_OK;
+  }
+  if (S_ISLNK(st.st_mode)) {
+    char real[PATH_MAX];
+    if (!realpath(path, real) || stat(real, &st) != 0)
+      return start_fail(e, FERRY_EINVAL,
+                        "%s is a symbolic link to a missing file; refusing to write through it",
+                        path);
+    if (!S_ISREG(st.st_mode))
+      return start_fail(e, FERRY_EINVAL,
+                        "%s is a symbolic link to %s, %s; refusing to replace it", path, real,
+                        file_type(st.st_mode));
+    if (strlen(real) + 24 > outlen)
+      return start_fail(e, FERRY_EINVAL, "%s: its target's path is too long", path);
+    snprintf(out, outlen, "%s", real);
+    return FERRY_OK;
+  }
+  if (!S_ISREG(st.st_mode))
+    return start_fail(e, FERRY_EINVAL, "%s exists and is %s; refusing to replace it", path,
+                      file_type(st.st_mode));
+  snprintf(out, outlen, "%s", path);
+  return FERRY_OK;
+}
+
 int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot_record *records,
                          size_t n, void *compute_stream, ferry_snapshot **out) {
   int rc = engine_check(e);
   if (rc) return rc;
   if ((rc = validate(e, path, records, n, out))) return rc;
-  ferry_snapshot *s = snapshot_new(e, path, records, n);
+  char target[PATH_MAX];
+  if ((rc = resolve_target(e, path, target, sizeof target))) return rc;
+  ferry_snapshot *s = snapshot_new(e, target, records, n);
   if (!s) return start_fail(e, FERRY_ENOMEM, "out of host memory copying the records");
   if ((rc = register_snapshot(e, s))) {
     snapshot_free_memory(s);
     return rc;
   }
 
-  s->fd = open(s->tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  s->fd = mkostemp(s->tmp_path, O_CLOEXEC);
+  if (s->fd >= 0) fchmod(s->fd, 0666 & ~process_umask()); /* as open(0666) would */
   if (s->fd < 0) {
     /* An I/O error: reported on the handle like every other one. */
     io_fail(s, "creating", errno);
