@@ -7,6 +7,8 @@
   X(version_matches_header)                                                \
   X(config_rejects_bad_values)                                             \
   X(number_parser_is_strict)                                               \
+  X(api_refuses_null_and_bad_arguments)                                    \
+  X(api_refuses_out_of_order_calls)                                        \
   /* host backend (test_backend_host.c) */                                 \
   X(host_stream_runs_copies_in_order)                                      \
   X(host_event_never_recorded_is_complete)                                 \

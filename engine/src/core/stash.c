@@ -359,6 +359,13 @@ static int set_phase(ferry_engine *e, int phase, const char *ev) {
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
   if (!e->in_step) step_begin_locked(e);
+  if (e->phase == phase) {
+    rc = engine_fail(e, FERRY_ESTATE, "ferry_%s: %s", ev,
+                     phase == FERRY_PHASE_BACKWARD ? "already in backward"
+                                                   : "without ferry_backward_begin");
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+  }
   e->phase = phase;
   e->ctx.phase = phase;
   trace_event(e, ev, 0);
@@ -457,9 +464,9 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
-  if (!out || !desc || !device_ptr) {
+  if (!out || !desc || !device_ptr || !owner) {
     rc = engine_fail(e, FERRY_EINVAL, "ferry_pack: %s is NULL",
-                     !out ? "out" : !desc ? "desc" : "device_ptr");
+                     !out ? "out" : !desc ? "desc" : !device_ptr ? "device_ptr" : "owner");
     goto unlock;
   }
   *out = 0;
