@@ -9,6 +9,9 @@
   X(number_parser_is_strict)                                               \
   X(api_refuses_null_and_bad_arguments)                                    \
   X(api_refuses_out_of_order_calls)                                        \
+  /* fault injection (test_faults.c) */                                    \
+  X(faults_lose_nothing)                                                   \
+  X(faults_spec_is_checked)                                                \
   /* host backend (test_backend_host.c) */                                 \
   X(host_stream_runs_copies_in_order)                                      \
   X(host_event_never_recorded_is_complete)                                 \

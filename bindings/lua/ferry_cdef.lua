@@ -103,6 +103,7 @@ const char *trace_path;
 ferry_reserve_fn host_reserve;
 void *host_reserve_ud;
 uint64_t max_fwd_stash_bytes;
+const char *faults;
 }ferry_config;
 void ferry_config_init(ferry_config *cfg);
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf, size_t errlen);

@@ -276,6 +276,9 @@ typedef struct ferry_config {
   /* also bound the forward stash by bytes (0 = by count only): a count is a
    * poor proxy when tensor sizes vary by orders of magnitude */
   uint64_t max_fwd_stash_bytes;
+  /* tests and soak runs only: fail backend calls at random, seeded,
+   * "seed=N,copy=P,event=P,alloc=P" (docs/security.md); NULL = never */
+  const char *faults;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \

@@ -178,6 +178,11 @@ typedef struct ferry_backend_ops {
   int (*event_synchronize)(ferry_backend *b, bk_event *ev);
   /* Work enqueued on s after this call waits for ev. s may be external. */
   int (*stream_wait_event)(ferry_backend *b, bk_stream s, bk_event *ev);
+  /* Blocks until every operation enqueued on engine stream s so far has
+   * completed, whether or not an event was recorded after it: how a failed
+   * issue (a copy enqueued, its event not recorded) is drained before its
+   * buffers go back. */
+  int (*stream_synchronize)(ferry_backend *b, bk_stream s);
 } ferry_backend_ops;
 
 struct ferry_backend {
@@ -194,6 +199,15 @@ FERRY_API int ferry_backend_cuda_create(const ferry_config *cfg, ferry_backend *
 FERRY_API int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **out,
                              char *errbuf, size_t errlen);
 
+
+/* A backend that wraps inner (taking it over) and fails copies, event
+ * records, stream waits and pinned allocations at random (ferry_config.faults
+ * syntax); the number of faults injected so far. */
+FERRY_API int ferry_backend_faults_wrap(ferry_backend *inner, const char *spec,
+                                        ferry_backend **out, char *err, size_t errlen);
+FERRY_API uint64_t ferry_backend_faults_injected(const ferry_backend *b);
+/* ... of an engine created with config.faults (0 otherwise). */
+FERRY_API uint64_t ferry_faults_injected(ferry_engine *e);
 
 /* ---- the sim backend's virtual clock, stall counters and copy listener (docs/simulator.md)
  */

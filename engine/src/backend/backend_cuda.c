@@ -376,6 +376,15 @@ static int event_synchronize(ferry_backend *b, bk_event *ev) {
   return CUDA_CALL(as_cuda(b), cudaEventSynchronize, (cuda_event(ev)));
 }
 
+static int stream_synchronize(ferry_backend *b, bk_stream s) {
+  bk_event *ev;
+  int rc = event_create(b, &ev);
+  if (rc) return rc;
+  if (!(rc = event_record(b, ev, s))) rc = event_synchronize(b, ev);
+  int rc2 = event_destroy(b, ev);
+  return rc ? rc : rc2;
+}
+
 static int stream_wait_event(ferry_backend *b, bk_stream s, bk_event *ev) {
   cuda_backend *cb = as_cuda(b);
   if (!ev) return fail(b, FERRY_EINVAL, "stream_wait_event: event is NULL");
@@ -402,6 +411,7 @@ static const ferry_backend_ops cuda_ops = {
     .event_record = event_record,
     .event_query = event_query,
     .event_synchronize = event_synchronize,
+    .stream_synchronize = stream_synchronize,
     .stream_wait_event = stream_wait_event,
 };
 

@@ -693,6 +693,14 @@ static int event_synchronize(ferry_backend *b, bk_event *ev) {
   return FERRY_OK;
 }
 
+static int stream_synchronize(ferry_backend *b, bk_stream h) {
+  host_stream *s;
+  int rc = engine_stream(as_host(b), h, "stream_synchronize", &s);
+  if (rc) return rc;
+  wait_reached(s, atomic_load(&s->enqueued));
+  return FERRY_OK;
+}
+
 static int stream_wait_event(ferry_backend *b, bk_stream h, bk_event *ev) {
   host_backend *hb = as_host(b);
   int rc = check_event(b, ev, "stream_wait_event");
@@ -754,6 +762,7 @@ static const ferry_backend_ops host_ops = {
     .event_record = event_record,
     .event_query = event_query,
     .event_synchronize = event_synchronize,
+    .stream_synchronize = stream_synchronize,
     .stream_wait_event = stream_wait_event,
 };
 

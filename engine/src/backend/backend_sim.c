@@ -463,6 +463,22 @@ static int sim_event_synchronize(ferry_backend *b, bk_event *ev) {
   return FERRY_OK;
 }
 
+static int sim_stream_synchronize(ferry_backend *b, bk_stream s) {
+  sim_backend *sb = as_sim(b);
+  pthread_mutex_lock(&sb->lock);
+  if (!is_own_stream(sb, s)) {
+    pthread_mutex_unlock(&sb->lock);
+    return fail(b, FERRY_EINVAL, "sim stream_synchronize: %p is not an engine stream", s);
+  }
+  bk_event all = {.magic = SIM_EVENT_MAGIC, .kind = EV_STREAM, .stream = s,
+                  .target = ((sim_stream *)s)->enqueued};
+  double waited = wait_event(sb, &all);
+  if (waited > 0) sb->st.host_wait_us += waited;
+  pthread_mutex_unlock(&sb->lock);
+  if (waited < 0) return fail(b, FERRY_EBACKEND, "sim stream_synchronize: the stream never drains");
+  return FERRY_OK;
+}
+
 static int sim_stream_wait_event(ferry_backend *b, bk_stream s, bk_event *ev) {
   sim_backend *sb = as_sim(b);
   int rc = check_event(b, ev, "stream_wait_event");
@@ -522,6 +538,7 @@ static const ferry_backend_ops sim_ops = {
     .event_record = sim_event_record,
     .event_query = sim_event_query,
     .event_synchronize = sim_event_synchronize,
+    .stream_synchronize = sim_stream_synchronize,
     .stream_wait_event = sim_stream_wait_event,
 };
 

@@ -221,10 +221,12 @@ static int issue_batch(ferry_snapshot *s, uint32_t i) {
     s->issue_off += piece;
   }
   /* Recorded even after a failed copy: it then covers whatever was issued,
-   * so waiting on it makes the buffer safe to give back. */
+   * so waiting on it makes the buffer safe to give back. If the record
+   * fails too, nothing covers the copies: drain the stream now. */
   int rc2 = o->event_record(engine_backend(e), slot->ev, engine_d2h_stream(e));
   if (!rc) rc = rc2;
   if (rc2 == FERRY_OK) s->last_issued_ev = slot->ev;
+  else o->stream_synchronize(engine_backend(e), engine_d2h_stream(e));
   if (rc) return rc;
   s->issued += len;
   s->queue[(s->q_head + s->q_count) % s->n_slots] = (snap_batch){i, len};

@@ -203,6 +203,14 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     ferry_errbuf(errbuf, errlen, rc, "backend: %s", msg[0] ? msg : ferry_strerror(rc));
     goto fail;
   }
+  if (c.faults && *c.faults) {
+    ferry_backend *wrapped;
+    if ((rc = ferry_backend_faults_wrap(e->bk, c.faults, &wrapped, msg, sizeof msg))) {
+      ferry_errbuf(errbuf, errlen, rc, "%s", msg);
+      goto fail;
+    }
+    e->bk = wrapped;
+  }
   if ((rc = e->bk->ops->stream_create(e->bk, &e->d2h)) ||
       (rc = e->bk->ops->stream_create(e->bk, &e->h2d)) ||
       (rc = e->bk->ops->event_create(e->bk, &e->ev_scratch))) {
@@ -305,6 +313,10 @@ void *engine_shutdown_data(ferry_engine *e, engine_shutdown_fn fn) {
   for (uint32_t i = 0; i < e->n_shutdown_hooks; i++)
     if (e->shutdown_hooks[i].fn == fn) return e->shutdown_hooks[i].ud;
   return NULL;
+}
+
+uint64_t ferry_faults_injected(ferry_engine *e) {
+  return engine_check(e) ? 0 : ferry_backend_faults_injected(e->bk);
 }
 
 const char *ferry_backend_name(ferry_engine *e) {

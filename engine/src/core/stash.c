@@ -454,8 +454,13 @@ static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
   if ((rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) ||
       (rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch)) ||
       (rc = o->copy_d2h(e->bk, s->host, s->dev_ptr, s->bytes, e->d2h)) ||
-      (rc = o->event_record(e->bk, s->ev, e->d2h)))
-    return engine_fail(e, rc, "offload copy failed, tensor kept on device: %s", e->bk->err);
+      (rc = o->event_record(e->bk, s->ev, e->d2h))) {
+    engine_fail(e, rc, "offload copy failed, tensor kept on device: %s", e->bk->err);
+    /* The copy may be enqueued without an event after it: drain the stream
+     * before the host buffer goes back. */
+    o->stream_synchronize(e->bk, e->d2h);
+    return rc;
+  }
   return FERRY_OK;
 }
 
@@ -601,9 +606,9 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream) {
         (rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d)) ||
         (rc = o->event_record(e->bk, s->ev, e->h2d))) {
       rc = engine_fail(e, rc, "reload copy failed; the handle stays valid: %s", e->bk->err);
-      /* A failed issue may have left a copy running into dev: let it end. */
-      o->event_record(e->bk, s->ev, e->h2d);
-      o->event_synchronize(e->bk, s->ev);
+      /* A failed issue may have left a copy running into dev, with no event
+       * after it: drain the stream before dev goes back. */
+      o->stream_synchronize(e->bk, e->h2d);
       s->state = ENTRY_OFFLOADED;
       pthread_mutex_unlock(&e->lock);
       e->cfg.release(e->cfg.callback_ud, owner);
