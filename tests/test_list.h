@@ -9,6 +9,8 @@
   X(number_parser_is_strict)                                               \
   X(api_refuses_null_and_bad_arguments)                                    \
   X(api_refuses_out_of_order_calls)                                        \
+  /* stream ordering (test_ordering.c) */                                  \
+  X(copies_wait_for_a_busy_compute_stream)                                 \
   /* fault injection (test_faults.c) */                                    \
   X(faults_lose_nothing)                                                   \
   X(faults_spec_is_checked)                                                \

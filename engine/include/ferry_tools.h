@@ -200,6 +200,10 @@ FERRY_API int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **
                              char *errbuf, size_t errlen);
 
 
+/* The backend an engine copies with (tests: streams and pinned memory of the
+ * engine's own backend, e.g. an asynchronous compute stream). */
+FERRY_API ferry_backend *ferry_engine_backend(ferry_engine *e);
+
 /* A backend that wraps inner (taking it over) and fails copies, event
  * records, stream waits and pinned allocations at random (ferry_config.faults
  * syntax); the number of faults injected so far. */

@@ -337,10 +337,13 @@ static void run_op(host_stream *s, const stream_op *op) {
         if (op->bytes) memcpy(op->dst, op->src, op->bytes);
         break;
       }
+      /* An emulated link lands the bytes when the modeled transfer ends, as
+       * a device copy is only complete at its event: a reader that does
+       * not wait for it sees the old bytes, as it would on a GPU. */
       link_copy c;
       link_join(l, &c, op->bytes, d);
-      if (op->bytes) memcpy(op->dst, op->src, op->bytes);
       link_finish(l, &c);
+      if (op->bytes) memcpy(op->dst, op->src, op->bytes);
       break;
     }
     case OP_WAIT:

@@ -315,6 +315,8 @@ void *engine_shutdown_data(ferry_engine *e, engine_shutdown_fn fn) {
   return NULL;
 }
 
+ferry_backend *ferry_engine_backend(ferry_engine *e) { return engine_check(e) ? NULL : e->bk; }
+
 uint64_t ferry_faults_injected(ferry_engine *e) {
   return engine_check(e) ? 0 : ferry_backend_faults_injected(e->bk);
 }
