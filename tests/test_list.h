@@ -9,6 +9,10 @@
   X(number_parser_is_strict)                                               \
   X(api_refuses_null_and_bad_arguments)                                    \
   X(api_refuses_out_of_order_calls)                                        \
+  /* host RAM readings (test_ram.c) */                                     \
+  X(ram_rules_see_the_host_ram_reading)                                    \
+  X(ram_percent_cap_is_of_the_reading)                                     \
+  X(meminfo_reader_parses_and_refuses)                                     \
   /* stream ordering (test_ordering.c) */                                  \
   X(copies_wait_for_a_busy_compute_stream)                                 \
   /* fault injection (test_faults.c) */                                    \

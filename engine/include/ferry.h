@@ -201,6 +201,9 @@ typedef int (*ferry_decide_fn)(void *ud, const ferry_tensor_desc *desc,
                                const ferry_context *ctx, ferry_decision *out);
 
 /* ---- embedder callbacks ------------------------------------------------- */
+/* Host RAM in bytes: total and available now (MemAvailable); 0 on success. */
+typedef int (*ferry_host_ram_fn)(void *ud, uint64_t *total_bytes, uint64_t *available_bytes);
+
 /* Allocate a device buffer of `bytes` usable in the order of `stream` (the
  * compute stream passed to the call that needs it). Returns 0 and sets the
  * buffer and an owner token holding one reference to it. */
@@ -279,6 +282,11 @@ typedef struct ferry_config {
   /* tests and soak runs only: fail backend calls at random, seeded,
    * "seed=N,copy=P,event=P,alloc=P" (docs/security.md); NULL = never */
   const char *faults;
+  /* host RAM as the engine sees it, for host_cap_pct and the policies'
+   * host_ram_used_pct: NULL reads /proc/meminfo; the simulator gives its
+   * hardware's, tests fixed numbers */
+  ferry_host_ram_fn host_ram;
+  void *host_ram_ud;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \

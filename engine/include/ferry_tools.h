@@ -43,6 +43,10 @@ FERRY_API int ferry_parse_number(const char *what, const char *text, int kind, d
                                  double max, int min_open, double *out, char *err,
                                  size_t errlen);
 
+/* ---- host RAM from a meminfo file (ud: its path, NULL = /proc/meminfo):
+ * the default ferry_host_ram_fn. */
+FERRY_API int ferry_host_ram_proc(void *ud, uint64_t *total_bytes, uint64_t *available_bytes);
+
 /* ---- "did you mean": the name in names[0..n) within a typo's distance of
  * word (about a third of its letters), or NULL. */
 FERRY_API const char *ferry_suggest(const char *word, const char *const *names, size_t n);

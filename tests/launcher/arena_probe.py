@@ -62,7 +62,8 @@ class Config(ctypes.Structure):
                 ("policy_source", ctypes.c_char_p), ("policy_trusted", ctypes.c_int32),
                 ("reserved1", ctypes.c_int32), ("trace_path", ctypes.c_char_p),
                 ("host_reserve", ctypes.c_void_p), ("host_reserve_ud", ctypes.c_void_p),
-                ("max_fwd_stash_bytes", ctypes.c_uint64), ("faults", ctypes.c_char_p)]
+                ("max_fwd_stash_bytes", ctypes.c_uint64), ("faults", ctypes.c_char_p),
+                ("host_ram", ctypes.c_void_p), ("host_ram_ud", ctypes.c_void_p)]
 
 
 def jemalloc_mapped():

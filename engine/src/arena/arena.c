@@ -214,17 +214,6 @@ const char *ferry_arena_kind_name(const ferry_arena *a) {
 }
 
 uint64_t ferry_mem_total_bytes(void) {
-  FILE *f = fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[256];
-  uint64_t total = 0;
-  while (fgets(line, sizeof line, f)) {
-    unsigned long long kib;
-    if (sscanf(line, "MemTotal: %llu kB", &kib) == 1) {
-      total = (uint64_t)kib * 1024;
-      break;
-    }
-  }
-  fclose(f);
-  return total;
+  uint64_t total = 0, avail;
+  return ferry_host_ram_proc(NULL, &total, &avail) ? 0 : total;
 }

@@ -97,6 +97,7 @@ static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
                    in->version >> 16, (in->version >> 8) & 0xff, ferry_version_string());
   memcpy(out, in, in->struct_size);
   out->struct_size = sizeof *out;
+  if (!out->host_ram) out->host_ram = ferry_host_ram_proc, out->host_ram_ud = NULL;
 
   if (out->backend < FERRY_BACKEND_HOST || out->backend > FERRY_BACKEND_SIM)
     return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config.backend %d is not a ferry_backend_kind",
@@ -136,9 +137,9 @@ static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
 }
 
 static uint64_t cap_bytes(const ferry_config *c) {
-  uint64_t cap = c->host_cap_bytes;
+  uint64_t cap = c->host_cap_bytes, total = 0, avail;
   if (c->host_cap_pct > 0) {
-    uint64_t total = ferry_mem_total_bytes();
+    if (c->host_ram(c->host_ram_ud, &total, &avail)) total = 0;
     if (total) {
       uint64_t pct = (uint64_t)((double)total * c->host_cap_pct / 100.0);
       if (!cap || pct < cap) cap = pct;

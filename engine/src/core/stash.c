@@ -286,17 +286,11 @@ static void release_all(ferry_engine *e, void **owners, uint32_t n) {
 }
 
 /* ---- steps -------------------------------------------------------------------- */
-static double host_ram_used_pct(void) {
-  FILE *f = fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[128];
-  unsigned long long total = 0, avail = 0, v;
-  while (fgets(line, sizeof line, f)) {
-    if (sscanf(line, "MemTotal: %llu kB", &v) == 1) total = v;
-    else if (sscanf(line, "MemAvailable: %llu kB", &v) == 1) avail = v;
-  }
-  fclose(f);
-  return total ? 100.0 * (double)(total - avail) / (double)total : 0;
+/* Percent of host RAM in use (not available), 0 if it cannot be read. */
+static double host_ram_used_pct(ferry_engine *e) {
+  uint64_t total = 0, avail = 0;
+  if (e->cfg.host_ram(e->cfg.host_ram_ud, &total, &avail) || !total || avail > total) return 0;
+  return 100.0 * (double)(total - avail) / (double)total;
 }
 
 static void step_begin_locked(ferry_engine *e) {
@@ -310,7 +304,7 @@ static void step_begin_locked(ferry_engine *e) {
   e->ctx.packed_this_step = 0;
   e->ctx.offloaded_this_step = 0;
   e->ctx.bytes_offloaded_this_step = 0;
-  e->ctx.host_ram_used_pct = host_ram_used_pct();
+  e->ctx.host_ram_used_pct = host_ram_used_pct(e);
   if (e->layer_counts) memset(e->layer_counts, 0, e->cap_layers * sizeof *e->layer_counts);
   e->n_offl = 0;
   if (e->policy) ferry_policy_step_begin(e->policy, e->step);

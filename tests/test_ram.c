@@ -1,0 +1,127 @@
+/* test_ram.c — the engine's view of host RAM comes from config.host_ram (a
+ * fixed reading here), so RAM-percent rules and caps are checked on both
+ * sides of known numbers, and the meminfo reader against files we write. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ferry_tools.h"
+#include "test.h"
+#include "test_device.h"
+
+typedef struct fake_ram {
+  uint64_t total, avail;
+} fake_ram;
+
+static int fake_host_ram(void *ud, uint64_t *total, uint64_t *avail) {
+  const fake_ram *r = ud;
+  *total = r->total;
+  *avail = r->avail;
+  return FERRY_OK;
+}
+
+/* Tensors offloaded in one step of 4 packs under policy source src. */
+static int offloads_under(const char *src, fake_ram *ram, uint64_t *offloaded) {
+  ferry_config c = FERRY_CONFIG_INIT;
+  c.backend = test_backend_kind();
+  c.arena = test_arena_kind();
+  c.device_alloc = test_device_alloc_cb;
+  c.release = test_device_release_cb;
+  c.min_offload_bytes = 0;
+  c.policy_source = src;
+  c.host_ram = fake_host_ram;
+  c.host_ram_ud = ram;
+  ferry_engine *e = NULL;
+  char err[512];
+  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  CHECK_OK(ferry_step_begin(e));
+  ferry_handle h[4];
+  for (int i = 0; i < 4; i++) {
+    test_buffer *b = test_buffer_new(4096);
+    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+    d.bytes = 4096;
+    d.dtype = FERRY_DTYPE_U8;
+    d.ndim = 1;
+    d.shape[0] = 4096;
+    CHECK_OK(ferry_pack(e, &d, b->ptr, b, NULL, &h[i]));
+  }
+  void *owners[4];
+  for (int i = 3; i >= 0; i--) {
+    void *p;
+    CHECK_OK(ferry_unpack(e, h[i], NULL, &p, &owners[i]));
+  }
+  CHECK_OK(ferry_step_end(e)); /* the copies are over: the buffers may go */
+  for (int i = 0; i < 4; i++) test_buffer_unref(owners[i]);
+  ferry_stats st;
+  CHECK_OK(ferry_get_stats(e, &st, sizeof st));
+  *offloaded = st.tensors_offloaded;
+  ferry_engine_destroy(e);
+  return 0;
+}
+
+TEST(ram_rules_see_the_host_ram_reading) {
+  fake_ram ram = {.total = 64ull << 30, .avail = 40ull << 30}; /* 37.5% used */
+  uint64_t n;
+  CHECK(offloads_under("local R = require 'ferry.rules'\n"
+                       "return R.policy { R.min_bytes(0), R.ram_cap(38) }\n",
+                       &ram, &n) == 0);
+  CHECK_EQ(n, 4); /* 37.5 < 38: offload */
+  CHECK(offloads_under("local R = require 'ferry.rules'\n"
+                       "return R.policy { R.min_bytes(0), R.ram_cap(37) }\n",
+                       &ram, &n) == 0);
+  CHECK_EQ(n, 0); /* 37.5 >= 37: keep */
+  ram.avail = 60ull << 30; /* 6.25% used: now 37 lets everything through */
+  CHECK(offloads_under("local R = require 'ferry.rules'\n"
+                       "return R.policy { R.min_bytes(0), R.ram_cap(37) }\n",
+                       &ram, &n) == 0);
+  CHECK_EQ(n, 4);
+  return 0;
+}
+
+TEST(ram_percent_cap_is_of_the_reading) {
+  fake_ram ram = {.total = 1ull << 30, .avail = 1ull << 29};
+  ferry_config c = FERRY_CONFIG_INIT;
+  c.backend = test_backend_kind();
+  c.arena = test_arena_kind();
+  c.device_alloc = test_device_alloc_cb;
+  c.release = test_device_release_cb;
+  c.host_ram = fake_host_ram;
+  c.host_ram_ud = &ram;
+  c.host_cap_pct = 25;
+  ferry_engine *e = NULL;
+  char err[256];
+  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  ferry_stats st;
+  CHECK_OK(ferry_get_stats(e, &st, sizeof st));
+  CHECK_EQ(st.arena_cap, 256ull << 20); /* 25% of the 1 GiB reading */
+  ferry_engine_destroy(e);
+  c.host_cap_bytes = 100ull << 20; /* the smaller of the two wins */
+  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  CHECK_OK(ferry_get_stats(e, &st, sizeof st));
+  CHECK_EQ(st.arena_cap, 100ull << 20);
+  ferry_engine_destroy(e);
+  return 0;
+}
+
+TEST(meminfo_reader_parses_and_refuses) {
+  char path[] = "/tmp/ferry-meminfo-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  FILE *f = fdopen(fd, "w");
+  fputs("MemTotal:       16384000 kB\nMemFree:  100 kB\nMemAvailable:    4096000 kB\n", f);
+  fclose(f);
+  uint64_t total = 0, avail = 0;
+  CHECK_OK(ferry_host_ram_proc(path, &total, &avail));
+  CHECK_EQ(total, 16384000ull * 1024);
+  CHECK_EQ(avail, 4096000ull * 1024);
+  f = fopen(path, "w");
+  fputs("MemTotal:       16384000 kB\n", f); /* no MemAvailable */
+  fclose(f);
+  CHECK_RC(ferry_host_ram_proc(path, &total, &avail), FERRY_EPARSE);
+  unlink(path);
+  CHECK_RC(ferry_host_ram_proc(path, &total, &avail), FERRY_EIO);
+  CHECK_OK(ferry_host_ram_proc(NULL, &total, &avail)); /* this machine */
+  CHECK(total > (64ull << 20) && avail <= total);
+  return 0;
+}
