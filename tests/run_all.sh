@@ -4,7 +4,8 @@
 #      the cuda backend linked to the CUDA test double
 #   2. the C suite under ASan+UBSan, and the threaded tests under TSan
 #   3. valgrind memcheck on the C suite (shorter soak)
-#   4. install + an out-of-tree find_package(ferry) consumer
+#   4. install + an out-of-tree find_package(ferry) consumer, and an install
+#      that works moved and without its source tree
 #   5. pytest (when that suite exists); the busted specs run inside ctest
 # Stages can be skipped with FERRY_SKIP="asan tsan valgrind ..." for local runs.
 set -euo pipefail
@@ -64,7 +65,8 @@ if ! skip install; then
   "$BUILD/consumer/consumer"
   "$BUILD/consumer/consumer_static"
   PKG_CONFIG_PATH="$ROOT/$BUILD/install-test/lib/pkgconfig" pkg-config --exists ferry
-  summary+=("install: ok")
+  JOBS=$JOBS tests/install/relocated.sh
+  summary+=("install (relocated, without the source tree): ok")
 fi
 
 if ! skip pytest && [ -x tests/python/run.sh ]; then

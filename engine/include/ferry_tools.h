@@ -51,6 +51,11 @@ FERRY_API int ferry_host_ram_proc(void *ud, uint64_t *total_bytes, uint64_t *ava
  * word (about a third of its letters), or NULL. */
 FERRY_API const char *ferry_suggest(const char *word, const char *const *names, size_t n);
 
+/* The folder of the rules library (require "ferry.rules") beside the
+ * shipped policies (the folders ferry_policy_find searches); FERRY_ENOENT if
+ * none has it. */
+FERRY_API int ferry_policy_libdir(char *out, size_t outlen);
+
 /* ---- the policy host: Lua policies (policy API v1) in a sandboxed LuaJIT state, one state per policy; a fault never propagates (the answer becomes FERRY_KEEP, counted, with "file:line: message")
  */
 

@@ -30,9 +30,12 @@ static int is_dir(const char *p) {
   return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+/* Adds dir, as a real path ("<prefix>/share", not "<prefix>/bin/../share"), if
+ * it is a folder. */
 static void add_dir(policy_dirs *d, const char *dir) {
-  if (d->n < MAX_DIRS && dir && *dir && is_dir(dir))
-    snprintf(d->dir[d->n++], PATH_MAX, "%s", dir);
+  char real[PATH_MAX];
+  if (d->n < MAX_DIRS && dir && *dir && is_dir(dir) && realpath(dir, real))
+    snprintf(d->dir[d->n++], PATH_MAX, "%s", real);
 }
 
 /* The folder of the library or program that holds this code. */
@@ -132,4 +135,16 @@ int ferry_policy_find(const char *name, char *path, size_t pathlen, char *err, s
                       "unknown policy '%s'%s (shipped: %s; or give a .lua path; "
                       "FERRY_POLICY_DIR adds folders)",
                       name, hint, n ? shipped : "none found");
+}
+
+int ferry_policy_libdir(char *out, size_t outlen) {
+  policy_dirs d;
+  find_dirs(&d);
+  for (int i = 0; i < d.n; i++) {
+    char probe[PATH_MAX + 32];
+    snprintf(probe, sizeof probe, "%s/lib/ferry/rules.lua", d.dir[i]);
+    if (is_file(probe) && (size_t)snprintf(out, outlen, "%s/lib", d.dir[i]) < outlen)
+      return FERRY_OK;
+  }
+  return FERRY_ENOENT;
 }

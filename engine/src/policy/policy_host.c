@@ -34,6 +34,7 @@
 #include "ferry_tools.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <inttypes.h>
 #include <lauxlib.h>
 #include <lua.h>
@@ -963,9 +964,8 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
   p->mem_cap = (size_t)env_ull("FERRY_POLICY_MEM_MB", DEFAULT_MEM_CAP >> 20, 4, 1 << 20) << 20;
   p->error_budget = (unsigned)env_ull("FERRY_POLICY_ERROR_BUDGET", DEFAULT_ERROR_BUDGET, 1, 1u << 30);
   const char *libdir = getenv("FERRY_POLICY_LIBDIR");
-#ifdef FERRY_POLICY_LIBDIR
-  if (!libdir || !*libdir) libdir = FERRY_POLICY_LIBDIR;
-#endif
+  char found[PATH_MAX] = "";
+  if ((!libdir || !*libdir) && ferry_policy_libdir(found, sizeof found) == FERRY_OK) libdir = found;
   copy_str(p->libdir, sizeof p->libdir, libdir);
   chunk_display_name(p, path);
   default_name(p, path);

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# An installed ferry works without its source tree: build and install from a
+# copy of the sources, delete the copy and its build, move the prefix, then
+# use what was installed: `ferry check default`, `ferry sim --policy budget`,
+# a pkg-config build and a find_package build of a consumer.
+#   tests/install/relocated.sh      (JOBS=2)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+work=$(mktemp -d /tmp/ferry-relocate-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+mkdir "$work/src"
+(cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$work/src")
+cmake -S "$work/src" -B "$work/build" -DFERRY_WERROR=ON -DBUILD_TESTING=OFF >/dev/null
+cmake --build "$work/build" -j"${JOBS:-2}" >/dev/null
+cmake --install "$work/build" --prefix "$work/first" >/dev/null
+rm -rf "$work/src" "$work/build"
+mv "$work/first" "$work/moved"
+p=$work/moved
+
+fail() { echo "relocated install: $*" >&2; exit 1; }
+"$p/bin/ferry" check default >"$work/check.txt" 2>&1 || { cat "$work/check.txt"; fail "ferry check default"; }
+grep -q "^name     default" "$work/check.txt" || fail "ferry check default printed no policy name"
+grep -q "$p/share/ferry/policies/default.lua" "$work/check.txt" ||
+  fail "ferry check default did not use the installed policy"
+"$p/bin/ferry" trace synth --preset tiny -o "$work/t.jsonl"
+"$p/bin/ferry" sim --policy budget --trace "$work/t.jsonl" --steps 2 >"$work/sim.txt" 2>&1 ||
+  { cat "$work/sim.txt"; fail "ferry sim --policy budget"; }
+grep -q "^budget" "$work/sim.txt" || fail "ferry sim printed no row for budget"
+
+# pkg-config, the .pc found where the prefix now is
+cc "$root/tests/install/consumer.c" -o "$work/consumer_pc" \
+  $(PKG_CONFIG_PATH="$p/lib/pkgconfig" pkg-config --cflags --libs ferry)
+LD_LIBRARY_PATH="$p/lib" "$work/consumer_pc" >/dev/null || fail "the pkg-config consumer"
+# find_package
+cmake -S "$root/tests/install" -B "$work/consumer" -DCMAKE_PREFIX_PATH="$p" >/dev/null
+cmake --build "$work/consumer" >/dev/null
+"$work/consumer/consumer" >/dev/null || fail "the find_package consumer"
+echo "relocated install: ferry check, ferry sim, pkg-config and find_package work from $p"
