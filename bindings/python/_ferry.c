@@ -17,8 +17,8 @@
  *     tensor is described with the innermost module that saved it.
  *   - Handle: what a pack returns for a tensor given to the engine; its
  *     deallocation discards the engine handle (the graph was freed).
- *   - NodeCap: a host-memory cap shared by the processes of one node through
- *     POSIX shared memory (see the block comment there).
+ *   - NodeCap: a host-memory cap shared by the processes of one node, a
+ *     wrapper of the engine's ferry_node_budget.
  *
  * Threads: every entry point runs with the GIL held (hooks are called by
  * torch with the GIL), and the GIL is never released around engine calls, so
@@ -28,18 +28,9 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include <errno.h>
-#include <fcntl.h>
-#include <pthread.h>
-#include <signal.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "ferry.h"
 #include "policy/policy_host.h" /* snapshot(e) of policies: SnapshotPolicy */
@@ -306,129 +297,21 @@ static void cb_retain(void *ud, void *owner) {
 }
 
 /* ---- NodeCap: a host cap shared by the processes of one node --------------
- * One POSIX shared-memory segment per name holds the cap and one slot per
- * process: its pid, its start time (so a reused pid is not mistaken for the
- * dead rank) and the pinned bytes it reserved. A process-shared robust mutex
- * guards it: a rank killed while holding it leaves EOWNERDEAD, and the next
- * locker marks it consistent. Reserving sums the slots of live processes
- * only and frees the slots of dead ones, so a killed rank's share comes back
- * on the next reservation of any other rank. */
-#define NODECAP_MAGIC 0x66657279636170ull /* "ferycap" */
-#define NODECAP_SLOTS 256
-
-typedef struct nodecap_slot {
-  int32_t pid;
-  int32_t reserved0;
-  uint64_t start_time; /* /proc/<pid>/stat field 22 */
-  uint64_t bytes;
-  uint64_t peak;
-} nodecap_slot;
-
-typedef struct nodecap_shm {
-  _Atomic uint64_t magic; /* set last by the creator */
-  uint64_t cap;
-  pthread_mutex_t lock;
-  uint64_t reclaimed_bytes; /* from dead processes, ever */
-  uint64_t refusals;
-  nodecap_slot slots[NODECAP_SLOTS];
-} nodecap_shm;
-
+ * A thin wrapper of the engine's ferry_node_budget (engine/src/arena/
+ * node_budget.c): POSIX shared memory, one slot per process, dead processes'
+ * shares reclaimed. */
 typedef struct {
-  PyObject_HEAD nodecap_shm *shm;
-  int slot;
-  char name[128];
+  PyObject_HEAD ferry_node_budget *nb;
 } NodeCapObject;
 
-static uint64_t proc_start_time(int pid) {
-  char path[64], buf[1024];
-  snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  char *p = strrchr(buf, ')'); /* comm may hold spaces */
-  if (!p) return 0;
-  unsigned long long v = 0;
-  /* after ")": state(3) ... starttime is field 22 */
-  int field = 2;
-  for (char *tok = strtok(p + 1, " "); tok; tok = strtok(NULL, " ")) {
-    if (++field == 22) {
-      v = strtoull(tok, NULL, 10);
-      break;
-    }
-  }
-  return v;
-}
+#define NODECAP_MAX_PROCS 256
 
-static int slot_alive(const nodecap_slot *s) {
-  if (!s->pid) return 0;
-  if (kill(s->pid, 0) != 0 && errno == ESRCH) return 0;
-  uint64_t st = proc_start_time(s->pid);
-  if (st == 0) return 0; /* gone, or a zombie whose /proc entry vanished */
-  /* A zombie still has /proc but holds no memory: treat as dead. */
-  char path[64], buf[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", s->pid);
-  FILE *f = fopen(path, "r");
-  if (f) {
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    char *p = strrchr(buf, ')');
-    if (p && p[1] == ' ' && p[2] == 'Z') return 0;
-  }
-  return st == s->start_time;
-}
-
-static int nodecap_lock(nodecap_shm *m) {
-  int rc = pthread_mutex_lock(&m->lock);
-  if (rc == EOWNERDEAD) {
-    pthread_mutex_consistent(&m->lock);
-    rc = 0;
-  }
-  return rc;
-}
-
-/* With the lock held: free dead slots, return the live total. */
-static uint64_t nodecap_sweep(nodecap_shm *m) {
-  uint64_t total = 0;
-  for (int i = 0; i < NODECAP_SLOTS; i++) {
-    nodecap_slot *s = &m->slots[i];
-    if (!s->pid) continue;
-    if (!slot_alive(s)) {
-      m->reclaimed_bytes += s->bytes;
-      memset(s, 0, sizeof *s);
-      continue;
-    }
-    total += s->bytes;
-  }
-  return total;
-}
-
-/* 0 = reserved; 1 = refused by the cap. Release with release != 0. */
-static int nodecap_reserve(NodeCapObject *nc, uint64_t bytes, int release) {
-  nodecap_shm *m = nc->shm;
-  if (nodecap_lock(m)) return 1;
-  nodecap_slot *me = &m->slots[nc->slot];
-  int refused = 0;
-  if (release) {
-    me->bytes = bytes > me->bytes ? 0 : me->bytes - bytes;
-  } else {
-    uint64_t total = nodecap_sweep(m);
-    if (me->pid != getpid()) { /* swept by a confused peer: re-claim */
-      me->pid = getpid();
-      me->start_time = proc_start_time(getpid());
-    }
-    if (bytes > m->cap || total > m->cap - bytes) {
-      refused = 1;
-      m->refusals++;
-    } else {
-      me->bytes += bytes;
-      if (me->bytes > me->peak) me->peak = me->bytes;
-    }
-  }
-  pthread_mutex_unlock(&m->lock);
-  return refused;
+/* FERRY_EINVAL -> ValueError, FERRY_EIO -> OSError, else RuntimeError. */
+static void nodecap_raise(int rc, const char *err) {
+  PyObject *type = rc == FERRY_EINVAL ? PyExc_ValueError
+                   : rc == FERRY_EIO  ? PyExc_OSError
+                                      : PyExc_RuntimeError;
+  PyErr_Format(type, "NodeCap: %s", *err ? err : ferry_strerror(rc));
 }
 
 static int nodecap_init(NodeCapObject *self, PyObject *args, PyObject *kw) {
@@ -436,118 +319,26 @@ static int nodecap_init(NodeCapObject *self, PyObject *args, PyObject *kw) {
   const char *name;
   unsigned long long cap;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "sK", kwlist, &name, &cap)) return -1;
-  if (self->shm) {
+  if (self->nb) {
     PyErr_SetString(PyExc_RuntimeError, "NodeCap already initialised");
     return -1;
   }
-  if (!cap) {
-    PyErr_SetString(PyExc_ValueError, "NodeCap: cap_bytes must be > 0");
+  char err[512] = "";
+  int rc = ferry_node_budget_open(name, cap, &self->nb, err, sizeof err);
+  if (rc != FERRY_OK) {
+    nodecap_raise(rc, err);
     return -1;
   }
-  if (!*name || strchr(name, '/') || strlen(name) > 100) {
-    PyErr_Format(PyExc_ValueError,
-                 "NodeCap: name %R must be 1-100 characters without '/'", PyTuple_GET_ITEM(args, 0));
-    return -1;
-  }
-  snprintf(self->name, sizeof self->name, "/%s", name);
-  int creator = 1;
-  int fd = shm_open(self->name, O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0 && errno == EEXIST) {
-    creator = 0;
-    fd = shm_open(self->name, O_RDWR, 0600);
-  }
-  if (fd < 0) {
-    PyErr_Format(PyExc_OSError, "NodeCap: shm_open(%s): %s", self->name, strerror(errno));
-    return -1;
-  }
-  if (creator && ftruncate(fd, sizeof(nodecap_shm)) != 0) {
-    PyErr_Format(PyExc_OSError, "NodeCap: ftruncate(%s): %s", self->name, strerror(errno));
-    close(fd);
-    shm_unlink(self->name);
-    return -1;
-  }
-  if (!creator) { /* wait for the creator's ftruncate */
-    struct stat st;
-    for (int i = 0; i < 2000; i++) {
-      if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(nodecap_shm)) break;
-      usleep(1000);
-    }
-  }
-  nodecap_shm *m = mmap(NULL, sizeof *m, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (m == MAP_FAILED) {
-    PyErr_Format(PyExc_OSError, "NodeCap: mmap(%s): %s", self->name, strerror(errno));
-    return -1;
-  }
-  if (creator) {
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init(&m->lock, &a);
-    pthread_mutexattr_destroy(&a);
-    m->cap = cap;
-    atomic_store_explicit(&m->magic, NODECAP_MAGIC, memory_order_release);
-  } else {
-    int i;
-    for (i = 0; i < 2000; i++) {
-      if (atomic_load_explicit(&m->magic, memory_order_acquire) == NODECAP_MAGIC) break;
-      usleep(1000);
-    }
-    if (i == 2000) {
-      munmap(m, sizeof *m);
-      PyErr_Format(PyExc_RuntimeError, "NodeCap: segment %s was never initialised", self->name);
-      return -1;
-    }
-    if (m->cap != cap) {
-      unsigned long long have = m->cap;
-      munmap(m, sizeof *m);
-      PyErr_Format(PyExc_ValueError,
-                   "NodeCap %s: this process asks for a cap of %llu bytes but the node's "
-                   "segment was created with %llu; give every local rank the same cap",
-                   self->name, cap, have);
-      return -1;
-    }
-  }
-  if (nodecap_lock(m)) {
-    munmap(m, sizeof *m);
-    PyErr_SetString(PyExc_RuntimeError, "NodeCap: cannot lock the shared segment");
-    return -1;
-  }
-  nodecap_sweep(m);
-  int slot = -1;
-  for (int i = 0; i < NODECAP_SLOTS && slot < 0; i++)
-    if (!m->slots[i].pid) slot = i;
-  if (slot >= 0) {
-    m->slots[slot].pid = getpid();
-    m->slots[slot].start_time = proc_start_time(getpid());
-    m->slots[slot].bytes = m->slots[slot].peak = 0;
-  }
-  pthread_mutex_unlock(&m->lock);
-  if (slot < 0) {
-    munmap(m, sizeof *m);
-    PyErr_Format(PyExc_RuntimeError, "NodeCap %s: all %d process slots are in use", self->name,
-                 NODECAP_SLOTS);
-    return -1;
-  }
-  self->shm = m;
-  self->slot = slot;
   return 0;
 }
 
 static void nodecap_dealloc(NodeCapObject *self) {
-  if (self->shm) {
-    if (nodecap_lock(self->shm) == 0) {
-      memset(&self->shm->slots[self->slot], 0, sizeof(nodecap_slot));
-      pthread_mutex_unlock(&self->shm->lock);
-    }
-    munmap(self->shm, sizeof *self->shm);
-  }
+  ferry_node_budget_close(self->nb);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int nodecap_ready(NodeCapObject *self) {
-  if (self->shm) return 1;
+  if (self->nb) return 1;
   PyErr_SetString(PyExc_RuntimeError, "NodeCap is not initialised");
   return 0;
 }
@@ -556,48 +347,49 @@ static PyObject *nodecap_reserve_py(NodeCapObject *self, PyObject *arg) {
   if (!nodecap_ready(self)) return NULL;
   unsigned long long n = PyLong_AsUnsignedLongLong(arg);
   if (PyErr_Occurred()) return NULL;
-  return PyBool_FromLong(!nodecap_reserve(self, n, 0));
+  return PyBool_FromLong(!ferry_node_budget_reserve(self->nb, n, 0));
 }
 
 static PyObject *nodecap_release_py(NodeCapObject *self, PyObject *arg) {
   if (!nodecap_ready(self)) return NULL;
   unsigned long long n = PyLong_AsUnsignedLongLong(arg);
   if (PyErr_Occurred()) return NULL;
-  nodecap_reserve(self, n, 1);
+  ferry_node_budget_reserve(self->nb, n, 1);
   Py_RETURN_NONE;
 }
 
 static PyObject *nodecap_state(NodeCapObject *self, PyObject *unused) {
   if (!nodecap_ready(self)) return NULL;
-  nodecap_shm *m = self->shm;
-  if (nodecap_lock(m)) return PyErr_Format(PyExc_RuntimeError, "NodeCap: lock failed");
-  uint64_t total = nodecap_sweep(m);
+  ferry_node_budget_stats st;
+  int32_t pids[NODECAP_MAX_PROCS];
+  uint64_t bytes[NODECAP_MAX_PROCS];
+  if (ferry_node_budget_get_stats(self->nb, &st, pids, bytes, NODECAP_MAX_PROCS) != FERRY_OK)
+    return PyErr_Format(PyExc_RuntimeError, "NodeCap: lock failed");
   PyObject *slots = PyDict_New();
-  for (int i = 0; slots && i < NODECAP_SLOTS; i++) {
-    if (!m->slots[i].pid) continue;
-    PyObject *k = PyLong_FromLong(m->slots[i].pid);
-    PyObject *v = PyLong_FromUnsignedLongLong(m->slots[i].bytes);
+  uint32_t n = st.processes < NODECAP_MAX_PROCS ? st.processes : NODECAP_MAX_PROCS;
+  for (uint32_t i = 0; slots && i < n; i++) {
+    PyObject *k = PyLong_FromLong(pids[i]);
+    PyObject *v = PyLong_FromUnsignedLongLong(bytes[i]);
     if (!k || !v || PyDict_SetItem(slots, k, v)) Py_CLEAR(slots);
     Py_XDECREF(k);
     Py_XDECREF(v);
   }
-  uint64_t cap = m->cap, mine = m->slots[self->slot].bytes, rec = m->reclaimed_bytes,
-           ref = m->refusals;
-  pthread_mutex_unlock(&m->lock);
   if (!slots) return NULL;
-  return Py_BuildValue("{sKsKsKsKsKsN}", "cap", (unsigned long long)cap, "total",
-                       (unsigned long long)total, "mine", (unsigned long long)mine,
-                       "reclaimed", (unsigned long long)rec, "refusals",
-                       (unsigned long long)ref, "slots", slots);
+  return Py_BuildValue("{sKsKsKsKsKsN}", "cap", (unsigned long long)st.cap, "total",
+                       (unsigned long long)st.total, "mine", (unsigned long long)st.mine,
+                       "reclaimed", (unsigned long long)st.reclaimed, "refusals",
+                       (unsigned long long)st.refusals, "slots", slots);
 }
 
 static PyObject *nodecap_unlink(PyObject *unused, PyObject *arg) {
   const char *name = PyUnicode_AsUTF8(arg);
   if (!name) return NULL;
-  char full[128];
-  snprintf(full, sizeof full, "/%s", name);
-  if (shm_unlink(full) != 0 && errno != ENOENT)
-    return PyErr_Format(PyExc_OSError, "shm_unlink(%s): %s", full, strerror(errno));
+  char err[512] = "";
+  int rc = ferry_node_budget_unlink(name, err, sizeof err);
+  if (rc != FERRY_OK) {
+    nodecap_raise(rc, err);
+    return NULL;
+  }
   Py_RETURN_NONE;
 }
 
@@ -614,18 +406,12 @@ static PyTypeObject NodeCapType = {
     .tp_basicsize = sizeof(NodeCapObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "NodeCap(name, cap_bytes): a pinned-host-memory cap shared by the processes of "
-              "one node through POSIX shared memory /name.",
+              "one node through POSIX shared memory /name (ferry_node_budget).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)nodecap_init,
     .tp_dealloc = (destructor)nodecap_dealloc,
     .tp_methods = nodecap_methods,
 };
-
-#ifdef FERRY_HAVE_RESERVE_FN
-static int cb_reserve(void *ud, uint64_t bytes, int release) {
-  return nodecap_reserve((NodeCapObject *)ud, bytes, release);
-}
-#endif
 
 /* The engine's min_offload_bytes after policy knobs: the fast keep path
  * must not keep a tensor the engine would have shown the policy. */
@@ -711,13 +497,13 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.policy_trusted = trusted;
   cfg.trace_path = trace_path;
   if (node_cap != Py_None) {
-    if (!PyObject_TypeCheck(node_cap, &NodeCapType) || !((NodeCapObject *)node_cap)->shm) {
+    if (!PyObject_TypeCheck(node_cap, &NodeCapType) || !((NodeCapObject *)node_cap)->nb) {
       PyErr_SetString(PyExc_TypeError, "ferry: node_cap must be an initialised NodeCap");
       return -1;
     }
 #ifdef FERRY_HAVE_RESERVE_FN
-    cfg.host_reserve = cb_reserve;
-    cfg.host_reserve_ud = node_cap;
+    cfg.host_reserve = ferry_node_budget_reserve;
+    cfg.host_reserve_ud = ((NodeCapObject *)node_cap)->nb;
 #else
     PyErr_SetString(PyExc_NotImplementedError,
                     "ferry: this libferry has no host_reserve hook; a node-wide cap needs it");
