@@ -150,118 +150,117 @@ void *compute_stream(EngineObject *eng) {
   return ptr;
 }
 
-static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
-  PyTypeObject *tp = Py_TYPE(t);
-  if (tp != T.tensor && tp != T.param) {
-    if (!PyObject_TypeCheck(t, T.tensor))
-      return PyErr_Format(PyExc_TypeError, "ferry pack hook: expected a torch.Tensor, got %s",
-                          tp->tp_name);
-    return keep_with(eng, t, KEEP_SUBCLASS);
-  }
-  /* Fast path first: the size, from numel and dtype only. */
-  PyObject *v = PyObject_CallMethodNoArgs(t, s_numel);
-  if (!v) return NULL;
-  long long numel = PyLong_AsLongLong(v);
-  Py_DECREF(v);
-  if (numel < 0) return NULL;
-  v = PyObject_GetAttr(t, s_dtype);
-  if (!v) return NULL;
-  const dtype_info *di = dtype_lookup(v);
-  Py_DECREF(v);
-  if (!di) return NULL;
-  uint64_t bytes = (uint64_t)numel * di->itemsize;
-  if (bytes == 0 || (eng->fast_keep && bytes < eng->min_bytes))
-    return keep_with(eng, t, KEEP_SMALL);
-  v = PyObject_GetAttr(t, s_layout);
-  if (!v) return NULL;
-  int strided = v == T.strided;
-  Py_DECREF(v);
-  if (!strided) return keep_with(eng, t, KEEP_SPARSE);
-  if (!eng->e) return keep_with(eng, t, KEEP_ERROR);
-  if (T.has_is_nested) {
-    v = PyObject_GetAttr(t, s_is_nested);
-    if (!v) return NULL;
-    int nested = v == Py_True;
-    Py_DECREF(v);
-    if (nested) return keep_with(eng, t, KEEP_NESTED);
-  }
-  /* device */
-  v = PyObject_GetAttr(t, s_is_cuda);
-  if (!v) return NULL;
+/* The helpers of pack_impl below return -1 (exception set), a keep_reason,
+ * or PACK_ON to go on. Each has one caller and is inlined into it. */
+#define PACK_ON KEEP_REASONS_
+
+/* Whether t lives where the engine's backend can copy it from. */
+static int pack_check_device(EngineObject *eng, PyObject *t) {
+  PyObject *v = PyObject_GetAttr(t, s_is_cuda);
+  if (!v) return -1;
   int is_cuda = v == Py_True;
   Py_DECREF(v);
   if (eng->backend == FERRY_BACKEND_CUDA) {
-    if (!is_cuda) return keep_with(eng, t, KEEP_DEVICE);
+    if (!is_cuda) return KEEP_DEVICE;
     v = PyObject_CallMethodNoArgs(t, s_get_device);
-    if (!v) return NULL;
+    if (!v) return -1;
     long dev = PyLong_AsLong(v);
     Py_DECREF(v);
-    if (dev != eng->device_index) return keep_with(eng, t, KEEP_DEVICE);
-  } else if (is_cuda) {
-    return keep_with(eng, t, KEEP_DEVICE);
-  } else {
-    v = PyObject_GetAttr(t, s_device); /* meta, mps, xla...: not host memory */
-    if (!v) return NULL;
-    PyObject *ty = PyObject_GetAttrString(v, "type");
-    Py_DECREF(v);
-    if (!ty) return NULL;
-    int cpu = PyUnicode_CompareWithASCIIString(ty, "cpu") == 0;
-    Py_DECREF(ty);
-    if (!cpu) return keep_with(eng, t, KEEP_DEVICE);
+    return dev == eng->device_index ? PACK_ON : KEEP_DEVICE;
   }
-  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-  int64_t strides[FERRY_MAX_DIMS];
-  int32_t nstrides = 0;
-  v = PyObject_GetAttr(t, s_shape);
-  if (!v) return NULL;
-  int r = read_int_tuple(v, d.shape, &d.ndim);
+  if (is_cuda) return KEEP_DEVICE;
+  v = PyObject_GetAttr(t, s_device); /* meta, mps, xla...: not host memory */
+  if (!v) return -1;
+  PyObject *ty = PyObject_GetAttrString(v, "type");
   Py_DECREF(v);
-  if (r < 0) return NULL;
-  if (r > 0) return keep_with(eng, t, KEEP_NDIM);
+  if (!ty) return -1;
+  int cpu = PyUnicode_CompareWithASCIIString(ty, "cpu") == 0;
+  Py_DECREF(ty);
+  return cpu ? PACK_ON : KEEP_DEVICE;
+}
+
+/* Strided, dense, on the right device, a small enough ndim: PACK_ON. */
+static int pack_check(EngineObject *eng, PyObject *t) {
+  PyObject *v = PyObject_GetAttr(t, s_layout);
+  if (!v) return -1;
+  int strided = v == T.strided;
+  Py_DECREF(v);
+  if (!strided) return KEEP_SPARSE;
+  if (!eng->e) return KEEP_ERROR;
+  if (T.has_is_nested) {
+    v = PyObject_GetAttr(t, s_is_nested);
+    if (!v) return -1;
+    int nested = v == Py_True;
+    Py_DECREF(v);
+    if (nested) return KEEP_NESTED;
+  }
+  return pack_check_device(eng, t);
+}
+
+/* Shape, strides, data pointer and view flag of t into d, strides, *ptr. */
+static int pack_layout(PyObject *t, ferry_tensor_desc *d, int64_t *strides, void **ptr) {
+  int32_t nstrides = 0;
+  PyObject *v = PyObject_GetAttr(t, s_shape);
+  if (!v) return -1;
+  int r = read_int_tuple(v, d->shape, &d->ndim);
+  Py_DECREF(v);
+  if (r) return r < 0 ? -1 : KEEP_NDIM;
   v = PyObject_CallMethodNoArgs(t, s_stride);
-  if (!v) return NULL;
+  if (!v) return -1;
   r = read_int_tuple(v, strides, &nstrides);
   Py_DECREF(v);
-  if (r) return r < 0 ? NULL : keep_with(eng, t, KEEP_NDIM);
+  if (r) return r < 0 ? -1 : KEEP_NDIM;
   int contig;
-  if (!dense_span(d.ndim, d.shape, strides, &contig)) return keep_with(eng, t, KEEP_NON_DENSE);
+  if (!dense_span(d->ndim, d->shape, strides, &contig)) return KEEP_NON_DENSE;
   v = PyObject_CallMethodNoArgs(t, s_data_ptr);
-  if (!v) return NULL;
-  void *ptr = PyLong_AsVoidPtr(v);
+  if (!v) return -1;
+  *ptr = PyLong_AsVoidPtr(v);
   Py_DECREF(v);
-  if (!ptr) return PyErr_Occurred() ? NULL : keep_with(eng, t, KEEP_ERROR);
+  if (!*ptr) return PyErr_Occurred() ? -1 : KEEP_ERROR;
   v = PyObject_GetAttr(t, s_base);
-  if (!v) return NULL;
+  if (!v) return -1;
   int is_view = v != Py_None;
   Py_DECREF(v);
+  d->flags = (is_view ? FERRY_FLAG_VIEW : 0) | (contig ? FERRY_FLAG_CONTIGUOUS : 0);
+  return PACK_ON;
+}
 
-  d.bytes = bytes;
-  d.dtype = di->ferry;
-  d.kind = kind_of_ptr(eng, (uintptr_t)ptr);
-  d.flags = (is_view ? FERRY_FLAG_VIEW : 0) | (contig ? FERRY_FLAG_CONTIGUOUS : 0);
-  d.phase = eng->in_backward ? FERRY_PHASE_RECOMPUTE : FERRY_PHASE_FORWARD;
+/* Kind, phase and the innermost module site of the tensor at ptr. */
+static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, void *ptr) {
+  d->kind = kind_of_ptr(eng, (uintptr_t)ptr);
+  d->phase = eng->in_backward ? FERRY_PHASE_RECOMPUTE : FERRY_PHASE_FORWARD;
   if (eng->depth && (uint32_t)eng->stack[eng->depth - 1] < eng->n_sites) {
     const site *s = &eng->sites[eng->stack[eng->depth - 1]];
-    d.module_path = s->path;
-    d.module_class = s->cls;
-    d.layer = s->layer;
-    d.layer_count = s->layer_count;
+    d->module_path = s->path;
+    d->module_class = s->cls;
+    d->layer = s->layer;
+    d->layer_count = s->layer_count;
   } else {
-    d.layer = -1;
+    d->layer = -1;
   }
-  if (eng->in_backward) eng->recompute_packs++;
+}
 
+static HandleObject *new_handle(EngineObject *eng, const ferry_tensor_desc *d,
+                                const int64_t *strides, PyObject *dtype) {
   HandleObject *hd = PyObject_New(HandleObject, &HandleType);
   if (!hd) return NULL;
   hd->h = 0;
   hd->result = NULL;
-  hd->ndim = d.ndim;
-  memcpy(hd->shape, d.shape, sizeof hd->shape);
+  hd->ndim = d->ndim;
+  memcpy(hd->shape, d->shape, sizeof hd->shape);
   memcpy(hd->strides, strides, sizeof hd->strides);
-  hd->dtype = di->dtype;
+  hd->dtype = dtype;
   Py_INCREF(hd->dtype);
   Py_INCREF(eng);
   hd->eng = eng;
+  return hd;
+}
+
+/* Gives t to the engine: a Handle, or t kept as is if the engine refuses. */
+static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tensor_desc *d,
+                                const int64_t *strides, PyObject *dtype, void *ptr) {
+  HandleObject *hd = new_handle(eng, d, strides, dtype);
+  if (!hd) return NULL;
   PyObject *owner = keep_object(t);
   if (!owner) {
     Py_DECREF(hd);
@@ -274,8 +273,7 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
     return NULL;
   }
   ferry_handle h = 0;
-  int rc = ferry_pack(eng->e, &d, ptr, owner, stream, &h);
-  if (rc) {
+  if (ferry_pack(eng->e, d, ptr, owner, stream, &h)) {
     /* Nothing is lost: the tensor is kept as a plain saved tensor. */
     eng->pack_errors++;
     eng->kept[KEEP_ERROR]++;
@@ -286,6 +284,49 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
   }
   hd->h = h;
   return (PyObject *)hd;
+}
+
+/* Bytes of t from numel and dtype only (the fast path's test); 0 with
+ * *di NULL on error. */
+static uint64_t pack_bytes(PyObject *t, const dtype_info **di) {
+  *di = NULL;
+  PyObject *v = PyObject_CallMethodNoArgs(t, s_numel);
+  if (!v) return 0;
+  long long numel = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  if (numel < 0) return 0;
+  v = PyObject_GetAttr(t, s_dtype);
+  if (!v) return 0;
+  *di = dtype_lookup(v);
+  Py_DECREF(v);
+  return *di ? (uint64_t)numel * (*di)->itemsize : 0;
+}
+
+static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
+  PyTypeObject *tp = Py_TYPE(t);
+  if (tp != T.tensor && tp != T.param) {
+    if (!PyObject_TypeCheck(t, T.tensor))
+      return PyErr_Format(PyExc_TypeError, "ferry pack hook: expected a torch.Tensor, got %s",
+                          tp->tp_name);
+    return keep_with(eng, t, KEEP_SUBCLASS);
+  }
+  const dtype_info *di;
+  uint64_t bytes = pack_bytes(t, &di);
+  if (!di) return NULL;
+  if (bytes == 0 || (eng->fast_keep && bytes < eng->min_bytes))
+    return keep_with(eng, t, KEEP_SMALL);
+  int r = pack_check(eng, t);
+  if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  int64_t strides[FERRY_MAX_DIMS];
+  void *ptr = NULL;
+  r = pack_layout(t, &d, strides, &ptr);
+  if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
+  d.bytes = bytes;
+  d.dtype = di->ferry;
+  pack_describe(eng, &d, ptr);
+  if (eng->in_backward) eng->recompute_packs++;
+  return pack_to_engine(eng, t, &d, strides, di->dtype, ptr);
 }
 
 static PyObject *pack_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
