@@ -99,6 +99,62 @@ static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   return (PyObject *)self;
 }
 
+/* backend, arena and link (a tuple or None) into cfg. */
+static int config_kinds(ferry_config *cfg, const char *backend, const char *arena,
+                        PyObject *link) {
+  cfg->backend = backend_of(backend);
+  if (cfg->backend < 0) {
+    PyErr_Format(PyExc_ValueError, "ferry: backend '%s' is not one of host, cuda, sim", backend);
+    return -1;
+  }
+  cfg->arena = arena_of(arena);
+  if (cfg->arena < 0) {
+    PyErr_Format(PyExc_ValueError, "ferry: arena '%s' is not one of auto, jemalloc, pool", arena);
+    return -1;
+  }
+  if (link != Py_None &&
+      !PyArg_ParseTuple(link, "dddd;link must be (d2h_bytes_per_s, h2d_bytes_per_s, latency_us, "
+                              "duplex)",
+                        &cfg->link.d2h_bytes_per_s, &cfg->link.h2d_bytes_per_s,
+                        &cfg->link.latency_us, &cfg->link.duplex))
+    return -1;
+  return 0;
+}
+
+/* A NodeCap's reserve hook into cfg; the engine keeps the NodeCap alive. */
+static int config_node_cap(EngineObject *self, ferry_config *cfg, PyObject *node_cap) {
+  if (node_cap == Py_None) return 0;
+  if (!PyObject_TypeCheck(node_cap, &NodeCapType) || !((NodeCapObject *)node_cap)->nb) {
+    PyErr_SetString(PyExc_TypeError, "ferry: node_cap must be an initialised NodeCap");
+    return -1;
+  }
+#ifdef FERRY_HAVE_RESERVE_FN
+  cfg->host_reserve = ferry_node_budget_reserve;
+  cfg->host_reserve_ud = ((NodeCapObject *)node_cap)->nb;
+#else
+  PyErr_SetString(PyExc_NotImplementedError,
+                  "ferry: this libferry has no host_reserve hook; a node-wide cap needs it");
+  return -1;
+#endif
+  Py_INCREF(node_cap);
+  self->node_cap = node_cap;
+  return 0;
+}
+
+/* torch.empty's keywords for device_alloc; a cuda engine's stream getter. */
+static int engine_alloc_setup(EngineObject *self) {
+  self->alloc_kw = PyDict_New();
+  if (!self->alloc_kw || PyDict_SetItemString(self->alloc_kw, "dtype", T.uint8)) return -1;
+  if (self->backend != FERRY_BACKEND_CUDA) return 0;
+  PyObject *dev = PyUnicode_FromFormat("cuda:%d", self->device_index);
+  int bad = !dev || PyDict_SetItemString(self->alloc_kw, "device", dev);
+  Py_XDECREF(dev);
+  if (bad) return -1;
+  PyObject *cuda = PyObject_GetAttrString(T.torch, "cuda");
+  T.cuda_current_stream = cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL;
+  Py_XDECREF(cuda);
+  return T.cuda_current_stream ? 0 : -1;
+}
 
 static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"backend", "policy_path", "policy_source", "trace_path",
@@ -123,23 +179,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     return -1;
   ferry_config cfg;
   ferry_config_init(&cfg);
-  cfg.backend = backend_of(backend);
-  if (cfg.backend < 0) {
-    PyErr_Format(PyExc_ValueError, "ferry: backend '%s' is not one of host, cuda, sim", backend);
-    return -1;
-  }
-  cfg.arena = arena_of(arena);
-  if (cfg.arena < 0) {
-    PyErr_Format(PyExc_ValueError, "ferry: arena '%s' is not one of auto, jemalloc, pool", arena);
-    return -1;
-  }
-  if (link != Py_None &&
-      !PyArg_ParseTuple(link, "dddd;link must be (d2h_bytes_per_s, h2d_bytes_per_s, latency_us, "
-                              "duplex)",
-                        &cfg.link.d2h_bytes_per_s, &cfg.link.h2d_bytes_per_s,
-                        &cfg.link.latency_us, &cfg.link.duplex))
-    return -1;
-  if (torch_init()) return -1;
+  if (config_kinds(&cfg, backend, arena, link) || torch_init()) return -1;
   cfg.device = device;
   cfg.host_cap_bytes = cap_bytes;
   cfg.host_cap_pct = cap_pct;
@@ -154,36 +194,10 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.policy_source = policy_source;
   cfg.policy_trusted = trusted;
   cfg.trace_path = trace_path;
-  if (node_cap != Py_None) {
-    if (!PyObject_TypeCheck(node_cap, &NodeCapType) || !((NodeCapObject *)node_cap)->nb) {
-      PyErr_SetString(PyExc_TypeError, "ferry: node_cap must be an initialised NodeCap");
-      return -1;
-    }
-#ifdef FERRY_HAVE_RESERVE_FN
-    cfg.host_reserve = ferry_node_budget_reserve;
-    cfg.host_reserve_ud = ((NodeCapObject *)node_cap)->nb;
-#else
-    PyErr_SetString(PyExc_NotImplementedError,
-                    "ferry: this libferry has no host_reserve hook; a node-wide cap needs it");
-    return -1;
-#endif
-    Py_INCREF(node_cap);
-    self->node_cap = node_cap;
-  }
+  if (config_node_cap(self, &cfg, node_cap)) return -1;
   self->backend = cfg.backend;
   self->device_index = device < 0 ? 0 : device;
-  self->alloc_kw = PyDict_New();
-  if (!self->alloc_kw || PyDict_SetItemString(self->alloc_kw, "dtype", T.uint8)) return -1;
-  if (cfg.backend == FERRY_BACKEND_CUDA) {
-    PyObject *dev = PyUnicode_FromFormat("cuda:%d", self->device_index);
-    int bad = !dev || PyDict_SetItemString(self->alloc_kw, "device", dev);
-    Py_XDECREF(dev);
-    if (bad) return -1;
-    PyObject *cuda = PyObject_GetAttrString(T.torch, "cuda");
-    T.cuda_current_stream = cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL;
-    Py_XDECREF(cuda);
-    if (!T.cuda_current_stream) return -1;
-  }
+  if (engine_alloc_setup(self)) return -1;
   char err[512] = "";
   ferry_engine *e = NULL;
   int rc = ferry_engine_create(&cfg, &e, err, sizeof err);
