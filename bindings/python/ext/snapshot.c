@@ -113,6 +113,46 @@ PyTypeObject SnapshotType = {
     .tp_getset = snapshot_getset,
 };
 
+/* Record i of Engine.snapshot: (name, bytes) -> host bytes held in
+ * bufs[*nbufs]; (name, data_ptr, nbytes, owner, is_host) -> a pointer, the
+ * owner of device memory appended to owners. */
+static int read_record(PyObject *r, Py_ssize_t i, ferry_snapshot_record *rec, Py_buffer *bufs,
+                       Py_ssize_t *nbufs, PyObject *owners) {
+  Py_ssize_t len = PyTuple_Check(r) ? PyTuple_GET_SIZE(r) : -1;
+  if ((len != 2 && len != 5) || !PyUnicode_Check(PyTuple_GET_ITEM(r, 0))) {
+    PyErr_Format(PyExc_TypeError,
+                 "ferry: snapshot record %zd must be (name, bytes) or "
+                 "(name, data_ptr, nbytes, owner, is_host)", i);
+    return -1;
+  }
+  rec->name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(r, 0));
+  if (!rec->name) return -1;
+  if (len == 2) {
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(r, 1), &bufs[*nbufs], PyBUF_SIMPLE)) return -1;
+    rec->host_data = bufs[*nbufs].buf;
+    rec->bytes = (uint64_t)bufs[*nbufs].len;
+    (*nbufs)++;
+    return 0;
+  }
+  void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(r, 1));
+  unsigned long long nbytes = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 2));
+  int is_host = PyObject_IsTrue(PyTuple_GET_ITEM(r, 4));
+  if (PyErr_Occurred() || is_host < 0) return -1;
+  rec->bytes = nbytes;
+  if (nbytes == 0) return 0; /* an empty entry */
+  if (!ptr) {
+    PyErr_Format(PyExc_ValueError, "ferry: snapshot record %zd (%s) has a NULL data pointer", i,
+                 rec->name);
+    return -1;
+  }
+  if (is_host) {
+    rec->host_data = ptr; /* copied by ferry_snapshot_start */
+    return 0;
+  }
+  rec->device_ptr = ptr;
+  return PyList_Append(owners, PyTuple_GET_ITEM(r, 3));
+}
+
 PyObject *engine_snapshot(EngineObject *self, PyObject *args) {
   PyObject *path_obj, *records;
   if (!PyArg_ParseTuple(args, "O&O:snapshot", PyUnicode_FSConverter, &path_obj, &records))
@@ -133,42 +173,9 @@ PyObject *engine_snapshot(EngineObject *self, PyObject *args) {
     PyErr_NoMemory();
     goto done;
   }
-  for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *r = PySequence_Fast_GET_ITEM(seq, i);
-    Py_ssize_t len = PyTuple_Check(r) ? PyTuple_GET_SIZE(r) : -1;
-    if ((len != 2 && len != 5) || !PyUnicode_Check(PyTuple_GET_ITEM(r, 0))) {
-      PyErr_Format(PyExc_TypeError,
-                   "ferry: snapshot record %zd must be (name, bytes) or "
-                   "(name, data_ptr, nbytes, owner, is_host)", i);
+  for (Py_ssize_t i = 0; i < n; i++)
+    if (read_record(PySequence_Fast_GET_ITEM(seq, i), i, &recs[i], bufs, &nbufs, owners))
       goto done;
-    }
-    recs[i].name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(r, 0));
-    if (!recs[i].name) goto done;
-    if (len == 2) {
-      if (PyObject_GetBuffer(PyTuple_GET_ITEM(r, 1), &bufs[nbufs], PyBUF_SIMPLE)) goto done;
-      recs[i].host_data = bufs[nbufs].buf;
-      recs[i].bytes = (uint64_t)bufs[nbufs].len;
-      nbufs++;
-      continue;
-    }
-    void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(r, 1));
-    unsigned long long nbytes = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 2));
-    int is_host = PyObject_IsTrue(PyTuple_GET_ITEM(r, 4));
-    if (PyErr_Occurred() || is_host < 0) goto done;
-    recs[i].bytes = nbytes;
-    if (nbytes == 0) continue; /* an empty entry */
-    if (!ptr) {
-      PyErr_Format(PyExc_ValueError, "ferry: snapshot record %zd (%s) has a NULL data pointer",
-                   i, recs[i].name);
-      goto done;
-    }
-    if (is_host) {
-      recs[i].host_data = ptr; /* copied by ferry_snapshot_start */
-    } else {
-      recs[i].device_ptr = ptr;
-      if (PyList_Append(owners, PyTuple_GET_ITEM(r, 3))) goto done;
-    }
-  }
   void *stream = NULL;
   if (self->backend == FERRY_BACKEND_CUDA) {
     stream = compute_stream(self);
