@@ -204,9 +204,10 @@ static int join_segment(nb_shm *m, const char *full, uint64_t cap, char *errbuf,
   return FERRY_OK;
 }
 
-/* Sweeps the dead and takes a free slot for this process; -1 if none. */
+/* Sweeps the dead and takes a free slot for this process; -1 if none, -2
+ * if the lock cannot be taken. */
 static int take_slot(nb_shm *m) {
-  if (nb_lock(m)) return -1;
+  if (nb_lock(m)) return -2;
   nb_sweep(m);
   int slot = -1;
   for (int i = 0; i < NB_SLOTS && slot < 0; i++)
@@ -243,6 +244,11 @@ int ferry_node_budget_open(const char *name, uint64_t cap_bytes, ferry_node_budg
   else if ((rc = join_segment(m, full, cap_bytes, errbuf, errlen)) != FERRY_OK)
     goto fail;
   int slot = take_slot(m);
+  if (slot == -2) {
+    rc = ferry_errbuf(errbuf, errlen, FERRY_ESTATE, "node budget %s: cannot lock the segment",
+                      full);
+    goto fail;
+  }
   if (slot < 0) {
     rc = ferry_errbuf(errbuf, errlen, FERRY_ECAP,
                       "node budget %s: all %d process slots are in use", full, NB_SLOTS);
