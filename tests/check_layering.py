@@ -11,6 +11,7 @@
 
 Usage: check_layering.py [REPO_ROOT]; prints each violation as FILE:LINE.
 """
+import ast
 import os
 import re
 import subprocess
@@ -18,7 +19,6 @@ import sys
 
 RANK = {"util": 0, "backend": 1, "policy": 1, "arena": 2, "core": 3, "sim": 4, "checkpoint": 4}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
-PY_IMPORT = re.compile(r"^\s*(?:from\s+(\.[\w.]*|ferry[\w.]*)\s+import\s+([\w, ]+)|import\s+(ferry[\w.]*))")
 
 
 def tracked(root, *patterns):
@@ -69,21 +69,21 @@ def check_python(root):
     edges = {m: {} for m in mods}
     for m in mods:
         with open(os.path.join(pkg, m + ".py"), encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                mm = PY_IMPORT.match(line)
-                if not mm:
-                    continue
-                src, names, plain = mm.groups()
-                targets = []
-                if plain:
-                    targets = [plain.split(".")[1] if "." in plain else "__init__"]
-                elif src in (".", "ferry"):
-                    targets = [x.strip() for x in names.split(",")]
-                else:
-                    targets = [src.lstrip(".").replace("ferry.", "", 1).split(".")[0] or "__init__"]
-                for t in targets:
-                    if t in mods and t != m:
-                        edges[m].setdefault(t, n)
+            tree = ast.parse(f.read(), m + ".py")
+        for node in ast.walk(tree):  # imports anywhere, never text in strings
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name.split(".")[1] if a.name.startswith("ferry.") else
+                           "__init__" for a in node.names if a.name.split(".")[0] == "ferry"]
+            elif isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level == 1 and not mod or mod == "ferry":
+                    targets = [a.name for a in node.names]
+                elif node.level == 1 or mod.startswith("ferry."):
+                    targets = [mod.replace("ferry.", "", 1).split(".")[0]]
+            for t in targets:
+                if t in mods and t != m:
+                    edges[m].setdefault(t, node.lineno)
     bad, state = [], {}
 
     def visit(m, stack):

@@ -42,6 +42,12 @@
   X(arena_destroy_frees_live_allocations)                                  \
   X(arena_blocks_never_straddle_backend_allocations)                       \
   /* @@arena */                                                            \
+  /* node budget (test_node_budget.c) */                                   \
+  X(node_budget_two_handles_share_the_cap)                                 \
+  X(node_budget_cap_is_never_exceeded)                                     \
+  X(node_budget_reclaims_a_killed_process)                                 \
+  X(node_budget_rejects_bad_arguments)                                     \
+  /* @@node_budget */                                                      \
   /* stash manager (test_stash.c) */                                       \
   X(stash_roundtrip_random)                                                \
   X(stash_roundtrip_any_order)                                             \

@@ -1,6 +1,6 @@
 /*
  * cli_trace.c — `ferry trace synth ...`: write the trace of a decoder-only
- * transformer's training step from its shape (engine/src/trace_synth.h).
+ * transformer's training step from its shape (the synthesizer in ferry_tools.h).
  */
 #include <errno.h>
 #include <getopt.h>

@@ -115,7 +115,7 @@ function M.err_name(code) return ffi.string(C.ferry_err_name(code)) end
 -- ---------------------------------------------------------------------------
 -- "device" memory from malloc, for the host and sim backends (there the
 -- device is host memory). Owners are the buffer pointers; the callbacks run
--- on the thread that calls into the engine (engine/src/stash.c), which is
+-- on the thread that calls into the engine (engine/src/core/stash.c), which is
 -- what LuaJIT callbacks require.
 
 local Device = {}
@@ -196,7 +196,8 @@ device_index, max_fwd_stash, host_cap_bytes, host_cap_pct,
 min_offload_bytes, prefetch_distance, link = { d2h_bytes_per_s,
 h2d_bytes_per_s, latency_us, duplex }, device (from ferry.malloc_device())
 or device_alloc/release/retain (ferry_*_fn cdata), decide (ferry_decide_fn),
-policy_path, policy_source, policy_trusted, trace_path.]]
+policy_path, policy_source, policy_trusted, trace_path, node_budget (from
+ferry.node_budget()).]]
 function M.engine(opts)
   opts = opts or {}
   local cfg = ffi.new("ferry_config")
@@ -222,6 +223,11 @@ function M.engine(opts)
   cfg.policy_source = opts.policy_source
   cfg.policy_trusted = opts.policy_trusted and 1 or 0
   cfg.trace_path = opts.trace_path
+  if opts.node_budget then -- a ferry.node_budget(): share its cap
+    cfg.host_reserve = C.ferry_node_budget_reserve
+    cfg.host_reserve_ud = opts.node_budget.ptr
+    keep[#keep + 1] = opts.node_budget
+  end
   local out = ffi.new("ferry_engine *[1]")
   local errbuf = ffi.new("char[512]")
   local rc = C.ferry_engine_create(cfg, out, errbuf, 512)
@@ -235,6 +241,48 @@ function M.engine(opts)
   -- destroy on collection too, so a failed spec does not leak an engine
   e.gc_anchor = ffi.gc(ffi.new("char[1]"), function() e:destroy() end)
   return e
+end
+
+--[[ A host cap shared by the processes of a node (ferry_node_budget_*):
+ferry.node_budget(name, cap_bytes) -> b or nil, message, code. b:reserve(n)
+-> true/false, b:release(n), b:stats() -> table, b:close().]]
+local NodeBudget = {}
+NodeBudget.__index = NodeBudget
+
+function M.node_budget(name, cap_bytes)
+  local out = ffi.new("ferry_node_budget *[1]")
+  local errbuf = ffi.new("char[512]")
+  local rc = C.ferry_node_budget_open(name, cap_bytes, out, errbuf, 512)
+  if rc < 0 then return nil, ffi.string(errbuf), rc end
+  return setmetatable({ ptr = ffi.gc(out[0], C.ferry_node_budget_close) }, NodeBudget)
+end
+
+function M.node_budget_unlink(name)
+  local errbuf = ffi.new("char[512]")
+  local rc = C.ferry_node_budget_unlink(name, errbuf, 512)
+  if rc < 0 then return nil, ffi.string(errbuf), rc end
+  return true
+end
+
+function NodeBudget:reserve(n) return C.ferry_node_budget_reserve(self.ptr, n, 0) == 0 end
+function NodeBudget:release(n) C.ferry_node_budget_reserve(self.ptr, n, 1) end
+
+function NodeBudget:stats()
+  local st = ffi.new("ferry_node_budget_stats")
+  assert(C.ferry_node_budget_get_stats(self.ptr, st, nil, nil, 0) == 0)
+  local t = {}
+  for _, k in ipairs({ "cap", "total", "mine", "mine_peak", "reclaimed", "refusals" }) do
+    t[k] = tonumber(st[k])
+  end
+  t.processes = st.processes
+  return t
+end
+
+function NodeBudget:close()
+  if self.ptr ~= nil then
+    C.ferry_node_budget_close(ffi.gc(self.ptr, nil))
+    self.ptr = nil
+  end
 end
 
 function Engine:destroy()

@@ -298,6 +298,47 @@ typedef struct ferry_config {
     .link = {0, 0, 0, 1.0}                                         \
   }
 
+/* ---- node budget: one host cap shared by the processes of a node -------- */
+/* A POSIX shared-memory segment /name holds the cap and one slot per
+ * process; a process that dies (even by SIGKILL) has its share reclaimed on
+ * the next reservation of any other. Plug it into an engine with
+ *   cfg.host_reserve = ferry_node_budget_reserve; cfg.host_reserve_ud = b; */
+typedef struct ferry_node_budget ferry_node_budget;
+
+typedef struct ferry_node_budget_stats {
+  uint64_t cap;       /* bytes, the same for every process */
+  uint64_t total;     /* held by the live processes */
+  uint64_t mine;      /* held by this handle */
+  uint64_t mine_peak;
+  uint64_t reclaimed; /* taken back from dead processes, ever */
+  uint64_t refusals;  /* reservations refused by the cap, ever */
+  uint32_t processes; /* live handles on the segment */
+  uint32_t reserved0;
+} ferry_node_budget_stats;
+
+/* Open (or create) the budget `name` (1-100 characters, no '/') with a cap
+ * of cap_bytes > 0, which must match the cap it was created with. Takes a
+ * slot for this process. On failure *out is NULL and errbuf says why. */
+FERRY_API int ferry_node_budget_open(const char *name, uint64_t cap_bytes,
+                                     ferry_node_budget **out, char *errbuf,
+                                     size_t errlen);
+/* Gives this handle's bytes back and frees its slot. Safe on NULL. The
+ * segment stays (see ferry_node_budget_unlink). */
+FERRY_API void ferry_node_budget_close(ferry_node_budget *b);
+/* A ferry_reserve_fn, ud = the ferry_node_budget: 0 = reserved, 1 = refused
+ * (the cap would be exceeded); release != 0 gives bytes back. */
+FERRY_API int ferry_node_budget_reserve(void *budget, uint64_t bytes,
+                                        int release);
+/* Usage after sweeping dead processes; the first `max` live processes' pids
+ * and bytes go to pids/bytes when not NULL. */
+FERRY_API int ferry_node_budget_get_stats(ferry_node_budget *b,
+                                          ferry_node_budget_stats *out,
+                                          int32_t *pids, uint64_t *bytes,
+                                          uint32_t max);
+/* Remove the segment /name (absent is not an error). */
+FERRY_API int ferry_node_budget_unlink(const char *name, char *errbuf,
+                                       size_t errlen);
+
 /* Fill *cfg with the defaults of FERRY_CONFIG_INIT (for FFI callers). */
 FERRY_API void ferry_config_init(ferry_config *cfg);
 

@@ -478,3 +478,12 @@ def _worker(argv):
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
     _worker(sys.argv[2:])
+
+
+def test_checkpoint_does_not_import_ferry_torch():
+    # Dependencies go one way: ferry.torch -> ferry.checkpoint -> ferry._session.
+    code = ("import sys, ferry.checkpoint; assert 'ferry.torch' not in sys.modules, 'cycle'; "
+            "import ferry.torch as ft; assert ft.snapshot is ferry.checkpoint.snapshot; "
+            "assert ft._current is None and ft._sessions is ferry._session.sessions")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -37,7 +37,7 @@ import zipfile
 import torch
 
 import ferry as _pkg
-from . import _ferry
+from . import _ferry, _session
 from ._ferry import FerryError
 
 __all__ = ["snapshot", "Snapshot", "CheckpointError", "describe", "load_sharded",
@@ -228,23 +228,21 @@ def _snapshot_policy(policy):
 
 # ---- engines -------------------------------------------------------------------
 def _engine_for(backend, device, policy_path, host_cap, knobs):
-    from . import torch as ft
-
-    cur = ft._current
+    cur = _session.current
     if (cur is not None and not cur.engine.closed and cur.cfg.get("backend") == backend
             and host_cap is None and not knobs):
         return cur.engine  # share the offload engine's arena and cap
-    cap_bytes, cap_pct = ft._parse_cap(host_cap if host_cap is not None
+    cap_bytes, cap_pct = _session.parse_cap(host_cap if host_cap is not None
                                        else os.environ.get("FERRY_HOST_CAP") or None, "host_cap")
-    unknown = set(knobs) - ft._ENGINE_KNOBS
+    unknown = set(knobs) - _session.ENGINE_KNOBS
     if unknown:
         raise TypeError(f"ferry.torch.snapshot: unknown knob(s) {', '.join(sorted(unknown))}; "
-                        f"known: {', '.join(sorted(ft._ENGINE_KNOBS))}")
+                        f"known: {', '.join(sorted(_session.ENGINE_KNOBS))}")
     cfg = dict(knobs, backend=backend, device=device, host_cap_bytes=cap_bytes,
                host_cap_pct=cap_pct)
     if cfg.get("link") is not None:
         cfg["link"] = tuple(float(x) for x in cfg["link"])
-    return ft._session_for(policy_path, cfg, None).engine
+    return _session.session_for(policy_path, cfg, None).engine
 
 
 # ---- handles ---------------------------------------------------------------------

@@ -23,61 +23,25 @@ Defaults come from the environment `ferry run` sets: FERRY_POLICY,
 FERRY_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments win).
 """
 import os
-import warnings
 import weakref
 
 import torch
 
 import ferry as _pkg
-from . import _ferry
+from . import _session as _sessmod
 from ._ferry import FerryError
+from ._session import ENGINE_KNOBS as _ENGINE_KNOBS
+from ._session import Session as _Session  # noqa: F401 (old name)
+from ._session import parse_cap as _parse_cap
+from ._session import session_for as _session_for
+from ._session import sessions as _sessions
+# Checkpoint staging (ferry/checkpoint.py, docs/checkpoints.md).
+from .checkpoint import CheckpointError, Snapshot, snapshot
 
 __all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_sites", "snapshot",
            "Snapshot", "CheckpointError"]
 
-_ENGINE_KNOBS = {"min_offload_bytes", "max_fwd_stash", "prefetch_distance", "link", "arena",
-                 "policy_trusted", "fast_keep"}
-
-_sessions = {}
-_current = None
-
-
 # ---- configuration --------------------------------------------------------
-_UNITS = {"": 0, "k": 10, "kib": 10, "m": 20, "mib": 20, "g": 30, "gib": 30, "t": 40, "tib": 40}
-
-
-def _parse_cap(value, what):
-    """bytes (int), "16G", "512MiB" or "40%" -> (bytes, pct)."""
-    if value is None:
-        return 0, 0.0
-    if isinstance(value, bool):
-        raise TypeError(f"ferry: {what} must be bytes or a string like '16G' or '40%'")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"ferry: {what} must be > 0 bytes, got {value}")
-        return value, 0.0
-    if isinstance(value, float):
-        raise TypeError(f"ferry: {what}={value!r}: give whole bytes (int) or a string like '40%'")
-    s = str(value).strip()
-    if s.endswith("%"):
-        try:
-            pct = float(s[:-1])
-        except ValueError:
-            pct = -1
-        if not 0 < pct <= 100:
-            raise ValueError(f"ferry: {what}={value!r}: a percentage must be in (0, 100]")
-        return 0, pct
-    num = s.rstrip("KkMmGgTtIiBb")
-    unit = s[len(num):].lower()
-    if not num.isdigit() or unit not in _UNITS:
-        raise ValueError(f"ferry: {what}={value!r}: expected bytes (e.g. 1073741824, 512M, 16G) "
-                         "or a percentage of MemTotal (e.g. 40%)")
-    n = int(num) << _UNITS[unit]
-    if n <= 0:
-        raise ValueError(f"ferry: {what}={value!r} is 0")
-    return n, 0.0
-
-
 def _resolve_backend(backend, model):
     if backend is None:
         backend = os.environ.get("FERRY_BACKEND") or "auto"
@@ -188,89 +152,6 @@ class _ModelHooks:
         return handles
 
 
-# ---- sessions ----------------------------------------------------------------
-class _Session:
-    def __init__(self, cfg, policy_path, node_cap):
-        self.cfg = cfg
-        self.node_cap = node_cap  # keeps the shared-memory slot for this process
-        self.engine = _ferry.Engine(policy_path=policy_path, **cfg)
-        self.policy_path = policy_path
-        self.models = weakref.WeakKeyDictionary()
-        self.policy_errors_seen = 0
-        self.warned_policy = False
-        self.warned_live = False
-
-    def set_policy(self, policy_path):
-        if policy_path == self.policy_path:
-            return
-        if self.engine.in_step:
-            self.end_step()
-        self.engine.set_policy(path=policy_path)  # FerryError with file:line on failure
-        self.policy_path = policy_path
-
-    def begin_step(self):
-        if self.engine.in_step:
-            self.end_step()
-        self.engine.step_begin()
-
-    def end_step(self):
-        if not self.engine.in_step:
-            return 0
-        live = self.engine.step_end()
-        self.check_policy()
-        if live and not self.warned_live:
-            self.warned_live = True
-            warnings.warn(f"ferry: a step ended with {live} saved tensor(s) neither used nor freed "
-                          "(a graph kept alive, e.g. retain_graph=True); they stay valid",
-                          RuntimeWarning, stacklevel=3)
-        return live
-
-    def check_policy(self):
-        s = self.engine.stats()
-        if s["policy_errors"] > self.policy_errors_seen:
-            self.policy_errors_seen = s["policy_errors"]
-            if not self.warned_policy:
-                self.warned_policy = True
-                warnings.warn(f"ferry: policy {self.policy_path} failed at run time: "
-                              f"{self.engine.policy_error()}; the tensors concerned were kept on "
-                              "device and training goes on (further faults are counted in "
-                              "ferry.torch.stats()['policy_errors'])", RuntimeWarning, stacklevel=3)
-
-    def hooks_for(self, model):
-        h = self.models.get(model)
-        if h is None:
-            h = self.models[model] = _ModelHooks(self.engine, model)
-        return h
-
-
-def _session_for(policy_path, cfg, node_cap_spec):
-    key = tuple(sorted((k, v) for k, v in cfg.items())) + (node_cap_spec,)
-    s = _sessions.get(key)
-    if s is None or s.engine.closed:
-        node_cap = None
-        if node_cap_spec is not None:
-            name, cap = node_cap_spec
-            node_cap = _ferry.NodeCap(name, cap)
-            if _ferry.HAVE_NODE_CAP_HOOK:
-                cfg = dict(cfg, node_cap=node_cap)
-            else:
-                # Without the engine's reserve hook the node cap is split
-                # statically: each local rank reserves cap/LOCAL_WORLD_SIZE in
-                # the shared segment up front and caps its own arena there.
-                local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-                share = cap // local
-                if not node_cap.reserve(share):
-                    st = node_cap.state()
-                    raise FerryError(f"ferry: node host cap {name}: cannot reserve this rank's share "
-                                     f"of {share} bytes ({st['total']} of {st['cap']} held by "
-                                     f"{len(st['slots']) - 1} other process(es))", "FERRY_ECAP")
-                own = cfg.get("host_cap_bytes") or share
-                cfg = dict(cfg, host_cap_bytes=min(own, share))
-        s = _Session(cfg, policy_path, node_cap)
-        _sessions[key] = s
-    return s
-
-
 class offload:
     """Context manager offloading what `model` saves for backward.
 
@@ -345,7 +226,6 @@ class offload:
         return self.session.engine
 
     def __enter__(self):
-        global _current
         s = self.session
         s.set_policy(self.policy_path)
         if self.steps == "auto":
@@ -354,10 +234,10 @@ class offload:
             s.engine.step_begin()
         if self.model is not None:
             s.engine.set_param_ranges(_param_ranges(self.model))
-            self._handles = s.hooks_for(self.model).install()
+            self._handles = s.hooks_for(self.model, _ModelHooks).install()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(*s.engine.hooks())
         self._ctx.__enter__()
-        _current = s
+        _sessmod.current = s
         return self
 
     def __exit__(self, *exc):
@@ -373,9 +253,10 @@ class offload:
 
 # ---- module-level API -------------------------------------------------------------
 def _session():
-    if _current is None:
+    s = _sessmod.current
+    if s is None:
         raise FerryError("ferry.torch: no offload context has been entered yet", "FERRY_ESTATE")
-    return _current
+    return s
 
 
 def engine():
@@ -414,7 +295,6 @@ def stats():
 def close():
     """End every engine's step and destroy the engines (tests, shutdown).
     Saved tensors still held by a graph become unusable."""
-    global _current
     for s in list(_sessions.values()):
         if not s.engine.closed:
             try:
@@ -422,8 +302,12 @@ def close():
             finally:
                 s.engine.close()
     _sessions.clear()
-    _current = None
+    _sessmod.current = None
 
 
-# Checkpoint staging (ferry/checkpoint.py, docs/checkpoints.md).
-from .checkpoint import CheckpointError, Snapshot, snapshot  # noqa: E402
+def __getattr__(name):
+    # ferry.torch._current: the session now lives in ferry._session.
+    if name == "_current":
+        return _sessmod.current
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

@@ -1,0 +1,541 @@
+/*
+ * engine.c — the Engine type: a ferry_engine with Python tensors as owner
+ * tokens (retain/release = Py_INCREF/Py_DECREF, device_alloc = torch.empty),
+ * its configuration from keyword arguments, steps, policy, stats, and the
+ * parameter ranges that tell activations from parameters.
+ */
+#include "ext.h"
+
+const char *keep_reason_names[KEEP_REASONS_] = {
+    "kept_small", "kept_subclass", "kept_sparse", "kept_nested",
+    "kept_device", "kept_non_dense", "kept_ndim", "kept_pack_error"};
+
+PyObject *raise_ferry(int code, const char *msg) {
+  PyObject *args = Py_BuildValue("(ss)", msg && *msg ? msg : ferry_strerror(code),
+                                 ferry_err_name(code));
+  if (args) {
+    PyErr_SetObject(FerryError, args);
+    Py_DECREF(args);
+  }
+  return NULL;
+}
+
+int engine_live(EngineObject *self) {
+  if (self->e) return 1;
+  PyErr_SetString(FerryError, "ferry: this engine was closed");
+  return 0;
+}
+
+/* Engine callbacks. All run with the GIL held (see the file comment); the
+ * PyGILState calls make that true even for an embedder that calls the engine
+ * from a thread without it. */
+
+static int cb_device_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
+  EngineObject *self = ud;
+  PyGILState_STATE g = PyGILState_Ensure();
+  int rc = -1;
+  /* The handle being unpacked gets a buffer with its own dtype and strides,
+   * so unpack hands it out as is; others (prefetches) get raw bytes. */
+  PyObject *t = empty_like_handle(self, bytes);
+  if (!t && !PyErr_Occurred()) {
+    PyObject *args = Py_BuildValue("(K)", (unsigned long long)bytes);
+    t = args ? PyObject_Call(T.empty, args, self->alloc_kw) : NULL;
+    Py_XDECREF(args);
+  }
+  if (t) {
+    PyObject *p = PyObject_CallMethodNoArgs(t, s_data_ptr);
+    if (p) {
+      *dev = PyLong_AsVoidPtr(p);
+      Py_DECREF(p);
+      if (*dev || !PyErr_Occurred()) {
+        *owner = t;
+        t = NULL;
+        self->allocs_live++;
+        rc = 0;
+      }
+    }
+    Py_XDECREF(t);
+  }
+  if (rc) PyErr_WriteUnraisable((PyObject *)self); /* reported; the engine fails the unpack */
+  PyGILState_Release(g);
+  return rc;
+}
+
+static void cb_release(void *ud, void *owner) {
+  PyGILState_STATE g = PyGILState_Ensure();
+  Py_DECREF((PyObject *)owner);
+  PyGILState_Release(g);
+}
+
+static void cb_retain(void *ud, void *owner) {
+  /* Called under the engine's lock; the GIL is held by our caller. */
+  Py_INCREF((PyObject *)owner);
+}
+
+/* The engine's min_offload_bytes after policy knobs: the fast keep path
+ * must not keep a tensor the engine would have shown the policy. */
+static uint64_t effective_min_bytes(ferry_engine *e) {
+  ferry_knobs k;
+  return ferry_get_knobs(e, &k) == FERRY_OK ? k.min_offload_bytes : 0;
+}
+
+/* ---- Engine type ------------------------------------------------------------- */
+static int backend_of(const char *name) {
+  if (!strcmp(name, "host")) return FERRY_BACKEND_HOST;
+  if (!strcmp(name, "cuda")) return FERRY_BACKEND_CUDA;
+  if (!strcmp(name, "sim")) return FERRY_BACKEND_SIM;
+  return -1;
+}
+
+static int arena_of(const char *name) {
+  if (!strcmp(name, "auto")) return FERRY_ARENA_AUTO;
+  if (!strcmp(name, "jemalloc")) return FERRY_ARENA_JEMALLOC;
+  if (!strcmp(name, "pool")) return FERRY_ARENA_POOL;
+  return -1;
+}
+
+static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  EngineObject *self = (EngineObject *)type->tp_alloc(type, 0);
+  return (PyObject *)self;
+}
+
+/* backend, arena and link (a tuple or None) into cfg. */
+static int config_kinds(ferry_config *cfg, const char *backend, const char *arena,
+                        PyObject *link) {
+  cfg->backend = backend_of(backend);
+  if (cfg->backend < 0) {
+    PyErr_Format(PyExc_ValueError, "ferry: backend '%s' is not one of host, cuda, sim", backend);
+    return -1;
+  }
+  cfg->arena = arena_of(arena);
+  if (cfg->arena < 0) {
+    PyErr_Format(PyExc_ValueError, "ferry: arena '%s' is not one of auto, jemalloc, pool", arena);
+    return -1;
+  }
+  if (link != Py_None &&
+      !PyArg_ParseTuple(link, "dddd;link must be (d2h_bytes_per_s, h2d_bytes_per_s, latency_us, "
+                              "duplex)",
+                        &cfg->link.d2h_bytes_per_s, &cfg->link.h2d_bytes_per_s,
+                        &cfg->link.latency_us, &cfg->link.duplex))
+    return -1;
+  return 0;
+}
+
+/* A NodeCap's reserve hook into cfg; the engine keeps the NodeCap alive. */
+static int config_node_cap(EngineObject *self, ferry_config *cfg, PyObject *node_cap) {
+  if (node_cap == Py_None) return 0;
+  if (!PyObject_TypeCheck(node_cap, &NodeCapType) || !((NodeCapObject *)node_cap)->nb) {
+    PyErr_SetString(PyExc_TypeError, "ferry: node_cap must be an initialised NodeCap");
+    return -1;
+  }
+#ifdef FERRY_HAVE_RESERVE_FN
+  cfg->host_reserve = ferry_node_budget_reserve;
+  cfg->host_reserve_ud = ((NodeCapObject *)node_cap)->nb;
+#else
+  PyErr_SetString(PyExc_NotImplementedError,
+                  "ferry: this libferry has no host_reserve hook; a node-wide cap needs it");
+  return -1;
+#endif
+  Py_INCREF(node_cap);
+  self->node_cap = node_cap;
+  return 0;
+}
+
+/* torch.empty's keywords for device_alloc; a cuda engine's stream getter. */
+static int engine_alloc_setup(EngineObject *self) {
+  self->alloc_kw = PyDict_New();
+  if (!self->alloc_kw || PyDict_SetItemString(self->alloc_kw, "dtype", T.uint8)) return -1;
+  if (self->backend != FERRY_BACKEND_CUDA) return 0;
+  PyObject *dev = PyUnicode_FromFormat("cuda:%d", self->device_index);
+  int bad = !dev || PyDict_SetItemString(self->alloc_kw, "device", dev);
+  Py_XDECREF(dev);
+  if (bad) return -1;
+  PyObject *cuda = PyObject_GetAttrString(T.torch, "cuda");
+  T.cuda_current_stream = cuda ? PyObject_GetAttrString(cuda, "current_stream") : NULL;
+  Py_XDECREF(cuda);
+  return T.cuda_current_stream ? 0 : -1;
+}
+
+static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"backend", "policy_path", "policy_source", "trace_path",
+                           "host_cap_bytes", "host_cap_pct", "min_offload_bytes",
+                           "max_fwd_stash", "prefetch_distance", "link", "arena",
+                           "device", "policy_trusted", "node_cap", "fast_keep", NULL};
+  const char *backend = "host", *policy_path = NULL, *policy_source = NULL, *trace_path = NULL,
+             *arena = "auto";
+  unsigned long long cap_bytes = 0, min_bytes = 1024;
+  double cap_pct = 0;
+  unsigned int max_stash = 4, prefetch = 2;
+  PyObject *link = Py_None, *node_cap = Py_None;
+  int device = -1, trusted = 0, fast_keep = 1;
+  if (self->e) {
+    PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
+    return -1;
+  }
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOp", kwlist, &backend, &policy_path,
+                                   &policy_source, &trace_path, &cap_bytes, &cap_pct, &min_bytes,
+                                   &max_stash, &prefetch, &link, &arena, &device, &trusted,
+                                   &node_cap, &fast_keep))
+    return -1;
+  ferry_config cfg;
+  ferry_config_init(&cfg);
+  if (config_kinds(&cfg, backend, arena, link) || torch_init()) return -1;
+  cfg.device = device;
+  cfg.host_cap_bytes = cap_bytes;
+  cfg.host_cap_pct = cap_pct;
+  cfg.min_offload_bytes = min_bytes;
+  cfg.max_fwd_stash = max_stash;
+  cfg.prefetch_distance = prefetch;
+  cfg.device_alloc = cb_device_alloc;
+  cfg.release = cb_release;
+  cfg.retain = cb_retain;
+  cfg.callback_ud = self;
+  cfg.policy_path = policy_path;
+  cfg.policy_source = policy_source;
+  cfg.policy_trusted = trusted;
+  cfg.trace_path = trace_path;
+  if (config_node_cap(self, &cfg, node_cap)) return -1;
+  self->backend = cfg.backend;
+  self->device_index = device < 0 ? 0 : device;
+  if (engine_alloc_setup(self)) return -1;
+  char err[512] = "";
+  ferry_engine *e = NULL;
+  int rc = ferry_engine_create(&cfg, &e, err, sizeof err);
+  if (rc) {
+    raise_ferry(rc, err);
+    return -1;
+  }
+  self->e = e;
+  self->min_bytes = effective_min_bytes(e);
+  self->fast_keep = fast_keep && !trace_path;
+  self->pack_hook = make_hook(&PackHookType, self);
+  self->unpack_hook = make_hook(&UnpackHookType, self);
+  if (!self->pack_hook || !self->unpack_hook) return -1;
+  return 0;
+}
+
+static void engine_close_impl(EngineObject *self) {
+  if (!self->e) return;
+  ferry_engine *e = self->e;
+  /* Handles still alive become invalid: they hold a reference to this
+   * object, so close only happens explicitly or when none is left. */
+  self->e = NULL;
+  ferry_engine_destroy(e);
+}
+
+static int engine_traverse(EngineObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->pack_hook);
+  Py_VISIT(self->unpack_hook);
+  return 0;
+}
+
+static int engine_clear(EngineObject *self) {
+  Py_CLEAR(self->pack_hook);
+  Py_CLEAR(self->unpack_hook);
+  return 0;
+}
+
+static void engine_dealloc(EngineObject *self) {
+  PyObject_GC_UnTrack(self);
+  if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
+  engine_clear(self);
+  engine_close_impl(self);
+  Py_CLEAR(self->alloc_kw);
+  Py_CLEAR(self->last_pack_error);
+  Py_CLEAR(self->node_cap);
+  PyMem_Free(self->sites);
+  PyMem_Free(self->stack);
+  PyMem_Free(self->params);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *engine_close(EngineObject *self, PyObject *unused) {
+  engine_close_impl(self);
+  Py_RETURN_NONE;
+}
+
+static PyObject *check_rc(EngineObject *self, int rc) {
+  if (rc) return raise_ferry(rc, ferry_last_error(self->e));
+  Py_RETURN_NONE;
+}
+
+static PyObject *engine_step_begin(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  self->depth = 0;
+  self->in_backward = 0;
+  int rc = ferry_step_begin(self->e);
+  if (!rc) self->in_step = 1;
+  return check_rc(self, rc);
+}
+
+/* Ends the step. Returns the number of handles still live (retain_graph, or
+ * a graph kept by the user): they stay valid; 0 is the normal case. */
+static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  if (self->in_backward) ferry_backward_end(self->e);
+  self->in_backward = 0;
+  self->depth = 0;
+  self->in_step = 0;
+  int rc = ferry_step_end(self->e);
+  if (rc == FERRY_ELEAK) {
+    ferry_stats s;
+    ferry_get_stats(self->e, &s, sizeof s);
+    return PyLong_FromUnsignedLongLong(s.live_handles);
+  }
+  if (rc) return raise_ferry(rc, ferry_last_error(self->e));
+  return PyLong_FromLong(0);
+}
+
+static PyObject *engine_backward_begin(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  self->in_backward = 1;
+  return check_rc(self, ferry_backward_begin(self->e));
+}
+
+static PyObject *engine_set_policy(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"path", "source", "trusted", NULL};
+  const char *path = NULL, *source = NULL;
+  int trusted = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|zzp", kwlist, &path, &source, &trusted))
+    return NULL;
+  if (!engine_live(self)) return NULL;
+  int rc = ferry_set_policy(self->e, path, source, trusted);
+  if (!rc) self->min_bytes = effective_min_bytes(self->e);
+  return check_rc(self, rc);
+}
+
+static PyObject *engine_stats(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  ferry_stats s;
+  int rc = ferry_get_stats(self->e, &s, sizeof s);
+  if (rc) return raise_ferry(rc, ferry_last_error(self->e));
+  PyObject *d = PyDict_New();
+  if (!d) return NULL;
+#define PUT(name, value)                                        \
+  do {                                                          \
+    PyObject *v_ = PyLong_FromUnsignedLongLong(value);          \
+    if (!v_ || PyDict_SetItemString(d, name, v_)) {             \
+      Py_XDECREF(v_);                                           \
+      Py_DECREF(d);                                             \
+      return NULL;                                              \
+    }                                                           \
+    Py_DECREF(v_);                                              \
+  } while (0)
+#define S(f) PUT(#f, s.f)
+  S(steps); S(tensors_packed); S(tensors_offloaded); S(tensors_kept); S(tensors_aliased);
+  S(tensors_unpacked); S(stash_hits); S(prefetches); S(bytes_d2h); S(bytes_h2d);
+  S(live_handles); S(device_bytes_held); S(device_bytes_held_peak); S(arena_in_use);
+  S(arena_peak); S(arena_reserved); S(arena_cap); S(backend_pinned_allocs); S(waits);
+  S(cap_fallbacks); S(alloc_failures); S(policy_errors); S(policy_calls);
+  S(policy_cache_hits); S(policy_disabled);
+#undef S
+  for (int i = 0; i < KEEP_REASONS_; i++) PUT(keep_reason_names[i], self->kept[i]);
+  PUT("recompute_packs", self->recompute_packs);
+  PUT("unpack_rebuilds", self->rebuilds);
+  PUT("pack_errors", self->pack_errors);
+  PUT("unpacks_repeated", self->unpacks_repeated);
+  PUT("device_allocs", self->allocs_live); /* device_alloc callback calls */
+#undef PUT
+  return d;
+}
+
+static PyObject *engine_reset_counters(EngineObject *self, PyObject *unused) {
+  memset(self->kept, 0, sizeof self->kept);
+  self->recompute_packs = self->rebuilds = self->pack_errors = self->unpacks_repeated = 0;
+  Py_RETURN_NONE;
+}
+
+static PyObject *engine_last_error(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  return PyUnicode_FromString(ferry_last_error(self->e));
+}
+
+static PyObject *engine_policy_error(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  return PyUnicode_FromString(ferry_last_policy_error(self->e));
+}
+
+static PyObject *engine_last_pack_error(EngineObject *self, PyObject *unused) {
+  if (!self->last_pack_error) Py_RETURN_NONE;
+  Py_INCREF(self->last_pack_error);
+  return self->last_pack_error;
+}
+
+/* add_sites([(path, class, layer, layer_count), ...]) -> index of the first */
+static PyObject *engine_add_sites(EngineObject *self, PyObject *list) {
+  if (!engine_live(self)) return NULL;
+  PyObject *seq = PySequence_Fast(list, "add_sites expects a sequence of tuples");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (self->n_sites + (uint64_t)n > INT32_MAX) {
+    Py_DECREF(seq);
+    return PyErr_Format(PyExc_OverflowError, "ferry: too many module sites");
+  }
+  uint32_t need = self->n_sites + (uint32_t)n;
+  if (need > self->cap_sites) {
+    uint32_t ncap = self->cap_sites ? self->cap_sites : 64;
+    while (ncap < need) ncap *= 2;
+    site *ns = PyMem_Realloc(self->sites, ncap * sizeof *ns);
+    if (!ns) {
+      Py_DECREF(seq);
+      return PyErr_NoMemory();
+    }
+    self->sites = ns;
+    self->cap_sites = ncap;
+  }
+  uint32_t first = self->n_sites;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    const char *path, *cls;
+    int layer, count;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ssii;a site is (path, class, layer, layer_count)",
+                          &path, &cls, &layer, &count)) {
+      Py_DECREF(seq);
+      return NULL;
+    }
+    site *s = &self->sites[first + i];
+    s->path = ferry_intern(self->e, path);
+    s->cls = ferry_intern(self->e, cls);
+    s->layer = layer;
+    s->layer_count = count;
+    if (!s->path || !s->cls) {
+      Py_DECREF(seq);
+      return PyErr_NoMemory();
+    }
+  }
+  self->n_sites = need;
+  Py_DECREF(seq);
+  return PyLong_FromUnsignedLong(first);
+}
+
+static int range_cmp(const void *a, const void *b) {
+  const param_range *x = a, *y = b;
+  return x->lo < y->lo ? -1 : x->lo > y->lo;
+}
+
+/* set_param_ranges([(start, nbytes, is_buffer), ...]) replaces the table. */
+static PyObject *engine_set_param_ranges(EngineObject *self, PyObject *list) {
+  PyObject *seq = PySequence_Fast(list, "set_param_ranges expects a sequence of tuples");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  param_range *r = n ? PyMem_Malloc((size_t)n * sizeof *r) : NULL;
+  if (n && !r) {
+    Py_DECREF(seq);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    unsigned long long lo, len;
+    int is_buffer;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKp;a range is (start, nbytes, is_buffer)",
+                          &lo, &len, &is_buffer)) {
+      PyMem_Free(r);
+      Py_DECREF(seq);
+      return NULL;
+    }
+    r[i] = (param_range){(uintptr_t)lo, (uintptr_t)(lo + (len ? len : 1)),
+                         is_buffer ? FERRY_KIND_BUFFER : FERRY_KIND_PARAMETER};
+  }
+  Py_DECREF(seq);
+  if (n) qsort(r, (size_t)n, sizeof *r, range_cmp);
+  PyMem_Free(self->params);
+  self->params = r;
+  self->n_params = (uint32_t)n;
+  Py_RETURN_NONE;
+}
+
+static PyObject *engine_kind_of(EngineObject *self, PyObject *arg) {
+  uintptr_t p = (uintptr_t)PyLong_AsVoidPtr(arg);
+  if (PyErr_Occurred()) return NULL;
+  return PyLong_FromLong(kind_of_ptr(self, p));
+}
+
+static PyObject *engine_hooks(EngineObject *self, PyObject *unused) {
+  return PyTuple_Pack(2, self->pack_hook, self->unpack_hook);
+}
+
+
+static PyObject *engine_info(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  return Py_BuildValue("{sssssKsi}", "backend", ferry_backend_name(self->e), "arena",
+                       ferry_arena_name(self->e), "min_offload_bytes",
+                       (unsigned long long)self->min_bytes, "fast_keep", self->fast_keep);
+}
+
+static PyObject *engine_get_closed(EngineObject *self, void *unused) {
+  return PyBool_FromLong(self->e == NULL);
+}
+
+static PyObject *engine_get_in_step(EngineObject *self, void *unused) {
+  return PyBool_FromLong(self->in_step);
+}
+
+static PyObject *engine_get_depth(EngineObject *self, void *unused) {
+  return PyLong_FromUnsignedLong(self->depth);
+}
+
+static PyObject *engine_get_min_bytes(EngineObject *self, void *unused) {
+  return PyLong_FromUnsignedLongLong(self->min_bytes);
+}
+
+static int engine_set_min_bytes(EngineObject *self, PyObject *v, void *unused) {
+  if (!v) {
+    PyErr_SetString(PyExc_AttributeError, "cannot delete min_offload_bytes");
+    return -1;
+  }
+  unsigned long long n = PyLong_AsUnsignedLongLong(v);
+  if (PyErr_Occurred()) return -1;
+  self->min_bytes = n;
+  return 0;
+}
+
+static PyGetSetDef engine_getset[] = {
+    {"closed", (getter)engine_get_closed, NULL, "whether close() was called", NULL},
+    {"in_step", (getter)engine_get_in_step, NULL, "a step is in progress", NULL},
+    {"module_depth", (getter)engine_get_depth, NULL, "current module stack depth", NULL},
+    {"min_offload_bytes", (getter)engine_get_min_bytes, (setter)engine_set_min_bytes,
+     "the fast keep path's threshold (the engine's min_offload_bytes)", NULL},
+    {NULL}};
+
+
+static PyMethodDef engine_methods[] = {
+    {"close", (PyCFunction)engine_close, METH_NOARGS, "Destroy the engine now."},
+    {"step_begin", (PyCFunction)engine_step_begin, METH_NOARGS, NULL},
+    {"step_end", (PyCFunction)engine_step_end, METH_NOARGS,
+     "End the step; returns the number of handles still live (0 normally)."},
+    {"backward_begin", (PyCFunction)engine_backward_begin, METH_NOARGS, NULL},
+    {"set_policy", (PyCFunction)(void (*)(void))engine_set_policy, METH_VARARGS | METH_KEYWORDS,
+     "set_policy(path=None, source=None, trusted=False), between steps."},
+    {"stats", (PyCFunction)engine_stats, METH_NOARGS, "Engine stats and binding counters."},
+    {"reset_counters", (PyCFunction)engine_reset_counters, METH_NOARGS,
+     "Zero the binding's own counters (kept_*, recompute_packs...)."},
+    {"last_error", (PyCFunction)engine_last_error, METH_NOARGS, NULL},
+    {"policy_error", (PyCFunction)engine_policy_error, METH_NOARGS, NULL},
+    {"last_pack_error", (PyCFunction)engine_last_pack_error, METH_NOARGS, NULL},
+    {"add_sites", (PyCFunction)engine_add_sites, METH_O, NULL},
+    {"set_param_ranges", (PyCFunction)engine_set_param_ranges, METH_O, NULL},
+    {"kind_of", (PyCFunction)engine_kind_of, METH_O, "ferry_kind of a data pointer."},
+    {"hooks", (PyCFunction)engine_hooks, METH_NOARGS,
+     "(pack_hook, unpack_hook) for torch.autograd.graph.saved_tensors_hooks."},
+    {"site_hooks", (PyCFunction)engine_site_hooks, METH_O,
+     "site_hooks(index) -> (pre_hook, post_hook) for one module."},
+    {"info", (PyCFunction)engine_info, METH_NOARGS, NULL},
+    {"snapshot", (PyCFunction)engine_snapshot, METH_VARARGS,
+     "snapshot(path, records) -> Snapshot: start a checkpoint snapshot (ferry_snapshot_start). "
+     "records: (name, bytes-like) for host bytes copied now, or (name, data_ptr, nbytes, owner, "
+     "is_host) for memory read later (device) or now (is_host); owner is kept until fence()."},
+    {NULL}};
+
+PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.Engine",
+    .tp_basicsize = sizeof(EngineObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A ferry engine whose owner tokens are torch tensors.",
+    .tp_new = engine_new,
+    .tp_init = (initproc)engine_init,
+    .tp_dealloc = (destructor)engine_dealloc,
+    .tp_traverse = (traverseproc)engine_traverse,
+    .tp_clear = (inquiry)engine_clear,
+    .tp_methods = engine_methods,
+    .tp_getset = engine_getset,
+    .tp_weaklistoffset = offsetof(EngineObject, weakreflist),
+};
+

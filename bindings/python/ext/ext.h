@@ -1,0 +1,186 @@
+/*
+ * ext.h — what the parts of the _ferry extension share (private).
+ *
+ * Parts: module.c (init, module functions), tensor.c (torch objects,
+ * interned names, dtypes), engine.c (Engine), hooks.c (pack/unpack hooks,
+ * Handle: the hot path), sites.c (module site hooks), snapshot.c (Snapshot,
+ * SnapshotPolicy), nodecap.c (NodeCap). docs/pytorch.md explains the design.
+ */
+#ifndef FERRY_PY_EXT_H
+#define FERRY_PY_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ferry.h"
+
+/* Internal linkage in all but name: the module exports PyInit__ferry only,
+ * and hidden declarations keep cross-part accesses as direct as static ones. */
+#pragma GCC visibility push(hidden)
+
+/* ---- torch objects (tensor.c), looked up on first engine creation ----------
+ * `import ferry` must work without torch, so nothing here is touched at
+ * module import. */
+typedef struct torch_objects {
+  int ready;
+  PyObject *torch;        /* module */
+  PyTypeObject *tensor;   /* torch.Tensor */
+  PyTypeObject *param;    /* torch.nn.Parameter */
+  PyObject *strided;      /* torch.strided */
+  PyObject *uint8;        /* torch.uint8 */
+  PyObject *empty;        /* torch.empty */
+  PyObject *empty_strided; /* torch.empty_strided */
+  PyObject *cuda_current_stream; /* torch.cuda.current_stream, or NULL */
+  int has_is_nested;
+} torch_objects;
+extern torch_objects T;
+
+/* Interned attribute names (tensor.c). */
+extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_layout,
+    *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
+    *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
+    *s_device;
+
+/* ---- dtypes ------------------------------------------------------------------
+ * torch.dtype objects are singletons: a short table keyed by identity. */
+typedef struct dtype_info {
+  PyObject *dtype; /* borrowed forever: dtypes are immortal in practice; we hold a ref */
+  int32_t ferry;
+  uint32_t itemsize;
+} dtype_info;
+#define MAX_DTYPES 48
+extern dtype_info dtypes[MAX_DTYPES];
+extern int n_dtypes;
+
+
+const dtype_info *dtype_add(PyObject *dtype);
+
+/* The entry for dtype, added on first sight; NULL with an exception set on
+ * failure. Inline: the pack hook calls it for every saved tensor. */
+static inline const dtype_info *dtype_lookup(PyObject *dtype) {
+  for (int i = 0; i < n_dtypes; i++)
+    if (dtypes[i].dtype == dtype) return &dtypes[i];
+  return dtype_add(dtype);
+}
+int intern_names(void);
+int torch_init(void);
+/* "torch.bfloat16" -> FERRY_DTYPE_BF16 */
+int32_t ferry_dtype_of_name(const char *name);
+
+/* ---- engine (engine.c) --------------------------------------------------------- */
+typedef struct site {
+  const char *path; /* interned in the engine */
+  const char *cls;
+  int32_t layer, layer_count;
+} site;
+
+typedef struct param_range {
+  uintptr_t lo, hi; /* [lo, hi) of a parameter's or buffer's storage */
+  int32_t kind;     /* FERRY_KIND_PARAMETER or FERRY_KIND_BUFFER */
+} param_range;
+
+/* Why a saved tensor was kept without reaching the engine. */
+enum keep_reason {
+  KEEP_SMALL,     /* under min_offload_bytes: the fast path */
+  KEEP_SUBCLASS,  /* a tensor subclass: its storage is not ours to copy */
+  KEEP_SPARSE,    /* not a strided layout */
+  KEEP_NESTED,
+  KEEP_DEVICE,    /* not on the backend's device */
+  KEEP_NON_DENSE, /* overlapping or gapped strides (expand, strided slices) */
+  KEEP_NDIM,      /* more than FERRY_MAX_DIMS dimensions */
+  KEEP_ERROR,     /* the engine refused the pack: see pack_errors */
+  KEEP_REASONS_
+};
+extern const char *keep_reason_names[KEEP_REASONS_];
+
+typedef struct EngineObject EngineObject;
+
+typedef struct {
+  PyObject_HEAD vectorcallfunc vectorcall;
+  EngineObject *eng;
+} HookObject;
+
+struct EngineObject {
+  PyObject_HEAD ferry_engine *e;
+  int backend;        /* ferry_backend_kind */
+  int device_index;   /* cuda ordinal */
+  PyObject *alloc_kw; /* {"dtype": torch.uint8, "device": ...} for device_alloc */
+  uint64_t min_bytes; /* fast keep threshold */
+  int fast_keep;      /* off while recording a trace: every tensor is traced */
+  int in_backward;    /* an unpack happened in this step */
+  int in_step;
+  site *sites;
+  uint32_t n_sites, cap_sites;
+  int32_t *stack;
+  uint32_t depth, cap_stack;
+  param_range *params;
+  uint32_t n_params;
+  uint64_t kept[KEEP_REASONS_];
+  uint64_t recompute_packs, rebuilds, pack_errors, unpacks_repeated;
+  uint64_t allocs_live; /* device_alloc buffers not yet released: debug aid */
+  PyObject *pack_hook, *unpack_hook;
+  PyObject *last_pack_error; /* str or NULL */
+  struct HandleObject *unpacking; /* the handle in ferry_unpack, for device_alloc */
+  PyObject *node_cap;        /* NodeCap kept alive while the engine uses it */
+  PyObject *weakreflist;
+};
+
+/* What a pack returns for a tensor given to the engine (hooks.c). */
+typedef struct HandleObject {
+  PyObject_HEAD EngineObject *eng;
+  ferry_handle h;   /* 0 once unpacked */
+  PyObject *dtype;  /* torch.dtype */
+  PyObject *result; /* the unpacked tensor, for a second unpack (retain_graph) */
+  int32_t ndim;
+  int64_t shape[FERRY_MAX_DIMS];
+  int64_t strides[FERRY_MAX_DIMS];
+} HandleObject;
+
+typedef struct {
+  PyObject_HEAD ferry_node_budget *nb;
+} NodeCapObject;
+
+/* Kind of the storage holding ptr: a parameter/buffer range, or activation.
+ * Ranges may nest (a flat buffer and views into it), so after the binary
+ * search look back over ranges that start before ptr. */
+static inline int32_t kind_of_ptr(const EngineObject *self, uintptr_t p) {
+  uint32_t lo = 0, hi = self->n_params;
+  while (lo < hi) { /* first range with start > p */
+    uint32_t mid = (lo + hi) / 2;
+    if (self->params[mid].lo <= p) lo = mid + 1;
+    else hi = mid;
+  }
+  for (uint32_t i = lo; i-- > 0;) {
+    if (p < self->params[i].hi) return self->params[i].kind;
+    if (lo - i > 8) break; /* nesting deeper than this is not a real model */
+  }
+  return FERRY_KIND_ACTIVATION;
+}
+
+extern PyTypeObject EngineType, HandleType, PackHookType, UnpackHookType, SiteHookType,
+    NodeCapType, SnapshotType, SnapshotPolicyType;
+extern PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
+
+/* engine.c */
+PyObject *raise_ferry(int code, const char *msg);
+int engine_live(EngineObject *self);
+/* hooks.c */
+PyObject *make_hook(PyTypeObject *type, EngineObject *eng);
+PyObject *empty_like_handle(EngineObject *self, uint64_t bytes);
+PyObject *int_tuple(const int64_t *v, int32_t n);
+/* torch.cuda.current_stream() of a cuda engine, else NULL */
+void *compute_stream(EngineObject *eng);
+/* sites.c */
+PyObject *engine_site_hooks(EngineObject *self, PyObject *arg);
+/* snapshot.c */
+PyObject *engine_snapshot(EngineObject *self, PyObject *args);
+/* nodecap.c */
+PyObject *nodecap_unlink(PyObject *unused, PyObject *arg);
+
+#pragma GCC visibility pop
+#endif

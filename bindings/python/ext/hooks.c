@@ -1,0 +1,528 @@
+/*
+ * hooks.c — the hot path: PackHook / UnpackHook, C callables handed to
+ * saved_tensors_hooks so a saved tensor costs no Python frame (tiny tensors
+ * take a fast keep path that never reaches the engine), and Handle, what a
+ * pack returns; its deallocation discards the engine handle.
+ */
+#include "ext.h"
+
+/* ---- Handle ------------------------------------------------------------------- */
+static void handle_dealloc(HandleObject *self) {
+  if (self->h && self->eng && self->eng->e) ferry_discard(self->eng->e, self->h);
+  Py_XDECREF(self->result);
+  Py_XDECREF(self->dtype);
+  Py_XDECREF(self->eng);
+  PyObject_Free(self);
+}
+
+static PyObject *handle_repr(HandleObject *self) {
+  return PyUnicode_FromFormat("<ferry handle 0x%llx%s>", (unsigned long long)self->h,
+                              self->h ? "" : " (unpacked)");
+}
+
+PyTypeObject HandleType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.Handle",
+    .tp_basicsize = sizeof(HandleObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A saved tensor held by a ferry engine.",
+    .tp_dealloc = (destructor)handle_dealloc,
+    .tp_repr = (reprfunc)handle_repr,
+};
+
+/* ---- hooks ---------------------------------------------------------------------- */
+static PyObject *pack_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                 PyObject *kwnames);
+static PyObject *unpack_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                   PyObject *kwnames);
+
+PyObject *make_hook(PyTypeObject *type, EngineObject *eng) {
+  HookObject *h = PyObject_GC_New(HookObject, type);
+  if (!h) return NULL;
+  h->vectorcall = type == &PackHookType ? pack_vectorcall : unpack_vectorcall;
+  Py_INCREF(eng);
+  h->eng = eng;
+  PyObject_GC_Track(h);
+  return (PyObject *)h;
+}
+
+static int hook_traverse(HookObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->eng);
+  return 0;
+}
+
+static int hook_clear(HookObject *self) {
+  Py_CLEAR(self->eng);
+  return 0;
+}
+
+static void hook_dealloc(HookObject *self) {
+  PyObject_GC_UnTrack(self);
+  hook_clear(self);
+  PyObject_GC_Del(self);
+}
+
+/* The object a kept tensor is stored as. A tensor with a grad_fn (an output
+ * the saving node produced) must not be stored as is: its grad_fn owns the
+ * saved variable, which would own the tensor — a C++ reference cycle that
+ * Python's gc cannot see, leaking the graph when backward never runs. An
+ * alias without autograd metadata (`.data`) breaks it. */
+static PyObject *keep_object(PyObject *t) {
+  PyObject *rg = PyObject_GetAttr(t, s_requires_grad);
+  if (!rg) return NULL;
+  int needs_alias = rg == Py_True;
+  Py_DECREF(rg);
+  if (needs_alias) {
+    PyObject *leaf = PyObject_GetAttr(t, s_is_leaf);
+    if (!leaf) return NULL;
+    needs_alias = leaf == Py_False;
+    Py_DECREF(leaf);
+  }
+  if (needs_alias) return PyObject_GetAttr(t, s_data);
+  Py_INCREF(t);
+  return t;
+}
+
+static PyObject *keep_with(EngineObject *eng, PyObject *t, int reason) {
+  eng->kept[reason]++;
+  return keep_object(t);
+}
+
+static int read_int_tuple(PyObject *tup, int64_t *out, int32_t *n) {
+  if (!PyTuple_Check(tup)) {
+    PyErr_SetString(PyExc_TypeError, "ferry: expected a tuple of ints");
+    return -1;
+  }
+  Py_ssize_t len = PyTuple_GET_SIZE(tup);
+  if (len > FERRY_MAX_DIMS) {
+    *n = (int32_t)len;
+    return 1;
+  }
+  for (Py_ssize_t i = 0; i < len; i++) {
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tup, i));
+    if (out[i] == -1 && PyErr_Occurred()) return -1;
+  }
+  *n = (int32_t)len;
+  return 0;
+}
+
+/* Whether the elements of (shape, strides) cover exactly numel consecutive
+ * slots from the first one: dense and non-overlapping, any order (a
+ * transpose or permute of a contiguous block). Then the tensor's bytes are
+ * [data_ptr, data_ptr + numel * itemsize) and can be copied as one span. */
+static int dense_span(int32_t ndim, const int64_t *shape, const int64_t *strides, int *contig) {
+  int32_t order[FERRY_MAX_DIMS], n = 0;
+  int64_t expect = 1;
+  *contig = 1;
+  for (int32_t i = ndim - 1; i >= 0; i--) {
+    if (shape[i] == 0) return 1; /* empty: caught earlier by bytes == 0 */
+    if (shape[i] != 1 && strides[i] != expect) *contig = 0;
+    if (shape[i] != 1) expect *= shape[i];
+  }
+  if (*contig) return 1;
+  for (int32_t i = 0; i < ndim; i++)
+    if (shape[i] != 1) order[n++] = i;
+  /* insertion sort by stride ascending */
+  for (int32_t i = 1; i < n; i++) {
+    int32_t k = order[i], j = i - 1;
+    while (j >= 0 && strides[order[j]] > strides[k]) {
+      order[j + 1] = order[j];
+      j--;
+    }
+    order[j + 1] = k;
+  }
+  expect = 1;
+  for (int32_t i = 0; i < n; i++) {
+    if (strides[order[i]] != expect) return 0;
+    expect *= shape[order[i]];
+  }
+  return 1;
+}
+
+void *compute_stream(EngineObject *eng) {
+  if (eng->backend != FERRY_BACKEND_CUDA) return NULL;
+  PyObject *s = PyObject_CallNoArgs(T.cuda_current_stream);
+  if (!s) return NULL;
+  PyObject *p = PyObject_GetAttr(s, s_cuda_stream);
+  Py_DECREF(s);
+  if (!p) return NULL;
+  void *ptr = PyLong_AsVoidPtr(p);
+  Py_DECREF(p);
+  return ptr;
+}
+
+/* The helpers of pack_impl below return -1 (exception set), a keep_reason,
+ * or PACK_ON to go on. Each has one caller and is inlined into it. */
+#define PACK_ON KEEP_REASONS_
+
+/* Whether t lives where the engine's backend can copy it from. */
+static int pack_check_device(EngineObject *eng, PyObject *t) {
+  PyObject *v = PyObject_GetAttr(t, s_is_cuda);
+  if (!v) return -1;
+  int is_cuda = v == Py_True;
+  Py_DECREF(v);
+  if (eng->backend == FERRY_BACKEND_CUDA) {
+    if (!is_cuda) return KEEP_DEVICE;
+    v = PyObject_CallMethodNoArgs(t, s_get_device);
+    if (!v) return -1;
+    long dev = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return dev == eng->device_index ? PACK_ON : KEEP_DEVICE;
+  }
+  if (is_cuda) return KEEP_DEVICE;
+  v = PyObject_GetAttr(t, s_device); /* meta, mps, xla...: not host memory */
+  if (!v) return -1;
+  PyObject *ty = PyObject_GetAttrString(v, "type");
+  Py_DECREF(v);
+  if (!ty) return -1;
+  int cpu = PyUnicode_CompareWithASCIIString(ty, "cpu") == 0;
+  Py_DECREF(ty);
+  return cpu ? PACK_ON : KEEP_DEVICE;
+}
+
+/* Strided, dense, on the right device, a small enough ndim: PACK_ON. */
+static int pack_check(EngineObject *eng, PyObject *t) {
+  PyObject *v = PyObject_GetAttr(t, s_layout);
+  if (!v) return -1;
+  int strided = v == T.strided;
+  Py_DECREF(v);
+  if (!strided) return KEEP_SPARSE;
+  if (!eng->e) return KEEP_ERROR;
+  if (T.has_is_nested) {
+    v = PyObject_GetAttr(t, s_is_nested);
+    if (!v) return -1;
+    int nested = v == Py_True;
+    Py_DECREF(v);
+    if (nested) return KEEP_NESTED;
+  }
+  return pack_check_device(eng, t);
+}
+
+/* Shape, strides, data pointer and view flag of t into d, strides, *ptr. */
+static int pack_layout(PyObject *t, ferry_tensor_desc *d, int64_t *strides, void **ptr) {
+  int32_t nstrides = 0;
+  PyObject *v = PyObject_GetAttr(t, s_shape);
+  if (!v) return -1;
+  int r = read_int_tuple(v, d->shape, &d->ndim);
+  Py_DECREF(v);
+  if (r) return r < 0 ? -1 : KEEP_NDIM;
+  v = PyObject_CallMethodNoArgs(t, s_stride);
+  if (!v) return -1;
+  r = read_int_tuple(v, strides, &nstrides);
+  Py_DECREF(v);
+  if (r) return r < 0 ? -1 : KEEP_NDIM;
+  int contig;
+  if (!dense_span(d->ndim, d->shape, strides, &contig)) return KEEP_NON_DENSE;
+  v = PyObject_CallMethodNoArgs(t, s_data_ptr);
+  if (!v) return -1;
+  *ptr = PyLong_AsVoidPtr(v);
+  Py_DECREF(v);
+  if (!*ptr) return PyErr_Occurred() ? -1 : KEEP_ERROR;
+  v = PyObject_GetAttr(t, s_base);
+  if (!v) return -1;
+  int is_view = v != Py_None;
+  Py_DECREF(v);
+  d->flags = (is_view ? FERRY_FLAG_VIEW : 0) | (contig ? FERRY_FLAG_CONTIGUOUS : 0);
+  return PACK_ON;
+}
+
+/* Kind, phase and the innermost module site of the tensor at ptr. */
+static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, void *ptr) {
+  d->kind = kind_of_ptr(eng, (uintptr_t)ptr);
+  d->phase = eng->in_backward ? FERRY_PHASE_RECOMPUTE : FERRY_PHASE_FORWARD;
+  if (eng->depth && (uint32_t)eng->stack[eng->depth - 1] < eng->n_sites) {
+    const site *s = &eng->sites[eng->stack[eng->depth - 1]];
+    d->module_path = s->path;
+    d->module_class = s->cls;
+    d->layer = s->layer;
+    d->layer_count = s->layer_count;
+  } else {
+    d->layer = -1;
+  }
+}
+
+static HandleObject *new_handle(EngineObject *eng, const ferry_tensor_desc *d,
+                                const int64_t *strides, PyObject *dtype) {
+  HandleObject *hd = PyObject_New(HandleObject, &HandleType);
+  if (!hd) return NULL;
+  hd->h = 0;
+  hd->result = NULL;
+  hd->ndim = d->ndim;
+  memcpy(hd->shape, d->shape, sizeof hd->shape);
+  memcpy(hd->strides, strides, sizeof hd->strides);
+  hd->dtype = dtype;
+  Py_INCREF(hd->dtype);
+  Py_INCREF(eng);
+  hd->eng = eng;
+  return hd;
+}
+
+/* Gives t to the engine: a Handle, or t kept as is if the engine refuses. */
+static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tensor_desc *d,
+                                const int64_t *strides, PyObject *dtype, void *ptr) {
+  HandleObject *hd = new_handle(eng, d, strides, dtype);
+  if (!hd) return NULL;
+  PyObject *owner = keep_object(t);
+  if (!owner) {
+    Py_DECREF(hd);
+    return NULL;
+  }
+  void *stream = compute_stream(eng);
+  if (PyErr_Occurred()) {
+    Py_DECREF(owner);
+    Py_DECREF(hd);
+    return NULL;
+  }
+  ferry_handle h = 0;
+  if (ferry_pack(eng->e, d, ptr, owner, stream, &h)) {
+    /* Nothing is lost: the tensor is kept as a plain saved tensor. */
+    eng->pack_errors++;
+    eng->kept[KEEP_ERROR]++;
+    Py_XSETREF(eng->last_pack_error, PyUnicode_FromString(ferry_last_error(eng->e)));
+    if (!eng->last_pack_error) PyErr_Clear();
+    Py_DECREF(hd);
+    return owner;
+  }
+  hd->h = h;
+  return (PyObject *)hd;
+}
+
+/* Bytes of t from numel and dtype only (the fast path's test); 0 with
+ * *di NULL on error. */
+static uint64_t pack_bytes(PyObject *t, const dtype_info **di) {
+  *di = NULL;
+  PyObject *v = PyObject_CallMethodNoArgs(t, s_numel);
+  if (!v) return 0;
+  long long numel = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  if (numel < 0) return 0;
+  v = PyObject_GetAttr(t, s_dtype);
+  if (!v) return 0;
+  *di = dtype_lookup(v);
+  Py_DECREF(v);
+  return *di ? (uint64_t)numel * (*di)->itemsize : 0;
+}
+
+static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
+  PyTypeObject *tp = Py_TYPE(t);
+  if (tp != T.tensor && tp != T.param) {
+    if (!PyObject_TypeCheck(t, T.tensor))
+      return PyErr_Format(PyExc_TypeError, "ferry pack hook: expected a torch.Tensor, got %s",
+                          tp->tp_name);
+    return keep_with(eng, t, KEEP_SUBCLASS);
+  }
+  const dtype_info *di;
+  uint64_t bytes = pack_bytes(t, &di);
+  if (!di) return NULL;
+  if (bytes == 0 || (eng->fast_keep && bytes < eng->min_bytes))
+    return keep_with(eng, t, KEEP_SMALL);
+  int r = pack_check(eng, t);
+  if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  int64_t strides[FERRY_MAX_DIMS];
+  void *ptr = NULL;
+  r = pack_layout(t, &d, strides, &ptr);
+  if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
+  d.bytes = bytes;
+  d.dtype = di->ferry;
+  pack_describe(eng, &d, ptr);
+  if (eng->in_backward) eng->recompute_packs++;
+  return pack_to_engine(eng, t, &d, strides, di->dtype, ptr);
+}
+
+static PyObject *pack_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                 PyObject *kwnames) {
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+    PyErr_SetString(PyExc_TypeError, "ferry pack hook takes one tensor");
+    return NULL;
+  }
+  return pack_impl(((HookObject *)callable)->eng, args[0]);
+}
+
+static int same_layout(PyObject *t, HandleObject *hd, void *ptr) {
+  PyObject *v = PyObject_GetAttr(t, s_dtype);
+  if (!v) return -1;
+  int same = v == hd->dtype;
+  Py_DECREF(v);
+  if (!same) return 0;
+  int64_t buf[FERRY_MAX_DIMS];
+  int32_t n = 0;
+  v = PyObject_GetAttr(t, s_shape);
+  if (!v) return -1;
+  int r = read_int_tuple(v, buf, &n);
+  Py_DECREF(v);
+  if (r) return r < 0 ? -1 : 0;
+  if (n != hd->ndim || memcmp(buf, hd->shape, sizeof(int64_t) * (size_t)n)) return 0;
+  v = PyObject_CallMethodNoArgs(t, s_stride);
+  if (!v) return -1;
+  r = read_int_tuple(v, buf, &n);
+  Py_DECREF(v);
+  if (r) return r < 0 ? -1 : 0;
+  if (n != hd->ndim || memcmp(buf, hd->strides, sizeof(int64_t) * (size_t)n)) return 0;
+  v = PyObject_CallMethodNoArgs(t, s_data_ptr);
+  if (!v) return -1;
+  same = PyLong_AsVoidPtr(v) == ptr;
+  Py_DECREF(v);
+  return same;
+}
+
+PyObject *int_tuple(const int64_t *v, int32_t n) {
+  PyObject *t = PyTuple_New(n);
+  for (int32_t i = 0; t && i < n; i++) {
+    PyObject *x = PyLong_FromLongLong(v[i]);
+    if (!x) {
+      Py_CLEAR(t);
+      break;
+    }
+    PyTuple_SET_ITEM(t, i, x);
+  }
+  return t;
+}
+
+static PyObject *call_method(PyObject *obj, PyObject *name, PyObject *a, PyObject *b,
+                             PyObject *c) {
+  PyObject *args[4] = {obj, a, b, c};
+  size_t n = 1 + (a != NULL) + (b != NULL) + (c != NULL);
+  return PyObject_VectorcallMethod(name, args, n | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* A tensor with the handle's dtype, shape and strides over the bytes at ptr
+ * held by owner: the owner itself when it already is that (kept, stash hit),
+ * else a view of it (a reloaded uint8 buffer, or the first tensor packed
+ * for the same bytes when the engine stored them once). Steals owner. */
+static PyObject *rebuild(EngineObject *eng, HandleObject *hd, PyObject *owner, void *ptr) {
+  int same = same_layout(owner, hd, ptr);
+  if (same) {
+    if (same < 0) Py_CLEAR(owner);
+    return owner;
+  }
+  eng->rebuilds++;
+  PyObject *flat = NULL, *res = NULL, *shape = NULL, *strides = NULL, *off = NULL, *tmp = NULL;
+  PyObject *numel = PyObject_CallMethodNoArgs(owner, s_numel);
+  PyObject *ooff = numel ? PyObject_CallMethodNoArgs(owner, s_storage_offset) : NULL;
+  PyObject *one = PyLong_FromLong(1);
+  PyObject *flat_shape = numel ? PyTuple_Pack(1, numel) : NULL;
+  PyObject *flat_stride = one ? PyTuple_Pack(1, one) : NULL;
+  /* The owner's bytes in memory order: owner is dense, so these are its
+   * numel elements starting at ptr. */
+  if (flat_shape && flat_stride && ooff)
+    flat = call_method(owner, s_as_strided, flat_shape, flat_stride, ooff);
+  if (flat) {
+    tmp = call_method(flat, s_view, T.uint8, NULL, NULL);
+    Py_XSETREF(flat, tmp ? call_method(tmp, s_view, hd->dtype, NULL, NULL) : NULL);
+    Py_XDECREF(tmp);
+  }
+  if (flat) {
+    shape = int_tuple(hd->shape, hd->ndim);
+    strides = int_tuple(hd->strides, hd->ndim);
+    off = PyObject_CallMethodNoArgs(flat, s_storage_offset);
+    if (shape && strides && off) res = call_method(flat, s_as_strided, shape, strides, off);
+  }
+  Py_XDECREF(numel);
+  Py_XDECREF(ooff);
+  Py_XDECREF(one);
+  Py_XDECREF(flat_shape);
+  Py_XDECREF(flat_stride);
+  Py_XDECREF(flat);
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(off);
+  Py_DECREF(owner);
+  return res;
+}
+
+/* torch.empty_strided(shape, strides, dtype=..., device=...) for the handle
+ * being unpacked when its span is `bytes`; NULL without an exception when
+ * there is none. Dense handles only reach the engine, so the new tensor's
+ * bytes are exactly [data_ptr, data_ptr + bytes). */
+PyObject *empty_like_handle(EngineObject *self, uint64_t bytes) {
+  HandleObject *hd = self->unpacking;
+  if (!hd) return NULL;
+  self->unpacking = NULL; /* once: later allocations are prefetches */
+  int64_t numel = 1;
+  for (int32_t i = 0; i < hd->ndim; i++) numel *= hd->shape[i];
+  const dtype_info *di = NULL;
+  for (int i = 0; i < n_dtypes; i++)
+    if (dtypes[i].dtype == hd->dtype) di = &dtypes[i];
+  if (!di || (uint64_t)numel * di->itemsize != bytes) return NULL;
+  PyObject *shape = int_tuple(hd->shape, hd->ndim);
+  PyObject *strides = int_tuple(hd->strides, hd->ndim);
+  PyObject *kw = PyDict_Copy(self->alloc_kw);
+  PyObject *t = NULL;
+  if (shape && strides && kw && PyDict_SetItemString(kw, "dtype", hd->dtype) == 0) {
+    PyObject *args = PyTuple_Pack(2, shape, strides);
+    if (args) t = PyObject_Call(T.empty_strided, args, kw);
+    Py_XDECREF(args);
+  }
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(kw);
+  return t;
+}
+
+static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
+  if (Py_TYPE(obj) != &HandleType) { /* kept as a plain tensor */
+    Py_INCREF(obj);
+    return obj;
+  }
+  HandleObject *hd = (HandleObject *)obj;
+  if (!hd->h) {
+    if (hd->result) { /* unpacked before: backward over a retained graph */
+      eng->unpacks_repeated++;
+      Py_INCREF(hd->result);
+      return hd->result;
+    }
+    return PyErr_Format(FerryError, "ferry: saved tensor handle was lost");
+  }
+  if (!hd->eng->e) return PyErr_Format(FerryError, "ferry: the engine holding this saved tensor was closed");
+  if (!eng->in_backward) {
+    eng->in_backward = 1;
+    ferry_backward_begin(eng->e);
+  }
+  void *stream = compute_stream(eng);
+  if (PyErr_Occurred()) return NULL;
+  void *ptr = NULL, *owner = NULL;
+  eng->unpacking = hd;
+  int rc = ferry_unpack(eng->e, hd->h, stream, &ptr, &owner);
+  eng->unpacking = NULL;
+  if (rc) return raise_ferry(rc, ferry_last_error(eng->e));
+  hd->h = 0;
+  PyObject *res = rebuild(eng, hd, (PyObject *)owner, ptr);
+  if (!res) return NULL;
+  Py_INCREF(res);
+  hd->result = res;
+  return res;
+}
+
+static PyObject *unpack_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                   PyObject *kwnames) {
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+    PyErr_SetString(PyExc_TypeError, "ferry unpack hook takes one argument");
+    return NULL;
+  }
+  return unpack_impl(((HookObject *)callable)->eng, args[0]);
+}
+
+PyTypeObject PackHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.PackHook",
+    .tp_basicsize = sizeof(HookObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "pack_hook for saved_tensors_hooks (C; no Python frame per tensor).",
+    .tp_vectorcall_offset = offsetof(HookObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_dealloc = (destructor)hook_dealloc,
+    .tp_traverse = (traverseproc)hook_traverse,
+    .tp_clear = (inquiry)hook_clear,
+};
+
+PyTypeObject UnpackHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.UnpackHook",
+    .tp_basicsize = sizeof(HookObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "unpack_hook for saved_tensors_hooks.",
+    .tp_vectorcall_offset = offsetof(HookObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_dealloc = (destructor)hook_dealloc,
+    .tp_traverse = (traverseproc)hook_traverse,
+    .tp_clear = (inquiry)hook_clear,
+};
+

@@ -1,0 +1,119 @@
+/*
+ * module.c — the CPython extension behind `import ferry` (ferry._ferry):
+ * module init, info() and strerror(). The parts are listed in ext.h.
+ *
+ * Python C API only: no libtorch headers or link, so one build works with
+ * every torch that has torch.autograd.graph.saved_tensors_hooks (1.13+).
+ * Threads: every entry point runs with the GIL held, and the GIL is never
+ * released around engine calls (docs/pytorch.md).
+ */
+#include "ext.h"
+
+PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
+
+/* ---- module functions --------------------------------------------------------- */
+static int dummy_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
+  return -1;
+}
+static void dummy_release(void *ud, void *owner) {}
+
+/* Create and destroy a throwaway engine to learn what a backend/arena would
+ * be here. */
+static PyObject *probe_engine(int backend) {
+  ferry_config cfg;
+  ferry_config_init(&cfg);
+  cfg.backend = backend;
+  cfg.device_alloc = dummy_alloc;
+  cfg.release = dummy_release;
+  char err[512] = "";
+  ferry_engine *e = NULL;
+  int rc = ferry_engine_create(&cfg, &e, err, sizeof err);
+  PyObject *r;
+  if (rc)
+    r = Py_BuildValue("{sOss}", "available", Py_False, "error", err[0] ? err : ferry_strerror(rc));
+  else
+    r = Py_BuildValue("{sOss}", "available", Py_True, "arena", ferry_arena_name(e));
+  ferry_engine_destroy(e);
+  return r;
+}
+
+static PyObject *mod_info(PyObject *mod, PyObject *unused) {
+  PyObject *host = probe_engine(FERRY_BACKEND_HOST);
+  PyObject *cuda = host ? probe_engine(FERRY_BACKEND_CUDA) : NULL;
+  PyObject *sim = cuda ? probe_engine(FERRY_BACKEND_SIM) : NULL;
+  if (!sim) {
+    Py_XDECREF(host);
+    Py_XDECREF(cuda);
+    return NULL;
+  }
+  PyObject *arena = PyDict_GetItemString(host, "arena");
+  PyObject *r = Py_BuildValue("{sssIsOs{sNsNsN}sO}", "version", ferry_version_string(),
+                              "version_hex", ferry_version(), "arena",
+                              arena ? arena : Py_None, "backends", "host", host, "cuda", cuda,
+                              "sim", sim, "node_cap_hook",
+#ifdef FERRY_HAVE_RESERVE_FN
+                              Py_True
+#else
+                              Py_False
+#endif
+  );
+  return r;
+}
+
+static PyObject *mod_strerror(PyObject *mod, PyObject *arg) {
+  long code = PyLong_AsLong(arg);
+  if (code == -1 && PyErr_Occurred()) return NULL;
+  return PyUnicode_FromString(ferry_strerror((int)code));
+}
+
+static PyMethodDef module_methods[] = {
+    {"info", mod_info, METH_NOARGS,
+     "info() -> dict: version, which arena an engine gets here, backend availability."},
+    {"strerror", mod_strerror, METH_O, "Message of a FERRY_E* code."},
+    {"unlink_node_cap", nodecap_unlink, METH_O,
+     "unlink_node_cap(name): remove a NodeCap's shared-memory segment."},
+    {NULL}};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_ferry",
+    .m_doc = "C extension of the ferry package (libferry inside).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__ferry(void) {
+  if (intern_names()) return NULL;
+  PyTypeObject *types[] = {&EngineType,   &HandleType,   &PackHookType,
+                           &UnpackHookType, &SiteHookType, &NodeCapType,
+                           &SnapshotType, &SnapshotPolicyType};
+  for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+    if (PyType_Ready(types[i]) < 0) return NULL;
+  PyObject *m = PyModule_Create(&moduledef);
+  if (!m) return NULL;
+  FerryError = PyErr_NewExceptionWithDoc(
+      "ferry.FerryError", "An error reported by libferry; args = (message, FERRY_E* name).",
+      PyExc_RuntimeError, NULL);
+  if (!FerryError || PyModule_AddObjectRef(m, "FerryError", FerryError) ||
+      PyModule_AddObjectRef(m, "Engine", (PyObject *)&EngineType) ||
+      PyModule_AddObjectRef(m, "Handle", (PyObject *)&HandleType) ||
+      PyModule_AddObjectRef(m, "NodeCap", (PyObject *)&NodeCapType) ||
+      PyModule_AddObjectRef(m, "Snapshot", (PyObject *)&SnapshotType) ||
+      PyModule_AddObjectRef(m, "SnapshotPolicy", (PyObject *)&SnapshotPolicyType) ||
+      PyModule_AddStringConstant(m, "__version__", ferry_version_string()) ||
+      PyModule_AddIntConstant(m, "MAX_DIMS", FERRY_MAX_DIMS) ||
+      PyModule_AddIntConstant(m, "KIND_ACTIVATION", FERRY_KIND_ACTIVATION) ||
+      PyModule_AddIntConstant(m, "KIND_PARAMETER", FERRY_KIND_PARAMETER) ||
+      PyModule_AddIntConstant(m, "KIND_BUFFER", FERRY_KIND_BUFFER) ||
+      PyModule_AddIntConstant(m, "HAVE_NODE_CAP_HOOK",
+#ifdef FERRY_HAVE_RESERVE_FN
+                              1
+#else
+                              0
+#endif
+                              )) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

@@ -1,0 +1,321 @@
+/*
+ * snapshot.c — checkpoint staging: Snapshot (ferry_snapshot_*, made by
+ * Engine.snapshot) and SnapshotPolicy (a policy file's snapshot(e) function).
+ * ferry/checkpoint.py drives both (docs/checkpoints.md).
+ */
+#include "ext.h"
+#include "ferry_tools.h" /* snapshot(e) of policies: SnapshotPolicy */
+
+/* ---- Snapshot: checkpoint staging (ferry_snapshot_*) ------------------------
+ * The Python side (ferry/checkpoint.py) builds the records: the pickle and
+ * the other small records as host bytes, each tensor storage as a pointer
+ * with its owner. Owners stay referenced until fence() (or the end of the
+ * snapshot): the engine reads their memory until then. Blocking calls
+ * (fence, wait, free) release the GIL: the writer thread never needs it. */
+typedef struct {
+  PyObject_HEAD ferry_snapshot *s;
+  EngineObject *eng;
+  PyObject *owners; /* list, or NULL once fenced */
+  PyObject *path;   /* str */
+} SnapshotObject;
+
+
+static PyObject *snapshot_raise(SnapshotObject *self, int rc) {
+  const char *msg = ferry_snapshot_error(self->s);
+  return raise_ferry(rc, msg);
+}
+
+static PyObject *snapshot_fence(SnapshotObject *self, PyObject *unused) {
+  if (!self->s) return raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
+  if (!self->owners) Py_RETURN_NONE;
+  void *stream = NULL;
+  if (self->eng->backend == FERRY_BACKEND_CUDA) {
+    stream = compute_stream(self->eng);
+    if (!stream && PyErr_Occurred()) return NULL;
+  }
+  int rc;
+  Py_BEGIN_ALLOW_THREADS rc = ferry_snapshot_fence(self->s, stream);
+  Py_END_ALLOW_THREADS
+  Py_CLEAR(self->owners);
+  if (rc) return snapshot_raise(self, rc);
+  Py_RETURN_NONE;
+}
+
+/* poll() -> True once durable, False while in progress; raises on failure. */
+static PyObject *snapshot_poll(SnapshotObject *self, PyObject *unused) {
+  if (!self->s) return raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
+  int rc = ferry_snapshot_poll(self->s);
+  if (rc == 1) Py_RETURN_FALSE;
+  if (rc) return snapshot_raise(self, rc);
+  Py_CLEAR(self->owners);
+  Py_RETURN_TRUE;
+}
+
+static PyObject *snapshot_wait(SnapshotObject *self, PyObject *unused) {
+  if (!self->s) return raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
+  int rc;
+  Py_BEGIN_ALLOW_THREADS rc = ferry_snapshot_wait(self->s);
+  Py_END_ALLOW_THREADS
+  Py_CLEAR(self->owners);
+  if (rc) return snapshot_raise(self, rc);
+  Py_RETURN_NONE;
+}
+
+static PyObject *snapshot_error(SnapshotObject *self, PyObject *unused) {
+  return PyUnicode_FromString(self->s ? ferry_snapshot_error(self->s) : "");
+}
+
+static void snapshot_dealloc(SnapshotObject *self) {
+  if (self->s) {
+    ferry_snapshot *s = self->s;
+    self->s = NULL;
+    Py_BEGIN_ALLOW_THREADS ferry_snapshot_free(s); /* waits for the writer */
+    Py_END_ALLOW_THREADS
+  }
+  Py_XDECREF(self->owners);
+  Py_XDECREF(self->path);
+  Py_XDECREF(self->eng);
+  PyObject_Free(self);
+}
+
+static PyObject *snapshot_get_path(SnapshotObject *self, void *unused) {
+  Py_INCREF(self->path);
+  return self->path;
+}
+
+static PyObject *snapshot_get_fenced(SnapshotObject *self, void *unused) {
+  return PyBool_FromLong(self->owners == NULL);
+}
+
+static PyMethodDef snapshot_methods[] = {
+    {"fence", (PyCFunction)snapshot_fence, METH_NOARGS,
+     "Order the compute stream after the snapshot's copies (host backend: wait for them). "
+     "Call before the next in-place update of the snapshotted tensors."},
+    {"poll", (PyCFunction)snapshot_poll, METH_NOARGS,
+     "True once the file is durable, False while in progress; raises FerryError on failure."},
+    {"wait", (PyCFunction)snapshot_wait, METH_NOARGS,
+     "Block until the file is durable; raises FerryError on failure."},
+    {"error", (PyCFunction)snapshot_error, METH_NOARGS, "The failure message, or ''."},
+    {NULL}};
+
+static PyGetSetDef snapshot_getset[] = {
+    {"path", (getter)snapshot_get_path, NULL, "the file being written", NULL},
+    {"fenced", (getter)snapshot_get_fenced, NULL, "fence() (or the end) was reached", NULL},
+    {NULL}};
+
+PyTypeObject SnapshotType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.Snapshot",
+    .tp_basicsize = sizeof(SnapshotObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A checkpoint snapshot in progress (Engine.snapshot).",
+    .tp_dealloc = (destructor)snapshot_dealloc,
+    .tp_methods = snapshot_methods,
+    .tp_getset = snapshot_getset,
+};
+
+/* Record i of Engine.snapshot: (name, bytes) -> host bytes held in
+ * bufs[*nbufs]; (name, data_ptr, nbytes, owner, is_host) -> a pointer, the
+ * owner of device memory appended to owners. */
+static int read_record(PyObject *r, Py_ssize_t i, ferry_snapshot_record *rec, Py_buffer *bufs,
+                       Py_ssize_t *nbufs, PyObject *owners) {
+  Py_ssize_t len = PyTuple_Check(r) ? PyTuple_GET_SIZE(r) : -1;
+  if ((len != 2 && len != 5) || !PyUnicode_Check(PyTuple_GET_ITEM(r, 0))) {
+    PyErr_Format(PyExc_TypeError,
+                 "ferry: snapshot record %zd must be (name, bytes) or "
+                 "(name, data_ptr, nbytes, owner, is_host)", i);
+    return -1;
+  }
+  rec->name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(r, 0));
+  if (!rec->name) return -1;
+  if (len == 2) {
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(r, 1), &bufs[*nbufs], PyBUF_SIMPLE)) return -1;
+    rec->host_data = bufs[*nbufs].buf;
+    rec->bytes = (uint64_t)bufs[*nbufs].len;
+    (*nbufs)++;
+    return 0;
+  }
+  void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(r, 1));
+  unsigned long long nbytes = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 2));
+  int is_host = PyObject_IsTrue(PyTuple_GET_ITEM(r, 4));
+  if (PyErr_Occurred() || is_host < 0) return -1;
+  rec->bytes = nbytes;
+  if (nbytes == 0) return 0; /* an empty entry */
+  if (!ptr) {
+    PyErr_Format(PyExc_ValueError, "ferry: snapshot record %zd (%s) has a NULL data pointer", i,
+                 rec->name);
+    return -1;
+  }
+  if (is_host) {
+    rec->host_data = ptr; /* copied by ferry_snapshot_start */
+    return 0;
+  }
+  rec->device_ptr = ptr;
+  return PyList_Append(owners, PyTuple_GET_ITEM(r, 3));
+}
+
+PyObject *engine_snapshot(EngineObject *self, PyObject *args) {
+  PyObject *path_obj, *records;
+  if (!PyArg_ParseTuple(args, "O&O:snapshot", PyUnicode_FSConverter, &path_obj, &records))
+    return NULL;
+  PyObject *seq = NULL, *owners = NULL, *path_str = NULL;
+  ferry_snapshot_record *recs = NULL;
+  Py_buffer *bufs = NULL;
+  Py_ssize_t n = 0, nbufs = 0;
+  SnapshotObject *out = NULL;
+  if (!engine_live(self)) goto done;
+  seq = PySequence_Fast(records, "ferry: snapshot records must be a sequence");
+  if (!seq) goto done;
+  n = PySequence_Fast_GET_SIZE(seq);
+  recs = PyMem_Calloc(n ? (size_t)n : 1, sizeof *recs);
+  bufs = PyMem_Calloc(n ? (size_t)n : 1, sizeof *bufs);
+  owners = PyList_New(0);
+  if (!recs || !bufs || !owners) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++)
+    if (read_record(PySequence_Fast_GET_ITEM(seq, i), i, &recs[i], bufs, &nbufs, owners))
+      goto done;
+  void *stream = NULL;
+  if (self->backend == FERRY_BACKEND_CUDA) {
+    stream = compute_stream(self);
+    if (!stream && PyErr_Occurred()) goto done;
+  }
+  path_str = PyUnicode_DecodeFSDefault(PyBytes_AS_STRING(path_obj));
+  out = path_str ? PyObject_New(SnapshotObject, &SnapshotType) : NULL;
+  if (!out) goto done;
+  out->s = NULL;
+  out->owners = NULL;
+  out->path = path_str;
+  path_str = NULL;
+  Py_INCREF(self);
+  out->eng = self;
+  int rc = ferry_snapshot_start(self->e, PyBytes_AS_STRING(path_obj), recs, (size_t)n, stream,
+                                &out->s);
+  if (rc) {
+    raise_ferry(rc, ferry_last_error(self->e));
+    Py_CLEAR(out);
+    goto done;
+  }
+  out->owners = owners;
+  owners = NULL;
+done:
+  for (Py_ssize_t i = 0; i < nbufs; i++) PyBuffer_Release(&bufs[i]);
+  PyMem_Free(bufs);
+  PyMem_Free(recs);
+  Py_XDECREF(owners);
+  Py_XDECREF(path_str);
+  Py_XDECREF(seq);
+  Py_DECREF(path_obj);
+  return (PyObject *)out;
+}
+
+/* ---- SnapshotPolicy: a policy file's snapshot(e) function -------------------
+ * Its own instance of the policy (own sandboxed Lua state), loaded from the
+ * same file the offload engine uses: checkpoint plans are made on the
+ * Python thread, never under the engine's lock. */
+typedef struct {
+  PyObject_HEAD ferry_policy *p;
+} SnapshotPolicyObject;
+
+static int snappol_init(SnapshotPolicyObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"path", "source", "trusted", NULL};
+  const char *path = NULL, *source = NULL;
+  int trusted = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|zzp", kwlist, &path, &source, &trusted))
+    return -1;
+  if (self->p) {
+    PyErr_SetString(PyExc_RuntimeError, "SnapshotPolicy already initialised");
+    return -1;
+  }
+  char err[1024] = "";
+  int rc = ferry_policy_create(path, source, trusted, &self->p, err, sizeof err);
+  if (rc) {
+    raise_ferry(rc, err);
+    return -1;
+  }
+  return 0;
+}
+
+static void snappol_dealloc(SnapshotPolicyObject *self) {
+  ferry_policy_destroy(self->p);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* plan(entries) -> [(stage, order)]; entries: (key, path, nbytes, index,
+ * dtype_name or None, on_device). */
+static PyObject *snappol_plan(SnapshotPolicyObject *self, PyObject *entries) {
+  if (!self->p) return raise_ferry(FERRY_ESTATE, "ferry: SnapshotPolicy not initialised");
+  PyObject *seq = PySequence_Fast(entries, "ferry: plan() takes a sequence of entries");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject *out = PyList_New(n);
+  for (Py_ssize_t i = 0; out && i < n; i++) {
+    const char *key, *path, *dtype_name = NULL;
+    unsigned long long nbytes;
+    int index, on_device;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ssKizp;ferry: a snapshot entry is "
+                          "(key, path, nbytes, index, dtype name or None, on_device)",
+                          &key, &path, &nbytes, &index, &dtype_name, &on_device)) {
+      Py_CLEAR(out);
+      break;
+    }
+    ferry_snapshot_entry e = {key, path, nbytes, index,
+                              dtype_name ? ferry_dtype_of_name(dtype_name) : FERRY_DTYPE_UNKNOWN,
+                              on_device};
+    ferry_snapshot_choice c;
+    ferry_policy_snapshot(self->p, &e, &c);
+    PyObject *item = Py_BuildValue("(Od)", c.stage ? Py_True : Py_False, c.order);
+    if (!item) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyList_SET_ITEM(out, i, item);
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+static PyObject *snappol_last_error(SnapshotPolicyObject *self, PyObject *unused) {
+  return PyUnicode_FromString(ferry_policy_last_error(self->p));
+}
+
+static PyObject *snappol_get_has(SnapshotPolicyObject *self, void *unused) {
+  return PyBool_FromLong(ferry_policy_has_snapshot(self->p));
+}
+
+static PyObject *snappol_get_errors(SnapshotPolicyObject *self, void *unused) {
+  ferry_policy_stats st;
+  ferry_policy_get_stats(self->p, &st);
+  return PyLong_FromUnsignedLongLong(st.errors);
+}
+
+static PyObject *snappol_get_name(SnapshotPolicyObject *self, void *unused) {
+  return PyUnicode_FromString(ferry_policy_name(self->p));
+}
+
+static PyMethodDef snappol_methods[] = {
+    {"plan", (PyCFunction)snappol_plan, METH_O,
+     "plan([(key, path, nbytes, index, dtype, on_device)]) -> [(stage, order)]"},
+    {"last_error", (PyCFunction)snappol_last_error, METH_NOARGS,
+     "The last fault of snapshot() as 'file:line: message', or ''."},
+    {NULL}};
+
+static PyGetSetDef snappol_getset[] = {
+    {"has_snapshot", (getter)snappol_get_has, NULL, "the policy defines snapshot(e)", NULL},
+    {"errors", (getter)snappol_get_errors, NULL, "faults so far", NULL},
+    {"name", (getter)snappol_get_name, NULL, "the policy's name", NULL},
+    {NULL}};
+
+PyTypeObject SnapshotPolicyType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.SnapshotPolicy",
+    .tp_basicsize = sizeof(SnapshotPolicyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "SnapshotPolicy(path=None, source=None, trusted=False): a policy's snapshot(e).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)snappol_init,
+    .tp_dealloc = (destructor)snappol_dealloc,
+    .tp_methods = snappol_methods,
+    .tp_getset = snappol_getset,
+};
+

@@ -1,0 +1,116 @@
+/*
+ * tensor.c — the torch objects the extension uses (looked up on first engine
+ * creation, so `import ferry` needs no torch), the interned attribute names,
+ * and the table of torch dtypes (identity -> ferry dtype and item size).
+ */
+#include "ext.h"
+
+torch_objects T;
+
+/* Interned attribute names. */
+PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_layout,
+    *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
+    *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
+    *s_device;
+
+int intern_names(void) {
+#define I(var, str) \
+  if (!(var = PyUnicode_InternFromString(str))) return -1;
+  I(s_numel, "numel") I(s_dtype, "dtype") I(s_requires_grad, "requires_grad")
+  I(s_is_leaf, "is_leaf") I(s_data, "data") I(s_layout, "layout") I(s_is_nested, "is_nested")
+  I(s_shape, "shape") I(s_stride, "stride") I(s_data_ptr, "data_ptr") I(s_base, "_base")
+  I(s_is_cuda, "is_cuda") I(s_get_device, "get_device") I(s_as_strided, "as_strided")
+  I(s_view, "view") I(s_storage_offset, "storage_offset") I(s_cuda_stream, "cuda_stream")
+  I(s_itemsize, "itemsize") I(s_element_size, "element_size") I(s_device, "device")
+#undef I
+  return 0;
+}
+
+int torch_init(void) {
+  if (T.ready) return 0;
+  PyObject *torch = PyImport_ImportModule("torch");
+  if (!torch) return -1;
+  PyObject *nn = PyImport_ImportModule("torch.nn");
+  PyObject *tensor = PyObject_GetAttrString(torch, "Tensor");
+  PyObject *param = nn ? PyObject_GetAttrString(nn, "Parameter") : NULL;
+  PyObject *strided = PyObject_GetAttrString(torch, "strided");
+  PyObject *uint8 = PyObject_GetAttrString(torch, "uint8");
+  PyObject *empty = PyObject_GetAttrString(torch, "empty");
+  PyObject *empty_strided = PyObject_GetAttrString(torch, "empty_strided");
+  Py_XDECREF(nn);
+  if (!tensor || !param || !strided || !uint8 || !empty || !empty_strided || !PyType_Check(tensor) ||
+      !PyType_Check(param)) {
+    Py_XDECREF(tensor);
+    Py_XDECREF(param);
+    Py_XDECREF(strided);
+    Py_XDECREF(uint8);
+    Py_XDECREF(empty);
+    Py_XDECREF(empty_strided);
+    Py_DECREF(torch);
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_ImportError, "ferry: this torch lacks Tensor/Parameter types");
+    return -1;
+  }
+  T.torch = torch;
+  T.tensor = (PyTypeObject *)tensor;
+  T.param = (PyTypeObject *)param;
+  T.strided = strided;
+  T.uint8 = uint8;
+  T.empty = empty;
+  T.empty_strided = empty_strided;
+  T.has_is_nested = PyObject_HasAttr(tensor, s_is_nested);
+  T.ready = 1;
+  return 0;
+}
+
+/* ---- dtypes ------------------------------------------------------------------
+ * torch.dtype objects are singletons: a short table keyed by identity. */
+dtype_info dtypes[MAX_DTYPES];
+int n_dtypes;
+
+/* "torch.bfloat16" -> FERRY_DTYPE_BF16, by the table in ferry.h. */
+int32_t ferry_dtype_of_name(const char *name) {
+  if (strncmp(name, "torch.", 6) != 0) return FERRY_DTYPE_UNKNOWN;
+  int d = ferry_dtype_from_name(name + 6);
+  return d > 0 ? d : FERRY_DTYPE_UNKNOWN;
+}
+
+/* dtype_lookup's slow path (ext.h): a dtype seen for the first time. */
+const dtype_info *dtype_add(PyObject *dtype) {
+  if (n_dtypes == MAX_DTYPES) {
+    PyErr_SetString(PyExc_RuntimeError, "ferry: too many distinct dtypes");
+    return NULL;
+  }
+  long itemsize = -1;
+  PyObject *v = PyObject_GetAttr(dtype, s_itemsize); /* torch >= 2.1 */
+  if (!v) {
+    PyErr_Clear();
+    /* torch 1.13: element_size() of an empty tensor of that dtype */
+    PyObject *args = PyTuple_Pack(1, PyLong_FromLong(0));
+    PyObject *kw = args ? Py_BuildValue("{sO}", "dtype", dtype) : NULL;
+    PyObject *t = kw ? PyObject_Call(T.empty, args, kw) : NULL;
+    if (args) Py_DECREF(PyTuple_GET_ITEM(args, 0));
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    if (t) {
+      v = PyObject_CallMethodNoArgs(t, s_element_size);
+      Py_DECREF(t);
+    }
+  }
+  if (!v) return NULL;
+  itemsize = PyLong_AsLong(v);
+  Py_DECREF(v);
+  if (itemsize <= 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ferry: dtype with itemsize 0");
+    return NULL;
+  }
+  PyObject *str = PyObject_Str(dtype);
+  if (!str) return NULL;
+  const char *name = PyUnicode_AsUTF8(str);
+  int32_t code = name ? ferry_dtype_of_name(name) : FERRY_DTYPE_UNKNOWN;
+  Py_DECREF(str);
+  Py_INCREF(dtype);
+  dtypes[n_dtypes] = (dtype_info){dtype, code, (uint32_t)itemsize};
+  return &dtypes[n_dtypes++];
+}
+
