@@ -427,3 +427,6 @@ def close():
 
 # Checkpoint staging (ferry/checkpoint.py, docs/checkpoints.md).
 from .checkpoint import CheckpointError, Snapshot, snapshot  # noqa: E402
+
+# Optimizer-state offload (ferry/optim.py, docs/optimizer-offload.md).
+from .optim import OptimizerOffload, offload_optimizer  # noqa: E402
