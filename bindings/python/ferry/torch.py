@@ -430,3 +430,5 @@ from .checkpoint import CheckpointError, Snapshot, snapshot  # noqa: E402
 
 # Optimizer-state offload (ferry/optim.py, docs/optimizer-offload.md).
 from .optim import OptimizerOffload, offload_optimizer  # noqa: E402
+# Weight offload (ferry/weights.py, docs/optimizer-offload.md).
+from .weights import WeightOffload, offload_weights  # noqa: E402
