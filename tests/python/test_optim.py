@@ -265,3 +265,21 @@ def test_grad_accumulation_and_unused_parameter(kind):
     assert same_params(m, ref)
     hp_unused = [hp for _, p, hp, _ in off.pairs if p is m.unused][0]
     assert hp_unused not in off.host_opt.state and torch.equal(m.unused, torch.ones(7))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_steps_host_share_on_a_worker_thread(overlap):
+    import threading
+    m = make_model()
+    opt = offload_optimizer(make_opt("adamw", m.parameters()), fraction=0.5, overlap=overlap)
+    host_opt = opt.ferry_offload.host_opt
+    seen = []
+    orig = host_opt.step
+
+    def spy(*a, **k):
+        seen.append(threading.current_thread().name)
+        return orig(*a, **k)
+    host_opt.step = spy
+    train(m, opt, batches(2))
+    main = threading.current_thread().name
+    assert seen == (["ferry-host-optim"] * 2 if overlap else [main] * 2)
