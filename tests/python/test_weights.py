@@ -99,3 +99,49 @@ def test_rejects_bad_layers():
         offload_weights(m, ["head", m.head])
     with pytest.raises(TypeError):
         offload_weights(m, [3])
+
+
+def test_tied_weights_refused():
+    m = Net()
+    m.tied = torch.nn.Linear(24, 3)
+    m.tied.weight = m.head.weight
+    with pytest.raises(ValueError, match="tied"):
+        offload_weights(m, ["head"])
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_composes_with_offload_optimizer(kind):
+    from ferry.optim import offload_optimizer
+
+    def make_opt(params):
+        if kind == "adamw":
+            return torch.optim.AdamW(params, lr=1e-2, foreach=False)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+
+    def train(model, opt):
+        g = torch.Generator().manual_seed(5)
+        out = []
+        for _ in range(3):
+            x, y = torch.randn(8, 24, generator=g), torch.randn(8, 3, generator=g)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    ref = Net()
+    ref_losses = train(ref, make_opt(ref.parameters()))
+    m = Net()
+    opt = offload_optimizer(make_opt(m.parameters()), fraction=0.5)
+    w = offload_weights(m, ["blocks.1", "head"])
+    assert train(m, opt) == ref_losses
+    w.remove()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+    # The other order is refused: the sizes are unknown while weights are away.
+    m2 = Net()
+    w2 = offload_weights(m2, ["head"])
+    with pytest.raises(RuntimeError, match="offload_optimizer first"):
+        offload_optimizer(make_opt(m2.parameters()))
+    w2.remove()
+    offload_optimizer(make_opt(m2.parameters()))  # fine once removed

@@ -75,6 +75,10 @@ class OptimizerOffload:
         self.fraction = float(fraction)
         self.overlap = bool(overlap)
         params = [p for g in opt.param_groups for p in g["params"]]
+        if any(getattr(p, "_ferry_weight_offload", False) for p in params):
+            raise RuntimeError("offload_optimizer: some parameters are already under "
+                               "offload_weights (their sizes are not known while they are on "
+                               "the host); call offload_optimizer first, then offload_weights")
         idx = set(_choose(params, self.fraction, policy))
         self.total_bytes = sum(p.numel() * p.element_size() for p in params)
         # Host share, per group: (group index, [(device param, host param)]).

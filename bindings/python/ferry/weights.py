@@ -19,6 +19,8 @@ on the host between uses.
   an offloaded layer, ``ferry.torch.offload`` does not see them).
 * After backward the parameters stay on the device for the optimizer step;
   the next forward of the layer sends them back.
+* Tied weights (a chosen layer's parameter also held by a module that is not
+  chosen) are refused. With ``offload_optimizer``, wrap the optimizer first.
 
 This module imports nothing else from ferry.
 """
@@ -37,6 +39,8 @@ class _Layer:
     def __init__(self, owner, index, module):
         self.owner, self.index, self.module = owner, index, module
         self.params = [p for p in module.parameters(recurse=True)]
+        for p in self.params:
+            p._ferry_weight_offload = True  # ferry.optim refuses to wrap it afterwards
         self.host = []
         for p in self.params:
             h = torch.empty(p.shape, dtype=p.dtype, device="cpu")
@@ -159,6 +163,16 @@ class WeightOffload:
             mods.append(ly)
         if len({id(m) for m in mods}) != len(mods):
             raise ValueError("offload_weights: a layer is listed twice")
+        chosen = {id(p) for m in mods for p in m.parameters()}
+        inside = {id(s) for m in mods for s in m.modules()}
+        for name, m in model.named_modules():
+            if id(m) in inside:
+                continue
+            for pn, p in m._parameters.items():
+                if p is not None and id(p) in chosen:
+                    raise ValueError("offload_weights: parameter %s.%s is shared with a module "
+                                     "that is not offloaded (tied weights are not supported)"
+                                     % (name, pn))
         self.double_buffer = bool(double_buffer)
         self.offloads = self.reloads = 0
         self.stream = None
@@ -181,6 +195,8 @@ class WeightOffload:
         self._handles = []
         for ly in self.layers:
             ly.load()
+            for p in ly.params:
+                p.__dict__.pop("_ferry_weight_offload", None)
 
 
 def offload_weights(model, layers, double_buffer=True):
