@@ -77,6 +77,7 @@
   X(resident_copies_are_ordered)                                           \
   X(resident_destroy_with_copies_in_flight)                                \
   X(resident_rejects_misuse)                                               \
+  X(resident_threads_share_an_engine)                                      \
   /* @@resident */                                                         \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
