@@ -283,3 +283,24 @@ def test_overlap_steps_host_share_on_a_worker_thread(overlap):
     train(m, opt, batches(2))
     main = threading.current_thread().name
     assert seen == (["ferry-host-optim"] * 2 if overlap else [main] * 2)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_gradients_changed_after_backward(fraction):
+    """clip_grad_norm_ and GradScaler-style unscaling change gradients in place
+    between backward and step: the host share must step on the changed ones,
+    not on what the post-accumulate hook copied."""
+    def run(offload):
+        m = make_model()
+        opt = make_opt("adamw", m.parameters())
+        if offload:
+            opt = offload_optimizer(opt, fraction=fraction)
+        for x, y in batches(4):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            for p in m.parameters():
+                p.grad.mul_(0.5)  # an unscale
+            opt.step()
+        return m
+    assert same_params(run(True), run(False))

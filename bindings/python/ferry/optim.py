@@ -14,7 +14,9 @@ there with torch's own CPU kernels, as Megatron's ``HybridDeviceOptimizer``
 * Gradients reach the host buffers as soon as they are accumulated
   (``register_post_accumulate_grad_hook``, torch >= 2.1) or at step time
   (torch 1.13, and always under ``torch.distributed``, where DDP writes the
-  averaged gradient only at the end of backward).
+  averaged gradient only at the end of backward). A gradient replaced or
+  changed in place after the hook (``clip_grad_norm_``, unscaling: seen by
+  its identity and version counter) is copied again at step time.
 * ``step()``: the device share steps with the wrapped optimizer while the
   host share steps on a worker thread (``overlap=True``) or after it; then
   the host share's parameters are copied back.
@@ -135,7 +137,9 @@ class OptimizerOffload:
     def _grad_hook(self, n, hg):
         def hook(p):
             hg.copy_(p.grad, non_blocking=True)
-            self._fresh[n] = True
+            # Which gradient, at which version: clip_grad_norm_, an unscale or
+            # DDP may change it in place before step(), which then copies again.
+            self._fresh[n] = (p.grad, p.grad._version)
         return hook
 
     # ---- step -------------------------------------------------------------
@@ -162,7 +166,8 @@ class OptimizerOffload:
                 if p.grad is None:
                     hp.grad = None
                     continue
-                if not self._fresh.get(n):
+                fresh = self._fresh.get(n)
+                if fresh is None or fresh[0] is not p.grad or fresh[1] != p.grad._version:
                     hg.copy_(p.grad, non_blocking=True)
                 hp.grad = hg
                 hp.detach().copy_(p.detach(), non_blocking=True)  # the model is the truth
