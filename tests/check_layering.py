@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 
-RANK = {"util": 0, "backend": 1, "policy": 1, "arena": 2, "core": 3, "sim": 4, "checkpoint": 4}
+RANK = {"util": 0, "backend": 1, "policy": 1, "arena": 2, "core": 3, "sim": 4, "checkpoint": 4, "resident": 4}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 
 

@@ -90,6 +90,14 @@
   X(snapshot_target_must_be_regular)                                       \
   X(snapshot_two_processes_one_path)                                       \
   /* @@snapshot */                                                         \
+  /* resident buffers (test_resident.c) */                                 \
+  X(resident_round_trip_bit_identical)                                     \
+  X(resident_cap_refusal)                                                  \
+  X(resident_copies_are_ordered)                                           \
+  X(resident_destroy_with_copies_in_flight)                                \
+  X(resident_rejects_misuse)                                               \
+  X(resident_threads_share_an_engine)                                      \
+  /* @@resident */                                                         \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(sim_duplex_slows_both_directions_exactly)                           \

@@ -385,5 +385,43 @@ for _, name in ipairs({ "pack", "unpack", "prefetch", "discard", "step_begin", "
 end
 jit.off(Device.new_buffer)
 
+-- ---------------------------------------------------------------------------
+-- resident buffers (docs/optimizer-offload.md)
+
+local Resident = {}
+Resident.__index = Resident
+
+-- e:resident(bytes) -> buffer | nil, err, code. Pinned arena bytes that move
+-- to and from the device at chosen points: r:to_host(dev_ptr, stream),
+-- r:to_device(dev_ptr, stream), r:wait(), r:host_ptr() (uint8_t *, after
+-- wait), r:bytes(), r:destroy() (also on collection).
+function Engine:resident(bytes)
+  local out = ffi.new("ferry_resident *[1]")
+  local rc = C.ferry_resident_create(self.ptr, bytes, out)
+  if rc < 0 then return fail(self, rc) end
+  local r = setmetatable({ ptr = out[0], e = self }, Resident)
+  r.gc_anchor = ffi.gc(ffi.new("char[1]"), function() r:destroy() end)
+  return r
+end
+
+function Resident:to_host(dev_ptr, stream)
+  return check(self.e, C.ferry_resident_to_host(self.ptr, dev_ptr, stream))
+end
+function Resident:to_device(dev_ptr, stream)
+  return check(self.e, C.ferry_resident_to_device(self.ptr, dev_ptr, stream))
+end
+function Resident:wait() return check(self.e, C.ferry_resident_wait(self.ptr)) end
+function Resident:host_ptr() return ffi.cast("uint8_t *", C.ferry_resident_host_ptr(self.ptr)) end
+function Resident:bytes() return tonumber(C.ferry_resident_bytes(self.ptr)) end
+function Resident:destroy()
+  if self.ptr ~= nil then
+    local rc = C.ferry_resident_destroy(self.ptr)
+    self.ptr = nil
+    if rc < 0 then return fail(nil, rc) end
+  end
+  return true
+end
+M.Resident = Resident
+
 M.Engine = Engine
 return M

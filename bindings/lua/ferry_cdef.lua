@@ -188,8 +188,22 @@ uint64_t policy_errors;
 uint64_t policy_calls;
 uint64_t policy_cache_hits;
 uint64_t policy_disabled;
+uint64_t resident_buffers;
+uint64_t resident_bytes;
+uint64_t resident_to_host;
+uint64_t resident_to_device;
+uint64_t resident_bytes_d2h;
+uint64_t resident_bytes_h2d;
 }ferry_stats;
 int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
+typedef struct ferry_resident ferry_resident;
+int ferry_resident_create(ferry_engine *e, uint64_t bytes, ferry_resident **out);
+int ferry_resident_to_host(ferry_resident *r, const void *device_ptr, void *compute_stream);
+int ferry_resident_to_device(ferry_resident *r, void *device_ptr, void *compute_stream);
+int ferry_resident_wait(ferry_resident *r);
+void *ferry_resident_host_ptr(ferry_resident *r);
+uint64_t ferry_resident_bytes(ferry_resident *r);
+int ferry_resident_destroy(ferry_resident *r);
 ]=],
   macros = {
   MAX_DIMS = 8,

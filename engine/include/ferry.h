@@ -479,10 +479,53 @@ typedef struct ferry_stats {
   uint64_t policy_calls;
   uint64_t policy_cache_hits;
   uint64_t policy_disabled; /* 1 once the error budget disabled the policy */
+  /* Resident buffers (below); appended. */
+  uint64_t resident_buffers;   /* live ferry_resident handles */
+  uint64_t resident_bytes;     /* arena bytes they hold */
+  uint64_t resident_to_host;   /* D2H copies into resident buffers */
+  uint64_t resident_to_device; /* H2D copies out of them */
+  uint64_t resident_bytes_d2h;
+  uint64_t resident_bytes_h2d;
 } ferry_stats;
 
 /* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). */
 FERRY_API int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
+
+/* ---- resident buffers ----------------------------------------------------
+ * Long-lived buffers in the pinned arena for state that lives on the host
+ * between uses and moves both ways at chosen points (optimizer states and
+ * weights offloaded for a whole step, docs/optimizer-offload.md), beside the
+ * saved-tensor path. Same arena and cap, same engine streams and events.
+ * One handle is used by one thread at a time. */
+typedef struct ferry_resident ferry_resident;
+
+/* Take `bytes` of the arena. FERRY_ECAP (with a message naming the cap) when
+ * the arena cannot hold them. */
+FERRY_API int ferry_resident_create(ferry_engine *e, uint64_t bytes, ferry_resident **out);
+/* Copy r's bytes from device_ptr into the host buffer on the engine's D2H
+ * stream, after the work already enqueued on compute_stream (NULL = the
+ * legacy default stream, or the calling thread on the host backend) and
+ * after r's previous copy. Asynchronous: ferry_resident_wait before reading
+ * the host bytes. */
+FERRY_API int ferry_resident_to_host(ferry_resident *r, const void *device_ptr,
+                                     void *compute_stream);
+/* Copy the host buffer to device_ptr on the engine's H2D stream, after the
+ * work enqueued on compute_stream and r's previous copy; work enqueued on
+ * compute_stream afterwards sees the bytes. Do not write the host bytes
+ * until ferry_resident_wait. */
+FERRY_API int ferry_resident_to_device(ferry_resident *r, void *device_ptr,
+                                       void *compute_stream);
+/* Block until r's last copy is complete. */
+FERRY_API int ferry_resident_wait(ferry_resident *r);
+/* The pinned host bytes (valid to read or write after ferry_resident_wait)
+ * and their size; NULL / 0 for a bad or detached handle. */
+FERRY_API void *ferry_resident_host_ptr(ferry_resident *r);
+FERRY_API uint64_t ferry_resident_bytes(ferry_resident *r);
+/* Wait for r's copies and give its memory back. FERRY_EHANDLE for a handle
+ * that is not live (NULL, already destroyed). After ferry_engine_destroy the
+ * handle is detached (its memory freed with the arena; copies and host_ptr
+ * fail with FERRY_ESTATE) and must still be destroyed. */
+FERRY_API int ferry_resident_destroy(ferry_resident *r);
 
 #ifdef __cplusplus
 }

@@ -39,7 +39,8 @@ from ._session import sessions as _sessions
 from .checkpoint import CheckpointError, Snapshot, snapshot
 
 __all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_sites", "snapshot",
-           "Snapshot", "CheckpointError"]
+           "Snapshot", "CheckpointError", "offload_optimizer", "OptimizerOffload",
+           "offload_weights", "WeightOffload"]
 
 # ---- configuration --------------------------------------------------------
 def _resolve_backend(backend, model):
@@ -311,3 +312,8 @@ def __getattr__(name):
         return _sessmod.current
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+# Optimizer-state offload (ferry/optim.py, docs/optimizer-offload.md).
+from .optim import OptimizerOffload, offload_optimizer  # noqa: E402
+# Weight offload (ferry/weights.py, docs/optimizer-offload.md).
+from .weights import WeightOffload, offload_weights  # noqa: E402

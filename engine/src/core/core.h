@@ -20,6 +20,9 @@ void engine_unlock(ferry_engine *e);
 ferry_backend *engine_backend(ferry_engine *e);
 ferry_arena *engine_arena(ferry_engine *e);
 bk_stream engine_d2h_stream(ferry_engine *e);
+bk_stream engine_h2d_stream(ferry_engine *e);
+/* The engine's counters (ferry_get_stats copies them); under the lock. */
+ferry_stats *engine_stats(ferry_engine *e);
 /* Recorded on a compute stream and waited on at once; under the lock. */
 bk_event *engine_scratch_event(ferry_engine *e);
 /* The engine's pool of events; under the lock. */

@@ -299,6 +299,8 @@ void engine_unlock(ferry_engine *e) { pthread_mutex_unlock(&e->lock); }
 ferry_backend *engine_backend(ferry_engine *e) { return e->bk; }
 ferry_arena *engine_arena(ferry_engine *e) { return e->arena; }
 bk_stream engine_d2h_stream(ferry_engine *e) { return e->d2h; }
+bk_stream engine_h2d_stream(ferry_engine *e) { return e->h2d; }
+ferry_stats *engine_stats(ferry_engine *e) { return &e->stats; }
 bk_event *engine_scratch_event(ferry_engine *e) { return e->ev_scratch; }
 
 int engine_on_shutdown(ferry_engine *e, engine_shutdown_fn fn, void *ud) {

@@ -1,0 +1,205 @@
+"""Weight offload (docs/optimizer-offload.md): chosen layers' parameters live
+on the host between uses.
+
+``offload_weights(model, layers, double_buffer=True)``:
+
+* At the start, and after each forward of a chosen layer, its parameters are
+  copied to host buffers (pinned when CUDA is available) and their device
+  storage is released (``param.data`` becomes an empty tensor).
+* Before a layer's forward, and before its backward (a hook on its output's
+  gradient), the parameters are copied back. With ``double_buffer`` the next
+  layer (in the order of ``layers``, forward; the previous one in backward)
+  starts reloading at the same time, on a side stream with CUDA: at most two
+  offloaded layers are on the device at once during forward.
+* Autograd saves views of the weights (``weight.t()`` in a Linear), which
+  would keep the device storage alive: inside a chosen layer's forward a
+  ``saved_tensors_hooks`` pair replaces a saved view of one of its
+  parameters by a marker, and rebuilds the view from the reloaded parameter
+  when backward needs it. Other saved tensors pass through unchanged (inside
+  an offloaded layer, ``ferry.torch.offload`` does not see them).
+* After backward the parameters stay on the device for the optimizer step;
+  the next forward of the layer sends them back.
+* Tied weights (a chosen layer's parameter also held by a module that is not
+  chosen) are refused. With ``offload_optimizer``, wrap the optimizer first.
+
+This module imports nothing else from ferry.
+"""
+import torch
+
+__all__ = ["offload_weights", "WeightOffload"]
+
+
+def _storage_ptr(t):
+    if hasattr(t, "untyped_storage"):
+        return t.untyped_storage().data_ptr()
+    return t.storage().data_ptr()
+
+
+class _Layer:
+    def __init__(self, owner, index, module):
+        self.owner, self.index, self.module = owner, index, module
+        self.params = [p for p in module.parameters(recurse=True)]
+        for p in self.params:
+            p._ferry_weight_offload = True  # ferry.optim refuses to wrap it afterwards
+        self.host = []
+        for p in self.params:
+            h = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+            if torch.cuda.is_available():
+                h = h.pin_memory()
+            self.host.append(h)
+        self.device = [p.device for p in self.params]
+        self.on_device = True
+        self.event = None  # a pending reload on the side stream (CUDA)
+        self.ctx = None
+
+    def offload(self):
+        if not self.on_device:
+            return
+        self.wait()
+        for p, h in zip(self.params, self.host):
+            h.copy_(p.detach())  # synchronous: the device storage goes next
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.on_device = False
+        self.owner.offloads += 1
+
+    def load(self, asynchronous=False):
+        if self.on_device:
+            if not asynchronous:
+                self.wait()
+            return
+        stream = self.owner.stream
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                stream.wait_stream(torch.cuda.current_stream())
+                for p, h, d in zip(self.params, self.host, self.device):
+                    p.data = h.to(d, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+        else:
+            for p, h, d in zip(self.params, self.host, self.device):
+                p.data = h.to(d, copy=True)
+        self.on_device = True
+        self.owner.reloads += 1
+        if not asynchronous:
+            self.wait()
+
+    def wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            for p in self.params:
+                p.data.record_stream(torch.cuda.current_stream())
+            self.event = None
+
+    # ---- hooks --------------------------------------------------------------
+    def pack(self, t):
+        ptr = _storage_ptr(t)
+        for i, p in enumerate(self.params):
+            if p.numel() and ptr == _storage_ptr(p) and t.device == p.device:
+                return ("ferry-weight", self, i, tuple(t.shape), tuple(t.stride()),
+                        t.storage_offset())
+        return t
+
+    def pre_forward(self, module, args):
+        self.load()
+        nxt = self.owner.neighbour(self.index, +1)
+        if nxt is not None and self.owner.double_buffer:
+            nxt.load(asynchronous=True)
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self.ctx.__enter__()
+
+    def post_forward(self, module, args, output):
+        if self.ctx is not None:
+            self.ctx.__exit__(None, None, None)
+            self.ctx = None
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._before_backward)
+        self.offload()
+
+    def _before_backward(self, grad):
+        self.load()
+        prev = self.owner.neighbour(self.index, -1)
+        if prev is not None and self.owner.double_buffer:
+            prev.load(asynchronous=True)
+        return grad
+
+
+def _unpack(x):
+    if isinstance(x, tuple) and len(x) == 6 and x[0] == "ferry-weight":
+        _, layer, i, size, stride, offset = x
+        layer.load()
+        return layer.params[i].detach().as_strided(size, stride, offset)
+    return x
+
+
+def _tensors(out):
+    if torch.is_tensor(out):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+class WeightOffload:
+    """What offload_weights did: ``layers`` (in order), counters ``offloads``
+    and ``reloads``; ``remove()`` brings every weight back and drops the
+    hooks."""
+
+    def __init__(self, model, layers, double_buffer):
+        mods = []
+        named = dict(model.named_modules())
+        for ly in layers:
+            if isinstance(ly, str):
+                if ly not in named:
+                    raise KeyError("offload_weights: no module named %r in the model" % ly)
+                ly = named[ly]
+            if not isinstance(ly, torch.nn.Module):
+                raise TypeError("offload_weights: layers are modules or their names, got %r"
+                                % type(ly).__name__)
+            mods.append(ly)
+        if len({id(m) for m in mods}) != len(mods):
+            raise ValueError("offload_weights: a layer is listed twice")
+        chosen = {id(p) for m in mods for p in m.parameters()}
+        inside = {id(s) for m in mods for s in m.modules()}
+        for name, m in model.named_modules():
+            if id(m) in inside:
+                continue
+            for pn, p in m._parameters.items():
+                if p is not None and id(p) in chosen:
+                    raise ValueError("offload_weights: parameter %s.%s is shared with a module "
+                                     "that is not offloaded (tied weights are not supported)"
+                                     % (name, pn))
+        self.double_buffer = bool(double_buffer)
+        self.offloads = self.reloads = 0
+        self.stream = None
+        if any(p.is_cuda for m in mods for p in m.parameters()):
+            self.stream = torch.cuda.Stream()
+        self.layers = [_Layer(self, i, m) for i, m in enumerate(mods)]
+        self._handles = []
+        for ly in self.layers:
+            self._handles.append(ly.module.register_forward_pre_hook(ly.pre_forward))
+            self._handles.append(ly.module.register_forward_hook(ly.post_forward))
+            ly.offload()
+
+    def neighbour(self, index, step):
+        j = index + step
+        return self.layers[j] if 0 <= j < len(self.layers) else None
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for ly in self.layers:
+            ly.load()
+            for p in ly.params:
+                p.__dict__.pop("_ferry_weight_offload", None)
+
+
+def offload_weights(model, layers, double_buffer=True):
+    """Keep the parameters of ``layers`` (modules of model, or their names,
+    in forward order) on the host between uses; returns a WeightOffload."""
+    return WeightOffload(model, layers, double_buffer)
