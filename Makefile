@@ -35,7 +35,8 @@ bench: build
 	$(BUILD)/bin/ferry_bench --json $(BUILD)/bench.json
 	@py=$$(.ci/python-env 2>/dev/null | tail -1); [ -x "$$py" ] || py=$(PYTHON_TORCH); \
 	  echo "[torch] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
-	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json
+	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json && \
+	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json
 	@if [ -x ../shared/tools/scoreboard ]; then ../shared/tools/scoreboard $(BUILD)/bench.json; fi
 
 install: build
