@@ -36,7 +36,6 @@ bench: build
 	@py=$$(.ci/python-env 2>/dev/null | tail -1); [ -x "$$py" ] || py=$(PYTHON_TORCH); \
 	  echo "[torch] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json
-	@if [ -x ../shared/tools/scoreboard ]; then ../shared/tools/scoreboard $(BUILD)/bench.json; fi
 
 install: build
 	cmake --install $(BUILD)
