@@ -37,7 +37,6 @@ bench: build
 	  echo "[torch] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json
-	@if [ -x ../shared/tools/scoreboard ]; then ../shared/tools/scoreboard $(BUILD)/bench.json; fi
 
 install: build
 	cmake --install $(BUILD)
