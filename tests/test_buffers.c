@@ -4,6 +4,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "test.h"
 #include "test_device.h"
 
 static atomic_long live_buffers;
@@ -57,4 +58,14 @@ void test_device_retain_cb(void *ud, void *owner) {
   test_buffer *b = owner;
   if (st) atomic_fetch_add(&st->retains, 1);
   atomic_fetch_add(&b->refs, 1);
+}
+
+ferry_config test_engine_config(test_device_stats *st) {
+  ferry_config c = FERRY_CONFIG_INIT;
+  c.backend = test_backend_kind();
+  c.arena = test_arena_kind();
+  c.device_alloc = test_device_alloc_cb;
+  c.release = test_device_release_cb;
+  c.callback_ud = st;
+  return c;
 }

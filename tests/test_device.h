@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ferry.h"
+
 void *test_dev_malloc(size_t bytes);
 void test_dev_free(void *p);
 /* Copy between device memory and ordinary host memory, synchronously. */
@@ -35,5 +37,8 @@ typedef struct test_device_stats {
 int test_device_alloc_cb(void *ud, uint64_t bytes, void *stream, void **device_ptr, void **owner);
 void test_device_release_cb(void *ud, void *owner);
 void test_device_retain_cb(void *ud, void *owner);
+/* FERRY_CONFIG_INIT over the backend and arena under test, with the callbacks
+ * above (callback_ud = st, which may be NULL). */
+ferry_config test_engine_config(test_device_stats *st);
 
 #endif

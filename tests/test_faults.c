@@ -45,12 +45,7 @@ static int one_round(uint64_t seed, uint64_t *injected) {
   char spec[96];
   snprintf(spec, sizeof spec, "seed=%llu,copy=0.05,event=0.05,alloc=0.05",
            (unsigned long long)seed);
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
-  c.callback_ud = &st;
+  ferry_config c = test_engine_config(&st);
   c.decide = chaotic_decide;
   c.decide_ud = &policy_rng;
   c.min_offload_bytes = 0;
@@ -130,10 +125,7 @@ TEST(faults_lose_nothing) {
 }
 
 TEST(faults_spec_is_checked) {
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(NULL);
   ferry_engine *e = NULL;
   char err[256];
   c.faults = "copy=2";

@@ -8,12 +8,7 @@
 #include "test_device.h"
 
 static ferry_config misuse_config(test_device_stats *st) {
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
-  c.callback_ud = st;
+  ferry_config c = test_engine_config(st);
   c.min_offload_bytes = 0;
   return c;
 }

@@ -27,11 +27,7 @@ static int offload_everything(void *ud, const ferry_tensor_desc *d, const ferry_
 }
 
 TEST(copies_wait_for_a_busy_compute_stream) {
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(NULL);
   c.decide = offload_everything;
   c.min_offload_bytes = 0;
   c.max_fwd_stash = 0; /* the offload and the reload really happen */

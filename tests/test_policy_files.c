@@ -49,11 +49,7 @@ TEST(policy_dir_env_comes_first) {
   setenv("FERRY_POLICY_DIR", env, 1);
   int rc = ferry_policy_find("default", path, sizeof path, err, sizeof err);
   /* an engine takes the name too */
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(NULL);
   c.policy_path = "default";
   ferry_engine *e = NULL;
   int rc_engine = ferry_engine_create(&c, &e, err, sizeof err);

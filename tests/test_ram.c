@@ -23,11 +23,7 @@ static int fake_host_ram(void *ud, uint64_t *total, uint64_t *avail) {
 
 /* Tensors offloaded in one step of 4 packs under policy source src. */
 static int offloads_under(const char *src, fake_ram *ram, uint64_t *offloaded) {
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(NULL);
   c.min_offload_bytes = 0;
   c.policy_source = src;
   c.host_ram = fake_host_ram;
@@ -81,11 +77,7 @@ TEST(ram_rules_see_the_host_ram_reading) {
 
 TEST(ram_percent_cap_is_of_the_reading) {
   fake_ram ram = {.total = 1ull << 30, .avail = 1ull << 29};
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(NULL);
   c.host_ram = fake_host_ram;
   c.host_ram_ud = &ram;
   c.host_cap_pct = 25;
