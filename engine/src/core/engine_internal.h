@@ -134,7 +134,6 @@ struct ferry_engine {
 };
 
 /* engine.c (engine_fail, engine_check, event_get/put: core.h) */
-double engine_now_us(void);
 
 /* stash.c */
 int stash_init(ferry_engine *e);

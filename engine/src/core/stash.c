@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "core/engine_internal.h"
+#include "util/util.h"
 
 #define HANDLE_INDEX_MASK 0xffffffffull
 #define MAX_TENSOR_BYTES (1ull << 50) /* 1 PiB: anything larger is a bug */
@@ -30,15 +31,9 @@
 #define RELEASE_BATCH 16
 
 /* ---- small containers ------------------------------------------------------ */
+/* Room for need elements in a stash array (64 at first). */
 static int grow(void **arr, uint32_t *cap, size_t elem, uint32_t need) {
-  if (need <= *cap) return 0;
-  uint32_t ncap = *cap ? *cap : 64;
-  while (ncap < need) ncap *= 2;
-  void *n = realloc(*arr, (size_t)ncap * elem);
-  if (!n) return -1;
-  *arr = n;
-  *cap = ncap;
-  return 0;
+  return util_grow(arr, cap, elem, need, 64);
 }
 
 static inline size_t ptr_hash(uintptr_t p, size_t cap) {
