@@ -38,8 +38,8 @@ typedef struct stash_entry {
   uint32_t primary;  /* alias: index of the primary entry */
   uint32_t prefetch_distance;
   int32_t layer;
-  uint32_t offl_pos;  /* position in the step's offload order, offloaded only */
-  uint32_t offl_mark; /* offloads packed before this entry in its step */
+  uint32_t offload_index;  /* position in the step's offload order, offloaded only */
+  uint32_t offloads_before; /* offloads packed before this entry in its step */
   uint64_t step;
   uint64_t bytes;
   void *dev_ptr;
@@ -97,8 +97,8 @@ struct ferry_engine {
   uint32_t fwd_head, fwd_count, fwd_cap;
 
   /* offloaded entries of this step in pack order, for prefetch */
-  uint32_t *offl_order;
-  uint32_t n_offl, cap_offl;
+  uint32_t *offload_order;
+  uint32_t n_offloads, cap_offloads;
 
   pending_free *pending;
   uint32_t n_pending, cap_pending;

@@ -139,7 +139,7 @@ static int entry_new(ferry_engine *e, uint32_t *idx) {
   memset(s, 0, sizeof *s);
   s->gen = gen;
   s->layer = -1;
-  s->offl_pos = UINT32_MAX;
+  s->offload_index = UINT32_MAX;
   e->stats.live_handles++;
   return FERRY_OK;
 }
@@ -307,7 +307,7 @@ static void step_begin_locked(ferry_engine *e) {
   e->ctx.bytes_offloaded_this_step = 0;
   e->ctx.host_ram_used_pct = host_ram_used_pct();
   if (e->layer_counts) memset(e->layer_counts, 0, e->cap_layers * sizeof *e->layer_counts);
-  e->n_offl = 0;
+  e->n_offloads = 0;
   if (e->policy) ferry_policy_step_begin(e->policy, e->step);
   trace_event(e, "step_begin", 0);
 }
@@ -495,7 +495,7 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   s->step = e->step;
   s->refs = 1;
   s->state = ENTRY_KEPT;
-  s->offl_mark = e->n_offl;
+  s->offloads_before = e->n_offloads;
 
   if (d.action == FERRY_OFFLOAD) {
     s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
@@ -503,8 +503,8 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
       e->stats.cap_fallbacks++;
     } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) ||
                fwd_push(e, idx) ||
-               grow((void **)&e->offl_order, &e->cap_offl, sizeof *e->offl_order,
-                    e->n_offl + 1)) {
+               grow((void **)&e->offload_order, &e->cap_offloads, sizeof *e->offload_order,
+                    e->n_offloads + 1)) {
       /* Nothing lost: the tensor stays on device. A copy that was issued may
        * still read the device buffer and write the host one. */
       e->ctx.arena_in_use += s->bytes;
@@ -514,8 +514,8 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
       s->reload = (uint8_t)d.reload;
       s->prefetch_distance =
           d.prefetch_distance >= 0 ? (uint32_t)d.prefetch_distance : e->prefetch_distance;
-      s->offl_pos = e->n_offl;
-      e->offl_order[e->n_offl++] = idx;
+      s->offload_index = e->n_offloads;
+      e->offload_order[e->n_offloads++] = idx;
       e->ctx.arena_in_use += s->bytes;
       e->ctx.stash_depth++;
       e->fwd_bytes += s->bytes;
@@ -615,11 +615,11 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream) {
 static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uint64_t step,
                            void *compute_stream) {
   for (uint32_t k = 1; k <= distance && k <= pos; k++) {
-    uint32_t j = e->offl_order[pos - k];
+    uint32_t j = e->offload_order[pos - k];
     stash_entry *t = &e->entries[j];
-    if (t->state != ENTRY_OFFLOADED || t->step != step || t->offl_pos != pos - k) continue;
+    if (t->state != ENTRY_OFFLOADED || t->step != step || t->offload_index != pos - k) continue;
     if (reload(e, j, compute_stream) == FERRY_OK) e->stats.prefetches++;
-    if (pos > e->n_offl) return; /* the step ended meanwhile */
+    if (pos > e->n_offloads) return; /* the step ended meanwhile */
   }
 }
 
@@ -630,9 +630,9 @@ static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uin
  * carry a mark too, so a run of kept layers at the end of the forward pass
  * (unpacked first) already starts the reloads of the offloaded ones. */
 static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream) {
-  if (step != e->step || mark == 0 || mark > e->n_offl) return;
-  const stash_entry *next = &e->entries[e->offl_order[mark - 1]];
-  if (next->step != step || next->offl_pos != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
+  if (step != e->step || mark == 0 || mark > e->n_offloads) return;
+  const stash_entry *next = &e->entries[e->offload_order[mark - 1]];
+  if (next->step != step || next->offload_index != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
     return;
   prefetch_ahead(e, mark, next->prefetch_distance, step, compute_stream);
 }
@@ -710,7 +710,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   }
   pending_poll(e);
   stash_entry *s = &e->entries[p];
-  uint32_t mark = s->offl_mark;
+  uint32_t mark = s->offloads_before;
   uint64_t step = s->step;
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
@@ -817,7 +817,7 @@ void stash_destroy(ferry_engine *e) {
   free(e->aliases.keys);
   free(e->aliases.vals);
   free(e->fwd);
-  free(e->offl_order);
+  free(e->offload_order);
   free(e->pending);
   free(e->layer_counts);
   e->entries = NULL;
