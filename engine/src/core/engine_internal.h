@@ -16,6 +16,7 @@
 #include "core/core.h"
 #include "ferry.h"
 #include "util/intern.h"
+#include "util/u64map.h"
 
 /* Where a saved tensor is. */
 typedef enum entry_state {
@@ -57,11 +58,7 @@ typedef struct pending_free {
 } pending_free;
 
 
-typedef struct alias_map {
-  uintptr_t *keys; /* device pointers, 0 = empty */
-  uint32_t *vals;  /* entry index */
-  size_t cap, count;
-} alias_map;
+
 
 struct ferry_engine {
   ferry_config cfg; /* the caller's config, strings not retained */
@@ -89,7 +86,7 @@ struct ferry_engine {
   uint32_t n_entries, cap_entries;
   uint32_t *free_slots;
   uint32_t n_free;
-  alias_map aliases;
+  u64map aliases; /* device pointer -> entry index of its primary pack */
 
   /* forward stash: FIFO ring of (gen << 32 | index) of STASHED entries in
    * pack order; entries unpacked meanwhile are skipped lazily by their gen */

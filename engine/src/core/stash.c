@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "core/engine_internal.h"
+#include "util/u64map.h"
 #include "util/util.h"
 
 #define HANDLE_INDEX_MASK 0xffffffffull
@@ -34,74 +35,6 @@
 /* Room for need elements in a stash array (64 at first). */
 static int grow(void **arr, uint32_t *cap, size_t elem, uint32_t need) {
   return util_grow(arr, cap, elem, need, 64);
-}
-
-static inline size_t ptr_hash(uintptr_t p, size_t cap) {
-  return (size_t)((p >> 4) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
-}
-
-static int alias_grow(alias_map *m) {
-  size_t ncap = m->cap ? m->cap * 2 : 256;
-  uintptr_t *keys = calloc(ncap, sizeof *keys);
-  uint32_t *vals = calloc(ncap, sizeof *vals);
-  if (!keys || !vals) {
-    free(keys);
-    free(vals);
-    return -1;
-  }
-  for (size_t i = 0; i < m->cap; i++) {
-    if (!m->keys[i]) continue;
-    size_t j = ptr_hash(m->keys[i], ncap);
-    while (keys[j]) j = (j + 1) & (ncap - 1);
-    keys[j] = m->keys[i];
-    vals[j] = m->vals[i];
-  }
-  free(m->keys);
-  free(m->vals);
-  m->keys = keys;
-  m->vals = vals;
-  m->cap = ncap;
-  return 0;
-}
-
-static int alias_find(const alias_map *m, uintptr_t key, uint32_t *val) {
-  if (!m->count) return 0;
-  for (size_t j = ptr_hash(key, m->cap); m->keys[j]; j = (j + 1) & (m->cap - 1))
-    if (m->keys[j] == key) {
-      *val = m->vals[j];
-      return 1;
-    }
-  return 0;
-}
-
-static int alias_insert(alias_map *m, uintptr_t key, uint32_t val) {
-  if ((m->count + 1) * 2 > m->cap && alias_grow(m)) return -1;
-  size_t j = ptr_hash(key, m->cap);
-  while (m->keys[j]) j = (j + 1) & (m->cap - 1);
-  m->keys[j] = key;
-  m->vals[j] = val;
-  m->count++;
-  return 0;
-}
-
-/* Linear probing deletion by backward shift: no tombstones to pile up. */
-static void alias_remove(alias_map *m, uintptr_t key) {
-  if (!m->count) return;
-  size_t j = ptr_hash(key, m->cap);
-  while (m->keys[j] && m->keys[j] != key) j = (j + 1) & (m->cap - 1);
-  if (!m->keys[j]) return;
-  m->keys[j] = 0;
-  m->count--;
-  for (size_t k = (j + 1) & (m->cap - 1); m->keys[k]; k = (k + 1) & (m->cap - 1)) {
-    size_t home = ptr_hash(m->keys[k], m->cap);
-    /* Move k into the hole at j if its home is not within (j, k]. */
-    if ((k > j && (home <= j || home > k)) || (k < j && (home <= j && home > k))) {
-      m->keys[j] = m->keys[k];
-      m->vals[j] = m->vals[k];
-      m->keys[k] = 0;
-      j = k;
-    }
-  }
 }
 
 /* ---- entries ---------------------------------------------------------------- */
@@ -241,7 +174,7 @@ static void *stash_release(ferry_engine *e, uint32_t idx) {
     e->bk->ops->event_synchronize(e->bk, s->ev);
   }
   void *owner = s->owner;
-  if (s->in_alias_map) alias_remove(&e->aliases, (uintptr_t)s->dev_ptr);
+  if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   s->in_alias_map = 0;
   s->owner = NULL;
   s->dev_ptr = NULL;
@@ -464,7 +397,7 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
 
   uint32_t idx, pidx;
   /* The same buffer packed again while stored: one copy, two handles. */
-  if (e->cfg.retain && alias_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
+  if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
       e->entries[pidx].bytes == desc->bytes) {
     if ((rc = entry_new(e, &idx))) goto oom;
     stash_entry *a = &e->entries[idx];
@@ -533,8 +466,8 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   e->stats.device_bytes_held += s->bytes;
   if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
     e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
-  if (e->cfg.retain && !alias_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
-      alias_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
+  if (e->cfg.retain && !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
+      u64map_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
     s->in_alias_map = 1;
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
@@ -651,7 +584,7 @@ static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_releas
     return hand_out ? s->owner : NULL;
   }
   void *owner = s->owner;
-  if (s->in_alias_map) alias_remove(&e->aliases, (uintptr_t)s->dev_ptr);
+  if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   if (!hand_out && owner && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1) {
     /* Discarded while a copy still touches the device buffer: the embedder
      * may free it as soon as it gets the release. */
@@ -792,7 +725,7 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
 int stash_init(ferry_engine *e) {
   if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256)) return FERRY_ENOMEM;
   e->free_slots = malloc((size_t)e->cap_entries * sizeof *e->free_slots);
-  if (!e->free_slots || alias_grow(&e->aliases)) return FERRY_ENOMEM;
+  if (!e->free_slots || u64map_grow(&e->aliases)) return FERRY_ENOMEM;
   return FERRY_OK;
 }
 
@@ -814,8 +747,7 @@ void stash_destroy(ferry_engine *e) {
   }
   free(e->entries);
   free(e->free_slots);
-  free(e->aliases.keys);
-  free(e->aliases.vals);
+  u64map_free(&e->aliases);
   free(e->fwd);
   free(e->offload_order);
   free(e->pending);

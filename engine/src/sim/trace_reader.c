@@ -15,6 +15,7 @@
 #include "ferry_tools.h"
 #include "core/core.h"
 #include "util/intern.h"
+#include "util/u64map.h"
 #include "util/util.h"
 
 #define MAX_TENSOR_BYTES (1ull << 50) /* the engine's own bound (stash.c) */
@@ -22,12 +23,6 @@
 #define MAX_COMPUTE_US 3.6e9 /* an hour of compute in one event is a broken trace */
 #define MAX_TRACE_BYTES ((size_t)1 << 34)
 #define MAX_ID 9007199254740992.0 /* 2^53: ids and steps are exact in a double */
-
-typedef struct id_map { /* trace id -> tensor index, open addressing */
-  uint64_t *keys;       /* 0 = empty (ids are >= 1) */
-  uint32_t *vals;
-  size_t cap, count;
-} id_map;
 
 enum { TS_PACKED = 1, TS_DONE = 2 };
 
@@ -37,7 +32,7 @@ typedef struct reader {
   char *err;
   size_t errlen;
   uint32_t line;
-  id_map ids;
+  u64map ids; /* trace id -> tensor index */
   intern_table strs; /* owned strings, deduplicated */
   uint8_t *state; /* per tensor: TS_* */
   uint32_t cap_events, cap_tensors, cap_steps, cap_resident;
@@ -65,53 +60,6 @@ static int reader_fail(reader *r, const char *fmt, ...) {
     }
   }
   return FERRY_EPARSE;
-}
-
-/* Finds key's slot value in the id map; 1 found, 0 not. */
-static int idmap_find(const id_map *m, uint64_t key, uint32_t *val) {
-  if (!m->cap) return 0;
-  for (size_t j = util_mix64(key) & (m->cap - 1); m->keys[j]; j = (j + 1) & (m->cap - 1))
-    if (m->keys[j] == key) {
-      *val = m->vals[j];
-      return 1;
-    }
-  return 0;
-}
-
-/* Doubles the id map's table (1024 at first); 0, or -1 out of memory. */
-static int idmap_grow(id_map *m) {
-  size_t ncap = m->cap ? m->cap * 2 : 1024;
-  uint64_t *k = calloc(ncap, sizeof *k);
-  uint32_t *v = calloc(ncap, sizeof *v);
-  if (!k || !v) {
-    free(k);
-    free(v);
-    return -1;
-  }
-  for (size_t i = 0; i < m->cap; i++) {
-    if (!m->keys[i]) continue;
-    size_t j = util_mix64(m->keys[i]) & (ncap - 1);
-    while (k[j]) j = (j + 1) & (ncap - 1);
-    k[j] = m->keys[i];
-    v[j] = m->vals[i];
-  }
-  free(m->keys);
-  free(m->vals);
-  m->keys = k;
-  m->vals = v;
-  m->cap = ncap;
-  return 0;
-}
-
-/* Adds key -> val (key not there yet), growing at half load; 0 or -1. */
-static int idmap_put(id_map *m, uint64_t key, uint32_t val) {
-  if ((m->count + 1) * 2 > m->cap && idmap_grow(m)) return -1;
-  size_t j = util_mix64(key) & (m->cap - 1);
-  while (m->keys[j]) j = (j + 1) & (m->cap - 1);
-  m->keys[j] = key;
-  m->vals[j] = val;
-  m->count++;
-  return 0;
 }
 
 /* An owned copy of s, shared by equal strings; NULL out of memory. */
@@ -163,7 +111,7 @@ static int get_live_tensor(reader *r, const cJSON *o, const char *ev, uint32_t *
   int64_t id;
   int rc = get_int(r, o, "id", 1, 1, MAX_ID, &id);
   if (rc) return rc;
-  if (!idmap_find(&r->ids, (uint64_t)id, idx))
+  if (!u64map_find(&r->ids, (uint64_t)id, idx))
     return reader_fail(r, "%s of id %lld before its pack", ev, (long long)id);
   if (r->state[*idx] == TS_DONE)
     return reader_fail(r, "%s of id %lld, which was already unpacked or discarded (line %u packed it)",
@@ -244,7 +192,7 @@ static int get_alias(reader *r, const cJSON *o, uint64_t bytes, int32_t *alias_o
   if (rc < 0) return rc;
   if (rc == 0) {
     uint32_t p;
-    if (!idmap_find(&r->ids, (uint64_t)of, &p) || r->state[p] != TS_PACKED)
+    if (!u64map_find(&r->ids, (uint64_t)of, &p) || r->state[p] != TS_PACKED)
       return reader_fail(r, "alias_of %lld is not a live id", (long long)of);
     *alias_of = (int32_t)p;
   } else if ((rc = latest_pack_of_size(r, bytes, alias_of))) {
@@ -272,7 +220,7 @@ static int add_tensor(reader *r, uint64_t id, const ferry_tensor_desc *d, uint8_
     if (!s) return reader_fail(r, "out of memory");
     r->state = s;
   }
-  if (idmap_put(&r->ids, id, idx)) return reader_fail(r, "out of memory");
+  if (u64map_insert(&r->ids, id, idx)) return reader_fail(r, "out of memory");
   trace_tensor *tt = &t->tensors[idx];
   tt->desc = *d;
   tt->id = id;
@@ -301,7 +249,7 @@ static int parse_pack(reader *r, const cJSON *o, double gap) {
     return rc;
   if ((rc = get_int(r, o, "flags", 0, 0, 255, &flags)) < 0) return rc;
   uint32_t dup;
-  if (idmap_find(&r->ids, (uint64_t)id, &dup))
+  if (u64map_find(&r->ids, (uint64_t)id, &dup))
     return reader_fail(r, "id %lld packed twice (first at line %u)", (long long)id,
                        t->tensors[dup].line);
   ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
@@ -340,7 +288,7 @@ static int parse_header(reader *r, const cJSON *o, const char *ev) {
 /* {"ev":"unpack"|"discard","id":N}: the end of a live tensor. */
 static int parse_unpack_or_discard(reader *r, const cJSON *o, const char *ev, double gap) {
   if (!r->in_step) return reader_fail(r, "%s outside a step", ev);
-  uint32_t idx;
+  uint32_t idx = 0;
   int rc = get_live_tensor(r, o, ev, &idx);
   if (rc) return rc;
   r->state[idx] = TS_DONE;
@@ -566,8 +514,7 @@ static int parse_lines(reader *r, const char *data, size_t len) {
 /* Frees the reader's own state; the trace keeps the interned strings. */
 static int reader_finish(reader *r, int rc) {
   sim_trace *t = r->t;
-  free(r->ids.keys);
-  free(r->ids.vals);
+  u64map_free(&r->ids);
   free(r->state);
   t->strings = NULL;
   t->n_strings = 0;
