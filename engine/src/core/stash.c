@@ -380,6 +380,107 @@ static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
   return FERRY_OK;
 }
 
+/* Pack of a buffer already stored (retain): an alias entry of its primary,
+ * one copy for both handles. Called locked. */
+static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t pidx,
+                      ferry_handle *out) {
+  uint32_t idx;
+  int rc = entry_new(e, &idx);
+  if (rc) return rc;
+  stash_entry *a = &e->entries[idx];
+  a->state = ENTRY_ALIAS;
+  a->primary = pidx;
+  a->bytes = desc->bytes;
+  a->step = e->step;
+  e->entries[pidx].refs++;
+  e->stats.tensors_packed++;
+  e->stats.tensors_aliased++;
+  e->ctx.packed_this_step++;
+  *out = make_handle(e, idx);
+  trace_pack(e, idx, desc, e->entries[pidx].state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 1);
+  return FERRY_OK;
+}
+
+/* A decision to offload entry idx: arena buffer, D2H copy, forward stash.
+ * On any failure nothing is lost: the tensor stays on device (KEPT). */
+static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
+                         void *compute_stream) {
+  stash_entry *s = &e->entries[idx];
+  s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
+  if (!s->host) {
+    e->stats.cap_fallbacks++;
+  } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) || fwd_push(e, idx) ||
+             grow((void **)&e->offload_order, &e->cap_offloads, sizeof *e->offload_order,
+                  e->n_offloads + 1)) {
+    /* A copy that was issued may still read the device buffer and write
+     * the host one. */
+    e->ctx.arena_in_use += s->bytes;
+    host_buffer_drop(e, s, 1);
+  } else {
+    s->state = ENTRY_STASHED;
+    s->reload = (uint8_t)d->reload;
+    s->prefetch_distance =
+        d->prefetch_distance >= 0 ? (uint32_t)d->prefetch_distance : e->prefetch_distance;
+    s->offload_index = e->n_offloads;
+    e->offload_order[e->n_offloads++] = idx;
+    e->ctx.arena_in_use += s->bytes;
+    e->ctx.stash_depth++;
+    e->fwd_bytes += s->bytes;
+    e->ctx.offloaded_this_step++;
+    e->ctx.bytes_offloaded_this_step += s->bytes;
+    e->bytes_in_flight += s->bytes;
+    e->stats.tensors_offloaded++;
+    e->stats.bytes_d2h += s->bytes;
+    count_layer(e, s->layer);
+  }
+}
+
+/* A new primary entry for a pack, decided and (if so) offloaded; its
+ * counters and alias-map slot. Called locked. */
+static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
+                    void *compute_stream, uint32_t *out_idx) {
+  ferry_decision d;
+  decide(e, desc, &d);
+  uint32_t idx, pidx;
+  int rc = entry_new(e, &idx);
+  if (rc) return rc;
+  stash_entry *s = &e->entries[idx];
+  s->bytes = desc->bytes;
+  s->dev_ptr = device_ptr;
+  s->owner = owner;
+  s->layer = desc->layer;
+  s->step = e->step;
+  s->refs = 1;
+  s->state = ENTRY_KEPT;
+  s->offloads_before = e->n_offloads;
+  if (d.action == FERRY_OFFLOAD) pack_offload(e, idx, &d, compute_stream);
+  if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
+  e->stats.tensors_packed++;
+  e->ctx.packed_this_step++;
+  e->stats.device_bytes_held += s->bytes;
+  if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
+    e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
+  if (e->cfg.retain && !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
+      u64map_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
+    s->in_alias_map = 1;
+  *out_idx = idx;
+  return FERRY_OK;
+}
+
+/* Releases the owners the forward stash bound pushes out, in batches, the
+ * lock dropped around the embedder's release callback. Called locked;
+ * returns unlocked. */
+static void release_over_bound(ferry_engine *e) {
+  void *owners[RELEASE_BATCH];
+  uint32_t n;
+  do {
+    n = fwd_enforce_bound(e, owners, RELEASE_BATCH);
+    pthread_mutex_unlock(&e->lock);
+    release_all(e, owners, n);
+    if (n == RELEASE_BATCH) pthread_mutex_lock(&e->lock);
+  } while (n == RELEASE_BATCH);
+}
+
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
                void *compute_stream, ferry_handle *out) {
   int rc = engine_check(e);
@@ -399,87 +500,16 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   /* The same buffer packed again while stored: one copy, two handles. */
   if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
       e->entries[pidx].bytes == desc->bytes) {
-    if ((rc = entry_new(e, &idx))) goto oom;
-    stash_entry *a = &e->entries[idx];
-    a->state = ENTRY_ALIAS;
-    a->primary = pidx;
-    a->bytes = desc->bytes;
-    a->step = e->step;
-    e->entries[pidx].refs++;
-    e->stats.tensors_packed++;
-    e->stats.tensors_aliased++;
-    e->ctx.packed_this_step++;
-    *out = make_handle(e, idx);
-    trace_pack(e, idx, desc, e->entries[pidx].state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD,
-               1);
+    if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
     return FERRY_OK;
   }
-
-  ferry_decision d;
-  decide(e, desc, &d);
-  if ((rc = entry_new(e, &idx))) goto oom;
+  if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
-  s->bytes = desc->bytes;
-  s->dev_ptr = device_ptr;
-  s->owner = owner;
-  s->layer = desc->layer;
-  s->step = e->step;
-  s->refs = 1;
-  s->state = ENTRY_KEPT;
-  s->offloads_before = e->n_offloads;
-
-  if (d.action == FERRY_OFFLOAD) {
-    s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
-    if (!s->host) {
-      e->stats.cap_fallbacks++;
-    } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) ||
-               fwd_push(e, idx) ||
-               grow((void **)&e->offload_order, &e->cap_offloads, sizeof *e->offload_order,
-                    e->n_offloads + 1)) {
-      /* Nothing lost: the tensor stays on device. A copy that was issued may
-       * still read the device buffer and write the host one. */
-      e->ctx.arena_in_use += s->bytes;
-      host_buffer_drop(e, s, 1);
-    } else {
-      s->state = ENTRY_STASHED;
-      s->reload = (uint8_t)d.reload;
-      s->prefetch_distance =
-          d.prefetch_distance >= 0 ? (uint32_t)d.prefetch_distance : e->prefetch_distance;
-      s->offload_index = e->n_offloads;
-      e->offload_order[e->n_offloads++] = idx;
-      e->ctx.arena_in_use += s->bytes;
-      e->ctx.stash_depth++;
-      e->fwd_bytes += s->bytes;
-      e->ctx.offloaded_this_step++;
-      e->ctx.bytes_offloaded_this_step += s->bytes;
-      e->bytes_in_flight += s->bytes;
-      e->stats.tensors_offloaded++;
-      e->stats.bytes_d2h += s->bytes;
-      count_layer(e, s->layer);
-    }
-  }
-  if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
-  e->stats.tensors_packed++;
-  e->ctx.packed_this_step++;
-  e->stats.device_bytes_held += s->bytes;
-  if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
-    e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
-  if (e->cfg.retain && !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
-      u64map_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
-    s->in_alias_map = 1;
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
-
-  void *owners[RELEASE_BATCH];
-  uint32_t n;
-  do {
-    n = fwd_enforce_bound(e, owners, RELEASE_BATCH);
-    pthread_mutex_unlock(&e->lock);
-    release_all(e, owners, n);
-    if (n == RELEASE_BATCH) pthread_mutex_lock(&e->lock);
-  } while (n == RELEASE_BATCH);
+  release_over_bound(e);
   return FERRY_OK;
 
 oom:
