@@ -1,9 +1,38 @@
-/* bench.h — shared by ferry's benchmarks. */
+/* bench.h — what ferry's benchmarks share. Dependencies go one way:
+ * bench_main.c drives the benchmarks through bench_table (bench_table.c);
+ * each benchmark (bench_<name>.c) reports through bench_report.c's
+ * functions and calls nothing in bench_main.c. */
 #ifndef FERRY_BENCH_H
 #define FERRY_BENCH_H
+#include <stddef.h>
 #include <stdint.h>
+
+/* ---- reporting (bench_report.c) ---- */
 typedef struct bench_report bench_report;
-/* Record a metric for build/bench.json and the printed table. baseline may be NULL. */
+/* Record a metric for build/bench.json and the printed table; note may be NULL. */
 void bench_metric(bench_report *r, const char *name, double value, const char *unit, const char *note);
+/* CLOCK_MONOTONIC in nanoseconds. */
 double bench_now_ns(void);
+/* A report that keeps the metrics json_path already holds (other runs,
+ * e.g. Python's, write there too); NULL out of memory. */
+bench_report *bench_report_open(const char *json_path);
+/* Writes the report's metrics to json_path and frees it; 0, or -1. */
+int bench_report_close(bench_report *r, const char *json_path);
+
+/* ---- the benchmarks (bench_<name>.c), run in this order ---- */
+typedef struct bench_entry {
+  const char *name;
+  void (*fn)(bench_report *);
+} bench_entry;
+extern const bench_entry bench_table[];
+extern const size_t bench_table_len;
+
+void bench_engine(bench_report *r);
+void bench_host_copy(bench_report *r);
+void bench_arena(bench_report *r);
+void bench_policy(bench_report *r);
+void bench_sim(bench_report *r);
+void bench_snapshot(bench_report *r);
+/* Instruction-count mode, run under callgrind (bench_engine.c). */
+int bench_engine_instr(const char *which, long iters);
 #endif

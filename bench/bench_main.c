@@ -4,62 +4,21 @@
  * baseline taken in the same run) and writes a flat JSON object of metric
  * name to number. Where valgrind is installed it also re-runs the
  * pack/unpack loops under callgrind and reports instructions per pair,
- * which, unlike nanoseconds, do not move with machine load.
+ * which, unlike nanoseconds, do not move with machine load. It runs the
+ * benchmarks through bench_table (bench.h); they report through
+ * bench_report.c.
  */
-#include <cjson/cJSON.h>
 #include <getopt.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "bench.h"
 
 extern char **environ;
-
-struct bench_report {
-  cJSON *json;
-};
-
-void bench_metric(bench_report *r, const char *name, double value, const char *unit,
-                  const char *note) {
-  printf("  %-40s %14.4g %-8s %s\n", name, value, unit ? unit : "", note ? note : "");
-  fflush(stdout);
-  cJSON_DeleteItemFromObject(r->json, name);
-  cJSON_AddNumberToObject(r->json, name, value);
-}
-
-double bench_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
-
-void bench_engine(bench_report *r);
-void bench_host_copy(bench_report *r);
-void bench_arena(bench_report *r);
-void bench_policy(bench_report *r);
-void bench_sim(bench_report *r);
-void bench_snapshot(bench_report *r);
-/* Instruction-count mode, run under callgrind (bench_engine.c). */
-int bench_engine_instr(const char *which, long iters);
-
-typedef struct {
-  const char *name;
-  void (*fn)(bench_report *);
-} bench_entry;
-
-static const bench_entry benches[] = {
-    {"engine", bench_engine},
-    {"host_copy", bench_host_copy},
-    {"arena", bench_arena},
-    {"policy", bench_policy},
-    {"sim", bench_sim},
-    {"snapshot", bench_snapshot},
-};
 
 /* Instructions per iteration of `which`, from two callgrind runs of
  * different lengths (their difference cancels start-up costs). -1 if
@@ -112,55 +71,30 @@ int main(int argc, char **argv) {
       return c == 'h' ? 0 : 2;
     }
   }
-  bench_report r = {cJSON_CreateObject()};
-  FILE *old = fopen(json_path, "r"); /* keep metrics other runs (e.g. Python) wrote */
-  if (old) {
-    fseek(old, 0, SEEK_END);
-    long n = ftell(old);
-    rewind(old);
-    char *buf = malloc((size_t)n + 1);
-    if (buf && fread(buf, 1, (size_t)n, old) == (size_t)n) {
-      buf[n] = 0;
-      cJSON *prev = cJSON_Parse(buf);
-      if (cJSON_IsObject(prev)) {
-        cJSON_Delete(r.json);
-        r.json = prev;
-      } else {
-        cJSON_Delete(prev);
-      }
-    }
-    free(buf);
-    fclose(old);
+  bench_report *r = bench_report_open(json_path);
+  if (!r) {
+    fprintf(stderr, "ferry_bench: out of memory\n");
+    return 1;
   }
   printf("  %-40s %14s %-8s %s\n", "metric", "value", "unit", "note");
-  for (size_t i = 0; i < sizeof benches / sizeof benches[0]; i++) {
-    if (only && strcmp(only, benches[i].name)) continue;
-    printf("[%s]\n", benches[i].name);
-    benches[i].fn(&r);
+  for (size_t i = 0; i < bench_table_len; i++) {
+    if (only && strcmp(only, bench_table[i].name)) continue;
+    printf("[%s]\n", bench_table[i].name);
+    bench_table[i].fn(r);
   }
   if (!only || !strcmp(only, "engine")) {
     printf("[callgrind]\n");
     double keep = callgrind_per_iter(argv[0], "keep");
     double offl = callgrind_per_iter(argv[0], "offload");
     if (keep > 0) {
-      bench_metric(&r, "pack_unpack_keep_instr", keep, "instr", "callgrind, per pack+unpack");
-      bench_metric(&r, "pack_unpack_offload_instr", offl, "instr",
+      bench_metric(r, "pack_unpack_keep_instr", keep, "instr", "callgrind, per pack+unpack");
+      bench_metric(r, "pack_unpack_offload_instr", offl, "instr",
                    "callgrind, per pack+unpack, engine thread only");
     } else {
       printf("  (valgrind not available: no instruction counts)\n");
     }
   }
-  char *text = cJSON_Print(r.json);
-  FILE *f = fopen(json_path, "w");
-  if (!f || !text) {
-    fprintf(stderr, "ferry_bench: cannot write %s\n", json_path);
-    return 1;
-  }
-  fputs(text, f);
-  fputc('\n', f);
-  fclose(f);
-  free(text);
-  cJSON_Delete(r.json);
+  if (bench_report_close(r, json_path)) return 1;
   printf("wrote %s\n", json_path);
   return 0;
 }

@@ -12,7 +12,6 @@
 #include "bench.h"
 #include "ferry_tools.h"
 
-void bench_sim(bench_report *r);
 
 void bench_sim(bench_report *r) {
   synth_model m;

@@ -45,6 +45,7 @@
 
 #include "util/errbuf.h"
 #include "ferry_tools.h"
+#include "backend/backend_internal.h"
 
 #define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)
@@ -90,14 +91,6 @@ static cuda_backend *as_cuda(ferry_backend *b) { return (cuda_backend *)b; }
 /* bk_event is an opaque name for a cudaEvent_t: no wrapper to allocate. */
 static cudaEvent_t cuda_event(bk_event *ev) { return (cudaEvent_t)(void *)ev; }
 static cudaStream_t cuda_stream(bk_stream s) { return (cudaStream_t)s; }
-
-static int fail(ferry_backend *b, int code, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(b->err, sizeof b->err, fmt, ap);
-  va_end(ap);
-  return code;
-}
 
 static int map_cuda_error(cudaError_t e) {
   switch (e) {
@@ -172,14 +165,14 @@ static int guard_leave(cuda_backend *cb, device_guard *g, int rc) {
 static int check_alignment(cuda_backend *cb, size_t bytes, size_t *alignment) {
   size_t a = *alignment ? *alignment : cb->page;
   if (a & (a - 1))
-    return fail(&cb->base, FERRY_EINVAL,
+    return backend_fail(&cb->base, FERRY_EINVAL,
                 "host_alloc: alignment %zu is not a power of two", a);
   if (a > MAX_HOST_ALIGNMENT)
-    return fail(&cb->base, FERRY_EINVAL,
+    return backend_fail(&cb->base, FERRY_EINVAL,
                 "host_alloc: alignment %zu is above the 2 MiB maximum", a);
   if (a < cb->page) a = cb->page;
   if (bytes > SIZE_MAX - 2 * a - sizeof(hostalloc_header))
-    return fail(&cb->base, FERRY_ENOMEM, "host_alloc: size %zu is too large",
+    return backend_fail(&cb->base, FERRY_ENOMEM, "host_alloc: size %zu is too large",
                 bytes);
   *alignment = a;
   return FERRY_OK;
@@ -194,7 +187,7 @@ static int alloc_registered(cuda_backend *cb, size_t bytes, size_t alignment,
   char *base = mmap(NULL, map_len, PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED)
-    return fail(&cb->base, FERRY_ENOMEM,
+    return backend_fail(&cb->base, FERRY_ENOMEM,
                 "host_alloc: mmap of %zu bytes failed: %s", map_len,
                 strerror(errno));
   uintptr_t start = ((uintptr_t)base + alignment - 1) & ~(uintptr_t)(alignment - 1);
@@ -234,9 +227,9 @@ static int alloc_hostalloc(cuda_backend *cb, size_t bytes, size_t alignment,
 static int host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
                       void **out) {
   cuda_backend *cb = as_cuda(b);
-  if (!out) return fail(b, FERRY_EINVAL, "host_alloc: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "host_alloc: out is NULL");
   *out = NULL;
-  if (bytes == 0) return fail(b, FERRY_EINVAL, "host_alloc: size is 0");
+  if (bytes == 0) return backend_fail(b, FERRY_EINVAL, "host_alloc: size is 0");
   int rc = check_alignment(cb, bytes, &alignment);
   if (rc) return rc;
   device_guard g;
@@ -248,10 +241,10 @@ static int host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
 
 static int host_free(ferry_backend *b, void *p, size_t bytes) {
   cuda_backend *cb = as_cuda(b);
-  if (!p) return fail(b, FERRY_EINVAL, "host_free: pointer is NULL");
-  if (bytes == 0) return fail(b, FERRY_EINVAL, "host_free: size is 0");
+  if (!p) return backend_fail(b, FERRY_EINVAL, "host_free: pointer is NULL");
+  if (bytes == 0) return backend_fail(b, FERRY_EINVAL, "host_free: size is 0");
   if ((uintptr_t)p & (cb->page - 1))
-    return fail(b, FERRY_EINVAL,
+    return backend_fail(b, FERRY_EINVAL,
                 "host_free: %p is not page aligned, so not from host_alloc", p);
   device_guard g;
   int rc = guard_enter(cb, &g);
@@ -260,12 +253,12 @@ static int host_free(ferry_backend *b, void *p, size_t bytes) {
     size_t len = (bytes + cb->page - 1) & ~(cb->page - 1);
     rc = CUDA_CALL(cb, cudaHostUnregister, (p));
     if (!rc && munmap(p, len) != 0)
-      rc = fail(b, FERRY_EINVAL, "host_free: munmap(%p, %zu) failed: %s", p,
+      rc = backend_fail(b, FERRY_EINVAL, "host_free: munmap(%p, %zu) failed: %s", p,
                 len, strerror(errno));
   } else {
     hostalloc_header *h = (hostalloc_header *)(void *)((char *)p - sizeof *h);
     if (h->magic != HOSTALLOC_MAGIC)
-      rc = fail(b, FERRY_EINVAL, "host_free: %p was not allocated by host_alloc", p);
+      rc = backend_fail(b, FERRY_EINVAL, "host_free: %p was not allocated by host_alloc", p);
     else {
       h->magic = 0;
       rc = CUDA_CALL(cb, cudaFreeHost, (h->block));
@@ -277,7 +270,7 @@ static int host_free(ferry_backend *b, void *p, size_t bytes) {
 /* ---- streams ------------------------------------------------------------- */
 static int stream_create(ferry_backend *b, bk_stream *out) {
   cuda_backend *cb = as_cuda(b);
-  if (!out) return fail(b, FERRY_EINVAL, "stream_create: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "stream_create: out is NULL");
   *out = NULL;
   device_guard g;
   int rc = guard_enter(cb, &g);
@@ -290,7 +283,7 @@ static int stream_create(ferry_backend *b, bk_stream *out) {
 
 static int stream_destroy(ferry_backend *b, bk_stream s) {
   if (!s)
-    return fail(b, FERRY_EINVAL,
+    return backend_fail(b, FERRY_EINVAL,
                 "stream_destroy: NULL is the default stream, not an engine stream");
   /* Returns at once; CUDA releases the stream when its queued work is done. */
   return CUDA_CALL(as_cuda(b), cudaStreamDestroy, (cuda_stream(s)));
@@ -299,10 +292,10 @@ static int stream_destroy(ferry_backend *b, bk_stream s) {
 static int copy_args(ferry_backend *b, const char *what, const void *dst,
                      const void *src, bk_stream s) {
   if (!dst || !src)
-    return fail(b, FERRY_EINVAL, "%s: %s pointer is NULL", what,
+    return backend_fail(b, FERRY_EINVAL, "%s: %s pointer is NULL", what,
                 dst ? "source" : "destination");
   if (!s)
-    return fail(b, FERRY_EINVAL,
+    return backend_fail(b, FERRY_EINVAL,
                 "%s: copies run on an engine stream, not the default stream", what);
   return FERRY_OK;
 }
@@ -332,7 +325,7 @@ static int copy_h2d(ferry_backend *b, void *dst_dev, const void *src_host,
 /* ---- events -------------------------------------------------------------- */
 static int event_create(ferry_backend *b, bk_event **out) {
   cuda_backend *cb = as_cuda(b);
-  if (!out) return fail(b, FERRY_EINVAL, "event_create: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "event_create: out is NULL");
   *out = NULL;
   device_guard g;
   int rc = guard_enter(cb, &g);
@@ -344,13 +337,13 @@ static int event_create(ferry_backend *b, bk_event **out) {
 }
 
 static int event_destroy(ferry_backend *b, bk_event *ev) {
-  if (!ev) return fail(b, FERRY_EINVAL, "event_destroy: event is NULL");
+  if (!ev) return backend_fail(b, FERRY_EINVAL, "event_destroy: event is NULL");
   return CUDA_CALL(as_cuda(b), cudaEventDestroy, (cuda_event(ev)));
 }
 
 static int event_record(ferry_backend *b, bk_event *ev, bk_stream s) {
   cuda_backend *cb = as_cuda(b);
-  if (!ev) return fail(b, FERRY_EINVAL, "event_record: event is NULL");
+  if (!ev) return backend_fail(b, FERRY_EINVAL, "event_record: event is NULL");
   /* The guard makes a NULL stream mean the engine device's default stream. */
   device_guard g;
   int rc = guard_enter(cb, &g);
@@ -360,7 +353,7 @@ static int event_record(ferry_backend *b, bk_event *ev, bk_stream s) {
 }
 
 static int event_query(ferry_backend *b, bk_event *ev) {
-  if (!ev) return fail(b, FERRY_EINVAL, "event_query: event is NULL");
+  if (!ev) return backend_fail(b, FERRY_EINVAL, "event_query: event is NULL");
   cudaError_t e = cudaEventQuery(cuda_event(ev));
   if (e == cudaSuccess) return 1;
   if (e == cudaErrorNotReady) {
@@ -372,7 +365,7 @@ static int event_query(ferry_backend *b, bk_event *ev) {
 }
 
 static int event_synchronize(ferry_backend *b, bk_event *ev) {
-  if (!ev) return fail(b, FERRY_EINVAL, "event_synchronize: event is NULL");
+  if (!ev) return backend_fail(b, FERRY_EINVAL, "event_synchronize: event is NULL");
   return CUDA_CALL(as_cuda(b), cudaEventSynchronize, (cuda_event(ev)));
 }
 
@@ -387,7 +380,7 @@ static int stream_synchronize(ferry_backend *b, bk_stream s) {
 
 static int stream_wait_event(ferry_backend *b, bk_stream s, bk_event *ev) {
   cuda_backend *cb = as_cuda(b);
-  if (!ev) return fail(b, FERRY_EINVAL, "stream_wait_event: event is NULL");
+  if (!ev) return backend_fail(b, FERRY_EINVAL, "stream_wait_event: event is NULL");
   device_guard g;
   int rc = guard_enter(cb, &g);
   if (rc) return rc;

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ferry_tools.h"
+#include "backend/backend_internal.h"
 #include "util/errbuf.h"
 
 typedef struct faulty {
@@ -34,15 +34,14 @@ static double next_uniform(faulty *f) {
 static int inject(faulty *f, double p, const char *what) {
   if (!(p > 0) || next_uniform(f) >= p) return 0;
   f->injected++;
-  snprintf(f->base.err, sizeof f->base.err, "injected fault #%llu: %s failed",
-           (unsigned long long)f->injected, what);
+  backend_fail(&f->base, FERRY_EBACKEND, "injected fault #%llu: %s failed",
+               (unsigned long long)f->injected, what);
   return 1;
 }
 
 /* The inner backend's result, its message copied on failure. */
 static int pass(faulty *f, int rc) {
-  if (rc) snprintf(f->base.err, sizeof f->base.err, "%s", f->inner->err);
-  return rc;
+  return rc ? backend_fail(&f->base, rc, "%s", f->inner->err) : rc;
 }
 
 static void faulty_destroy(ferry_backend *b) {

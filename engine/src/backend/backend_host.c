@@ -58,6 +58,8 @@
 
 #include "util/errbuf.h"
 #include "ferry_tools.h"
+#include "backend/backend_internal.h"
+#include "util/util.h"
 
 /* Operations a stream can hold before a producer blocks (CUDA's launch queue
  * holds about a thousand). */
@@ -150,19 +152,8 @@ struct host_backend {
 
 static host_backend *as_host(ferry_backend *b) { return (host_backend *)b; }
 
-static int fail(ferry_backend *b, int code, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(b->err, sizeof b->err, fmt, ap);
-  va_end(ap);
-  return code;
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+/* The monotonic clock in seconds. */
+static double now_s(void) { return util_now_us() * 1e-6; }
 
 static struct timespec timespec_at(double t_s) {
   struct timespec ts;
@@ -406,16 +397,16 @@ static host_stream *find_stream(host_backend *hb, bk_stream h) {
 static int engine_stream(host_backend *hb, bk_stream h, const char *what,
                          host_stream **out) {
   if (!h)
-    return fail(&hb->base, FERRY_EINVAL,
+    return backend_fail(&hb->base, FERRY_EINVAL,
                 "%s: the NULL stream cannot hold copies; pass a stream from "
                 "stream_create",
                 what);
   host_stream *s = find_stream(hb, h);
   if (!s)
-    return fail(&hb->base, FERRY_EINVAL,
+    return backend_fail(&hb->base, FERRY_EINVAL,
                 "%s: stream %p is not a stream of this host backend", what, h);
   if (s->destroyed)
-    return fail(&hb->base, FERRY_EINVAL, "%s: stream %p was destroyed", what,
+    return backend_fail(&hb->base, FERRY_EINVAL, "%s: stream %p was destroyed", what,
                 h);
   *out = s;
   return FERRY_OK;
@@ -429,7 +420,7 @@ static int enqueue(host_backend *hb, host_stream *s, const stream_op *op,
   for (;;) {
     if (s->stopping) {
       pthread_mutex_unlock(&s->lock);
-      return fail(&hb->base, FERRY_EINVAL, "%s: stream %p is being destroyed",
+      return backend_fail(&hb->base, FERRY_EINVAL, "%s: stream %p is being destroyed",
                   what, (void *)s);
     }
     n = atomic_load_explicit(&s->enqueued, memory_order_relaxed);
@@ -446,9 +437,9 @@ static int enqueue(host_backend *hb, host_stream *s, const stream_op *op,
 }
 
 static int check_event(ferry_backend *b, bk_event *ev, const char *what) {
-  if (!ev) return fail(b, FERRY_EINVAL, "%s: event is NULL", what);
+  if (!ev) return backend_fail(b, FERRY_EINVAL, "%s: event is NULL", what);
   if (ev->magic != EVENT_MAGIC)
-    return fail(b, FERRY_EINVAL, "%s: %p is not a live event", what,
+    return backend_fail(b, FERRY_EINVAL, "%s: %p is not a live event", what,
                 (void *)ev);
   return FERRY_OK;
 }
@@ -467,28 +458,28 @@ static host_stream *event_target(bk_event *ev, uint64_t *target) {
 static int host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
                       void **out) {
   host_backend *hb = as_host(b);
-  if (!out) return fail(b, FERRY_EINVAL, "host_alloc: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "host_alloc: out is NULL");
   *out = NULL;
-  if (bytes == 0) return fail(b, FERRY_EINVAL, "host_alloc: size is 0");
+  if (bytes == 0) return backend_fail(b, FERRY_EINVAL, "host_alloc: size is 0");
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   if (alignment == 0) alignment = page;
   if (alignment & (alignment - 1))
-    return fail(b, FERRY_EINVAL,
+    return backend_fail(b, FERRY_EINVAL,
                 "host_alloc: alignment %zu is not a power of two", alignment);
   if (alignment > MAX_HOST_ALIGNMENT)
-    return fail(b, FERRY_EINVAL,
+    return backend_fail(b, FERRY_EINVAL,
                 "host_alloc: alignment %zu is above the 2 MiB maximum",
                 alignment);
   if (alignment < page) alignment = page;
   if (bytes > SIZE_MAX - 2 * alignment)
-    return fail(b, FERRY_ENOMEM, "host_alloc: size %zu is too large", bytes);
+    return backend_fail(b, FERRY_ENOMEM, "host_alloc: size %zu is too large", bytes);
   size_t len = (bytes + page - 1) & ~(page - 1);
   /* Over-map by alignment - page, then trim both ends to the aligned span. */
   size_t map_len = len + alignment - page;
   char *base = mmap(NULL, map_len, PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED)
-    return fail(b, FERRY_ENOMEM, "host_alloc: mmap of %zu bytes failed: %s",
+    return backend_fail(b, FERRY_ENOMEM, "host_alloc: mmap of %zu bytes failed: %s",
                 map_len, strerror(errno));
   uintptr_t start = ((uintptr_t)base + alignment - 1) & ~(uintptr_t)(alignment - 1);
   char *p = (char *)start;
@@ -507,16 +498,16 @@ static int host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
 
 static int host_free(ferry_backend *b, void *p, size_t bytes) {
   host_backend *hb = as_host(b);
-  if (!p) return fail(b, FERRY_EINVAL, "host_free: pointer is NULL");
+  if (!p) return backend_fail(b, FERRY_EINVAL, "host_free: pointer is NULL");
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   if ((uintptr_t)p & (page - 1))
-    return fail(b, FERRY_EINVAL,
+    return backend_fail(b, FERRY_EINVAL,
                 "host_free: %p is not page aligned, so not from host_alloc", p);
-  if (bytes == 0) return fail(b, FERRY_EINVAL, "host_free: size is 0");
+  if (bytes == 0) return backend_fail(b, FERRY_EINVAL, "host_free: size is 0");
   size_t len = (bytes + page - 1) & ~(page - 1);
   /* munmap also drops the mlock, if there was one. */
   if (munmap(p, len) != 0)
-    return fail(b, FERRY_EINVAL, "host_free: munmap(%p, %zu) failed: %s", p,
+    return backend_fail(b, FERRY_EINVAL, "host_free: munmap(%p, %zu) failed: %s", p,
                 len, strerror(errno));
   atomic_fetch_sub(&hb->pinned_bytes, len);
   return FERRY_OK;
@@ -532,14 +523,14 @@ static void stream_free(host_stream *s) {
 
 static int stream_create(ferry_backend *b, bk_stream *out) {
   host_backend *hb = as_host(b);
-  if (!out) return fail(b, FERRY_EINVAL, "stream_create: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "stream_create: out is NULL");
   *out = NULL;
   host_stream *s = calloc(1, sizeof *s);
-  if (!s) return fail(b, FERRY_ENOMEM, "stream_create: out of memory");
+  if (!s) return backend_fail(b, FERRY_ENOMEM, "stream_create: out of memory");
   s->ring = calloc(STREAM_RING_CAP, sizeof *s->ring);
   if (!s->ring) {
     free(s);
-    return fail(b, FERRY_ENOMEM, "stream_create: out of memory");
+    return backend_fail(b, FERRY_ENOMEM, "stream_create: out of memory");
   }
   s->backend = hb;
   pthread_mutex_init(&s->lock, NULL);
@@ -559,7 +550,7 @@ static int stream_create(ferry_backend *b, bk_stream *out) {
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (rc != 0) {
     stream_free(s);
-    return fail(b, FERRY_EBACKEND, "stream_create: pthread_create failed: %s",
+    return backend_fail(b, FERRY_EBACKEND, "stream_create: pthread_create failed: %s",
                 strerror(rc));
   }
   s->thread_started = true;
@@ -596,7 +587,7 @@ static int stream_destroy(ferry_backend *b, bk_stream h) {
   bool already = s->stopping;
   pthread_mutex_unlock(&s->lock);
   if (already)
-    return fail(b, FERRY_EINVAL, "stream_destroy: stream %p is already being "
+    return backend_fail(b, FERRY_EINVAL, "stream_destroy: stream %p is already being "
                 "destroyed", h);
   stream_stop(s);
   return FERRY_OK;
@@ -607,7 +598,7 @@ static int copy_common(ferry_backend *b, op_kind kind, void *dst,
                        const char *what) {
   host_backend *hb = as_host(b);
   if (bytes > 0 && (!dst || !src))
-    return fail(b, FERRY_EINVAL, "%s: %s pointer is NULL", what,
+    return backend_fail(b, FERRY_EINVAL, "%s: %s pointer is NULL", what,
                 !dst ? "destination" : "source");
   host_stream *s;
   int rc = engine_stream(hb, h, what, &s);
@@ -628,11 +619,11 @@ static int copy_h2d(ferry_backend *b, void *dst_dev, const void *src_host,
 
 static int event_create(ferry_backend *b, bk_event **out) {
   host_backend *hb = as_host(b);
-  if (!out) return fail(b, FERRY_EINVAL, "event_create: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "event_create: out is NULL");
   bk_event *ev = calloc(1, sizeof *ev);
   if (!ev) {
     *out = NULL;
-    return fail(b, FERRY_ENOMEM, "event_create: out of memory");
+    return backend_fail(b, FERRY_ENOMEM, "event_create: out of memory");
   }
   ev->magic = EVENT_MAGIC;
   pthread_mutex_init(&ev->lock, NULL);
@@ -668,7 +659,7 @@ static int event_record(ferry_backend *b, bk_event *ev, bk_stream h) {
   if (rc) return rc;
   host_stream *s = find_stream(hb, h);
   if (s && s->destroyed)
-    return fail(b, FERRY_EINVAL, "event_record: stream %p was destroyed", h);
+    return backend_fail(b, FERRY_EINVAL, "event_record: stream %p was destroyed", h);
   /* Engine stream: the event covers every operation enqueued so far.
    * External stream (the calling thread): complete now. */
   uint64_t target = s ? atomic_load(&s->enqueued) : 0;
@@ -710,7 +701,7 @@ static int stream_wait_event(ferry_backend *b, bk_stream h, bk_event *ev) {
   if (rc) return rc;
   host_stream *s = find_stream(hb, h);
   if (s && s->destroyed)
-    return fail(b, FERRY_EINVAL, "stream_wait_event: stream %p was destroyed",
+    return backend_fail(b, FERRY_EINVAL, "stream_wait_event: stream %p was destroyed",
                 h);
   /* The wait is on the event's record at the time of this call. */
   uint64_t target;

@@ -26,6 +26,7 @@
 #include <sys/mman.h>
 
 #include "ferry_tools.h"
+#include "backend/backend_internal.h"
 
 #define SIM_MAX_ALIGNMENT ((size_t)2 << 20)
 #define SIM_EVENT_MAGIC 0x7369656du /* "siem" */
@@ -85,16 +86,6 @@ typedef struct sim_backend {
 } sim_backend;
 
 static sim_backend *as_sim(ferry_backend *b) { return (sim_backend *)b; }
-
-static int fail(ferry_backend *b, int code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int fail(ferry_backend *b, int code, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(b->err, sizeof b->err, fmt, ap);
-  va_end(ap);
-  return code;
-}
 
 static int is_own_stream(sim_backend *sb, bk_stream s) {
   if (!s) return 0;
@@ -272,11 +263,11 @@ static double wait_event(sim_backend *sb, const bk_event *ev) {
 
 static int sim_host_alloc(ferry_backend *b, size_t bytes, size_t alignment, void **out) {
   sim_backend *sb = as_sim(b);
-  if (!out) return fail(b, FERRY_EINVAL, "sim host_alloc: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "sim host_alloc: out is NULL");
   *out = NULL;
-  if (!bytes) return fail(b, FERRY_EINVAL, "sim host_alloc: 0 bytes");
+  if (!bytes) return backend_fail(b, FERRY_EINVAL, "sim host_alloc: 0 bytes");
   if (alignment == 0 || (alignment & (alignment - 1)) || alignment > SIM_MAX_ALIGNMENT)
-    return fail(b, FERRY_EINVAL,
+    return backend_fail(b, FERRY_EINVAL,
                 "sim host_alloc: alignment %zu is not a power of two <= 2 MiB", alignment);
   /* Address space only: the simulator counts host memory and never reads or
    * writes it, so a 70B model's arena costs no RAM. PROT_NONE turns any
@@ -285,7 +276,7 @@ static int sim_host_alloc(ferry_backend *b, size_t bytes, size_t alignment, void
   size_t len = bytes + extra;
   void *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED)
-    return fail(b, FERRY_ENOMEM, "sim host_alloc: cannot reserve %zu bytes of address space: %s",
+    return backend_fail(b, FERRY_ENOMEM, "sim host_alloc: cannot reserve %zu bytes of address space: %s",
                 bytes, strerror(errno));
   uintptr_t a = (uintptr_t)p;
   if (extra) {
@@ -318,14 +309,14 @@ static int sim_host_free(ferry_backend *b, void *p, size_t bytes) {
 
 static int sim_stream_create(ferry_backend *b, bk_stream *out) {
   sim_backend *sb = as_sim(b);
-  if (!out) return fail(b, FERRY_EINVAL, "sim stream_create: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "sim stream_create: out is NULL");
   sim_stream *s = calloc(1, sizeof *s);
-  if (!s) return fail(b, FERRY_ENOMEM, "sim stream_create: out of memory");
+  if (!s) return backend_fail(b, FERRY_ENOMEM, "sim stream_create: out of memory");
   s->cap = 64;
   s->ring = malloc(s->cap * sizeof *s->ring);
   if (!s->ring) {
     free(s);
-    return fail(b, FERRY_ENOMEM, "sim stream_create: out of memory");
+    return backend_fail(b, FERRY_ENOMEM, "sim stream_create: out of memory");
   }
   pthread_mutex_lock(&sb->lock);
   /* Appended, so streams are visited in creation order (deterministic). */
@@ -342,7 +333,7 @@ static int sim_stream_destroy(ferry_backend *b, bk_stream s) {
   pthread_mutex_lock(&sb->lock);
   if (!is_own_stream(sb, s)) {
     pthread_mutex_unlock(&sb->lock);
-    return fail(b, FERRY_EINVAL, "sim stream_destroy: %p is not a live stream of this backend", s);
+    return backend_fail(b, FERRY_EINVAL, "sim stream_destroy: %p is not a live stream of this backend", s);
   }
   sim_stream *x = s;
   /* Like cudaStreamDestroy: queued work still runs; the clock does not
@@ -375,14 +366,14 @@ static int sim_copy(ferry_backend *b, int dir, void *dst, const void *src, size_
                     bk_stream s) {
   sim_backend *sb = as_sim(b);
   const char *name = dir ? "copy_h2d" : "copy_d2h";
-  if (!dst || !src) return fail(b, FERRY_EINVAL, "sim %s: NULL %s", name, !dst ? "dst" : "src");
+  if (!dst || !src) return backend_fail(b, FERRY_EINVAL, "sim %s: NULL %s", name, !dst ? "dst" : "src");
   pthread_mutex_lock(&sb->lock);
   int rc = FERRY_OK;
   if (!is_own_stream(sb, s)) {
-    rc = fail(b, FERRY_EINVAL, "sim %s: copies need an engine stream, got %p", name, s);
+    rc = backend_fail(b, FERRY_EINVAL, "sim %s: copies need an engine stream, got %p", name, s);
   } else {
     sim_op op = {.kind = OP_COPY, .dir = (uint8_t)dir, .bytes = bytes};
-    if (enqueue(sb, s, op)) rc = fail(b, FERRY_ENOMEM, "sim %s: out of memory", name);
+    if (enqueue(sb, s, op)) rc = backend_fail(b, FERRY_ENOMEM, "sim %s: out of memory", name);
   }
   pthread_mutex_unlock(&sb->lock);
   return rc;
@@ -399,9 +390,9 @@ static int sim_copy_h2d(ferry_backend *b, void *dst_dev, const void *src_host, s
 }
 
 static int sim_event_create(ferry_backend *b, bk_event **out) {
-  if (!out) return fail(b, FERRY_EINVAL, "sim event_create: out is NULL");
+  if (!out) return backend_fail(b, FERRY_EINVAL, "sim event_create: out is NULL");
   bk_event *ev = calloc(1, sizeof *ev);
-  if (!ev) return fail(b, FERRY_ENOMEM, "sim event_create: out of memory");
+  if (!ev) return backend_fail(b, FERRY_ENOMEM, "sim event_create: out of memory");
   ev->magic = SIM_EVENT_MAGIC;
   *out = ev;
   return FERRY_OK;
@@ -409,7 +400,7 @@ static int sim_event_create(ferry_backend *b, bk_event **out) {
 
 static int check_event(ferry_backend *b, const bk_event *ev, const char *fn) {
   if (!ev || ev->magic != SIM_EVENT_MAGIC)
-    return fail(b, FERRY_EINVAL, "sim %s: %p is not an event of the sim backend", fn,
+    return backend_fail(b, FERRY_EINVAL, "sim %s: %p is not an event of the sim backend", fn,
                 (const void *)ev);
   return FERRY_OK;
 }
@@ -459,7 +450,7 @@ static int sim_event_synchronize(ferry_backend *b, bk_event *ev) {
   double waited = wait_event(sb, ev);
   if (waited > 0) sb->st.host_wait_us += waited;
   pthread_mutex_unlock(&sb->lock);
-  if (waited < 0) return fail(b, FERRY_EBACKEND, "sim event_synchronize: the event can never complete");
+  if (waited < 0) return backend_fail(b, FERRY_EBACKEND, "sim event_synchronize: the event can never complete");
   return FERRY_OK;
 }
 
@@ -468,14 +459,14 @@ static int sim_stream_synchronize(ferry_backend *b, bk_stream s) {
   pthread_mutex_lock(&sb->lock);
   if (!is_own_stream(sb, s)) {
     pthread_mutex_unlock(&sb->lock);
-    return fail(b, FERRY_EINVAL, "sim stream_synchronize: %p is not an engine stream", s);
+    return backend_fail(b, FERRY_EINVAL, "sim stream_synchronize: %p is not an engine stream", s);
   }
   bk_event all = {.magic = SIM_EVENT_MAGIC, .kind = EV_STREAM, .stream = s,
                   .target = ((sim_stream *)s)->enqueued};
   double waited = wait_event(sb, &all);
   if (waited > 0) sb->st.host_wait_us += waited;
   pthread_mutex_unlock(&sb->lock);
-  if (waited < 0) return fail(b, FERRY_EBACKEND, "sim stream_synchronize: the stream never drains");
+  if (waited < 0) return backend_fail(b, FERRY_EBACKEND, "sim stream_synchronize: the stream never drains");
   return FERRY_OK;
 }
 
@@ -499,13 +490,13 @@ static int sim_stream_wait_event(ferry_backend *b, bk_stream s, bk_event *ev) {
     }
     rc = enqueue(sb, s, op);
     pthread_mutex_unlock(&sb->lock);
-    return rc ? fail(b, rc, "sim stream_wait_event: out of memory") : FERRY_OK;
+    return rc ? backend_fail(b, rc, "sim stream_wait_event: out of memory") : FERRY_OK;
   }
   /* The compute stream waits: whatever is left of the copy is exposed. */
   double waited = wait_event(sb, ev);
   if (waited > 0) sb->st.stall_us += waited;
   pthread_mutex_unlock(&sb->lock);
-  if (waited < 0) return fail(b, FERRY_EBACKEND, "sim stream_wait_event: the event can never complete");
+  if (waited < 0) return backend_fail(b, FERRY_EBACKEND, "sim stream_wait_event: the event can never complete");
   return FERRY_OK;
 }
 
@@ -610,7 +601,7 @@ void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, void *ud) 
 int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d) {
   sim_backend *sb = as_sim(b);
   if (!(d2h > 0 && d2h <= 1) || !(h2d > 0 && h2d <= 1))
-    return fail(b, FERRY_EINVAL, "sim duplex factors must be within (0, 1], got %g and %g", d2h, h2d);
+    return backend_fail(b, FERRY_EINVAL, "sim duplex factors must be within (0, 1], got %g and %g", d2h, h2d);
   pthread_mutex_lock(&sb->lock);
   link_run_to(sb, sb->now);
   sb->duplex[0] = d2h;

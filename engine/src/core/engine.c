@@ -67,12 +67,6 @@ const char *ferry_last_error(ferry_engine *e) {
   return e->last_error;
 }
 
-double engine_now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
 /* ---- config ----------------------------------------------------------------- */
 void ferry_config_init(ferry_config *cfg) {
   if (!cfg) return;

@@ -16,6 +16,7 @@
 #include "core/core.h"
 #include "ferry.h"
 #include "util/intern.h"
+#include "util/u64map.h"
 
 /* Where a saved tensor is. */
 typedef enum entry_state {
@@ -38,8 +39,8 @@ typedef struct stash_entry {
   uint32_t primary;  /* alias: index of the primary entry */
   uint32_t prefetch_distance;
   int32_t layer;
-  uint32_t offl_pos;  /* position in the step's offload order, offloaded only */
-  uint32_t offl_mark; /* offloads packed before this entry in its step */
+  uint32_t offload_index;  /* position in the step's offload order, offloaded only */
+  uint32_t offloads_before; /* offloads packed before this entry in its step */
   uint64_t step;
   uint64_t bytes;
   void *dev_ptr;
@@ -57,11 +58,7 @@ typedef struct pending_free {
 } pending_free;
 
 
-typedef struct alias_map {
-  uintptr_t *keys; /* device pointers, 0 = empty */
-  uint32_t *vals;  /* entry index */
-  size_t cap, count;
-} alias_map;
+
 
 struct ferry_engine {
   ferry_config cfg; /* the caller's config, strings not retained */
@@ -89,7 +86,7 @@ struct ferry_engine {
   uint32_t n_entries, cap_entries;
   uint32_t *free_slots;
   uint32_t n_free;
-  alias_map aliases;
+  u64map aliases; /* device pointer -> entry index of its primary pack */
 
   /* forward stash: FIFO ring of (gen << 32 | index) of STASHED entries in
    * pack order; entries unpacked meanwhile are skipped lazily by their gen */
@@ -97,8 +94,8 @@ struct ferry_engine {
   uint32_t fwd_head, fwd_count, fwd_cap;
 
   /* offloaded entries of this step in pack order, for prefetch */
-  uint32_t *offl_order;
-  uint32_t n_offl, cap_offl;
+  uint32_t *offload_order;
+  uint32_t n_offloads, cap_offloads;
 
   pending_free *pending;
   uint32_t n_pending, cap_pending;
@@ -134,7 +131,6 @@ struct ferry_engine {
 };
 
 /* engine.c (engine_fail, engine_check, event_get/put: core.h) */
-double engine_now_us(void);
 
 /* stash.c */
 int stash_init(ferry_engine *e);

@@ -22,6 +22,8 @@
 #include <string.h>
 
 #include "core/engine_internal.h"
+#include "util/u64map.h"
+#include "util/util.h"
 
 #define HANDLE_INDEX_MASK 0xffffffffull
 #define MAX_TENSOR_BYTES (1ull << 50) /* 1 PiB: anything larger is a bug */
@@ -30,83 +32,9 @@
 #define RELEASE_BATCH 16
 
 /* ---- small containers ------------------------------------------------------ */
+/* Room for need elements in a stash array (64 at first). */
 static int grow(void **arr, uint32_t *cap, size_t elem, uint32_t need) {
-  if (need <= *cap) return 0;
-  uint32_t ncap = *cap ? *cap : 64;
-  while (ncap < need) ncap *= 2;
-  void *n = realloc(*arr, (size_t)ncap * elem);
-  if (!n) return -1;
-  *arr = n;
-  *cap = ncap;
-  return 0;
-}
-
-static inline size_t ptr_hash(uintptr_t p, size_t cap) {
-  return (size_t)((p >> 4) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
-}
-
-static int alias_grow(alias_map *m) {
-  size_t ncap = m->cap ? m->cap * 2 : 256;
-  uintptr_t *keys = calloc(ncap, sizeof *keys);
-  uint32_t *vals = calloc(ncap, sizeof *vals);
-  if (!keys || !vals) {
-    free(keys);
-    free(vals);
-    return -1;
-  }
-  for (size_t i = 0; i < m->cap; i++) {
-    if (!m->keys[i]) continue;
-    size_t j = ptr_hash(m->keys[i], ncap);
-    while (keys[j]) j = (j + 1) & (ncap - 1);
-    keys[j] = m->keys[i];
-    vals[j] = m->vals[i];
-  }
-  free(m->keys);
-  free(m->vals);
-  m->keys = keys;
-  m->vals = vals;
-  m->cap = ncap;
-  return 0;
-}
-
-static int alias_find(const alias_map *m, uintptr_t key, uint32_t *val) {
-  if (!m->count) return 0;
-  for (size_t j = ptr_hash(key, m->cap); m->keys[j]; j = (j + 1) & (m->cap - 1))
-    if (m->keys[j] == key) {
-      *val = m->vals[j];
-      return 1;
-    }
-  return 0;
-}
-
-static int alias_insert(alias_map *m, uintptr_t key, uint32_t val) {
-  if ((m->count + 1) * 2 > m->cap && alias_grow(m)) return -1;
-  size_t j = ptr_hash(key, m->cap);
-  while (m->keys[j]) j = (j + 1) & (m->cap - 1);
-  m->keys[j] = key;
-  m->vals[j] = val;
-  m->count++;
-  return 0;
-}
-
-/* Linear probing deletion by backward shift: no tombstones to pile up. */
-static void alias_remove(alias_map *m, uintptr_t key) {
-  if (!m->count) return;
-  size_t j = ptr_hash(key, m->cap);
-  while (m->keys[j] && m->keys[j] != key) j = (j + 1) & (m->cap - 1);
-  if (!m->keys[j]) return;
-  m->keys[j] = 0;
-  m->count--;
-  for (size_t k = (j + 1) & (m->cap - 1); m->keys[k]; k = (k + 1) & (m->cap - 1)) {
-    size_t home = ptr_hash(m->keys[k], m->cap);
-    /* Move k into the hole at j if its home is not within (j, k]. */
-    if ((k > j && (home <= j || home > k)) || (k < j && (home <= j && home > k))) {
-      m->keys[j] = m->keys[k];
-      m->vals[j] = m->vals[k];
-      m->keys[k] = 0;
-      j = k;
-    }
-  }
+  return util_grow(arr, cap, elem, need, 64);
 }
 
 /* ---- entries ---------------------------------------------------------------- */
@@ -144,7 +72,7 @@ static int entry_new(ferry_engine *e, uint32_t *idx) {
   memset(s, 0, sizeof *s);
   s->gen = gen;
   s->layer = -1;
-  s->offl_pos = UINT32_MAX;
+  s->offload_index = UINT32_MAX;
   e->stats.live_handles++;
   return FERRY_OK;
 }
@@ -246,7 +174,7 @@ static void *stash_release(ferry_engine *e, uint32_t idx) {
     e->bk->ops->event_synchronize(e->bk, s->ev);
   }
   void *owner = s->owner;
-  if (s->in_alias_map) alias_remove(&e->aliases, (uintptr_t)s->dev_ptr);
+  if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   s->in_alias_map = 0;
   s->owner = NULL;
   s->dev_ptr = NULL;
@@ -306,7 +234,7 @@ static void step_begin_locked(ferry_engine *e) {
   e->ctx.bytes_offloaded_this_step = 0;
   e->ctx.host_ram_used_pct = host_ram_used_pct(e);
   if (e->layer_counts) memset(e->layer_counts, 0, e->cap_layers * sizeof *e->layer_counts);
-  e->n_offl = 0;
+  e->n_offloads = 0;
   if (e->policy) ferry_policy_step_begin(e->policy, e->step);
   trace_event(e, "step_begin", 0);
 }
@@ -458,6 +386,107 @@ static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
   return FERRY_OK;
 }
 
+/* Pack of a buffer already stored (retain): an alias entry of its primary,
+ * one copy for both handles. Called locked. */
+static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t pidx,
+                      ferry_handle *out) {
+  uint32_t idx;
+  int rc = entry_new(e, &idx);
+  if (rc) return rc;
+  stash_entry *a = &e->entries[idx];
+  a->state = ENTRY_ALIAS;
+  a->primary = pidx;
+  a->bytes = desc->bytes;
+  a->step = e->step;
+  e->entries[pidx].refs++;
+  e->stats.tensors_packed++;
+  e->stats.tensors_aliased++;
+  e->ctx.packed_this_step++;
+  *out = make_handle(e, idx);
+  trace_pack(e, idx, desc, e->entries[pidx].state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 1);
+  return FERRY_OK;
+}
+
+/* A decision to offload entry idx: arena buffer, D2H copy, forward stash.
+ * On any failure nothing is lost: the tensor stays on device (KEPT). */
+static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
+                         void *compute_stream) {
+  stash_entry *s = &e->entries[idx];
+  s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
+  if (!s->host) {
+    e->stats.cap_fallbacks++;
+  } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) || fwd_push(e, idx) ||
+             grow((void **)&e->offload_order, &e->cap_offloads, sizeof *e->offload_order,
+                  e->n_offloads + 1)) {
+    /* A copy that was issued may still read the device buffer and write
+     * the host one. */
+    e->ctx.arena_in_use += s->bytes;
+    host_buffer_drop(e, s, 1);
+  } else {
+    s->state = ENTRY_STASHED;
+    s->reload = (uint8_t)d->reload;
+    s->prefetch_distance =
+        d->prefetch_distance >= 0 ? (uint32_t)d->prefetch_distance : e->prefetch_distance;
+    s->offload_index = e->n_offloads;
+    e->offload_order[e->n_offloads++] = idx;
+    e->ctx.arena_in_use += s->bytes;
+    e->ctx.stash_depth++;
+    e->fwd_bytes += s->bytes;
+    e->ctx.offloaded_this_step++;
+    e->ctx.bytes_offloaded_this_step += s->bytes;
+    e->bytes_in_flight += s->bytes;
+    e->stats.tensors_offloaded++;
+    e->stats.bytes_d2h += s->bytes;
+    count_layer(e, s->layer);
+  }
+}
+
+/* A new primary entry for a pack, decided and (if so) offloaded; its
+ * counters and alias-map slot. Called locked. */
+static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
+                    void *compute_stream, uint32_t *out_idx) {
+  ferry_decision d;
+  decide(e, desc, &d);
+  uint32_t idx, pidx;
+  int rc = entry_new(e, &idx);
+  if (rc) return rc;
+  stash_entry *s = &e->entries[idx];
+  s->bytes = desc->bytes;
+  s->dev_ptr = device_ptr;
+  s->owner = owner;
+  s->layer = desc->layer;
+  s->step = e->step;
+  s->refs = 1;
+  s->state = ENTRY_KEPT;
+  s->offloads_before = e->n_offloads;
+  if (d.action == FERRY_OFFLOAD) pack_offload(e, idx, &d, compute_stream);
+  if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
+  e->stats.tensors_packed++;
+  e->ctx.packed_this_step++;
+  e->stats.device_bytes_held += s->bytes;
+  if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
+    e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
+  if (e->cfg.retain && !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
+      u64map_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
+    s->in_alias_map = 1;
+  *out_idx = idx;
+  return FERRY_OK;
+}
+
+/* Releases the owners the forward stash bound pushes out, in batches, the
+ * lock dropped around the embedder's release callback. Called locked;
+ * returns unlocked. */
+static void release_over_bound(ferry_engine *e) {
+  void *owners[RELEASE_BATCH];
+  uint32_t n;
+  do {
+    n = fwd_enforce_bound(e, owners, RELEASE_BATCH);
+    pthread_mutex_unlock(&e->lock);
+    release_all(e, owners, n);
+    if (n == RELEASE_BATCH) pthread_mutex_lock(&e->lock);
+  } while (n == RELEASE_BATCH);
+}
+
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
                void *compute_stream, ferry_handle *out) {
   int rc = engine_check(e);
@@ -475,89 +504,18 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
 
   uint32_t idx, pidx;
   /* The same buffer packed again while stored: one copy, two handles. */
-  if (e->cfg.retain && alias_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
+  if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
       e->entries[pidx].bytes == desc->bytes) {
-    if ((rc = entry_new(e, &idx))) goto oom;
-    stash_entry *a = &e->entries[idx];
-    a->state = ENTRY_ALIAS;
-    a->primary = pidx;
-    a->bytes = desc->bytes;
-    a->step = e->step;
-    e->entries[pidx].refs++;
-    e->stats.tensors_packed++;
-    e->stats.tensors_aliased++;
-    e->ctx.packed_this_step++;
-    *out = make_handle(e, idx);
-    trace_pack(e, idx, desc, e->entries[pidx].state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD,
-               1);
+    if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
     return FERRY_OK;
   }
-
-  ferry_decision d;
-  decide(e, desc, &d);
-  if ((rc = entry_new(e, &idx))) goto oom;
+  if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
-  s->bytes = desc->bytes;
-  s->dev_ptr = device_ptr;
-  s->owner = owner;
-  s->layer = desc->layer;
-  s->step = e->step;
-  s->refs = 1;
-  s->state = ENTRY_KEPT;
-  s->offl_mark = e->n_offl;
-
-  if (d.action == FERRY_OFFLOAD) {
-    s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
-    if (!s->host) {
-      e->stats.cap_fallbacks++;
-    } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) ||
-               fwd_push(e, idx) ||
-               grow((void **)&e->offl_order, &e->cap_offl, sizeof *e->offl_order,
-                    e->n_offl + 1)) {
-      /* Nothing lost: the tensor stays on device. A copy that was issued may
-       * still read the device buffer and write the host one. */
-      e->ctx.arena_in_use += s->bytes;
-      host_buffer_drop(e, s, 1);
-    } else {
-      s->state = ENTRY_STASHED;
-      s->reload = (uint8_t)d.reload;
-      s->prefetch_distance =
-          d.prefetch_distance >= 0 ? (uint32_t)d.prefetch_distance : e->prefetch_distance;
-      s->offl_pos = e->n_offl;
-      e->offl_order[e->n_offl++] = idx;
-      e->ctx.arena_in_use += s->bytes;
-      e->ctx.stash_depth++;
-      e->fwd_bytes += s->bytes;
-      e->ctx.offloaded_this_step++;
-      e->ctx.bytes_offloaded_this_step += s->bytes;
-      e->bytes_in_flight += s->bytes;
-      e->stats.tensors_offloaded++;
-      e->stats.bytes_d2h += s->bytes;
-      count_layer(e, s->layer);
-    }
-  }
-  if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
-  e->stats.tensors_packed++;
-  e->ctx.packed_this_step++;
-  e->stats.device_bytes_held += s->bytes;
-  if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
-    e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
-  if (e->cfg.retain && !alias_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
-      alias_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
-    s->in_alias_map = 1;
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
-
-  void *owners[RELEASE_BATCH];
-  uint32_t n;
-  do {
-    n = fwd_enforce_bound(e, owners, RELEASE_BATCH);
-    pthread_mutex_unlock(&e->lock);
-    release_all(e, owners, n);
-    if (n == RELEASE_BATCH) pthread_mutex_lock(&e->lock);
-  } while (n == RELEASE_BATCH);
+  release_over_bound(e);
   return FERRY_OK;
 
 oom:
@@ -626,11 +584,11 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream) {
 static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uint64_t step,
                            void *compute_stream) {
   for (uint32_t k = 1; k <= distance && k <= pos; k++) {
-    uint32_t j = e->offl_order[pos - k];
+    uint32_t j = e->offload_order[pos - k];
     stash_entry *t = &e->entries[j];
-    if (t->state != ENTRY_OFFLOADED || t->step != step || t->offl_pos != pos - k) continue;
+    if (t->state != ENTRY_OFFLOADED || t->step != step || t->offload_index != pos - k) continue;
     if (reload(e, j, compute_stream) == FERRY_OK) e->stats.prefetches++;
-    if (pos > e->n_offl) return; /* the step ended meanwhile */
+    if (pos > e->n_offloads) return; /* the step ended meanwhile */
   }
 }
 
@@ -641,9 +599,9 @@ static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uin
  * carry a mark too, so a run of kept layers at the end of the forward pass
  * (unpacked first) already starts the reloads of the offloaded ones. */
 static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream) {
-  if (step != e->step || mark == 0 || mark > e->n_offl) return;
-  const stash_entry *next = &e->entries[e->offl_order[mark - 1]];
-  if (next->step != step || next->offl_pos != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
+  if (step != e->step || mark == 0 || mark > e->n_offloads) return;
+  const stash_entry *next = &e->entries[e->offload_order[mark - 1]];
+  if (next->step != step || next->offload_index != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
     return;
   prefetch_ahead(e, mark, next->prefetch_distance, step, compute_stream);
 }
@@ -662,7 +620,7 @@ static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_releas
     return hand_out ? s->owner : NULL;
   }
   void *owner = s->owner;
-  if (s->in_alias_map) alias_remove(&e->aliases, (uintptr_t)s->dev_ptr);
+  if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   if (!hand_out && owner && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1) {
     /* Discarded while a copy still touches the device buffer: the embedder
      * may free it as soon as it gets the release. */
@@ -721,7 +679,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   }
   pending_poll(e);
   stash_entry *s = &e->entries[p];
-  uint32_t mark = s->offl_mark;
+  uint32_t mark = s->offloads_before;
   uint64_t step = s->step;
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
@@ -803,7 +761,7 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
 int stash_init(ferry_engine *e) {
   if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256)) return FERRY_ENOMEM;
   e->free_slots = malloc((size_t)e->cap_entries * sizeof *e->free_slots);
-  if (!e->free_slots || alias_grow(&e->aliases)) return FERRY_ENOMEM;
+  if (!e->free_slots || u64map_grow(&e->aliases)) return FERRY_ENOMEM;
   return FERRY_OK;
 }
 
@@ -825,10 +783,9 @@ void stash_destroy(ferry_engine *e) {
   }
   free(e->entries);
   free(e->free_slots);
-  free(e->aliases.keys);
-  free(e->aliases.vals);
+  u64map_free(&e->aliases);
   free(e->fwd);
-  free(e->offl_order);
+  free(e->offload_order);
   free(e->pending);
   free(e->layer_counts);
   e->entries = NULL;

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/engine_internal.h"
+#include "util/util.h"
 #include "ferry_tools.h"
 
 #define TRACE_FORMAT_VERSION 1
@@ -29,7 +30,7 @@ static cJSON *event_object(ferry_engine *e, const char *ev) {
   if (!o) return NULL;
   cJSON_AddStringToObject(o, "ev", ev);
   /* microseconds since the trace opened, 0.1 us resolution */
-  double t = engine_now_us() - e->trace_t0_us;
+  double t = util_now_us() - e->trace_t0_us;
   cJSON_AddNumberToObject(o, "t_us", (double)(long long)(t * 10.0) / 10.0);
   return o;
 }
@@ -39,7 +40,7 @@ int trace_open(ferry_engine *e, const char *path) {
   if (!e->trace)
     return engine_fail(e, FERRY_EIO, "cannot open trace file %s: %s", path, strerror(errno));
   setvbuf(e->trace, NULL, _IOFBF, 1 << 20);
-  e->trace_t0_us = engine_now_us();
+  e->trace_t0_us = util_now_us();
   cJSON *o = event_object(e, "header");
   if (!o) return FERRY_ENOMEM;
   cJSON_AddStringToObject(o, "format", "ferry-trace");

@@ -375,17 +375,23 @@ static void xml_text(FILE *f, const char *s) {
   }
 }
 
-int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
-                  char *err, size_t errlen) {
-  FILE *f = fopen(path, "w");
-  if (!f) {
-    snprintf(err, errlen, "cannot write %s: %s", path, strerror(errno));
-    return -1;
-  }
-  static const char *const colors[] = {"#555555", "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e",
-                                       "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"};
-  const int W = 960, H = 540, L = 80, R = 200, T = 50, B = 60;
-  const int pw = W - L - R, ph = H - T - B;
+/* The SVG plot's geometry and scales: pixels, and ms x GiB rounded up to
+ * nice tick steps. */
+typedef struct svg_plot {
+  int width, height, left, top, pw, ph; /* canvas; the plot area's corner and size */
+  double tms, yg, xs, ys;               /* axis ends (ms, GiB) and tick steps */
+  double cap;                           /* device capacity in bytes, 0 if unknown */
+} svg_plot;
+
+static const char *const svg_colors[] = {"#555555", "#d62728", "#1f77b4", "#2ca02c", "#ff7f0e",
+                                         "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"};
+
+/* Axes long enough for the longest step and the highest memory (or the
+ * device's capacity when it is not far above). */
+static svg_plot svg_scale(const sim_run_info *info, const sim_result *rs, int n) {
+  svg_plot p = {.width = 960, .height = 540, .left = 80, .top = 50};
+  p.pw = p.width - p.left - 200;
+  p.ph = p.height - p.top - 60;
   double tmax = 0, ymax = 0;
   for (int i = 0; i < n; i++) {
     double d = rs[i].tl.t_end - rs[i].tl.t_begin;
@@ -393,66 +399,89 @@ int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *
     for (size_t k = 0; k < rs[i].tl.n_mem; k++)
       if ((double)rs[i].tl.mem[k].bytes > ymax) ymax = (double)rs[i].tl.mem[k].bytes;
   }
-  double cap = info->hw ? info->hw->device_bytes : 0;
-  if (cap > ymax && cap < ymax * 1.5) ymax = cap;
+  p.cap = info->hw ? info->hw->device_bytes : 0;
+  if (p.cap > ymax && p.cap < ymax * 1.5) ymax = p.cap;
   if (tmax <= 0) tmax = 1;
   if (ymax <= 0) ymax = 1;
-  double tms = tmax / 1e3, yg = ymax / GIB * 1.05;
-  double xs = nice_step(tms, 8), ys = nice_step(yg, 6);
-  tms = ceil(tms / xs) * xs;
-  yg = ceil(yg / ys) * ys;
+  p.tms = tmax / 1e3;
+  p.yg = ymax / GIB * 1.05;
+  p.xs = nice_step(p.tms, 8);
+  p.ys = nice_step(p.yg, 6);
+  p.tms = ceil(p.tms / p.xs) * p.xs;
+  p.yg = ceil(p.yg / p.ys) * p.ys;
+  return p;
+}
+
+/* The title, grid, ticks, axis labels and the capacity line. */
+static void svg_axes(FILE *f, const svg_plot *p, const sim_run_info *info) {
+  const int L = p->left, T = p->top, pw = p->pw, ph = p->ph;
   fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
-             "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n", W, H, W, H);
-  fprintf(f, "<rect width=\"%d\" height=\"%d\" fill=\"white\"/>\n", W, H);
+             "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n",
+          p->width, p->height, p->width, p->height);
+  fprintf(f, "<rect width=\"%d\" height=\"%d\" fill=\"white\"/>\n", p->width, p->height);
   fprintf(f, "<text x=\"%d\" y=\"24\" font-size=\"16\" text-anchor=\"middle\">Device memory over "
              "one training step (", L + pw / 2);
   xml_text(f, info->trace_path ? info->trace_path : "trace");
   fprintf(f, " on %s)</text>\n", info->hw ? info->hw->name : "?");
-  /* grid and ticks */
-  for (double x = 0; x <= tms + 1e-9; x += xs) {
-    double px = L + x / tms * pw;
+  for (double x = 0; x <= p->tms + 1e-9; x += p->xs) {
+    double px = L + x / p->tms * pw;
     fprintf(f, "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%d\" stroke=\"#e0e0e0\"/>\n", px, T, px, T + ph);
     fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">%g</text>\n", px, T + ph + 18, x);
   }
-  for (double y = 0; y <= yg + 1e-9; y += ys) {
-    double py = T + ph - y / yg * ph;
+  for (double y = 0; y <= p->yg + 1e-9; y += p->ys) {
+    double py = T + ph - y / p->yg * ph;
     fprintf(f, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#e0e0e0\"/>\n", L, py, L + pw, py);
     fprintf(f, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n", L - 8, py + 4, y);
   }
   fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"black\"/>\n",
           L, T, pw, ph);
   fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">time since step start (ms)</text>\n",
-          L + pw / 2, H - 18);
+          L + pw / 2, p->height - 18);
   fprintf(f, "<text x=\"20\" y=\"%d\" text-anchor=\"middle\" transform=\"rotate(-90 20 %d)\">"
              "device memory in use (GiB)</text>\n", T + ph / 2, T + ph / 2);
-  if (cap > 0 && cap / GIB <= yg) {
-    double py = T + ph - cap / GIB / yg * ph;
+  if (p->cap > 0 && p->cap / GIB <= p->yg) {
+    double py = T + ph - p->cap / GIB / p->yg * ph;
     fprintf(f, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"black\" "
                "stroke-dasharray=\"6 4\"/>\n", L, py, L + pw, py);
     fprintf(f, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%s capacity %.0f GB (%.1f GiB)</text>\n",
-            L + pw - 4, py - 4, info->hw->name, cap / GB, cap / GIB);
+            L + pw - 4, py - 4, info->hw->name, p->cap / GB, p->cap / GIB);
   }
-  for (int i = 0; i < n; i++) {
-    const sim_timeline *tl = &rs[i].tl;
-    const char *c = colors[i % 10];
-    fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" points=\"", c,
-            i ? "1.6" : "2.4");
-    double prev_py = -1;
-    for (size_t k = 0; k < tl->n_mem; k++) {
-      double px = L + (tl->mem[k].t - tl->t_begin) / 1e3 / tms * pw;
-      double py = T + ph - (double)tl->mem[k].bytes / GIB / yg * ph;
-      if (prev_py >= 0) fprintf(f, "%.1f,%.1f ", px, prev_py); /* step shape */
-      fprintf(f, "%.1f,%.1f ", px, py);
-      prev_py = py;
-    }
-    fputs("\"/>\n", f);
-    int ly = T + 20 + i * 22;
-    fprintf(f, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"%s\" stroke-width=\"3\"/>\n",
-            L + pw + 12, ly, L + pw + 36, ly, c);
-    fprintf(f, "<text x=\"%d\" y=\"%d\">", L + pw + 42, ly + 4);
-    xml_text(f, rs[i].label);
-    fprintf(f, " (%.1f GiB)</text>\n", (double)rs[i].peak_device_bytes / GIB);
+}
+
+/* Run i's memory curve (a step shape) and its legend entry. */
+static void svg_series(FILE *f, const svg_plot *p, const sim_result *r, int i) {
+  const int L = p->left, T = p->top, pw = p->pw, ph = p->ph;
+  const sim_timeline *tl = &r->tl;
+  const char *c = svg_colors[i % 10];
+  fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" points=\"", c,
+          i ? "1.6" : "2.4");
+  double prev_py = -1;
+  for (size_t k = 0; k < tl->n_mem; k++) {
+    double px = L + (tl->mem[k].t - tl->t_begin) / 1e3 / p->tms * pw;
+    double py = T + ph - (double)tl->mem[k].bytes / GIB / p->yg * ph;
+    if (prev_py >= 0) fprintf(f, "%.1f,%.1f ", px, prev_py); /* step shape */
+    fprintf(f, "%.1f,%.1f ", px, py);
+    prev_py = py;
   }
+  fputs("\"/>\n", f);
+  int ly = T + 20 + i * 22;
+  fprintf(f, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"%s\" stroke-width=\"3\"/>\n",
+          L + pw + 12, ly, L + pw + 36, ly, c);
+  fprintf(f, "<text x=\"%d\" y=\"%d\">", L + pw + 42, ly + 4);
+  xml_text(f, r->label);
+  fprintf(f, " (%.1f GiB)</text>\n", (double)r->peak_device_bytes / GIB);
+}
+
+int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
+                  char *err, size_t errlen) {
+  FILE *f = fopen(path, "w");
+  if (!f) {
+    snprintf(err, errlen, "cannot write %s: %s", path, strerror(errno));
+    return -1;
+  }
+  svg_plot p = svg_scale(info, rs, n);
+  svg_axes(f, &p, info);
+  for (int i = 0; i < n; i++) svg_series(f, &p, &rs[i], i);
   fputs("</svg>\n", f);
   int bad = ferror(f);
   if (fclose(f) || bad) {

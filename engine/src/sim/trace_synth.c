@@ -144,136 +144,202 @@ enum { /* layer-local buffers */
   B_RSTD2, B_W = 100 /* parameters: B_W + op index, never aliased */
 };
 
-static const char *act_cls(int arch) { return arch == SYNTH_LLAMA ? "SiLU" : "GELU"; }
+/* The sizes one block's ops are written in. */
+typedef struct layer_shape {
+  int64_t b, s, h, a, d, kvd, f; /* batch, sequence, hidden, heads, head dim, kv width, ffn */
+  double tokens, e;              /* b * s; bytes per element */
+  int dt, llama;                 /* the model's dtype; Llama (else GPT-2) */
+  int w;                         /* the next parameter buffer (B_W + index) */
+} layer_shape;
 
-/* One repeated block. */
-static void layer_ops(const synth_model *m, op_list *l) {
-  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, a = m->heads;
-  const int64_t d = h / a, kvd = (int64_t)m->kv_heads * d, f = m->ffn;
-  const double T = (double)b * (double)s, e = ferry_dtype_size(m->dtype);
-  const int dt = m->dtype, A = FERRY_KIND_ACTIVATION, P = FERRY_KIND_PARAMETER;
-  const int F32 = FERRY_DTYPE_F32;
-  l->n = 0;
+#define ACT FERRY_KIND_ACTIVATION
+#define PARAM FERRY_KIND_PARAMETER
+#define F32 FERRY_DTYPE_F32
+
+/* The input norm and the q/k/v (Llama) or fused qkv (GPT-2) projections. */
+static void attention_in_ops(layer_shape *ls, op_list *l) {
+  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const double tokens = ls->tokens, e = ls->e;
+  const int dt = ls->dt;
   op *o;
-  int llama = m->arch == SYNTH_LLAMA;
+  const int llama = ls->llama;
+  const int64_t kvd = ls->kvd;
   const char *norm_cls = llama ? "LlamaRMSNorm" : "LayerNorm";
-  int w = B_W;
   /* norm: input, statistics (rstd; LayerNorm also the mean), weight */
-  o = add_op(l, "input_layernorm", norm_cls, 0, 2 * T * h * e);
-  save(o, sv(B_X, dt, A, 0, 3, b, s, h, 0));
-  save(o, sv(B_RSTD1, F32, A, 0, 3, b, s, llama ? 1 : 2, 0));
-  save(o, sv(w++, dt, P, 0, 1, h, 0, 0, 0));
+  o = add_op(l, "input_layernorm", norm_cls, 0, 2 * tokens * h * e);
+  save(o, sv(B_X, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 1, h, 0, 0, 0));
   if (llama) {
-    o = add_op(l, "self_attn.q_proj", "Linear", 2 * T * h * h, (2 * T * h + h * h) * e);
-    save(o, sv(B_XN1, dt, A, 0, 3, b, s, h, 0));
-    save(o, sv(w++, dt, P, 0, 2, h, h, 0, 0));
-    o = add_op(l, "self_attn.k_proj", "Linear", 2 * T * h * kvd, (T * h + h * kvd + T * kvd) * e);
-    save(o, sv(B_XN1, dt, A, 0, 3, b, s, h, 0));
-    save(o, sv(w++, dt, P, 0, 2, kvd, h, 0, 0));
-    o = add_op(l, "self_attn.v_proj", "Linear", 2 * T * h * kvd, (T * h + h * kvd + T * kvd) * e);
-    save(o, sv(B_XN1, dt, A, 0, 3, b, s, h, 0));
-    save(o, sv(w++, dt, P, 0, 2, kvd, h, 0, 0));
+    o = add_op(l, "self_attn.q_proj", "Linear", 2 * tokens * h * h, (2 * tokens * h + h * h) * e);
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(ls->w++, dt, PARAM, 0, 2, h, h, 0, 0));
+    o = add_op(l, "self_attn.k_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(ls->w++, dt, PARAM, 0, 2, kvd, h, 0, 0));
+    o = add_op(l, "self_attn.v_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(ls->w++, dt, PARAM, 0, 2, kvd, h, 0, 0));
     /* rotary embedding: element-wise, saves only the cos/sin constants */
-    add_op(l, "self_attn.rotary_emb", "LlamaRotaryEmbedding", 0, 4 * T * (h + kvd) * e);
+    add_op(l, "self_attn.rotary_emb", "LlamaRotaryEmbedding", 0, 4 * tokens * (h + kvd) * e);
   } else {
-    o = add_op(l, "self_attn.qkv_proj", "Linear", 2 * T * h * 3 * h, (4 * T * h + 3 * h * h) * e);
-    save(o, sv(B_XN1, dt, A, 0, 3, b, s, h, 0));
-    save(o, sv(w++, dt, P, 0, 2, 3 * h, h, 0, 0));
+    o = add_op(l, "self_attn.qkv_proj", "Linear", 2 * tokens * h * 3 * h, (4 * tokens * h + 3 * h * h) * e);
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(ls->w++, dt, PARAM, 0, 2, 3 * h, h, 0, 0));
   }
-  if (m->flash) {
+}
+
+/* Attention itself: flash (saves q, k, v, out, lse) or eager (scores,
+ * softmax, context; the probabilities recomputable). */
+static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
+  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const double tokens = ls->tokens, e = ls->e;
+  const int dt = ls->dt;
+  op *o;
+  const int llama = ls->llama;
+  const int64_t a = ls->a, d = ls->d, kvd = ls->kvd;
+  if (flash) {
     /* SDPA flash: q, k, v, output and the log-sum-exp; recomputes the rest */
-    o = add_op(l, "self_attn.attention", "FlashAttention", 2 * T * s * h, (2 * T * h + 2 * T * kvd) * e);
-    save(o, sv(B_Q, dt, A, 0, 4, b, a, s, d));
-    save(o, sv(B_K, dt, A, 0, 4, b, kvd / d, s, d));
-    save(o, sv(B_V, dt, A, 0, 4, b, kvd / d, s, d));
-    save(o, sv(B_ATTN, dt, A, 0, 4, b, a, s, d));
-    save(o, sv(B_LSE, F32, A, 0, 3, b, a, s, 0));
+    o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * s * h, (2 * tokens * h + 2 * tokens * kvd) * e);
+    save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
+    save(o, sv(B_K, dt, ACT, 0, 4, b, kvd / d, s, d));
+    save(o, sv(B_V, dt, ACT, 0, 4, b, kvd / d, s, d));
+    save(o, sv(B_ATTN, dt, ACT, 0, 4, b, a, s, d));
+    save(o, sv(B_LSE, F32, ACT, 0, 3, b, a, s, 0));
   } else {
     int kbuf = kvd == h ? B_K : B_KREP, vbuf = kvd == h ? B_V : B_VREP;
-    o = add_op(l, "self_attn.scores", "MatMul", 2 * T * s * h, (2 * T * h + b * a * s * s) * e);
-    save(o, sv(B_Q, dt, A, 0, 4, b, a, s, d));
-    save(o, sv(kbuf, dt, A, 0, 4, b, a, s, d));
+    o = add_op(l, "self_attn.scores", "MatMul", 2 * tokens * s * h, (2 * tokens * h + b * a * s * s) * e);
+    save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
+    save(o, sv(kbuf, dt, ACT, 0, 4, b, a, s, d));
     if (llama) {
       /* HF eager attention: softmax in fp32, then a copy to the model dtype */
       o = add_op(l, "self_attn.softmax", "Softmax", 0, (double)b * a * s * s * (e + 4 + 4 + e));
-      save(o, sv(B_SOFT32, F32, A, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
-      o = add_op(l, "self_attn.context", "MatMul", 2 * T * s * h, (2 * T * h + b * a * s * s) * e);
-      save(o, sv(B_PROBS, dt, A, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
-      save(o, sv(vbuf, dt, A, 0, 4, b, a, s, d));
+      save(o, sv(B_SOFT32, F32, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * h, (2 * tokens * h + b * a * s * s) * e);
+      save(o, sv(B_PROBS, dt, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      save(o, sv(vbuf, dt, ACT, 0, 4, b, a, s, d));
     } else {
       o = add_op(l, "self_attn.softmax", "Softmax", 0, 2.0 * b * a * s * s * e);
-      save(o, sv(B_PROBS, dt, A, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      save(o, sv(B_PROBS, dt, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
       o = add_op(l, "self_attn.attention_dropout", "Dropout", 0, 3.0 * b * a * s * s * e);
-      save(o, sv(B_DMASK, FERRY_DTYPE_BOOL, A, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
-      o = add_op(l, "self_attn.context", "MatMul", 2 * T * s * h, (2 * T * h + b * a * s * s) * e);
-      save(o, sv(B_DOUT, dt, A, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
-      save(o, sv(B_V, dt, A, 0, 4, b, a, s, d));
+      save(o, sv(B_DMASK, FERRY_DTYPE_BOOL, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * h, (2 * tokens * h + b * a * s * s) * e);
+      save(o, sv(B_DOUT, dt, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      save(o, sv(B_V, dt, ACT, 0, 4, b, a, s, d));
     }
   }
-  o = add_op(l, "self_attn.o_proj", "Linear", 2 * T * h * h, (2 * T * h + h * h) * e);
-  save(o, sv(B_ATTN, dt, A, 0, 3, b, s, h, 0));
-  save(o, sv(w++, dt, P, 0, 2, h, h, 0, 0));
+}
+
+/* The output projection, its dropout (GPT-2) and the post-attention norm. */
+static void attention_out_ops(layer_shape *ls, op_list *l) {
+  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const double tokens = ls->tokens, e = ls->e;
+  const int dt = ls->dt;
+  op *o;
+  const int llama = ls->llama;
+  const char *norm_cls = llama ? "LlamaRMSNorm" : "LayerNorm";
+  o = add_op(l, "self_attn.o_proj", "Linear", 2 * tokens * h * h, (2 * tokens * h + h * h) * e);
+  save(o, sv(B_ATTN, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 2, h, h, 0, 0));
   if (!llama) {
-    o = add_op(l, "self_attn.resid_dropout", "Dropout", 0, 3 * T * h * e);
-    save(o, sv(B_AMASK, FERRY_DTYPE_BOOL, A, 0, 3, b, s, h, 0));
+    o = add_op(l, "self_attn.resid_dropout", "Dropout", 0, 3 * tokens * h * e);
+    save(o, sv(B_AMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, s, h, 0));
   }
-  o = add_op(l, "post_attention_layernorm", norm_cls, 0, 3 * T * h * e);
-  save(o, sv(B_H1, dt, A, 0, 3, b, s, h, 0));
-  save(o, sv(B_RSTD2, F32, A, 0, 3, b, s, llama ? 1 : 2, 0));
-  save(o, sv(w++, dt, P, 0, 1, h, 0, 0, 0));
-  if (llama) {
-    o = add_op(l, "mlp.gate_proj", "Linear", 2 * T * h * f, (T * h + h * f + T * f) * e);
-    save(o, sv(B_XN2, dt, A, 0, 3, b, s, h, 0));
-    save(o, sv(w++, dt, P, 0, 2, f, h, 0, 0));
-    o = add_op(l, "mlp.up_proj", "Linear", 2 * T * h * f, (T * h + h * f + T * f) * e);
-    save(o, sv(B_XN2, dt, A, 0, 3, b, s, h, 0));
-    save(o, sv(w++, dt, P, 0, 2, f, h, 0, 0));
-    o = add_op(l, "mlp.act_fn", act_cls(m->arch), 0, 2 * T * f * e);
-    save(o, sv(B_GATE, dt, A, 0, 3, b, s, f, 0));
-    o = add_op(l, "mlp.mul", "Mul", 0, 3 * T * f * e);
-    save(o, sv(B_ACT, dt, A, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
-    save(o, sv(B_UP, dt, A, 0, 3, b, s, f, 0));
-    o = add_op(l, "mlp.down_proj", "Linear", 2 * T * f * h, (T * f + f * h + T * h) * e);
-    save(o, sv(B_PROD, dt, A, 0, 3, b, s, f, 0));
-    save(o, sv(w++, dt, P, 0, 2, h, f, 0, 0));
-  } else {
-    o = add_op(l, "mlp.fc1", "Linear", 2 * T * h * f, (T * h + h * f + T * f) * e);
-    save(o, sv(B_XN2, dt, A, 0, 3, b, s, h, 0));
-    save(o, sv(w++, dt, P, 0, 2, f, h, 0, 0));
-    o = add_op(l, "mlp.act", act_cls(m->arch), 0, 2 * T * f * e);
-    save(o, sv(B_FC1, dt, A, 0, 3, b, s, f, 0));
-    o = add_op(l, "mlp.fc2", "Linear", 2 * T * f * h, (T * f + f * h + T * h) * e);
-    save(o, sv(B_GELU, dt, A, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
-    save(o, sv(w++, dt, P, 0, 2, h, f, 0, 0));
-    o = add_op(l, "mlp.dropout", "Dropout", 0, 3 * T * h * e);
-    save(o, sv(B_MMASK, FERRY_DTYPE_BOOL, A, 0, 3, b, s, h, 0));
-  }
+  o = add_op(l, "post_attention_layernorm", norm_cls, 0, 3 * tokens * h * e);
+  save(o, sv(B_H1, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 1, h, 0, 0, 0));
+}
+
+/* Llama's gated MLP: gate, up, SiLU, product, down. */
+static void mlp_llama_ops(layer_shape *ls, op_list *l) {
+  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const double tokens = ls->tokens, e = ls->e;
+  const int dt = ls->dt;
+  op *o;
+  const int64_t f = ls->f;
+  o = add_op(l, "mlp.gate_proj", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
+  save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 2, f, h, 0, 0));
+  o = add_op(l, "mlp.up_proj", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
+  save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 2, f, h, 0, 0));
+  o = add_op(l, "mlp.act_fn", "SiLU", 0, 2 * tokens * f * e);
+  save(o, sv(B_GATE, dt, ACT, 0, 3, b, s, f, 0));
+  o = add_op(l, "mlp.mul", "Mul", 0, 3 * tokens * f * e);
+  save(o, sv(B_ACT, dt, ACT, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
+  save(o, sv(B_UP, dt, ACT, 0, 3, b, s, f, 0));
+  o = add_op(l, "mlp.down_proj", "Linear", 2 * tokens * f * h, (tokens * f + f * h + tokens * h) * e);
+  save(o, sv(B_PROD, dt, ACT, 0, 3, b, s, f, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 2, h, f, 0, 0));
+}
+
+/* GPT-2's MLP: fc1, GELU, fc2, dropout. */
+static void mlp_gpt_ops(layer_shape *ls, op_list *l) {
+  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const double tokens = ls->tokens, e = ls->e;
+  const int dt = ls->dt;
+  op *o;
+  const int64_t f = ls->f;
+  o = add_op(l, "mlp.fc1", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
+  save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 2, f, h, 0, 0));
+  o = add_op(l, "mlp.act", "GELU", 0, 2 * tokens * f * e);
+  save(o, sv(B_FC1, dt, ACT, 0, 3, b, s, f, 0));
+  o = add_op(l, "mlp.fc2", "Linear", 2 * tokens * f * h, (tokens * f + f * h + tokens * h) * e);
+  save(o, sv(B_GELU, dt, ACT, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
+  save(o, sv(ls->w++, dt, PARAM, 0, 2, h, f, 0, 0));
+  o = add_op(l, "mlp.dropout", "Dropout", 0, 3 * tokens * h * e);
+  save(o, sv(B_MMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, s, h, 0));
+}
+
+/* One repeated block. */
+static void layer_ops(const synth_model *m, op_list *l) {
+  layer_shape ls;
+  ls.b = m->micro_batch;
+  ls.s = m->seq;
+  ls.h = m->hidden;
+  ls.a = m->heads;
+  ls.d = ls.h / ls.a;
+  ls.kvd = (int64_t)m->kv_heads * ls.d;
+  ls.f = m->ffn;
+  ls.tokens = (double)ls.b * (double)ls.s;
+  ls.e = ferry_dtype_size(m->dtype);
+  ls.dt = m->dtype;
+  ls.llama = m->arch == SYNTH_LLAMA;
+  ls.w = B_W;
+  l->n = 0;
+  attention_in_ops(&ls, l);
+  attention_core_ops(&ls, m->flash, l);
+  attention_out_ops(&ls, l);
+  if (ls.llama) mlp_llama_ops(&ls, l);
+  else mlp_gpt_ops(&ls, l);
 }
 
 /* Before and after the blocks: embedding; final norm, head and loss. */
 static void pre_ops(const synth_model *m, op_list *l) {
   const int64_t b = m->micro_batch, s = m->seq, h = m->hidden;
-  const double T = (double)b * s, e = ferry_dtype_size(m->dtype);
+  const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   l->n = 0;
-  op *o = add_op(l, "model.embed_tokens", "Embedding", 0, T * h * e + T * 8);
+  op *o = add_op(l, "model.embed_tokens", "Embedding", 0, tokens * h * e + tokens * 8);
   save(o, sv(0, FERRY_DTYPE_I64, FERRY_KIND_ACTIVATION, 0, 2, b, s, 0, 0));
 }
 
 static void post_ops(const synth_model *m, op_list *l) {
   const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = m->vocab;
-  const double T = (double)b * s, e = ferry_dtype_size(m->dtype);
+  const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   const int dt = m->dtype, A = FERRY_KIND_ACTIVATION, P = FERRY_KIND_PARAMETER;
   int llama = m->arch == SYNTH_LLAMA;
   l->n = 0;
-  op *o = add_op(l, "model.norm", llama ? "LlamaRMSNorm" : "LayerNorm", 0, 2 * T * h * e);
+  op *o = add_op(l, "model.norm", llama ? "LlamaRMSNorm" : "LayerNorm", 0, 2 * tokens * h * e);
   save(o, sv(1, dt, A, 0, 3, b, s, h, 0));
   save(o, sv(2, FERRY_DTYPE_F32, A, 0, 3, b, s, llama ? 1 : 2, 0));
   save(o, sv(B_W, dt, P, 0, 1, h, 0, 0, 0));
-  o = add_op(l, "lm_head", "Linear", 2 * T * h * V, (T * h + h * V + T * V) * e);
+  o = add_op(l, "lm_head", "Linear", 2 * tokens * h * V, (tokens * h + h * V + tokens * V) * e);
   save(o, sv(3, dt, A, 0, 3, b, s, h, 0));
   save(o, sv(B_W + 1, dt, P, 0, 2, V, h, 0, 0));
   /* logits upcast to fp32; log-softmax saves its fp32 output, NLL the labels */
-  o = add_op(l, "loss", "CrossEntropyLoss", 0, T * V * (e + 4 + 4));
+  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * (e + 4 + 4));
   save(o, sv(4, FERRY_DTYPE_F32, A, 0, 3, b, s, V, 0));
   save(o, sv(5, FERRY_DTYPE_I64, A, 0, 2, b, s, 0, 0));
 }

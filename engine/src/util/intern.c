@@ -11,7 +11,8 @@ static uint64_t hash_str(const char *s) {
   return h;
 }
 
-static int grow(intern_table *t) {
+/* Doubles the table (256 slots at first), re-placing every string. */
+static int rehash(intern_table *t) {
   size_t ncap = t->cap ? t->cap * 2 : 256;
   char **n = calloc(ncap, sizeof *n);
   if (!n) return -1;
@@ -29,7 +30,7 @@ static int grow(intern_table *t) {
 
 const char *intern_get(intern_table *t, const char *s) {
   if (!s) return NULL;
-  if ((t->count + 1) * 2 > t->cap && grow(t)) return NULL;
+  if ((t->count + 1) * 2 > t->cap && rehash(t)) return NULL;
   size_t j = hash_str(s) & (t->cap - 1);
   while (t->slots[j]) {
     if (t->slots[j] == s || strcmp(t->slots[j], s) == 0) return t->slots[j];

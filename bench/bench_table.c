@@ -1,0 +1,12 @@
+/* bench_table.c — the benchmarks ferry_bench runs, by --only name. */
+#include "bench.h"
+
+const bench_entry bench_table[] = {
+    {"engine", bench_engine},
+    {"host_copy", bench_host_copy},
+    {"arena", bench_arena},
+    {"policy", bench_policy},
+    {"sim", bench_sim},
+    {"snapshot", bench_snapshot},
+};
+const size_t bench_table_len = sizeof bench_table / sizeof bench_table[0];

@@ -1,0 +1,13 @@
+/* backend_common.c — helpers every backend uses (backend_internal.h). */
+#include "backend/backend_internal.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+int backend_fail(ferry_backend *b, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(b->err, sizeof b->err, fmt, ap);
+  va_end(ap);
+  return code;
+}

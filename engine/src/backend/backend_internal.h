@@ -1,0 +1,12 @@
+/* backend_internal.h — what the backends (host, cuda, sim) share. Private
+ * to engine/src/backend/. */
+#ifndef FERRY_BACKEND_INTERNAL_H
+#define FERRY_BACKEND_INTERNAL_H
+
+#include "ferry_tools.h"
+
+/* Writes the message into b->err and returns code. */
+int backend_fail(ferry_backend *b, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#endif

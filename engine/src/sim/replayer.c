@@ -1,0 +1,631 @@
+/*
+ * replayer.c — sim_replay (ferry_tools.h): drives a read trace through an
+ * engine on the sim backend (virtual clock) or the host backend (wall
+ * clock), calling ferry_pack/unpack/step/backward exactly as a trainer
+ * would, for N steps, and sums up each step into a sim_result.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "util/errbuf.h"
+#include "ferry_tools.h"
+#include "core/core.h"
+#include "util/util.h"
+
+
+/* A device buffer of the replayed trainer; the owner token handed to ferry.
+ * On the sim backend it has no memory (its address is the device pointer);
+ * on the host backend it has real bytes, checked on every unpack. */
+typedef struct sim_buf {
+  uint64_t bytes;
+  uint32_t refs;
+  uint8_t counted; /* adds to device memory (not a parameter/buffer's own) */
+  uint8_t *mem;
+  struct sim_buf *next_free;
+} sim_buf;
+
+#define BUF_SLAB 1024
+
+typedef struct replay {
+  const sim_trace *t;
+  const sim_config *c;
+  ferry_engine *e;
+  ferry_backend *sim; /* NULL on the host backend */
+  double host_t0_us, host_scale;
+  double host_excluded_us; /* wall time spent filling and checking buffers */
+  ferry_tensor_desc *descs;
+  ferry_handle *handles;
+  sim_buf **bufs;       /* per tensor, while packed */
+  sim_buf **slabs;
+  uint32_t n_slabs;
+  sim_buf *free_bufs;
+  uint64_t live_bytes, peak_live;
+  int recording;
+  sim_result *res;
+  int alloc_failed;
+  int bad_bytes;        /* host backend: an unpack gave different bytes */
+  int host;             /* on the host backend */
+  int last;             /* replaying the last step: it fills the layer rows */
+  int32_t cur_layer;    /* the layer of the latest pack or unpack */
+  double host_stall, host_wait; /* host backend: wall time inside ferry */
+  char *err;            /* the caller's error buffer */
+  size_t errlen;
+  int err_written;      /* err holds the message already (not an engine error) */
+} replay;
+
+/* Per-step sums over the steady steps (all but the first, unless one). */
+typedef struct step_sums {
+  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits;
+  uint32_t n_steady;
+} step_sums;
+
+/* The replay's clock: virtual on sim, scaled wall time (less the
+ * trainer's own work) on host. */
+static double replay_now(replay *r) {
+  if (r->sim) return sim_backend_now(r->sim);
+  return (util_now_us() - r->host_t0_us - r->host_excluded_us) / r->host_scale;
+}
+
+/* us microseconds of the trainer's compute. */
+static void replay_compute(replay *r, double us) {
+  if (!(us > 0)) return;
+  if (r->sim) {
+    sim_backend_advance(r->sim, us);
+    return;
+  }
+  /* The host backend's compute stream is this thread. Sleep through most of
+   * it, leaving the cores to the copy workers (a GPU computes without the
+   * CPU), and spin the last 100 us to end on time. */
+  double end = util_now_us() + us * r->host_scale;
+  if (end - util_now_us() > 300) {
+    double until = end - 100;
+    struct timespec ts = {(time_t)(until / 1e6), (long)(fmod(until, 1e6) * 1e3)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+  }
+  while (util_now_us() < end) {
+  }
+}
+
+/* Appends an interval (compute or copy) to the timeline. */
+static int timeline_push(sim_timeline *tl, sim_interval iv) {
+  if (tl->n_iv == tl->cap_iv) {
+    size_t n = tl->cap_iv ? tl->cap_iv * 2 : 1024;
+    sim_interval *p = realloc(tl->iv, n * sizeof *p);
+    if (!p) return -1;
+    tl->iv = p;
+    tl->cap_iv = n;
+  }
+  tl->iv[tl->n_iv++] = iv;
+  return 0;
+}
+
+/* Samples device memory onto the timeline when it changed. */
+static void mem_sample(replay *r) {
+  if (!r->recording) return;
+  sim_timeline *tl = &r->res->tl;
+  double t = replay_now(r);
+  uint64_t b = r->t->resident_bytes + r->live_bytes;
+  if (tl->n_mem && tl->mem[tl->n_mem - 1].bytes == b) return;
+  if (tl->n_mem == tl->cap_mem) {
+    size_t n = tl->cap_mem ? tl->cap_mem * 2 : 1024;
+    sim_mem_sample *p = realloc(tl->mem, n * sizeof *p);
+    if (!p) return;
+    tl->mem = p;
+    tl->cap_mem = n;
+  }
+  tl->mem[tl->n_mem++] = (sim_mem_sample){t, b};
+}
+
+/* The sim backend's copy listener: each copy onto the timeline. */
+static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes) {
+  replay *r = ud;
+  if (!r->recording) return;
+  timeline_push(&r->res->tl, (sim_interval){t0, t1, bytes, 1 + dir, -1});
+}
+
+/* A trainer buffer (from a slab; real bytes on host), counted or not. */
+static sim_buf *buf_new(replay *r, uint64_t bytes, int counted) {
+  if (!r->free_bufs) {
+    sim_buf *slab = calloc(BUF_SLAB, sizeof *slab);
+    sim_buf **slabs = slab ? realloc(r->slabs, (r->n_slabs + 1) * sizeof *slabs) : NULL;
+    if (!slabs) {
+      free(slab);
+      return NULL;
+    }
+    r->slabs = slabs;
+    r->slabs[r->n_slabs++] = slab;
+    for (int i = BUF_SLAB - 1; i >= 0; i--) {
+      slab[i].next_free = r->free_bufs;
+      r->free_bufs = &slab[i];
+    }
+  }
+  sim_buf *b = r->free_bufs;
+  if (!r->sim) {
+    b->mem = malloc(bytes);
+    if (!b->mem) return NULL;
+  }
+  r->free_bufs = b->next_free;
+  b->bytes = bytes;
+  b->refs = 1;
+  b->counted = (uint8_t)counted;
+  if (counted) {
+    r->live_bytes += bytes;
+    if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
+    mem_sample(r);
+  }
+  return b;
+}
+
+/* Drops a reference; the last returns the buffer to the free list. */
+static void buf_unref(replay *r, sim_buf *b) {
+  if (--b->refs) return;
+  if (b->counted) {
+    r->live_bytes -= b->bytes;
+    mem_sample(r);
+  }
+  free(b->mem);
+  b->mem = NULL;
+  b->next_free = r->free_bufs;
+  r->free_bufs = b;
+}
+
+/* The device pointer ferry sees for a buffer. */
+static void *buf_ptr(sim_buf *b) { return b->mem ? (void *)b->mem : (void *)b; }
+
+/* ferry_config callbacks: allocate, release and retain trainer buffers. */
+static int cb_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
+  replay *r = ud;
+  sim_buf *b = buf_new(r, bytes, 1);
+  if (!b) {
+    r->alloc_failed = 1;
+    return -1;
+  }
+  *dev = buf_ptr(b);
+  *owner = b;
+  return 0;
+}
+
+static void cb_release(void *ud, void *owner) { buf_unref(ud, owner); }
+static void cb_retain(void *ud, void *owner) {
+  (void)ud;
+  ((sim_buf *)owner)->refs++;
+}
+
+/* ferry_config.decide with recorded decisions: the trace's own. */
+static int cb_recorded(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
+                       ferry_decision *out) {
+  replay *r = ud;
+  (void)ctx;
+  size_t i = (size_t)(d - r->descs);
+  out->action = i < r->t->n_tensors ? r->t->tensors[i].decision : FERRY_KEEP;
+  out->reload = FERRY_RELOAD_ON_USE;
+  out->prefetch_distance = -1;
+  out->cacheable = 0;
+  return 0;
+}
+
+/* Tensors the engine offloaded so far. */
+static uint64_t engine_offloaded(ferry_engine *e) {
+  ferry_stats st;
+  return ferry_get_stats(e, &st, sizeof st) ? 0 : st.tensors_offloaded;
+}
+
+/* The sim backend's stall so far (and host wait in *host_wait); 0 on host. */
+static double sim_stall(replay *r, double *host_wait) {
+  if (!r->sim) {
+    *host_wait = 0;
+    return 0;
+  }
+  sim_backend_stats st;
+  sim_backend_get_stats(r->sim, &st);
+  *host_wait = st.host_wait_us;
+  return st.stall_us;
+}
+
+/* The file name of a path. */
+static const char *base_name(const char *path) {
+  const char *s = strrchr(path, '/');
+  return s ? s + 1 : path;
+}
+
+void sim_result_free(sim_result *r) {
+  if (!r) return;
+  free(r->layers);
+  free(r->tl.iv);
+  free(r->tl.mem);
+  free(r->decisions);
+  memset(r, 0, sizeof *r);
+}
+
+/* Host backend: the bytes a tensor's buffer holds. */
+static uint8_t tensor_pattern(uint32_t ti) { return (uint8_t)(ti * 131u + 7u); }
+
+/* Fill (on pack) or check (on unpack) a real buffer's bytes. */
+static int buf_bytes_ok(const sim_buf *b, uint8_t pattern, int fill) {
+  if (!b->mem) return 1;
+  if (fill) {
+    memset(b->mem, pattern, b->bytes);
+    return 1;
+  }
+  for (uint64_t i = 0; i < b->bytes; i++)
+    if (b->mem[i] != pattern) return 0;
+  return 1;
+}
+
+/* The result's label: the config's, or one naming the policy. */
+static void set_label(sim_result *out, const sim_config *c) {
+  if (c->label) snprintf(out->label, sizeof out->label, "%s", c->label);
+  else if (c->replay_decisions) snprintf(out->label, sizeof out->label, "recorded decisions");
+  else if (c->policy_path) {
+    snprintf(out->label, sizeof out->label, "%s", base_name(c->policy_path));
+    char *dot = strrchr(out->label, '.');
+    if (dot && !strcmp(dot, ".lua")) *dot = 0;
+  } else if (c->policy_source) snprintf(out->label, sizeof out->label, "policy");
+  else snprintf(out->label, sizeof out->label, "no offload");
+}
+
+/* Creates the engine the trainer talks to, with the replay's callbacks. */
+static int replay_open_engine(replay *r) {
+  const sim_config *c = r->c;
+  ferry_config cfg = FERRY_CONFIG_INIT;
+  cfg.backend = r->host ? FERRY_BACKEND_HOST : FERRY_BACKEND_SIM;
+  cfg.arena = r->host ? FERRY_ARENA_AUTO : FERRY_ARENA_POOL;
+  cfg.link = c->link;
+  if (!(cfg.link.duplex > 0)) cfg.link.duplex = 1.0;
+  cfg.host_cap_bytes = c->host_cap_bytes;
+  cfg.device_alloc = cb_alloc;
+  cfg.release = cb_release;
+  cfg.retain = cb_retain;
+  cfg.callback_ud = r;
+  if (c->replay_decisions) {
+    cfg.decide = cb_recorded;
+    cfg.decide_ud = r;
+  } else {
+    cfg.policy_path = c->policy_path;
+    cfg.policy_source = c->policy_path ? NULL : c->policy_source;
+  }
+  char msg[512] = "";
+  int rc = ferry_engine_create(&cfg, &r->e, msg, sizeof msg);
+  if (rc) return ferry_errbuf(r->err, r->errlen, rc, "%s: %s", r->res->label, msg);
+  r->sim = r->host || !sim_backend_is(engine_backend(r->e)) ? NULL : engine_backend(r->e);
+  if (!r->sim) return 0;
+  sim_backend_set_listener(r->sim, on_copy, r);
+  if ((c->duplex_d2h > 0 || c->duplex_h2d > 0) &&
+      (rc = sim_backend_set_duplex(r->sim, c->duplex_d2h > 0 ? c->duplex_d2h : cfg.link.duplex,
+                                   c->duplex_h2d > 0 ? c->duplex_h2d : cfg.link.duplex)))
+    return ferry_errbuf(r->err, r->errlen, rc, "%s", r->sim->err);
+  return 0;
+}
+
+/* Per-tensor tables (descriptions with interned names) and layer rows. */
+static int replay_tables(replay *r) {
+  const sim_trace *t = r->t;
+  sim_result *out = r->res;
+  int32_t max_layer = -1;
+  r->descs = malloc((size_t)(t->n_tensors ? t->n_tensors : 1) * sizeof *r->descs);
+  r->handles = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r->handles);
+  r->bufs = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r->bufs);
+  if (!r->descs || !r->handles || !r->bufs)
+    return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
+  for (uint32_t i = 0; i < t->n_tensors; i++) {
+    ferry_tensor_desc *d = &r->descs[i];
+    *d = t->tensors[i].desc;
+    if (d->module_path) d->module_path = ferry_intern(r->e, d->module_path);
+    if (d->module_class) d->module_class = ferry_intern(r->e, d->module_class);
+    if (d->layer > max_layer) max_layer = d->layer;
+  }
+  out->n_layers = (uint32_t)(max_layer + 2);
+  out->layers = calloc(out->n_layers, sizeof *out->layers);
+  if (!out->layers) return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
+  for (uint32_t i = 0; i < out->n_layers; i++) out->layers[i].layer = (int32_t)i - 1;
+  return 0;
+}
+
+/* The compute before event k, and on the timeline the layer it belongs to:
+ * the event's own, or the next tensor event's. */
+static void replay_gap(replay *r, const trace_step *ts, uint32_t k) {
+  const sim_trace *t = r->t;
+  const trace_ev *ev = &t->events[k];
+  double a = replay_now(r);
+  replay_compute(r, ev->gap_us);
+  if (!r->recording) return;
+  int32_t layer = r->cur_layer;
+  if (ev->type == TEV_COMPUTE && ev->layer >= 0) layer = ev->layer;
+  else for (uint32_t j = k; j < ts->end && j < k + 64; j++)
+    if (t->events[j].type == TEV_PACK || t->events[j].type == TEV_UNPACK) {
+      layer = t->tensors[t->events[j].tensor].desc.layer;
+      break;
+    }
+  timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer});
+}
+
+/* The trainer's buffer for a pack: its primary's for an alias, else a new
+ * one (filled with the tensor's pattern on host); NULL out of memory. */
+static sim_buf *pack_buffer(replay *r, uint32_t ti) {
+  const trace_tensor *tt = &r->t->tensors[ti];
+  const ferry_tensor_desc *d = &r->descs[ti];
+  if (tt->alias_of >= 0) {
+    sim_buf *b = r->bufs[tt->alias_of];
+    b->refs++;
+    return b;
+  }
+  int counted = d->kind != FERRY_KIND_PARAMETER && d->kind != FERRY_KIND_BUFFER;
+  sim_buf *b = buf_new(r, d->bytes, counted);
+  if (!b) {
+    r->err_written = 1;
+    ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory for a %llu-byte buffer",
+                 (unsigned long long)d->bytes);
+    return NULL;
+  }
+  if (r->host) {
+    /* the trainer's work, not part of the modeled time */
+    double w = util_now_us();
+    buf_bytes_ok(b, tensor_pattern(ti), 1);
+    r->host_excluded_us += util_now_us() - w;
+  }
+  /* The trainer holds it until its last alias is packed. */
+  if (tt->last_alias >= 0) b->refs++;
+  return b;
+}
+
+/* The last step's layer row (and decision list) for a pack. */
+static void count_pack(replay *r, const ferry_tensor_desc *d, int offloaded) {
+  sim_result *out = r->res;
+  sim_layer_row *row = &out->layers[d->layer + 1];
+  row->packed++;
+  row->saved_bytes += d->bytes;
+  if (offloaded) {
+    row->offloaded++;
+    row->offloaded_bytes += d->bytes;
+  }
+  if (out->decisions) out->decisions[out->n_decisions++] = (uint8_t)offloaded;
+}
+
+/* A pack event: ferry_pack of the tensor's buffer. */
+static int replay_pack(replay *r, uint32_t ti) {
+  const sim_trace *t = r->t;
+  const trace_tensor *tt = &t->tensors[ti];
+  const ferry_tensor_desc *d = &r->descs[ti];
+  r->cur_layer = d->layer;
+  sim_buf *b = pack_buffer(r, ti);
+  if (!b) return FERRY_ENOMEM;
+  r->bufs[ti] = b;
+  uint64_t off0 = engine_offloaded(r->e);
+  double a = r->host ? util_now_us() : 0;
+  int rc = ferry_pack(r->e, d, buf_ptr(b), b, NULL, &r->handles[ti]);
+  if (r->host) r->host_wait += util_now_us() - a;
+  if (rc) {
+    buf_unref(r, b);
+    return rc;
+  }
+  if (tt->alias_of >= 0 && t->tensors[tt->alias_of].last_alias == (int32_t)ti)
+    buf_unref(r, r->bufs[tt->alias_of]); /* the trainer's reference */
+  if (r->last) count_pack(r, d, engine_offloaded(r->e) != off0);
+  return 0;
+}
+
+/* An unpack event: ferry_unpack, its bytes checked on host, its stall counted. */
+static int replay_unpack(replay *r, uint32_t ti) {
+  const sim_trace *t = r->t;
+  int host = r->host;
+  r->cur_layer = r->descs[ti].layer;
+  void *dev = NULL, *owner = NULL;
+  double w, s_before = sim_stall(r, &w);
+  double a = host ? util_now_us() : 0;
+  int rc = ferry_unpack(r->e, r->handles[ti], NULL, &dev, &owner);
+  double dt = host ? util_now_us() - a : 0;
+  if (rc) return rc;
+  r->host_stall += dt;
+  sim_buf *b = owner;
+  /* an alias hands back its primary's buffer */
+  uint32_t src = t->tensors[ti].alias_of >= 0 ? (uint32_t)t->tensors[ti].alias_of : ti;
+  double wb = host ? util_now_us() : 0;
+  if (!buf_bytes_ok(b, tensor_pattern(src), 0) || buf_ptr(b) != dev) r->bad_bytes++;
+  if (host) r->host_excluded_us += util_now_us() - wb;
+  if (r->last) {
+    double s_after = sim_stall(r, &w);
+    r->res->layers[r->cur_layer + 1].stall_us += host ? dt / r->host_scale : s_after - s_before;
+  }
+  buf_unref(r, b); /* backward used it and let it go */
+  r->bufs[ti] = NULL;
+  return 0;
+}
+
+/* A step_end event: ferry_step_end, timed on host. */
+static int replay_step_end(replay *r) {
+  double a = r->host ? util_now_us() : 0;
+  int rc = ferry_step_end(r->e);
+  if (r->host) r->host_wait += util_now_us() - a;
+  if (rc) return rc;
+  if (r->recording) {
+    mem_sample(r);
+    r->res->tl.t_end = replay_now(r);
+  }
+  return 0;
+}
+
+/* One event, as the trainer would call ferry; *t0 is the step's start. */
+static int replay_event(replay *r, const trace_ev *ev, double *t0) {
+  int rc;
+  switch (ev->type) {
+  case TEV_STEP_BEGIN:
+    if ((rc = ferry_step_begin(r->e))) return rc;
+    *t0 = replay_now(r);
+    if (r->recording) {
+      r->res->tl.t_begin = *t0;
+      mem_sample(r);
+    }
+    return 0;
+  case TEV_PACK: return replay_pack(r, ev->tensor);
+  case TEV_UNPACK: return replay_unpack(r, ev->tensor);
+  case TEV_DISCARD:
+    if ((rc = ferry_discard(r->e, r->handles[ev->tensor]))) return rc;
+    r->bufs[ev->tensor] = NULL;
+    return 0;
+  case TEV_BACKWARD_BEGIN: return ferry_backward_begin(r->e);
+  case TEV_BACKWARD_END: return ferry_backward_end(r->e);
+  case TEV_STEP_END: return replay_step_end(r);
+  default: return 0;
+  }
+}
+
+/* Before the last step: a fresh decision list and zeroed layer rows. */
+static void begin_last_step(replay *r, const trace_step *ts) {
+  sim_result *out = r->res;
+  if (r->c->record_decisions) {
+    free(out->decisions);
+    out->decisions = malloc((size_t)(ts->end - ts->first) + 1);
+    out->n_decisions = 0;
+  }
+  for (uint32_t k = 0; k < out->n_layers; k++) {
+    int32_t l = out->layers[k].layer;
+    memset(&out->layers[k], 0, sizeof out->layers[k]);
+    out->layers[k].layer = l;
+  }
+}
+
+/* Adds a steady step's time, stall and engine counters to the sums. */
+static void add_step(step_sums *s, double step_us, double stall, double wait, const ferry_stats *s0,
+                     const ferry_stats *s1) {
+  s->n_steady++;
+  s->step += step_us;
+  s->stall += stall;
+  s->wait += wait;
+  s->d2h += (double)(s1->bytes_d2h - s0->bytes_d2h);
+  s->h2d += (double)(s1->bytes_h2d - s0->bytes_h2d);
+  s->packed += (double)(s1->tensors_packed - s0->tensors_packed);
+  s->off += (double)(s1->tensors_offloaded - s0->tensors_offloaded);
+  s->kept += (double)(s1->tensors_kept - s0->tensors_kept);
+  s->pf += (double)(s1->prefetches - s0->prefetches);
+  s->hits += (double)(s1->stash_hits - s0->stash_hits);
+}
+
+/* Replays step si of steps (the trace's steps in a loop) and sums it up. */
+static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) {
+  const sim_trace *t = r->t;
+  const trace_step *ts = &t->steps[si % t->n_steps];
+  r->last = si + 1 == steps;
+  r->recording = r->last && r->c->timeline;
+  if (r->last) begin_last_step(r, ts);
+  ferry_stats s0, s1;
+  ferry_get_stats(r->e, &s0, sizeof s0);
+  double w0, st0 = sim_stall(r, &w0);
+  double hs0 = r->host_stall, hw0 = r->host_wait;
+  double t0 = 0;
+  int rc;
+  r->cur_layer = -1;
+  for (uint32_t k = ts->first; k < ts->end; k++) {
+    const trace_ev *ev = &t->events[k];
+    if (ev->gap_us > 0) replay_gap(r, ts, k);
+    r->res->events++;
+    if ((rc = replay_event(r, ev, &t0))) return rc;
+  }
+  double step_us = replay_now(r) - t0;
+  ferry_get_stats(r->e, &s1, sizeof s1);
+  double w1, st1 = sim_stall(r, &w1);
+  if (r->host) {
+    st0 = hs0 / r->host_scale;
+    st1 = r->host_stall / r->host_scale;
+    w0 = hw0 / r->host_scale;
+    w1 = r->host_wait / r->host_scale;
+  }
+  if (si == 0) r->res->first_step_us = step_us;
+  if (si > 0 || steps == 1) add_step(sums, step_us, st1 - st0, w1 - w0, &s0, &s1);
+  return 0;
+}
+
+/* The result: the steady steps' means, peaks, and the engine's counters. */
+static void finish_result(replay *r, const step_sums *s) {
+  sim_result *out = r->res;
+  double n = s->n_steady ? s->n_steady : 1;
+  out->step_us = s->step / n;
+  out->stall_us = s->stall / n;
+  out->host_wait_us = s->wait / n;
+  out->bytes_d2h = s->d2h / n;
+  out->bytes_h2d = s->h2d / n;
+  out->tensors_packed = s->packed / n;
+  out->tensors_offloaded = s->off / n;
+  out->tensors_kept = s->kept / n;
+  out->prefetches = s->pf / n;
+  out->stash_hits = s->hits / n;
+  out->peak_saved_bytes = r->peak_live;
+  out->peak_device_bytes = r->t->resident_bytes + r->peak_live;
+  ferry_stats fs;
+  ferry_get_stats(r->e, &fs, sizeof fs);
+  out->peak_host_bytes = fs.arena_peak;
+  out->host_reserved_bytes = fs.arena_reserved;
+  out->policy_errors = fs.policy_errors;
+  out->policy_calls = fs.policy_calls;
+  out->policy_cache_hits = fs.policy_cache_hits;
+  out->cap_fallbacks = fs.cap_fallbacks;
+  snprintf(out->policy_error, sizeof out->policy_error, "%s", ferry_last_policy_error(r->e));
+}
+
+/* Destroys the engine and frees the buffers the trainer still held (an
+ * error stopped the step midway) and the tables. */
+static void replay_close(replay *r) {
+  if (r->e) ferry_engine_destroy(r->e);
+  for (uint32_t i = 0; i < r->n_slabs; i++) {
+    for (int k = 0; k < BUF_SLAB; k++) free(r->slabs[i][k].mem);
+    free(r->slabs[i]);
+  }
+  free(r->slabs);
+  free(r->descs);
+  free(r->handles);
+  free(r->bufs);
+}
+
+/* All steps: an engine error names the label and the trace. */
+static int replay_steps(replay *r, uint32_t steps) {
+  step_sums sums;
+  memset(&sums, 0, sizeof sums);
+  double t_start = util_now_us();
+  r->host_t0_us = t_start;
+  for (uint32_t si = 0; si < steps; si++) {
+    int rc = replay_step(r, si, steps, &sums);
+    if (rc && r->err_written) return rc;
+    if (rc)
+      return ferry_errbuf(r->err, r->errlen, rc, "%s: %s (replaying %s)", r->res->label,
+                          ferry_last_error(r->e), r->t->name);
+    if (r->c->progress) r->c->progress(r->c->progress_ud, si + 1, steps);
+  }
+  r->res->wall_s = (util_now_us() - t_start) / 1e6;
+  finish_result(r, &sums);
+  if (r->bad_bytes)
+    return ferry_errbuf(r->err, r->errlen, FERRY_EBACKEND,
+                        "%s: %d unpack(s) gave back different bytes", r->res->label, r->bad_bytes);
+  return 0;
+}
+
+int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
+               size_t errlen) {
+  memset(out, 0, sizeof *out);
+  if (err && errlen) err[0] = 0;
+  if (!t || !c) return ferry_errbuf(err, errlen, FERRY_EINVAL, "sim_replay: NULL trace or config");
+  replay r;
+  memset(&r, 0, sizeof r);
+  r.t = t;
+  r.c = c;
+  r.res = out;
+  r.err = err;
+  r.errlen = errlen;
+  r.host = c->host_backend != 0;
+  r.host_scale = c->host_time_scale > 0 ? c->host_time_scale : 1;
+  set_label(out, c);
+  snprintf(out->backend, sizeof out->backend, "%s", r.host ? "host" : "sim");
+  int rc = replay_open_engine(&r);
+  if (!rc) rc = replay_tables(&r);
+  if (!rc) {
+    out->resident_bytes = t->resident_bytes;
+    out->steps = c->steps ? c->steps : t->n_steps;
+    rc = replay_steps(&r, out->steps);
+  }
+  replay_close(&r);
+  if (rc && rc != FERRY_EBACKEND) sim_result_free(out);
+  return rc;
+}

@@ -1,0 +1,607 @@
+/*
+ * trace_reader.c — a strict reader of docs/trace-format.md: one JSON object
+ * a line, checked line by line (file:line in every error), into a sim_trace
+ * (ferry_tools.h) that sim_replay drives.
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util/errbuf.h"
+#include "ferry_tools.h"
+#include "core/core.h"
+#include "util/intern.h"
+#include "util/u64map.h"
+#include "util/util.h"
+
+#define MAX_TENSOR_BYTES (1ull << 50) /* the engine's own bound (stash.c) */
+#define MAX_LAYERS 1000000
+#define MAX_COMPUTE_US 3.6e9 /* an hour of compute in one event is a broken trace */
+#define MAX_TRACE_BYTES ((size_t)1 << 34)
+#define MAX_ID 9007199254740992.0 /* 2^53: ids and steps are exact in a double */
+
+enum { TS_PACKED = 1, TS_DONE = 2 };
+
+typedef struct reader {
+  const char *name;
+  sim_trace *t;
+  char *err;
+  size_t errlen;
+  uint32_t line;
+  u64map ids; /* trace id -> tensor index */
+  intern_table strs; /* owned strings, deduplicated */
+  uint8_t *state; /* per tensor: TS_* */
+  uint32_t cap_events, cap_tensors, cap_steps, cap_resident;
+  int seen_header;
+  int in_step, in_backward;
+  uint64_t step_number;
+  uint32_t step_first;
+  uint32_t live_in_step;
+  double last_t; /* t_us of the previous line */
+  int has_gap;   /* t_us moved at least once */
+} reader;
+
+/* Writes "name:line: message" into the caller's buffer; FERRY_EPARSE. */
+static int reader_fail(reader *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int reader_fail(reader *r, const char *fmt, ...) {
+  if (r->err && r->errlen) {
+    int n = r->line ? snprintf(r->err, r->errlen, "%s:%u: ", r->name, r->line)
+                    : snprintf(r->err, r->errlen, "%s: ", r->name);
+    if (n < 0) n = 0;
+    if ((size_t)n < r->errlen) {
+      va_list ap;
+      va_start(ap, fmt);
+      vsnprintf(r->err + n, r->errlen - (size_t)n, fmt, ap);
+      va_end(ap);
+    }
+  }
+  return FERRY_EPARSE;
+}
+
+/* An owned copy of s, shared by equal strings; NULL out of memory. */
+static const char *str_own(reader *r, const char *s) { return intern_get(&r->strs, s); }
+
+
+/* ---- members ------------------------------------------------------------------ */
+
+/* An integer member within [lo, hi]; 1 if absent and not required. */
+static int get_int(reader *r, const cJSON *o, const char *key, int required, double lo, double hi,
+                   int64_t *out) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!v) {
+    if (required) return reader_fail(r, "missing member \"%s\"", key);
+    return 1;
+  }
+  if (!cJSON_IsNumber(v)) return reader_fail(r, "\"%s\" must be a number", key);
+  double d = v->valuedouble;
+  if (!isfinite(d) || d != floor(d)) return reader_fail(r, "\"%s\" must be an integer, got %g", key, d);
+  if (d < lo || d > hi)
+    return reader_fail(r, "\"%s\" = %.0f is %s (allowed %.0f .. %.0f)", key, d,
+                   d < lo ? (d < 0 ? "negative" : "too small") : "absurd", lo, hi);
+  *out = (int64_t)d;
+  return 0;
+}
+
+/* A string member; 1 if absent and not required. */
+static int get_str(reader *r, const cJSON *o, const char *key, int required, const char **out) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  *out = NULL;
+  if (!v) return required ? reader_fail(r, "missing member \"%s\"", key) : 1;
+  if (!cJSON_IsString(v) || !v->valuestring) return reader_fail(r, "\"%s\" must be a string", key);
+  *out = v->valuestring;
+  return 0;
+}
+
+/* Appends an event of the open step, gap_us after the previous one. */
+static int add_event(reader *r, uint8_t type, uint32_t tensor, double gap) {
+  sim_trace *t = r->t;
+  if (util_grow((void **)&t->events, &r->cap_events, sizeof *t->events, t->n_events + 1, 256))
+    return reader_fail(r, "out of memory");
+  t->events[t->n_events++] =
+      (trace_ev){.type = type, .layer = -1, .tensor = tensor, .gap_us = gap};
+  return 0;
+}
+
+/* The tensor an event names by its "id", which must be packed and live. */
+static int get_live_tensor(reader *r, const cJSON *o, const char *ev, uint32_t *idx) {
+  int64_t id;
+  int rc = get_int(r, o, "id", 1, 1, MAX_ID, &id);
+  if (rc) return rc;
+  if (!u64map_find(&r->ids, (uint64_t)id, idx))
+    return reader_fail(r, "%s of id %lld before its pack", ev, (long long)id);
+  if (r->state[*idx] == TS_DONE)
+    return reader_fail(r, "%s of id %lld, which was already unpacked or discarded (line %u packed it)",
+                   ev, (long long)id, r->t->tensors[*idx].line);
+  return 0;
+}
+
+/* ---- pack --------------------------------------------------------------------- */
+
+/* A pack's "shape" member into d->ndim and d->shape. */
+static int get_shape(reader *r, const cJSON *o, ferry_tensor_desc *d) {
+  const cJSON *shape = cJSON_GetObjectItemCaseSensitive(o, "shape");
+  if (!shape) return reader_fail(r, "missing member \"shape\"");
+  if (!cJSON_IsArray(shape)) return reader_fail(r, "\"shape\" must be an array of integers");
+  int n = cJSON_GetArraySize(shape);
+  if (n > FERRY_MAX_DIMS)
+    return reader_fail(r, "\"shape\" has %d dimensions (at most %d)", n, FERRY_MAX_DIMS);
+  d->ndim = n;
+  int i = 0;
+  for (const cJSON *x = shape->child; x; x = x->next, i++) {
+    if (!cJSON_IsNumber(x) || !isfinite(x->valuedouble) || x->valuedouble != floor(x->valuedouble) ||
+        x->valuedouble < 0 || x->valuedouble > MAX_ID)
+      return reader_fail(r, "\"shape\"[%d] must be a non-negative integer", i);
+    d->shape[i] = (int64_t)x->valuedouble;
+  }
+  return 0;
+}
+
+/* A pack's string members (dtype, kind, phase, decision, module, class) and
+ * shape into *d and *dec, checked in the order the errors name them. */
+static int get_pack_desc(reader *r, const cJSON *o, ferry_tensor_desc *d, uint8_t *dec) {
+  const char *dtype, *kind, *phase, *decision, *module = NULL, *cls = NULL;
+  int rc;
+  if ((rc = get_str(r, o, "dtype", 1, &dtype)) || (rc = get_str(r, o, "kind", 1, &kind)) ||
+      (rc = get_str(r, o, "phase", 1, &phase)) || (rc = get_str(r, o, "decision", 1, &decision)))
+    return rc;
+  if ((rc = get_str(r, o, "module", 0, &module)) < 0 || (rc = get_str(r, o, "class", 0, &cls)) < 0)
+    return rc;
+  if ((d->dtype = ferry_dtype_from_name(dtype)) < 0)
+    return reader_fail(r, "unknown dtype \"%s\"", dtype);
+  if ((d->kind = ferry_kind_parse(kind)) < 0) return reader_fail(r, "unknown kind \"%s\"", kind);
+  if ((d->phase = ferry_phase_parse(phase)) < 0) return reader_fail(r, "unknown phase \"%s\"", phase);
+  if (!strcmp(decision, "keep")) *dec = FERRY_KEEP;
+  else if (!strcmp(decision, "offload")) *dec = FERRY_OFFLOAD;
+  else return reader_fail(r, "decision must be \"keep\" or \"offload\", got \"%s\"", decision);
+  if ((rc = get_shape(r, o, d))) return rc;
+  if (d->layer_count && d->layer >= d->layer_count)
+    return reader_fail(r, "layer %lld is not below layers %lld", (long long)d->layer,
+                       (long long)d->layer_count);
+  if (module && !(d->module_path = str_own(r, module))) return reader_fail(r, "out of memory");
+  if (cls && !(d->module_class = str_own(r, cls))) return reader_fail(r, "out of memory");
+  return 0;
+}
+
+/* With no alias_of: the latest live primary pack of the same size. */
+static int latest_pack_of_size(reader *r, uint64_t bytes, int32_t *alias_of) {
+  const sim_trace *t = r->t;
+  for (uint32_t k = t->n_tensors; k-- > 0;) {
+    if (r->state[k] == TS_PACKED && t->tensors[k].alias_of < 0 && t->tensors[k].desc.bytes == bytes) {
+      *alias_of = (int32_t)k;
+      return 0;
+    }
+  }
+  return reader_fail(r, "alias pack with no live earlier pack of %llu bytes",
+                     (unsigned long long)bytes);
+}
+
+/* alias: the same buffer as a live earlier pack, named by alias_of or, in
+ * traces without it, the latest live pack of the same size; -1 if none. */
+static int get_alias(reader *r, const cJSON *o, uint64_t bytes, int32_t *alias_of) {
+  const sim_trace *t = r->t;
+  *alias_of = -1;
+  const cJSON *al = cJSON_GetObjectItemCaseSensitive(o, "alias");
+  if (al && !cJSON_IsBool(al)) return reader_fail(r, "\"alias\" must be true or false");
+  if (!cJSON_IsTrue(al)) return 0;
+  int64_t of;
+  int rc = get_int(r, o, "alias_of", 0, 1, MAX_ID, &of);
+  if (rc < 0) return rc;
+  if (rc == 0) {
+    uint32_t p;
+    if (!u64map_find(&r->ids, (uint64_t)of, &p) || r->state[p] != TS_PACKED)
+      return reader_fail(r, "alias_of %lld is not a live id", (long long)of);
+    *alias_of = (int32_t)p;
+  } else if ((rc = latest_pack_of_size(r, bytes, alias_of))) {
+    return rc;
+  }
+  while (t->tensors[*alias_of].alias_of >= 0) *alias_of = t->tensors[*alias_of].alias_of;
+  const trace_tensor *p = &t->tensors[*alias_of];
+  if (p->desc.bytes != bytes)
+    return reader_fail(r, "alias of id %llu with another size (%llu vs %llu bytes)",
+                       (unsigned long long)p->id, (unsigned long long)p->desc.bytes,
+                       (unsigned long long)bytes);
+  return 0;
+}
+
+/* Appends a packed tensor (its id not seen before) and its pack event. */
+static int add_tensor(reader *r, uint64_t id, const ferry_tensor_desc *d, uint8_t dec,
+                      int32_t alias_of, double gap) {
+  sim_trace *t = r->t;
+  uint32_t idx = t->n_tensors;
+  uint32_t old_cap = r->cap_tensors;
+  if (util_grow((void **)&t->tensors, &r->cap_tensors, sizeof *t->tensors, idx + 1, 256))
+    return reader_fail(r, "out of memory");
+  if (r->cap_tensors != old_cap) {
+    uint8_t *s = realloc(r->state, r->cap_tensors);
+    if (!s) return reader_fail(r, "out of memory");
+    r->state = s;
+  }
+  if (u64map_insert(&r->ids, id, idx)) return reader_fail(r, "out of memory");
+  trace_tensor *tt = &t->tensors[idx];
+  tt->desc = *d;
+  tt->id = id;
+  tt->alias_of = alias_of;
+  tt->last_alias = -1;
+  tt->decision = dec;
+  tt->line = r->line;
+  if (alias_of >= 0) t->tensors[alias_of].last_alias = (int32_t)idx;
+  r->state[idx] = TS_PACKED;
+  t->n_tensors++;
+  r->live_in_step++;
+  return add_event(r, TEV_PACK, idx, gap);
+}
+
+/* {"ev":"pack",...}: a saved tensor, with its description and decision. */
+static int parse_pack(reader *r, const cJSON *o, double gap) {
+  sim_trace *t = r->t;
+  if (!r->in_step) return reader_fail(r, "pack outside a step (no step_begin before it)");
+  int64_t id, step, bytes, layer, layers, flags = 0;
+  int rc;
+  if ((rc = get_int(r, o, "id", 1, 1, MAX_ID, &id)) ||
+      (rc = get_int(r, o, "step", 1, 0, MAX_ID, &step)) ||
+      (rc = get_int(r, o, "bytes", 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||
+      (rc = get_int(r, o, "layer", 1, -1, MAX_LAYERS, &layer)) ||
+      (rc = get_int(r, o, "layers", 1, 0, MAX_LAYERS, &layers)))
+    return rc;
+  if ((rc = get_int(r, o, "flags", 0, 0, 255, &flags)) < 0) return rc;
+  uint32_t dup;
+  if (u64map_find(&r->ids, (uint64_t)id, &dup))
+    return reader_fail(r, "id %lld packed twice (first at line %u)", (long long)id,
+                       t->tensors[dup].line);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  d.bytes = (uint64_t)bytes;
+  d.layer = (int32_t)layer;
+  d.layer_count = (int32_t)layers;
+  d.flags = (uint32_t)flags;
+  uint8_t dec = FERRY_KEEP;
+  if ((rc = get_pack_desc(r, o, &d, &dec))) return rc;
+  if (layers > t->layers) t->layers = (int32_t)layers;
+  int32_t alias_of;
+  if ((rc = get_alias(r, o, d.bytes, &alias_of))) return rc;
+  return add_tensor(r, (uint64_t)id, &d, dec, alias_of, gap);
+}
+
+/* ---- the other events ----------------------------------------------------------- */
+
+/* {"ev":"header",...}: must be the first line, of format ferry-trace v1. */
+static int parse_header(reader *r, const cJSON *o, const char *ev) {
+  if (strcmp(ev, "header"))
+    return reader_fail(r, "the first line must be the header ({\"ev\":\"header\",...}), got \"%s\"",
+                       ev);
+  const char *fmt;
+  int64_t version;
+  int rc;
+  if ((rc = get_str(r, o, "format", 1, &fmt))) return rc;
+  if (strcmp(fmt, "ferry-trace")) return reader_fail(r, "format \"%s\" is not \"ferry-trace\"", fmt);
+  if ((rc = get_int(r, o, "version", 1, 1, 1e9, &version))) return rc;
+  if (version != 1)
+    return reader_fail(r, "trace format version %lld is newer than this reader (1)",
+                       (long long)version);
+  r->seen_header = 1;
+  return 0;
+}
+
+/* {"ev":"unpack"|"discard","id":N}: the end of a live tensor. */
+static int parse_unpack_or_discard(reader *r, const cJSON *o, const char *ev, double gap) {
+  if (!r->in_step) return reader_fail(r, "%s outside a step", ev);
+  uint32_t idx = 0;
+  int rc = get_live_tensor(r, o, ev, &idx);
+  if (rc) return rc;
+  r->state[idx] = TS_DONE;
+  r->live_in_step--;
+  return add_event(r, ev[0] == 'u' ? TEV_UNPACK : TEV_DISCARD, idx, gap);
+}
+
+/* {"ev":"step_begin","step":N}: opens a step. */
+static int parse_step_begin(reader *r, const cJSON *o, double gap) {
+  int64_t step;
+  int rc = get_int(r, o, "step", 1, 0, MAX_ID, &step);
+  if (rc) return rc;
+  if (r->in_step)
+    return reader_fail(r, "step_begin of step %lld inside step %llu (no step_end)", (long long)step,
+                       (unsigned long long)r->step_number);
+  r->in_step = 1;
+  r->in_backward = 0;
+  r->step_number = (uint64_t)step;
+  r->step_first = r->t->n_events;
+  r->live_in_step = 0;
+  return add_event(r, TEV_STEP_BEGIN, 0, gap);
+}
+
+/* The error for a step that ends with live tensors: names the first one. */
+static int fail_live_at_step_end(reader *r, int64_t step) {
+  const sim_trace *t = r->t;
+  uint32_t first = 0;
+  for (uint32_t k = 0; k < t->n_tensors; k++)
+    if (r->state[k] == TS_PACKED) {
+      first = k;
+      break;
+    }
+  return reader_fail(r, "step %llu ends with %u id(s) neither unpacked nor discarded (first: id %llu "
+                        "packed at line %u)",
+                     (unsigned long long)step, r->live_in_step,
+                     (unsigned long long)t->tensors[first].id, t->tensors[first].line);
+}
+
+/* {"ev":"step_end","step":N}: closes the open step, every tensor done. */
+static int parse_step_end(reader *r, const cJSON *o, double gap) {
+  sim_trace *t = r->t;
+  int64_t step;
+  int rc = get_int(r, o, "step", 1, 0, MAX_ID, &step);
+  if (rc) return rc;
+  if (!r->in_step) return reader_fail(r, "step_end without step_begin");
+  if ((uint64_t)step != r->step_number)
+    return reader_fail(r, "step_end of step %lld inside step %llu", (long long)step,
+                       (unsigned long long)r->step_number);
+  if (r->live_in_step) return fail_live_at_step_end(r, step);
+  if ((rc = add_event(r, TEV_STEP_END, 0, gap))) return rc;
+  if (util_grow((void **)&t->steps, &r->cap_steps, sizeof *t->steps, t->n_steps + 1, 256))
+    return reader_fail(r, "out of memory");
+  t->steps[t->n_steps++] = (trace_step){r->step_first, t->n_events, (uint64_t)step};
+  r->in_step = 0;
+  return 0;
+}
+
+/* {"ev":"backward_begin"|"backward_end"}: inside a step, alternating. */
+static int parse_backward(reader *r, const char *ev, double gap) {
+  int begin = ev[9] == 'b';
+  if (!r->in_step) return reader_fail(r, "%s outside a step", ev);
+  if (begin == r->in_backward)
+    return reader_fail(r, "%s %s", ev,
+                       begin ? "inside backward (no backward_end)" : "without backward_begin");
+  r->in_backward = begin;
+  return add_event(r, begin ? TEV_BACKWARD_BEGIN : TEV_BACKWARD_END, 0, gap);
+}
+
+/* {"ev":"compute","us":X,...}: X microseconds of the trainer's compute. */
+static int parse_compute(reader *r, const cJSON *o) {
+  sim_trace *t = r->t;
+  const cJSON *us = cJSON_GetObjectItemCaseSensitive(o, "us");
+  if (!us) return reader_fail(r, "missing member \"us\"");
+  if (!cJSON_IsNumber(us) || !isfinite(us->valuedouble) || us->valuedouble < 0 ||
+      us->valuedouble > MAX_COMPUTE_US)
+    return reader_fail(r, "\"us\" must be a number within [0, %.0f] (an hour)", MAX_COMPUTE_US);
+  if (!r->in_step) return reader_fail(r, "compute outside a step");
+  int64_t layer = -1;
+  const char *op = NULL;
+  int rc;
+  if ((rc = get_int(r, o, "layer", 0, -1, MAX_LAYERS, &layer)) < 0) return rc;
+  if ((rc = get_str(r, o, "op", 0, &op)) < 0) return rc;
+  t->has_compute = 1;
+  if ((rc = add_event(r, TEV_COMPUTE, 0, us->valuedouble))) return rc;
+  t->events[t->n_events - 1].layer = (int32_t)layer;
+  if (op && !(t->events[t->n_events - 1].op = str_own(r, op))) return reader_fail(r, "out of memory");
+  return 0;
+}
+
+/* {"ev":"resident","bytes":N,"what":S}: device memory held outside the
+ * saved tensors, before the first step; a second line for S replaces it. */
+static int parse_resident(reader *r, const cJSON *o) {
+  sim_trace *t = r->t;
+  int64_t bytes;
+  const char *what;
+  int rc;
+  if ((rc = get_int(r, o, "bytes", 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||
+      (rc = get_str(r, o, "what", 1, &what)))
+    return rc;
+  if (r->in_step)
+    return reader_fail(r, "resident inside a step: resident memory is declared before the first step");
+  uint32_t k = 0;
+  while (k < t->n_resident && strcmp(t->resident[k].what, what)) k++;
+  if (k == t->n_resident) {
+    if (util_grow((void **)&t->resident, &r->cap_resident, sizeof *t->resident, k + 1, 256))
+      return reader_fail(r, "out of memory");
+    t->resident[k].what = strdup(what);
+    if (!t->resident[k].what) return reader_fail(r, "out of memory");
+    t->resident[k].bytes = 0;
+    t->n_resident++;
+  }
+  t->resident_bytes -= t->resident[k].bytes;
+  t->resident[k].bytes = (uint64_t)bytes;
+  t->resident_bytes += (uint64_t)bytes;
+  return 0;
+}
+
+/* ---- lines ---------------------------------------------------------------------- */
+
+/* A line's "t_us": never back in time; *gap is the time since the last line. */
+static int get_time(reader *r, const cJSON *o, double *gap) {
+  const cJSON *tv = cJSON_GetObjectItemCaseSensitive(o, "t_us");
+  if (!tv) return reader_fail(r, "missing member \"t_us\"");
+  if (!cJSON_IsNumber(tv) || !isfinite(tv->valuedouble) || tv->valuedouble < 0)
+    return reader_fail(r, "\"t_us\" must be a non-negative number");
+  double tus = tv->valuedouble;
+  if (r->seen_header && tus + 1e-6 < r->last_t)
+    return reader_fail(r, "t_us %.1f goes back in time (previous line: %.1f)", tus, r->last_t);
+  *gap = r->seen_header ? tus - r->last_t : 0;
+  if (*gap < 0) *gap = 0;
+  if (*gap > 0) r->has_gap = 1;
+  r->last_t = tus;
+  return 0;
+}
+
+/* One event (after the header) to its parser by its "ev". */
+static int parse_event(reader *r, const cJSON *o, const char *ev, double gap) {
+  if (!strcmp(ev, "pack")) return parse_pack(r, o, gap);
+  if (!strcmp(ev, "unpack") || !strcmp(ev, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
+  if (!strcmp(ev, "step_begin")) return parse_step_begin(r, o, gap);
+  if (!strcmp(ev, "step_end")) return parse_step_end(r, o, gap);
+  if (!strcmp(ev, "backward_begin") || !strcmp(ev, "backward_end")) return parse_backward(r, ev, gap);
+  if (!strcmp(ev, "compute")) return parse_compute(r, o);
+  if (!strcmp(ev, "resident")) return parse_resident(r, o);
+  if (!strcmp(ev, "header")) return reader_fail(r, "a second header");
+  return reader_fail(r, "unknown event \"%s\"", ev);
+}
+
+/* A parsed line's object: its ev and t_us, then the header or an event. */
+static int parse_object(reader *r, const cJSON *o) {
+  if (!cJSON_IsObject(o)) return reader_fail(r, "a line must be a JSON object");
+  const char *ev;
+  double gap = 0;
+  int rc;
+  if ((rc = get_str(r, o, "ev", 1, &ev))) return rc;
+  if ((rc = get_time(r, o, &gap))) return rc;
+  if (!r->seen_header) return parse_header(r, o, ev);
+  return parse_event(r, o, ev, gap);
+}
+
+/* One non-blank line of n bytes at s: one JSON object and nothing after it. */
+static int parse_line(reader *r, const char *s, size_t n) {
+  const char *end = NULL;
+  cJSON *o = cJSON_ParseWithLengthOpts(s, n, &end, 0);
+  if (!o) {
+    const char *ep = cJSON_GetErrorPtr();
+    long col = ep && ep >= s && ep <= s + n ? (long)(ep - s) + 1 : 1;
+    return reader_fail(r, "malformed JSON near column %ld", col);
+  }
+  int rc = 0;
+  for (const char *p = end; p && p < s + n; p++)
+    if (*p != ' ' && *p != '\t' && *p != '\r') {
+      rc = reader_fail(r, "text after the JSON object at column %ld", (long)(p - s) + 1);
+      break;
+    }
+  if (!rc) rc = parse_object(r, o);
+  cJSON_Delete(o);
+  return rc;
+}
+
+/* ---- traces --------------------------------------------------------------------- */
+
+void sim_trace_free(sim_trace *t) {
+  if (!t) return;
+  free(t->name);
+  free(t->events);
+  free(t->tensors);
+  free(t->steps);
+  for (uint32_t i = 0; i < t->n_resident; i++) free(t->resident[i].what);
+  free(t->resident);
+  for (size_t i = 0; i < t->n_strings; i++) free(t->strings[i]);
+  free(t->strings);
+  free(t);
+}
+
+/* Every line of data in turn (blank ones skipped), then the end's checks. */
+static int parse_lines(reader *r, const char *data, size_t len) {
+  if (!data || len == 0) return reader_fail(r, "empty trace (no header line)");
+  size_t pos = 0;
+  int rc;
+  while (pos < len) {
+    r->line++;
+    const char *nl = memchr(data + pos, '\n', len - pos);
+    if (!nl) return reader_fail(r, "truncated: the last line has no newline");
+    size_t n = (size_t)(nl - (data + pos));
+    const char *s = data + pos;
+    pos += n + 1;
+    if (memchr(s, 0, n)) return reader_fail(r, "NUL byte in the line");
+    size_t k = 0;
+    while (k < n && (s[k] == ' ' || s[k] == '\t' || s[k] == '\r')) k++;
+    if (k == n) continue; /* blank lines carry nothing */
+    if ((rc = parse_line(r, s, n))) return rc;
+  }
+  r->line = 0;
+  if (!r->seen_header) return reader_fail(r, "empty trace (no header line)");
+  if (r->in_step)
+    return reader_fail(r, "truncated: ends inside step %llu (no step_end)",
+                       (unsigned long long)r->step_number);
+  if (!r->t->n_steps) return reader_fail(r, "no complete step (step_begin .. step_end) in the trace");
+  return 0;
+}
+
+/* Frees the reader's own state; the trace keeps the interned strings. */
+static int reader_finish(reader *r, int rc) {
+  sim_trace *t = r->t;
+  u64map_free(&r->ids);
+  free(r->state);
+  t->strings = NULL;
+  t->n_strings = 0;
+  if (r->strs.count) {
+    t->strings = malloc(r->strs.count * sizeof *t->strings);
+    if (t->strings)
+      for (size_t i = 0; i < r->strs.cap; i++)
+        if (r->strs.slots[i]) t->strings[t->n_strings++] = r->strs.slots[i];
+  }
+  if (!t->strings)
+    for (size_t i = 0; i < r->strs.cap; i++) free(r->strs.slots[i]);
+  free(r->strs.slots);
+  if (!rc && !t->strings && r->strs.count) rc = reader_fail(r, "out of memory");
+  return rc;
+}
+
+int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **out, char *err,
+                    size_t errlen) {
+  *out = NULL;
+  if (err && errlen) err[0] = 0;
+  reader r;
+  memset(&r, 0, sizeof r);
+  r.name = name ? name : "trace";
+  r.err = err;
+  r.errlen = errlen;
+  sim_trace *t = calloc(1, sizeof *t);
+  if (!t || !(t->name = strdup(r.name))) {
+    free(t);
+    return reader_fail(&r, "out of memory");
+  }
+  r.t = t;
+  int rc = reader_finish(&r, parse_lines(&r, data, len));
+  /* Recorded traces carry time in t_us; synthesized ones in compute events. */
+  if (!rc && t->has_compute && r.has_gap)
+    for (uint32_t i = 0; i < t->n_events; i++)
+      if (t->events[i].type != TEV_COMPUTE) t->events[i].gap_us = 0;
+  if (rc) {
+    sim_trace_free(t);
+    return rc;
+  }
+  *out = t;
+  return FERRY_OK;
+}
+
+/* Reads a whole trace file (at most 16 GiB) and parses it. */
+int sim_trace_load(const char *path, sim_trace **out, char *err, size_t errlen) {
+  *out = NULL;
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    if (err && errlen) snprintf(err, errlen, "%s: cannot open: %s", path, strerror(errno));
+    return FERRY_EIO;
+  }
+  size_t cap = 1 << 20, n = 0;
+  char *buf = malloc(cap);
+  int rc = FERRY_OK;
+  while (buf) {
+    if (n == cap) {
+      if (cap >= MAX_TRACE_BYTES) {
+        if (err && errlen) snprintf(err, errlen, "%s: larger than 16 GiB", path);
+        rc = FERRY_EPARSE;
+        break;
+      }
+      char *nb = realloc(buf, cap * 2);
+      if (!nb) break;
+      buf = nb;
+      cap *= 2;
+    }
+    size_t got = fread(buf + n, 1, cap - n, f);
+    n += got;
+    if (got == 0) break;
+  }
+  int read_err = ferror(f);
+  fclose(f);
+  if (!buf) {
+    if (err && errlen) snprintf(err, errlen, "%s: out of memory reading it", path);
+    return FERRY_ENOMEM;
+  }
+  if (rc) {
+    free(buf);
+    return rc;
+  }
+  if (read_err) {
+    free(buf);
+    if (err && errlen) snprintf(err, errlen, "%s: read error", path);
+    return FERRY_EIO;
+  }
+  rc = sim_trace_parse(path, buf, n, out, err, errlen);
+  free(buf);
+  return rc;
+}
