@@ -157,12 +157,15 @@ static void print_header(const char *path, ferry_policy *p, int trusted) {
   printf("api      %d\n", FERRY_POLICY_API_VERSION);
   printf("trusted  %s\n", trusted ? "yes (FFI allowed)" : "no");
   printf("knobs   ");
-  if (!k.has_max_fwd_stash && !k.has_prefetch_distance && !k.has_min_offload_bytes)
+  if (!k.has_max_fwd_stash && !k.has_prefetch_distance && !k.has_min_offload_bytes &&
+      !k.has_max_fwd_stash_bytes)
     printf(" none (engine defaults)");
   if (k.has_max_fwd_stash) printf(" max_fwd_stash=%u", k.max_fwd_stash);
   if (k.has_prefetch_distance) printf(" prefetch_distance=%u", k.prefetch_distance);
   if (k.has_min_offload_bytes)
     printf(" min_offload_bytes=%llu", (unsigned long long)k.min_offload_bytes);
+  if (k.has_max_fwd_stash_bytes)
+    printf(" max_fwd_stash_bytes=%llu", (unsigned long long)k.max_fwd_stash_bytes);
   printf("\n");
 }
 
