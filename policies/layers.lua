@@ -14,7 +14,9 @@ num_layers=N, model_layers=L, offload_activations=True) and Megatron's
   - tensors under 1 MiB elements are not worth a copy in TE
     (min_tensor_size_to_offload = 2**20 elements); here the threshold is in
     bytes, MIN_BYTES below.
-After the first step every answer comes from the engine's cache.
+The first step learns the prefetch count and caches nothing; the second
+stores every answer in the engine's cache; from the third on every answer
+comes from it (`ferry check layers --steps 3` shows - / stored / hit).
 
 Knobs: edit the lines below. ]]
 local N = 2 -- layers to offload, counted from the first
