@@ -1,18 +1,7 @@
-/* bench_arena.c — memory efficiency and speed of the pinned arena.
- *
- * Workload: a "training step" is a fixed list of tensor sizes drawn
- * log-uniformly from 4 KiB to 64 MiB (seeded), allocated in forward order and
- * freed in reverse, as backward consumes them. Repeated for several steps.
- * Measured per arena kind:
- *   - reserved / peak in use (pinned bytes held over bytes actually needed;
- *     a power-of-two caching allocator, like PyTorch's, reaches up to 2x),
- *   - backend allocations after the first step (0 = steady state),
- *   - the cost of one alloc+free pair in steady state,
- *   - reserved / peak when every size varies by up to +25% from step to step
- *     (variable sequence lengths), where freed blocks rarely fit exactly.
- * The backend here is a counting one over mmap that never touches the pages
- * (the arena itself never writes into them), so the multi-GiB step costs no
- * physical memory. */
+/*
+ *  bench_arena.c — memory efficiency and speed of the pinned arena.
+ * How it works: docs/internals.md#bench_arenac.
+ */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>

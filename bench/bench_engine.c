@@ -1,13 +1,7 @@
 /*
  * bench_engine.c — engine bookkeeping per tensor and pinned allocations per
  * step, on the host backend.
- *
- * pack_unpack_keep_ns: a pack decided "keep" plus its unpack, the whole cost
- * (handle table, locking, stats, decision callback).
- * pack_unpack_offload_ns: the same for "offload" with tiny tensors, so the
- * copies cost next to nothing and what remains is bookkeeping: arena
- * alloc/free, events, stream hand-off, reload allocation.
- * Baseline in the same run: a plain malloc+free pair.
+ * How it works: docs/internals.md#bench_enginec.
  */
 #include <stdatomic.h>
 #include <stdio.h>

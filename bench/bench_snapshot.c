@@ -1,31 +1,6 @@
-/* bench_snapshot.c — checkpoint staging on the host backend, in one run:
- *
- *   - staging throughput (start, then fence at once: every copy done)
- *     against memcpy of the same bytes;
- *   - the archive write (start to durable, renamed file) against write() +
- *     fsync of the same bytes to a file in /tmp, alternating round by round
- *     (this machine's disk varies a lot from one second to the next);
- *   - a training-like loop over a 256 MiB "model state" (16 tensors): each
- *     step computes (passes over a separate 64 MiB activation buffer), then
- *     an optimizer step updates the whole state in place. A snapshot starts
- *     after an optimizer step and is fenced before the next one, so the next
- *     step's compute runs while the state is staged. snapshot_blocked_ms is
- *     the time the loop spends inside start + fence; sync_cpu_ms is a
- *     synchronous copy of the same state into warm, preallocated host memory
- *     (what a blocking .cpu() of everything costs at best) in the same run.
- *     Target: snapshot_blocked_vs_sync_cpu <= 0.1.
- *
- * What the host backend means here: "device" memory is ordinary memory, the
- * D2H copies are memcpys on the stream's worker thread and the compute
- * stream is the calling thread, so the fence blocks the loop until the
- * copies are done: the loop is blocked for whatever part of the staging the
- * step's compute does not cover. The step's compute is therefore set from
- * the measured staging time: 1.5x it for the headline figure (on a GPU,
- * staging at 25-55 GB/s is short next to a training step), and 0.33x it for
- * the _short_step figures, where most of the staging cannot be hidden. On a
- * GPU the fence is a stream wait and the host does not block at all. On a
- * 2-core machine the loop, the copy worker and the writer (CRC-32, write())
- * share the cores, which slows all three.
+/*
+ *  bench_snapshot.c — checkpoint staging on the host backend, in one run:
+ * How it works: docs/internals.md#bench_snapshotc.
  */
 #include <fcntl.h>
 #include <stdint.h>

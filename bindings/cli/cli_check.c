@@ -2,13 +2,7 @@
  * ferry_check.c — `ferry check [options] POLICY`: load a policy, print its
  * API version, name and knobs, run it over the tensors a transformer
  * training step saves (every layer's q/k/v/o projections, attention scores,
- * norms, MLP up/gate/down and activation, then parameters, buffers, the
- * output head, a Liger loss and small tensors), and print one line per
- * decision. Exit status: 0 = loaded and no fault, 1 = load error or a fault
- * while deciding (each printed with its file:line), 2 = usage error.
- *
- * Built into the `ferry` command; compile with -DFERRY_CHECK_MAIN for a
- * stand-alone `ferry-check`.
+ * How it works: docs/internals.md#cli_checkc.
  */
 #include <getopt.h>
 #include <limits.h>

@@ -1,29 +1,7 @@
 /*
  * cli_run.c — `ferry run`: start a trainer with jemalloc preloaded and the
  * ferry settings in its environment.
- *
- *   ferry run [--policy FILE] [--trace FILE] [--cap BYTES|PCT%]
- *             [--backend host|cuda|auto] [--dry-run] -- CMD [ARGS...]
- *
- * Why preload: libferry does not link jemalloc; its pinned arena uses
- * jemalloc only when jemalloc is already the process's allocator (docs/hardware.md:
- * a Python process cannot dlopen Debian's libjemalloc, whose TLS is
- * initial-exec). LD_PRELOAD at process start is the one way in.
- *
- * Why exec and not fork+wait: the trainer becomes this process. It keeps the
- * PID a scheduler (SLURM, Kubernetes, torchrun, a shell's job control)
- * signals, so SIGINT/SIGTERM reach it with nothing to forward and no window
- * in which a signal is lost; its exit status, and death by a signal (which a
- * waiting shell reports as 128+N), reach the parent exactly; and no idle
- * launcher process stays behind. What exec gives up is reporting after the
- * child ends, which ferry run has no need for: everything it checks, it
- * checks before exec.
- *
- * Exit status: the command's own when it ran. Before that, like env(1) and
- * timeout(1), so that a launcher failure is told apart from the trainer's:
- *   125  ferry run itself failed (bad usage, jemalloc missing, bad option value)
- *   126  the command was found but could not be executed
- *   127  the command was not found
+ * How it works: docs/internals.md#cli_runc.
  */
 #include <dlfcn.h>
 #include <elf.h>

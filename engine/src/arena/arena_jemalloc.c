@@ -1,31 +1,6 @@
 /*
  * arena_jemalloc.c — the jemalloc kind of the pinned arena.
- *
- * A dedicated jemalloc arena whose extent hooks get memory from the backend
- * (through arena.c's ledger, which enforces the cap). libferry never links
- * jemalloc: a Python process cannot dlopen a library linked to Debian's
- * libjemalloc (initial-exec TLS, docs/hardware.md). The API is looked up with
- * dlsym(RTLD_DEFAULT) and used only when jemalloc is already the process's
- * allocator (linked by the program, or LD_PRELOADed). <jemalloc/jemalloc.h>
- * is included for its types and flag macros only.
- *
- * The backend's host_alloc must return memory mapped for it (mmap,
- * cudaHostAlloc), never memory from the process heap: with jemalloc as the
- * process allocator, heap pages are already in jemalloc's global extent
- * map, and registering them again for this arena corrupts it.
- *
- * Hook decisions, all aimed at keeping pinned pages pinned and in place:
- *   alloc     backend host_alloc; never at a caller-chosen address.
- *   dalloc    refuse: jemalloc keeps the extent as "retained" and reuses it;
- *             arena.c frees the whole ledger at destroy.
- *   destroy   nothing (same reason).
- *   commit    succeed: pinned memory is always committed.
- *   decommit, purge_lazy, purge_forced: absent (= refuse): never madvise or
- *             unmap pinned pages.
- *   split     allow: the pieces stay inside one backend allocation.
- *   merge     allow only inside one backend allocation, so that no
- *             allocation ever straddles two pinned regions (a copy could
- *             not treat it as one pinned buffer).
+ * How it works: docs/internals.md#arena_jemallocc.
  */
 #include <dlfcn.h>
 #include <pthread.h>

@@ -1,22 +1,7 @@
 /*
  * arena_pool.c — the pool kind of the pinned arena: ferry's own allocator,
  * used where jemalloc is not the process's allocator (a plain `python3`).
- *
- * Layout
- *   - Sizes round up to a class: multiples of 256 bytes up to 2 KiB, then 8
- *     classes per power of two, so rounding wastes at most 12.5%.
- *   - Blocks are carved from backend chunks: requests of 1 MiB and more get
- *     a chunk of exactly their class size, smaller ones share 4 MiB chunks.
- *   - A free block goes back whole into the bin of its class (no eager
- *     coalescing), so a training step that repeats the previous step's sizes
- *     finds every block it needs in its own bin: no backend call and no
- *     splitting in steady state.
- *   - Only when a request's own bin is empty does the pool coalesce
- *     neighbouring free blocks (inside a chunk, never across chunks), then
- *     split the smallest bigger block, and only then ask the backend for a
- *     new chunk.
- * Block descriptors live in ordinary memory, never in the pinned chunks.
- * Everything is guarded by the arena's lock, released around backend calls.
+ * How it works: docs/internals.md#arena_poolc.
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,13 +1,7 @@
 /*
  * node_budget.c — a pinned-host budget shared by the processes of one node
  * (ferry_node_budget_*, ferry.h), e.g. all DDP ranks of a machine.
- *
- * One POSIX shared-memory segment per name holds the cap and one slot per
- * process: pid, start time (a reused pid is not the dead rank) and bytes
- * reserved. A process-shared robust mutex guards it: a process killed while
- * holding it leaves EOWNERDEAD and the next locker marks it consistent.
- * Reserving sums the live slots only and frees the dead ones, so a killed
- * process's share comes back on the next reservation of any survivor.
+ * How it works: docs/internals.md#node_budgetc.
  */
 #include <errno.h>
 #include <fcntl.h>

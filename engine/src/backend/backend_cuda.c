@@ -1,37 +1,6 @@
 /*
  * backend_cuda.c — the backend vtable on the CUDA runtime API.
- *
- * A thin mapping: backend.h already has CUDA's semantics.
- *   - engine streams: cudaStreamCreateWithFlags(cudaStreamNonBlocking), so the
- *     copies never serialize with the embedder's legacy default stream;
- *   - copies: cudaMemcpyAsync on those streams, between pinned host memory
- *     and device memory;
- *   - events: cudaEventCreateWithFlags(cudaEventDisableTiming) (timing is
- *     never read, and untimed events are the cheap ones); completion is
- *     cudaEventQuery, ordering is cudaStreamWaitEvent. The only host wait is
- *     event_synchronize (cudaEventSynchronize); no device- or
- *     stream-synchronize is called anywhere.
- *   - external streams (the embedder's compute stream) pass through as
- *     cudaStream_t: NULL is the legacy default stream (this file is compiled
- *     without per-thread default streams), cudaStreamPerThread works too.
- *
- * Device. The engine works on one device: cfg->device, or the calling
- * thread's current device at creation when cfg->device is -1. The current
- * device is per host thread in CUDA and a new thread starts on device 0, while
- * pack and unpack arrive on different threads (autograd runs backward on its
- * own thread). So the calls that bind to the current device (allocation,
- * stream and event creation, and record/wait, whose NULL stream means the
- * current device's default stream) run under a guard that switches to the
- * engine's device only when the thread is elsewhere, and switches back
- * afterwards, leaving the embedder's thread state as it found it. The guard
- * costs one cudaGetDevice (a thread-local read) when nothing has to change.
- * Copies, queries and synchronize need no guard: CUDA runs a copy in its
- * stream's context and queries an event wherever it was created.
- *
- * Errors. Every CUDA call goes through cuda_check(): the error is cleared
- * from the thread's last-error slot (when it is still ours, so an older error
- * of the embedder is not swallowed), mapped to a ferry code and described as
- * "cudaXxx: <message> (<name>)" in the backend's err buffer.
+ * How it works: docs/internals.md#backend_cudac.
  */
 #include <cuda_runtime_api.h>
 #include <errno.h>

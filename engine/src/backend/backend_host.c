@@ -1,41 +1,7 @@
 /*
  * backend_host.c — the host backend: CUDA stream/event semantics with real
  * threads, for tests, CPU-only runs and the PyTorch binding on CPU builds.
- *
- * Streams. Each engine-owned stream is one worker thread that runs the
- * operations enqueued on it strictly in order from a fixed ring of
- * STREAM_RING_CAP slots (no allocation per operation). A producer that finds
- * the ring full blocks until the worker frees a slot, as cudaMemcpyAsync does
- * when the launch queue is full. A stream counts the operations enqueued and
- * the operations executed; both only grow.
- *
- * Events. A record stores a target (stream, enqueued count at the time of the
- * record); the event is complete when that stream's executed count reaches the
- * target. So a record needs no operation in the queue, and re-recording only
- * replaces the target (CUDA's re-arm) without racing the worker. An event
- * never recorded has no stream and is complete.
- *
- * External streams. The NULL stream and any pointer that is not one of this
- * backend's streams is the embedder's ("compute") stream, which on the host
- * backend is the calling thread:
- *   - event_record on it completes the event at once: the CPU work issued
- *     before the call is already done when the call is made;
- *   - stream_wait_event on it blocks the caller until the event completes,
- *     since the caller's later work is what must come after the event.
- * Copies need an engine stream.
- *
- * Stream objects stay allocated until the backend is destroyed (their worker
- * thread and ring go at stream_destroy), so an event recorded on a destroyed
- * stream still reads a valid, final executed count.
- *
- * Link model (cfg->link, all zero = unthrottled). A copy on a throttled link
- * takes at least latency + bytes / bandwidth of wall time: the memcpy runs
- * first, then the worker waits until the modeled transfer is over. Copies in
- * progress in one direction share that direction's bandwidth equally; while
- * both directions have copies in progress each direction runs at
- * duplex * its bandwidth. Progress is integrated exactly at every change of
- * the set of copies in progress, so the time a copy takes is never less than
- * the model says.
+ * How it works: docs/internals.md#backend_hostc.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* pthread_setname_np */

@@ -1,37 +1,8 @@
 /*
- * snapshot.c — checkpoint staging: copy training state into the pinned
+ * staging.c — checkpoint staging: copy training state into the pinned
  * arena on the engine's D2H stream and write it to disk as a zip archive on
  * a writer thread while training goes on (ferry.h, "checkpoint staging").
- *
- * Staging. The device records form one byte stream, in record order. At
- * start the snapshot takes staging buffers ("slots") from the arena, up to
- * the whole stream in pieces of at most SNAP_CHUNK_MAX, or as much as the
- * cap allows. Each slot holds one window of the stream (a "batch", possibly
- * spanning several small records) with one event recorded after its copies.
- * Batches are written in the order they were issued; once the writer has
- * written a batch, it issues the next window of the stream into the same
- * slot. So a snapshot never holds more arena memory than it took at start,
- * never waits for the arena after start (no deadlock with a training loop
- * that frees arena memory only when it runs), and the cap holds throughout.
- *
- * Ordering. The D2H stream waits on an event recorded on the caller's
- * compute stream at start, so every copy reads the state as of the start
- * call. Copies issued later by the writer (chunked staging) are still
- * correct as long as the caller does not modify the tensors before
- * ferry_snapshot_fence(), which blocks the host until the last copy has been
- * issued and then makes the compute stream wait for it.
- *
- * Threads. One writer thread per snapshot: snapshots are rare (every N
- * steps), a thread costs tens of microseconds to start, and a thread per
- * snapshot ties its lifetime to the handle, with no queue or idle thread in
- * the engine. Backend calls on the D2H stream and the event pool are made
- * under the engine lock, as the stash manager makes them; waits on the
- * snapshot's own events, arena frees (the arena is thread-safe) and all file
- * I/O run without it. Lock order: engine lock, then the snapshot's mutex.
- *
- * Durability (docs/checkpoints.md): each snapshot writes its own temporary
- * file beside the target, created exclusively, then fsync, rename, fsync of
- * the directory; a target that is not a regular file is refused.
+ * How it works: docs/internals.md#stagingc.
  */
 #include <errno.h>
 #include <fcntl.h>

@@ -3,28 +3,7 @@
  * buffers"): state that lives in the pinned arena between uses and moves to
  * and from the device at points the caller chooses (optimizer states,
  * offloaded weights), beside the saved-tensor path of the stash.
- *
- * A resident buffer is one arena allocation and one event from the engine's
- * pool. Every copy is ordered after the caller's compute stream (an event
- * recorded there, waited on by the engine stream) and after the buffer's
- * previous copy (its own event), so a D2H that overwrites the host bytes
- * never races an H2D still reading them, and the reverse. D2H copies run on
- * the engine's D2H stream, H2D copies on its H2D stream; after an H2D the
- * compute stream waits on the buffer's event.
- *
- * Handles. Live handles are kept in one process-wide list so that a call on
- * a destroyed handle (double destroy) is detected instead of reading freed
- * memory: FERRY_EHANDLE. Lookups are linear; a trainer holds at most a few
- * thousand. Each engine also keeps its own list (the data of its shutdown
- * hook): at engine teardown the hook waits for each buffer's copies, gives
- * its memory and event back and detaches it (e = NULL).
- *
- * Locking. Backend calls on the engine streams, the event pool and the stats
- * are under the engine lock, as in the stash manager and checkpoint staging.
- * Lock order: registry mutex, then engine lock. Waiting on a buffer's event
- * is done with the registry mutex released and the engine lock not held; a
- * handle is used by one thread at a time (ferry.h), so its event is not
- * recorded again meanwhile.
+ * How it works: docs/internals.md#residentc.
  */
 #include <pthread.h>
 #include <stdarg.h>
