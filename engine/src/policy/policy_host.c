@@ -82,7 +82,7 @@ enum {
 
 enum interrupt_kind { INTERRUPT_NONE = 0, INTERRUPT_BUDGET, INTERRUPT_MEMORY };
 
-/* What Lua reads as `t` (cdef'd in BOOTSTRAP with the same layout; the
+/* What Lua reads as `t` (cdef'd in sandbox.lua with the same layout; the
  * bootstrap checks each offset). Fields read most often come first: FFI
  * finds a field by a linear scan. */
 typedef struct policy_tensor_view {
@@ -446,65 +446,10 @@ static int sandbox_require(lua_State *L) {
 }
 
 /* ---- state setup -------------------------------------------------------- */
-/* Runs once per state with the full standard library, before any policy
- * code, in a private environment. Fills the sandbox env passed in. */
-static const char BOOTSTRAP[] =
-    "local ffi, env, F, C, offsets, trusted = ...\n"
-    "ffi.cdef[[\n"
-    "typedef struct ferry_policy_tensor {\n"
-    "  const double bytes;\n"
-    "  const int32_t kind, dtype, ndim, flags, layer, layer_count, phase;\n"
-    "  const double step;\n"
-    "} ferry_policy_tensor;\n"
-    "typedef struct ferry_policy_ctx {\n"
-    "  const double step;\n"
-    "  const double host_ram_used_pct;\n"
-    "  const double arena_in_use, arena_cap, stash_depth, bytes_in_flight;\n"
-    "  const double packed_this_step, offloaded_this_step, bytes_offloaded_this_step;\n"
-    "  const int32_t phase;\n"
-    "} ferry_policy_ctx;\n"
-    "]]\n"
-    "for field, off in pairs(offsets) do\n"
-    "  local ct, f = field:match('^(.-)%.(.*)$')\n"
-    "  if f == 'sizeof' then assert(ffi.sizeof(ct) == off, field)\n"
-    "  else assert(ffi.offsetof(ct, f) == off, field) end\n"
-    "end\n"
-    "local shape = {}\n"
-    "ffi.metatype('ferry_policy_tensor', { __index = { path = C.path, class = C.class,\n"
-    "  shape = shape } })\n"
-    "ffi.metatype('ferry_policy_ctx', { __index = {\n"
-    "  offloaded_in_layer = C.offloaded_in_layer } })\n"
-    "local function copy(src, skip)\n"
-    "  local t = {}\n"
-    "  for k, v in pairs(src) do if not (skip and skip[k]) then t[k] = v end end\n"
-    "  return t\n"
-    "end\n"
-    "local sstring = copy(string, { dump = true })\n"
-    "sstring.gsub = C.gsub\n"
-    "setmetatable(sstring, { __index = function(_, k)\n"
-    "  if k == 'dump' then error(\"'string.dump' is not available to policies\", 2) end\n"
-    "end })\n"
-    "local smt = debug.getmetatable('')\n"
-    "smt.__index = sstring\n"
-    "smt.__metatable = 'string'\n"
-    "local sos = { clock = os.clock, time = os.time }\n"
-    "setmetatable(sos, { __index = function(_, k)\n"
-    "  error(\"'os.\" .. tostring(k) .. \"' is not available to policies \"\n"
-    "    .. '(only os.clock and os.time are)', 2)\n"
-    "end })\n"
-    "F.log = C.log\n"
-    "local allowed = { string = sstring, table = copy(table), math = copy(math), os = sos,\n"
-    "  ferry = F, pairs = pairs, ipairs = ipairs, next = next, select = select,\n"
-    "  type = type, tostring = tostring, tonumber = tonumber, error = error,\n"
-    "  assert = assert, pcall = C.pcall, xpcall = C.xpcall,\n"
-    "  setmetatable = setmetatable, getmetatable = getmetatable, rawget = rawget,\n"
-    "  rawequal = rawequal, unpack = unpack, require = C.require }\n"
-    "for k, v in pairs(allowed) do env[k] = v end\n"
-    "local function unknown(_, k)\n"
-    "  error(\"unknown global '\" .. tostring(k) .. \"'\", 2)\n"
-    "end\n"
-    "setmetatable(env, { __index = unknown, __newindex = unknown, __metatable = false })\n"
-    "return ffi.new('ferry_policy_tensor'), ffi.new('ferry_policy_ctx'), shape\n";
+/* SANDBOX_LUA (policy/sandbox.lua, embedded at build time) runs once per state
+ * with the full standard library, before any policy code, in a private
+ * environment. Fills the sandbox env passed in. */
+#include "policy/sandbox_lua.h"
 
 typedef struct {
   const char *name;
@@ -572,7 +517,7 @@ static int setup_state(lua_State *L) {
   lua_newtable(L); /* 2: sandbox env */
   lua_newtable(L); /* 3: loaded modules */
 
-  if (luaL_loadbuffer(L, BOOTSTRAP, sizeof BOOTSTRAP - 1, "=ferry") != 0) return lua_error(L);
+  if (luaL_loadbuffer(L, SANDBOX_LUA, sizeof SANDBOX_LUA - 1, "@sandbox.lua") != 0) return lua_error(L);
   /* 4: bootstrap */
   /* arg ffi (luaL_openlibs only preloads it); kept in _LOADED.ffi for
    * trusted policies' require */
