@@ -32,6 +32,7 @@
  * recursing through it would overflow the C stack before the Lua stack.
  */
 #include "ferry_tools.h"
+#include "util/util.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -471,22 +472,16 @@ static const named_const FERRY_CONSTANTS[] = {
     {"BACKWARD", FERRY_PHASE_BACKWARD},
     {"VIEW", FERRY_FLAG_VIEW},
     {"CONTIGUOUS", FERRY_FLAG_CONTIGUOUS},
-    /* dtypes, under both spellings: ferry.BF16 and ferry.DTYPE_BF16 */
-    {"UNKNOWN", FERRY_DTYPE_UNKNOWN},
-    {"F32", FERRY_DTYPE_F32},
-    {"F16", FERRY_DTYPE_F16},
-    {"BF16", FERRY_DTYPE_BF16},
-    {"F64", FERRY_DTYPE_F64},
-    {"F8E4M3", FERRY_DTYPE_F8E4M3},
-    {"F8E5M2", FERRY_DTYPE_F8E5M2},
-    {"I64", FERRY_DTYPE_I64},
-    {"I32", FERRY_DTYPE_I32},
-    {"I16", FERRY_DTYPE_I16},
-    {"I8", FERRY_DTYPE_I8},
-    {"U8", FERRY_DTYPE_U8},
-    {"BOOL", FERRY_DTYPE_BOOL},
 };
-#define FIRST_DTYPE_CONSTANT 14
+
+/* The dtypes, from the one dtype table in ferry.h; given to policies under
+ * both spellings: ferry.BF16 and ferry.DTYPE_BF16. */
+#define DTYPE_CONSTANT_(e, name, bytes, torch, np) {#e, FERRY_DTYPE_##e},
+static const named_const DTYPE_CONSTANTS[] = {
+    {"UNKNOWN", FERRY_DTYPE_UNKNOWN},
+    FERRY_DTYPE_LIST(DTYPE_CONSTANT_)
+};
+#undef DTYPE_CONSTANT_
 
 static void set_cfunc(lua_State *L, int table, const char *name, lua_CFunction f, int nup) {
   /* the nup upvalues are on top of the stack */
@@ -534,12 +529,14 @@ static int setup_state(lua_State *L) {
   for (size_t i = 0; i < sizeof FERRY_CONSTANTS / sizeof FERRY_CONSTANTS[0]; i++) {
     lua_pushinteger(L, FERRY_CONSTANTS[i].value);
     lua_setfield(L, F, FERRY_CONSTANTS[i].name);
-    if (i >= FIRST_DTYPE_CONSTANT) {
-      lua_pushinteger(L, FERRY_CONSTANTS[i].value);
-      lua_pushfstring(L, "DTYPE_%s", FERRY_CONSTANTS[i].name);
-      lua_insert(L, -2);
-      lua_settable(L, F);
-    }
+  }
+  for (size_t i = 0; i < sizeof DTYPE_CONSTANTS / sizeof DTYPE_CONSTANTS[0]; i++) {
+    lua_pushinteger(L, DTYPE_CONSTANTS[i].value);
+    lua_setfield(L, F, DTYPE_CONSTANTS[i].name);
+    lua_pushinteger(L, DTYPE_CONSTANTS[i].value);
+    lua_pushfstring(L, "DTYPE_%s", DTYPE_CONSTANTS[i].name);
+    lua_insert(L, -2);
+    lua_settable(L, F);
   }
   lua_newtable(L); /* arg C */
   int C = lua_gettop(L);
@@ -1043,15 +1040,6 @@ static uint64_t hash_bytes(const char *s, size_t *len) {
   return h | 1; /* never 0 */
 }
 
-static uint64_t mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-
 static int grow_content_index(ferry_policy *p) {
   uint32_t cap = (p->by_content_mask + 1) * 2;
   uint32_t *idx = calloc(cap, sizeof *idx);
@@ -1079,14 +1067,12 @@ static uint32_t intern_content(ferry_policy *p, const char *s, uint32_t scratch)
   }
   lua_State *L = p->L;
   int full = p->n_strings >= MAX_STRINGS;
-  if (!full && p->n_strings == p->cap_strings) {
-    interned *grown = realloc(p->strings, 2 * p->cap_strings * sizeof *grown);
-    if (grown) {
-      p->strings = grown;
-      p->cap_strings *= 2;
-    } else {
+  if (!full) {
+    void *strings = p->strings;
+    if (util_grow(&strings, &p->cap_strings, sizeof *p->strings, p->n_strings + 1, 0) == 0)
+      p->strings = strings;
+    else
       full = 1;
-    }
   }
   char *copy = full ? NULL : malloc(len + 1);
   if (full || !copy || ((p->n_strings + 1) * 2 > p->by_content_mask + 1 && grow_content_index(p))) {
@@ -1111,7 +1097,7 @@ static uint32_t intern_content(ferry_policy *p, const char *s, uint32_t scratch)
  * and a freed string's address may be reused for another. */
 static uint32_t intern(ferry_policy *p, const char *s, uint32_t scratch) {
   if (!s || !*s) return STR_EMPTY;
-  ptr_cache_entry *c = &p->ptr_cache[mix64((uintptr_t)s) & (PTR_CACHE_SIZE - 1)];
+  ptr_cache_entry *c = &p->ptr_cache[util_mix64((uintptr_t)s) & (PTR_CACHE_SIZE - 1)];
   if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
   uint32_t id = intern_content(p, s, scratch);
   if (id >= STR_FIRST) {
@@ -1123,10 +1109,10 @@ static uint32_t intern(ferry_policy *p, const char *s, uint32_t scratch) {
 
 /* ---- site cache --------------------------------------------------------- */
 static uint64_t site_hash(const site_key *k) {
-  uint64_t h = mix64(((uint64_t)k->path_id << 32) | k->class_id);
-  h = mix64(h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->kind << 8) |
+  uint64_t h = util_mix64(((uint64_t)k->path_id << 32) | k->class_id);
+  h = util_mix64(h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->kind << 8) |
                  (uint32_t)k->ndim));
-  for (int i = 0; i < k->ndim; i++) h = mix64(h ^ (uint64_t)k->shape[i]);
+  for (int i = 0; i < k->ndim; i++) h = util_mix64(h ^ (uint64_t)k->shape[i]);
   return h | 1;
 }
 
