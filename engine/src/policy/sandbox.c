@@ -332,28 +332,9 @@ static void set_offset(lua_State *L, int table, const char *name, size_t off) {
   lua_setfield(L, table, name);
 }
 
-/* lua_cpcall body: open the libraries, build the sandbox. Leaves in the
- * registry: ferry.msgh, ferry.env, ferry.tensor, ferry.ctx, ferry.shape,
- * ferry.strings. */
-int setup_state(lua_State *L) {
-  ferry_policy *p = lua_touserdata(L, 1);
-  lua_settop(L, 0);
-  luaL_openlibs(L);
-
-  lua_newtable(L); /* 1: strings, id -> Lua string */
-  lua_pushliteral(L, "");
-  lua_rawseti(L, 1, STR_EMPTY);
-  lua_pushliteral(L, "");
-  lua_rawseti(L, 1, STR_SCRATCH_PATH);
-  lua_pushliteral(L, "");
-  lua_rawseti(L, 1, STR_SCRATCH_CLASS);
-  lua_newtable(L); /* 2: sandbox env */
-  lua_newtable(L); /* 3: loaded modules */
-
-  if (luaL_loadbuffer(L, SANDBOX_LUA, sizeof SANDBOX_LUA - 1, "@sandbox.lua") != 0) return lua_error(L);
-  /* 4: bootstrap */
-  /* arg ffi (luaL_openlibs only preloads it); kept in _LOADED.ffi for
-   * trusted policies' require */
+/* Pushes the ffi library (luaL_openlibs only preloads it); kept in
+ * _LOADED.ffi for trusted policies' require. */
+static void push_ffi(lua_State *L) {
   lua_pushcfunction(L, luaopen_ffi);
   lua_pushliteral(L, LUA_FFILIBNAME);
   lua_call(L, 1, 1);
@@ -361,7 +342,10 @@ int setup_state(lua_State *L) {
   lua_pushvalue(L, -2);
   lua_setfield(L, -2, LUA_FFILIBNAME);
   lua_pop(L, 1);
-  lua_pushvalue(L, 2); /* arg env */
+}
+
+/* Pushes the table sandbox.lua makes `ferry` of: the constants. */
+static void push_constants(lua_State *L) {
   lua_newtable(L);     /* arg F */
   int F = lua_gettop(L);
   for (size_t i = 0; i < sizeof FERRY_CONSTANTS / sizeof FERRY_CONSTANTS[0]; i++) {
@@ -376,6 +360,11 @@ int setup_state(lua_State *L) {
     lua_insert(L, -2);
     lua_settable(L, F);
   }
+}
+
+/* Pushes the C functions sandbox.lua hands to policies; stack slots 1
+ * (strings), 2 (env) and 3 (loaded modules) are their upvalues. */
+static void push_c_functions(lua_State *L, ferry_policy *p) {
   lua_newtable(L); /* arg C */
   int C = lua_gettop(L);
   lua_pushvalue(L, 1);
@@ -396,6 +385,10 @@ int setup_state(lua_State *L) {
   lua_pushvalue(L, 3);
   lua_pushvalue(L, 2);
   set_cfunc(L, C, "require", sandbox_require, 2);
+}
+
+/* Pushes the struct offsets sandbox.lua checks its cdefs against. */
+static void push_offsets(lua_State *L) {
   lua_newtable(L); /* arg offsets */
   int O = lua_gettop(L);
   set_offset(L, O, "ferry_policy_tensor.sizeof", sizeof(policy_tensor_view));
@@ -408,6 +401,33 @@ int setup_state(lua_State *L) {
   set_offset(L, O, "ferry_policy_ctx.bytes_offloaded_this_step",
              offsetof(policy_ctx_view, bytes_offloaded_this_step));
   set_offset(L, O, "ferry_policy_ctx.phase", offsetof(policy_ctx_view, phase));
+}
+
+/* lua_cpcall body: open the libraries, build the sandbox. Leaves in the
+ * registry: ferry.msgh, ferry.env, ferry.tensor, ferry.ctx, ferry.shape,
+ * ferry.strings. */
+int setup_state(lua_State *L) {
+  ferry_policy *p = lua_touserdata(L, 1);
+  lua_settop(L, 0);
+  luaL_openlibs(L);
+
+  lua_newtable(L); /* 1: strings, id -> Lua string */
+  lua_pushliteral(L, "");
+  lua_rawseti(L, 1, STR_EMPTY);
+  lua_pushliteral(L, "");
+  lua_rawseti(L, 1, STR_SCRATCH_PATH);
+  lua_pushliteral(L, "");
+  lua_rawseti(L, 1, STR_SCRATCH_CLASS);
+  lua_newtable(L); /* 2: sandbox env */
+  lua_newtable(L); /* 3: loaded modules */
+
+  if (luaL_loadbuffer(L, SANDBOX_LUA, sizeof SANDBOX_LUA - 1, "@sandbox.lua") != 0) return lua_error(L);
+  /* 4: bootstrap */
+  push_ffi(L);
+  lua_pushvalue(L, 2); /* arg env */
+  push_constants(L);
+  push_c_functions(L, p);
+  push_offsets(L);
   lua_pushboolean(L, p->trusted);
   lua_call(L, 6, 3); /* stack: strings, env, loaded, tensor, ctx, shape */
 
