@@ -631,7 +631,7 @@ static int cb_reserve(void *ud, uint64_t bytes, int release) {
  * must not keep a tensor the engine would have shown the policy. */
 static uint64_t effective_min_bytes(ferry_engine *e) {
   ferry_knobs k;
-  return ferry_get_knobs(e, &k) == FERRY_OK ? k.min_offload_bytes : 0;
+  return ferry_get_knobs(e, &k, sizeof k) == FERRY_OK ? k.min_offload_bytes : 0;
 }
 
 /* ---- Engine type ------------------------------------------------------------- */
