@@ -855,7 +855,7 @@ TEST(stash_shared_budget_hook) {
     if (unpack_check(&f, hs[i], SZ, sums[i])) return 1;
   CHECK_OK(ferry_step_end(f.e));
   ferry_knobs k;
-  CHECK_OK(ferry_get_knobs(f.e, &k));
+  CHECK_OK(ferry_get_knobs(f.e, &k, sizeof k));
   CHECK_EQ(k.max_fwd_stash, 1);
   CHECK_EQ(k.min_offload_bytes, 1);
   ferry_engine_destroy(f.e);
@@ -881,8 +881,23 @@ TEST(stash_fwd_bound_in_bytes) {
     CHECK_EQ(atomic_load(&f.dev.releases), i + 1 > 3 ? i + 1 - 3 : 0);
   }
   ferry_knobs k;
-  CHECK_OK(ferry_get_knobs(f.e, &k));
+  CHECK_OK(ferry_get_knobs(f.e, &k, sizeof k));
   CHECK_EQ(k.max_fwd_stash_bytes, 3u << 20);
+  /* a size short of the first ferry_knobs is refused; the first version's
+   * size fills only its fields; a larger (newer caller's) size works */
+  CHECK_EQ(ferry_get_knobs(f.e, &k, FERRY_KNOBS_SIZE_V1 - 1), FERRY_EINVAL);
+  ferry_knobs v1 = {0};
+  v1.max_fwd_stash_bytes = 7;
+  CHECK_OK(ferry_get_knobs(f.e, &v1, FERRY_KNOBS_SIZE_V1));
+  CHECK_EQ(v1.max_fwd_stash_bytes, 7);
+  CHECK_EQ(v1.min_offload_bytes, k.min_offload_bytes);
+  struct {
+    ferry_knobs k;
+    uint64_t later_field;
+  } bigger = {{0}, 9};
+  CHECK_OK(ferry_get_knobs(f.e, &bigger.k, sizeof bigger));
+  CHECK_EQ(bigger.k.max_fwd_stash_bytes, 3u << 20);
+  CHECK_EQ(bigger.later_field, 9);
   for (int i = M - 1; i >= 0; i--)
     if (unpack_check(&f, hs[i], SZ, sums[i])) return 1;
   CHECK_OK(ferry_step_end(f.e));
@@ -893,7 +908,7 @@ TEST(stash_fwd_bound_in_bytes) {
                             "return { api = 1, knobs = { max_fwd_stash_bytes = 1048576 },"
                             " decide = function(t, ctx) return ferry.OFFLOAD end }",
                             0));
-  CHECK_OK(ferry_get_knobs(f.e, &k));
+  CHECK_OK(ferry_get_knobs(f.e, &k, sizeof k));
   CHECK_EQ(k.max_fwd_stash_bytes, 1u << 20);
   for (int i = 0; i < 4; i++) CHECK((hs[i] = pack_new(&f, SZ / 2, (uint64_t)i, &sums[i])));
   ferry_stats s;

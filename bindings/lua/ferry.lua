@@ -68,6 +68,20 @@ local C = lib
 
 for k, v in pairs(generated.macros) do M[k] = v end
 
+-- Raises unless a library of version `hex` (FERRY_VERSION_HEX layout:
+-- major << 16 | minor << 8 | patch) has the major version of the cdef this
+-- binding was generated from; a different major is a different ABI.
+function M.check_library_version(hex, path)
+  local major = math.floor(hex / 65536)
+  if major ~= M.VERSION_MAJOR then
+    error(string.format("ferry: libferry at '%s' is version %d.%d.%d, but this binding " ..
+      "(ferry_cdef.lua) is for major version %d (%d.%d.%d); ABIs of different major " ..
+      "versions are incompatible", tostring(path), major, math.floor(hex / 256) % 256, hex % 256,
+      M.VERSION_MAJOR, M.VERSION_MAJOR, M.VERSION_MINOR, M.VERSION_PATCH), 2)
+  end
+end
+M.check_library_version(tonumber(C.ferry_version()), M.library_path)
+
 -- ---------------------------------------------------------------------------
 -- constants, from the enums of the header
 

@@ -148,7 +148,7 @@ uint32_t prefetch_distance;
 uint64_t min_offload_bytes;
 uint64_t max_fwd_stash_bytes;
 }ferry_knobs;
-int ferry_get_knobs(ferry_engine *e, ferry_knobs *out);
+int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size);
 typedef struct ferry_snapshot ferry_snapshot;
 typedef struct ferry_snapshot_record {
 const char *name;

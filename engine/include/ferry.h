@@ -414,7 +414,11 @@ typedef struct ferry_knobs {
   uint64_t min_offload_bytes;
   uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
 } ferry_knobs;
-FERRY_API int ferry_get_knobs(ferry_engine *e, ferry_knobs *out);
+/* The first ferry_knobs (without max_fwd_stash_bytes); a smaller size is refused. */
+#define FERRY_KNOBS_SIZE_V1 16
+/* Fills at most size bytes of out (pass sizeof *out); FERRY_EINVAL if size is
+ * smaller than FERRY_KNOBS_SIZE_V1. */
+FERRY_API int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size);
 
 /* ---- checkpoint staging --------------------------------------------------
  * Snapshot training state into the pinned arena on the D2H stream and write

@@ -12,6 +12,18 @@ describe("ferry binding", function()
       ferry.VERSION_PATCH), s:match("^%d+%.%d+%.%d+"))
   end)
 
+  it("refuses a libferry of another major version, naming both", function()
+    local hex = (ferry.VERSION_MAJOR + 1) * 65536 + 2 * 256 + 3
+    local ok, err = pcall(ferry.check_library_version, hex, "/x/libferry.so")
+    assert.is_false(ok)
+    assert.matches(string.format("libferry at '/x/libferry.so' is version %d.2.3", ferry.VERSION_MAJOR + 1),
+      err, 1, true)
+    assert.matches(string.format("major version %d (%d.%d.%d)", ferry.VERSION_MAJOR,
+      ferry.VERSION_MAJOR, ferry.VERSION_MINOR, ferry.VERSION_PATCH), err, 1, true)
+    -- the same major with another minor and patch is accepted
+    ferry.check_library_version(ferry.VERSION_MAJOR * 65536 + 255 * 256 + 255, "x")
+  end)
+
   it("names errors from the header's one list", function()
     assert.equal(-1, ferry.errors.EINVAL)
     assert.equal("invalid argument", ferry.strerror(ferry.errors.EINVAL))

@@ -76,7 +76,7 @@ static void cb_retain(void *ud, void *owner) {
  * must not keep a tensor the engine would have shown the policy. */
 static uint64_t effective_min_bytes(ferry_engine *e) {
   ferry_knobs k;
-  return ferry_get_knobs(e, &k) == FERRY_OK ? k.min_offload_bytes : 0;
+  return ferry_get_knobs(e, &k, sizeof k) == FERRY_OK ? k.min_offload_bytes : 0;
 }
 
 /* ---- Engine type ------------------------------------------------------------- */

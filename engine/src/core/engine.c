@@ -397,16 +397,25 @@ const char *ferry_last_policy_error(ferry_engine *e) {
   return ferry_policy_last_error(e->policy);
 }
 
-int ferry_get_knobs(ferry_engine *e, ferry_knobs *out) {
+_Static_assert(offsetof(ferry_knobs, max_fwd_stash_bytes) == FERRY_KNOBS_SIZE_V1,
+               "FERRY_KNOBS_SIZE_V1 is the size of the first ferry_knobs");
+
+/* Copies the knobs in force into out, at most size bytes of them. */
+int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
   int rc = engine_check(e);
   if (rc) return rc;
-  if (!out) return FERRY_EINVAL;
+  if (!out) return engine_fail(e, FERRY_EINVAL, "ferry_get_knobs: out is NULL");
+  if (size < FERRY_KNOBS_SIZE_V1)
+    return engine_fail(e, FERRY_EINVAL, "ferry_get_knobs: size %zu is smaller than the first ferry_knobs (%zu bytes)",
+                       size, (size_t)FERRY_KNOBS_SIZE_V1);
+  ferry_knobs k;
   pthread_mutex_lock(&e->lock);
-  out->max_fwd_stash = e->max_fwd_stash;
-  out->prefetch_distance = e->prefetch_distance;
-  out->min_offload_bytes = e->min_offload_bytes;
-  out->max_fwd_stash_bytes = e->max_fwd_stash_bytes;
+  k.max_fwd_stash = e->max_fwd_stash;
+  k.prefetch_distance = e->prefetch_distance;
+  k.min_offload_bytes = e->min_offload_bytes;
+  k.max_fwd_stash_bytes = e->max_fwd_stash_bytes;
   pthread_mutex_unlock(&e->lock);
+  memcpy(out, &k, size < sizeof k ? size : sizeof k);
   return FERRY_OK;
 }
 

@@ -1,0 +1,334 @@
+/*
+ * decide.c: the decide and snapshot calls: string interning, the per-site
+ * decision cache, answer checking and fault accounting. The hot path
+ * (ferry_policy_decide with a cache hit) stays in this one file.
+ */
+#include "policy/policy_internal.h"
+
+/* ---- interning ---------------------------------------------------------- */
+static uint64_t hash_bytes(const char *s, size_t *len) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+  const char *c = s;
+  for (; *c; c++) h = (h ^ (unsigned char)*c) * 1099511628211ull;
+  *len = (size_t)(c - s);
+  return h | 1; /* never 0 */
+}
+
+static int grow_content_index(ferry_policy *p) {
+  uint32_t cap = (p->by_content_mask + 1) * 2;
+  uint32_t *idx = calloc(cap, sizeof *idx);
+  if (!idx) return -1;
+  for (uint32_t id = STR_FIRST; id < p->n_strings; id++) {
+    uint32_t s = (uint32_t)p->strings[id].hash & (cap - 1);
+    while (idx[s]) s = (s + 1) & (cap - 1);
+    idx[s] = id;
+  }
+  free(p->by_content);
+  p->by_content = idx;
+  p->by_content_mask = cap - 1;
+  return 0;
+}
+
+/* The id of string s, interning it on first sight. scratch is the slot used
+ * when the table is full (then the Lua string is pushed for this call). */
+static uint32_t intern_content(ferry_policy *p, const char *s, uint32_t scratch) {
+  size_t len;
+  uint64_t h = hash_bytes(s, &len);
+  uint32_t slot = (uint32_t)h & p->by_content_mask;
+  for (uint32_t id; (id = p->by_content[slot]); slot = (slot + 1) & p->by_content_mask) {
+    const interned *e = &p->strings[id];
+    if (e->hash == h && e->len == len && !memcmp(e->str, s, len)) return id;
+  }
+  lua_State *L = p->L;
+  int full = p->n_strings >= MAX_STRINGS;
+  if (!full) {
+    void *strings = p->strings;
+    if (util_grow(&strings, &p->cap_strings, sizeof *p->strings, p->n_strings + 1, 0) == 0)
+      p->strings = strings;
+    else
+      full = 1;
+  }
+  char *copy = full ? NULL : malloc(len + 1);
+  if (full || !copy || ((p->n_strings + 1) * 2 > p->by_content_mask + 1 && grow_content_index(p))) {
+    free(copy);
+    lua_pushlstring(L, s, len);
+    lua_rawseti(L, SLOT_STRINGS, (int)scratch);
+    return scratch;
+  }
+  memcpy(copy, s, len + 1);
+  uint32_t id = p->n_strings++;
+  p->strings[id] = (interned){copy, len, h};
+  slot = (uint32_t)h & p->by_content_mask;
+  while (p->by_content[slot]) slot = (slot + 1) & p->by_content_mask;
+  p->by_content[slot] = id;
+  lua_pushlstring(L, s, len);
+  lua_rawseti(L, SLOT_STRINGS, (int)id);
+  return id;
+}
+
+/* Pointers from ferry_intern() are stable, so a pointer cache answers most
+ * lookups; the content is still compared, since any pointer may be passed
+ * and a freed string's address may be reused for another. */
+static uint32_t intern(ferry_policy *p, const char *s, uint32_t scratch) {
+  if (!s || !*s) return STR_EMPTY;
+  ptr_cache_entry *c = &p->ptr_cache[util_mix64((uintptr_t)s) & (PTR_CACHE_SIZE - 1)];
+  if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
+  uint32_t id = intern_content(p, s, scratch);
+  if (id >= STR_FIRST) {
+    c->ptr = s;
+    c->id = id;
+  }
+  return id;
+}
+
+/* ---- site cache --------------------------------------------------------- */
+static uint64_t site_hash(const site_key *k) {
+  uint64_t h = util_mix64(((uint64_t)k->path_id << 32) | k->class_id);
+  h = util_mix64(h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->kind << 8) |
+                 (uint32_t)k->ndim));
+  for (int i = 0; i < k->ndim; i++) h = util_mix64(h ^ (uint64_t)k->shape[i]);
+  return h | 1;
+}
+
+static int site_equal(const site_key *a, const site_key *b) {
+  if (a->path_id != b->path_id || a->class_id != b->class_id || a->dtype != b->dtype ||
+      a->kind != b->kind || a->ndim != b->ndim)
+    return 0;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->shape[i] != b->shape[i]) return 0;
+  return 1;
+}
+
+static const site_entry *site_find(const ferry_policy *p, const site_key *k, uint64_t h) {
+  if (!p->sites) return NULL;
+  for (uint32_t s = (uint32_t)h & p->sites_mask;; s = (s + 1) & p->sites_mask) {
+    const site_entry *e = &p->sites[s];
+    if (!e->hash) return NULL;
+    if (e->hash == h && site_equal(&e->key, k)) return e;
+  }
+}
+
+static void site_insert(ferry_policy *p, const site_key *k, uint64_t h, const ferry_decision *d) {
+  if (p->n_sites >= SITE_CACHE_MAX) return;
+  if (!p->sites || (p->n_sites + 1) * 2 > p->sites_mask + 1) {
+    uint32_t cap = p->sites ? (p->sites_mask + 1) * 2 : 256;
+    site_entry *grown = calloc(cap, sizeof *grown);
+    if (!grown) return;
+    for (uint32_t i = 0; p->sites && i <= p->sites_mask; i++) {
+      if (!p->sites[i].hash) continue;
+      uint32_t s = (uint32_t)p->sites[i].hash & (cap - 1);
+      while (grown[s].hash) s = (s + 1) & (cap - 1);
+      grown[s] = p->sites[i];
+    }
+    free(p->sites);
+    p->sites = grown;
+    p->sites_mask = cap - 1;
+  }
+  uint32_t s = (uint32_t)h & p->sites_mask;
+  while (p->sites[s].hash) s = (s + 1) & p->sites_mask;
+  p->sites[s] = (site_entry){h, *k, *d};
+  p->n_sites++;
+}
+
+/* ---- deciding ----------------------------------------------------------- */
+static void count_fault(ferry_policy *p, const char *msg) {
+  p->stats.errors++;
+  if (p->stats.errors >= p->error_budget) {
+    p->stats.disabled = 1;
+    snprintf(p->last_error, sizeof p->last_error,
+             "%.400s (policy disabled after %u faults: every tensor is now kept)", msg,
+             p->error_budget);
+  } else {
+    copy_str(p->last_error, sizeof p->last_error, msg);
+  }
+}
+
+static void nonsense(ferry_policy *p, const char *what, const char *expected, int idx) {
+  char vb[96], msg[MSG_LEN];
+  snprintf(msg, sizeof msg, "%.300s: decide returned a nonsense %s: %s (expected %s); the tensor was kept",
+           p->decide_where, what, describe_value(p->L, idx, vb, sizeof vb), expected);
+  count_fault(p, msg);
+}
+
+/* Read decide's answer at stack slots first..first+3 into *d. */
+static int read_answer(ferry_policy *p, int first, ferry_decision *d) {
+  lua_State *L = p->L;
+  int a = first, r = first + 1, dist = first + 2, c = first + 3;
+  lua_Number v;
+  if (lua_type(L, a) != LUA_TNUMBER || ((v = lua_tonumber(L, a)) != FERRY_KEEP && v != FERRY_OFFLOAD))
+    return nonsense(p, "action", "ferry.KEEP or ferry.OFFLOAD", a), -1;
+  d->action = (int32_t)v;
+  if (lua_isnil(L, r)) {
+    d->reload = FERRY_RELOAD_ON_USE;
+  } else if (lua_type(L, r) != LUA_TNUMBER ||
+             ((v = lua_tonumber(L, r)) != FERRY_RELOAD_ON_USE && v != FERRY_RELOAD_PREFETCH)) {
+    return nonsense(p, "reload", "ferry.ON_USE or ferry.PREFETCH", r), -1;
+  } else {
+    d->reload = (int32_t)v;
+  }
+  if (lua_isnil(L, dist)) {
+    d->prefetch_distance = -1; /* the engine's default */
+  } else if (lua_type(L, dist) != LUA_TNUMBER || !((v = lua_tonumber(L, dist)) >= 0) ||
+             v > MAX_PREFETCH_DISTANCE || v != floor(v)) {
+    return nonsense(p, "prefetch distance", "an integer in [0, 4096] or nil", dist), -1;
+  } else {
+    d->prefetch_distance = (int32_t)v;
+  }
+  if (lua_isnil(L, c) || lua_type(L, c) == LUA_TBOOLEAN)
+    d->cacheable = lua_toboolean(L, c);
+  else
+    return nonsense(p, "cache flag", "true, false or nil", c), -1;
+  return 0;
+}
+
+void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
+                         ferry_decision *out) {
+  static const ferry_decision keep = {FERRY_KEEP, FERRY_RELOAD_ON_USE, -1, 0};
+  *out = keep;
+  if (!p || !desc || p->stats.disabled) return;
+
+  site_key key;
+  key.path_id = intern(p, desc->module_path, STR_SCRATCH_PATH);
+  key.class_id = intern(p, desc->module_class, STR_SCRATCH_CLASS);
+  key.dtype = desc->dtype;
+  key.kind = desc->kind;
+  key.ndim = desc->ndim < 0 ? 0 : desc->ndim > FERRY_MAX_DIMS ? FERRY_MAX_DIMS : desc->ndim;
+  for (int i = 0; i < key.ndim; i++) key.shape[i] = desc->shape[i];
+  int site_cacheable = key.path_id != STR_SCRATCH_PATH && key.class_id != STR_SCRATCH_CLASS;
+  uint64_t h = 0;
+  if (site_cacheable && p->n_sites) {
+    h = site_hash(&key);
+    const site_entry *e = site_find(p, &key, h);
+    if (e) {
+      *out = e->decision;
+      p->stats.cache_hits++;
+      return;
+    }
+  }
+
+  lua_State *L = p->L;
+  policy_tensor_view *t = p->tensor;
+  t->bytes = (double)desc->bytes;
+  t->kind = desc->kind;
+  t->dtype = desc->dtype;
+  t->ndim = key.ndim;
+  t->flags = (int32_t)desc->flags;
+  t->layer = desc->layer;
+  t->layer_count = desc->layer_count;
+  t->phase = desc->phase;
+  t->step = (double)(ctx ? ctx->step : p->step);
+  policy_ctx_view *c = p->ctx;
+  if (ctx) {
+    c->step = (double)ctx->step;
+    c->phase = ctx->phase;
+    c->host_ram_used_pct = ctx->host_ram_used_pct;
+    c->arena_in_use = (double)ctx->arena_in_use;
+    c->arena_cap = (double)ctx->arena_cap;
+    c->stash_depth = (double)ctx->stash_depth;
+    c->bytes_in_flight = (double)ctx->bytes_in_flight;
+    c->packed_this_step = (double)ctx->packed_this_step;
+    c->offloaded_this_step = (double)ctx->offloaded_this_step;
+    c->bytes_offloaded_this_step = (double)ctx->bytes_offloaded_this_step;
+  } else {
+    memset(c, 0, sizeof *c);
+    c->step = (double)p->step;
+  }
+  p->cur_ctx = ctx;
+  p->cur_path_id = key.path_id;
+  p->cur_class_id = key.class_id;
+  for (int i = 0; i < key.ndim; i++) {
+    lua_pushnumber(L, (lua_Number)desc->shape[i]);
+    lua_rawseti(L, SLOT_SHAPE, i);
+  }
+  for (int i = key.ndim; i < p->shape_len; i++) {
+    lua_pushnil(L);
+    lua_rawseti(L, SLOT_SHAPE, i);
+  }
+  p->shape_len = key.ndim;
+
+  p->stats.calls++;
+  lua_pushvalue(L, SLOT_DECIDE);
+  lua_pushvalue(L, SLOT_TENSOR);
+  lua_pushvalue(L, SLOT_CTX);
+  p->running = p->decide_where;
+  int status = run_protected(p, 2, 4, SLOT_MSGH, DECIDE_MAX_INSTRUCTIONS);
+  p->running = NULL;
+  p->cur_ctx = NULL;
+  if (status) {
+    char msg[MSG_LEN];
+    take_fault(p, status, msg, sizeof msg);
+    count_fault(p, msg);
+  } else {
+    ferry_decision d;
+    if (read_answer(p, SLOT_COUNT_ + 1, &d) == 0) {
+      *out = d;
+      if (d.cacheable && site_cacheable) {
+        if (!h) h = site_hash(&key);
+        site_insert(p, &key, h, &d);
+      }
+    }
+  }
+  lua_settop(L, SLOT_COUNT_);
+}
+
+/* ---- checkpoint snapshots ----------------------------------------------- */
+int ferry_policy_has_snapshot(const ferry_policy *p) { return p && p->has_snapshot; }
+
+static void snapshot_nonsense(ferry_policy *p, const char *what, const char *expected, int idx) {
+  char vb[96], msg[MSG_LEN];
+  snprintf(msg, sizeof msg,
+           "%.300s: snapshot returned a nonsense %s: %s (expected %s); the entry was staged",
+           p->snapshot_where, what, describe_value(p->L, idx, vb, sizeof vb), expected);
+  count_fault(p, msg);
+}
+
+static void set_string_field(lua_State *L, const char *name, const char *value) {
+  lua_pushstring(L, value ? value : "");
+  lua_setfield(L, -2, name);
+}
+
+static void set_number_field(lua_State *L, const char *name, lua_Number value) {
+  lua_pushnumber(L, value);
+  lua_setfield(L, -2, name);
+}
+
+void ferry_policy_snapshot(ferry_policy *p, const ferry_snapshot_entry *e,
+                           ferry_snapshot_choice *out) {
+  if (!out) return;
+  out->stage = 1;
+  out->order = e ? (double)e->index : 0;
+  if (!p || !e || !p->has_snapshot || p->stats.disabled) return;
+  lua_State *L = p->L;
+  /* Snapshots are rare (every N steps) and have few entries: a fresh table
+   * per call keeps the Lua side simple. */
+  lua_getfield(L, LUA_REGISTRYINDEX, "ferry.snapshot");
+  lua_createtable(L, 0, 6); /* stack: ..., snapshot, e */
+  set_string_field(L, "key", e->key);
+  set_string_field(L, "path", e->path);
+  set_number_field(L, "bytes", (lua_Number)e->bytes);
+  set_number_field(L, "index", e->index);
+  set_number_field(L, "dtype", e->dtype);
+  lua_pushboolean(L, e->on_device != 0);
+  lua_setfield(L, -2, "device");
+  p->stats.calls++;
+  p->running = p->snapshot_where;
+  int status = run_protected(p, 1, 2, SLOT_MSGH, DECIDE_MAX_INSTRUCTIONS);
+  p->running = NULL;
+  if (status) {
+    char msg[MSG_LEN];
+    take_fault(p, status, msg, sizeof msg);
+    count_fault(p, msg);
+  } else {
+    int st = SLOT_COUNT_ + 1, ord = SLOT_COUNT_ + 2;
+    if (!lua_isnil(L, st) && lua_type(L, st) != LUA_TBOOLEAN) {
+      snapshot_nonsense(p, "stage flag", "true, false or nil", st);
+    } else if (!lua_isnil(L, ord) &&
+               (lua_type(L, ord) != LUA_TNUMBER || !isfinite(lua_tonumber(L, ord)))) {
+      snapshot_nonsense(p, "order", "a finite number or nil", ord);
+    } else {
+      out->stage = lua_isnil(L, st) || lua_toboolean(L, st);
+      if (!lua_isnil(L, ord)) out->order = lua_tonumber(L, ord);
+    }
+  }
+  lua_settop(L, SLOT_COUNT_);
+}

@@ -1,0 +1,173 @@
+/*
+ * policy_internal.h: what the policy host's files share (limits, the
+ * ferry_policy struct, the string and site-cache types) and the few
+ * functions one file defines and another calls. Private to engine/src/policy.
+ */
+#ifndef FERRY_POLICY_INTERNAL_H
+#define FERRY_POLICY_INTERNAL_H
+
+#include "ferry_tools.h"
+#include "util/util.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <lauxlib.h>
+#include <lua.h>
+#include <luajit.h>
+#include <lualib.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+
+/* ---- limits ------------------------------------------------------------- */
+#define HOOK_PERIOD 1000                   /* VM instructions between hook calls */
+#define DECIDE_MAX_INSTRUCTIONS 10000000ull /* per decide call (~20 ms) */
+#define LOAD_MAX_INSTRUCTIONS 100000000ull  /* loading the policy and its modules */
+#define DEFAULT_MEM_CAP (64ull << 20)
+#define DEFAULT_ERROR_BUDGET 100
+#define MAX_POLICY_FILE (16u << 20)
+#define MAX_C_NESTING 64      /* pcall/xpcall/gsub calls nested in each other */
+#define MAX_LOG_LINES 1000    /* ferry.log lines per policy instance */
+#define MAX_STRINGS (1u << 16) /* distinct module paths/classes interned */
+#define PTR_CACHE_SIZE 4096    /* direct-mapped pointer -> string id cache */
+#define SITE_CACHE_MAX 16384   /* cached sites */
+#define MAX_PREFETCH_DISTANCE 4096
+#define MSG_LEN 512
+
+/* Knob limits, the same as the engine's config validation. */
+#define KNOB_MAX_FWD_STASH (1u << 20)
+#define KNOB_MAX_PREFETCH_DISTANCE 4096u
+#define KNOB_MAX_MIN_OFFLOAD_BYTES (1ull << 50)
+
+/* String ids: 0 is "" (also NULL), 1 and 2 are scratch slots used for the
+ * path and class once MAX_STRINGS distinct strings have been seen. */
+enum { STR_EMPTY = 0, STR_SCRATCH_PATH = 1, STR_SCRATCH_CLASS = 2, STR_FIRST = 3 };
+
+/* Permanent slots of the main Lua stack while a policy is loaded. */
+enum {
+  SLOT_MSGH = 1,
+  SLOT_DECIDE,
+  SLOT_TENSOR,
+  SLOT_CTX,
+  SLOT_SHAPE,
+  SLOT_STRINGS,
+  SLOT_COUNT_ = SLOT_STRINGS
+};
+
+enum interrupt_kind { INTERRUPT_NONE = 0, INTERRUPT_BUDGET, INTERRUPT_MEMORY };
+
+/* What Lua reads as `t` (cdef'd in sandbox.lua with the same layout; the
+ * bootstrap checks each offset). Fields read most often come first: FFI
+ * finds a field by a linear scan. */
+typedef struct policy_tensor_view {
+  double bytes;
+  int32_t kind, dtype, ndim, flags, layer, layer_count, phase;
+  double step;
+} policy_tensor_view;
+
+typedef struct policy_ctx_view {
+  double step;
+  double host_ram_used_pct;
+  double arena_in_use, arena_cap, stash_depth, bytes_in_flight;
+  double packed_this_step, offloaded_this_step, bytes_offloaded_this_step;
+  int32_t phase;
+} policy_ctx_view;
+
+typedef struct interned {
+  char *str;
+  size_t len;
+  uint64_t hash;
+} interned;
+
+typedef struct ptr_cache_entry {
+  const char *ptr;
+  uint32_t id;
+} ptr_cache_entry;
+
+typedef struct site_key {
+  uint32_t path_id, class_id;
+  int32_t dtype, kind, ndim;
+  int64_t shape[FERRY_MAX_DIMS];
+} site_key;
+
+typedef struct site_entry {
+  uint64_t hash; /* 0 = empty slot */
+  site_key key;
+  ferry_decision decision;
+} site_entry;
+
+struct ferry_policy {
+  lua_State *L;
+  char name[128];
+  char chunk[MSG_LEN];        /* short name for messages: path or "policy" */
+  char decide_where[MSG_LEN]; /* "file:line" of the decide function */
+  char snapshot_where[MSG_LEN]; /* "file:line" of the snapshot function, if any */
+  int has_snapshot;             /* the function is in the registry as "ferry.snapshot" */
+  const char *running;        /* where the running call is, when nothing better is known */
+  char libdir[1024];
+  int trusted;
+  ferry_policy_knobs knobs;
+  ferry_policy_stats stats;
+  unsigned error_budget;
+  uint64_t step;
+
+  /* sandbox enforcement */
+  size_t mem_used, mem_cap;
+  int enforce_cap;
+  uint64_t ticks, tick_budget;
+  int interrupt;
+  char interrupt_msg[MSG_LEN];
+  int c_nesting;
+  unsigned log_lines;
+
+  /* the call in progress */
+  policy_tensor_view *tensor; /* payload of the `t` cdata */
+  policy_ctx_view *ctx;       /* payload of the `ctx` cdata */
+  const ferry_context *cur_ctx;
+  uint32_t cur_path_id, cur_class_id;
+  int shape_len; /* entries of the shape table currently set */
+
+  /* interned strings */
+  interned *strings;
+  uint32_t n_strings, cap_strings;
+  uint32_t *by_content; /* open addressing on content hash, 0 = empty */
+  uint32_t by_content_mask;
+  ptr_cache_entry ptr_cache[PTR_CACHE_SIZE];
+
+  /* per-site decision cache */
+  site_entry *sites;
+  uint32_t n_sites, sites_mask;
+
+  char last_error[MSG_LEN];
+};
+
+/* ---- shared functions --------------------------------------------------- */
+/* sandbox.c */
+void copy_str(char *dst, size_t n, const char *src);
+unsigned long long env_ull(const char *name, unsigned long long dflt, unsigned long long lo,
+                                  unsigned long long hi);
+int has_position(const char *msg);
+void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize);
+void policy_hook(lua_State *L, lua_Debug *ar);
+int setup_state(lua_State *L);
+int policy_panic(lua_State *L);
+const char *describe_value(lua_State *L, int idx, char *buf, size_t n);
+void take_fault(ferry_policy *p, int status, char *out, size_t n);
+
+/* Run policy code: a function and nargs arguments on top of the stack,
+ * with the cap and the instruction budget. Returns the lua_pcall status. */
+static inline int run_protected(ferry_policy *p, int nargs, int nresults, int msgh, uint64_t max_instr) {
+  p->ticks = 0;
+  p->tick_budget = max_instr / HOOK_PERIOD;
+  p->interrupt = INTERRUPT_NONE;
+  p->c_nesting = 0;
+  p->enforce_cap = 1;
+  int status = lua_pcall(p->L, nargs, nresults, msgh);
+  p->enforce_cap = 0;
+  return status;
+}
+
+#endif

@@ -1,0 +1,490 @@
+/*
+ * sandbox.c: the sandboxed LuaJIT state a policy runs in: allocator cap,
+ * instruction-count hook, the C functions policies may call (pcall, xpcall,
+ * gsub, log, require, t:path(), ctx:offloaded_in_layer()) and state setup
+ * from sandbox.lua. See docs/policy-api.md, "How the host works".
+ */
+#include "policy/policy_internal.h"
+
+/* ---- small helpers ------------------------------------------------------ */
+void copy_str(char *dst, size_t n, const char *src) {
+  if (!n) return;
+  snprintf(dst, n, "%s", src ? src : "");
+}
+
+unsigned long long env_ull(const char *name, unsigned long long dflt, unsigned long long lo,
+                                  unsigned long long hi) {
+  const char *s = getenv(name);
+  if (!s || !*s) return dflt;
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno || *end || v < lo || v > hi) {
+    fprintf(stderr, "ferry: ignoring %s=%s (expected an integer in [%llu, %llu])\n", name, s, lo,
+            hi);
+    return dflt;
+  }
+  return v;
+}
+
+static ferry_policy *policy_of(lua_State *L) {
+  void *ud = NULL;
+  lua_getallocf(L, &ud);
+  return ud;
+}
+
+/* "file:line" of the innermost Lua function at or above `level` with a line. */
+static void where(lua_State *L, int level, char *buf, size_t n) {
+  lua_Debug ar;
+  for (int lv = level; lv < level + 64 && lua_getstack(L, lv, &ar); lv++) {
+    if (lua_getinfo(L, "Sl", &ar) && ar.currentline > 0) {
+      snprintf(buf, n, "%s:%d", ar.short_src, ar.currentline);
+      return;
+    }
+  }
+  buf[0] = '\0';
+}
+
+/* Does msg already start with "something:<digits>:"? */
+int has_position(const char *msg) {
+  const char *c = msg;
+  while (*c && *c != ':' && *c != '\n') c++;
+  if (*c != ':' || c == msg) return 0;
+  const char *d = ++c;
+  while (*d >= '0' && *d <= '9') d++;
+  return d > c && *d == ':';
+}
+
+/* ---- allocator and hook ------------------------------------------------- */
+void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
+  ferry_policy *p = ud;
+  size_t old = ptr ? osize : 0;
+  if (nsize == 0) {
+    free(ptr);
+    p->mem_used -= old;
+    return NULL;
+  }
+  if (p->enforce_cap && nsize > old && p->mem_used + (nsize - old) > p->mem_cap) {
+    if (!p->interrupt) {
+      /* The VM keeps its stack consistent across allocations (the GC walks
+       * it), so the position of the allocating code can be read here. */
+      char pos[MSG_LEN];
+      where(p->L, 0, pos, sizeof pos);
+      p->interrupt = INTERRUPT_MEMORY;
+      snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
+               "%.400s: policy memory limit of %zu MiB exceeded (allocation of %zu bytes refused)",
+               pos[0] ? pos : p->running ? p->running : p->chunk, p->mem_cap >> 20, nsize);
+    }
+    return NULL;
+  }
+  void *q = realloc(ptr, nsize);
+  if (q) p->mem_used += nsize - old;
+  return q;
+}
+
+void policy_hook(lua_State *L, lua_Debug *ar) {
+  (void)ar;
+  ferry_policy *p = policy_of(L);
+  if (++p->ticks <= p->tick_budget && !p->interrupt) return;
+  if (!p->interrupt) {
+    char pos[MSG_LEN];
+    where(L, 0, pos, sizeof pos);
+    p->interrupt = INTERRUPT_BUDGET;
+    snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
+             "%.400s: interrupted after %" PRIu64 " VM instructions (runaway loop?)",
+             pos[0] ? pos : p->running ? p->running : p->chunk, p->tick_budget * HOOK_PERIOD);
+  }
+  /* Once interrupted, every hook raises again until the call is over. */
+  p->enforce_cap = 0;
+  lua_pushstring(L, p->interrupt_msg);
+  lua_error(L);
+}
+
+/* Error handler of every protected call into policy code: give the message
+ * a "file:line:" prefix when it has none. */
+static int policy_msgh(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  p->enforce_cap = 0;
+  if (p->interrupt) {
+    lua_pushstring(L, p->interrupt_msg);
+    return 1;
+  }
+  char pos[MSG_LEN];
+  const char *msg = lua_type(L, 1) == LUA_TSTRING || lua_type(L, 1) == LUA_TNUMBER
+                        ? lua_tostring(L, 1) : NULL;
+  if (msg && has_position(msg)) {
+    lua_settop(L, 1);
+    return 1;
+  }
+  where(L, 1, pos, sizeof pos);
+  if (msg)
+    lua_pushfstring(L, "%s: %s", pos[0] ? pos : p->chunk, msg);
+  else
+    lua_pushfstring(L, "%s: error object is a %s value", pos[0] ? pos : p->chunk,
+                    luaL_typename(L, 1));
+  return 1;
+}
+
+/* ---- sandbox functions -------------------------------------------------- */
+static int enter_nested(lua_State *L, ferry_policy *p, const char *what) {
+  if (p->c_nesting >= MAX_C_NESTING)
+    return luaL_error(L, "%s nested too deeply (limit %d)", what, MAX_C_NESTING);
+  p->c_nesting++;
+  return 0;
+}
+
+/* pcall/xpcall for policies: like Lua's, except that an interrupt (budget or
+ * memory) is raised again instead of being caught. */
+static int finish_pcall(lua_State *L, ferry_policy *p, int status, int nesting, int base) {
+  p->c_nesting = nesting;
+  if (status != 0 && p->interrupt) return lua_error(L); /* error object on top */
+  lua_pushboolean(L, status == 0);
+  lua_insert(L, base);
+  return lua_gettop(L) - base + 1;
+}
+
+static int sandbox_pcall(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  luaL_checkany(L, 1);
+  int nesting = p->c_nesting;
+  enter_nested(L, p, "pcall");
+  int status = lua_pcall(L, lua_gettop(L) - 1, LUA_MULTRET, 0);
+  return finish_pcall(L, p, status, nesting, 1);
+}
+
+/* The handler xpcall installs: the policy's handler, except during an
+ * interrupt (LuaJIT calls the handler again for an error raised inside it,
+ * so a looping handler would otherwise be re-entered without end). */
+static int xpcall_handler(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  if (p->interrupt) return 1; /* the error object, unchanged */
+  lua_pushvalue(L, lua_upvalueindex(1));
+  lua_insert(L, 1);
+  lua_call(L, lua_gettop(L) - 1, 1);
+  return 1;
+}
+
+static int sandbox_xpcall(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  luaL_checkany(L, 1);
+  luaL_checktype(L, 2, LUA_TFUNCTION);
+  int nesting = p->c_nesting;
+  enter_nested(L, p, "xpcall");
+  /* stack: f, handler, args... -> wrapped handler, f, args... */
+  lua_pushvalue(L, 1);
+  lua_pushvalue(L, 2);
+  lua_pushcclosure(L, xpcall_handler, 1);
+  lua_replace(L, 1);
+  lua_replace(L, 2);
+  int status = lua_pcall(L, lua_gettop(L) - 2, LUA_MULTRET, 1);
+  lua_remove(L, 1); /* the handler */
+  return finish_pcall(L, p, status, nesting, 1);
+}
+
+static int sandbox_gsub(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  int nesting = p->c_nesting;
+  enter_nested(L, p, "string.gsub");
+  lua_pushvalue(L, lua_upvalueindex(1)); /* the real gsub */
+  lua_insert(L, 1);
+  lua_call(L, lua_gettop(L) - 1, LUA_MULTRET);
+  p->c_nesting = nesting;
+  return lua_gettop(L);
+}
+
+static int sandbox_log(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  size_t len;
+  const char *msg = luaL_checklstring(L, 1, &len);
+  if (p->log_lines < MAX_LOG_LINES)
+    fprintf(stderr, "ferry: policy %s: %.*s\n", p->name, (int)len, msg);
+  else if (p->log_lines == MAX_LOG_LINES)
+    fprintf(stderr, "ferry: policy %s: more than %d log lines, the rest are dropped\n", p->name,
+            MAX_LOG_LINES);
+  p->log_lines++;
+  return 0;
+}
+
+static int tensor_path(lua_State *L) {
+  ferry_policy *p = lua_touserdata(L, lua_upvalueindex(2));
+  lua_rawgeti(L, lua_upvalueindex(1), (int)p->cur_path_id);
+  return 1;
+}
+
+static int tensor_class(lua_State *L) {
+  ferry_policy *p = lua_touserdata(L, lua_upvalueindex(2));
+  lua_rawgeti(L, lua_upvalueindex(1), (int)p->cur_class_id);
+  return 1;
+}
+
+static int ctx_offloaded_in_layer(lua_State *L) {
+  ferry_policy *p = lua_touserdata(L, lua_upvalueindex(1));
+  lua_Number i = luaL_checknumber(L, 2);
+  const ferry_context *c = p->cur_ctx;
+  double n = 0;
+  if (c && c->offloaded_per_layer && i >= 0 && i < (lua_Number)c->layers_tracked &&
+      i == floor(i))
+    n = c->offloaded_per_layer[(uint32_t)i];
+  lua_pushnumber(L, n);
+  return 1;
+}
+
+/* require, limited to ferry's own modules under the policy library dir
+ * (and "ffi" for trusted policies). upvalues: loaded table, sandbox env. */
+static int sandbox_require(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  size_t len;
+  const char *name = luaL_checklstring(L, 1, &len);
+  lua_settop(L, 1);
+  lua_getfield(L, lua_upvalueindex(1), name); /* stack: name, loaded[name] */
+  if (lua_toboolean(L, -1)) {
+    if (lua_islightuserdata(L, -1))
+      return luaL_error(L, "module '%s' requires itself (a require loop)", name);
+    return 1;
+  }
+  lua_pop(L, 1);
+  if (!strcmp(name, "ffi")) {
+    if (!p->trusted) return luaL_error(L, "module 'ffi' is only available to trusted policies");
+    lua_getfield(L, LUA_REGISTRYINDEX, "_LOADED");
+    lua_getfield(L, -1, "ffi");
+    return 1;
+  }
+  int valid = len > 0 && len < 200 && name[0] != '.' && name[len - 1] != '.';
+  for (size_t i = 0; valid && i < len; i++) {
+    char c = name[i];
+    valid = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+            c == '_' || (c == '.' && name[i + 1] != '.');
+  }
+  if (!valid) return luaL_error(L, "module name '%s' is not valid (use names like ferry.rules)", name);
+  if (!p->libdir[0])
+    return luaL_error(L, "module '%s' not found: ferry's policy library dir is not set "
+                         "(FERRY_POLICY_LIBDIR)", name);
+  char file[1400];
+  int n = snprintf(file, sizeof file, "%s/", p->libdir);
+  for (size_t i = 0; i < len && n < (int)sizeof file - 5; i++) file[n++] = name[i] == '.' ? '/' : name[i];
+  snprintf(file + n, sizeof file - (size_t)n, ".lua");
+  FILE *f = fopen(file, "rb");
+  if (!f)
+    return luaL_error(L, "module '%s' not found (policies may only require ferry's modules, "
+                         "from %s)", name, p->libdir);
+  fclose(f);
+  if (luaL_loadfilex(L, file, "t") != 0) return lua_error(L); /* message has file:line */
+  lua_pushvalue(L, lua_upvalueindex(2));
+  lua_setfenv(L, -2);
+  lua_pushlightuserdata(L, p); /* mark as loading, to catch loops */
+  lua_setfield(L, lua_upvalueindex(1), name);
+  lua_pushvalue(L, 1);
+  lua_call(L, 1, 1); /* stack: name, result */
+  if (lua_isnil(L, -1)) {
+    lua_pop(L, 1);
+    lua_pushboolean(L, 1);
+  }
+  lua_pushvalue(L, -1);
+  lua_setfield(L, lua_upvalueindex(1), name);
+  return 1;
+}
+
+/* ---- state setup -------------------------------------------------------- */
+/* SANDBOX_LUA (policy/sandbox.lua, embedded at build time) runs once per state
+ * with the full standard library, before any policy code, in a private
+ * environment. Fills the sandbox env passed in. */
+#include "policy/sandbox_lua.h"
+
+typedef struct {
+  const char *name;
+  int value;
+} named_const;
+
+static const named_const FERRY_CONSTANTS[] = {
+    {"API_VERSION", FERRY_POLICY_API_VERSION},
+    {"KEEP", FERRY_KEEP},
+    {"OFFLOAD", FERRY_OFFLOAD},
+    {"ON_USE", FERRY_RELOAD_ON_USE},
+    {"PREFETCH", FERRY_RELOAD_PREFETCH},
+    {"ACTIVATION", FERRY_KIND_ACTIVATION},
+    {"PARAMETER", FERRY_KIND_PARAMETER},
+    {"BUFFER", FERRY_KIND_BUFFER},
+    {"OTHER", FERRY_KIND_OTHER},
+    {"FORWARD", FERRY_PHASE_FORWARD},
+    {"RECOMPUTE", FERRY_PHASE_RECOMPUTE},
+    {"BACKWARD", FERRY_PHASE_BACKWARD},
+    {"VIEW", FERRY_FLAG_VIEW},
+    {"CONTIGUOUS", FERRY_FLAG_CONTIGUOUS},
+};
+
+/* The dtypes, from the one dtype table in ferry.h; given to policies under
+ * both spellings: ferry.BF16 and ferry.DTYPE_BF16. */
+#define DTYPE_CONSTANT_(e, name, bytes, torch, np) {#e, FERRY_DTYPE_##e},
+static const named_const DTYPE_CONSTANTS[] = {
+    {"UNKNOWN", FERRY_DTYPE_UNKNOWN},
+    FERRY_DTYPE_LIST(DTYPE_CONSTANT_)
+};
+#undef DTYPE_CONSTANT_
+
+static void set_cfunc(lua_State *L, int table, const char *name, lua_CFunction f, int nup) {
+  /* the nup upvalues are on top of the stack */
+  lua_pushcclosure(L, f, nup);
+  lua_setfield(L, table, name);
+}
+
+static void set_offset(lua_State *L, int table, const char *name, size_t off) {
+  lua_pushnumber(L, (lua_Number)off);
+  lua_setfield(L, table, name);
+}
+
+/* Pushes the ffi library (luaL_openlibs only preloads it); kept in
+ * _LOADED.ffi for trusted policies' require. */
+static void push_ffi(lua_State *L) {
+  lua_pushcfunction(L, luaopen_ffi);
+  lua_pushliteral(L, LUA_FFILIBNAME);
+  lua_call(L, 1, 1);
+  lua_getfield(L, LUA_REGISTRYINDEX, "_LOADED");
+  lua_pushvalue(L, -2);
+  lua_setfield(L, -2, LUA_FFILIBNAME);
+  lua_pop(L, 1);
+}
+
+/* Pushes the table sandbox.lua makes `ferry` of: the constants. */
+static void push_constants(lua_State *L) {
+  lua_newtable(L);     /* arg F */
+  int F = lua_gettop(L);
+  for (size_t i = 0; i < sizeof FERRY_CONSTANTS / sizeof FERRY_CONSTANTS[0]; i++) {
+    lua_pushinteger(L, FERRY_CONSTANTS[i].value);
+    lua_setfield(L, F, FERRY_CONSTANTS[i].name);
+  }
+  for (size_t i = 0; i < sizeof DTYPE_CONSTANTS / sizeof DTYPE_CONSTANTS[0]; i++) {
+    lua_pushinteger(L, DTYPE_CONSTANTS[i].value);
+    lua_setfield(L, F, DTYPE_CONSTANTS[i].name);
+    lua_pushinteger(L, DTYPE_CONSTANTS[i].value);
+    lua_pushfstring(L, "DTYPE_%s", DTYPE_CONSTANTS[i].name);
+    lua_insert(L, -2);
+    lua_settable(L, F);
+  }
+}
+
+/* Pushes the C functions sandbox.lua hands to policies; stack slots 1
+ * (strings), 2 (env) and 3 (loaded modules) are their upvalues. */
+static void push_c_functions(lua_State *L, ferry_policy *p) {
+  lua_newtable(L); /* arg C */
+  int C = lua_gettop(L);
+  lua_pushvalue(L, 1);
+  lua_pushlightuserdata(L, p);
+  set_cfunc(L, C, "path", tensor_path, 2);
+  lua_pushvalue(L, 1);
+  lua_pushlightuserdata(L, p);
+  set_cfunc(L, C, "class", tensor_class, 2);
+  lua_pushlightuserdata(L, p);
+  set_cfunc(L, C, "offloaded_in_layer", ctx_offloaded_in_layer, 1);
+  set_cfunc(L, C, "pcall", sandbox_pcall, 0);
+  set_cfunc(L, C, "xpcall", sandbox_xpcall, 0);
+  set_cfunc(L, C, "log", sandbox_log, 0);
+  lua_getglobal(L, "string");
+  lua_getfield(L, -1, "gsub");
+  lua_remove(L, -2);
+  set_cfunc(L, C, "gsub", sandbox_gsub, 1);
+  lua_pushvalue(L, 3);
+  lua_pushvalue(L, 2);
+  set_cfunc(L, C, "require", sandbox_require, 2);
+}
+
+/* Pushes the struct offsets sandbox.lua checks its cdefs against. */
+static void push_offsets(lua_State *L) {
+  lua_newtable(L); /* arg offsets */
+  int O = lua_gettop(L);
+  set_offset(L, O, "ferry_policy_tensor.sizeof", sizeof(policy_tensor_view));
+  set_offset(L, O, "ferry_policy_tensor.bytes", offsetof(policy_tensor_view, bytes));
+  set_offset(L, O, "ferry_policy_tensor.kind", offsetof(policy_tensor_view, kind));
+  set_offset(L, O, "ferry_policy_tensor.phase", offsetof(policy_tensor_view, phase));
+  set_offset(L, O, "ferry_policy_tensor.step", offsetof(policy_tensor_view, step));
+  set_offset(L, O, "ferry_policy_ctx.sizeof", sizeof(policy_ctx_view));
+  set_offset(L, O, "ferry_policy_ctx.host_ram_used_pct", offsetof(policy_ctx_view, host_ram_used_pct));
+  set_offset(L, O, "ferry_policy_ctx.bytes_offloaded_this_step",
+             offsetof(policy_ctx_view, bytes_offloaded_this_step));
+  set_offset(L, O, "ferry_policy_ctx.phase", offsetof(policy_ctx_view, phase));
+}
+
+/* lua_cpcall body: open the libraries, build the sandbox. Leaves in the
+ * registry: ferry.msgh, ferry.env, ferry.tensor, ferry.ctx, ferry.shape,
+ * ferry.strings. */
+int setup_state(lua_State *L) {
+  ferry_policy *p = lua_touserdata(L, 1);
+  lua_settop(L, 0);
+  luaL_openlibs(L);
+
+  lua_newtable(L); /* 1: strings, id -> Lua string */
+  lua_pushliteral(L, "");
+  lua_rawseti(L, 1, STR_EMPTY);
+  lua_pushliteral(L, "");
+  lua_rawseti(L, 1, STR_SCRATCH_PATH);
+  lua_pushliteral(L, "");
+  lua_rawseti(L, 1, STR_SCRATCH_CLASS);
+  lua_newtable(L); /* 2: sandbox env */
+  lua_newtable(L); /* 3: loaded modules */
+
+  if (luaL_loadbuffer(L, SANDBOX_LUA, sizeof SANDBOX_LUA - 1, "@sandbox.lua") != 0) return lua_error(L);
+  /* 4: bootstrap */
+  push_ffi(L);
+  lua_pushvalue(L, 2); /* arg env */
+  push_constants(L);
+  push_c_functions(L, p);
+  push_offsets(L);
+  lua_pushboolean(L, p->trusted);
+  lua_call(L, 6, 3); /* stack: strings, env, loaded, tensor, ctx, shape */
+
+  p->tensor = (policy_tensor_view *)lua_topointer(L, 4);
+  p->ctx = (policy_ctx_view *)lua_topointer(L, 5);
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.shape");
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.ctx");
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.tensor");
+  lua_pop(L, 1); /* loaded lives on as an upvalue of require */
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.env");
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.strings");
+  lua_pushcfunction(L, policy_msgh);
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.msgh");
+  return 0;
+}
+
+int policy_panic(lua_State *L) {
+  fprintf(stderr, "ferry: unrecoverable error in a policy's Lua state: %s\n",
+          lua_tostring(L, -1) ? lua_tostring(L, -1) : "?");
+  abort();
+}
+
+
+const char *describe_value(lua_State *L, int idx, char *buf, size_t n) {
+  switch (lua_type(L, idx)) {
+  case LUA_TNUMBER:
+    if (isnan(lua_tonumber(L, idx)))
+      snprintf(buf, n, "nan");
+    else
+      snprintf(buf, n, "%.17g", lua_tonumber(L, idx));
+    break;
+  case LUA_TSTRING:
+    snprintf(buf, n, "string \"%.40s\"", lua_tostring(L, idx));
+    break;
+  case LUA_TBOOLEAN:
+    snprintf(buf, n, "%s", lua_toboolean(L, idx) ? "true" : "false");
+    break;
+  default:
+    snprintf(buf, n, "%s", luaL_typename(L, idx));
+  }
+  return buf;
+}
+
+/* After a failed run: the message ("file:line: ..."), then recover memory. */
+void take_fault(ferry_policy *p, int status, char *out, size_t n) {
+  lua_State *L = p->L;
+  if (p->interrupt)
+    copy_str(out, n, p->interrupt_msg);
+  else if (status == LUA_ERRMEM)
+    snprintf(out, n, "%s: out of memory", p->chunk);
+  else if (lua_type(L, -1) == LUA_TSTRING && has_position(lua_tostring(L, -1)))
+    copy_str(out, n, lua_tostring(L, -1));
+  else if (lua_type(L, -1) == LUA_TSTRING) /* e.g. from the loader */
+    snprintf(out, n, "%s: %s", p->chunk, lua_tostring(L, -1));
+  else
+    snprintf(out, n, "%s: error object is a %s value", p->chunk, luaL_typename(L, -1));
+  lua_pop(L, 1);
+  if (p->interrupt == INTERRUPT_MEMORY || status == LUA_ERRMEM) lua_gc(L, LUA_GCCOLLECT, 0);
+  p->interrupt = INTERRUPT_NONE;
+}
