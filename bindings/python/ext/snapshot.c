@@ -218,7 +218,7 @@ typedef struct {
   PyObject_HEAD ferry_policy *p;
 } SnapshotPolicyObject;
 
-static int snappol_init(SnapshotPolicyObject *self, PyObject *args, PyObject *kw) {
+static int snapshot_policy_init(SnapshotPolicyObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"path", "source", "trusted", NULL};
   const char *path = NULL, *source = NULL;
   int trusted = 0;
@@ -237,14 +237,14 @@ static int snappol_init(SnapshotPolicyObject *self, PyObject *args, PyObject *kw
   return 0;
 }
 
-static void snappol_dealloc(SnapshotPolicyObject *self) {
+static void snapshot_policy_dealloc(SnapshotPolicyObject *self) {
   ferry_policy_destroy(self->p);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* plan(entries) -> [(stage, order)]; entries: (key, path, nbytes, index,
  * dtype_name or None, on_device). */
-static PyObject *snappol_plan(SnapshotPolicyObject *self, PyObject *entries) {
+static PyObject *snapshot_policy_plan(SnapshotPolicyObject *self, PyObject *entries) {
   if (!self->p) return raise_ferry(FERRY_ESTATE, "ferry: SnapshotPolicy not initialised");
   PyObject *seq = PySequence_Fast(entries, "ferry: plan() takes a sequence of entries");
   if (!seq) return NULL;
@@ -276,35 +276,35 @@ static PyObject *snappol_plan(SnapshotPolicyObject *self, PyObject *entries) {
   return out;
 }
 
-static PyObject *snappol_last_error(SnapshotPolicyObject *self, PyObject *unused) {
+static PyObject *snapshot_policy_last_error(SnapshotPolicyObject *self, PyObject *unused) {
   return PyUnicode_FromString(ferry_policy_last_error(self->p));
 }
 
-static PyObject *snappol_get_has(SnapshotPolicyObject *self, void *unused) {
+static PyObject *snapshot_policy_get_has(SnapshotPolicyObject *self, void *unused) {
   return PyBool_FromLong(ferry_policy_has_snapshot(self->p));
 }
 
-static PyObject *snappol_get_errors(SnapshotPolicyObject *self, void *unused) {
+static PyObject *snapshot_policy_get_errors(SnapshotPolicyObject *self, void *unused) {
   ferry_policy_stats st;
   ferry_policy_get_stats(self->p, &st);
   return PyLong_FromUnsignedLongLong(st.errors);
 }
 
-static PyObject *snappol_get_name(SnapshotPolicyObject *self, void *unused) {
+static PyObject *snapshot_policy_get_name(SnapshotPolicyObject *self, void *unused) {
   return PyUnicode_FromString(ferry_policy_name(self->p));
 }
 
-static PyMethodDef snappol_methods[] = {
-    {"plan", (PyCFunction)snappol_plan, METH_O,
+static PyMethodDef snapshot_policy_methods[] = {
+    {"plan", (PyCFunction)snapshot_policy_plan, METH_O,
      "plan([(key, path, nbytes, index, dtype, on_device)]) -> [(stage, order)]"},
-    {"last_error", (PyCFunction)snappol_last_error, METH_NOARGS,
+    {"last_error", (PyCFunction)snapshot_policy_last_error, METH_NOARGS,
      "The last fault of snapshot() as 'file:line: message', or ''."},
     {NULL}};
 
-static PyGetSetDef snappol_getset[] = {
-    {"has_snapshot", (getter)snappol_get_has, NULL, "the policy defines snapshot(e)", NULL},
-    {"errors", (getter)snappol_get_errors, NULL, "faults so far", NULL},
-    {"name", (getter)snappol_get_name, NULL, "the policy's name", NULL},
+static PyGetSetDef snapshot_policy_getset[] = {
+    {"has_snapshot", (getter)snapshot_policy_get_has, NULL, "the policy defines snapshot(e)", NULL},
+    {"errors", (getter)snapshot_policy_get_errors, NULL, "faults so far", NULL},
+    {"name", (getter)snapshot_policy_get_name, NULL, "the policy's name", NULL},
     {NULL}};
 
 PyTypeObject SnapshotPolicyType = {
@@ -313,9 +313,9 @@ PyTypeObject SnapshotPolicyType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "SnapshotPolicy(path=None, source=None, trusted=False): a policy's snapshot(e).",
     .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)snappol_init,
-    .tp_dealloc = (destructor)snappol_dealloc,
-    .tp_methods = snappol_methods,
-    .tp_getset = snappol_getset,
+    .tp_init = (initproc)snapshot_policy_init,
+    .tp_dealloc = (destructor)snapshot_policy_dealloc,
+    .tp_methods = snapshot_policy_methods,
+    .tp_getset = snapshot_policy_getset,
 };
 
