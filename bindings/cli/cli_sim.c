@@ -38,6 +38,7 @@ static void sim_usage(FILE *f) {
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          device memory over the last step, baseline vs policies\n"
           "  --no-layers         skip the per-layer table\n"
+          "  --max-line BYTES    longest trace line read (default 1M; longer is an error)\n"
           "  --demo DIR          synthesize the Llama-3-8B-like trace, dry-run default, layers\n"
           "                      and budget on h100, write every output into DIR\n",
           sim_hw_names());
@@ -114,12 +115,15 @@ typedef struct sim_job {
   int recorded;
 } sim_job;
 
+/* What the trace reader takes (--max-line). */
+static sim_trace_limits trace_limits = SIM_TRACE_LIMITS_DEFAULT;
+
 static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, uint32_t steps,
                    uint64_t host_cap, const char *json, const char *chrome, const char *svg,
                    int layers_table) {
   char err[1024];
   sim_trace *t = NULL;
-  if (sim_trace_load(trace_path, &t, err, sizeof err)) {
+  if (sim_trace_load_limited(trace_path, &trace_limits, &t, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     return 1;
   }
@@ -213,12 +217,13 @@ int ferry_cli_sim(int argc, char **argv) {
       {"sweep", required_argument, 0, 'S'},   {"recorded", no_argument, 0, 'r'},
       {"host-cap", required_argument, 0, 'C'}, {"no-layers", no_argument, 0, 'L'},
       {"demo", required_argument, 0, 'D'},    {"help", no_argument, 0, 'h'},
+      {"max-line", required_argument, 0, 'M'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
   long steps = 3;
   int recorded = 0, layers_table = 1, c;
-  uint64_t host_cap = 0;
+  uint64_t host_cap = 0, line_limit;
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
   while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
@@ -239,6 +244,10 @@ int ferry_cli_sim(int argc, char **argv) {
       if (cli_bytes("sim", "--host-cap", optarg, 1, &host_cap)) return 2;
       break;
     case 'L': layers_table = 0; break;
+    case 'M':
+      if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
+      trace_limits.max_line_bytes = (size_t)line_limit;
+      break;
     case 'D': demo_dir = optarg; break;
     case 'h': sim_usage(stdout); return 0;
     case ':':

@@ -346,6 +346,17 @@ typedef struct sim_trace {
 
 /* Read a trace file. On failure *out is NULL and err holds "FILE:LINE: ...". */
 FERRY_API int sim_trace_load(const char *path, sim_trace **out, char *err, size_t errlen);
+/* What the reader takes before it gives up with "FILE:LINE: ..." (limits in
+ * docs/trace-format.md): the longest line, the deepest nesting of a line,
+ * the largest file. sim_trace_load uses SIM_TRACE_LIMITS_DEFAULT. */
+typedef struct sim_trace_limits {
+  size_t max_line_bytes;
+  int max_depth;
+  uint64_t max_file_bytes;
+} sim_trace_limits;
+#define SIM_TRACE_LIMITS_DEFAULT {(size_t)1 << 20, 32, (uint64_t)1 << 34}
+FERRY_API int sim_trace_load_limited(const char *path, const sim_trace_limits *limits,
+                                     sim_trace **out, char *err, size_t errlen);
 /* The same from memory; name is used in messages. data need not end in 0. */
 FERRY_API int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **out, char *err,
                     size_t errlen);

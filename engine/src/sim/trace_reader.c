@@ -5,6 +5,9 @@
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <unistd.h>
+#include <sys/stat.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -21,7 +24,6 @@
 #define MAX_TENSOR_BYTES (1ull << 50) /* the engine's own bound (stash.c) */
 #define MAX_LAYERS 1000000
 #define MAX_COMPUTE_US 3.6e9 /* an hour of compute in one event is a broken trace */
-#define MAX_TRACE_BYTES ((size_t)1 << 34)
 #define MAX_ID 9007199254740992.0 /* 2^53: ids and steps are exact in a double */
 
 enum { TS_PACKED = 1, TS_DONE = 2 };
@@ -43,6 +45,7 @@ typedef struct reader {
   uint32_t live_in_step;
   double last_t; /* t_us of the previous line */
   int has_gap;   /* t_us moved at least once */
+  int max_depth; /* deepest nesting a line may have */
 } reader;
 
 /* Writes "name:line: message" into the caller's buffer; FERRY_EPARSE. */
@@ -485,6 +488,26 @@ void sim_trace_free(sim_trace *t) {
 }
 
 /* Every line of data in turn (blank ones skipped), then the end's checks. */
+/* The deepest [ and { nesting of a JSON line, strings skipped: checked
+ * before parsing, so a hostile line costs one pass and no recursion. */
+static int json_depth(const char *s, size_t n) {
+  int depth = 0, deepest = 0, in_string = 0;
+  for (size_t i = 0; i < n; i++) {
+    char c = s[i];
+    if (in_string) {
+      if (c == '\\') i++;
+      else if (c == '"') in_string = 0;
+    } else if (c == '"') {
+      in_string = 1;
+    } else if (c == '[' || c == '{') {
+      if (++depth > deepest) deepest = depth;
+    } else if (c == ']' || c == '}') {
+      depth--;
+    }
+  }
+  return deepest;
+}
+
 static int parse_lines(reader *r, const char *data, size_t len) {
   if (!data || len == 0) return reader_fail(r, "empty trace (no header line)");
   size_t pos = 0;
@@ -497,6 +520,8 @@ static int parse_lines(reader *r, const char *data, size_t len) {
     const char *s = data + pos;
     pos += n + 1;
     if (memchr(s, 0, n)) return reader_fail(r, "NUL byte in the line");
+    if (json_depth(s, n) > r->max_depth)
+      return reader_fail(r, "nested deeper than %d levels (no trace line is)", r->max_depth);
     size_t k = 0;
     while (k < n && (s[k] == ' ' || s[k] == '\t' || s[k] == '\r')) k++;
     if (k == n) continue; /* blank lines carry nothing */
@@ -531,8 +556,9 @@ static int reader_finish(reader *r, int rc) {
   return rc;
 }
 
-int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **out, char *err,
-                    size_t errlen) {
+/* Reads a whole trace from memory, lines nested at most max_depth deep. */
+static int parse_trace(const char *name, const char *data, size_t len, int max_depth,
+                       sim_trace **out, char *err, size_t errlen) {
   *out = NULL;
   if (err && errlen) err[0] = 0;
   reader r;
@@ -540,6 +566,7 @@ int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **
   r.name = name ? name : "trace";
   r.err = err;
   r.errlen = errlen;
+  r.max_depth = max_depth;
   sim_trace *t = calloc(1, sizeof *t);
   if (!t || !(t->name = strdup(r.name))) {
     free(t);
@@ -559,49 +586,99 @@ int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **
   return FERRY_OK;
 }
 
+int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **out, char *err,
+                    size_t errlen) {
+  sim_trace_limits lim = SIM_TRACE_LIMITS_DEFAULT;
+  return parse_trace(name, data, len, lim.max_depth, out, err, errlen);
+}
+
 /* Reads a whole trace file (at most 16 GiB) and parses it. */
-int sim_trace_load(const char *path, sim_trace **out, char *err, size_t errlen) {
-  *out = NULL;
-  FILE *f = fopen(path, "rb");
-  if (!f) {
+/* Opens path for reading without blocking on a FIFO that has no writer (it
+ * then reads as empty) and refuses a directory. -1 with err written. */
+static int open_trace(const char *path, char *err, size_t errlen) {
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
     if (err && errlen) snprintf(err, errlen, "%s: cannot open: %s", path, strerror(errno));
-    return FERRY_EIO;
+    return -1;
   }
-  size_t cap = 1 << 20, n = 0;
+  struct stat st;
+  if (fstat(fd, &st) != 0 || S_ISDIR(st.st_mode)) {
+    if (err && errlen)
+      snprintf(err, errlen, "%s: %s", path, S_ISDIR(st.st_mode) ? "is a directory, not a trace"
+                                                                 : strerror(errno));
+    close(fd);
+    return -1;
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK); /* a writer's data: wait for it */
+  return fd;
+}
+
+/* Checks the bytes just read: the line count, a line over the limit, a NUL
+ * byte. FERRY_OK, or FERRY_EPARSE with "FILE:LINE: ..." in err. */
+static int check_chunk(const char *path, const char *p, size_t n, const sim_trace_limits *lim,
+                       uint32_t *line, size_t *line_len, char *err, size_t errlen) {
+  for (size_t i = 0; i < n; i++) {
+    if (p[i] == '\n') {
+      (*line)++;
+      *line_len = 0;
+      continue;
+    }
+    if (!p[i] || ++*line_len > lim->max_line_bytes) {
+      if (err && errlen)
+        snprintf(err, errlen,
+                 p[i] ? "%s:%u: a line longer than %zu bytes (no trace line is; --max-line)"
+                      : "%s:%u: a NUL byte: not a JSON-lines trace (a binary file?)",
+                 path, *line + 1, lim->max_line_bytes);
+      return FERRY_EPARSE;
+    }
+  }
+  return FERRY_OK;
+}
+
+int sim_trace_load_limited(const char *path, const sim_trace_limits *limits, sim_trace **out,
+                           char *err, size_t errlen) {
+  *out = NULL;
+  sim_trace_limits lim = SIM_TRACE_LIMITS_DEFAULT;
+  if (limits) lim = *limits;
+  int fd = open_trace(path, err, errlen);
+  if (fd < 0) return FERRY_EIO;
+  size_t cap = 1 << 20, n = 0, line_len = 0;
+  uint32_t line = 0;
   char *buf = malloc(cap);
-  int rc = FERRY_OK;
-  while (buf) {
+  int rc = buf ? FERRY_OK : FERRY_ENOMEM;
+  while (!rc) {
     if (n == cap) {
-      if (cap >= MAX_TRACE_BYTES) {
-        if (err && errlen) snprintf(err, errlen, "%s: larger than 16 GiB", path);
-        rc = FERRY_EPARSE;
+      char *nb = (uint64_t)cap * 2 <= lim.max_file_bytes ? realloc(buf, cap * 2) : NULL;
+      if (!nb) {
+        if (err && errlen)
+          snprintf(err, errlen, "%s: larger than %llu bytes", path,
+                   (unsigned long long)lim.max_file_bytes);
+        rc = (uint64_t)cap * 2 <= lim.max_file_bytes ? FERRY_ENOMEM : FERRY_EPARSE;
         break;
       }
-      char *nb = realloc(buf, cap * 2);
-      if (!nb) break;
       buf = nb;
       cap *= 2;
     }
-    size_t got = fread(buf + n, 1, cap - n, f);
-    n += got;
-    if (got == 0) break;
+    ssize_t got = read(fd, buf + n, cap - n);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      if (err && errlen) snprintf(err, errlen, "%s: read error: %s", path, strerror(errno));
+      rc = FERRY_EIO;
+    } else if (got == 0) {
+      break;
+    } else {
+      rc = check_chunk(path, buf + n, (size_t)got, &lim, &line, &line_len, err, errlen);
+      n += (size_t)got;
+    }
   }
-  int read_err = ferror(f);
-  fclose(f);
-  if (!buf) {
-    if (err && errlen) snprintf(err, errlen, "%s: out of memory reading it", path);
-    return FERRY_ENOMEM;
-  }
-  if (rc) {
-    free(buf);
-    return rc;
-  }
-  if (read_err) {
-    free(buf);
-    if (err && errlen) snprintf(err, errlen, "%s: read error", path);
-    return FERRY_EIO;
-  }
-  rc = sim_trace_parse(path, buf, n, out, err, errlen);
+  close(fd);
+  if (rc == FERRY_ENOMEM && err && errlen && !err[0])
+    snprintf(err, errlen, "%s: out of memory reading it", path);
+  if (!rc) rc = parse_trace(path, buf, n, lim.max_depth, out, err, errlen);
   free(buf);
   return rc;
+}
+
+int sim_trace_load(const char *path, sim_trace **out, char *err, size_t errlen) {
+  return sim_trace_load_limited(path, NULL, out, err, errlen);
 }
