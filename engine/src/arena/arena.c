@@ -1,11 +1,7 @@
 /*
  * arena.c — the pinned host arena: kind selection, stats, and the ledger of
  * backend allocations shared by the jemalloc and pool kinds.
- *
- * Every pinned byte comes from bk->ops->host_alloc through
- * arena_backend_reserve(), which is the single place the cap is enforced.
- * Nothing goes back to the backend before ferry_arena_destroy(), which
- * frees the whole ledger.
+ * How it works: docs/internals.md#arenac.
  */
 #include <errno.h>
 #include <stdarg.h>

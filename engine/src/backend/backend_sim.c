@@ -1,20 +1,7 @@
 /*
  * backend_sim.c — the sim backend: CUDA stream/event semantics on a virtual
- * clock, for the dry-run simulator (backend_sim.h has the time model).
- *
- * The link is simulated lazily: operations are queued on their stream, and
- * the link only runs forward to a time when someone looks (event_query at
- * `now`, a wait, stats). That is exact, not an approximation: the embedder's
- * clock never goes back, and every later operation is ordered after an event
- * recorded at the embedder's clock at the earliest (the engine makes each
- * copy wait for the compute stream), so nothing issued later can change what
- * happened on the link before `now`. Between two changes of the set of
- * copies in progress the rates are constant and progress is integrated
- * exactly.
- *
- * Thread-safety: one mutex guards the whole backend, so an engine with this
- * backend may be driven from several threads like any other; the clock is
- * shared by all of them.
+ * clock, for the dry-run simulator (the time model: docs/internals.md).
+ * How it works: docs/internals.md#backend_simc.
  */
 #include <errno.h>
 #include <math.h>
@@ -561,7 +548,7 @@ int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **out, char 
   return FERRY_OK;
 }
 
-/* ---- simulator API (backend_sim.h) ------------------------------------------- */
+/* ---- simulator API (ferry_tools.h) ------------------------------------------- */
 
 int sim_backend_is(const ferry_backend *b) { return b && b->ops == &sim_ops; }
 

@@ -1,4 +1,4 @@
-/* names.c — see names.h. */
+/* names.c — the text names of ferry's enums (ferry.h, ferry_tools.h). */
 #include "ferry_tools.h"
 
 #include <string.h>

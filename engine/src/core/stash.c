@@ -1,22 +1,7 @@
 /*
  * stash.c — the stash manager: pack, unpack, prefetch, discard and step
  * boundaries.
- *
- * Life of an offloaded tensor:
- *   pack:    D2H stream waits on the compute stream, copy into the arena,
- *            event recorded; the device buffer stays in the forward stash
- *            (STASHED) until the stash holds more than max_fwd_stash
- *            buffers; then the oldest is released to the embedder once its
- *            event completed (OFFLOADED).
- *   unpack:  STASHED → the device buffer comes back, no copy (stash hit);
- *            OFFLOADED → allocator callback, H2D copy after the compute
- *            stream, compute stream waits on the copy's event (RELOADED).
- *   Arena buffers a copy may still touch go to a pending list and are freed
- *   once their event completes.
- *
- * Locking: one mutex per engine. Embedder callbacks that may re-enter an
- * interpreter (device_alloc, release) run without it; retain and the decide
- * callback run under it and must not call back into the engine.
+ * How it works: docs/internals.md#stashc.
  */
 #include <stdlib.h>
 #include <string.h>

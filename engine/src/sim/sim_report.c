@@ -1,6 +1,6 @@
 /*
  * sim_report.c — presets, link syntax, tables, JSON, Chrome trace and SVG
- * of the simulator (sim_report.h).
+ * of the simulator (declared in ferry_tools.h).
  */
 #include <cjson/cJSON.h>
 #include <errno.h>

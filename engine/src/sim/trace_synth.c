@@ -1,12 +1,6 @@
 /*
- * trace_synth.c — the trace synthesizer (trace_synth.h).
- *
- * A model is a list of ops; an op has a forward cost (FLOPs and bytes of
- * memory traffic; its time is the larger of the two at the given
- * throughputs, backward takes twice as long) and the tensors autograd saves
- * for its backward. Saved tensors name layer-local buffers: two ops saving
- * the same buffer (q/k/v projections saving the normed input) become one
- * pack and an `alias` pack of it, as the engine would record them.
+ * trace_synth.c — the trace synthesizer (declared in ferry_tools.h).
+ * How it works: docs/internals.md#trace_synthc.
  */
 #include <math.h>
 #include <stdio.h>
