@@ -37,6 +37,7 @@ bench: build
 	  echo "[torch] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json
+	@python3 bench/targets.py $(BUILD)/bench.json
 
 install: build
 	cmake --install $(BUILD)

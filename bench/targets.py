@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""The benchmark targets against build/bench.json: prints a table (value,
+target, pass/fail) and writes it into the JSON under "targets". A metric no
+benchmark produced yet is listed as missing, never as passing.
+
+Usage: python bench/targets.py [build/bench.json]"""
+import json
+import sys
+
+# metric, comparison, target, what it is (numerator / denominator)
+TARGETS = [
+    ("pack_unpack_keep_ns", "<=", 150, "engine pack+unpack of a kept tensor, ns"),
+    ("pinned_allocs_per_step_after_warmup", "==", 0, "backend pinned allocations per steady step"),
+    ("arena_reserved_over_peak", "<=", 1.15, "arena reserved bytes / peak bytes in use"),
+    ("host_copy_vs_memcpy_1MB", ">=", 0.9, "host backend 1 MiB copy throughput / same-thread memcpy"),
+    ("host_copy_vs_memcpy_64MB", ">=", 0.9, "host backend 64 MiB copy throughput / same-thread memcpy"),
+    ("decide_uncached_ns", "<=", 1000, "default.lua decision without the cache, ns"),
+    ("decide_cached_ns", "<=", 50, "default.lua decision from the site cache, ns"),
+    ("decide_uncached_ns_max", "<=", 1000, "slowest shipped policy, uncached, ns"),
+    ("decide_cached_ns_max", "<=", 50, "slowest shipped policy, cached, ns"),
+    ("sim_events_per_s", ">=", 2_000_000, "trace events replayed per second"),
+    ("prefetch_per_tensor_100k_vs_1k", "<=", 1.2, "per-tensor cost at 100k tensors / at 1k"),
+    ("hook_keep_vs_noop_pair_torch2", "<=", 1.1, "ferry keep path per saved tensor / no-op hook pair, torch 2.x"),
+    ("hook_keep_vs_noop_pair_torch1", "<=", 1.1, "the same on Debian's torch 1.13"),
+    ("step_overhead_vs_torchtune", "<=", 1.0, "step overhead of ferry keeping all / torchtune's logic"),
+    ("stall_vs_floor", "<=", 1.1, "budget.lua exposed stall / link-bound floor, demo trace"),
+    ("snapshot_blocked_vs_sync_cpu", "<=", 0.1, "training blocked by a snapshot / a .cpu() copy of the state"),
+    ("snapshot_step_slowdown", "<=", 1.10, "step time while a snapshot drains / without"),
+    ("optimizer_offload_step_ratio", "<=", 1.3, "step with offload_optimizer(fraction=0.5) / plain"),
+]
+
+
+def check(value, op, target):
+    return {"<=": value <= target, ">=": value >= target, "==": value == target}[op]
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "build/bench.json"
+    with open(path) as f:
+        data = json.load(f)
+    rows, table = [], {}
+    for name, op, target, what in TARGETS:
+        value = data.get(name)
+        if isinstance(value, (int, float)):
+            status = "pass" if check(value, op, target) else "FAIL"
+            shown = f"{value:.4g}"
+        else:
+            status, shown = "missing", "-"
+        table[name] = {"value": value, "target": f"{op} {target:g}", "status": status,
+                       "what": what}
+        rows.append((name, shown, f"{op} {target:g}", status, what))
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'target':{width}}  {'value':>12}  {'target':>10}  status   what")
+    for name, shown, tgt, status, what in rows:
+        print(f"{name:{width}}  {shown:>12}  {tgt:>10}  {status:7}  {what}")
+    counts = {s: sum(1 for r in rows if r[3] == s) for s in ("pass", "FAIL", "missing")}
+    print(f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['missing']} missing")
+    data["targets"] = table
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
