@@ -112,6 +112,9 @@
   X(sim_consistent_with_host_backend)                                   \
   X(sim_fuzz_corpus_replays_clean)                                      \
   X(sim_budget_beats_default_on_llama3_8b)                                 \
+  X(sim_host_ram_is_the_simulated_hosts)                                   \
+  X(sim_pinned_pool_vs_no_pool)                                            \
+  X(sim_warmup_steps_and_first_step)                                       \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

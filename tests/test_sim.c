@@ -693,3 +693,115 @@ TEST(sim_budget_beats_default_on_llama3_8b) {
   sim_trace_free(t);
   return 0;
 }
+
+/* Replays the tiny synthesized model on h100 under c (link filled in). */
+static int replay_tiny(sim_config *c, sim_result *out) {
+  synth_model m;
+  synth_preset("tiny", &m);
+  sim_trace *t = NULL;
+  if (synth_to_trace(&m, &t)) return -1;
+  const sim_hw *hw = sim_hw_preset("h100");
+  c->link = hw->link;
+  char err[512];
+  int rc = sim_replay(t, c, out, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  sim_trace_free(t);
+  return rc;
+}
+
+/* Host RAM in a simulation is the simulated host's (host_ram_bytes), read
+ * through the engine's host_ram callback: a policy that offloads only while
+ * host RAM is under 50% in use sees 0% on a big host and 100% on one smaller
+ * than what the arena pinned in step 1 — whatever the machine running it. */
+TEST(sim_host_ram_is_the_simulated_hosts) {
+  static const char src[] =
+      "return { api = 1, decide = function(t, ctx)\n"
+      "  if t.bytes >= 1024 and t.kind == ferry.ACTIVATION and ctx.host_ram_used_pct < 50 then\n"
+      "    return ferry.OFFLOAD end\n"
+      "  return ferry.KEEP end }\n";
+  sim_result big, small, again;
+  sim_config c = {0};
+  c.steps = 3;
+  c.policy_source = src;
+  c.host_ram_bytes = 1ull << 40;
+  CHECK_OK(replay_tiny(&c, &big));
+  CHECK_OK(replay_tiny(&c, &again));
+  c.host_ram_bytes = 1 << 20;
+  CHECK_OK(replay_tiny(&c, &small));
+  CHECK_EQ(big.host_ram_bytes, 1ull << 40);
+  CHECK_EQ(small.host_ram_bytes, 1 << 20);
+  CHECK(big.bytes_d2h > 0);
+  CHECK_EQ(small.bytes_d2h, 0); /* steps 2..3: the 1 MiB host is full */
+  CHECK_EQ(big.bytes_d2h, again.bytes_d2h);
+  CHECK_EQ(big.peak_device_bytes, again.peak_device_bytes);
+  /* no size given: the documented default, not /proc/meminfo */
+  c.host_ram_bytes = 0;
+  CHECK_OK(replay_tiny(&c, &again));
+  CHECK_EQ(again.host_ram_bytes, SIM_DEFAULT_HOST_RAM);
+  CHECK_EQ(again.bytes_d2h, big.bytes_d2h);
+  sim_result_free(&big);
+  sim_result_free(&small);
+  sim_result_free(&again);
+  return 0;
+}
+
+/* Pinned allocation cost: with the pool (the engine's arena) step 1 pays
+ * for the arena's growth and steady steps pay nothing; without one every
+ * offload pays alloc + bytes / touch rate, every step, exactly. */
+TEST(sim_pinned_pool_vs_no_pool) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/default.lua", policy_dir());
+  sim_result free_, pool, nopool;
+  sim_config c = {0};
+  c.steps = 3;
+  c.policy_path = path;
+  CHECK_OK(replay_tiny(&c, &free_));
+  c.pinned_alloc_us = 3000;
+  c.pinned_touch_bytes_per_s = 2.5e9;
+  CHECK_OK(replay_tiny(&c, &pool));
+  c.pinned_no_pool = 1;
+  CHECK_OK(replay_tiny(&c, &nopool));
+  CHECK_EQ(free_.pinned_alloc_us, 0);
+  CHECK_EQ(pool.pinned_alloc_us, 0);            /* steady steps reuse the pool */
+  CHECK(pool.first_step_us >= free_.first_step_us + 3000); /* step 1 grew it */
+  CHECK_NEAR(pool.step_us, free_.step_us, 1e-6 * free_.step_us);
+  CHECK(pool.bytes_d2h > 0);
+  double want = nopool.tensors_offloaded * 3000 + nopool.bytes_d2h / 2.5e9 * 1e6;
+  CHECK_NEAR(nopool.pinned_alloc_us, want, 1e-6 * want);
+  CHECK(nopool.step_us >= free_.step_us + 0.5 * want);
+  sim_result_free(&free_);
+  sim_result_free(&pool);
+  sim_result_free(&nopool);
+  return 0;
+}
+
+/* --warmup: the steady figures leave out the warmup steps, the first step
+ * is reported alone, and the peak is the steady steps'. */
+TEST(sim_warmup_steps_and_first_step) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/default.lua", policy_dir());
+  sim_result w1, w3, none;
+  sim_config c = {0};
+  c.steps = 4;
+  c.policy_path = path;
+  c.pinned_alloc_us = 3000; /* makes step 1 distinctly slower */
+  CHECK_OK(replay_tiny(&c, &w1));
+  c.warmup = 3;
+  CHECK_OK(replay_tiny(&c, &w3));
+  c.warmup = -1;
+  CHECK_OK(replay_tiny(&c, &none));
+  CHECK_EQ(w1.warmup, 1);
+  CHECK_EQ(w3.warmup, 3);
+  CHECK_EQ(none.warmup, 0);
+  CHECK_NEAR(w1.step_us, w3.step_us, 1e-6 * w1.step_us);
+  CHECK(w1.first_step_us > w1.step_us + 3000);
+  /* with no warmup step 1 is in the mean */
+  CHECK_NEAR(none.step_us, (w1.first_step_us + 3 * w1.step_us) / 4, 1e-6 * w1.step_us);
+  CHECK(w1.first_step_peak_device_bytes > 0);
+  CHECK(none.peak_device_bytes >= w1.peak_device_bytes);
+  CHECK(none.peak_device_bytes >= w1.first_step_peak_device_bytes);
+  sim_result_free(&w1);
+  sim_result_free(&w3);
+  sim_result_free(&none);
+  return 0;
+}

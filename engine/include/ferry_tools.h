@@ -233,6 +233,8 @@ typedef struct sim_backend_stats {
   uint64_t copies[2];   /* copies finished, per direction */
   uint64_t bytes[2];    /* bytes of the finished copies */
   uint64_t host_reserved_bytes; /* address space handed out by host_alloc */
+  uint64_t pinned_allocs;  /* host_alloc calls and sim_backend_pinned_alloc charges */
+  double pinned_alloc_us;  /* host time they cost (also counted in host_wait_us) */
 } sim_backend_stats;
 
 /* dir: 0 = D2H, 1 = H2D; times in µs of the virtual clock. */
@@ -251,6 +253,15 @@ FERRY_API void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, 
 /* Direction-dependent duplex (links where one direction suffers more when
  * both run, e.g. A100: H2D drops to ~48%, D2H to ~96%). */
 FERRY_API int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d);
+/* Cost of pinning host memory (docs/hardware.md): a pinned allocation
+ * blocks the host for alloc_us plus its bytes at touch_bytes_per_s (first
+ * touch and registration; 0 = free); on_host_alloc: every host_alloc (the
+ * engine's arena growing) pays it. Off (both 0) until set. */
+FERRY_API int sim_backend_set_pinned_cost(ferry_backend *b, double alloc_us,
+                                          double touch_bytes_per_s, int on_host_alloc);
+/* Charges one pinned allocation of `bytes` the engine's arena did not make
+ * (a trainer without a pinned pool: a fresh cudaHostAlloc per offload). */
+FERRY_API void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes);
 
 
 /* ---- the pinned host arena: jemalloc or pool kind, hard cap, thread-safe
@@ -352,6 +363,9 @@ FERRY_API int sim_trace_parse(const char *name, const char *data, size_t len, si
 FERRY_API void sim_trace_free(sim_trace *t);
 
 /* ---- replay ------------------------------------------------------------------- */
+/* A DGX H100's 2 TB of system memory (NVIDIA DGX H100 datasheet) */
+#define SIM_DEFAULT_HOST_RAM 2000000000000ull
+
 typedef struct sim_config {
   ferry_link link;
   double duplex_d2h, duplex_h2d; /* sim: per-direction duplex, 0 = link.duplex */
@@ -368,6 +382,19 @@ typedef struct sim_config {
   double host_time_scale;
   int timeline;            /* record the last step's timeline */
   int record_decisions;    /* record the last step's decision per pack */
+  /* steps left out of the steady-state figures (step time, stall, bytes,
+   * peak): 0 = the default, 1; negative = none */
+  int32_t warmup;
+  /* the simulated host's RAM for host_cap_pct and the policies'
+   * host_ram_used_pct (available = this less the pinned bytes the sim
+   * reserved); 0 = SIM_DEFAULT_HOST_RAM. Never the machine running it. */
+  uint64_t host_ram_bytes;
+  /* sim: the cost of pinning host memory (sim_backend_set_pinned_cost),
+   * both 0 = free; and whether the trainer has a pinned pool (the engine's
+   * arena: pays once, when it grows) or not (pinned_no_pool: every offload
+   * pays a fresh allocation of its bytes, every step) */
+  double pinned_alloc_us, pinned_touch_bytes_per_s;
+  int pinned_no_pool;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -411,9 +438,15 @@ typedef struct sim_result {
   uint64_t peak_saved_bytes;   /* saved tensors alone */
   uint64_t peak_host_bytes;    /* pinned arena in use */
   uint64_t host_reserved_bytes;
-  /* per step: the mean over steps 2..N (step 1 warms caches and learns) */
+  /* per step: the mean over the steady steps (after the warmup ones; step 1
+   * warms caches and learns); the peaks above are over the steady steps too
+   * (over all when no step is steady) */
   double step_us, stall_us, host_wait_us;
   double first_step_us;
+  uint64_t first_step_peak_device_bytes; /* step 1 alone */
+  uint32_t warmup;                       /* steps left out */
+  double pinned_alloc_us;                /* per steady step: pinning host memory */
+  uint64_t host_ram_bytes;               /* the simulated host's RAM */
   double bytes_d2h, bytes_h2d;
   double tensors_packed, tensors_offloaded, tensors_kept;
   double prefetches, stash_hits;
