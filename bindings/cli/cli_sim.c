@@ -34,6 +34,12 @@ static void sim_usage(FILE *f) {
           "  --sweep KNOB=A..B[:STEP]  run each policy with `local KNOB = v` for v in A..B\n"
           "  --recorded          also replay the decisions recorded in the trace\n"
           "  --host-cap BYTES    pinned host cap (suffixes K, M, G)\n"
+          "  --host-ram BYTES    host RAM this rank counts on (policies' host_ram_used_pct);\n"
+          "                      default: the preset's (node RAM / GPUs), never this machine's\n"
+          "  --warmup N          steps left out of the steady figures (default 1)\n"
+          "  --pinned SPEC       pinned allocation cost: pool=on|off,alloc=3ms,touch=2.5GB/s\n"
+          "                      (pool=on: the engine's arena pays once, when it grows; off:\n"
+          "                      every offload pays a fresh allocation; alloc=0 touch=0: free)\n"
           "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          device memory over the last step, baseline vs policies\n"
@@ -107,6 +113,50 @@ static void on_progress(void *ud, uint32_t step, uint32_t steps) {
   fflush(stderr);
 }
 
+/* Run settings common to every replay of a `ferry sim` command. */
+typedef struct sim_opts {
+  uint32_t steps;
+  int32_t warmup;
+  uint64_t host_cap, host_ram;
+  double pin_alloc_us, pin_touch_bytes_per_s;
+  int no_pool;
+} sim_opts;
+
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0}
+
+/* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
+static int parse_pinned(const char *spec, sim_opts *o) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", spec);
+  for (char *save = NULL, *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+    char *eq = strchr(kv, '=');
+    if (!eq) goto bad;
+    *eq = 0;
+    const char *v = eq + 1;
+    if (!strcmp(kv, "pool")) {
+      if (!strcmp(v, "on")) o->no_pool = 0;
+      else if (!strcmp(v, "off")) o->no_pool = 1;
+      else goto bad;
+    } else if (!strcmp(kv, "alloc") || !strcmp(kv, "touch")) {
+      /* units through the link parser: latency= for times, h2d= for rates */
+      sim_hw tmp;
+      memset(&tmp, 0, sizeof tmp);
+      char one[128], err[256];
+      snprintf(one, sizeof one, "%s=%s", !strcmp(kv, "alloc") ? "latency" : "h2d", v);
+      if (sim_parse_link(one, &tmp, err, sizeof err)) goto bad;
+      if (!strcmp(kv, "alloc")) o->pin_alloc_us = tmp.link.latency_us;
+      else o->pin_touch_bytes_per_s = tmp.link.h2d_bytes_per_s;
+    } else {
+      goto bad;
+    }
+  }
+  return 0;
+bad:
+  fprintf(stderr, "ferry sim: --pinned %s: expected pool=on|off,alloc=TIME,touch=RATE "
+                  "(e.g. pool=off,alloc=3ms,touch=2.5GB/s)\n", spec);
+  return -1;
+}
+
 typedef struct sim_job {
   char label[128];
   char path[PATH_MAX];
@@ -114,9 +164,24 @@ typedef struct sim_job {
   int recorded;
 } sim_job;
 
-static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, uint32_t steps,
-                   uint64_t host_cap, const char *json, const char *chrome, const char *svg,
-                   int layers_table) {
+/* The replay settings of o for one run on hw. */
+static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
+  sim_config c = {0};
+  c.link = hw->link;
+  c.duplex_d2h = hw->duplex_d2h;
+  c.duplex_h2d = hw->duplex_h2d;
+  c.steps = o->steps;
+  c.warmup = o->warmup;
+  c.host_cap_bytes = o->host_cap;
+  c.host_ram_bytes = o->host_ram ? o->host_ram : (uint64_t)hw->host_ram_bytes;
+  c.pinned_alloc_us = o->pin_alloc_us;
+  c.pinned_touch_bytes_per_s = o->pin_touch_bytes_per_s;
+  c.pinned_no_pool = o->no_pool;
+  return c;
+}
+
+static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, const sim_opts *o,
+                   const char *json, const char *chrome, const char *svg, int layers_table) {
   char err[1024];
   sim_trace *t = NULL;
   if (sim_trace_load(trace_path, &t, err, sizeof err)) {
@@ -128,12 +193,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   progress_state ps = {.tty = isatty(2)};
   int rc = 0;
   for (int i = 0; i <= n_jobs && !rc; i++) {
-    sim_config c = {0};
-    c.link = hw.link;
-    c.duplex_d2h = hw.duplex_d2h;
-    c.duplex_h2d = hw.duplex_h2d;
-    c.steps = steps;
-    c.host_cap_bytes = host_cap;
+    sim_config c = opts_config(o, &hw);
     c.timeline = want_tl;
     c.progress = on_progress;
     c.progress_ud = &ps;
@@ -197,7 +257,8 @@ static int demo(const char *dir) {
       return 1;
     }
   }
-  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, 3, 0, json, chrome, svg, 1);
+  sim_opts o = SIM_OPTS_INIT;
+  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, &o, json, chrome, svg, 1);
   if (rc == 0 || rc == 3)
     printf("\nwrote %s, %s (open in https://ui.perfetto.dev), %s and the trace %s\n", json, chrome,
            svg, trace);
@@ -213,12 +274,14 @@ int ferry_cli_sim(int argc, char **argv) {
       {"sweep", required_argument, 0, 'S'},   {"recorded", no_argument, 0, 'r'},
       {"host-cap", required_argument, 0, 'C'}, {"no-layers", no_argument, 0, 'L'},
       {"demo", required_argument, 0, 'D'},    {"help", no_argument, 0, 'h'},
+      {"host-ram", required_argument, 0, 'R'}, {"warmup", required_argument, 0, 'W'},
+      {"pinned", required_argument, 0, 'P'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
-  long steps = 3;
+  long steps = 3, warmup = 1;
   int recorded = 0, layers_table = 1, c;
-  uint64_t host_cap = 0;
+  sim_opts o = SIM_OPTS_INIT;
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
   while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
@@ -236,7 +299,16 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'S': sweep = optarg; break;
     case 'r': recorded = 1; break;
     case 'C':
-      if (cli_bytes("sim", "--host-cap", optarg, 1, &host_cap)) return 2;
+      if (cli_bytes("sim", "--host-cap", optarg, 1, &o.host_cap)) return 2;
+      break;
+    case 'R':
+      if (cli_bytes("sim", "--host-ram", optarg, 1, &o.host_ram)) return 2;
+      break;
+    case 'W':
+      if (cli_int("sim", "--warmup", optarg, 0, 1000000, &warmup)) return 2;
+      break;
+    case 'P':
+      if (parse_pinned(optarg, &o)) return 2;
       break;
     case 'L': layers_table = 0; break;
     case 'D': demo_dir = optarg; break;
@@ -350,7 +422,9 @@ int ferry_cli_sim(int argc, char **argv) {
     snprintf(jobs[n].label, sizeof jobs[n].label, "recorded decisions");
     jobs[n++].recorded = 1;
   }
-  if (!rc) rc = run_sim(trace, hw, jobs, n, (uint32_t)steps, host_cap, json, chrome, svg, layers_table);
+  o.steps = (uint32_t)steps;
+  o.warmup = warmup ? (int32_t)warmup : -1;
+  if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, layers_table);
   for (int i = 0; i < n; i++) free(jobs[i].source);
   free(jobs);
   return rc;

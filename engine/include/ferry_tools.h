@@ -524,6 +524,7 @@ typedef struct sim_hw {
   double duplex_d2h, duplex_h2d; /* per direction, as measured */
   double device_bytes;           /* HBM capacity */
   const char *source;
+  double host_ram_bytes;         /* host RAM per GPU: the node's / GPUs per node */
 } sim_hw;
 
 /* NULL if unknown. */
