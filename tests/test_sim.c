@@ -805,3 +805,74 @@ TEST(sim_warmup_steps_and_first_step) {
   sim_result_free(&none);
   return 0;
 }
+
+/* sim_fit on the tiny model: the chosen setting fits (checked again by
+ * replaying the policy it writes), and no setting in the search space with
+ * a lower step time fits. */
+TEST(sim_fit_picks_the_cheapest_setting_that_fits) {
+  synth_model m;
+  synth_preset("tiny", &m);
+  sim_trace *t = NULL;
+  CHECK_OK(synth_to_trace(&m, &t));
+  char path[1200];
+  snprintf(path, sizeof path, "%s/host_budget.lua", policy_dir());
+  FILE *f = fopen(path, "rb");
+  CHECK(f);
+  static char tmpl[16384];
+  size_t n = fread(tmpl, 1, sizeof tmpl - 1, f);
+  fclose(f);
+  tmpl[n] = 0;
+  const sim_hw *hw = sim_hw_preset("h100");
+  sim_config base = {0};
+  base.link = hw->link;
+  base.steps = 4;
+  base.warmup = 2;
+  sim_result none;
+  char err[512];
+  CHECK_OK(sim_replay(t, &base, &none, err, sizeof err));
+  /* a device 5% smaller than the no-offload peak: offloading is needed */
+  sim_fit_config fc = {0};
+  fc.policy_template = tmpl;
+  fc.replay = base;
+  fc.device_bytes = none.peak_device_bytes - none.peak_device_bytes / 20;
+  fc.host_bytes = 64u << 20;
+  sim_fit_result fr;
+  int rc = sim_fit(t, &fc, &fr, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  CHECK_OK(rc);
+  CHECK(fr.n > 100);
+  CHECK(fr.best >= 0);
+  const sim_fit_setting *b = &fr.settings[fr.best];
+  CHECK(b->fits && b->host_bytes > 0);
+  CHECK(b->peak_device_bytes <= fc.device_bytes && b->host_reserved_bytes <= fc.host_bytes);
+  int fitting = 0;
+  for (uint32_t i = 0; i < fr.n; i++) {
+    const sim_fit_setting *s = &fr.settings[i];
+    fitting += s->fits;
+    if (s->step_us < b->step_us) CHECK(!s->fits);
+    CHECK_EQ(s->fits, s->peak_device_bytes <= fc.device_bytes &&
+                          s->host_reserved_bytes <= fc.host_bytes);
+  }
+  CHECK(fitting > 1 && fitting < (int)fr.n); /* the target separates the grid */
+  /* the written policy replays to the same figures */
+  char *src = sim_fit_source(tmpl, b);
+  CHECK(src);
+  sim_config c = base;
+  c.policy_source = src;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  CHECK_EQ(r.peak_device_bytes, b->peak_device_bytes);
+  CHECK_NEAR(r.step_us, b->step_us, 1e-9 * b->step_us);
+  /* a device smaller than anything reachable: nothing fits */
+  fc.device_bytes = t->resident_bytes;
+  sim_fit_result none_fits;
+  CHECK_OK(sim_fit(t, &fc, &none_fits, err, sizeof err));
+  CHECK_EQ(none_fits.best, -1);
+  free(src);
+  sim_result_free(&r);
+  sim_result_free(&none);
+  sim_fit_result_free(&fr);
+  sim_fit_result_free(&none_fits);
+  sim_trace_free(t);
+  return 0;
+}

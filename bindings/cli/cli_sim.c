@@ -44,6 +44,11 @@ static void sim_usage(FILE *f) {
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          device memory over the last step, baseline vs policies\n"
           "  --no-layers         skip the per-layer table\n"
+          "  --fit DEVICE_BYTES  search policies/host_budget.lua's knobs (host bytes, layers\n"
+          "                      kept, stash, prefetch) for the lowest-overhead setting whose\n"
+          "                      steady peak fits DEVICE_BYTES; writes it as a policy\n"
+          "  --fit-host BYTES    host budget per rank for --fit (default: half --host-ram)\n"
+          "  --fit-out FILE      where --fit writes the policy (default fit.lua)\n"
           "  --demo DIR          synthesize the Llama-3-8B-like trace, dry-run default, layers\n"
           "                      and budget on h100, write every output into DIR\n",
           sim_hw_names());
@@ -68,36 +73,9 @@ static char *read_file(const char *path) {
 
 /* The policy source with its line `local KNOB = ...` set to value. */
 static char *with_knob(const char *src, const char *knob, long value) {
-  size_t kl = strlen(knob);
-  for (const char *line = src; line && *line;) {
-    const char *p = line;
-    while (*p == ' ' || *p == '\t') p++;
-    if (!strncmp(p, "local", 5) && (p[5] == ' ' || p[5] == '\t')) {
-      p += 5;
-      while (*p == ' ' || *p == '\t') p++;
-      if (!strncmp(p, knob, kl) && (p[kl] == ' ' || p[kl] == '\t' || p[kl] == '=')) {
-        const char *eq = strchr(p, '=');
-        const char *eol = strchr(p, '\n');
-        if (!eol) eol = p + strlen(p);
-        if (eq && eq < eol) {
-          const char *tail = eol;
-          for (const char *c = eq; c + 1 < eol; c++)
-            if (c[0] == '-' && c[1] == '-') {
-              tail = c;
-              break;
-            }
-          size_t head = (size_t)(eq + 1 - src);
-          char *out = malloc(strlen(src) + 64);
-          if (!out) return NULL;
-          sprintf(out, "%.*s %ld %s", (int)head, src, value, tail);
-          return out;
-        }
-      }
-    }
-    line = strchr(line, '\n');
-    if (line) line++;
-  }
-  return NULL;
+  char v[32];
+  snprintf(v, sizeof v, "%ld", value);
+  return sim_policy_set_knob(src, knob, v);
 }
 
 typedef struct progress_state {
@@ -137,6 +115,9 @@ static int parse_pinned(const char *spec, sim_opts *o) {
       if (!strcmp(v, "on")) o->no_pool = 0;
       else if (!strcmp(v, "off")) o->no_pool = 1;
       else goto bad;
+    } else if ((!strcmp(kv, "alloc") || !strcmp(kv, "touch")) && !strcmp(v, "0")) {
+      if (!strcmp(kv, "alloc")) o->pin_alloc_us = 0;
+      else o->pin_touch_bytes_per_s = 0;
     } else if (!strcmp(kv, "alloc") || !strcmp(kv, "touch")) {
       /* units through the link parser: latency= for times, h2d= for rates */
       sim_hw tmp;
@@ -227,6 +208,96 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   return rc;
 }
 
+/* --fit: the search, its choice as a policy file, and the commands to use it. */
+static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw, const sim_opts *o,
+                   uint64_t device_bytes, uint64_t host_bytes, const char *out_path) {
+  char err[1024], path[PATH_MAX], why[512];
+  if (ferry_policy_find("host_budget", path, sizeof path, why, sizeof why)) {
+    fprintf(stderr, "ferry sim --fit: %s\n", why);
+    return 1;
+  }
+  char *tmpl = read_file(path);
+  sim_trace *t = NULL;
+  if (!tmpl || sim_trace_load(trace_path, &t, err, sizeof err)) {
+    fprintf(stderr, "ferry sim --fit: %s\n", tmpl ? err : "cannot read the policy template");
+    free(tmpl);
+    return 1;
+  }
+  sim_fit_config fc = {0};
+  fc.policy_template = tmpl;
+  fc.replay = opts_config(o, hw);
+  fc.device_bytes = device_bytes;
+  fc.host_bytes = host_bytes ? host_bytes : fc.replay.host_ram_bytes / 2;
+  sim_fit_result fr;
+  int rc = sim_fit(t, &fc, &fr, err, sizeof err);
+  if (rc) fprintf(stderr, "ferry sim --fit: %s\n", err);
+  sim_config bc = opts_config(o, hw);
+  sim_result base;
+  memset(&base, 0, sizeof base);
+  if (!rc && (rc = sim_replay(t, &bc, &base, err, sizeof err)))
+    fprintf(stderr, "ferry sim --fit: %s\n", err);
+  if (!rc) {
+    printf("ferry sim --fit: %u settings of %s (HOST_BYTES in sixteenths of %.2f GiB, "
+           "KEEP_LAST 0/1/2/4, FWD_STASH 1/4/16, PREFETCH_LAYERS 1/2) on %s, %u steps "
+           "(--warmup %u)\n", fr.n, path, (double)fr.span_bytes / (1u << 30), hw->name,
+           base.steps, base.warmup);
+    printf("no offload: peak %.2f GiB, step %.1f ms; target: device %.2f GiB, host %.2f GiB\n",
+           (double)base.peak_device_bytes / (1u << 30), base.step_us / 1e3,
+           (double)device_bytes / (1u << 30), (double)fc.host_bytes / (1u << 30));
+    if (getenv("FERRY_FIT_ALL"))
+      for (uint32_t i = 0; i < fr.n; i++) {
+        const sim_fit_setting *x = &fr.settings[i];
+        printf("  %6.2f GiB keep %d stash %2d prefetch %d: peak %6.2f GiB host %6.2f GiB step "
+               "%8.1f ms%s\n", (double)x->host_bytes / (1u << 30), x->keep_last, x->fwd_stash,
+               x->prefetch_layers, (double)x->peak_device_bytes / (1u << 30),
+               (double)x->host_reserved_bytes / (1u << 30), x->step_us / 1e3,
+               x->fits ? " fits" : "");
+      }
+    if (fr.best < 0) {
+      uint64_t low = UINT64_MAX;
+      for (uint32_t i = 0; i < fr.n; i++)
+        if (fr.settings[i].peak_device_bytes < low) low = fr.settings[i].peak_device_bytes;
+      printf("nothing in the search space fits: the lowest peak is %.2f GiB (more host budget, "
+             "checkpointing or sharding would be needed)\n", (double)low / (1u << 30));
+      rc = 4;
+    }
+  }
+  if (!rc) {
+    const sim_fit_setting *b = &fr.settings[fr.best];
+    printf("best: HOST_BYTES = %llu (%.2f GiB), KEEP_LAST = %d, FWD_STASH = %d, "
+           "PREFETCH_LAYERS = %d\n      peak %.2f GiB, host reserved %.2f GiB, step %.1f ms "
+           "(%+.1f%%)\n", (unsigned long long)b->host_bytes, (double)b->host_bytes / (1u << 30),
+           b->keep_last, b->fwd_stash, b->prefetch_layers,
+           (double)b->peak_device_bytes / (1u << 30), (double)b->host_reserved_bytes / (1u << 30),
+           b->step_us / 1e3, 100.0 * (b->step_us - base.step_us) / base.step_us);
+    char *src = sim_fit_source(tmpl, b);
+    char hdr[512];
+    snprintf(hdr, sizeof hdr,
+             "-- written by `ferry sim --fit %llu --fit-host %llu --trace %s --hw %s`:\n"
+             "-- peak %.2f GiB, host %.2f GiB, step %+.1f%% over no offload (simulated)\n",
+             (unsigned long long)device_bytes, (unsigned long long)fc.host_bytes, trace_path,
+             hw_arg, (double)b->peak_device_bytes / (1u << 30),
+             (double)b->host_reserved_bytes / (1u << 30),
+             100.0 * (b->step_us - base.step_us) / base.step_us);
+    FILE *f = src ? fopen(out_path, "w") : NULL;
+    if (!f || fputs(hdr, f) < 0 || fputs(src, f) < 0 || fclose(f)) {
+      fprintf(stderr, "ferry sim --fit: cannot write %s\n", out_path);
+      rc = 1;
+    } else {
+      printf("wrote %s\n  check it:  ferry sim --policy %s --trace %s --hw %s\n"
+             "  train:     ferry run --policy %s -- python train.py   "
+             "(or ferry.torch.offload(model, policy=\"%s\"))\n",
+             out_path, out_path, trace_path, hw_arg, out_path, out_path);
+    }
+    free(src);
+  }
+  sim_result_free(&base);
+  sim_fit_result_free(&fr);
+  sim_trace_free(t);
+  free(tmpl);
+  return rc;
+}
+
 static int demo(const char *dir) {
   if (mkdir(dir, 0777) && errno != EEXIST) {
     fprintf(stderr, "ferry sim --demo: cannot create %s: %s\n", dir, strerror(errno));
@@ -275,13 +346,17 @@ int ferry_cli_sim(int argc, char **argv) {
       {"host-cap", required_argument, 0, 'C'}, {"no-layers", no_argument, 0, 'L'},
       {"demo", required_argument, 0, 'D'},    {"help", no_argument, 0, 'h'},
       {"host-ram", required_argument, 0, 'R'}, {"warmup", required_argument, 0, 'W'},
-      {"pinned", required_argument, 0, 'P'},
+      {"pinned", required_argument, 0, 'P'},  {"fit", required_argument, 0, 'F'},
+      {"fit-host", required_argument, 0, 'H'}, {"fit-out", required_argument, 0, 'O'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
   long steps = 3, warmup = 1;
+  int steps_given = 0, warmup_given = 0;
   int recorded = 0, layers_table = 1, c;
   sim_opts o = SIM_OPTS_INIT;
+  uint64_t fit = 0, fit_host = 0;
+  const char *fit_out = "fit.lua";
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
   while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
@@ -292,6 +367,7 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'l': link = optarg; break;
     case 'n':
       if (cli_int("sim", "--steps", optarg, 1, 1000000, &steps)) return 2;
+      steps_given = 1;
       break;
     case 'j': json = optarg; break;
     case 'c': chrome = optarg; break;
@@ -306,10 +382,18 @@ int ferry_cli_sim(int argc, char **argv) {
       break;
     case 'W':
       if (cli_int("sim", "--warmup", optarg, 0, 1000000, &warmup)) return 2;
+      warmup_given = 1;
       break;
     case 'P':
       if (parse_pinned(optarg, &o)) return 2;
       break;
+    case 'F':
+      if (cli_bytes("sim", "--fit", optarg, 1, &fit)) return 2;
+      break;
+    case 'H':
+      if (cli_bytes("sim", "--fit-host", optarg, 1, &fit_host)) return 2;
+      break;
+    case 'O': fit_out = optarg; break;
     case 'L': layers_table = 0; break;
     case 'D': demo_dir = optarg; break;
     case 'h': sim_usage(stdout); return 0;
@@ -341,6 +425,11 @@ int ferry_cli_sim(int argc, char **argv) {
     fprintf(stderr, "ferry sim: --trace FILE is required (`ferry trace synth` writes one)\n");
     return 2;
   }
+  o.steps = (uint32_t)steps;
+  o.warmup = warmup ? (int32_t)warmup : -1;
+  if (fit && !steps_given) o.steps = 4;
+  if (fit && !warmup_given) o.warmup = 2; /* learning in step 1, arena growth in step 2 */
+  if (fit) return run_fit(trace, link ? "custom" : hw_name, &hw, &o, fit, fit_host, fit_out);
   if (!policies && !recorded) {
     fprintf(stderr, "ferry sim: --policy is required (e.g. --policy default,budget)\n");
     return 2;
@@ -422,8 +511,6 @@ int ferry_cli_sim(int argc, char **argv) {
     snprintf(jobs[n].label, sizeof jobs[n].label, "recorded decisions");
     jobs[n++].recorded = 1;
   }
-  o.steps = (uint32_t)steps;
-  o.warmup = warmup ? (int32_t)warmup : -1;
   if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, layers_table);
   for (int i = 0; i < n; i++) free(jobs[i].source);
   free(jobs);

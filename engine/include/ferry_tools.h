@@ -514,6 +514,44 @@ FERRY_API uint64_t synth_param_count(const synth_model *m);
 FERRY_API uint64_t synth_resident_bytes(const synth_model *m);
 
 
+/* ---- "what fits?" (sim_fit.c): a policy template's knobs searched for the
+ * lowest step time whose steady peak fits the device and whose pinned host
+ * memory fits the host budget (docs/simulator.md, `ferry sim --fit`) */
+typedef struct sim_fit_setting {
+  uint64_t host_bytes;  /* HOST_BYTES: offloaded bytes per step, at most */
+  int keep_last;        /* KEEP_LAST: layers kept on device */
+  int fwd_stash;        /* FWD_STASH: forward stash depth */
+  int prefetch_layers;  /* PREFETCH_LAYERS: reload distance in backward */
+  double step_us;       /* steady-state step time */
+  uint64_t peak_device_bytes, host_reserved_bytes;
+  int fits;
+} sim_fit_setting;
+
+typedef struct sim_fit_config {
+  const char *policy_template; /* Lua source with those four `local` lines
+                                  (policies/host_budget.lua) */
+  sim_config replay;           /* link, steps, warmup, host RAM, pinned cost */
+  uint64_t device_bytes;       /* the device memory to fit in */
+  uint64_t host_bytes;         /* pinned host budget per rank */
+} sim_fit_config;
+
+typedef struct sim_fit_result {
+  sim_fit_setting *settings; /* every setting tried, in search order */
+  uint32_t n;
+  int best; /* index of the chosen one, -1 if none fits */
+  uint64_t span_bytes; /* HOST_BYTES goes 0..this in sixteenths: the budget,
+                          or the step's offloadable bytes if fewer */
+} sim_fit_result;
+
+FERRY_API int sim_fit(const sim_trace *t, const sim_fit_config *c, sim_fit_result *out, char *err,
+                      size_t errlen);
+FERRY_API void sim_fit_result_free(sim_fit_result *r);
+/* The template with the setting's knobs written in (malloc'd; NULL if a
+ * knob line is missing). */
+FERRY_API char *sim_fit_source(const char *tmpl, const sim_fit_setting *s);
+/* src with its line `local KNOB = ...` set to value; NULL if none. */
+FERRY_API char *sim_policy_set_knob(const char *src, const char *knob, const char *value);
+
 /* ---- simulator reports: hardware presets, link syntax, tables, JSON, Chrome trace, SVG
  */
 
