@@ -284,10 +284,10 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
       fprintf(stderr, "ferry sim --fit: cannot write %s\n", out_path);
       rc = 1;
     } else {
-      printf("wrote %s\n  check it:  ferry sim --policy %s --trace %s --hw %s\n"
-             "  train:     ferry run --policy %s -- python train.py   "
+      printf("wrote %s\n  check it:  ferry sim --policy %s --trace %s --hw %s --steps %u "
+             "--warmup %u\n  train:     ferry run --policy %s -- python train.py   "
              "(or ferry.torch.offload(model, policy=\"%s\"))\n",
-             out_path, out_path, trace_path, hw_arg, out_path, out_path);
+             out_path, out_path, trace_path, hw_arg, base.steps, base.warmup, out_path, out_path);
     }
     free(src);
   }
@@ -333,7 +333,15 @@ static int demo(const char *dir) {
   if (rc == 0 || rc == 3)
     printf("\nwrote %s, %s (open in https://ui.perfetto.dev), %s and the trace %s\n", json, chrome,
            svg, trace);
-  return rc;
+  if (rc) return rc;
+  /* what fits in half the H100: the step in 40 GiB, host budget half the
+   * preset's RAM per GPU */
+  char fit[PATH_MAX];
+  snprintf(fit, sizeof fit, "%s/fit.lua", dir);
+  printf("\n$ ferry sim --fit 40GiB --trace %s --hw h100 --fit-out %s\n", trace, fit);
+  o.steps = 4;
+  o.warmup = 2;
+  return run_fit(trace, "h100", sim_hw_preset("h100"), &o, 40ull << 30, 0, fit);
 }
 
 int ferry_cli_sim(int argc, char **argv) {
