@@ -876,3 +876,82 @@ TEST(sim_fit_picks_the_cheapest_setting_that_fits) {
   sim_trace_free(t);
   return 0;
 }
+
+/* A recorded trace carries resident memory and FLOPs (ferry_trace_resident,
+ * ferry_trace_flops); replayed with a GPU's achieved TFLOP/s its compute
+ * takes flops / rate whatever the recording machine's speed; without FLOPs
+ * the report says the times are the recording machine's. */
+TEST(sim_recorded_trace_flops_and_resident) {
+  test_device_stats st = {0};
+  ferry_config c = test_engine_config(&st);
+  c.decide = NULL;
+  char path[] = "/tmp/ferry-flops-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+  c.trace_path = path;
+  ferry_engine *e = NULL;
+  char err[512];
+  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  CHECK_OK(ferry_trace_resident(e, "parameters", 1000000));
+  CHECK_OK(ferry_trace_resident(e, "optimizer states", 2000000));
+  CHECK_EQ(ferry_trace_flops(e, -1), FERRY_EINVAL);
+  enum { M = 4 };
+  test_buffer *bufs[M];
+  ferry_handle hs[M];
+  CHECK_OK(ferry_step_begin(e));
+  for (int i = 0; i < M; i++) {
+    CHECK_OK(ferry_trace_flops(e, 1e12)); /* 1 TFLOP before each pack */
+    bufs[i] = test_buffer_new(4096);
+    ferry_tensor_desc d = {0};
+    d.bytes = 4096;
+    d.dtype = FERRY_DTYPE_U8;
+    d.ndim = 1;
+    d.shape[0] = 4096;
+    d.layer = i;
+    d.layer_count = M;
+    CHECK_OK(ferry_pack(e, &d, bufs[i]->ptr, bufs[i], NULL, &hs[i]));
+    test_buffer_unref(bufs[i]);
+  }
+  CHECK_OK(ferry_trace_flops(e, 2e12));
+  CHECK_OK(ferry_backward_begin(e));
+  for (int i = M - 1; i >= 0; i--) {
+    void *dev = NULL, *owner = NULL;
+    CHECK_OK(ferry_unpack(e, hs[i], NULL, &dev, &owner));
+    if (owner) test_buffer_unref(owner);
+  }
+  CHECK_OK(ferry_backward_end(e));
+  CHECK_OK(ferry_step_end(e));
+  CHECK_EQ(ferry_trace_resident(e, "late", 1), FERRY_OK); /* between steps: allowed */
+  ferry_engine_destroy(e);
+
+  sim_trace *t = NULL;
+  int rc = sim_trace_load(path, &t, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  CHECK_OK(rc);
+  CHECK_EQ(t->resident_bytes, 3000001);
+  CHECK_EQ(t->n_flops, M + 1);
+  const sim_hw *hw = sim_hw_preset("h100");
+  sim_config sc = {0};
+  sc.link = hw->link;
+  sc.tflops = 400;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &sc, &r, err, sizeof err));
+  /* 6 TFLOP at 400 TFLOP/s = 15 ms, plus the gaps without FLOPs (tiny: a
+   * few recorded microseconds) */
+  CHECK(r.step_us >= 15000 && r.step_us < 15000 + 5000);
+  CHECK_EQ(r.gaps_from_flops, M + 1);
+  CHECK(strstr(r.compute_note, "FLOPs at 400 TFLOP/s") != NULL);
+  CHECK_EQ(r.peak_device_bytes, 3000001 + M * 4096);
+  sim_result_free(&r);
+  /* no rate: the recording machine's times, said plainly */
+  sc.tflops = 0;
+  CHECK_OK(sim_replay(t, &sc, &r, err, sizeof err));
+  CHECK(r.step_us < 15000);
+  CHECK_EQ(r.gaps_from_flops, 0);
+  CHECK(strstr(r.compute_note, "recording machine's") != NULL);
+  sim_result_free(&r);
+  sim_trace_free(t);
+  unlink(path);
+  return 0;
+}

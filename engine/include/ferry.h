@@ -389,6 +389,16 @@ FERRY_API int ferry_step_end(ferry_engine *e);
 FERRY_API int ferry_backward_begin(ferry_engine *e);
 FERRY_API int ferry_backward_end(ferry_engine *e);
 
+/* Trace recording (config.trace_path; both are no-ops without a trace).
+ * ferry_trace_resident: device memory held for the whole run outside the
+ * saved tensors (parameters, gradients, optimizer states), once per `what`
+ * before the first step; a replay counts it in the device peak.
+ * ferry_trace_flops: floating-point operations the trainer ran since the
+ * last traced event; the next event carries their sum as "flops", so a
+ * replay can time that compute on another GPU (docs/trace-format.md). */
+FERRY_API int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
+FERRY_API int ferry_trace_flops(ferry_engine *e, double flops);
+
 /* ---- policies ----------------------------------------------------------- */
 /* Load a Lua policy (file, or source text when path is NULL) and make it the
  * engine's decision maker, replacing any decide callback. Call between

@@ -317,6 +317,7 @@ typedef struct trace_ev {
   uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors */
   const char *op;  /* compute: its optional "op" name (owned by the trace) */
   double gap_us;   /* compute time before this event */
+  double flops;    /* floating-point operations of that compute, -1 unknown */
 } trace_ev;
 
 typedef struct trace_tensor {
@@ -350,6 +351,8 @@ typedef struct sim_trace {
   uint32_t n_resident;
   uint64_t resident_bytes;
   int has_compute; /* synthesized: time comes from compute events */
+  char backend[16]; /* the header's "backend": where it was recorded */
+  uint32_t n_flops; /* events that carry "flops" */
   int32_t layers;  /* largest `layers` seen, 0 if none */
   char **strings;  /* owned strings (module paths, classes) */
   size_t n_strings, cap_strings;
@@ -385,6 +388,9 @@ typedef struct sim_config {
   /* steps left out of the steady-state figures (step time, stall, bytes,
    * peak): 0 = the default, 1; negative = none */
   int32_t warmup;
+  /* achieved TFLOP/s of the simulated GPU: compute that carries FLOPs in
+   * the trace takes flops / this; 0 = the trace's own times */
+  double tflops;
   /* the simulated host's RAM for host_cap_pct and the policies'
    * host_ram_used_pct (available = this less the pinned bytes the sim
    * reserved); 0 = SIM_DEFAULT_HOST_RAM. Never the machine running it. */
@@ -447,6 +453,11 @@ typedef struct sim_result {
   uint32_t warmup;                       /* steps left out */
   double pinned_alloc_us;                /* per steady step: pinning host memory */
   uint64_t host_ram_bytes;               /* the simulated host's RAM */
+  /* compute time: gaps (per replayed trace pass) timed from FLOPs at
+   * sim_config.tflops, gaps kept as the trace has them; and a plain
+   * sentence saying where the compute times come from */
+  uint32_t gaps_from_flops, gaps_as_recorded;
+  char compute_note[256];
   double bytes_d2h, bytes_h2d;
   double tensors_packed, tensors_offloaded, tensors_kept;
   double prefetches, stash_hits;
@@ -563,7 +574,11 @@ typedef struct sim_hw {
   double device_bytes;           /* HBM capacity */
   const char *source;
   double host_ram_bytes;         /* host RAM per GPU: the node's / GPUs per node */
+  double peak_tflops;            /* dense BF16 tensor-core peak, TFLOP/s */
 } sim_hw;
+/* The default sustained fraction of peak (--mfu): 0.40, Llama 3's 38-43%
+ * BF16 MFU on H100 (docs/simulator.md). */
+#define SIM_DEFAULT_MFU 0.40
 
 /* NULL if unknown. */
 FERRY_API const sim_hw *sim_hw_preset(const char *name);

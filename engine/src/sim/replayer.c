@@ -354,13 +354,24 @@ static int replay_tables(replay *r) {
   return 0;
 }
 
+/* The compute time before ev: from its FLOPs at the simulated GPU's
+ * achieved rate when both are known, else the trace's. */
+static double event_gap(replay *r, const trace_ev *ev) {
+  if (r->c->tflops > 0 && ev->flops >= 0) {
+    if (r->first) r->res->gaps_from_flops++;
+    return ev->flops / (r->c->tflops * 1e6);
+  }
+  if (r->first && ev->gap_us > 0) r->res->gaps_as_recorded++;
+  return ev->gap_us;
+}
+
 /* The compute before event k, and on the timeline the layer it belongs to:
  * the event's own, or the next tensor event's. */
 static void replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
   double a = replay_now(r);
-  replay_compute(r, ev->gap_us);
+  replay_compute(r, event_gap(r, ev));
   if (!r->recording) return;
   int32_t layer = r->cur_layer;
   if (ev->type == TEV_COMPUTE && ev->layer >= 0) layer = ev->layer;
@@ -563,7 +574,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   r->cur_layer = -1;
   for (uint32_t k = ts->first; k < ts->end; k++) {
     const trace_ev *ev = &t->events[k];
-    if (ev->gap_us > 0) replay_gap(r, ts, k);
+    if (ev->gap_us > 0 || (ev->flops > 0 && r->c->tflops > 0)) replay_gap(r, ts, k);
     r->res->events++;
     if ((rc = replay_event(r, ev, &t0))) return rc;
   }
@@ -584,6 +595,30 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   return 0;
 }
 
+/* Says where the compute times come from, plainly when they are not the
+ * simulated GPU's. */
+static void compute_note(replay *r) {
+  sim_result *out = r->res;
+  const sim_trace *t = r->t;
+  const char *where = t->backend[0] ? t->backend : "unknown";
+  if (out->gaps_as_recorded == 0 && out->gaps_from_flops > 0)
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "compute timed from the trace's FLOPs at %.0f TFLOP/s", r->c->tflops);
+  else if (t->has_compute && out->gaps_from_flops == 0)
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "compute times as synthesized (the synthesizer's --tflops)");
+  else if (out->gaps_from_flops == 0)
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "compute times are the recording machine's (backend %s), not the simulated GPU's: "
+             "the trace has no FLOPs%s", where,
+             !strcmp(where, "host") ? "; recorded on a CPU, so step times and overheads are "
+                                      "not this GPU's" : "");
+  else
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "%u compute gaps timed from FLOPs at %.0f TFLOP/s, %u as recorded (backend %s)",
+             out->gaps_from_flops, r->c->tflops, out->gaps_as_recorded, where);
+}
+
 /* The result: the steady steps' means, peaks, and the engine's counters. */
 static void finish_result(replay *r, const step_sums *s) {
   sim_result *out = r->res;
@@ -599,6 +634,7 @@ static void finish_result(replay *r, const step_sums *s) {
   out->prefetches = s->pf / n;
   out->stash_hits = s->hits / n;
   out->pinned_alloc_us = s->pinned / n;
+  compute_note(r);
   out->warmup = r->warmup;
   out->peak_saved_bytes = r->peak_steady;
   out->peak_device_bytes = r->t->resident_bytes + r->peak_steady;
