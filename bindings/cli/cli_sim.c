@@ -36,6 +36,9 @@ static void sim_usage(FILE *f) {
           "  --host-cap BYTES    pinned host cap (suffixes K, M, G)\n"
           "  --host-ram BYTES    host RAM this rank counts on (policies' host_ram_used_pct);\n"
           "                      default: the preset's (node RAM / GPUs), never this machine's\n"
+          "  --mfu F             sustained fraction of the preset's BF16 peak for compute that\n"
+          "                      carries FLOPs in the trace (default 0.40: Llama 3 on H100)\n"
+          "  --tflops X          achieved TFLOP/s instead (overrides --mfu)\n"
           "  --warmup N          steps left out of the steady figures (default 1)\n"
           "  --pinned SPEC       pinned allocation cost: pool=on|off,alloc=3ms,touch=2.5GB/s\n"
           "                      (pool=on: the engine's arena pays once, when it grows; off:\n"
@@ -98,9 +101,10 @@ typedef struct sim_opts {
   uint64_t host_cap, host_ram;
   double pin_alloc_us, pin_touch_bytes_per_s;
   int no_pool;
+  double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0}
 
 /* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
 static int parse_pinned(const char *spec, sim_opts *o) {
@@ -158,6 +162,7 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.pinned_alloc_us = o->pin_alloc_us;
   c.pinned_touch_bytes_per_s = o->pin_touch_bytes_per_s;
   c.pinned_no_pool = o->no_pool;
+  c.tflops = o->tflops > 0 ? o->tflops : hw->peak_tflops * o->mfu;
   return c;
 }
 
@@ -356,6 +361,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"host-ram", required_argument, 0, 'R'}, {"warmup", required_argument, 0, 'W'},
       {"pinned", required_argument, 0, 'P'},  {"fit", required_argument, 0, 'F'},
       {"fit-host", required_argument, 0, 'H'}, {"fit-out", required_argument, 0, 'O'},
+      {"mfu", required_argument, 0, 'M'},     {"tflops", required_argument, 0, 'T'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -402,6 +408,20 @@ int ferry_cli_sim(int argc, char **argv) {
       if (cli_bytes("sim", "--fit-host", optarg, 1, &fit_host)) return 2;
       break;
     case 'O': fit_out = optarg; break;
+    case 'M':
+    case 'T': {
+      char *end;
+      errno = 0;
+      double x = strtod(optarg, &end);
+      if (end == optarg || *end || errno || !(x > 0) || (c == 'M' && x > 1) || x > 1e6) {
+        fprintf(stderr, "ferry sim: %s %s: expected %s\n", c == 'M' ? "--mfu" : "--tflops", optarg,
+                c == 'M' ? "a fraction in (0, 1], e.g. 0.4" : "TFLOP/s > 0, e.g. 400");
+        return 2;
+      }
+      if (c == 'M') o.mfu = x;
+      else o.tflops = x;
+      break;
+    }
     case 'L': layers_table = 0; break;
     case 'D': demo_dir = optarg; break;
     case 'h': sim_usage(stdout); return 0;

@@ -177,6 +177,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
             rs[i].pinned_alloc_us > 0 ? pin : "");
   }
   fputc('\n', f);
+  if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
   if (hw->device_bytes > 0) {
     fprintf(f, "\n%s has %.0f GB of device memory:", hw->name, hw->device_bytes / GB);
     for (int i = 0; i < n; i++)
@@ -230,6 +231,9 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "first_step_us", r->first_step_us);
   cJSON_AddNumberToObject(o, "first_step_peak_device_bytes", (double)r->first_step_peak_device_bytes);
   cJSON_AddNumberToObject(o, "warmup_steps", r->warmup);
+  cJSON_AddStringToObject(o, "compute_note", r->compute_note);
+  cJSON_AddNumberToObject(o, "gaps_from_flops", r->gaps_from_flops);
+  cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
   cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
   cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
