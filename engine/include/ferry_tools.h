@@ -260,7 +260,11 @@ FERRY_API int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d);
 FERRY_API int sim_backend_set_pinned_cost(ferry_backend *b, double alloc_us,
                                           double touch_bytes_per_s, int on_host_alloc);
 /* Charges one pinned allocation of `bytes` the engine's arena did not make
- * (a trainer without a pinned pool: a fresh cudaHostAlloc per offload). */
+ * (a trainer without a pinned pool: a fresh cudaHostAlloc per offload, every
+ * step): the per-allocation time only. The per-byte first-touch rate is
+ * what new memory costs (the arena growing); a trainer that allocates and
+ * frees every step gets recycled pages, and PyTorch measured ~3 ms per
+ * tensor whatever its size (docs/hardware.md). */
 FERRY_API void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes);
 
 

@@ -266,9 +266,9 @@ static double wait_event(sim_backend *sb, const bk_event *ev) {
 /* The host blocks while memory is pinned (cudaHostAlloc: allocation,
  * first touch, registration): the one clock moves on, copies in flight go
  * on meanwhile. Under sb->lock. */
-static void charge_pinning(sim_backend *sb, uint64_t bytes) {
+static void charge_pinning(sim_backend *sb, uint64_t bytes, int first_touch) {
   double us = sb->pin_alloc_us;
-  if (sb->pin_touch_bytes_per_us > 0) us += (double)bytes / sb->pin_touch_bytes_per_us;
+  if (first_touch && sb->pin_touch_bytes_per_us > 0) us += (double)bytes / sb->pin_touch_bytes_per_us;
   if (!(us > 0)) return;
   sb->now += us;
   sb->st.pinned_allocs++;
@@ -305,7 +305,7 @@ static int sim_host_alloc(ferry_backend *b, size_t bytes, size_t alignment, void
   }
   pthread_mutex_lock(&sb->lock);
   sb->st.host_reserved_bytes += bytes;
-  if (sb->pin_on_host_alloc) charge_pinning(sb, bytes);
+  if (sb->pin_on_host_alloc) charge_pinning(sb, bytes, 1);
   pthread_mutex_unlock(&sb->lock);
   *out = (void *)a;
   return FERRY_OK;
@@ -644,6 +644,6 @@ int sim_backend_set_pinned_cost(ferry_backend *b, double alloc_us, double touch_
 void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes) {
   sim_backend *sb = as_sim(b);
   pthread_mutex_lock(&sb->lock);
-  charge_pinning(sb, bytes);
+  charge_pinning(sb, bytes, 0);
   pthread_mutex_unlock(&sb->lock);
 }
