@@ -52,6 +52,7 @@
   X(stash_roundtrip_random)                                                \
   X(stash_roundtrip_any_order)                                             \
   X(stash_fwd_bound_and_release_after_event)                               \
+  X(stash_released_when_copy_completes)                                    \
   X(stash_prefetch_explicit_and_ahead)                                     \
   X(stash_alias_stored_once)                                               \
   X(stash_cap_keeps_on_device)                                             \

@@ -107,6 +107,7 @@ uint64_t max_fwd_stash_bytes;
 const char *faults;
 ferry_host_ram_fn host_ram;
 void *host_ram_ud;
+int32_t release_when_copied;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {

@@ -287,6 +287,12 @@ typedef struct ferry_config {
    * hardware's, tests fixed numbers */
   ferry_host_ram_fn host_ram;
   void *host_ram_ud;
+  /* 1: a forward-stash buffer is released at the first pack after its D2H
+   * copy completed, not only when max_fwd_stash(_bytes) pushes it out: less
+   * device memory at the end of forward, but the last tensors packed
+   * (backward's first) are reloaded instead of found in the stash. 0
+   * (default): the stash keeps them (docs/simulator.md) */
+  int32_t release_when_copied;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \
