@@ -405,6 +405,7 @@ typedef struct sim_config {
    * pays a fresh allocation of its bytes, every step) */
   double pinned_alloc_us, pinned_touch_bytes_per_s;
   int pinned_no_pool;
+  int release_when_copied; /* ferry_config.release_when_copied */
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
