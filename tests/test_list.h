@@ -118,6 +118,7 @@
   X(sim_warmup_steps_and_first_step)                                       \
   X(sim_fit_picks_the_cheapest_setting_that_fits)                          \
   X(sim_recorded_trace_flops_and_resident)                                 \
+  X(sim_prefetch_starts_at_backward_begin)                                 \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -955,3 +955,53 @@ TEST(sim_recorded_trace_flops_and_resident) {
   unlink(path);
   return 0;
 }
+
+/* prefetch_at_backward_begin: with compute between ferry_backward_begin and
+ * the first unpack (the loss's backward), the policy's prefetch of the last
+ * offloaded tensor starts at backward_begin and hides behind that compute;
+ * without it the reload starts at the unpack and is a 100 us stall. */
+TEST(sim_prefetch_starts_at_backward_begin) {
+  static const char text[] =
+      "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
+      "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
+      "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
+      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
+      "\"layers\":1,\"module\":\"m.l0\",\"decision\":\"offload\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":200}\n"
+      "{\"ev\":\"backward_begin\",\"t_us\":0}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":150}\n"
+      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":1}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
+      "{\"ev\":\"backward_end\",\"t_us\":0}\n"
+      "{\"ev\":\"step_end\",\"t_us\":0,\"step\":1}\n";
+  static const char policy[] =
+      "return { api = 1, knobs = { max_fwd_stash = 0 }, decide = function(t, ctx)\n"
+      "  return ferry.OFFLOAD, ferry.PREFETCH, 1 end }\n";
+  sim_trace *t = NULL;
+  char err[512];
+  int rc = sim_trace_parse("bwd", text, strlen(text), &t, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  CHECK_OK(rc);
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0}; /* 100 us per copy */
+  c.steps = 2;
+  c.policy_source = policy;
+  sim_result on_use, early;
+  rc = sim_replay(t, &c, &on_use, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  CHECK_OK(rc);
+  c.prefetch_at_backward_begin = 1;
+  CHECK_OK(sim_replay(t, &c, &early, err, sizeof err));
+  CHECK_NEAR(on_use.bytes_h2d, 100000, 0);
+  CHECK_NEAR(early.bytes_h2d, 100000, 0);
+  CHECK_NEAR(on_use.stall_us, 100.0, 1e-6);
+  CHECK_NEAR(early.stall_us, 0.0, 1e-6);
+  /* 400 us of compute, plus 100 us the pack waits for its copy (stash 0) */
+  CHECK_NEAR(on_use.step_us, 600.0, 1e-6);
+  CHECK_NEAR(early.step_us, 500.0, 1e-6);
+  CHECK(early.prefetches >= 1);
+  sim_result_free(&on_use);
+  sim_result_free(&early);
+  sim_trace_free(t);
+  return 0;
+}

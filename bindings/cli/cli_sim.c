@@ -41,6 +41,8 @@ static void sim_usage(FILE *f) {
           "  --tflops X          achieved TFLOP/s instead (overrides --mfu)\n"
           "  --release-copied    the engine frees a forward-stash buffer once its copy is done\n"
           "                      (config.release_when_copied), not only when pushed out\n"
+          "  --prefetch-at-backward  start the policy's first reloads at backward_begin\n"
+          "                      (config.prefetch_at_backward_begin), not the first unpack\n"
           "  --warmup N          steps left out of the steady figures (default 1)\n"
           "  --pinned SPEC       pinned allocation cost: pool=on|off,alloc=3ms,touch=2.5GB/s\n"
           "                      (pool=on: the engine's arena pays once, when it grows; off:\n"
@@ -104,10 +106,10 @@ typedef struct sim_opts {
   double pin_alloc_us, pin_touch_bytes_per_s;
   int no_pool;
   double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
-  int release_copied;
+  int release_copied, prefetch_bwd;
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0}
 
 /* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
 static int parse_pinned(const char *spec, sim_opts *o) {
@@ -166,6 +168,7 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.pinned_touch_bytes_per_s = o->pin_touch_bytes_per_s;
   c.pinned_no_pool = o->no_pool;
   c.release_when_copied = o->release_copied;
+  c.prefetch_at_backward_begin = o->prefetch_bwd;
   c.tflops = o->tflops > 0 ? o->tflops : hw->peak_tflops * o->mfu;
   return c;
 }
@@ -366,7 +369,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"pinned", required_argument, 0, 'P'},  {"fit", required_argument, 0, 'F'},
       {"fit-host", required_argument, 0, 'H'}, {"fit-out", required_argument, 0, 'O'},
       {"mfu", required_argument, 0, 'M'},     {"tflops", required_argument, 0, 'T'},
-      {"release-copied", no_argument, 0, 'X'},
+      {"release-copied", no_argument, 0, 'X'}, {"prefetch-at-backward", no_argument, 0, 'B'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -414,6 +417,7 @@ int ferry_cli_sim(int argc, char **argv) {
       break;
     case 'O': fit_out = optarg; break;
     case 'X': o.release_copied = 1; break;
+    case 'B': o.prefetch_bwd = 1; break;
     case 'M':
     case 'T': {
       char *end;

@@ -108,6 +108,7 @@ const char *faults;
 ferry_host_ram_fn host_ram;
 void *host_ram_ud;
 int32_t release_when_copied;
+int32_t prefetch_at_backward_begin;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {

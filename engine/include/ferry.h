@@ -293,6 +293,10 @@ typedef struct ferry_config {
    * (backward's first) are reloaded instead of found in the stash. 0
    * (default): the stash keeps them (docs/simulator.md) */
   int32_t release_when_copied;
+  /* 1: at ferry_backward_begin, start the reloads backward needs first (the
+   * last offloaded tensors, up to their prefetch distance) when the policy
+   * asked for prefetching, instead of at the first unpack */
+  int32_t prefetch_at_backward_begin;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \

@@ -406,6 +406,7 @@ typedef struct sim_config {
   double pinned_alloc_us, pinned_touch_bytes_per_s;
   int pinned_no_pool;
   int release_when_copied; /* ferry_config.release_when_copied */
+  int prefetch_at_backward_begin; /* ferry_config.prefetch_at_backward_begin */
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;

@@ -296,6 +296,8 @@ int ferry_step_end(ferry_engine *e) {
   return rc;
 }
 
+static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream);
+
 static int set_phase(ferry_engine *e, int phase, const char *ev) {
   int rc = engine_check(e);
   if (rc) return rc;
@@ -311,6 +313,10 @@ static int set_phase(ferry_engine *e, int phase, const char *ev) {
   e->phase = phase;
   e->ctx.phase = phase;
   trace_event(e, ev, 0);
+  /* Backward needs the last offloaded tensors first: with the policy's
+   * prefetch, their reloads start now rather than at the first unpack. */
+  if (phase == FERRY_PHASE_BACKWARD && e->cfg.prefetch_at_backward_begin)
+    prefetch_next(e, e->n_offloads, e->step, NULL);
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }

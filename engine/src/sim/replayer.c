@@ -306,6 +306,7 @@ static int replay_open_engine(replay *r) {
   cfg.callback_ud = r;
   cfg.host_ram = cb_host_ram;
   cfg.release_when_copied = c->release_when_copied;
+  cfg.prefetch_at_backward_begin = c->prefetch_at_backward_begin;
   cfg.host_ram_ud = r;
   r->res->host_ram_bytes = c->host_ram_bytes ? c->host_ram_bytes : SIM_DEFAULT_HOST_RAM;
   if (c->replay_decisions) {
