@@ -52,6 +52,7 @@
   X(stash_roundtrip_random)                                                \
   X(stash_roundtrip_any_order)                                             \
   X(stash_fwd_bound_and_release_after_event)                               \
+  X(stash_released_when_copy_completes)                                    \
   X(stash_prefetch_explicit_and_ahead)                                     \
   X(stash_alias_stored_once)                                               \
   X(stash_cap_keeps_on_device)                                             \
@@ -112,6 +113,12 @@
   X(sim_consistent_with_host_backend)                                   \
   X(sim_fuzz_corpus_replays_clean)                                      \
   X(sim_budget_beats_default_on_llama3_8b)                                 \
+  X(sim_host_ram_is_the_simulated_hosts)                                   \
+  X(sim_pinned_pool_vs_no_pool)                                            \
+  X(sim_warmup_steps_and_first_step)                                       \
+  X(sim_fit_picks_the_cheapest_setting_that_fits)                          \
+  X(sim_recorded_trace_flops_and_resident)                                 \
+  X(sim_prefetch_starts_at_backward_begin)                                 \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -294,6 +294,50 @@ TEST(stash_fwd_bound_and_release_after_event) {
   return 0;
 }
 
+/* A forward-stash buffer is released once its D2H copy has completed, at
+ * the next pack, not only when the stash bound pushes it out: on a link
+ * throttled to 100 MB/s a 1 MiB copy takes ~10 ms, so the buffer is still
+ * held right after its pack and gone at the first pack after the copy
+ * ended, with the stash (bound 100) nowhere near full. */
+TEST(stash_released_when_copy_completes) {
+  fixture f;
+  ferry_config c = fixture_config(&f, 1);
+  c.max_fwd_stash = 100;
+  c.release_when_copied = 1;
+  c.release = poisoning_release_cb;
+  c.link.d2h_bytes_per_s = 100e6;
+  c.link.h2d_bytes_per_s = 100e6;
+  CHECK_OK(fixture_open(&f, &c));
+  enum { SZ = 1 << 20 };
+  atomic_store(&poisoned, 0);
+  uint64_t sum_a, sum_b, sum_c;
+  ferry_handle a = pack_new(&f, SZ, 11, &sum_a);
+  CHECK(a);
+  CHECK_EQ(atomic_load(&f.dev.releases), 0); /* its copy is still running */
+  ferry_stats s;
+  CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+  CHECK_EQ(s.device_bytes_held, (uint64_t)SZ);
+  usleep(60000); /* the copy ends (~10.5 ms) */
+  ferry_handle b = pack_new(&f, 4096, 12, &sum_b);
+  CHECK(b);
+  CHECK(atomic_load(&f.dev.releases) >= 1); /* a went: its bytes are on the host */
+  CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+  CHECK(s.device_bytes_held <= 4096);
+  CHECK_EQ(s.waits, 0); /* nobody waited for a copy */
+  usleep(20000);
+  ferry_handle cc = pack_new(&f, 4096, 13, &sum_c);
+  CHECK(cc);
+  CHECK_OK(ferry_backward_begin(f.e));
+  if (unpack_check(&f, cc, 4096, sum_c)) return 1;
+  if (unpack_check(&f, b, 4096, sum_b)) return 1;
+  if (unpack_check(&f, a, SZ, sum_a)) return 1; /* reloaded intact */
+  CHECK_OK(ferry_backward_end(f.e));
+  CHECK_OK(ferry_step_end(f.e));
+  if (check_quiescent(&f)) return 1;
+  ferry_engine_destroy(f.e);
+  return 0;
+}
+
 /* ---- prefetch ----------------------------------------------------------------- */
 TEST(stash_prefetch_explicit_and_ahead) {
   fixture f;

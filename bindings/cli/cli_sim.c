@@ -34,11 +34,29 @@ static void sim_usage(FILE *f) {
           "  --sweep KNOB=A..B[:STEP]  run each policy with `local KNOB = v` for v in A..B\n"
           "  --recorded          also replay the decisions recorded in the trace\n"
           "  --host-cap BYTES    pinned host cap (suffixes K, M, G)\n"
+          "  --host-ram BYTES    host RAM this rank counts on (policies' host_ram_used_pct);\n"
+          "                      default: the preset's (node RAM / GPUs), never this machine's\n"
+          "  --mfu F             sustained fraction of the preset's BF16 peak for compute that\n"
+          "                      carries FLOPs in the trace (default 0.40: Llama 3 on H100)\n"
+          "  --tflops X          achieved TFLOP/s instead (overrides --mfu)\n"
+          "  --release-copied    the engine frees a forward-stash buffer once its copy is done\n"
+          "                      (config.release_when_copied), not only when pushed out\n"
+          "  --prefetch-at-backward  start the policy's first reloads at backward_begin\n"
+          "                      (config.prefetch_at_backward_begin), not the first unpack\n"
+          "  --warmup N          steps left out of the steady figures (default 1)\n"
+          "  --pinned SPEC       pinned allocation cost: pool=on|off,alloc=3ms,touch=2.5GB/s\n"
+          "                      (pool=on: the engine's arena pays once, when it grows; off:\n"
+          "                      every offload pays a fresh allocation; alloc=0 touch=0: free)\n"
           "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          device memory over the last step, baseline vs policies\n"
           "  --no-layers         skip the per-layer table\n"
           "  --max-line BYTES    longest trace line read (default 1M; longer is an error)\n"
+          "  --fit DEVICE_BYTES  search policies/host_budget.lua's knobs (host bytes, layers\n"
+          "                      kept, stash, prefetch) for the lowest-overhead setting whose\n"
+          "                      steady peak fits DEVICE_BYTES; writes it as a policy\n"
+          "  --fit-host BYTES    host budget per rank for --fit (default: half --host-ram)\n"
+          "  --fit-out FILE      where --fit writes the policy (default fit.lua)\n"
           "  --demo DIR          synthesize the Llama-3-8B-like trace, dry-run default, layers\n"
           "                      and budget on h100, write every output into DIR\n",
           sim_hw_names());
@@ -63,36 +81,9 @@ static char *read_file(const char *path) {
 
 /* The policy source with its line `local KNOB = ...` set to value. */
 static char *with_knob(const char *src, const char *knob, long value) {
-  size_t kl = strlen(knob);
-  for (const char *line = src; line && *line;) {
-    const char *p = line;
-    while (*p == ' ' || *p == '\t') p++;
-    if (!strncmp(p, "local", 5) && (p[5] == ' ' || p[5] == '\t')) {
-      p += 5;
-      while (*p == ' ' || *p == '\t') p++;
-      if (!strncmp(p, knob, kl) && (p[kl] == ' ' || p[kl] == '\t' || p[kl] == '=')) {
-        const char *eq = strchr(p, '=');
-        const char *eol = strchr(p, '\n');
-        if (!eol) eol = p + strlen(p);
-        if (eq && eq < eol) {
-          const char *tail = eol;
-          for (const char *c = eq; c + 1 < eol; c++)
-            if (c[0] == '-' && c[1] == '-') {
-              tail = c;
-              break;
-            }
-          size_t head = (size_t)(eq + 1 - src);
-          char *out = malloc(strlen(src) + 64);
-          if (!out) return NULL;
-          sprintf(out, "%.*s %ld %s", (int)head, src, value, tail);
-          return out;
-        }
-      }
-    }
-    line = strchr(line, '\n');
-    if (line) line++;
-  }
-  return NULL;
+  char v[32];
+  snprintf(v, sizeof v, "%ld", value);
+  return sim_policy_set_knob(src, knob, v);
 }
 
 typedef struct progress_state {
@@ -108,6 +99,55 @@ static void on_progress(void *ud, uint32_t step, uint32_t steps) {
   fflush(stderr);
 }
 
+/* Run settings common to every replay of a `ferry sim` command. */
+typedef struct sim_opts {
+  uint32_t steps;
+  int32_t warmup;
+  uint64_t host_cap, host_ram;
+  double pin_alloc_us, pin_touch_bytes_per_s;
+  int no_pool;
+  double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
+  int release_copied, prefetch_bwd;
+} sim_opts;
+
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0}
+
+/* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
+static int parse_pinned(const char *spec, sim_opts *o) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", spec);
+  for (char *save = NULL, *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+    char *eq = strchr(kv, '=');
+    if (!eq) goto bad;
+    *eq = 0;
+    const char *v = eq + 1;
+    if (!strcmp(kv, "pool")) {
+      if (!strcmp(v, "on")) o->no_pool = 0;
+      else if (!strcmp(v, "off")) o->no_pool = 1;
+      else goto bad;
+    } else if ((!strcmp(kv, "alloc") || !strcmp(kv, "touch")) && !strcmp(v, "0")) {
+      if (!strcmp(kv, "alloc")) o->pin_alloc_us = 0;
+      else o->pin_touch_bytes_per_s = 0;
+    } else if (!strcmp(kv, "alloc") || !strcmp(kv, "touch")) {
+      /* units through the link parser: latency= for times, h2d= for rates */
+      sim_hw tmp;
+      memset(&tmp, 0, sizeof tmp);
+      char one[128], err[256];
+      snprintf(one, sizeof one, "%s=%s", !strcmp(kv, "alloc") ? "latency" : "h2d", v);
+      if (sim_parse_link(one, &tmp, err, sizeof err)) goto bad;
+      if (!strcmp(kv, "alloc")) o->pin_alloc_us = tmp.link.latency_us;
+      else o->pin_touch_bytes_per_s = tmp.link.h2d_bytes_per_s;
+    } else {
+      goto bad;
+    }
+  }
+  return 0;
+bad:
+  fprintf(stderr, "ferry sim: --pinned %s: expected pool=on|off,alloc=TIME,touch=RATE "
+                  "(e.g. pool=off,alloc=3ms,touch=2.5GB/s)\n", spec);
+  return -1;
+}
+
 typedef struct sim_job {
   char label[128];
   char path[PATH_MAX];
@@ -118,9 +158,27 @@ typedef struct sim_job {
 /* What the trace reader takes (--max-line). */
 static sim_trace_limits trace_limits = SIM_TRACE_LIMITS_DEFAULT;
 
-static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, uint32_t steps,
-                   uint64_t host_cap, const char *json, const char *chrome, const char *svg,
-                   int layers_table) {
+/* The replay settings of o for one run on hw. */
+static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
+  sim_config c = {0};
+  c.link = hw->link;
+  c.duplex_d2h = hw->duplex_d2h;
+  c.duplex_h2d = hw->duplex_h2d;
+  c.steps = o->steps;
+  c.warmup = o->warmup;
+  c.host_cap_bytes = o->host_cap;
+  c.host_ram_bytes = o->host_ram ? o->host_ram : (uint64_t)hw->host_ram_bytes;
+  c.pinned_alloc_us = o->pin_alloc_us;
+  c.pinned_touch_bytes_per_s = o->pin_touch_bytes_per_s;
+  c.pinned_no_pool = o->no_pool;
+  c.release_when_copied = o->release_copied;
+  c.prefetch_at_backward_begin = o->prefetch_bwd;
+  c.tflops = o->tflops > 0 ? o->tflops : hw->peak_tflops * o->mfu;
+  return c;
+}
+
+static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, const sim_opts *o,
+                   const char *json, const char *chrome, const char *svg, int layers_table) {
   char err[1024];
   sim_trace *t = NULL;
   if (sim_trace_load_limited(trace_path, &trace_limits, &t, err, sizeof err)) {
@@ -132,12 +190,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   progress_state ps = {.tty = isatty(2)};
   int rc = 0;
   for (int i = 0; i <= n_jobs && !rc; i++) {
-    sim_config c = {0};
-    c.link = hw.link;
-    c.duplex_d2h = hw.duplex_d2h;
-    c.duplex_h2d = hw.duplex_h2d;
-    c.steps = steps;
-    c.host_cap_bytes = host_cap;
+    sim_config c = opts_config(o, &hw);
     c.timeline = want_tl;
     c.progress = on_progress;
     c.progress_ud = &ps;
@@ -171,6 +224,96 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   return rc;
 }
 
+/* --fit: the search, its choice as a policy file, and the commands to use it. */
+static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw, const sim_opts *o,
+                   uint64_t device_bytes, uint64_t host_bytes, const char *out_path) {
+  char err[1024], path[PATH_MAX], why[512];
+  if (ferry_policy_find("host_budget", path, sizeof path, why, sizeof why)) {
+    fprintf(stderr, "ferry sim --fit: %s\n", why);
+    return 1;
+  }
+  char *tmpl = read_file(path);
+  sim_trace *t = NULL;
+  if (!tmpl || sim_trace_load_limited(trace_path, &trace_limits, &t, err, sizeof err)) {
+    fprintf(stderr, "ferry sim --fit: %s\n", tmpl ? err : "cannot read the policy template");
+    free(tmpl);
+    return 1;
+  }
+  sim_fit_config fc = {0};
+  fc.policy_template = tmpl;
+  fc.replay = opts_config(o, hw);
+  fc.device_bytes = device_bytes;
+  fc.host_bytes = host_bytes ? host_bytes : fc.replay.host_ram_bytes / 2;
+  sim_fit_result fr;
+  int rc = sim_fit(t, &fc, &fr, err, sizeof err);
+  if (rc) fprintf(stderr, "ferry sim --fit: %s\n", err);
+  sim_config bc = opts_config(o, hw);
+  sim_result base;
+  memset(&base, 0, sizeof base);
+  if (!rc && (rc = sim_replay(t, &bc, &base, err, sizeof err)))
+    fprintf(stderr, "ferry sim --fit: %s\n", err);
+  if (!rc) {
+    printf("ferry sim --fit: %u settings of %s (HOST_BYTES in sixteenths of %.2f GiB, "
+           "KEEP_LAST 0/1/2/4, FWD_STASH 1/4/16, PREFETCH_LAYERS 1/2) on %s, %u steps "
+           "(--warmup %u)\n", fr.n, path, (double)fr.span_bytes / (1u << 30), hw->name,
+           base.steps, base.warmup);
+    printf("no offload: peak %.2f GiB, step %.1f ms; target: device %.2f GiB, host %.2f GiB\n",
+           (double)base.peak_device_bytes / (1u << 30), base.step_us / 1e3,
+           (double)device_bytes / (1u << 30), (double)fc.host_bytes / (1u << 30));
+    if (getenv("FERRY_FIT_ALL"))
+      for (uint32_t i = 0; i < fr.n; i++) {
+        const sim_fit_setting *x = &fr.settings[i];
+        printf("  %6.2f GiB keep %d stash %2d prefetch %d: peak %6.2f GiB host %6.2f GiB step "
+               "%8.1f ms%s\n", (double)x->host_bytes / (1u << 30), x->keep_last, x->fwd_stash,
+               x->prefetch_layers, (double)x->peak_device_bytes / (1u << 30),
+               (double)x->host_reserved_bytes / (1u << 30), x->step_us / 1e3,
+               x->fits ? " fits" : "");
+      }
+    if (fr.best < 0) {
+      uint64_t low = UINT64_MAX;
+      for (uint32_t i = 0; i < fr.n; i++)
+        if (fr.settings[i].peak_device_bytes < low) low = fr.settings[i].peak_device_bytes;
+      printf("nothing in the search space fits: the lowest peak is %.2f GiB (more host budget, "
+             "checkpointing or sharding would be needed)\n", (double)low / (1u << 30));
+      rc = 4;
+    }
+  }
+  if (!rc) {
+    const sim_fit_setting *b = &fr.settings[fr.best];
+    printf("best: HOST_BYTES = %llu (%.2f GiB), KEEP_LAST = %d, FWD_STASH = %d, "
+           "PREFETCH_LAYERS = %d\n      peak %.2f GiB, host reserved %.2f GiB, step %.1f ms "
+           "(%+.1f%%)\n", (unsigned long long)b->host_bytes, (double)b->host_bytes / (1u << 30),
+           b->keep_last, b->fwd_stash, b->prefetch_layers,
+           (double)b->peak_device_bytes / (1u << 30), (double)b->host_reserved_bytes / (1u << 30),
+           b->step_us / 1e3, 100.0 * (b->step_us - base.step_us) / base.step_us);
+    char *src = sim_fit_source(tmpl, b);
+    char hdr[512];
+    snprintf(hdr, sizeof hdr,
+             "-- written by `ferry sim --fit %llu --fit-host %llu --trace %s --hw %s`:\n"
+             "-- peak %.2f GiB, host %.2f GiB, step %+.1f%% over no offload (simulated)\n",
+             (unsigned long long)device_bytes, (unsigned long long)fc.host_bytes, trace_path,
+             hw_arg, (double)b->peak_device_bytes / (1u << 30),
+             (double)b->host_reserved_bytes / (1u << 30),
+             100.0 * (b->step_us - base.step_us) / base.step_us);
+    FILE *f = src ? fopen(out_path, "w") : NULL;
+    if (!f || fputs(hdr, f) < 0 || fputs(src, f) < 0 || fclose(f)) {
+      fprintf(stderr, "ferry sim --fit: cannot write %s\n", out_path);
+      rc = 1;
+    } else {
+      printf("wrote %s\n  check it:  ferry sim --policy %s --trace %s --hw %s --steps %u "
+             "--warmup %u\n  train:     ferry run --policy %s -- python train.py   "
+             "(or ferry.torch.offload(model, policy=\"%s\"))\n",
+             out_path, out_path, trace_path, hw_arg, base.steps, base.warmup, out_path, out_path);
+    }
+    free(src);
+  }
+  sim_result_free(&base);
+  sim_fit_result_free(&fr);
+  sim_trace_free(t);
+  free(tmpl);
+  return rc;
+}
+
 static int demo(const char *dir) {
   if (mkdir(dir, 0777) && errno != EEXIST) {
     fprintf(stderr, "ferry sim --demo: cannot create %s: %s\n", dir, strerror(errno));
@@ -201,11 +344,20 @@ static int demo(const char *dir) {
       return 1;
     }
   }
-  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, 3, 0, json, chrome, svg, 1);
+  sim_opts o = SIM_OPTS_INIT;
+  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, &o, json, chrome, svg, 1);
   if (rc == 0 || rc == 3)
     printf("\nwrote %s, %s (open in https://ui.perfetto.dev), %s and the trace %s\n", json, chrome,
            svg, trace);
-  return rc;
+  if (rc) return rc;
+  /* what fits in half the H100: the step in 40 GiB, host budget half the
+   * preset's RAM per GPU */
+  char fit[PATH_MAX];
+  snprintf(fit, sizeof fit, "%s/fit.lua", dir);
+  printf("\n$ ferry sim --fit 40GiB --trace %s --hw h100 --fit-out %s\n", trace, fit);
+  o.steps = 4;
+  o.warmup = 2;
+  return run_fit(trace, "h100", sim_hw_preset("h100"), &o, 40ull << 30, 0, fit);
 }
 
 int ferry_cli_sim(int argc, char **argv) {
@@ -217,13 +369,21 @@ int ferry_cli_sim(int argc, char **argv) {
       {"sweep", required_argument, 0, 'S'},   {"recorded", no_argument, 0, 'r'},
       {"host-cap", required_argument, 0, 'C'}, {"no-layers", no_argument, 0, 'L'},
       {"demo", required_argument, 0, 'D'},    {"help", no_argument, 0, 'h'},
-      {"max-line", required_argument, 0, 'M'},
+      {"host-ram", required_argument, 0, 'R'}, {"warmup", required_argument, 0, 'W'},
+      {"pinned", required_argument, 0, 'P'},  {"fit", required_argument, 0, 'F'},
+      {"fit-host", required_argument, 0, 'H'}, {"fit-out", required_argument, 0, 'O'},
+      {"mfu", required_argument, 0, 'M'},     {"tflops", required_argument, 0, 'T'},
+      {"release-copied", no_argument, 0, 'X'}, {"prefetch-at-backward", no_argument, 0, 'B'},
+      {"max-line", required_argument, 0, 'Y'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
-  long steps = 3;
+  long steps = 3, warmup = 1;
+  int steps_given = 0, warmup_given = 0;
   int recorded = 0, layers_table = 1, c;
-  uint64_t host_cap = 0, line_limit;
+  sim_opts o = SIM_OPTS_INIT;
+  uint64_t fit = 0, fit_host = 0, line_limit;
+  const char *fit_out = "fit.lua";
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
   while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
@@ -234,6 +394,7 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'l': link = optarg; break;
     case 'n':
       if (cli_int("sim", "--steps", optarg, 1, 1000000, &steps)) return 2;
+      steps_given = 1;
       break;
     case 'j': json = optarg; break;
     case 'c': chrome = optarg; break;
@@ -241,10 +402,43 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'S': sweep = optarg; break;
     case 'r': recorded = 1; break;
     case 'C':
-      if (cli_bytes("sim", "--host-cap", optarg, 1, &host_cap)) return 2;
+      if (cli_bytes("sim", "--host-cap", optarg, 1, &o.host_cap)) return 2;
       break;
-    case 'L': layers_table = 0; break;
+    case 'R':
+      if (cli_bytes("sim", "--host-ram", optarg, 1, &o.host_ram)) return 2;
+      break;
+    case 'W':
+      if (cli_int("sim", "--warmup", optarg, 0, 1000000, &warmup)) return 2;
+      warmup_given = 1;
+      break;
+    case 'P':
+      if (parse_pinned(optarg, &o)) return 2;
+      break;
+    case 'F':
+      if (cli_bytes("sim", "--fit", optarg, 1, &fit)) return 2;
+      break;
+    case 'H':
+      if (cli_bytes("sim", "--fit-host", optarg, 1, &fit_host)) return 2;
+      break;
+    case 'O': fit_out = optarg; break;
+    case 'X': o.release_copied = 1; break;
+    case 'B': o.prefetch_bwd = 1; break;
     case 'M':
+    case 'T': {
+      char *end;
+      errno = 0;
+      double x = strtod(optarg, &end);
+      if (end == optarg || *end || errno || !(x > 0) || (c == 'M' && x > 1) || x > 1e6) {
+        fprintf(stderr, "ferry sim: %s %s: expected %s\n", c == 'M' ? "--mfu" : "--tflops", optarg,
+                c == 'M' ? "a fraction in (0, 1], e.g. 0.4" : "TFLOP/s > 0, e.g. 400");
+        return 2;
+      }
+      if (c == 'M') o.mfu = x;
+      else o.tflops = x;
+      break;
+    }
+    case 'L': layers_table = 0; break;
+    case 'Y':
       if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
       trace_limits.max_line_bytes = (size_t)line_limit;
       break;
@@ -278,6 +472,11 @@ int ferry_cli_sim(int argc, char **argv) {
     fprintf(stderr, "ferry sim: --trace FILE is required (`ferry trace synth` writes one)\n");
     return 2;
   }
+  o.steps = (uint32_t)steps;
+  o.warmup = warmup ? (int32_t)warmup : -1;
+  if (fit && !steps_given) o.steps = 4;
+  if (fit && !warmup_given) o.warmup = 2; /* learning in step 1, arena growth in step 2 */
+  if (fit) return run_fit(trace, link ? "custom" : hw_name, &hw, &o, fit, fit_host, fit_out);
   if (!policies && !recorded) {
     fprintf(stderr, "ferry sim: --policy is required (e.g. --policy default,budget)\n");
     return 2;
@@ -359,7 +558,7 @@ int ferry_cli_sim(int argc, char **argv) {
     snprintf(jobs[n].label, sizeof jobs[n].label, "recorded decisions");
     jobs[n++].recorded = 1;
   }
-  if (!rc) rc = run_sim(trace, hw, jobs, n, (uint32_t)steps, host_cap, json, chrome, svg, layers_table);
+  if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, layers_table);
   for (int i = 0; i < n; i++) free(jobs[i].source);
   free(jobs);
   return rc;

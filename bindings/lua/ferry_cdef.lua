@@ -107,6 +107,8 @@ uint64_t max_fwd_stash_bytes;
 const char *faults;
 ferry_host_ram_fn host_ram;
 void *host_ram_ud;
+int32_t release_when_copied;
+int32_t prefetch_at_backward_begin;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {
@@ -139,6 +141,8 @@ int ferry_step_begin(ferry_engine *e);
 int ferry_step_end(ferry_engine *e);
 int ferry_backward_begin(ferry_engine *e);
 int ferry_backward_end(ferry_engine *e);
+int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
+int ferry_trace_flops(ferry_engine *e, double flops);
 int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted);
 int ferry_policy_find(const char *name, char *path, size_t pathlen, char *err, size_t errlen);
 const char *ferry_last_policy_error(ferry_engine *e);

@@ -287,6 +287,16 @@ typedef struct ferry_config {
    * hardware's, tests fixed numbers */
   ferry_host_ram_fn host_ram;
   void *host_ram_ud;
+  /* 1: a forward-stash buffer is released at the first pack after its D2H
+   * copy completed, not only when max_fwd_stash(_bytes) pushes it out: less
+   * device memory at the end of forward, but the last tensors packed
+   * (backward's first) are reloaded instead of found in the stash. 0
+   * (default): the stash keeps them (docs/simulator.md) */
+  int32_t release_when_copied;
+  /* 1: at ferry_backward_begin, start the reloads backward needs first (the
+   * last offloaded tensors, up to their prefetch distance) when the policy
+   * asked for prefetching, instead of at the first unpack */
+  int32_t prefetch_at_backward_begin;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \
@@ -388,6 +398,16 @@ FERRY_API int ferry_step_begin(ferry_engine *e);
 FERRY_API int ferry_step_end(ferry_engine *e);
 FERRY_API int ferry_backward_begin(ferry_engine *e);
 FERRY_API int ferry_backward_end(ferry_engine *e);
+
+/* Trace recording (config.trace_path; both are no-ops without a trace).
+ * ferry_trace_resident: device memory held for the whole run outside the
+ * saved tensors (parameters, gradients, optimizer states), once per `what`
+ * before the first step; a replay counts it in the device peak.
+ * ferry_trace_flops: floating-point operations the trainer ran since the
+ * last traced event; the next event carries their sum as "flops", so a
+ * replay can time that compute on another GPU (docs/trace-format.md). */
+FERRY_API int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
+FERRY_API int ferry_trace_flops(ferry_engine *e, double flops);
 
 /* ---- policies ----------------------------------------------------------- */
 /* Load a Lua policy (file, or source text when path is NULL) and make it the

@@ -233,6 +233,8 @@ typedef struct sim_backend_stats {
   uint64_t copies[2];   /* copies finished, per direction */
   uint64_t bytes[2];    /* bytes of the finished copies */
   uint64_t host_reserved_bytes; /* address space handed out by host_alloc */
+  uint64_t pinned_allocs;  /* host_alloc calls and sim_backend_pinned_alloc charges */
+  double pinned_alloc_us;  /* host time they cost (also counted in host_wait_us) */
 } sim_backend_stats;
 
 /* dir: 0 = D2H, 1 = H2D; times in µs of the virtual clock. */
@@ -251,6 +253,19 @@ FERRY_API void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, 
 /* Direction-dependent duplex (links where one direction suffers more when
  * both run, e.g. A100: H2D drops to ~48%, D2H to ~96%). */
 FERRY_API int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d);
+/* Cost of pinning host memory (docs/hardware.md): a pinned allocation
+ * blocks the host for alloc_us plus its bytes at touch_bytes_per_s (first
+ * touch and registration; 0 = free); on_host_alloc: every host_alloc (the
+ * engine's arena growing) pays it. Off (both 0) until set. */
+FERRY_API int sim_backend_set_pinned_cost(ferry_backend *b, double alloc_us,
+                                          double touch_bytes_per_s, int on_host_alloc);
+/* Charges one pinned allocation of `bytes` the engine's arena did not make
+ * (a trainer without a pinned pool: a fresh cudaHostAlloc per offload, every
+ * step): the per-allocation time only. The per-byte first-touch rate is
+ * what new memory costs (the arena growing); a trainer that allocates and
+ * frees every step gets recycled pages, and PyTorch measured ~3 ms per
+ * tensor whatever its size (docs/hardware.md). */
+FERRY_API void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes);
 
 
 /* ---- the pinned host arena: jemalloc or pool kind, hard cap, thread-safe
@@ -306,6 +321,7 @@ typedef struct trace_ev {
   uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors */
   const char *op;  /* compute: its optional "op" name (owned by the trace) */
   double gap_us;   /* compute time before this event */
+  double flops;    /* floating-point operations of that compute, -1 unknown */
 } trace_ev;
 
 typedef struct trace_tensor {
@@ -339,6 +355,8 @@ typedef struct sim_trace {
   uint32_t n_resident;
   uint64_t resident_bytes;
   int has_compute; /* synthesized: time comes from compute events */
+  char backend[16]; /* the header's "backend": where it was recorded */
+  uint32_t n_flops; /* events that carry "flops" */
   int32_t layers;  /* largest `layers` seen, 0 if none */
   char **strings;  /* owned strings (module paths, classes) */
   size_t n_strings, cap_strings;
@@ -363,6 +381,9 @@ FERRY_API int sim_trace_parse(const char *name, const char *data, size_t len, si
 FERRY_API void sim_trace_free(sim_trace *t);
 
 /* ---- replay ------------------------------------------------------------------- */
+/* A DGX H100's 2 TB of system memory (NVIDIA DGX H100 datasheet) */
+#define SIM_DEFAULT_HOST_RAM 2000000000000ull
+
 typedef struct sim_config {
   ferry_link link;
   double duplex_d2h, duplex_h2d; /* sim: per-direction duplex, 0 = link.duplex */
@@ -379,6 +400,24 @@ typedef struct sim_config {
   double host_time_scale;
   int timeline;            /* record the last step's timeline */
   int record_decisions;    /* record the last step's decision per pack */
+  /* steps left out of the steady-state figures (step time, stall, bytes,
+   * peak): 0 = the default, 1; negative = none */
+  int32_t warmup;
+  /* achieved TFLOP/s of the simulated GPU: compute that carries FLOPs in
+   * the trace takes flops / this; 0 = the trace's own times */
+  double tflops;
+  /* the simulated host's RAM for host_cap_pct and the policies'
+   * host_ram_used_pct (available = this less the pinned bytes the sim
+   * reserved); 0 = SIM_DEFAULT_HOST_RAM. Never the machine running it. */
+  uint64_t host_ram_bytes;
+  /* sim: the cost of pinning host memory (sim_backend_set_pinned_cost),
+   * both 0 = free; and whether the trainer has a pinned pool (the engine's
+   * arena: pays once, when it grows) or not (pinned_no_pool: every offload
+   * pays a fresh allocation of its bytes, every step) */
+  double pinned_alloc_us, pinned_touch_bytes_per_s;
+  int pinned_no_pool;
+  int release_when_copied; /* ferry_config.release_when_copied */
+  int prefetch_at_backward_begin; /* ferry_config.prefetch_at_backward_begin */
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -422,9 +461,20 @@ typedef struct sim_result {
   uint64_t peak_saved_bytes;   /* saved tensors alone */
   uint64_t peak_host_bytes;    /* pinned arena in use */
   uint64_t host_reserved_bytes;
-  /* per step: the mean over steps 2..N (step 1 warms caches and learns) */
+  /* per step: the mean over the steady steps (after the warmup ones; step 1
+   * warms caches and learns); the peaks above are over the steady steps too
+   * (over all when no step is steady) */
   double step_us, stall_us, host_wait_us;
   double first_step_us;
+  uint64_t first_step_peak_device_bytes; /* step 1 alone */
+  uint32_t warmup;                       /* steps left out */
+  double pinned_alloc_us;                /* per steady step: pinning host memory */
+  uint64_t host_ram_bytes;               /* the simulated host's RAM */
+  /* compute time: gaps (per replayed trace pass) timed from FLOPs at
+   * sim_config.tflops, gaps kept as the trace has them; and a plain
+   * sentence saying where the compute times come from */
+  uint32_t gaps_from_flops, gaps_as_recorded;
+  char compute_note[256];
   double bytes_d2h, bytes_h2d;
   double tensors_packed, tensors_offloaded, tensors_kept;
   double prefetches, stash_hits;
@@ -492,6 +542,44 @@ FERRY_API uint64_t synth_param_count(const synth_model *m);
 FERRY_API uint64_t synth_resident_bytes(const synth_model *m);
 
 
+/* ---- "what fits?" (sim_fit.c): a policy template's knobs searched for the
+ * lowest step time whose steady peak fits the device and whose pinned host
+ * memory fits the host budget (docs/simulator.md, `ferry sim --fit`) */
+typedef struct sim_fit_setting {
+  uint64_t host_bytes;  /* HOST_BYTES: offloaded bytes per step, at most */
+  int keep_last;        /* KEEP_LAST: layers kept on device */
+  int fwd_stash;        /* FWD_STASH: forward stash depth */
+  int prefetch_layers;  /* PREFETCH_LAYERS: reload distance in backward */
+  double step_us;       /* steady-state step time */
+  uint64_t peak_device_bytes, host_reserved_bytes;
+  int fits;
+} sim_fit_setting;
+
+typedef struct sim_fit_config {
+  const char *policy_template; /* Lua source with those four `local` lines
+                                  (policies/host_budget.lua) */
+  sim_config replay;           /* link, steps, warmup, host RAM, pinned cost */
+  uint64_t device_bytes;       /* the device memory to fit in */
+  uint64_t host_bytes;         /* pinned host budget per rank */
+} sim_fit_config;
+
+typedef struct sim_fit_result {
+  sim_fit_setting *settings; /* every setting tried, in search order */
+  uint32_t n;
+  int best; /* index of the chosen one, -1 if none fits */
+  uint64_t span_bytes; /* HOST_BYTES goes 0..this in sixteenths: the budget,
+                          or the step's offloadable bytes if fewer */
+} sim_fit_result;
+
+FERRY_API int sim_fit(const sim_trace *t, const sim_fit_config *c, sim_fit_result *out, char *err,
+                      size_t errlen);
+FERRY_API void sim_fit_result_free(sim_fit_result *r);
+/* The template with the setting's knobs written in (malloc'd; NULL if a
+ * knob line is missing). */
+FERRY_API char *sim_fit_source(const char *tmpl, const sim_fit_setting *s);
+/* src with its line `local KNOB = ...` set to value; NULL if none. */
+FERRY_API char *sim_policy_set_knob(const char *src, const char *knob, const char *value);
+
 /* ---- simulator reports: hardware presets, link syntax, tables, JSON, Chrome trace, SVG
  */
 
@@ -502,7 +590,12 @@ typedef struct sim_hw {
   double duplex_d2h, duplex_h2d; /* per direction, as measured */
   double device_bytes;           /* HBM capacity */
   const char *source;
+  double host_ram_bytes;         /* host RAM per GPU: the node's / GPUs per node */
+  double peak_tflops;            /* dense BF16 tensor-core peak, TFLOP/s */
 } sim_hw;
+/* The default sustained fraction of peak (--mfu): 0.40, Llama 3's 38-43%
+ * BF16 MFU on H100 (docs/simulator.md). */
+#define SIM_DEFAULT_MFU 0.40
 
 /* NULL if unknown. */
 FERRY_API const sim_hw *sim_hw_preset(const char *name);

@@ -63,7 +63,9 @@ class Config(ctypes.Structure):
                 ("reserved1", ctypes.c_int32), ("trace_path", ctypes.c_char_p),
                 ("host_reserve", ctypes.c_void_p), ("host_reserve_ud", ctypes.c_void_p),
                 ("max_fwd_stash_bytes", ctypes.c_uint64), ("faults", ctypes.c_char_p),
-                ("host_ram", ctypes.c_void_p), ("host_ram_ud", ctypes.c_void_p)]
+                ("host_ram", ctypes.c_void_p), ("host_ram_ud", ctypes.c_void_p),
+                ("release_when_copied", ctypes.c_int32),
+                ("prefetch_at_backward_begin", ctypes.c_int32)]
 
 
 def jemalloc_mapped():

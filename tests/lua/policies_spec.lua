@@ -93,6 +93,48 @@ describe("policies/layers.lua", function()
   end)
 end)
 
+describe("policies/host_budget.lua", function()
+  local function with_budget(bytes)
+    local src = read("policies/host_budget.lua"):gsub("local HOST_BYTES = 16 %* 2%^30",
+      "local HOST_BYTES = " .. bytes)
+    assert(src:find("HOST_BYTES = " .. bytes, 1, true))
+    local s = H.session {}
+    assert(s.e:set_policy { source = src })
+    return s
+  end
+
+  it("with room for everything: every eligible activation but the last layer's", function()
+    local s = with_budget(2^30)
+    local specs = model()
+    local want = expect(specs, function(x)
+      return is_default_eligible(x) and x.layer ~= LAYERS - 1 or x.path == "lm_head"
+        or x.path == "model.norm"
+    end)
+    assert.same(want, s:step(specs))
+    assert.same(want, s:step(specs))
+    local st = s:stats()
+    assert.equal(0, st.policy_errors)
+    s:close()
+  end)
+
+  it("a small budget takes the largest tensors first, then from the cache", function()
+    -- lm_head's input (16 KiB) first, then the earliest-packed 4 KiB tensors
+    -- while they fit: 16 KiB + 2 x 4 KiB = the embedding and layer 0's norm
+    local s = with_budget(16384 + 2 * 4096)
+    local specs = model()
+    s:step(specs)
+    local want = expect(specs, function(x)
+      return x.path == "lm_head" or x.path == "model.embed_tokens"
+        or x.path == "model.layers.0.input_layernorm"
+    end)
+    assert.same(want, s:step(specs))
+    local hits = s:stats().policy_cache_hits
+    assert.same(want, s:step(specs))
+    assert.is_true(s:stats().policy_cache_hits - hits >= #specs - 2)
+    s:close()
+  end)
+end)
+
 describe("policies/fraction.lua", function()
   it("offloads the first half of the selected module kinds, last layer kept", function()
     local s = H.session { policy_path = "policies/fraction.lua" }

@@ -242,6 +242,51 @@ describe("ferry.rules", function()
     assert.same({ 1, 1, 0, 0 }, out)
   end)
 
+  it("host_budget: largest sites first within the bytes, last layers kept, then cached", function()
+    local p = policy [[return R.policy { R.host_budget { bytes = 7000, keep_last = 1 } }]]
+    -- three layers of three tensors: a = 4000, b = 1000, c = 2500 bytes
+    local sizes = { a = 4000, b = 1000, c = 2500 }
+    local function step(s)
+      local ctx, out = D.ctx { step = s }, {}
+      for l = 0, 2 do
+        for _, n in ipairs({ "a", "b", "c" }) do
+          local a, _, _, c = p.decide(D.desc { bytes = sizes[n], layer = l, layer_count = 3,
+            path = "model.layers." .. l .. "." .. n }, ctx)
+          out[#out + 1] = a .. (c and "c" or "")
+        end
+      end
+      return out
+    end
+    -- step 1, pack order while it fits: 0.a (4000), 0.b (5000), 0.c would make
+    -- 7500: kept, 1.a kept, 1.b (6000), 1.c kept; layer 2 kept (keep_last = 1)
+    assert.same({ "1", "1", "0", "0", "1", "0", "0", "0", "0" }, step(0)) -- nothing cached yet
+    -- then largest first: 0.a (4000, 3000 left), 1.a does not fit, 0.c (2500,
+    -- 500 left), 1.c, 0.b, 1.b do not fit: 6500 bytes, every answer cached
+    local want = { "1c", "0c", "1c", "0c", "0c", "0c", "0c", "0c", "0c" }
+    assert.same(want, step(1))
+    assert.same(want, step(2))
+    -- no budget: nothing goes; a budget for everything: all but the last layer
+    p = policy [[return R.policy { R.host_budget { bytes = 0 } }]]
+    step(0)
+    assert.same({ "0c", "0c", "0c", "0c", "0c", "0c", "0c", "0c", "0c" }, step(1))
+    p = policy [[return R.policy { R.host_budget { bytes = 1e9, keep_last = 2 } }]]
+    step(0)
+    assert.same({ "1c", "1c", "1c", "0c", "0c", "0c", "0c", "0c", "0c" }, step(1))
+  end)
+
+  it("host_budget: checks its options", function()
+    local function load_error(src)
+      local ok, err = pcall(policy, src)
+      assert.is_false(ok)
+      return err
+    end
+    assert.matches("bytes is required", load_error("return R.policy { R.host_budget {} }"))
+    assert.matches("unknown option", load_error(
+      "return R.policy { R.host_budget { bytes = 1, keep = 1 } }"))
+    assert.matches("keep_last must be an integer", load_error(
+      "return R.policy { R.host_budget { bytes = 1, keep_last = 1.5 } }"))
+  end)
+
   it("prefetch_layers learns tensors per layer in the first step, then allows caching", function()
     local p = policy [[return R.policy { R.first_layers(8), reload = R.prefetch_layers(1) }]]
     local ctx = D.ctx { step = 0 }
@@ -348,7 +393,7 @@ describe("ferry.rules", function()
 
   it("decides without allocating, JIT off (as the host may run it)", function()
     for _, file in ipairs({ "policies/default.lua", "policies/layers.lua", "policies/fraction.lua",
-      "policies/ramcap.lua", "policies/budget.lua" }) do
+      "policies/ramcap.lua", "policies/budget.lua", "policies/host_budget.lua" }) do
       local p = D.load(file)
       local descs = {}
       for l = 0, 3 do

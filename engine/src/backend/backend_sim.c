@@ -70,6 +70,8 @@ typedef struct sim_backend {
   sim_backend_stats st;
   sim_copy_listener listener;
   void *listener_ud;
+  double pin_alloc_us, pin_touch_bytes_per_us; /* pinning cost, 0 = free */
+  int pin_on_host_alloc;                       /* host_alloc pays it */
 } sim_backend;
 
 static sim_backend *as_sim(ferry_backend *b) { return (sim_backend *)b; }
@@ -248,6 +250,19 @@ static double wait_event(sim_backend *sb, const bk_event *ev) {
 
 /* ---- vtable ----------------------------------------------------------------- */
 
+/* The host blocks while memory is pinned (cudaHostAlloc: allocation,
+ * first touch, registration): the one clock moves on, copies in flight go
+ * on meanwhile. Under sb->lock. */
+static void charge_pinning(sim_backend *sb, uint64_t bytes, int first_touch) {
+  double us = sb->pin_alloc_us;
+  if (first_touch && sb->pin_touch_bytes_per_us > 0) us += (double)bytes / sb->pin_touch_bytes_per_us;
+  if (!(us > 0)) return;
+  sb->now += us;
+  sb->st.pinned_allocs++;
+  sb->st.pinned_alloc_us += us;
+  sb->st.host_wait_us += us;
+}
+
 static int sim_host_alloc(ferry_backend *b, size_t bytes, size_t alignment, void **out) {
   sim_backend *sb = as_sim(b);
   if (!out) return backend_fail(b, FERRY_EINVAL, "sim host_alloc: out is NULL");
@@ -277,6 +292,7 @@ static int sim_host_alloc(ferry_backend *b, size_t bytes, size_t alignment, void
   }
   pthread_mutex_lock(&sb->lock);
   sb->st.host_reserved_bytes += bytes;
+  if (sb->pin_on_host_alloc) charge_pinning(sb, bytes, 1);
   pthread_mutex_unlock(&sb->lock);
   *out = (void *)a;
   return FERRY_OK;
@@ -595,4 +611,26 @@ int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d) {
   sb->duplex[1] = h2d;
   pthread_mutex_unlock(&sb->lock);
   return FERRY_OK;
+}
+
+int sim_backend_set_pinned_cost(ferry_backend *b, double alloc_us, double touch_bytes_per_s,
+                                int on_host_alloc) {
+  sim_backend *sb = as_sim(b);
+  if (!(alloc_us >= 0) || !isfinite(alloc_us) || !(touch_bytes_per_s >= 0) ||
+      !isfinite(touch_bytes_per_s))
+    return backend_fail(b, FERRY_EINVAL,
+                        "sim pinned cost: allocation time and touch rate must be finite and >= 0");
+  pthread_mutex_lock(&sb->lock);
+  sb->pin_alloc_us = alloc_us;
+  sb->pin_touch_bytes_per_us = touch_bytes_per_s / 1e6;
+  sb->pin_on_host_alloc = on_host_alloc != 0;
+  pthread_mutex_unlock(&sb->lock);
+  return FERRY_OK;
+}
+
+void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes) {
+  sim_backend *sb = as_sim(b);
+  pthread_mutex_lock(&sb->lock);
+  charge_pinning(sb, bytes, 0);
+  pthread_mutex_unlock(&sb->lock);
 }

@@ -121,6 +121,7 @@ struct ferry_engine {
   FILE *trace;
   double trace_t0_us;
   uint64_t trace_seq;
+  double trace_flops; /* FLOPs since the last traced event (ferry_trace_flops) */
 
   /* hooks of the rooms above the core (core.h), newest last */
   struct shutdown_hook {

@@ -176,10 +176,30 @@ static int fwd_over_bound(const ferry_engine *e) {
          (e->max_fwd_stash_bytes && e->fwd_bytes > e->max_fwd_stash_bytes);
 }
 
-/* Pop the oldest stashed entries until the bounds (count, bytes) hold. */
+/* Whether the oldest stash slot can go without waiting: a stale slot, or
+ * an entry whose D2H copy has completed (copies complete in issue order on
+ * the D2H stream, so the head is the first to finish). */
+static int fwd_head_done(ferry_engine *e) {
+  uint64_t slot = e->fwd[e->fwd_head];
+  const stash_entry *s = &e->entries[(uint32_t)slot];
+  if (s->gen != (uint32_t)(slot >> 32) || s->state != ENTRY_STASHED) return 1;
+  return e->bk->ops->event_query(e->bk, s->ev) == 1;
+}
+
+/* Pop the oldest stashed entries until the bounds (count, bytes) hold, and
+ * with config.release_when_copied then those whose copies have completed:
+ * in the forward pass a device buffer goes at the first pack after its
+ * bytes are on the host, not only when the bound pushes it out, so it is
+ * off the device at the peak (the end of forward); the price is that the
+ * last-packed tensors are no longer stash hits in backward. Nothing is
+ * released at backward_begin: the tensors still
+ * stashed then are the last packed, the first backward needs, and
+ * releasing them only adds reloads (3x the stall in
+ * sim_replay_matches_hand_computed_times). */
 static uint32_t fwd_enforce_bound(ferry_engine *e, void **owners, uint32_t max_owners) {
   uint32_t n = 0;
-  while (fwd_over_bound(e) && e->fwd_count && n < max_owners) {
+  while (e->fwd_count && n < max_owners &&
+         (fwd_over_bound(e) || (e->cfg.release_when_copied && fwd_head_done(e)))) {
     uint64_t slot = e->fwd[e->fwd_head];
     uint32_t idx = (uint32_t)slot;
     e->fwd_head = (e->fwd_head + 1) % e->fwd_cap;
@@ -261,6 +281,8 @@ int ferry_step_end(ferry_engine *e) {
   return rc;
 }
 
+static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream);
+
 static int set_phase(ferry_engine *e, int phase, const char *ev) {
   int rc = engine_check(e);
   if (rc) return rc;
@@ -276,6 +298,10 @@ static int set_phase(ferry_engine *e, int phase, const char *ev) {
   e->phase = phase;
   e->ctx.phase = phase;
   trace_event(e, ev, 0);
+  /* Backward needs the last offloaded tensors first: with the policy's
+   * prefetch, their reloads start now rather than at the first unpack. */
+  if (phase == FERRY_PHASE_BACKWARD && e->cfg.prefetch_at_backward_begin)
+    prefetch_next(e, e->n_offloads, e->step, NULL);
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }

@@ -32,6 +32,10 @@ static cJSON *event_object(ferry_engine *e, const char *ev) {
   /* microseconds since the trace opened, 0.1 us resolution */
   double t = util_now_us() - e->trace_t0_us;
   cJSON_AddNumberToObject(o, "t_us", (double)(long long)(t * 10.0) / 10.0);
+  if (e->trace_flops > 0) {
+    cJSON_AddNumberToObject(o, "flops", e->trace_flops);
+    e->trace_flops = 0;
+  }
   return o;
 }
 
@@ -95,4 +99,35 @@ void trace_event(ferry_engine *e, const char *ev, uint64_t id) {
   if (!strcmp(ev, "step_begin") || !strcmp(ev, "step_end"))
     cJSON_AddNumberToObject(o, "step", (double)e->step);
   emit(e, o);
+}
+
+int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  if (!what || !*what) return engine_fail(e, FERRY_EINVAL, "ferry_trace_resident: empty what");
+  pthread_mutex_lock(&e->lock);
+  if (e->trace && e->in_step) {
+    pthread_mutex_unlock(&e->lock);
+    return engine_fail(e, FERRY_ESTATE, "ferry_trace_resident: inside a step (declare resident "
+                                        "memory before the first step)");
+  }
+  cJSON *o = e->trace ? event_object(e, "resident") : NULL;
+  if (o) {
+    cJSON_AddNumberToObject(o, "bytes", (double)bytes);
+    cJSON_AddStringToObject(o, "what", what);
+    emit(e, o);
+  }
+  pthread_mutex_unlock(&e->lock);
+  return FERRY_OK;
+}
+
+int ferry_trace_flops(ferry_engine *e, double flops) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  if (!(flops >= 0) || !(flops <= 1e21))
+    return engine_fail(e, FERRY_EINVAL, "ferry_trace_flops: %g is not within [0, 1e21]", flops);
+  pthread_mutex_lock(&e->lock);
+  if (e->trace) e->trace_flops += flops;
+  pthread_mutex_unlock(&e->lock);
+  return FERRY_OK;
 }

@@ -44,6 +44,10 @@ typedef struct replay {
   uint32_t n_slabs;
   sim_buf *free_bufs;
   uint64_t live_bytes, peak_live;
+  uint64_t peak_steady, peak_first; /* over the steady steps; over step 1 */
+  int steady, first;    /* replaying a steady step; step 1 */
+  uint32_t warmup;
+  double pinned_us;     /* pinning cost so far (sim) */
   int recording;
   sim_result *res;
   int alloc_failed;
@@ -59,7 +63,7 @@ typedef struct replay {
 
 /* Per-step sums over the steady steps (all but the first, unless one). */
 typedef struct step_sums {
-  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits;
+  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned;
   uint32_t n_steady;
 } step_sums;
 
@@ -156,6 +160,8 @@ static sim_buf *buf_new(replay *r, uint64_t bytes, int counted) {
   if (counted) {
     r->live_bytes += bytes;
     if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
+    if (r->steady && r->live_bytes > r->peak_steady) r->peak_steady = r->live_bytes;
+    if (r->first && r->live_bytes > r->peak_first) r->peak_first = r->live_bytes;
     mem_sample(r);
   }
   return b;
@@ -270,6 +276,22 @@ static void set_label(sim_result *out, const sim_config *c) {
 }
 
 /* Creates the engine the trainer talks to, with the replay's callbacks. */
+/* ferry_config.host_ram: the simulated host's RAM, never the machine's
+ * running the simulation; what is available is that less the pinned
+ * memory the sim backend reserved. */
+static int cb_host_ram(void *ud, uint64_t *total, uint64_t *available) {
+  replay *r = ud;
+  uint64_t t = r->c->host_ram_bytes ? r->c->host_ram_bytes : SIM_DEFAULT_HOST_RAM, used = 0;
+  if (r->sim) {
+    sim_backend_stats st;
+    sim_backend_get_stats(r->sim, &st);
+    used = st.host_reserved_bytes;
+  }
+  *total = t;
+  *available = used < t ? t - used : 0;
+  return 0;
+}
+
 static int replay_open_engine(replay *r) {
   const sim_config *c = r->c;
   ferry_config cfg = FERRY_CONFIG_INIT;
@@ -282,6 +304,11 @@ static int replay_open_engine(replay *r) {
   cfg.release = cb_release;
   cfg.retain = cb_retain;
   cfg.callback_ud = r;
+  cfg.host_ram = cb_host_ram;
+  cfg.release_when_copied = c->release_when_copied;
+  cfg.prefetch_at_backward_begin = c->prefetch_at_backward_begin;
+  cfg.host_ram_ud = r;
+  r->res->host_ram_bytes = c->host_ram_bytes ? c->host_ram_bytes : SIM_DEFAULT_HOST_RAM;
   if (c->replay_decisions) {
     cfg.decide = cb_recorded;
     cfg.decide_ud = r;
@@ -295,6 +322,9 @@ static int replay_open_engine(replay *r) {
   r->sim = r->host || !sim_backend_is(engine_backend(r->e)) ? NULL : engine_backend(r->e);
   if (!r->sim) return 0;
   sim_backend_set_listener(r->sim, on_copy, r);
+  if ((rc = sim_backend_set_pinned_cost(r->sim, c->pinned_alloc_us, c->pinned_touch_bytes_per_s,
+                                             !c->pinned_no_pool)))
+    return ferry_errbuf(r->err, r->errlen, rc, "%s", r->sim->err);
   if ((c->duplex_d2h > 0 || c->duplex_h2d > 0) &&
       (rc = sim_backend_set_duplex(r->sim, c->duplex_d2h > 0 ? c->duplex_d2h : cfg.link.duplex,
                                    c->duplex_h2d > 0 ? c->duplex_h2d : cfg.link.duplex)))
@@ -326,13 +356,24 @@ static int replay_tables(replay *r) {
   return 0;
 }
 
+/* The compute time before ev: from its FLOPs at the simulated GPU's
+ * achieved rate when both are known, else the trace's. */
+static double event_gap(replay *r, const trace_ev *ev) {
+  if (r->c->tflops > 0 && ev->flops >= 0) {
+    if (r->first) r->res->gaps_from_flops++;
+    return ev->flops / (r->c->tflops * 1e6);
+  }
+  if (r->first && ev->gap_us > 0) r->res->gaps_as_recorded++;
+  return ev->gap_us;
+}
+
 /* The compute before event k, and on the timeline the layer it belongs to:
  * the event's own, or the next tensor event's. */
 static void replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
   double a = replay_now(r);
-  replay_compute(r, ev->gap_us);
+  replay_compute(r, event_gap(r, ev));
   if (!r->recording) return;
   int32_t layer = r->cur_layer;
   if (ev->type == TEV_COMPUTE && ev->layer >= 0) layer = ev->layer;
@@ -405,7 +446,9 @@ static int replay_pack(replay *r, uint32_t ti) {
   }
   if (tt->alias_of >= 0 && t->tensors[tt->alias_of].last_alias == (int32_t)ti)
     buf_unref(r, r->bufs[tt->alias_of]); /* the trainer's reference */
-  if (r->last) count_pack(r, d, engine_offloaded(r->e) != off0);
+  int offloaded = engine_offloaded(r->e) != off0;
+  if (offloaded && r->sim && r->c->pinned_no_pool) sim_backend_pinned_alloc(r->sim, d->bytes);
+  if (r->last) count_pack(r, d, offloaded);
   return 0;
 }
 
@@ -505,23 +548,35 @@ static void add_step(step_sums *s, double step_us, double stall, double wait, co
   s->hits += (double)(s1->stash_hits - s0->stash_hits);
 }
 
+/* Host time spent pinning memory so far (sim). */
+static double pinned_us(replay *r) {
+  if (!r->sim) return 0;
+  sim_backend_stats st;
+  sim_backend_get_stats(r->sim, &st);
+  return st.pinned_alloc_us;
+}
+
 /* Replays step si of steps (the trace's steps in a loop) and sums it up. */
 static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) {
   const sim_trace *t = r->t;
   const trace_step *ts = &t->steps[si % t->n_steps];
   r->last = si + 1 == steps;
   r->recording = r->last && r->c->timeline;
+  r->first = si == 0;
+  r->steady = si >= r->warmup || steps <= r->warmup;
+  if (r->steady && !r->peak_steady) r->peak_steady = r->live_bytes;
   if (r->last) begin_last_step(r, ts);
   ferry_stats s0, s1;
   ferry_get_stats(r->e, &s0, sizeof s0);
   double w0, st0 = sim_stall(r, &w0);
   double hs0 = r->host_stall, hw0 = r->host_wait;
+  double pin0 = pinned_us(r);
   double t0 = 0;
   int rc;
   r->cur_layer = -1;
   for (uint32_t k = ts->first; k < ts->end; k++) {
     const trace_ev *ev = &t->events[k];
-    if (ev->gap_us > 0) replay_gap(r, ts, k);
+    if (ev->gap_us > 0 || (ev->flops > 0 && r->c->tflops > 0)) replay_gap(r, ts, k);
     r->res->events++;
     if ((rc = replay_event(r, ev, &t0))) return rc;
   }
@@ -535,8 +590,35 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     w1 = r->host_wait / r->host_scale;
   }
   if (si == 0) r->res->first_step_us = step_us;
-  if (si > 0 || steps == 1) add_step(sums, step_us, st1 - st0, w1 - w0, &s0, &s1);
+  if (r->steady) {
+    add_step(sums, step_us, st1 - st0, w1 - w0, &s0, &s1);
+    sums->pinned += pinned_us(r) - pin0;
+  }
   return 0;
+}
+
+/* Says where the compute times come from, plainly when they are not the
+ * simulated GPU's. */
+static void compute_note(replay *r) {
+  sim_result *out = r->res;
+  const sim_trace *t = r->t;
+  const char *where = t->backend[0] ? t->backend : "unknown";
+  if (out->gaps_as_recorded == 0 && out->gaps_from_flops > 0)
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "compute timed from the trace's FLOPs at %.0f TFLOP/s", r->c->tflops);
+  else if (t->has_compute && out->gaps_from_flops == 0)
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "compute times as synthesized (the synthesizer's --tflops)");
+  else if (out->gaps_from_flops == 0)
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "compute times are the recording machine's (backend %s), not the simulated GPU's: "
+             "the trace has no FLOPs%s", where,
+             !strcmp(where, "host") ? "; recorded on a CPU, so step times and overheads are "
+                                      "not this GPU's" : "");
+  else
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "%u compute gaps timed from FLOPs at %.0f TFLOP/s, %u as recorded (backend %s)",
+             out->gaps_from_flops, r->c->tflops, out->gaps_as_recorded, where);
 }
 
 /* The result: the steady steps' means, peaks, and the engine's counters. */
@@ -553,8 +635,12 @@ static void finish_result(replay *r, const step_sums *s) {
   out->tensors_kept = s->kept / n;
   out->prefetches = s->pf / n;
   out->stash_hits = s->hits / n;
-  out->peak_saved_bytes = r->peak_live;
-  out->peak_device_bytes = r->t->resident_bytes + r->peak_live;
+  out->pinned_alloc_us = s->pinned / n;
+  compute_note(r);
+  out->warmup = r->warmup;
+  out->peak_saved_bytes = r->peak_steady;
+  out->peak_device_bytes = r->t->resident_bytes + r->peak_steady;
+  out->first_step_peak_device_bytes = r->t->resident_bytes + r->peak_first;
   ferry_stats fs;
   ferry_get_stats(r->e, &fs, sizeof fs);
   out->peak_host_bytes = fs.arena_peak;
@@ -616,6 +702,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   r.errlen = errlen;
   r.host = c->host_backend != 0;
   r.host_scale = c->host_time_scale > 0 ? c->host_time_scale : 1;
+  r.warmup = c->warmup < 0 ? 0 : c->warmup == 0 ? 1 : (uint32_t)c->warmup;
   set_label(out, c);
   snprintf(out->backend, sizeof out->backend, "%s", r.host ? "host" : "sim");
   int rc = replay_open_engine(&r);

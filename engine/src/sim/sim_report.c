@@ -19,14 +19,14 @@
  * the per-copy fixed cost: 3-7 us of host submission for cudaMemcpyAsync. */
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
-     50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+"},
+     50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8, 989},
     {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 141 * GB,
-     "DeepSpeed PR #8283 (duplex not published: H100's figure)"},
+     "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
-     12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53"},
+     12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
-     96 * GB, "NVIDIA/nvbandwidth issues #23 and #41"},
+     96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
@@ -134,10 +134,13 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   fmt_bytes(res, sizeof res, (double)t->resident_bytes);
   fprintf(f, "trace %s: %d layers, %u step(s) in the trace, %s resident\n", info->trace_path,
           t->layers, t->n_steps, res);
+  uint32_t w = rs[0].warmup < rs[0].steps ? rs[0].warmup : 0;
   fprintf(f, "link %s: H2D %.1f GB/s, D2H %.1f GB/s, %.1f us per copy, duplex H2D %.2f D2H %.2f; "
-             "%u steps replayed, per-step figures are the mean of steps 2..N\n\n",
+             "host RAM %.0f GB; %u steps replayed, per-step figures and peaks are the steady "
+             "state: steps %u..%u (--warmup %u)\n\n",
           hw->name, hw->link.h2d_bytes_per_s / GB, hw->link.d2h_bytes_per_s / GB,
-          hw->link.latency_us, hw->duplex_h2d, hw->duplex_d2h, rs[0].steps);
+          hw->link.latency_us, hw->duplex_h2d, hw->duplex_d2h, (double)rs[0].host_ram_bytes / GB,
+          rs[0].steps, w + 1, rs[0].steps, w);
   fprintf(f, "%-22s %11s %7s %11s %8s %10s %10s %10s %10s %10s %8s %7s %6s\n", "policy",
           "peak dev", "reduct", "step", "overhead", "stall", "D2H/step", "H2D/step",
           "host peak", "host rsv", "offload", "kept", "errors");
@@ -163,6 +166,18 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
             pk, red, st, ovh, sl, d2h, h2d, hp, hr, r->tensors_offloaded, r->tensors_kept,
             (unsigned long long)r->policy_errors);
   }
+  fprintf(f, "\nfirst step (warm-up: caches, learning policies, the pinned arena growing):");
+  for (int i = 0; i < n; i++) {
+    char st[32], pk[32], pin[32];
+    fmt_us(st, sizeof st, rs[i].first_step_us);
+    fmt_bytes(pk, sizeof pk, (double)rs[i].first_step_peak_device_bytes);
+    fmt_us(pin, sizeof pin, rs[i].pinned_alloc_us);
+    fprintf(f, "\n  %-22.22s %11s, peak %s%s%s", rs[i].label, st, pk,
+            rs[i].pinned_alloc_us > 0 ? "; steady steps pin host memory for " : "",
+            rs[i].pinned_alloc_us > 0 ? pin : "");
+  }
+  fputc('\n', f);
+  if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
   if (hw->device_bytes > 0) {
     fprintf(f, "\n%s has %.0f GB of device memory:", hw->name, hw->device_bytes / GB);
     for (int i = 0; i < n; i++)
@@ -214,6 +229,13 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "step_us_baseline", base->step_us);
   cJSON_AddNumberToObject(o, "step_overhead_pct", pct(r->step_us, base->step_us));
   cJSON_AddNumberToObject(o, "first_step_us", r->first_step_us);
+  cJSON_AddNumberToObject(o, "first_step_peak_device_bytes", (double)r->first_step_peak_device_bytes);
+  cJSON_AddNumberToObject(o, "warmup_steps", r->warmup);
+  cJSON_AddStringToObject(o, "compute_note", r->compute_note);
+  cJSON_AddNumberToObject(o, "gaps_from_flops", r->gaps_from_flops);
+  cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
+  cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
+  cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
   cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
   cJSON_AddNumberToObject(o, "reload_stall_us", r->stall_us);
   cJSON_AddNumberToObject(o, "host_wait_us", r->host_wait_us);

@@ -39,6 +39,7 @@ typedef struct reader {
   uint8_t *state; /* per tensor: TS_* */
   uint32_t cap_events, cap_tensors, cap_steps, cap_resident;
   int seen_header;
+  double flops; /* the current line's "flops", -1 if none */
   int in_step, in_backward;
   uint64_t step_number;
   uint32_t step_first;
@@ -105,7 +106,8 @@ static int add_event(reader *r, uint8_t type, uint32_t tensor, double gap) {
   if (util_grow((void **)&t->events, &r->cap_events, sizeof *t->events, t->n_events + 1, 256))
     return reader_fail(r, "out of memory");
   t->events[t->n_events++] =
-      (trace_ev){.type = type, .layer = -1, .tensor = tensor, .gap_us = gap};
+      (trace_ev){.type = type, .layer = -1, .tensor = tensor, .gap_us = gap, .flops = r->flops};
+  if (r->flops >= 0) t->n_flops++;
   return 0;
 }
 
@@ -284,6 +286,9 @@ static int parse_header(reader *r, const cJSON *o, const char *ev) {
   if (version != 1)
     return reader_fail(r, "trace format version %lld is newer than this reader (1)",
                        (long long)version);
+  const char *backend = NULL;
+  if ((rc = get_str(r, o, "backend", 0, &backend)) < 0) return rc;
+  if (backend) snprintf(r->t->backend, sizeof r->t->backend, "%s", backend);
   r->seen_header = 1;
   return 0;
 }
@@ -449,6 +454,16 @@ static int parse_object(reader *r, const cJSON *o) {
   if ((rc = get_str(r, o, "ev", 1, &ev))) return rc;
   if ((rc = get_time(r, o, &gap))) return rc;
   if (!r->seen_header) return parse_header(r, o, ev);
+  /* optional "flops": the floating-point work of the compute before this
+   * event (recorded traces) or of this compute event (synthesized) */
+  const cJSON *fl = cJSON_GetObjectItemCaseSensitive(o, "flops");
+  r->flops = -1;
+  if (fl) {
+    if (!cJSON_IsNumber(fl) || !isfinite(fl->valuedouble) || fl->valuedouble < 0 ||
+        fl->valuedouble > 1e21)
+      return reader_fail(r, "\"flops\" must be a number within [0, 1e21]");
+    r->flops = fl->valuedouble;
+  }
   return parse_event(r, o, ev, gap);
 }
 

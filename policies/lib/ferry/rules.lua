@@ -560,6 +560,98 @@ function R.budget(opts)
   }
 end
 
+-- Offload the largest tensors first until a host byte budget per rank is
+-- used, keeping the last `keep_last` layers on device (backward needs them
+-- first). The offloaded tensors of a step are all on the host at the end of
+-- the forward pass, so the budget bounds the sum of their bytes.
+-- How it decides: the first step offloads in pack order while the budget
+-- allows (it does not know the step's tensors yet). At its end the rule has
+-- seen every eligible site (module path + bytes + dtype + kind) and how many
+-- tensors each packed; it sorts the sites by tensor size, largest first
+-- (ties: packed first), and takes each whole site whose bytes still fit,
+-- skipping the ones that do not. From then on the answer depends on the site
+-- only, so the engine caches it (tensors with no module path are never
+-- cached). Sites new in a later step are taken while their bytes fit.
+--   opts.bytes     host budget per rank in bytes (required)
+--   opts.keep_last layers kept on device, counted from the last (default 0;
+--                  no effect while layer_count is unknown)
+function R.host_budget(opts)
+  if type(opts) ~= "table" then
+    fail("host_budget", "expected a table { bytes = n, keep_last = k }")
+  end
+  for k in pairs(opts) do
+    if k ~= "bytes" and k ~= "keep_last" then
+      fail("host_budget", "unknown option '" .. tostring(k) .. "' (known: bytes, keep_last)")
+    end
+  end
+  if opts.bytes == nil then fail("host_budget", "bytes is required") end
+  local cap = check_number("host_budget", "bytes", opts.bytes, 0, MAX_BYTES)
+  local keep_last = check_number("host_budget", "keep_last", opts.keep_last or 0, 0, 1e6, true)
+  -- learning: per site, first pack position, tensor size, tensor count
+  local learning, sites, nsites, pos = true, {}, 0, 0
+  local chosen = nil -- site key -> true (offload) / false (keep), after learning
+  local used, stepno = 0, nil -- bytes offloaded this step (learning and new sites)
+  local function key_of(t)
+    return t:path() .. "\0" .. tostring(tonumber(t.bytes)) .. "\0" .. tostring(t.dtype) ..
+      "\0" .. tostring(t.kind)
+  end
+  local function finish()
+    local list = {}
+    for k, s in pairs(sites) do list[#list + 1] = { key = k, first = s[1], size = s[2], n = s[3] } end
+    table.sort(list, function(a, b)
+      if a.size ~= b.size then return a.size > b.size end
+      return a.first < b.first
+    end)
+    chosen = {}
+    local left = cap
+    for _, s in ipairs(list) do
+      local total = s.size * s.n
+      if total <= left then
+        chosen[s.key] = true
+        left = left - total
+      else
+        chosen[s.key] = false
+      end
+    end
+    sites, learning, used = nil, false, cap - left
+  end
+  local r = rule {
+    name = "host_budget(bytes=" .. format("%.0f", cap) .. ", keep_last=" .. keep_last .. ")",
+    stage = 5, scope = "site", learned = true,
+    on_step = function(step)
+      if learning and nsites > 0 and stepno ~= nil and step ~= stepno then finish() end
+      stepno = step
+      if learning then used = 0 end
+    end,
+    test = function(t)
+      local count = t.layer_count
+      if count > 0 and t.layer >= count - keep_last then return false end
+      local b = tonumber(t.bytes)
+      local key = key_of(t)
+      if learning then
+        local s = sites[key]
+        if not s then
+          nsites, pos = nsites + 1, pos + 1
+          sites[key] = { pos, b, 1 }
+        else
+          s[3] = s[3] + 1
+        end
+        if used + b <= cap then used = used + b; return true end
+        return false
+      end
+      local c = chosen[key]
+      if c == nil then -- a site the first step did not have
+        c = used + b <= cap
+        if c then used = used + b end
+        chosen[key] = c
+      end
+      return c
+    end,
+  }
+  r.ready = function() return not learning end
+  return r
+end
+
 -- Engine knob: device buffers kept alive in the forward stash (torchtune's
 -- max_fwd_stash_size).
 function R.max_stash(n)
@@ -823,6 +915,7 @@ function R.policy(spec)
   -- flatten into arrays the decide loop indexes by number
   local tests, scopes, names = {}, {}, {}
   local nfilter, nguard, nselect = 0, 0, 0
+  local learned = {} -- selectors whose answer depends on the site once ready
   local on_steps = {}
   for s = 1, 5 do
     for _, r in ipairs(stages[s]) do
@@ -830,6 +923,7 @@ function R.policy(spec)
       tests[i], scopes[i], names[i] = r.test, r.scope, r
       if s <= 3 then nfilter = nfilter + 1
       elseif s == 4 then nguard = nguard + 1
+      elseif r.learned then learned[#learned + 1] = r
       else nselect = nselect + 1 end
       if r.on_step then on_steps[#on_steps + 1] = r.on_step end
     end
@@ -899,6 +993,7 @@ function R.policy(spec)
     nstep = #on_steps
   end
 
+  local nlearned = #learned
   local offload_cacheable = cache_allowed and nguard == 0 and nselect == 0
   local any_layer_scope, any_tensor_scope = false, false
   for i = 1, nfilter do
@@ -921,6 +1016,9 @@ function R.policy(spec)
       end
     end
     local stable = not learning and not (window and not freed)
+    for i = 1, nlearned do
+      if not learned[i].ready() then stable = false end
+    end
     for i = 1, ntest do
       if not tests[i](t, ctx) then
         if window and not freed then
@@ -928,7 +1026,7 @@ function R.policy(spec)
           if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
         end
         local cacheable = false
-        if i <= nfilter and cache_allowed and stable then
+        if (i <= nfilter or names[i].learned) and cache_allowed and stable then
           local scope = scopes[i]
           if scope == "site" then
             cacheable = true
@@ -949,7 +1047,7 @@ function R.policy(spec)
       end
     end
     local cacheable = offload_cacheable and stable
-    if cacheable and any_layer_scope then cacheable = t:path() ~= "" end
+    if cacheable and (any_layer_scope or nlearned > 0) then cacheable = t:path() ~= "" end
     last_rule = 0
     if window then
       return OFFLOAD, rmode, window_distance(tonumber(ctx.offloaded_this_step),

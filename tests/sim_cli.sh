@@ -1,0 +1,31 @@
+#!/bin/sh
+# sim_cli.sh FERRY — `ferry sim`'s own options end to end on the tiny model:
+# --fit writes a policy that replays and fits, an impossible target exits 4,
+# --warmup/--host-ram/--pinned/--mfu parse and reach the report.
+set -eu
+FERRY=$1
+D=$(mktemp -d)
+trap 'rm -rf "$D"' EXIT
+"$FERRY" trace synth --preset tiny -o "$D/t.jsonl" >/dev/null
+"$FERRY" sim --fit 50M --fit-host 8M --trace "$D/t.jsonl" --fit-out "$D/fit.lua" > "$D/fit.txt"
+grep -q '^best: HOST_BYTES = ' "$D/fit.txt"
+grep -q '^local HOST_BYTES = ' "$D/fit.lua"
+"$FERRY" sim --policy "$D/fit.lua" --trace "$D/t.jsonl" --steps 4 --warmup 2 --no-layers \
+  --json "$D/r.json" > "$D/check.txt"
+# the replayed policy's steady peak is within the 50M target
+peak=$(tr ',' '\n' < "$D/r.json" | grep -m1 '"peak_device_bytes":' | sed 's/.*://')
+[ "${peak%.*}" -le 52428800 ]
+rc=0
+"$FERRY" sim --fit 1K --trace "$D/t.jsonl" --fit-out "$D/none.lua" > "$D/none.txt" || rc=$?
+[ "$rc" = 4 ]
+grep -q 'nothing in the search space fits' "$D/none.txt"
+[ ! -e "$D/none.lua" ]
+"$FERRY" sim --policy default --trace "$D/t.jsonl" --no-layers --warmup 2 --steps 4 \
+  --host-ram 64G --pinned pool=off,alloc=1ms --mfu 0.5 --json "$D/o.json" > "$D/o.txt"
+grep -q 'host RAM 69 GB' "$D/o.txt"
+grep -q 'steps 3..4 (--warmup 2)' "$D/o.txt"
+grep -q '"pinned_alloc_us":' "$D/o.json"
+rc=0
+"$FERRY" sim --policy default --trace "$D/t.jsonl" --pinned pool=maybe 2>/dev/null || rc=$?
+[ "$rc" = 2 ]
+echo ok
