@@ -538,6 +538,8 @@ TEST(snapshot_error_write_fails_midway) {
     if (arena_in_use(f.e) != 0) _exit(__LINE__);
     if (stash_round_trip(f.e, 1 << 20, 7)) _exit(__LINE__);
     ferry_engine_destroy(f.e);
+    state_free(&st); /* the parent's, copied by fork: ours to free (valgrind) */
+    state_free(&prev);
     _exit(0);
   }
   int status = 0;
@@ -556,9 +558,11 @@ TEST(snapshot_error_write_fails_midway) {
   pid = fork();
   CHECK(pid >= 0);
   if (pid == 0) {
-    if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
+    if (unshare(CLONE_NEWNS) != 0 || mount("none", "/", "none", MS_REC | MS_PRIVATE, NULL) != 0 ||
         mount("tmpfs", dir, "tmpfs", 0, "size=6m") != 0) {
       printf("  ENOSPC case skipped: cannot mount a tmpfs here (%s)\n", strerror(errno));
+      state_free(&st);
+      state_free(&prev);
       _exit(0);
     }
     ferry_config cc = fixture_config(&f);
@@ -582,6 +586,9 @@ TEST(snapshot_error_write_fails_midway) {
     if (bad) _exit(__LINE__);
     if (stash_round_trip(f.e, 1 << 20, 6)) _exit(__LINE__);
     ferry_engine_destroy(f.e);
+    state_free(&small);
+    state_free(&st);
+    state_free(&prev);
     _exit(0);
   }
   CHECK(waitpid(pid, &status, 0) == pid);
