@@ -80,6 +80,77 @@ static char *find_default_policy(void) {
   return strdup(path);
 }
 
+/* ns per decision of p on sites never seen before (Lua runs each time). */
+static double uncached_ns(ferry_policy *p, ferry_tensor_desc *d, long iters) {
+  ferry_context ctx = {0};
+  ferry_decision out;
+  double t0 = bench_now_ns();
+  for (long i = 0; i < iters; i++) {
+    d[i % N_SITES].shape[0] = 2000000 + i;
+    ferry_policy_decide(p, &d[i % N_SITES], &ctx, &out);
+  }
+  return (bench_now_ns() - t0) / (double)iters;
+}
+
+/* ns per decision of p in steady state: the same sites every step, a step
+ * boundary every N_SITES decisions, after 4 steps of warm-up (a policy that
+ * learns in its first steps and then caches is measured on its cache; one
+ * that must ask Lua every step is measured on Lua). */
+static double steady_ns(ferry_policy *p, ferry_tensor_desc *d, long iters) {
+  ferry_context ctx = {0};
+  ferry_decision out;
+  uint64_t step = 0;
+  for (int w = 0; w < 4; w++) {
+    ctx.step = ++step;
+    ferry_policy_step_begin(p, step);
+    for (int i = 0; i < N_SITES; i++) ferry_policy_decide(p, &d[i], &ctx, &out);
+  }
+  double t0 = bench_now_ns();
+  for (long i = 0; i < iters; i++) {
+    if (i % N_SITES == 0) {
+      ctx.step = ++step;
+      ferry_policy_step_begin(p, step);
+    }
+    ferry_policy_decide(p, &d[i % N_SITES], &ctx, &out);
+  }
+  return (bench_now_ns() - t0) / (double)iters;
+}
+
+/* Every shipped policy, by name: decide_{uncached,steady}_ns_NAME and the
+ * slowest of each (decide_uncached_ns_max, decide_cached_ns_max). */
+static void bench_shipped_policies(bench_report *r) {
+  static const char *const names[] = {"default", "budget", "layers", "fraction", "ramcap",
+                                      "host_budget"};
+  double worst_uncached = 0, worst_steady = 0;
+  const char *slowest_uncached = "-", *slowest_steady = "-";
+  for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
+    char path[1024], err[512], metric[96];
+    ferry_policy *p = NULL;
+    if (ferry_policy_find(names[k], path, sizeof path, err, sizeof err) ||
+        ferry_policy_create(path, NULL, 0, &p, err, sizeof err)) {
+      fprintf(stderr, "bench_policy: %s: %s\n", names[k], err);
+      continue;
+    }
+    ferry_tensor_desc d[N_SITES];
+    bench_fill(d);
+    double steady = steady_ns(p, d, 400000);
+    double uncached = uncached_ns(p, d, 50000);
+    snprintf(metric, sizeof metric, "decide_uncached_ns_%s", names[k]);
+    bench_metric(r, metric, uncached, "ns", "new site every call");
+    snprintf(metric, sizeof metric, "decide_steady_ns_%s", names[k]);
+    bench_metric(r, metric, steady, "ns", "same sites, a step every 8 decisions");
+    if (uncached > worst_uncached) worst_uncached = uncached, slowest_uncached = names[k];
+    if (steady > worst_steady) worst_steady = steady, slowest_steady = names[k];
+    ferry_policy_destroy(p);
+  }
+  char note[128];
+  snprintf(note, sizeof note, "slowest shipped policy: %s; target <= 1000", slowest_uncached);
+  bench_metric(r, "decide_uncached_ns_max", worst_uncached, "ns", note);
+  snprintf(note, sizeof note, "slowest shipped policy in steady state: %s; target <= 50",
+           slowest_steady);
+  bench_metric(r, "decide_cached_ns_max", worst_steady, "ns", note);
+}
+
 void bench_policy(bench_report *r) {
   char err[512], note[256];
   char *path = find_default_policy();
@@ -136,4 +207,5 @@ void bench_policy(bench_report *r) {
     fprintf(stderr, "bench_policy: the policy faulted: %s\n", ferry_policy_last_error(p));
   ferry_policy_destroy(p);
   free(path);
+  bench_shipped_policies(r);
 }
