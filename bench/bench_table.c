@@ -8,5 +8,6 @@ const bench_entry bench_table[] = {
     {"policy", bench_policy},
     {"sim", bench_sim},
     {"snapshot", bench_snapshot},
+    {"prefetch", bench_prefetch},
 };
 const size_t bench_table_len = sizeof bench_table / sizeof bench_table[0];

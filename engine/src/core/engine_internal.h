@@ -96,6 +96,7 @@ struct ferry_engine {
   /* offloaded entries of this step in pack order, for prefetch */
   uint32_t *offload_order;
   uint32_t n_offloads, cap_offloads;
+  uint32_t prefetch_lo, prefetch_hi; /* offload positions looked at for prefetch this step */
 
   pending_free *pending;
   uint32_t n_pending, cap_pending;

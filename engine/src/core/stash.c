@@ -240,6 +240,7 @@ static void step_begin_locked(ferry_engine *e) {
   e->ctx.host_ram_used_pct = host_ram_used_pct(e);
   if (e->layer_counts) memset(e->layer_counts, 0, e->cap_layers * sizeof *e->layer_counts);
   e->n_offloads = 0;
+  e->prefetch_lo = e->prefetch_hi = 0;
   if (e->policy) ferry_policy_step_begin(e->policy, e->step);
   trace_event(e, "step_begin", 0);
 }
@@ -591,13 +592,35 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream) {
   return rc;
 }
 
-/* Start reloads of the offloaded entries packed just before entry idx. */
+/* Start reloads of the offloaded entries at positions [pos - distance, pos).
+ * Positions in [prefetch_lo, prefetch_hi) were looked at already this step
+ * and are skipped, so a position is looked at once: O(1) amortized per
+ * tensor whatever the distance (a layers policy asks for a whole layer).
+ * Recompute packs land above that range and are still looked at. An entry
+ * still in the forward stash when looked at is reloaded on use instead. */
 static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uint64_t step,
                            void *compute_stream) {
-  for (uint32_t k = 1; k <= distance && k <= pos; k++) {
-    uint32_t j = e->offload_order[pos - k];
+  uint32_t lo = distance < pos ? pos - distance : 0;
+  uint32_t seen_lo = e->prefetch_lo, seen_hi = e->prefetch_hi;
+  /* record the scan before reload drops the lock: grow the range it
+   * touches, or start a new one */
+  if (seen_lo < seen_hi && lo <= seen_hi && pos >= seen_lo) {
+    e->prefetch_lo = lo < seen_lo ? lo : seen_lo;
+    e->prefetch_hi = pos > seen_hi ? pos : seen_hi;
+  } else {
+    e->prefetch_lo = lo;
+    e->prefetch_hi = pos;
+  }
+  uint32_t q = pos;
+  while (q > lo) {
+    q--;
+    if (q >= seen_lo && q < seen_hi) {
+      q = seen_lo; /* below the range looked at before */
+      continue;
+    }
+    uint32_t j = e->offload_order[q];
     stash_entry *t = &e->entries[j];
-    if (t->state != ENTRY_OFFLOADED || t->step != step || t->offload_index != pos - k) continue;
+    if (t->state != ENTRY_OFFLOADED || t->step != step || t->offload_index != q) continue;
     if (reload(e, j, compute_stream) == FERRY_OK) e->stats.prefetches++;
     if (pos > e->n_offloads) return; /* the step ended meanwhile */
   }
