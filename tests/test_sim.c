@@ -903,15 +903,14 @@ TEST(sim_recorded_trace_flops_and_resident) {
   for (int i = 0; i < M; i++) {
     CHECK_OK(ferry_trace_flops(e, 1e12)); /* 1 TFLOP before each pack */
     bufs[i] = test_buffer_new(4096);
-    ferry_tensor_desc d = {0};
+    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
     d.bytes = 4096;
     d.dtype = FERRY_DTYPE_U8;
     d.ndim = 1;
     d.shape[0] = 4096;
     d.layer = i;
     d.layer_count = M;
-    CHECK_OK(ferry_pack(e, &d, bufs[i]->ptr, bufs[i], NULL, &hs[i]));
-    test_buffer_unref(bufs[i]);
+    CHECK_OK(ferry_pack(e, &d, bufs[i]->ptr, bufs[i], NULL, &hs[i])); /* the engine's now */
   }
   CHECK_OK(ferry_trace_flops(e, 2e12));
   CHECK_OK(ferry_backward_begin(e));
@@ -939,7 +938,9 @@ TEST(sim_recorded_trace_flops_and_resident) {
   CHECK_OK(sim_replay(t, &sc, &r, err, sizeof err));
   /* 6 TFLOP at 400 TFLOP/s = 15 ms, plus the gaps without FLOPs (tiny: a
    * few recorded microseconds) */
-  CHECK(r.step_us >= 15000 && r.step_us < 15000 + 5000);
+  CHECK(r.step_us >= 15000);
+  /* the recorded gaps are real time: tiny, except under valgrind */
+  CHECK(RUNNING_ON_VALGRIND || r.step_us < 15000 + 5000);
   CHECK_EQ(r.gaps_from_flops, M + 1);
   CHECK(strstr(r.compute_note, "FLOPs at 400 TFLOP/s") != NULL);
   CHECK_EQ(r.peak_device_bytes, 3000001 + M * 4096);
@@ -947,7 +948,7 @@ TEST(sim_recorded_trace_flops_and_resident) {
   /* no rate: the recording machine's times, said plainly */
   sc.tflops = 0;
   CHECK_OK(sim_replay(t, &sc, &r, err, sizeof err));
-  CHECK(r.step_us < 15000);
+  CHECK(RUNNING_ON_VALGRIND || r.step_us < 15000);
   CHECK_EQ(r.gaps_from_flops, 0);
   CHECK(strstr(r.compute_note, "recording machine's") != NULL);
   sim_result_free(&r);
