@@ -560,8 +560,8 @@ static const char *file_type(mode_t m) {
 static int resolve_target(ferry_engine *e, const char *path, char *out, size_t outlen) {
   struct stat st;
   if (lstat(path, &st) != 0) {
-    if (errno != ENOENT)
-      return start_fail(e, FERRY_EIO, "%s: %s", path, strerror(errno));
+    /* not there, or not reachable: creating the temporary file beside it
+     * fails the same way, and I/O errors are the handle's to report */
     snprintf(out, outlen, "%s", path);
     return FERRY_OK;
   }
