@@ -736,6 +736,7 @@ TEST(sim_host_ram_is_the_simulated_hosts) {
   CHECK_EQ(big.peak_device_bytes, again.peak_device_bytes);
   /* no size given: the documented default, not /proc/meminfo */
   c.host_ram_bytes = 0;
+  sim_result_free(&again);
   CHECK_OK(replay_tiny(&c, &again));
   CHECK_EQ(again.host_ram_bytes, SIM_DEFAULT_HOST_RAM);
   CHECK_EQ(again.bytes_d2h, big.bytes_d2h);
