@@ -13,7 +13,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from ferry.checkpoint import CheckpointIOError, describe  # noqa: E402
-from ferry.lightning import FerryCheckpointIO, FerryOffloadCallback, strategy_support  # noqa: E402
+from ferry.lightning import StagedCheckpointIO, StagedCheckpointCallback, strategy_support  # noqa: E402
 
 
 def load(path):
@@ -99,7 +99,7 @@ def ckpt_callback(tmp_path):
 def test_plugin_checkpoints_equal_torch_save_and_resume(tmp_path):
     torch.manual_seed(0)
     ref = TorchSaveAtSaveTime()
-    plugin = FerryCheckpointIO()
+    plugin = StagedCheckpointIO()
     t = trainer(tmp_path, 6, [ckpt_callback(tmp_path), ref], [plugin])
     t.fit(Net(), loader())
     assert plugin.saves == 2 and not plugin._pending  # teardown waited for both
@@ -117,7 +117,7 @@ def test_plugin_checkpoints_equal_torch_save_and_resume(tmp_path):
     for src in (tmp_path / "ckpt" / "step=3.ckpt", tmp_path / "ref.ckpt"):
         torch.manual_seed(1)
         m = Net()
-        t2 = trainer(tmp_path / "resume", 9, plugins=[FerryCheckpointIO()])
+        t2 = trainer(tmp_path / "resume", 9, plugins=[StagedCheckpointIO()])
         t2.fit(m, loader(), ckpt_path=str(src))
         assert t2.global_step == 9
         finals.append({k: v.clone() for k, v in m.state_dict().items()})
@@ -126,11 +126,11 @@ def test_plugin_checkpoints_equal_torch_save_and_resume(tmp_path):
 
 def test_callback_replaces_cpu_offload_callback(tmp_path, caplog):
     torch.manual_seed(0)
-    cb = FerryOffloadCallback()
+    cb = StagedCheckpointCallback()
     t = trainer(tmp_path, 3, [cb, ckpt_callback(tmp_path)])
     with caplog.at_level(logging.WARNING, logger="ferry.lightning"):
         t.fit(Net(tag=True), loader())
-    assert cb.enabled and isinstance(t.strategy.checkpoint_io, FerryCheckpointIO)
+    assert cb.enabled and isinstance(t.strategy.checkpoint_io, StagedCheckpointIO)
     assert cb.checkpoints == 1
     rep = cb.last_report
     assert rep["tensors"] > 0 and rep["skipped"] == [
@@ -147,7 +147,7 @@ def test_callback_replaces_cpu_offload_callback(tmp_path, caplog):
     assert got["optimizer_states"][0]["ferry_test_tag"] == Tag("note")
 
     # offload_keys narrowed: the optimizer state is copied at save time instead
-    cb2 = FerryOffloadCallback(offload_keys=["state_dict"])
+    cb2 = StagedCheckpointCallback(offload_keys=["state_dict"])
     trainer(tmp_path / "b", 3, [cb2, ckpt_callback(tmp_path / "b")]).fit(Net(), loader())
     got = load(tmp_path / "b" / "ckpt" / "step=3.ckpt")
     assert cb2.plugin.last_stats["staged_bytes"] == describe(got, keys=["state_dict"])["tensor_bytes"]
@@ -174,17 +174,17 @@ class TrainerOnGPUStandIn:
 def test_fsdp_strategy_left_alone():
     from lightning.pytorch.strategies import FSDPStrategy
 
-    cb = FerryOffloadCallback()
+    cb = StagedCheckpointCallback()
     t = TrainerOnGPUStandIn(FSDPStrategy())
     io_before = t.strategy.checkpoint_io
-    with pytest.warns(UserWarning, match="FerryOffloadCallback is disabled.*FSDP"):
+    with pytest.warns(UserWarning, match="StagedCheckpointCallback is disabled.*FSDP"):
         cb.setup(t, Net(), "fit")
     assert not cb.enabled and t.strategy.checkpoint_io is io_before
-    assert not isinstance(io_before, FerryCheckpointIO)
+    assert not isinstance(io_before, StagedCheckpointIO)
 
 
 def test_failed_write_raises_at_teardown(tmp_path):
-    plugin = FerryCheckpointIO()
+    plugin = StagedCheckpointIO()
     bad = tmp_path / "ro"
     bad.mkdir()
     os.chmod(bad, 0o500)
@@ -197,3 +197,81 @@ def test_failed_write_raises_at_teardown(tmp_path):
         {"w": torch.ones(3)}, target, distributed="all")
     with pytest.raises(CheckpointIOError, match=str(target)):
         plugin.teardown()
+
+
+# ---- ActivationOffload: activations offloaded in every training step ---------
+from conftest import GPT, gpt_batch, gpt_loss  # noqa: E402
+from ferry.lightning import ActivationOffload  # noqa: E402
+
+EVERYTHING = """
+local R = require "ferry.rules"
+return R.policy { name = "everything", R.min_bytes(0), R.exclude_params_and_buffers(),
+                  R.max_stash(0), reload = R.on_use() }
+"""
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(self, manual=False):
+        super().__init__()
+        self.gpt = GPT()
+        self.automatic_optimization = not manual
+        self.grads = []
+
+    def training_step(self, batch, i):
+        loss = gpt_loss(self.gpt, batch)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.grads.append([p.grad.clone() for p in self.gpt.parameters()])
+        opt.step()
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.automatic_optimization:
+            self.grads.append([p.grad.clone() for p in self.gpt.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def gpt_loader():
+    torch.manual_seed(3)
+    data = [gpt_batch() for _ in range(5)]
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_activation_offload_callback_trains_bit_identically(tmp_path, manual):
+    import ferry.torch as ft
+    policy = tmp_path / "everything.lua"
+    policy.write_text(EVERYTHING)
+    runs = []
+    for cb in (None, ActivationOffload(policy=str(policy), backend="host")):
+        torch.manual_seed(0)
+        m = GPTModule(manual)
+        logger = pl.loggers.CSVLogger(str(tmp_path / "logs"), name="with" if cb else "without")
+        t = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=logger,
+                       log_every_n_steps=1, enable_progress_bar=False,
+                       enable_model_summary=False, enable_checkpointing=False,
+                       default_root_dir=str(tmp_path), callbacks=[cb] if cb else [])
+        t.fit(m, gpt_loader())
+        runs.append((m, logger))
+    (plain, _), (mine, logger) = runs
+    assert len(plain.grads) == len(mine.grads) == 4
+    for step, (ga, gb) in enumerate(zip(plain.grads, mine.grads)):
+        for i, (x, y) in enumerate(zip(ga, gb)):
+            assert_same(x, y, f"step {step} grad {i}")
+    assert_same(plain.state_dict(), mine.state_dict(), "final weights")
+    s = ft.stats()
+    assert s["tensors_offloaded"] > 0 and s["bytes_h2d"] > 0, s
+    metrics = open(os.path.join(logger.log_dir, "metrics.csv")).read()
+    assert "ferry/bytes_d2h" in metrics.splitlines()[0] and "ferry/arena_peak" in metrics
+
+
+def test_old_names_still_work_with_a_warning():
+    import ferry.lightning as fl
+    with pytest.warns(DeprecationWarning, match="FerryCheckpointIO is now StagedCheckpointIO"):
+        assert fl.FerryCheckpointIO is fl.StagedCheckpointIO
+    with pytest.warns(DeprecationWarning, match="StagedCheckpointCallback"):
+        assert fl.FerryOffloadCallback is fl.StagedCheckpointCallback

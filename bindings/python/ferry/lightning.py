@@ -1,16 +1,22 @@
-"""ferry.lightning — checkpoint staging for PyTorch Lightning (pip `lightning`).
+"""ferry.lightning — ferry for PyTorch Lightning (pip `lightning`).
 
-    from ferry.lightning import FerryCheckpointIO, FerryOffloadCallback
-    trainer = Trainer(plugins=[FerryCheckpointIO()])          # the plugin alone
-    trainer = Trainer(callbacks=[FerryOffloadCallback(), ModelCheckpoint(...)])
+    from ferry.lightning import ActivationOffload, StagedCheckpointIO, StagedCheckpointCallback
+    trainer = Trainer(callbacks=[ActivationOffload(policy="budget")])  # activations
+    trainer = Trainer(plugins=[StagedCheckpointIO()])                  # checkpoints
+    trainer = Trainer(callbacks=[StagedCheckpointCallback(), ModelCheckpoint(...)])
 
-FerryCheckpointIO saves with ferry.torch.snapshot: the checkpoint's tensors
+ActivationOffload offloads what every training step saves for backward
+(ferry.torch.offload around the batch: forward, backward and the optimizer
+step, automatic and manual optimization alike) and logs ferry's figures of
+each step through the Trainer's loggers under "ferry/".
+
+StagedCheckpointIO saves with ferry.torch.snapshot: the checkpoint's tensors
 are staged through ferry's pinned arena while training goes on and written
 by a writer thread, in place of AsyncCheckpointIO's clone of every tensor
 on the device (no device memory is added) and of a synchronous torch.save.
 The file is the one torch.save writes; loading is TorchCheckpointIO's.
 
-FerryOffloadCallback replaces CPUOffloadCallback: the same offload_keys
+StagedCheckpointCallback replaces CPUOffloadCallback: the same offload_keys
 (the checkpoint's top-level keys whose tensors are staged; the others are
 copied when the save starts), rank 0 only under DDP, a report of the
 objects that are not tensors, and strategy checks: FSDP, DeepSpeed, XLA and
@@ -28,18 +34,20 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .checkpoint import CheckpointError, describe, snapshot
+from .torch import offload, stats
 
-__all__ = ["FerryCheckpointIO", "FerryOffloadCallback", "strategy_support"]
+__all__ = ["ActivationOffload", "StagedCheckpointIO", "StagedCheckpointCallback",
+           "strategy_support"]
 
 log = logging.getLogger("ferry.lightning")
 
 DEFAULT_OFFLOAD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 
 
-class FerryCheckpointIO(TorchCheckpointIO):
+class StagedCheckpointIO(TorchCheckpointIO):
     """A CheckpointIO that stages checkpoints through ferry.
 
-    FerryCheckpointIO(policy=None, keys=None, host_cap=None, backend=None,
+    StagedCheckpointIO(policy=None, keys=None, host_cap=None, backend=None,
                       **knobs)
 
     policy: the policy file whose snapshot(e) decides per tensor (default
@@ -50,7 +58,7 @@ class FerryCheckpointIO(TorchCheckpointIO):
     save_checkpoint returns at once. The snapshot is fenced before the next
     optimizer step and before the next training forward of a module that
     owns buffers (the optimizers and the LightningModule given by
-    FerryOffloadCallback, else torch's global hooks). A failed write raises
+    StagedCheckpointCallback, else torch's global hooks). A failed write raises
     CheckpointError at the next save, load, remove or teardown. Saving to a
     path still being written waits for it first.
     """
@@ -62,9 +70,9 @@ class FerryCheckpointIO(TorchCheckpointIO):
         self.host_cap = host_cap
         self.backend = backend
         self.knobs = knobs
-        self.optimizers = []  # set by FerryOffloadCallback
+        self.optimizers = []  # set by StagedCheckpointCallback
         self.modules = []
-        self.reporter = None  # FerryOffloadCallback's report, on the final checkpoint dict
+        self.reporter = None  # StagedCheckpointCallback's report, on the final checkpoint dict
         self._pending = {}  # path -> Snapshot
         self.last_stats = None
         self.saves = 0
@@ -85,7 +93,7 @@ class FerryCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         if storage_options is not None:
-            raise TypeError("FerryCheckpointIO.save_checkpoint does not take storage_options "
+            raise TypeError("StagedCheckpointIO.save_checkpoint does not take storage_options "
                             f"(got {storage_options!r})")
         self._check_failures()
         path = os.fspath(path)
@@ -151,15 +159,15 @@ def strategy_support(strategy):
                    f"{', '.join(_SUPPORTED)})")
 
 
-class FerryOffloadCallback(Callback):
+class StagedCheckpointCallback(Callback):
     """Stage Lightning checkpoints through ferry (replaces CPUOffloadCallback).
 
-    FerryOffloadCallback(offload_keys=("state_dict", "optimizer_states",
+    StagedCheckpointCallback(offload_keys=("state_dict", "optimizer_states",
                          "lr_schedulers"), log_skipped=False, policy=None,
                          host_cap=None, **knobs)
 
     At setup it checks the strategy and, when supported, puts a
-    FerryCheckpointIO on it (unless one is there), staging the tensors under
+    StagedCheckpointIO on it (unless one is there), staging the tensors under
     offload_keys; tensors under other keys are copied when the save starts.
     Each save (global rank 0) counts the tensors and reports the objects
     that are not tensors or plain values (first and last 10, or all with
@@ -187,22 +195,22 @@ class FerryOffloadCallback(Callback):
         self.enabled = ok
         if not ok:
             self.disabled_reason = reason
-            rank_zero_warn(f"FerryOffloadCallback is disabled for this run: {reason}; "
+            rank_zero_warn(f"StagedCheckpointCallback is disabled for this run: {reason}; "
                            "checkpoints are saved by the strategy's own checkpointing.")
             return
         io = trainer.strategy.checkpoint_io
-        if isinstance(io, FerryCheckpointIO):
+        if isinstance(io, StagedCheckpointIO):
             self.plugin = io
         elif type(io) is TorchCheckpointIO:
-            self.plugin = FerryCheckpointIO(policy=self.policy, keys=self.offload_keys,
+            self.plugin = StagedCheckpointIO(policy=self.policy, keys=self.offload_keys,
                                             host_cap=self.host_cap, **self.knobs)
             trainer.strategy.checkpoint_io = self.plugin
         else:
             self.enabled = False
             self.disabled_reason = (f"the strategy already has the checkpoint plugin "
                                     f"{type(io).__name__}")
-            rank_zero_warn(f"FerryOffloadCallback is disabled: {self.disabled_reason}; pass "
-                           "ferry.lightning.FerryCheckpointIO as the plugin instead.")
+            rank_zero_warn(f"StagedCheckpointCallback is disabled: {self.disabled_reason}; pass "
+                           "ferry.lightning.StagedCheckpointIO as the plugin instead.")
             return
         if self.plugin.keys is None:
             self.plugin.keys = self.offload_keys
@@ -241,3 +249,72 @@ class FerryOffloadCallback(Callback):
     def teardown(self, trainer, pl_module, stage):
         if self.enabled and self.plugin is not None:
             self.plugin.wait()
+
+
+# figures logged per step: counters as the step's increase, levels as they are
+_STEP_COUNTERS = ("tensors_offloaded", "tensors_kept", "bytes_d2h", "bytes_h2d", "stash_hits",
+                  "cap_fallbacks", "policy_errors")
+_LEVELS = ("arena_in_use", "arena_peak")
+
+
+class ActivationOffload(Callback):
+    """Offload the activations of every training step through ferry.
+
+    ActivationOffload(policy=None, backend=None, log_stats=True, **knobs)
+
+    policy, backend and knobs are ferry.torch.offload's. Each training batch
+    runs inside ``ferry.torch.offload(pl_module, ...)``, from
+    on_train_batch_start to on_train_batch_end, so what the forward saves is
+    offloaded and backward (Lightning's, or ``manual_backward`` in a
+    training_step) brings it back. With log_stats, the step's figures are
+    logged as "ferry/<name>" (offloaded and kept tensors, bytes each way,
+    stash hits, cap fallbacks, policy errors, arena in use and peak)."""
+
+    def __init__(self, policy=None, backend=None, log_stats=True, **knobs):
+        super().__init__()
+        self.policy = policy
+        self.backend = backend
+        self.log_stats = log_stats
+        self.knobs = knobs
+        self._ctx = None
+        self._last = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._leave()
+        self._ctx = offload(pl_module, policy=self.policy, backend=self.backend, **self.knobs)
+        self._ctx.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._leave()
+        if self.log_stats:
+            s = stats()
+            last = self._last or {k: 0 for k in _STEP_COUNTERS}
+            logged = {f"ferry/{k}": float(s[k] - last[k]) for k in _STEP_COUNTERS}
+            logged.update({f"ferry/{k}": float(s[k]) for k in _LEVELS})
+            self._last = {k: s[k] for k in _STEP_COUNTERS}
+            pl_module.log_dict(logged, on_step=True, on_epoch=False)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._leave()
+
+    def teardown(self, trainer, pl_module, stage):
+        self._leave()
+
+    def _leave(self):
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+
+
+_RENAMED = {"FerryCheckpointIO": "StagedCheckpointIO",
+            "FerryOffloadCallback": "StagedCheckpointCallback"}
+
+
+def __getattr__(name):
+    """The old names, deprecated: they staged checkpoints only."""
+    if name in _RENAMED:
+        import warnings
+        warnings.warn(f"ferry.lightning.{name} is now {_RENAMED[name]}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
