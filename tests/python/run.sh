@@ -56,7 +56,7 @@ else
   venv_out=$(.ci/python-env)
   rc=$?
   if [ $rc -eq 0 ]; then
-    FERRY_REQUIRE_MODULES="torch torchvision transformers lightning numpy" \
+    FERRY_REQUIRE_MODULES="torch torchvision transformers accelerate lightning numpy" \
       run_with "$(printf '%s\n' "$venv_out" | tail -1)" "torch 2.x venv" "$@"
   else
     skipped+=("torch 2.x venv: .ci/python-env failed with exit $rc (PyPI unreachable or pip failed; see above): torch 2.x, transformers and torch.compile tests were NOT run")
