@@ -25,6 +25,7 @@ FERRY_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments win).
 import hashlib
 import os
 import tempfile
+import warnings
 import weakref
 
 import torch
@@ -43,6 +44,40 @@ from .checkpoint import CheckpointError, Snapshot, snapshot
 __all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_sites", "snapshot",
            "Snapshot", "CheckpointError", "offload_optimizer", "OptimizerOffload",
            "offload_weights", "WeightOffload", "OffloadActivations", "NoOffload"]
+
+def _is_compiled(m):
+    """A torch.compile'd module (dynamo's OptimizedModule wrapper)."""
+    return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
+
+
+def _compiled_in_place(m):
+    """A module compiled by its own .compile() (torchtune's way)."""
+    return getattr(m, "_compiled_call_impl", None) is not None
+
+
+def _uncompiled(m):
+    """The module a torch.compile'd module wraps (m itself otherwise)."""
+    while _is_compiled(m):
+        m = m._orig_mod
+    return m
+
+
+def _named_sites(model):
+    """model.named_modules() as the hooks can see them: a compiled module is
+    one site, under its own path, with its wrapped module's class; the
+    modules inside it are left out, because a Python hook inside a compiled
+    region breaks the graph, and the tensors its graph saves reach the
+    saved-tensor hooks together at the end of its forward anyway."""
+    inside = []
+    for path, m in model.named_modules():
+        if any(path.startswith(p) for p in inside):
+            continue
+        if _is_compiled(m) or _compiled_in_place(m):
+            inside.append(path + "." if path else "")
+            yield path, m, type(_uncompiled(m)).__name__
+        else:
+            yield path, m, type(m).__name__
+
 
 # ---- configuration --------------------------------------------------------
 def _resolve_backend(backend, model):
@@ -84,14 +119,15 @@ def _find_blocks(model):
     all have one class, with the most parameters (ties: most children).
     Returns (container path, {child name: index}) or (None, {})."""
     best = None
-    for path, m in model.named_modules():
+    for path, m, _ in _named_sites(model):
         if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         kids = list(m.named_children())
         if len(kids) < 2:
             continue
-        cls = type(kids[0][1])
-        if cls in (torch.nn.ModuleList, torch.nn.Sequential) or any(type(k) is not cls for _, k in kids):
+        cls = type(_uncompiled(kids[0][1]))
+        if cls in (torch.nn.ModuleList, torch.nn.Sequential) or \
+                any(type(_uncompiled(k)) is not cls for _, k in kids):
             continue
         nparams = sum(p.numel() for p in m.parameters())
         score = (nparams, len(kids))
@@ -104,16 +140,17 @@ def _find_blocks(model):
 
 def model_sites(model):
     """[(module, path, class, layer, layer_count)] for every module of model,
-    as the policy will see them."""
+    as the policy will see them. Inside a torch.compile'd module there are
+    no sites (see _named_sites): its tensors carry its own path and layer."""
     cpath, blocks = _find_blocks(model)
     count = len(blocks)
     prefix = (cpath + ".") if cpath else ""
     out = []
-    for path, m in model.named_modules():
+    for path, m, cls in _named_sites(model):
         layer = -1
         if cpath is not None and path.startswith(prefix) and len(path) > len(prefix):
             layer = blocks.get(path[len(prefix):].split(".", 1)[0], -1)
-        out.append((m, path, type(m).__name__, layer, count if cpath is not None else 0))
+        out.append((m, path, cls, layer, count if cpath is not None else 0))
     return out
 
 
@@ -191,11 +228,12 @@ class offload:
             raise ValueError(f"ferry.torch.offload: steps={steps!r} is not 'auto' or 'manual'")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"ferry.torch.offload: model must be a torch.nn.Module, not {type(model).__name__}")
-        if model is not None and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-            raise NotImplementedError(
-                "ferry.torch.offload does not take a torch.compile'd module: compiled graphs save "
-                "tensors in their own autograd functions, which ferry cannot attribute to modules. "
-                "Pass the uncompiled model (model._orig_mod) or compile only submodules inside it.")
+        if _is_compiled(model) and _find_blocks(_uncompiled(model))[0] is not None:
+            warnings.warn(
+                "ferry.torch.offload: the model is torch.compile'd as a whole, so its saved tensors "
+                "reach ferry without a module path or layer (layer -1) and layer rules cannot apply; "
+                "compile each block instead (for block in model.layers: block.compile()), as "
+                "torchtitan does, to keep per-layer decisions", stacklevel=2)
         self.model = model
         self.steps = steps
         self.policy_path = _pkg.policy_path(policy or os.environ.get("FERRY_POLICY") or "default")
