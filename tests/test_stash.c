@@ -965,3 +965,46 @@ TEST(stash_fwd_bound_in_bytes) {
   ferry_engine_destroy(f.e);
   return 0;
 }
+
+/* Knobs the caller fixed win over the policy's; a policy setting one to
+ * another value is reported as overruled, the same value is no conflict. */
+TEST(stash_fixed_knobs_win_over_the_policy) {
+  static const char *policy =
+      "return { api = 1, knobs = { max_fwd_stash = 0, prefetch_distance = 2,"
+      " min_offload_bytes = 4096 }, decide = function(t, ctx) return ferry.OFFLOAD end }";
+  fixture f;
+  ferry_config c = fixture_config(&f, 1);
+  c.max_fwd_stash = 7;
+  c.prefetch_distance = 2;
+  c.knobs_fixed = FERRY_KNOB_MAX_FWD_STASH | FERRY_KNOB_PREFETCH_DISTANCE;
+  CHECK_OK(fixture_open(&f, &c));
+  CHECK_OK(ferry_set_policy(f.e, NULL, policy, 0));
+  ferry_knobs k;
+  CHECK_OK(ferry_get_knobs(f.e, &k, sizeof k));
+  CHECK_EQ(k.max_fwd_stash, 7);             /* fixed: the config's */
+  CHECK_EQ(k.prefetch_distance, 2);         /* fixed, same value */
+  CHECK_EQ(k.min_offload_bytes, 4096);      /* not fixed: the policy's */
+  CHECK_EQ(k.overruled, FERRY_KNOB_MAX_FWD_STASH);
+  /* the stash really holds 7: none of 7 packed tensors is released */
+  enum { SZ = 1 << 16 };
+  ferry_handle hs[7];
+  uint64_t sums[7];
+  for (int i = 0; i < 7; i++) CHECK((hs[i] = pack_new(&f, SZ, (uint64_t)i, &sums[i])));
+  CHECK_EQ(atomic_load(&f.dev.releases), 0);
+  for (int i = 6; i >= 0; i--)
+    if (unpack_check(&f, hs[i], SZ, sums[i])) return 1;
+  CHECK_OK(ferry_step_end(f.e));
+  /* a policy without knobs: nothing overruled any more */
+  CHECK_OK(ferry_set_policy(f.e, NULL, "return { api = 1, decide = function() end }", 0));
+  CHECK_OK(ferry_get_knobs(f.e, &k, sizeof k));
+  CHECK_EQ(k.overruled, 0);
+  CHECK_EQ(k.max_fwd_stash, 7);
+  ferry_engine_destroy(f.e);
+  /* unknown bits are refused, naming the field */
+  c.knobs_fixed = 0x100;
+  char err[256] = "";
+  ferry_engine *e = NULL;
+  CHECK_EQ(ferry_engine_create(&c, &e, err, sizeof err), FERRY_EINVAL);
+  CHECK(strstr(err, "config.knobs_fixed") != NULL);
+  return 0;
+}

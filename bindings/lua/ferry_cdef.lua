@@ -109,6 +109,8 @@ ferry_host_ram_fn host_ram;
 void *host_ram_ud;
 int32_t release_when_copied;
 int32_t prefetch_at_backward_begin;
+uint32_t knobs_fixed;
+uint32_t reserved2;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {
@@ -151,6 +153,8 @@ uint32_t max_fwd_stash;
 uint32_t prefetch_distance;
 uint64_t min_offload_bytes;
 uint64_t max_fwd_stash_bytes;
+uint32_t overruled;
+uint32_t reserved;
 }ferry_knobs;
 int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size);
 typedef struct ferry_snapshot ferry_snapshot;

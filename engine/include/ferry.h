@@ -297,6 +297,11 @@ typedef struct ferry_config {
    * last offloaded tensors, up to their prefetch distance) when the policy
    * asked for prefetching, instead of at the first unpack */
   int32_t prefetch_at_backward_begin;
+  /* FERRY_KNOB_* bits: knobs the caller set on purpose, whose config value
+   * wins over the policy's (a trainer's keyword argument over the policy
+   * file's knob); ferry_get_knobs reports the conflicts in `overruled` */
+  uint32_t knobs_fixed;
+  uint32_t reserved2;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \
@@ -427,12 +432,20 @@ FERRY_API int ferry_policy_find(const char *name, char *path, size_t pathlen, ch
  * "file:line: message", or "" if none. */
 FERRY_API const char *ferry_last_policy_error(ferry_engine *e);
 
-/* The knobs in force: the config's, overridden by the policy's. */
+/* The knobs in force: the config's, overridden by the policy's, except
+ * those in config.knobs_fixed. */
+#define FERRY_KNOB_MAX_FWD_STASH 0x1u
+#define FERRY_KNOB_PREFETCH_DISTANCE 0x2u
+#define FERRY_KNOB_MIN_OFFLOAD_BYTES 0x4u
+#define FERRY_KNOB_MAX_FWD_STASH_BYTES 0x8u
 typedef struct ferry_knobs {
   uint32_t max_fwd_stash;
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
   uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
+  uint32_t overruled; /* FERRY_KNOB_* the policy sets to another value than
+                         the config's fixed one (the config's won) */
+  uint32_t reserved;
 } ferry_knobs;
 /* The first ferry_knobs (without max_fwd_stash_bytes); a smaller size is refused. */
 #define FERRY_KNOBS_SIZE_V1 16

@@ -65,7 +65,9 @@ class Config(ctypes.Structure):
                 ("max_fwd_stash_bytes", ctypes.c_uint64), ("faults", ctypes.c_char_p),
                 ("host_ram", ctypes.c_void_p), ("host_ram_ud", ctypes.c_void_p),
                 ("release_when_copied", ctypes.c_int32),
-                ("prefetch_at_backward_begin", ctypes.c_int32)]
+                ("prefetch_at_backward_begin", ctypes.c_int32),
+                ("knobs_fixed", ctypes.c_uint32),
+                ("reserved2", ctypes.c_uint32)]
 
 
 def jemalloc_mapped():

@@ -160,10 +160,12 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"backend", "policy_path", "policy_source", "trace_path",
                            "host_cap_bytes", "host_cap_pct", "min_offload_bytes",
                            "max_fwd_stash", "prefetch_distance", "link", "arena",
-                           "device", "policy_trusted", "node_cap", "fast_keep", NULL};
+                           "device", "policy_trusted", "node_cap", "fast_keep",
+                           "max_fwd_stash_bytes", "knobs_fixed", NULL};
   const char *backend = "host", *policy_path = NULL, *policy_source = NULL, *trace_path = NULL,
              *arena = "auto";
-  unsigned long long cap_bytes = 0, min_bytes = 1024;
+  unsigned long long cap_bytes = 0, min_bytes = 1024, stash_bytes = 0;
+  unsigned int knobs_fixed = 0;
   double cap_pct = 0;
   unsigned int max_stash = 4, prefetch = 2;
   PyObject *link = Py_None, *node_cap = Py_None;
@@ -172,10 +174,10 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOp", kwlist, &backend, &policy_path,
-                                   &policy_source, &trace_path, &cap_bytes, &cap_pct, &min_bytes,
-                                   &max_stash, &prefetch, &link, &arena, &device, &trusted,
-                                   &node_cap, &fast_keep))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOpKI", kwlist, &backend,
+                                   &policy_path, &policy_source, &trace_path, &cap_bytes, &cap_pct,
+                                   &min_bytes, &max_stash, &prefetch, &link, &arena, &device,
+                                   &trusted, &node_cap, &fast_keep, &stash_bytes, &knobs_fixed))
     return -1;
   ferry_config cfg;
   ferry_config_init(&cfg);
@@ -186,6 +188,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.min_offload_bytes = min_bytes;
   cfg.max_fwd_stash = max_stash;
   cfg.prefetch_distance = prefetch;
+  cfg.max_fwd_stash_bytes = stash_bytes;
+  cfg.knobs_fixed = knobs_fixed;
   cfg.device_alloc = cb_device_alloc;
   cfg.release = cb_release;
   cfg.retain = cb_retain;
@@ -460,6 +464,32 @@ static PyObject *engine_info(EngineObject *self, PyObject *unused) {
                        (unsigned long long)self->min_bytes, "fast_keep", self->fast_keep);
 }
 
+/* The knobs in force, and the names of those a policy set but the caller's
+ * fixed value overruled (config.knobs_fixed). */
+static PyObject *engine_knobs(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  ferry_knobs k;
+  int rc = ferry_get_knobs(self->e, &k, sizeof k);
+  if (rc) return raise_ferry(rc, ferry_last_error(self->e));
+  PyObject *over = PyList_New(0);
+  static const struct { uint32_t bit; const char *name; } names[] = {
+      {FERRY_KNOB_MAX_FWD_STASH, "max_fwd_stash"},
+      {FERRY_KNOB_PREFETCH_DISTANCE, "prefetch_distance"},
+      {FERRY_KNOB_MIN_OFFLOAD_BYTES, "min_offload_bytes"},
+      {FERRY_KNOB_MAX_FWD_STASH_BYTES, "max_fwd_stash_bytes"}};
+  for (size_t i = 0; over && i < sizeof names / sizeof names[0]; i++) {
+    if (!(k.overruled & names[i].bit)) continue;
+    PyObject *n = PyUnicode_FromString(names[i].name);
+    if (!n || PyList_Append(over, n)) Py_CLEAR(over);
+    Py_XDECREF(n);
+  }
+  if (!over) return NULL;
+  return Py_BuildValue("{sIsIsKsKsN}", "max_fwd_stash", k.max_fwd_stash, "prefetch_distance",
+                       k.prefetch_distance, "min_offload_bytes",
+                       (unsigned long long)k.min_offload_bytes, "max_fwd_stash_bytes",
+                       (unsigned long long)k.max_fwd_stash_bytes, "overruled", over);
+}
+
 static PyObject *engine_get_closed(EngineObject *self, void *unused) {
   return PyBool_FromLong(self->e == NULL);
 }
@@ -518,6 +548,8 @@ static PyMethodDef engine_methods[] = {
     {"site_hooks", (PyCFunction)engine_site_hooks, METH_O,
      "site_hooks(index) -> (pre_hook, post_hook) for one module."},
     {"info", (PyCFunction)engine_info, METH_NOARGS, NULL},
+    {"knobs", (PyCFunction)engine_knobs, METH_NOARGS,
+     "The knobs in force, with 'overruled': those the policy lost to knobs_fixed."},
     {"snapshot", (PyCFunction)engine_snapshot, METH_VARARGS,
      "snapshot(path, records) -> Snapshot: start a checkpoint snapshot (ferry_snapshot_start). "
      "records: (name, bytes-like) for host bytes copied now, or (name, data_ptr, nbytes, owner, "

@@ -16,7 +16,8 @@ from . import _ferry
 from ._ferry import Engine, FerryError, NodeCap
 
 __version__ = _ferry.__version__
-__all__ = ["info", "policy_path", "policy_dirs", "Engine", "FerryError", "NodeCap", "torch"]
+__all__ = ["info", "policy_path", "policy_dirs", "policy", "Policy", "Engine", "FerryError", "NodeCap",
+           "torch"]
 
 _JEMALLOC_NAMES = ("libjemalloc.so", "libjemalloc.so.2")
 
@@ -63,10 +64,12 @@ def policy_dirs():
 def policy_path(policy):
     """Resolve a policy name ("default", "layers") or a path to a Lua file.
 
-    A name is looked up as <dir>/<name>.lua in policy_dirs(). Raises
+    A name is looked up as <dir>/<name>.lua in policy_dirs(); a Policy
+    (ferry.policy(...), ferry.Policy.from_source(...)) is its file. Raises
     FileNotFoundError naming what was tried, or ValueError for a bad name."""
     if not isinstance(policy, (str, _os.PathLike)):
-        raise TypeError(f"ferry: policy must be a name or a path, not {type(policy).__name__}")
+        raise TypeError(f"ferry: policy must be a name, a path or a ferry.Policy, "
+                        f"not {type(policy).__name__}")
     policy = _os.fspath(policy)
     if not policy:
         raise ValueError("ferry: empty policy name")
@@ -104,6 +107,9 @@ if "FERRY_POLICY_LIBDIR" not in _os.environ:
     _here = _os.path.dirname(_os.path.abspath(__file__))
     if _os.path.isdir(_os.path.join(_here, "policies", "lib")):
         _os.environ["FERRY_POLICY_LIBDIR"] = _os.path.join(_here, "policies", "lib")
+
+
+from ._policy import Policy, policy  # noqa: E402
 
 
 def __getattr__(name):

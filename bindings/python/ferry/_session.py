@@ -11,8 +11,20 @@ import weakref
 from . import _ferry
 from ._ferry import FerryError
 
-ENGINE_KNOBS = {"min_offload_bytes", "max_fwd_stash", "prefetch_distance", "link", "arena",
-                 "policy_trusted", "fast_keep"}
+ENGINE_KNOBS = {"min_offload_bytes", "max_fwd_stash", "max_fwd_stash_bytes", "prefetch_distance",
+                "link", "arena", "policy_trusted", "fast_keep"}
+# The knobs a policy can set too (ferry_knobs): given as keywords they win
+# over the policy's (config.knobs_fixed), with one warning on a conflict.
+POLICY_KNOB_BITS = {"max_fwd_stash": 0x1, "prefetch_distance": 0x2, "min_offload_bytes": 0x4,
+                    "max_fwd_stash_bytes": 0x8}
+
+
+def fixed_knobs(knobs):
+    """config.knobs_fixed for the policy knobs given explicitly."""
+    mask = 0
+    for k in knobs:
+        mask |= POLICY_KNOB_BITS.get(k, 0)
+    return mask
 
 sessions = {}  # configuration key -> Session
 current = None  # Session of the offload context entered last
@@ -65,6 +77,8 @@ class Session:
         self.policy_errors_seen = 0
         self.warned_policy = False
         self.warned_live = False
+        self.warned_knobs = set()
+        self.check_knobs()
 
     def set_policy(self, policy_path):
         if policy_path == self.policy_path:
@@ -73,6 +87,18 @@ class Session:
             self.end_step()
         self.engine.set_policy(path=policy_path)  # FerryError with file:line on failure
         self.policy_path = policy_path
+        self.check_knobs()
+
+    def check_knobs(self):
+        """One warning per policy and knob where a keyword argument overrules
+        the policy's own value."""
+        k = self.engine.knobs()
+        new = [n for n in k["overruled"] if (self.policy_path, n) not in self.warned_knobs]
+        if new:
+            self.warned_knobs.update((self.policy_path, n) for n in new)
+            warnings.warn("ferry: keyword argument(s) " + ", ".join(f"{n}={k[n]}" for n in new) +
+                          f" overrule policy {self.policy_path}'s own value (keyword arguments "
+                          "win over a policy's knobs)", UserWarning, stacklevel=4)
 
     def begin_step(self):
         if self.engine.in_step:

@@ -236,7 +236,10 @@ class offload:
                 "torchtitan does, to keep per-layer decisions", stacklevel=2)
         self.model = model
         self.steps = steps
-        self.policy_path = _pkg.policy_path(policy or os.environ.get("FERRY_POLICY") or "default")
+        # No policy named: the session's (ferry.torch.set_policy's) stays in
+        # force; a new session starts with $FERRY_POLICY or "default".
+        self.policy_path = _pkg.policy_path(policy) if policy else None
+        initial = self.policy_path or _pkg.policy_path(os.environ.get("FERRY_POLICY") or "default")
         backend, device = _resolve_backend(backend, model)
         if record_trace is None:
             record_trace = os.environ.get("FERRY_TRACE") or None
@@ -244,6 +247,8 @@ class offload:
                                         else os.environ.get("FERRY_HOST_CAP") or None, "host_cap")
         cfg = dict(knobs, backend=backend, device=device, host_cap_bytes=cap_bytes,
                    host_cap_pct=cap_pct)
+        if _sessmod.fixed_knobs(knobs):
+            cfg["knobs_fixed"] = _sessmod.fixed_knobs(knobs)
         if record_trace:
             cfg["trace_path"] = os.path.abspath(os.fspath(record_trace))
         if "link" in cfg and cfg["link"] is not None:
@@ -258,7 +263,7 @@ class offload:
                 nb = int(total * npct / 100)
             node_spec = (node_cap_name or os.environ.get("FERRY_NODE_CAP_NAME")
                          or _default_node_cap_name(), nb)
-        self.session = _session_for(self.policy_path, cfg, node_spec)
+        self.session = _session_for(initial, cfg, node_spec)
         self._ctx = None
         self._handles = ()
 
@@ -268,7 +273,8 @@ class offload:
 
     def __enter__(self):
         s = self.session
-        s.set_policy(self.policy_path)
+        if self.policy_path:
+            s.set_policy(self.policy_path)
         if self.steps == "auto":
             s.begin_step()
         elif not s.engine.in_step:

@@ -125,6 +125,11 @@ static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
   if (out->policy_path && out->policy_source)
     return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.policy_path and config.policy_source are exclusive");
+  const uint32_t knob_bits = FERRY_KNOB_MAX_FWD_STASH | FERRY_KNOB_PREFETCH_DISTANCE |
+                             FERRY_KNOB_MIN_OFFLOAD_BYTES | FERRY_KNOB_MAX_FWD_STASH_BYTES;
+  if (out->knobs_fixed & ~knob_bits)
+    return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
+                   "config.knobs_fixed 0x%x has bits that are no FERRY_KNOB_*", out->knobs_fixed);
   /* Strings are not retained past creation. */
   out->policy_path = out->policy_source = out->trace_path = NULL;
   return FERRY_OK;
@@ -142,18 +147,29 @@ static uint64_t cap_bytes(const ferry_config *c) {
   return cap;
 }
 
+/* The config's knobs, then the policy's where it sets one and the config
+ * did not fix it; a fixed knob the policy sets otherwise is remembered as
+ * overruled, for the caller to report. */
 static void apply_policy_knobs(ferry_engine *e) {
+  const uint32_t fixed = e->cfg.knobs_fixed;
   e->max_fwd_stash = e->cfg.max_fwd_stash;
   e->prefetch_distance = e->cfg.prefetch_distance;
   e->min_offload_bytes = e->cfg.min_offload_bytes;
   e->max_fwd_stash_bytes = e->cfg.max_fwd_stash_bytes;
+  e->knobs_overruled = 0;
   if (!e->policy) return;
   ferry_policy_knobs k;
   ferry_policy_get_knobs(e->policy, &k);
-  if (k.has_max_fwd_stash) e->max_fwd_stash = k.max_fwd_stash;
-  if (k.has_prefetch_distance) e->prefetch_distance = k.prefetch_distance;
-  if (k.has_min_offload_bytes) e->min_offload_bytes = k.min_offload_bytes;
-  if (k.has_max_fwd_stash_bytes) e->max_fwd_stash_bytes = k.max_fwd_stash_bytes;
+#define KNOB(bit, name)                                          \
+  if (k.has_##name) {                                            \
+    if (!(fixed & (bit))) e->name = k.name;                      \
+    else if (k.name != e->name) e->knobs_overruled |= (bit);     \
+  }
+  KNOB(FERRY_KNOB_MAX_FWD_STASH, max_fwd_stash)
+  KNOB(FERRY_KNOB_PREFETCH_DISTANCE, prefetch_distance)
+  KNOB(FERRY_KNOB_MIN_OFFLOAD_BYTES, min_offload_bytes)
+  KNOB(FERRY_KNOB_MAX_FWD_STASH_BYTES, max_fwd_stash_bytes)
+#undef KNOB
 }
 
 /* A policy by file or by shipped name ("default", ferry_policy_find). */
@@ -414,6 +430,8 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
   k.prefetch_distance = e->prefetch_distance;
   k.min_offload_bytes = e->min_offload_bytes;
   k.max_fwd_stash_bytes = e->max_fwd_stash_bytes;
+  k.overruled = e->knobs_overruled;
+  k.reserved = 0;
   pthread_mutex_unlock(&e->lock);
   memcpy(out, &k, size < sizeof k ? size : sizeof k);
   return FERRY_OK;

@@ -79,6 +79,7 @@ struct ferry_engine {
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
   uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
+  uint32_t knobs_overruled;      /* FERRY_KNOB_* the policy lost to config.knobs_fixed */
   uint64_t fwd_bytes;           /* bytes of the STASHED entries */
 
   /* entries; index + 1 and gen form a handle */
