@@ -1,6 +1,8 @@
 """Shared helpers of the ferry Python tests (CPU torch, host backend).
 
-Run with PYTHONPATH=<build>/python (tests/python/run.sh does it)."""
+tests/python/run.sh runs them against the installed wheel in fresh venvs
+(FERRY_EXPECT_INSTALLED names the venv); by hand, PYTHONPATH=<build>/python
+runs them against the build tree."""
 import contextlib
 import importlib
 import json
@@ -23,6 +25,14 @@ def pytest_sessionstart(session):
             missing.append(f"{m} ({type(e).__name__}: {e})")
     if missing:
         pytest.exit("required test dependencies missing: " + "; ".join(missing), returncode=1)
+    expect = os.environ.get("FERRY_EXPECT_INSTALLED")
+    if expect:
+        import ferry
+
+        where = os.path.realpath(ferry.__file__)
+        if not where.startswith(os.path.realpath(expect) + os.sep):
+            pytest.exit(f"ferry was imported from {where}, not from the installed package in "
+                        f"{expect}", returncode=1)
 
 
 torch = pytest.importorskip("torch")

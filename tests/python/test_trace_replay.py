@@ -20,6 +20,8 @@ def ferry_cli():
         build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ferry.__file__))))
         exe = os.path.join(build, "bin", "ferry")
     if not os.access(exe, os.X_OK):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"no ferry CLI at {exe} (set FERRY_BIN)")
         pytest.skip(f"no ferry CLI at {exe} (set FERRY_BIN)")
     return exe
 

@@ -12,7 +12,13 @@ See docs/pytorch.md.
 """
 import os as _os
 
-from . import _ferry
+try:
+    from . import _ferry
+except ImportError as _e:  # the extension, or a library it needs (LuaJIT)
+    raise ImportError(
+        f"ferry: the C extension ferry._ferry does not load: {_e}. It is built with the package "
+        "(pip install ., or cmake --build <build> for PYTHONPATH=<build>/python) and needs "
+        "LuaJIT's shared library at run time (Debian: apt-get install libluajit-5.1-2)") from _e
 from ._ferry import Engine, FerryError, NodeCap
 
 __version__ = _ferry.__version__
