@@ -6,6 +6,7 @@ writes per rank under torch.distributed.
 
 Run as a script (`python test_checkpoint.py worker ...`) it is the worker
 the multi-process tests start."""
+import inspect
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 import zipfile
 
 import pytest
@@ -22,7 +24,7 @@ import torch
 
 import ferry
 import ferry.torch as ft
-from ferry.checkpoint import CheckpointError, CheckpointIOError, describe, load_sharded
+from ferry.checkpoint import CheckpointError, CheckpointIOError, describe
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -401,26 +403,83 @@ def test_rank0_writes_replicated_state(tmp_path):
     assert_same(rank_state(0), load(tmp_path / "ck.pt"))
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
-def test_sharded_each_rank_its_shard_with_metadata(tmp_path):
-    outs = run_ranks("sharded", tmp_path / "ck")
-    assert all(o["wrote"] for o in outs)
-    meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
-    assert meta["world_size"] == 2 and meta["format"] == "ferry-sharded/1"
-    shards = load_sharded(str(tmp_path / "ck"),
-                          **({"weights_only": False}
-                             if "weights_only" in torch.load.__code__.co_varnames else {}))
-    for r in range(2):
-        assert_same(rank_state(r), shards[r])
+def test_sharded_mode_is_retired_with_a_pointer_to_dcp(tmp_path):
+    with pytest.raises(ValueError, match="retired: use distributed='dcp'"):
+        ft.snapshot({"w": torch.ones(2)}, tmp_path / "ck", distributed="sharded")
+    assert not hasattr(ferry.checkpoint, "load_sharded")
 
 
-@pytest.mark.skipif(ferry.checkpoint._dcp() is None or not hasattr(
-    ferry.checkpoint._dcp(), "load"), reason="this torch has no torch.distributed.checkpoint")
-def test_dcp_mode_writes_through_torch_distributed_checkpoint(tmp_path):
+def _dcp_has_stager():
+    dcp = ferry.checkpoint._dcp()
+    return dcp is not None and hasattr(dcp, "async_save") and \
+        "async_stager" in inspect.signature(dcp.async_save).parameters
+
+
+needs_stager = pytest.mark.skipif(not _dcp_has_stager(),
+                                  reason="this torch's dcp.async_save takes no async_stager")
+
+
+def full_weight():
+    torch.manual_seed(7)
+    return torch.randn(64, 48)
+
+
+@needs_stager
+def test_dcp_two_ranks_staged_by_ferry_load_at_world_size_one(tmp_path):
+    # each rank holds a DTensor shard (Shard(0) over a 2-rank gloo mesh) and
+    # changes it in place right after fence(): the checkpoint must hold the
+    # values as of snapshot(), and dcp.load in one process (no process
+    # group) must put the shards back together
+    import torch.distributed.checkpoint as dcp
+
     outs = run_ranks("dcp", tmp_path / "dcp")
-    assert all(o["mode"] == "dcp" for o in outs)
+    for o in outs:
+        assert o["mode"] == "dcp" and o["stager"] == "ferry"
+        assert o["staged"] == 2 and o["staged_bytes"] == 32 * 48 * 4 + 10 * 8
+        assert o["arena_peak"] >= o["staged_bytes"]  # the pinned arena held the copies
+        assert o["arena_in_use_after"] == 0            # and got them back
     assert (tmp_path / "dcp" / ".metadata").exists()
-    assert outs[0]["reloaded_equal"] and outs[1]["reloaded_equal"]
+    back = {"w": torch.zeros(64, 48), "step": torch.zeros(10, dtype=torch.long)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(back, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(back["w"], full_weight())
+    assert torch.equal(back["step"], torch.arange(10))
+
+
+@needs_stager
+def test_stager_is_dcps_async_stager_and_isolates_the_state(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    stager = ferry.checkpoint.Stager(host_cap="64M")
+    assert isinstance(stager, AsyncStager)
+    state = {"w": torch.randn(256, 256), "t": torch.randn(16, 8).t(), "n": 5,
+             "empty": torch.zeros(0, 3), "nested": {"h": torch.arange(7, dtype=torch.int16)}}
+    ref = {"w": state["w"].clone(), "t": state["t"].clone(), "h": state["nested"]["h"].clone()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resp = dcp.async_save(state, checkpoint_id=str(tmp_path / "ck"), async_stager=stager)
+        resp.staging_completion.result()
+        state["w"].mul_(0)
+        state["t"].add_(1)
+        state["nested"]["h"].fill_(-1)
+        resp.upload_completion.result()
+        stager.close()
+        back = {"w": torch.zeros(256, 256), "t": torch.zeros(8, 16), "n": 0,
+                "empty": torch.ones(0, 3), "nested": {"h": torch.zeros(7, dtype=torch.int16)}}
+        dcp.load(back, checkpoint_id=str(tmp_path / "ck"))
+    assert torch.equal(back["w"], ref["w"]) and torch.equal(back["t"], ref["t"])
+    assert torch.equal(back["nested"]["h"], ref["h"]) and back["n"] == 5
+    assert stager.stats == {"tensors": 3, "staged_bytes": 256 * 256 * 4 + 16 * 8 * 4 + 7 * 2}
+
+
+@needs_stager
+def test_stager_refuses_what_the_host_cap_cannot_hold():
+    stager = ferry.checkpoint.Stager(host_cap=1 << 20)
+    with pytest.raises(CheckpointError, match="cap"):
+        stager.stage({"w": torch.zeros(1 << 20)})  # 4 MiB into a 1 MiB cap
+    stager.close()
 
 
 # ---- the worker ---------------------------------------------------------------------
@@ -459,19 +518,30 @@ def _worker(argv):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         state = rank_state(rank)
-        if mode == "dcp":  # replicated plain tensors: DCP writes them once
-            state = {"w": rank_state(0)["w"]}
+        if mode == "dcp":  # a sharded weight and a replicated plain tensor
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            mesh = init_device_mesh("cpu", (world,))
+            state = {"w": distribute_tensor(full_weight(), mesh, [Shard(0)]),
+                     "step": torch.arange(10)}
         h = ft.snapshot(state, path, distributed=mode)
-        h.wait()
-        dist.barrier()
         out = {"wrote": h.skipped_rank is None, "skipped_rank": h.skipped_rank,
                "mode": h.stats["mode"]}
         if mode == "dcp":
-            import torch.distributed.checkpoint as dcp
+            h.fence()
+            state["w"].to_local().add_(100)  # training goes on: not in the checkpoint
+            state["step"].zero_()
+        h.wait()
+        dist.barrier()
+        if mode == "dcp":
+            import gc
 
-            back = {"w": torch.zeros(64, 64)}
-            dcp.load(back, checkpoint_id=path)
-            out["reloaded_equal"] = torch.equal(back["w"], state["w"])
+            gc.collect()
+            st = h.stager.engine.stats()
+            out.update(stager=h.stats["stager"], staged=h.stats["staged"],
+                       staged_bytes=h.stats["staged_bytes"], arena_peak=st["arena_peak"],
+                       arena_in_use_after=st["arena_in_use"])
         dist.destroy_process_group()
         print(json.dumps(out))
 

@@ -550,6 +550,9 @@ static PyMethodDef engine_methods[] = {
     {"info", (PyCFunction)engine_info, METH_NOARGS, NULL},
     {"knobs", (PyCFunction)engine_knobs, METH_NOARGS,
      "The knobs in force, with 'overruled': those the policy lost to knobs_fixed."},
+    {"resident", (PyCFunction)engine_resident, METH_O,
+     "resident(nbytes) -> Resident: a buffer of the pinned arena living on the host "
+     "(ferry_resident_create; FerryError FERRY_ECAP past the host cap)."},
     {"snapshot", (PyCFunction)engine_snapshot, METH_VARARGS,
      "snapshot(path, records) -> Snapshot: start a checkpoint snapshot (ferry_snapshot_start). "
      "records: (name, bytes-like) for host bytes copied now, or (name, data_ptr, nbytes, owner, "

@@ -4,7 +4,7 @@
  * Parts: module.c (init, module functions), tensor.c (torch objects,
  * interned names, dtypes), engine.c (Engine), hooks.c (pack/unpack hooks,
  * Handle: the hot path), sites.c (module site hooks), snapshot.c (Snapshot,
- * SnapshotPolicy), nodecap.c (NodeCap). docs/pytorch.md explains the design.
+ * SnapshotPolicy), resident.c (Resident), nodecap.c (NodeCap). docs/pytorch.md explains the design.
  */
 #ifndef FERRY_PY_EXT_H
 #define FERRY_PY_EXT_H
@@ -163,7 +163,7 @@ static inline int32_t kind_of_ptr(const EngineObject *self, uintptr_t p) {
 }
 
 extern PyTypeObject EngineType, HandleType, PackHookType, UnpackHookType, SiteHookType,
-    NodeCapType, SnapshotType, SnapshotPolicyType;
+    NodeCapType, SnapshotType, SnapshotPolicyType, ResidentType;
 extern PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
 
 /* engine.c */
@@ -179,6 +179,8 @@ void *compute_stream(EngineObject *eng);
 PyObject *engine_site_hooks(EngineObject *self, PyObject *arg);
 /* snapshot.c */
 PyObject *engine_snapshot(EngineObject *self, PyObject *args);
+/* resident.c */
+PyObject *engine_resident(EngineObject *self, PyObject *arg);
 /* nodecap.c */
 PyObject *nodecap_unlink(PyObject *unused, PyObject *arg);
 

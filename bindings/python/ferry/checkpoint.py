@@ -10,10 +10,10 @@
     ...
     h.wait()          # or h.done(); raises CheckpointError naming the path
 
-What happens (docs/checkpoints.md): the object is pickled here exactly as
-torch.save pickles it (same persistent ids, same records), so the file is a
-torch.save file that torch.load reads; the tensors' bytes are not copied
-here but staged by the engine into its pinned arena on its copy stream (a
+What happens (docs/checkpoints.md): torch's own serializer (the body of
+torch.save) pickles the object here and produces every record, so the file
+is a torch.save file that torch.load reads; the tensors' bytes are not
+copied by torch but staged by the engine into its pinned arena on its copy stream (a
 worker thread on the host backend) and written by a writer thread to
 "<path>.tmp", fsynced and renamed over path.
 
@@ -23,6 +23,10 @@ buffers (BatchNorm statistics change in a training forward) call it for
 you when you pass optimizer= / module=.
 """
 import atexit
+import collections
+import concurrent.futures
+import contextlib
+import inspect
 import io
 import json
 import os
@@ -40,11 +44,11 @@ import ferry as _pkg
 from . import _ferry, _session
 from ._ferry import FerryError
 
-__all__ = ["snapshot", "Snapshot", "CheckpointError", "describe", "load_sharded",
+__all__ = ["snapshot", "Snapshot", "Stager", "CheckpointError", "describe",
            "wait_all", "pending"]
 
 _PRIMITIVES = (type(None), bool, int, float, complex, str, bytes)
-_DISTRIBUTED_MODES = ("auto", "rank0", "all", "sharded", "dcp")
+_DISTRIBUTED_MODES = ("auto", "rank0", "all", "dcp")
 
 
 class CheckpointError(FerryError):
@@ -84,10 +88,11 @@ def describe(obj, keys=None):
     tensors, tensor_bytes (of their storages, each counted once),
     primitives (None/bool/int/float/str/bytes), objects (other objects,
     passed through to the pickle unchanged) and skipped ("path: module.Type"
-    for each such object), plus paths {storage _cdata: (top-level key, path)}.
+    for each such object), plus paths {storage _cdata: (top-level key, path)} and
+    dtypes {storage _cdata: dtype of the first tensor seen on it}.
     keys: only these top-level keys (None: all)."""
     out = {"tensors": 0, "tensor_bytes": 0, "primitives": 0, "objects": 0, "skipped": [],
-           "paths": {}}
+           "paths": {}, "dtypes": {}}
     seen = out["paths"]
 
     def walk(x, key, path):
@@ -98,6 +103,7 @@ def describe(obj, keys=None):
                 cid = st._cdata
                 if cid not in seen:
                     seen[cid] = (key, path)
+                    out["dtypes"][cid] = x.dtype
                     out["tensor_bytes"] += st.nbytes()
             except (RuntimeError, NotImplementedError, AttributeError):
                 pass  # sparse/nested/subclass tensors: the pickler finds their storages
@@ -123,95 +129,111 @@ def describe(obj, keys=None):
     return out
 
 
-# ---- torch.save's layout -------------------------------------------------------
-_layout = None
+# ---- torch.save's records, made by torch -------------------------------------
+# torch.serialization._save (the body of torch.save) pickles the object with
+# torch's own pickler and hands each record to a zip writer; _Recorder is that
+# writer, keeping the small records and, for each storage, only its name and
+# size: ferry stages and writes the storage bytes. The storages themselves
+# are learned through a location tagger (torch.serialization.register_package),
+# which torch's persistent_id calls for every storage right after giving it
+# its key, so the order of first sight is the key order.
+_tls = threading.local()
+_tagger_registered = False
 
 
-def _torch_layout():
-    """The records torch.save of this torch writes besides data.pkl and
-    data/<key>, learned once from a torch.save into memory: (prefix, records
-    between data.pkl and the data, records after the data)."""
-    global _layout
-    if _layout is None:
+def _record_storage(storage):
+    seen = getattr(_tls, "storages", None)
+    if seen is not None and storage._cdata not in seen:
+        seen[storage._cdata] = storage
+    return None  # let torch's own taggers name the location
+
+
+def _register_tagger():
+    global _tagger_registered
+    if not _tagger_registered:
+        # first in the registry (lowest priority value), never answering
+        torch.serialization.register_package(-(1 << 62), _record_storage,
+                                             lambda storage, location: None)
+        _tagger_registered = True
+
+
+class _Recorder:
+    """The zip writer torch.serialization._save writes to."""
+
+    def __init__(self):
+        self.records = []  # (name, bytes or None for a storage, nbytes)
+
+    def write_record(self, name, data, nbytes):
+        if name.startswith("data/"):
+            self.records.append((name, None, int(nbytes)))  # the storage: staged by ferry
+            return
+        if isinstance(data, str):
+            data = data.encode()
+        self.records.append((name, bytes(data)[:nbytes], int(nbytes)))
+
+    def write_record_metadata(self, name, nbytes):  # torch >= 2.5 under skip_data()
+        self.records.append((name, None, int(nbytes)))
+
+
+def _torch_records(obj):
+    """torch.save's records for obj, made by torch: ([(name, bytes or None,
+    nbytes)] in torch's order, [untyped storage] in key order). Under
+    torch.serialization.skip_data (torch >= 2.5) torch copies no storage
+    bytes; older torch (and objects skip_data refuses: quantized, nested)
+    copy device storages to the CPU here, which ferry then ignores."""
+    _register_tagger()
+    sig = inspect.signature(torch.serialization._save).parameters
+    skip = getattr(torch.serialization, "skip_data", None)
+    attempts = [True, False] if skip is not None else [False]
+    for use_skip in attempts:
+        rec = _Recorder()
+        _tls.storages = {}
+        try:
+            args = [obj, rec, pickle, torch.serialization.DEFAULT_PROTOCOL]
+            if "_disable_byteorder_record" in sig:
+                args.append(False)
+            with (skip() if use_skip else contextlib.nullcontext()):
+                torch.serialization._save(*args)
+        except RuntimeError as e:
+            if use_skip and "skip_data" in str(e):
+                continue  # e.g. a quantized or nested tensor: save it the plain way
+            raise
+        finally:
+            storages = list(_tls.storages.values())
+            _tls.storages = None
+        n_data = sum(1 for name, data, _ in rec.records if data is None)
+        if n_data != len(storages):
+            raise CheckpointError(f"ferry.torch.snapshot: torch's serializer wrote {n_data} "
+                                  f"storage record(s) but ferry saw {len(storages)}; this torch "
+                                  f"({torch.__version__}) serializes differently than ferry "
+                                  "expects: use torch.save", None, "FERRY_EINVAL")
+        return rec.records, storages
+    raise AssertionError("unreachable")
+
+
+_container = None
+
+
+def _container_records():
+    """(prefix, records written after the data): what torch's zip container
+    (PyTorchStreamWriter) adds to _save's records, learned once from a
+    torch.save into memory ("version", ".data/serialization_id")."""
+    global _container
+    if _container is None:
         buf = io.BytesIO()
         torch.save({"t": torch.zeros(1)}, buf)
         with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
             names = z.namelist()
             prefix = names[0].split("/", 1)[0] + "/"
-            mid, tail, seen_data = [], [], False
-            for n in names:
-                rel = n[len(prefix):]
-                if rel == "data.pkl":
-                    continue
-                if rel.startswith("data/"):
-                    seen_data = True
-                    continue
-                (tail if seen_data else mid).append((rel, z.read(n)))
-        _layout = (prefix, mid, tail)
-    return _layout
+            last_data = max(i for i, n in enumerate(names) if n[len(prefix):].startswith("data/"))
+            tail = [(n[len(prefix):], z.read(n)) for n in names[last_data + 1:]]
+        _container = (prefix, tail)
+    return _container
 
 
 def _serialization_id():
     # torch >= 2.x writes a 40-digit id per file; a fresh one per snapshot
     return ("%040d" % random.SystemRandom().randrange(10 ** 40)).encode()
-
-
-def _pickle_like_torch_save(obj):
-    """(data.pkl bytes, {key: untyped storage} in key order): the pickle
-    torch.save writes, with the same persistent ids
-    ('storage', storage type, key, location, numel)."""
-    storages = {}
-    id_map = {}
-    dtypes = {}
-
-    storage_types = _storage_types()
-
-    def persistent_id(o):
-        # called for every object pickled: reject the non-storages first
-        if isinstance(o, storage_types):
-            if isinstance(o, torch.storage.TypedStorage):
-                st = o._untyped_storage if hasattr(o, "_untyped_storage") else o._storage
-                dtype = o.dtype
-                stype_name = (o._pickle_storage_type() if hasattr(o, "_pickle_storage_type")
-                              else o.pickle_storage_type())
-                stype = getattr(torch, stype_name)
-                numel = o._size() if hasattr(o, "_size") else o.size()
-            else:
-                st = o
-                dtype = torch.uint8
-                stype = torch.serialization.normalize_storage_type(type(o))
-                numel = st.nbytes()
-            if st.device.type == "meta":
-                raise CheckpointError("ferry.torch.snapshot: a meta tensor has no data to save")
-            ptr = st.data_ptr()
-            if ptr:
-                if dtypes.setdefault(ptr, dtype) != dtype:
-                    raise RuntimeError("Cannot save multiple tensors or storages that view the "
-                                       "same data as different types")
-            key = id_map.setdefault(st._cdata, str(len(id_map)))
-            storages[key] = (st, dtype)
-            return ("storage", stype, key, torch.serialization.location_tag(st), numel)
-        return None
-
-    buf = io.BytesIO()
-    pickler = pickle.Pickler(buf, protocol=2)  # torch.save's DEFAULT_PROTOCOL
-    pickler.persistent_id = persistent_id
-    pickler.dump(obj)
-    return buf.getvalue(), storages
-
-
-_storage_type_tuple = None
-
-
-def _storage_types():
-    """TypedStorage (the legacy FloatStorage & co. derive from it) and
-    UntypedStorage. Not the legacy classes themselves: isinstance() against
-    them warns on torch 2.x."""
-    global _storage_type_tuple
-    if _storage_type_tuple is None:
-        untyped = getattr(torch, "UntypedStorage", None) or getattr(torch, "_UntypedStorage")
-        _storage_type_tuple = (torch.storage.TypedStorage, untyped)
-    return _storage_type_tuple
 
 
 # ---- policies ------------------------------------------------------------------
@@ -460,14 +482,165 @@ def _dcp():
     return dcp if hasattr(dcp, "save") or hasattr(dcp, "save_state_dict") else None
 
 
-class _DcpSnapshot(Snapshot):
-    """A torch.distributed.checkpoint save (sharded state: DTensor,
-    ShardedTensor). DCP stages and writes it itself; ferry only waits."""
+class Stager:
+    """torch.distributed.checkpoint's AsyncStager protocol, staging through
+    ferry: ``dcp.async_save(state_dict, checkpoint_id=path,
+    async_stager=ferry.checkpoint.Stager())``.
 
-    def __init__(self, path, future, stats):
+    stage() takes a buffer of the engine's pinned arena for each tensor
+    (DTensor: its local shard), under the engine's host cap, and queues the
+    copy on the engine's copy stream after the work already on the compute
+    stream (a worker thread on the host backend); it returns at once a
+    Future of the staged state dict, which a ferry thread completes when the
+    copies are done. DCP's writer waits for it; so must training before it
+    changes the tensors in place (AsyncSaveResponse.staging_completion, or
+    ferry.torch.snapshot(..., distributed="dcp") and its fence()). The
+    pinned buffers go back to the arena when DCP drops the staged dict.
+    Tensors that are not contiguous are made contiguous first (a copy on
+    the compute stream); values that are not tensors are passed as they
+    are, as torch's own stagers do.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self, *, policy=None, backend=None, host_cap=None, **knobs):
+        self._policy, self._backend, self._host_cap, self._knobs = policy, backend, host_cap, knobs
+        self._pool = None
+        self._last = None
+        self.engine = None  # the ferry.Engine whose arena holds the staged copies
+        self.stats = {}
+
+    @property
+    def should_synchronize_after_execute(self):
+        return self._synchronize_after_execute
+
+    def _engine(self, devices):
+        backend = self._backend or os.environ.get("FERRY_BACKEND") or "auto"
+        if backend == "auto":
+            backend = "cuda" if any(d.type == "cuda" for d in devices) else "host"
+        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        if backend == "host" and cuda:
+            raise CheckpointError("ferry.checkpoint.Stager: backend='host' but the state has "
+                                  "tensors on a GPU; use backend='cuda'", None, "FERRY_EINVAL")
+        policy_path, _ = _snapshot_policy(self._policy)
+        return _engine_for(backend, cuda[0] if cuda else -1, policy_path, self._host_cap,
+                           self._knobs)
+
+    def stage(self, state_dict):
+        tensors = []
+        _walk_tensors(state_dict, tensors)
+        devices = {t.device for t in tensors}
+        engine = self._engine(devices) if tensors else None
+        self.engine = engine or self.engine
+        residents = []
+        stats = {"tensors": 0, "staged_bytes": 0}
+
+        def stage_one(t):
+            if type(t).__name__ == "DTensor":
+                local = stage_one(t._local_tensor)
+                return type(t)(local, t._spec, requires_grad=False)
+            if type(t).__name__ == "ShardedTensor" or t.layout != torch.strided:
+                raise CheckpointError(f"ferry.checkpoint.Stager: cannot stage a "
+                                      f"{type(t).__name__} ({t.layout}); use DTensor state "
+                                      "dicts or torch's DefaultStager", None, "FERRY_EINVAL")
+            if not t.is_contiguous():
+                t = t.contiguous()
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                return torch.empty(t.shape, dtype=t.dtype)
+            try:
+                r = engine.resident(nbytes)
+            except FerryError as e:
+                raise _error(f"ferry.checkpoint.Stager: {e.args[0]}", None,
+                             e.args[1] if len(e.args) > 1 else None) from None
+            r.to_host(t.data_ptr())
+            residents.append((r, t))  # t kept alive until its copy is done
+            stats["tensors"] += 1
+            stats["staged_bytes"] += nbytes
+            return torch.frombuffer(r, dtype=t.dtype).view(t.shape)
+
+        staged = _map_tensors(state_dict, stage_one)
+        self.stats = stats
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "ferry-stager")
+
+        def finish():
+            for r, _ in residents:
+                r.wait()
+            residents.clear()
+            return staged
+
+        self._last = self._pool.submit(finish)
+        return self._last
+
+    def synchronize_staging(self):
+        """Block until the last stage()'s copies are done."""
+        if self._last is not None:
+            self._last.result()
+
+    def close(self):
+        """Stop the staging thread and drop the last staged dict (its pinned
+        buffers go back to the arena once DCP has let go of it too)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._last = None
+
+
+def _walk_tensors(x, out):
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _walk_tensors(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _walk_tensors(v, out)
+
+
+def _map_tensors(x, fn):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        out = type(x)() if type(x) in (dict, collections.OrderedDict) else {}
+        for k, v in x.items():
+            out[k] = _map_tensors(v, fn)
+        return out
+    if isinstance(x, list):
+        return [_map_tensors(v, fn) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in x)
+    return x
+
+
+class _DcpSnapshot(Snapshot):
+    """A torch.distributed.checkpoint save (sharded state: DTensor). With
+    dcp.async_save taking an async_stager, ferry's Stager stages it: fence()
+    waits for the staging, done()/wait() for the write."""
+
+    def __init__(self, path, staging, upload, stats):
         super().__init__(path, None, stats)
-        self._future = future
-        self._ok = future is None
+        self.stager = None  # ferry's Stager, when DCP took one
+        self._staging = staging
+        self._future = upload
+        self._ok = upload is None
+
+    @property
+    def fenced(self):
+        return self._staging is None or self._staging.done()
+
+    def fence(self):
+        """Wait until the staged copy is complete: then the tensors may be
+        modified."""
+        try:
+            if self._staging is not None:
+                self._staging.result()
+        except Exception as e:  # noqa: BLE001 - reported with the path
+            self._exc = CheckpointError(f"snapshot {self.path}: staging failed: {e}",
+                                        self.path, getattr(e, "code", None) or "FERRY_EIO")
+            raise self._exc from e
+        finally:
+            self._disarm()
 
     def done(self):
         if self._exc is not None:
@@ -486,56 +659,54 @@ class _DcpSnapshot(Snapshot):
                 self._exc = CheckpointError(f"snapshot {self.path}: torch.distributed.checkpoint "
                                             f"failed: {e}", self.path, "FERRY_EIO")
                 raise self._exc from e
+            finally:
+                if self.stager is not None:
+                    self.stager.close()
             self._finish()
         return self
 
 
-def _dcp_save(obj, path, stats):
+def _dcp_save(obj, path, stats, stager_kwargs):
     dcp = _dcp()
     if dcp is None:
         raise CheckpointError(
-            f"ferry.torch.snapshot({path!r}): the state holds sharded tensors (DTensor/"
-            f"ShardedTensor) and this torch ({torch.__version__}) has no "
-            "torch.distributed.checkpoint; save it with the strategy's own checkpointing",
+            f"ferry.torch.snapshot({path!r}): distributed='dcp' needs "
+            f"torch.distributed.checkpoint, which this torch ({torch.__version__}) lacks",
             path, "FERRY_EINVAL")
     stats["mode"] = "dcp"
-    if hasattr(dcp, "async_save"):
-        fut = dcp.async_save(obj, checkpoint_id=path)
-        fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse (newer torch)
-        return _DcpSnapshot(path, fut, stats)
+    async_save = getattr(dcp, "async_save", None)
+    if async_save is not None and "async_stager" in inspect.signature(async_save).parameters:
+        stager = Stager(**stager_kwargs)
+        resp = async_save(obj, checkpoint_id=path, async_stager=stager)
+        staging = getattr(resp, "staging_completion", None) or stager._last
+        upload = getattr(resp, "upload_completion", resp)
+        upload.add_done_callback(lambda _: stager.close())
+        stats.update(stager="ferry", staged=stager.stats["tensors"],
+                     staged_bytes=stager.stats["staged_bytes"])
+        h = _DcpSnapshot(path, staging, upload, stats)
+        h.stager = stager
+        return h
+    stats["stager"] = "torch"  # older torch: DCP stages (or writes) by itself
+    if async_save is not None:
+        fut = async_save(obj, checkpoint_id=path)
+        return _DcpSnapshot(path, None, getattr(fut, "upload_completion", fut), stats)
     if hasattr(dcp, "save"):
         dcp.save(obj, checkpoint_id=path)
     else:
         dcp.save_state_dict(obj, dcp.FileSystemWriter(path))
-    return _DcpSnapshot(path, None, stats)
+    return _DcpSnapshot(path, None, None, stats)
 
 
-def _write_json_atomic(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_sharded(path, rank=None, **load_kwargs):
-    """Read a snapshot written with distributed="sharded": the list of every
-    rank's object, or rank's own. Checks the metadata and that each shard
-    is there."""
-    with open(os.path.join(path, "metadata.json")) as f:
-        meta = json.load(f)
-    if meta.get("format") != "ferry-sharded/1":
-        raise CheckpointError(f"{path}: not a ferry sharded snapshot ({meta.get('format')!r})",
-                              path, "FERRY_EINVAL")
-    files = [os.path.join(path, s) for s in meta["shards"]]
-    missing = [p for p in files if not os.path.exists(p)]
-    if missing:
-        raise CheckpointError(f"{path}: incomplete sharded snapshot, missing {missing}", path,
-                              "FERRY_EIO")
-    if rank is not None:
-        return torch.load(files[rank], **load_kwargs)
-    return [torch.load(p, **load_kwargs) for p in files]
+def _arm(h, optimizer, module, fence_hooks):
+    """Fence h before the next step of optimizer / training forward of
+    module (or, with neither, any: fence_hooks="auto"); h is pending."""
+    optimizers = [] if optimizer is None else (
+        list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+    modules = [] if module is None else (
+        list(module) if isinstance(module, (list, tuple)) else [module])
+    h._arm(optimizers, modules, fence_hooks == "auto" and not optimizers and not modules)
+    with _pending_lock:
+        _pending.add(h)
 
 
 # ---- the entry point -----------------------------------------------------------------
@@ -558,14 +729,19 @@ def snapshot(obj, path, *, optimizer=None, module=None, policy=None, keys=None, 
         (else the current ferry.torch.offload engine is shared).
     distributed: under an initialised torch.distributed with more than one
         rank: "rank0" (replicated state: only global rank 0 writes), "all"
-        (every rank writes its own path), "sharded" (each rank writes
-        path/shard-RRRRR-of-WWWWW.pt, rank 0 path/metadata.json), "dcp"
-        (torch.distributed.checkpoint into the directory path); "auto":
-        "dcp" when the state holds DTensor/ShardedTensor, else "rank0".
+        (every rank writes its own path), "dcp" (torch.distributed.checkpoint
+        into the directory path, staged by ferry's Stager where
+        dcp.async_save takes one; dcp.load reads it at any world size);
+        "auto": "dcp" when the state holds DTensor/ShardedTensor, else
+        "rank0". "dcp" also works without a process group.
     fence_hooks: "auto" (global optimizer/forward hooks when neither
         optimizer nor module is given, torch >= 2.0), "none".
     """
     t0 = time.perf_counter()
+    if distributed == "sharded":
+        raise ValueError("ferry.torch.snapshot: distributed='sharded' (the ferry-sharded/1 "
+                         "format) is retired: use distributed='dcp' (torch.distributed."
+                         "checkpoint, read back with dcp.load at any world size) or 'all'")
     if distributed not in _DISTRIBUTED_MODES:
         raise ValueError(f"ferry.torch.snapshot: distributed={distributed!r} is not one of "
                          f"{', '.join(_DISTRIBUTED_MODES)}")
@@ -581,26 +757,22 @@ def snapshot(obj, path, *, optimizer=None, module=None, policy=None, keys=None, 
         if mode == "auto":
             mode = "dcp" if _has_sharded_tensors(obj) else "rank0"
         stats.update(mode=mode, rank=rank, world_size=world)
-        if mode == "dcp":
-            return _dcp_save(obj, path, stats)
         if mode == "rank0" and rank != 0:
             return Snapshot(path, None, stats, skipped_rank=rank)
-        if mode == "sharded":
-            os.makedirs(path, exist_ok=True)
-            shards = [f"shard-{r:05d}-of-{world:05d}.pt" for r in range(world)]
-            if rank == 0:
-                _write_json_atomic(os.path.join(path, "metadata.json"), {
-                    "format": "ferry-sharded/1", "world_size": world, "shards": shards,
-                    "torch": torch.__version__, "ferry": _pkg.__version__})
-            path = os.path.join(path, shards[rank])
-    elif distributed == "dcp":
-        return _dcp_save(obj, path, stats)
+    else:
+        mode = distributed
+    if mode == "dcp":
+        h = _dcp_save(obj, path, stats, dict(knobs, policy=policy, backend=backend,
+                                             host_cap=host_cap))
+        _arm(h, optimizer, module, fence_hooks)
+        stats["blocked_ms"] = (time.perf_counter() - t0) * 1e3
+        return h
 
     desc = describe(obj)
-    data_pkl, storages = _pickle_like_torch_save(obj)
+    torch_records, storages = _torch_records(obj)
 
     # backend and device: cuda when a storage lives on a GPU
-    devices = {st.device for st, _ in storages.values() if st.device.type != "cpu"}
+    devices = {st.device for st in storages if st.device.type != "cpu"}
     if backend is None:
         backend = os.environ.get("FERRY_BACKEND") or "auto"
     if backend == "auto":
@@ -615,10 +787,11 @@ def snapshot(obj, path, *, optimizer=None, module=None, policy=None, keys=None, 
     policy_path, pol = _snapshot_policy(policy)
     engine = _engine_for(backend, device, policy_path, host_cap, knobs)
 
-    # the policy's plan, per storage
+    # the policy's plan, per storage (key order)
     entries = []
-    for index, (key, (st, dtype)) in enumerate(storages.items()):
+    for index, st in enumerate(storages):
         top, spath = desc["paths"].get(st._cdata, ("", ""))
+        dtype = desc["dtypes"].get(st._cdata, torch.uint8)
         entries.append((top, spath, st.nbytes(), index, str(dtype), st.device.type != "cpu"))
     plan = pol[0].plan(entries) if entries else []
     if pol[0].errors > pol[1]:
@@ -628,19 +801,20 @@ def snapshot(obj, path, *, optimizer=None, module=None, policy=None, keys=None, 
                       RuntimeWarning, stacklevel=2)
     key_set = None if keys is None else {str(k) for k in keys}
 
-    prefix, mid, tail = _torch_layout()
-    records = [(prefix + "data.pkl", data_pkl)]
-    records += [(prefix + rel, data) for rel, data in mid]
+    # torch's small records in its order, then the storages in the policy's
+    # write order, then the container's records
+    prefix, tail = _container_records()
+    records = [(prefix + name, data) for name, data, _ in torch_records if data is not None]
+    pickle_bytes = len(records[0][1])
+    data_names = {int(name[5:]): name for name, data, _ in torch_records if data is None}
     staged = copied = staged_bytes = copied_bytes = 0
     keepalive = []
-    storage_keys = list(storages)
     for i in sorted(range(len(entries)), key=lambda i: (plan[i][1], i)):
-        key = storage_keys[i]
-        st = storages[key][0]
+        st = storages[i]
         nbytes = st.nbytes()
         stage = plan[i][0] and (key_set is None or entries[i][0] in key_set)
         on_gpu = st.device.type != "cpu"
-        name = f"{prefix}data/{key}"
+        name = prefix + data_names[i]
         if nbytes == 0:
             records.append((name, b""))
             continue
@@ -667,15 +841,9 @@ def snapshot(obj, path, *, optimizer=None, module=None, policy=None, keys=None, 
     stats.update(tensors=desc["tensors"], storages=len(storages), staged=staged,
                  staged_bytes=staged_bytes, copied=copied, copied_bytes=copied_bytes,
                  primitives=desc["primitives"], objects=desc["objects"],
-                 skipped=desc["skipped"], pickle_bytes=len(data_pkl), backend=backend,
+                 skipped=desc["skipped"], pickle_bytes=pickle_bytes, backend=backend,
                  policy=policy_path)
     h = Snapshot(path, c, stats)
-    optimizers = [] if optimizer is None else (
-        list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
-    modules = [] if module is None else (
-        list(module) if isinstance(module, (list, tuple)) else [module])
-    h._arm(optimizers, modules, fence_hooks == "auto" and not optimizers and not modules)
-    with _pending_lock:
-        _pending.add(h)
+    _arm(h, optimizer, module, fence_hooks)
     stats["blocked_ms"] = (time.perf_counter() - t0) * 1e3
     return h

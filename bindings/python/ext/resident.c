@@ -1,0 +1,178 @@
+/*
+ * resident.c — Resident: a buffer of the engine's pinned arena that lives on
+ * the host between uses (ferry_resident_*), made by Engine.resident(nbytes).
+ * It exports its bytes through the buffer protocol, so torch.frombuffer
+ * gives a CPU tensor over the pinned memory; the tensor keeps the Resident
+ * (and so the arena bytes) alive. ferry/checkpoint.py stages DCP state
+ * dicts into these (docs/checkpoints.md).
+ */
+#include "ext.h"
+
+typedef struct {
+  PyObject_HEAD ferry_resident *r;
+  EngineObject *eng;
+  Py_ssize_t exports; /* live buffer views: close() waits for none */
+} ResidentObject;
+
+static PyObject *resident_raise(ResidentObject *self, int rc) {
+  return raise_ferry(rc, self->eng && self->eng->e ? ferry_last_error(self->eng->e)
+                                                   : ferry_strerror(rc));
+}
+
+static int resident_live(ResidentObject *self) {
+  if (self->r) return 1;
+  raise_ferry(FERRY_ESTATE, "ferry: this resident buffer was closed");
+  return 0;
+}
+
+/* to_host(data_ptr) / to_device(data_ptr): queue the copy after the work on
+ * the current compute stream (cuda) or the calling thread (host). */
+static PyObject *resident_copy(ResidentObject *self, PyObject *arg, int to_host) {
+  if (!resident_live(self)) return NULL;
+  void *ptr = PyLong_AsVoidPtr(arg);
+  if (!ptr) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_ValueError, "ferry: resident copy needs a non-NULL data_ptr");
+    return NULL;
+  }
+  void *stream = NULL;
+  if (self->eng->backend == FERRY_BACKEND_CUDA) {
+    stream = compute_stream(self->eng);
+    if (!stream && PyErr_Occurred()) return NULL;
+  }
+  int rc = to_host ? ferry_resident_to_host(self->r, ptr, stream)
+                   : ferry_resident_to_device(self->r, ptr, stream);
+  if (rc) return resident_raise(self, rc);
+  Py_RETURN_NONE;
+}
+
+static PyObject *resident_to_host(ResidentObject *self, PyObject *arg) {
+  return resident_copy(self, arg, 1);
+}
+
+static PyObject *resident_to_device(ResidentObject *self, PyObject *arg) {
+  return resident_copy(self, arg, 0);
+}
+
+static PyObject *resident_wait(ResidentObject *self, PyObject *unused) {
+  if (!resident_live(self)) return NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS rc = ferry_resident_wait(self->r);
+  Py_END_ALLOW_THREADS
+  if (rc) return resident_raise(self, rc);
+  Py_RETURN_NONE;
+}
+
+static int resident_free(ResidentObject *self) {
+  ferry_resident *r = self->r;
+  self->r = NULL;
+  int rc = 0;
+  if (r) {
+    Py_BEGIN_ALLOW_THREADS rc = ferry_resident_destroy(r); /* waits for its copies */
+    Py_END_ALLOW_THREADS
+  }
+  return rc;
+}
+
+static PyObject *resident_close(ResidentObject *self, PyObject *unused) {
+  if (self->exports > 0) {
+    PyErr_Format(PyExc_BufferError,
+                 "ferry: resident buffer still has %zd view(s) (tensors over its bytes)",
+                 self->exports);
+    return NULL;
+  }
+  int rc = resident_free(self);
+  if (rc && rc != FERRY_EHANDLE) return raise_ferry(rc, ferry_strerror(rc));
+  Py_RETURN_NONE;
+}
+
+static void resident_dealloc(ResidentObject *self) {
+  resident_free(self);
+  Py_XDECREF(self->eng);
+  PyObject_Free(self);
+}
+
+static int resident_getbuffer(ResidentObject *self, Py_buffer *view, int flags) {
+  if (!self->r) {
+    PyErr_SetString(PyExc_BufferError, "ferry: this resident buffer was closed");
+    view->obj = NULL;
+    return -1;
+  }
+  void *p = ferry_resident_host_ptr(self->r);
+  if (!p) {
+    PyErr_SetString(PyExc_BufferError,
+                    "ferry: the resident buffer's engine was destroyed (its memory is gone)");
+    view->obj = NULL;
+    return -1;
+  }
+  if (PyBuffer_FillInfo(view, (PyObject *)self, p, (Py_ssize_t)ferry_resident_bytes(self->r), 0,
+                        flags))
+    return -1;
+  self->exports++;
+  return 0;
+}
+
+static void resident_releasebuffer(ResidentObject *self, Py_buffer *view) {
+  self->exports--;
+}
+
+static PyBufferProcs resident_as_buffer = {
+    .bf_getbuffer = (getbufferproc)resident_getbuffer,
+    .bf_releasebuffer = (releasebufferproc)resident_releasebuffer,
+};
+
+static PyObject *resident_get_nbytes(ResidentObject *self, void *unused) {
+  return PyLong_FromUnsignedLongLong(self->r ? ferry_resident_bytes(self->r) : 0);
+}
+
+static PyObject *resident_get_host_ptr(ResidentObject *self, void *unused) {
+  return PyLong_FromVoidPtr(self->r ? ferry_resident_host_ptr(self->r) : NULL);
+}
+
+static PyMethodDef resident_methods[] = {
+    {"to_host", (PyCFunction)resident_to_host, METH_O,
+     "to_host(data_ptr): copy nbytes from data_ptr into the pinned buffer, asynchronously, "
+     "after the work on the current compute stream."},
+    {"to_device", (PyCFunction)resident_to_device, METH_O,
+     "to_device(data_ptr): copy the pinned buffer to data_ptr, asynchronously."},
+    {"wait", (PyCFunction)resident_wait, METH_NOARGS, "Block until the last copy is complete."},
+    {"close", (PyCFunction)resident_close, METH_NOARGS,
+     "Wait for the copies and give the bytes back to the arena (BufferError while views "
+     "exist)."},
+    {NULL}};
+
+static PyGetSetDef resident_getset[] = {
+    {"nbytes", (getter)resident_get_nbytes, NULL, "size in bytes (0 once closed)", NULL},
+    {"host_ptr", (getter)resident_get_host_ptr, NULL, "address of the pinned bytes", NULL},
+    {NULL}};
+
+PyTypeObject ResidentType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.Resident",
+    .tp_basicsize = sizeof(ResidentObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A buffer of the engine's pinned arena living on the host (Engine.resident).",
+    .tp_dealloc = (destructor)resident_dealloc,
+    .tp_methods = resident_methods,
+    .tp_getset = resident_getset,
+    .tp_as_buffer = &resident_as_buffer,
+};
+
+/* Engine.resident(nbytes) -> Resident; FerryError (FERRY_ECAP) past the cap. */
+PyObject *engine_resident(EngineObject *self, PyObject *arg) {
+  unsigned long long nbytes = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return NULL;
+  if (!engine_live(self)) return NULL;
+  ResidentObject *out = PyObject_New(ResidentObject, &ResidentType);
+  if (!out) return NULL;
+  out->r = NULL;
+  out->exports = 0;
+  Py_INCREF(self);
+  out->eng = self;
+  int rc = ferry_resident_create(self->e, nbytes, &out->r);
+  if (rc) {
+    raise_ferry(rc, ferry_last_error(self->e));
+    Py_DECREF(out);
+    return NULL;
+  }
+  return (PyObject *)out;
+}
