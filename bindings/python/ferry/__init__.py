@@ -10,7 +10,10 @@
 
 See docs/pytorch.md.
 """
+from __future__ import annotations
+
 import os as _os
+from typing import Any, Dict, List, Union
 
 try:
     from . import _ferry
@@ -33,7 +36,7 @@ def _jemalloc_preloaded():
     return any(_os.path.basename(p).startswith("libjemalloc") for p in pre.replace(":", " ").split())
 
 
-def info():
+def info() -> Dict[str, Any]:
     """What this ferry is and can do here.
 
     Keys: version; arena ("jemalloc" when jemalloc is the process's allocator,
@@ -48,7 +51,7 @@ def info():
     return d
 
 
-def policy_dirs():
+def policy_dirs() -> List[str]:
     """Directories searched for policies given by name, in order:
     $FERRY_POLICY_DIR (colon-separated), the policies installed with this
     package, the source tree's policies/ (build-tree package)."""
@@ -67,7 +70,7 @@ def policy_dirs():
     return dirs
 
 
-def policy_path(policy):
+def policy_path(policy: Union[str, "_os.PathLike[str]", Policy]) -> str:
     """Resolve a policy name ("default", "layers") or a path to a Lua file.
 
     A name is looked up as <dir>/<name>.lua in policy_dirs(); a Policy

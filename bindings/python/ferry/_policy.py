@@ -5,9 +5,12 @@ library (policies/lib/ferry/rules.lua) or given inline, and kept in a file so
 that `ferry check`, `ferry sim` and recorded traces name it like any other
 policy. Loading it in the engine's sandbox when it is made turns a mistake
 into an error at the call, with the file and line."""
+from __future__ import annotations
+
 import hashlib
 import os
 import tempfile
+from typing import Optional, Sequence, Union
 
 from . import _ferry
 from ._ferry import FerryError
@@ -76,7 +79,7 @@ class Policy:
     Pass it wherever a policy name or path goes: ferry.torch.offload(policy=p),
     set_policy(p), the trainers' callbacks; `str(p.path)` for the CLI."""
 
-    def __init__(self, source, name="inline"):
+    def __init__(self, source: str, name: str = "inline") -> None:
         if not isinstance(source, str) or not source.strip():
             raise ValueError("ferry.Policy: source must be non-empty Lua text")
         self.source = source
@@ -94,11 +97,11 @@ class Policy:
             raise ValueError(f"ferry.Policy: {e.args[0]}") from None
 
     @classmethod
-    def from_source(cls, source, name="inline"):
+    def from_source(cls, source: str, name: str = "inline") -> Policy:
         """A policy from Lua text (a script returning a policy, as a file would)."""
         return cls(source, name)
 
-    def save(self, path):
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> str:
         """Write the source to path (for `ferry check`, `ferry sim`, a repo)."""
         with open(path, "w") as f:
             f.write(self.source)
@@ -114,9 +117,18 @@ class Policy:
         return f"<ferry.Policy {self.path}>"
 
 
-def policy(*, min_bytes=None, exclude=None, only=None, activations_only=False, first_layers=None,
-           keep_last=None, fraction=None, host_budget=None, max_stash=None, max_stash_bytes=None,
-           prefetch=None, prefetch_layers=None, prefetch_bytes=None, name="python"):
+# What every `policy=` argument takes: a shipped policy's name ("default"),
+# a path to a Lua file, or a Policy.
+PolicyLike = Union[str, "os.PathLike[str]", Policy]
+
+
+def policy(*, min_bytes: Optional[Union[int, str]] = None, exclude: Optional[Sequence[str]] = None,
+           only: Optional[Sequence[str]] = None, activations_only: bool = False,
+           first_layers: Optional[int] = None, keep_last: Optional[int] = None,
+           fraction: Optional[float] = None, host_budget: Optional[Union[int, str]] = None,
+           max_stash: Optional[int] = None, max_stash_bytes: Optional[Union[int, str]] = None,
+           prefetch: Optional[int] = None, prefetch_layers: Optional[int] = None,
+           prefetch_bytes: Optional[Union[int, str]] = None, name: str = "python") -> Policy:
     """A Policy built from the rules library's selectors, in Python.
 
     min_bytes: keep smaller tensors (bytes or "1M").   R.min_bytes

@@ -22,6 +22,8 @@ the optimizer pre-step hook and the forward pre-hooks of modules that own
 buffers (BatchNorm statistics change in a training forward) call it for
 you when you pass optimizer= / module=.
 """
+from __future__ import annotations
+
 import atexit
 import collections
 import concurrent.futures
@@ -37,9 +39,11 @@ import threading
 import time
 import warnings
 import zipfile
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from ._policy import PolicyLike
 import ferry as _pkg
 from . import _ferry, _session
 from ._ferry import FerryError
@@ -56,7 +60,8 @@ class CheckpointError(FerryError):
     checkpoint's path, `code` the FERRY_E* name; an I/O error is also an
     OSError."""
 
-    def __init__(self, message, path=None, code=None):
+    def __init__(self, message: str, path: Optional[str] = None,
+                 code: Optional[str] = None) -> None:
         super().__init__(message)
         self.path = path
         self.code = code
@@ -83,7 +88,7 @@ def _untyped(t):
     return t.storage()._storage  # torch 1.13
 
 
-def describe(obj, keys=None):
+def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:
     """Walk dicts, lists and tuples like snapshot() does. Returns a dict:
     tensors, tensor_bytes (of their storages, each counted once),
     primitives (None/bool/int/float/str/bytes), objects (other objects,
@@ -277,7 +282,9 @@ class Snapshot:
     place (automatic with optimizer=/module=), done() to poll, wait() to
     block; both raise CheckpointError on failure. stats: what was written."""
 
-    def __init__(self, path, c_handle=None, stats=None, skipped_rank=None):
+    def __init__(self, path: str, c_handle: Optional[_ferry.Snapshot] = None,
+                 stats: Optional[Dict[str, Any]] = None,
+                 skipped_rank: Optional[int] = None) -> None:
         self.path = path
         self._c = c_handle
         self.stats = stats or {}
@@ -325,10 +332,10 @@ class Snapshot:
 
     # -- the API
     @property
-    def fenced(self):
+    def fenced(self) -> bool:
         return self._c is None or self._c.fenced
 
-    def fence(self):
+    def fence(self) -> None:
         """Order the compute stream after the snapshot's copies (host
         backend: wait for them on the host). After it returns, the tensors
         may be modified: the file holds their values as of snapshot()."""
@@ -345,7 +352,7 @@ class Snapshot:
         else:
             self._disarm()
 
-    def done(self):
+    def done(self) -> bool:
         """True once the file is durable at path, False while writing;
         raises CheckpointError if it failed."""
         if self._exc is not None:
@@ -360,7 +367,7 @@ class Snapshot:
             self._finish()
         return ok
 
-    def wait(self):
+    def wait(self) -> Snapshot:
         """Block until the file is durable; raises CheckpointError naming the
         path if it failed. Returns self."""
         if self._exc is not None:
@@ -373,7 +380,7 @@ class Snapshot:
             self._finish()
         return self
 
-    def error(self):
+    def error(self) -> str:
         """The failure message, '' if none (yet)."""
         if self._exc is not None:
             return str(self._exc)
@@ -423,13 +430,13 @@ class _StepPatch:
                 del self.opt.step
 
 
-def pending():
+def pending() -> List[Snapshot]:
     """Snapshots started and not yet finished (or failed unobserved)."""
     with _pending_lock:
         return list(_pending)
 
 
-def wait_all():
+def wait_all() -> None:
     """Wait for every pending snapshot; raises the first failure."""
     first = None
     for h in pending():
@@ -503,7 +510,8 @@ class Stager:
 
     _synchronize_after_execute = False
 
-    def __init__(self, *, policy=None, backend=None, host_cap=None, **knobs):
+    def __init__(self, *, policy: Optional[PolicyLike] = None, backend: Optional[str] = None,
+                 host_cap: Optional[Union[int, str]] = None, **knobs: Any) -> None:
         self._policy, self._backend, self._host_cap, self._knobs = policy, backend, host_cap, knobs
         self._pool = None
         self._last = None
@@ -511,7 +519,7 @@ class Stager:
         self.stats = {}
 
     @property
-    def should_synchronize_after_execute(self):
+    def should_synchronize_after_execute(self) -> bool:
         return self._synchronize_after_execute
 
     def _engine(self, devices):
@@ -526,7 +534,7 @@ class Stager:
         return _engine_for(backend, cuda[0] if cuda else -1, policy_path, self._host_cap,
                            self._knobs)
 
-    def stage(self, state_dict):
+    def stage(self, state_dict: Dict[str, Any]) -> concurrent.futures.Future:
         tensors = []
         _walk_tensors(state_dict, tensors)
         devices = {t.device for t in tensors}
@@ -573,12 +581,12 @@ class Stager:
         self._last = self._pool.submit(finish)
         return self._last
 
-    def synchronize_staging(self):
+    def synchronize_staging(self) -> None:
         """Block until the last stage()'s copies are done."""
         if self._last is not None:
             self._last.result()
 
-    def close(self):
+    def close(self) -> None:
         """Stop the staging thread and drop the last staged dict (its pinned
         buffers go back to the arena once DCP has let go of it too)."""
         if self._pool is not None:
@@ -626,10 +634,10 @@ class _DcpSnapshot(Snapshot):
         self._ok = upload is None
 
     @property
-    def fenced(self):
+    def fenced(self) -> bool:
         return self._staging is None or self._staging.done()
 
-    def fence(self):
+    def fence(self) -> None:
         """Wait until the staged copy is complete: then the tensors may be
         modified."""
         try:
@@ -642,14 +650,14 @@ class _DcpSnapshot(Snapshot):
         finally:
             self._disarm()
 
-    def done(self):
+    def done(self) -> bool:
         if self._exc is not None:
             raise self._exc
         if not self._ok and self._future.done():
             self.wait()
         return self._ok
 
-    def wait(self):
+    def wait(self) -> Snapshot:
         if self._exc is not None:
             raise self._exc
         if not self._ok:
@@ -710,8 +718,20 @@ def _arm(h, optimizer, module, fence_hooks):
 
 
 # ---- the entry point -----------------------------------------------------------------
-def snapshot(obj, path, *, optimizer=None, module=None, policy=None, keys=None, backend=None,
-             host_cap=None, distributed="auto", fence_hooks="auto", **knobs):
+def snapshot(
+        obj: Any,
+        path: Union[str, "os.PathLike[str]"],
+        *,
+        optimizer: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+        module: Optional[Union[torch.nn.Module, Sequence[torch.nn.Module]]] = None,
+        policy: Optional[PolicyLike] = None,
+        keys: Optional[Iterable[Any]] = None,
+        backend: Optional[str] = None,
+        host_cap: Optional[Union[int, str]] = None,
+        distributed: str = "auto",
+        fence_hooks: str = "auto",
+        **knobs: Any,
+) -> Snapshot:
     """Write `obj` (nested dicts/lists/tuples of tensors and other objects)
     to `path` as torch.save would, staging the tensors through ferry's
     pinned arena while training goes on. Returns a Snapshot at once.

@@ -23,16 +23,21 @@ objects that are not tensors, and strategy checks: FSDP, DeepSpeed, XLA and
 other sharded strategies keep their own checkpointing (the callback
 disables itself with a message naming the strategy).
 """
+from __future__ import annotations
+
 import logging
 import os
 import time
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from ._policy import PolicyLike
 from .checkpoint import CheckpointError, describe, snapshot
 from .torch import offload, stats
 
@@ -63,7 +68,9 @@ class StagedCheckpointIO(TorchCheckpointIO):
     path still being written waits for it first.
     """
 
-    def __init__(self, policy=None, keys=None, host_cap=None, backend=None, **knobs):
+    def __init__(self, policy: Optional[PolicyLike] = None, keys: Optional[Iterable[str]] = None,
+                 host_cap: Optional[Union[int, str]] = None, backend: Optional[str] = None,
+                 **knobs: Any) -> None:
         super().__init__()
         self.policy = policy
         self.keys = None if keys is None else list(keys)
@@ -91,7 +98,8 @@ class StagedCheckpointIO(TorchCheckpointIO):
         if h is not None:
             h.wait()
 
-    def save_checkpoint(self, checkpoint, path, storage_options=None):
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Union[str, "os.PathLike[str]"],
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("StagedCheckpointIO.save_checkpoint does not take storage_options "
                             f"(got {storage_options!r})")
@@ -110,15 +118,16 @@ class StagedCheckpointIO(TorchCheckpointIO):
         self.last_stats = h.stats
         self.saves += 1
 
-    def load_checkpoint(self, path, *args, **kwargs):
+    def load_checkpoint(self, path: Union[str, "os.PathLike[str]"], *args: Any,
+                        **kwargs: Any) -> Dict[str, Any]:
         self._wait_for(path)
         return super().load_checkpoint(path, *args, **kwargs)
 
-    def remove_checkpoint(self, path):
+    def remove_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
         self._wait_for(path)
         super().remove_checkpoint(path)
 
-    def wait(self):
+    def wait(self) -> None:
         """Wait for every checkpoint this plugin started; raises the first
         failure."""
         first = None
@@ -130,7 +139,7 @@ class StagedCheckpointIO(TorchCheckpointIO):
         if first is not None:
             raise first
 
-    def teardown(self):
+    def teardown(self) -> None:
         self.wait()
 
 
@@ -145,7 +154,7 @@ _SHARDED = {
 _SUPPORTED = ("SingleDeviceStrategy", "DDPStrategy", "DataParallelStrategy")
 
 
-def strategy_support(strategy):
+def strategy_support(strategy: Any) -> Tuple[bool, str]:
     """(supported, reason) for a Lightning strategy object: single device
     and DDP are; FSDP, DeepSpeed, XLA and model parallel are left to their
     own checkpointing; unknown strategies are not touched."""
@@ -175,8 +184,9 @@ class StagedCheckpointCallback(Callback):
     the plugin there); other ranks do nothing.
     """
 
-    def __init__(self, offload_keys=None, log_skipped=False, policy=None, host_cap=None,
-                 **knobs):
+    def __init__(self, offload_keys: Optional[Iterable[str]] = None, log_skipped: bool = False,
+                 policy: Optional[PolicyLike] = None, host_cap: Optional[Union[int, str]] = None,
+                 **knobs: Any) -> None:
         super().__init__()
         self.offload_keys = list(offload_keys if offload_keys is not None
                                  else DEFAULT_OFFLOAD_KEYS)
@@ -190,7 +200,7 @@ class StagedCheckpointCallback(Callback):
         self.checkpoints = 0
         self.last_report = None
 
-    def setup(self, trainer, pl_module, stage):
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         ok, reason = strategy_support(trainer.strategy)
         self.enabled = ok
         if not ok:
@@ -216,7 +226,7 @@ class StagedCheckpointCallback(Callback):
             self.plugin.keys = self.offload_keys
         self.plugin.reporter = self._report
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.enabled:
             # fence before these optimizers step and before a training
             # forward of the module's buffer owners
@@ -246,7 +256,7 @@ class StagedCheckpointCallback(Callback):
                  "describe)", step, d["tensors"], d["tensor_bytes"] / 2**20,
                  (time.perf_counter() - t0) * 1e3)
 
-    def teardown(self, trainer, pl_module, stage):
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.enabled and self.plugin is not None:
             self.plugin.wait()
 
@@ -270,7 +280,8 @@ class ActivationOffload(Callback):
     logged as "ferry/<name>" (offloaded and kept tensors, bytes each way,
     stash hits, cap fallbacks, policy errors, arena in use and peak)."""
 
-    def __init__(self, policy=None, backend=None, log_stats=True, **knobs):
+    def __init__(self, policy: Optional[PolicyLike] = None, backend: Optional[str] = None,
+                 log_stats: bool = True, **knobs: Any) -> None:
         super().__init__()
         self.policy = policy
         self.backend = backend
@@ -279,12 +290,14 @@ class ActivationOffload(Callback):
         self._ctx = None
         self._last = None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self._leave()
         self._ctx = offload(pl_module, policy=self.policy, backend=self.backend, **self.knobs)
         self._ctx.__enter__()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
         self._leave()
         if self.log_stats:
             s = stats()
@@ -294,10 +307,11 @@ class ActivationOffload(Callback):
             self._last = {k: s[k] for k in _STEP_COUNTERS}
             pl_module.log_dict(logged, on_step=True, on_epoch=False)
 
-    def on_exception(self, trainer, pl_module, exception):
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
         self._leave()
 
-    def teardown(self, trainer, pl_module, stage):
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._leave()
 
     def _leave(self):

@@ -26,9 +26,12 @@ there with torch's own CPU kernels, as Megatron's ``HybridDeviceOptimizer``
 
 This module imports nothing else from ferry.
 """
+from __future__ import annotations
+
 import inspect
 import threading
 import types
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -65,7 +68,9 @@ class OptimizerOffload:
     ``opt.ferry_offload``: which parameters are on the host and how many
     bytes of parameters they are."""
 
-    def __init__(self, opt, fraction, overlap, policy, early_grads):
+    def __init__(self, opt: torch.optim.Optimizer, fraction: float, overlap: bool,
+                 policy: Optional[Callable[[torch.nn.Parameter], bool]],
+                 early_grads: Optional[bool]) -> None:
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError("offload_optimizer: expected a torch.optim.Optimizer, got %s"
                             % type(opt).__name__)
@@ -150,7 +155,7 @@ class OptimizerOffload:
                 if key != "params" and key not in _HOST_GROUP_OFF:
                     dst[key] = v
 
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -205,7 +210,7 @@ class OptimizerOffload:
         return loss
 
     # ---- state dict: the wrapped optimizer's format -------------------------
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, Any]:
         if self.host_opt is None:
             return self._orig_state_dict()
         self._sync_hyperparams()
@@ -221,7 +226,7 @@ class OptimizerOffload:
             for p in put:
                 st.pop(p, None)
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self._orig_load_state_dict(state_dict)
         if self.host_opt is None:
             return
@@ -234,7 +239,7 @@ class OptimizerOffload:
                     k: (_pin(v.detach().to("cpu", copy=True)) if torch.is_tensor(v) else v)
                     for k, v in s.items()}
 
-    def remove(self):
+    def remove(self) -> None:
         """Undo the patch: the host share's state moves back into the wrapped
         optimizer (on each parameter's device)."""
         sd = self.state_dict()
@@ -246,7 +251,9 @@ class OptimizerOffload:
         self.opt.load_state_dict(sd)
 
 
-def offload_optimizer(opt, fraction=0.5, overlap=True, policy=None, early_grads=None):
+def offload_optimizer(opt: torch.optim.Optimizer, fraction: float = 0.5, overlap: bool = True,
+                      policy: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                      early_grads: Optional[bool] = None) -> torch.optim.Optimizer:
     """Keep the optimizer state of a ``fraction`` (by bytes) of opt's
     parameters on the host and step it there; returns opt, patched in place
     (its ``ferry_offload`` attribute is the :class:`OptimizerOffload`).

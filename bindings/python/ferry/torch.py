@@ -22,14 +22,18 @@ of the context starts a step (steps="auto"), ending the previous one.
 Defaults come from the environment `ferry run` sets: FERRY_POLICY,
 FERRY_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments win).
 """
+from __future__ import annotations
+
 import hashlib
 import os
 import tempfile
 import warnings
 import weakref
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ._policy import PolicyLike
 import ferry as _pkg
 from . import _session as _sessmod
 from ._ferry import FerryError
@@ -138,7 +142,7 @@ def _find_blocks(model):
     return best[1], best[2]
 
 
-def model_sites(model):
+def model_sites(model: torch.nn.Module) -> List[Tuple[str, str, int]]:
     """[(module, path, class, layer, layer_count)] for every module of model,
     as the policy will see them. Inside a torch.compile'd module there are
     no sites (see _named_sites): its tensors carry its own path and layer."""
@@ -218,8 +222,12 @@ class offload:
         ("auto"/"jemalloc"/"pool"), policy_trusted, fast_keep.
     """
 
-    def __init__(self, model=None, policy=None, backend=None, *, record_trace=None, host_cap=None,
-                 node_host_cap=None, node_cap_name=None, steps="auto", **knobs):
+    def __init__(self, model: Optional[torch.nn.Module] = None,
+                 policy: Optional[PolicyLike] = None, backend: Optional[str] = None, *,
+                 record_trace: Optional[str] = None, host_cap: Optional[Union[int, str]] = None,
+                 node_host_cap: Optional[Union[int, str]] = None,
+                 node_cap_name: Optional[str] = None, steps: Union[str, bool] = "auto",
+                 **knobs: Any) -> None:
         unknown = set(knobs) - _ENGINE_KNOBS
         if unknown:
             raise TypeError(f"ferry.torch.offload: unknown knob(s) {', '.join(sorted(unknown))}; "
@@ -268,7 +276,7 @@ class offload:
         self._handles = ()
 
     @property
-    def engine(self):
+    def engine(self) -> _pkg.Engine:
         return self.session.engine
 
     def __enter__(self):
@@ -306,12 +314,12 @@ def _session():
     return s
 
 
-def engine():
+def engine() -> _pkg.Engine:
     """The _ferry.Engine of the most recently entered offload context."""
     return _session().engine
 
 
-def step():
+def step() -> None:
     """End the current step: waits for outstanding copies, frees their host
     buffers. Returns the number of saved tensors still live (0 unless a
     graph is kept alive). Automatic at each context entry with steps="auto";
@@ -319,13 +327,13 @@ def step():
     return _session().end_step()
 
 
-def set_policy(policy):
+def set_policy(policy: PolicyLike) -> None:
     """Swap the current engine's policy (a name or a path) between steps.
     The previous policy stays in force if the new one fails to load."""
     _session().set_policy(_pkg.policy_path(policy))
 
 
-def stats():
+def stats() -> Dict[str, Any]:
     """Engine stats (ferry_stats) plus the binding's counters as a dict:
     kept_small (fast path), kept_subclass, kept_sparse, kept_nested,
     kept_device, kept_non_dense, kept_ndim, kept_pack_error,
@@ -339,7 +347,7 @@ def stats():
     return d
 
 
-def close():
+def close() -> None:
     """End every engine's step and destroy the engines (tests, shutdown).
     Saved tensors still held by a graph become unusable."""
     for s in list(_sessions.values()):
@@ -408,8 +416,9 @@ class OffloadActivations:
     ``model`` (optional) lets decisions know module paths and layers;
     ``backend`` as in ``ferry.torch.offload``."""
 
-    def __init__(self, use_pin_memory=True, use_streams=True, max_fwd_stash_size=5,
-                 min_offload_size=1024, *, model=None, backend=None):
+    def __init__(self, use_pin_memory: bool = True, use_streams: bool = True,
+                 max_fwd_stash_size: int = 5, min_offload_size: int = 1024, *,
+                 model: Optional[torch.nn.Module] = None, backend: Optional[str] = None) -> None:
         if not isinstance(max_fwd_stash_size, int) or isinstance(max_fwd_stash_size, bool) \
                 or max_fwd_stash_size < 0:
             raise ValueError(f"OffloadActivations: max_fwd_stash_size={max_fwd_stash_size!r} "
@@ -441,5 +450,5 @@ class NoOffload(torch.autograd.graph.saved_tensors_hooks):
     activations backward needs first). The innermost saved-tensor hooks win,
     so these identity hooks shadow ferry's for the region."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(lambda t: t, lambda t: t)

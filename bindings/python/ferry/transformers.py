@@ -12,8 +12,14 @@ between the two, so what those forwards save goes to pinned host memory
 and their backwards bring it back. The same works in an accelerate loop:
 wrap each step in ``ferry.torch.offload(model)`` (examples/accelerate_loop.py).
 """
-from transformers import TrainerCallback
+from __future__ import annotations
 
+from typing import Any, Dict, Optional
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ._policy import PolicyLike
 from .torch import offload, stats
 
 __all__ = ["ActivationOffloadCallback"]
@@ -29,30 +35,35 @@ class ActivationOffloadCallback(TrainerCallback):
 
     _LOGGED = ("tensors_offloaded", "bytes_d2h", "bytes_h2d", "arena_peak")
 
-    def __init__(self, policy=None, backend=None, **knobs):
+    def __init__(self, policy: Optional[PolicyLike] = None, backend: Optional[str] = None,
+                 **knobs: Any) -> None:
         self.policy = policy
         self.backend = backend
         self.knobs = knobs
         self.last_stats = None
         self._ctx = None
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      model: Optional[torch.nn.Module] = None, **kwargs: Any) -> None:
         self._leave()
         self._ctx = offload(model, policy=self.policy, backend=self.backend, **self.knobs)
         self._ctx.__enter__()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         self._leave()
         self.last_stats = stats()
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: Optional[Dict[str, float]] = None, **kwargs: Any) -> None:
         # The Trainer has already copied logs into state.log_history: add the
         # figures to that entry (report_to integrations, called before user
         # callbacks, do not see them; read last_stats there).
         if self.last_stats is not None and state.log_history and "loss" in state.log_history[-1]:
             state.log_history[-1].update({f"ferry/{k}": self.last_stats[k] for k in self._LOGGED})
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         self._leave()
 
     def _leave(self):

@@ -24,6 +24,10 @@ on the host between uses.
 
 This module imports nothing else from ferry.
 """
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
 import torch
 
 __all__ = ["offload_weights", "WeightOffload"]
@@ -149,7 +153,8 @@ class WeightOffload:
     and ``reloads``; ``remove()`` brings every weight back and drops the
     hooks."""
 
-    def __init__(self, model, layers, double_buffer):
+    def __init__(self, model: torch.nn.Module, layers: Sequence[Union[torch.nn.Module, str]],
+                 double_buffer: bool) -> None:
         mods = []
         named = dict(model.named_modules())
         for ly in layers:
@@ -185,11 +190,11 @@ class WeightOffload:
             self._handles.append(ly.module.register_forward_hook(ly.post_forward))
             ly.offload()
 
-    def neighbour(self, index, step):
+    def neighbour(self, index: int, step: int) -> Optional[_Layer]:
         j = index + step
         return self.layers[j] if 0 <= j < len(self.layers) else None
 
-    def remove(self):
+    def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -199,7 +204,8 @@ class WeightOffload:
                 p.__dict__.pop("_ferry_weight_offload", None)
 
 
-def offload_weights(model, layers, double_buffer=True):
+def offload_weights(model: torch.nn.Module, layers: Sequence[Union[torch.nn.Module, str]],
+                    double_buffer: bool = True) -> WeightOffload:
     """Keep the parameters of ``layers`` (modules of model, or their names,
     in forward order) on the host between uses; returns a WeightOffload."""
     return WeightOffload(model, layers, double_buffer)
