@@ -106,6 +106,7 @@
   X(sim_stream_waits_for_compute_event)                                 \
   X(sim_host_memory_is_address_space_only)                              \
   X(sim_trace_reader_names_line_and_problem)                            \
+  X(sim_trace_errors_full_text_after_blank_lines)                       \
   X(sim_synth_matches_korthikanti_formula)                              \
   X(sim_synth_llama_shapes_and_sizes)                                   \
   X(sim_replay_matches_hand_computed_times)                             \

@@ -200,6 +200,40 @@ static int expect_parse_error(const char *text, size_t len, const char *want) {
 }
 #define BAD(text, want) CHECK_EQ(expect_parse_error(text, strlen(text), want), 0)
 
+/* The whole message, every number in it: blank lines (skipped by the
+ * reader) still count as lines, in the error's own line and in the line it
+ * points back to. */
+static int expect_exact_error(const char *text, const char *want) {
+  sim_trace *t = NULL;
+  char err[512] = "";
+  int rc = sim_trace_parse("bad.jsonl", text, strlen(text), &t, err, sizeof err);
+  if (rc != FERRY_EPARSE || t || strcmp(err, want) != 0) {
+    fprintf(stderr, "input:\n%s\nexpected \"%s\"\n     got \"%s\" (rc %d)\n", text, want, err, rc);
+    sim_trace_free(t);
+    return 1;
+  }
+  return 0;
+}
+#define EXACT(text, want) CHECK_EQ(expect_exact_error(text, want), 0)
+
+TEST(sim_trace_errors_full_text_after_blank_lines) {
+  EXACT("\n" HDR "\n\n" BEGIN "\n" PACK(3, 16) "\n\n" PACK(3, 16) END,
+        "bad.jsonl:10: id 3 packed twice (first at line 7)");
+  EXACT(HDR "\n" BEGIN PACK(4, 16) "\n" UNPACK(4) "\n\n\n" UNPACK(4) END,
+        "bad.jsonl:10: unpack of id 4, which was already unpacked or discarded (line 4 packed "
+        "it)");
+  EXACT(HDR BEGIN "\n\n" PACK(5, 16) PACK(6, 16) UNPACK(6) "\n" END,
+        "bad.jsonl:9: step 1 ends with 1 id(s) neither unpacked nor discarded (first: id 5 "
+        "packed at line 5)");
+  EXACT("\n\n\n" BEGIN, "bad.jsonl:4: the first line must be the header "
+                         "({\"ev\":\"header\",...}), got \"step_begin\"");
+  EXACT(HDR "\n\n" BEGIN "\n" "{\"ev\":\"fly\",\"t_us\":1}\n" END,
+        "bad.jsonl:6: unknown event \"fly\"");
+  EXACT(HDR BEGIN "\n\n\n" PACK(1, -16) END, "bad.jsonl:6: \"bytes\" = -16 is negative "
+                                                "(allowed 1 .. 1125899906842624)");
+  return 0;
+}
+
 TEST(sim_trace_reader_names_line_and_problem) {
   BAD("", "bad.jsonl: empty trace");
   BAD("\n\n", "bad.jsonl: empty trace");

@@ -10,17 +10,39 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ferry_tools.h"
 
 int fuzz_trace_reader_one(const uint8_t *data, size_t size);
+
+/* "fuzz:LINE: message" with 1 <= LINE <= the input's line count, or
+ * "fuzz: message" for errors about the whole trace; the message non-empty. */
+static int error_shape_ok(const char *err, const uint8_t *data, size_t size) {
+  if (strncmp(err, "fuzz:", 5) != 0) return 0;
+  const char *p = err + 5;
+  if (*p >= '0' && *p <= '9') {
+    unsigned long long line = 0;
+    while (*p >= '0' && *p <= '9') {
+      line = line * 10 + (unsigned long long)(*p++ - '0');
+      if (line > size + 1) return 0;
+    }
+    unsigned long long lines = 1;
+    for (size_t i = 0; i < size; i++) lines += data[i] == '\n';
+    if (line < 1 || line > lines || *p++ != ':') return 0;
+  }
+  return p[0] == ' ' && p[1] != '\0' && p[1] != ' ';
+}
 
 int fuzz_trace_reader_one(const uint8_t *data, size_t size) {
   sim_trace *t = NULL;
   char err[512];
   int rc = sim_trace_parse("fuzz", (const char *)data, size, &t, err, sizeof err);
   if (rc) {
-    if (t || !err[0]) abort(); /* an error always says what */
+    if (t || !error_shape_ok(err, data, size)) { /* an error always says where and what */
+      fprintf(stderr, "bad error message: \"%s\"\n", err);
+      abort();
+    }
     return 0;
   }
   if (t->n_events > 20000) { /* keep each run fast */
