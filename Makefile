@@ -4,7 +4,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?=
 PYTHON_TORCH ?= /usr/bin/python3
 
-.PHONY: all deps build demo test bench install clean
+.PHONY: all deps build demo test bench mutate install clean
 
 all: build
 
@@ -38,6 +38,13 @@ bench: build
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json
 	@python3 bench/targets.py $(BUILD)/bench.json
+
+# Mutation testing (tests/mutate/): plants each mutant, rebuilds build-mutate,
+# runs the suite that should catch it; writes $(BUILD)/mutate.json. Not part
+# of `make test` (about half a minute per mutant).
+mutate: build
+	@py=$$(.ci/python-env 2>/dev/null | tail -1); [ -x "$$py" ] || py=$(PYTHON_TORCH); \
+	  FERRY_MUTATE_PYTHON=$$py JOBS=$(JOBS) python3 tests/mutate/run.py --json $(BUILD)/mutate.json
 
 install: build
 	cmake --install $(BUILD)
