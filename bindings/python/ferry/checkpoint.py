@@ -30,7 +30,6 @@ import concurrent.futures
 import contextlib
 import inspect
 import io
-import json
 import os
 import pickle
 import random
@@ -180,6 +179,23 @@ class _Recorder:
         self.records.append((name, None, int(nbytes)))
 
 
+def _run_save(obj, skip):
+    """One pass of torch.serialization._save into a _Recorder, under
+    skip_data when skip is given: (records, storages in key order)."""
+    rec = _Recorder()
+    args = [obj, rec, pickle, torch.serialization.DEFAULT_PROTOCOL]
+    if "_disable_byteorder_record" in inspect.signature(torch.serialization._save).parameters:
+        args.append(False)
+    _tls.storages = {}
+    try:
+        with (skip() if skip is not None else contextlib.nullcontext()):
+            torch.serialization._save(*args)
+    finally:
+        storages = list(_tls.storages.values())
+        _tls.storages = None
+    return rec.records, storages
+
+
 def _torch_records(obj):
     """torch.save's records for obj, made by torch: ([(name, bytes or None,
     nbytes)] in torch's order, [untyped storage] in key order). Under
@@ -187,33 +203,20 @@ def _torch_records(obj):
     bytes; older torch (and objects skip_data refuses: quantized, nested)
     copy device storages to the CPU here, which ferry then ignores."""
     _register_tagger()
-    sig = inspect.signature(torch.serialization._save).parameters
     skip = getattr(torch.serialization, "skip_data", None)
-    attempts = [True, False] if skip is not None else [False]
-    for use_skip in attempts:
-        rec = _Recorder()
-        _tls.storages = {}
-        try:
-            args = [obj, rec, pickle, torch.serialization.DEFAULT_PROTOCOL]
-            if "_disable_byteorder_record" in sig:
-                args.append(False)
-            with (skip() if use_skip else contextlib.nullcontext()):
-                torch.serialization._save(*args)
-        except RuntimeError as e:
-            if use_skip and "skip_data" in str(e):
-                continue  # e.g. a quantized or nested tensor: save it the plain way
+    try:
+        records, storages = _run_save(obj, skip)
+    except RuntimeError as e:
+        if skip is None or "skip_data" not in str(e):
             raise
-        finally:
-            storages = list(_tls.storages.values())
-            _tls.storages = None
-        n_data = sum(1 for name, data, _ in rec.records if data is None)
-        if n_data != len(storages):
-            raise CheckpointError(f"ferry.torch.snapshot: torch's serializer wrote {n_data} "
-                                  f"storage record(s) but ferry saw {len(storages)}; this torch "
-                                  f"({torch.__version__}) serializes differently than ferry "
-                                  "expects: use torch.save", None, "FERRY_EINVAL")
-        return rec.records, storages
-    raise AssertionError("unreachable")
+        records, storages = _run_save(obj, None)  # e.g. a quantized tensor: the plain way
+    n_data = sum(1 for name, data, _ in records if data is None)
+    if n_data != len(storages):
+        raise CheckpointError(f"ferry.torch.snapshot: torch's serializer wrote {n_data} "
+                              f"storage record(s) but ferry saw {len(storages)}; this torch "
+                              f"({torch.__version__}) serializes differently than ferry "
+                              "expects: use torch.save", None, "FERRY_EINVAL")
+    return records, storages
 
 
 _container = None
@@ -254,6 +257,22 @@ def _snapshot_policy(policy):
 
 
 # ---- engines -------------------------------------------------------------------
+def _backend_device(backend, devices, who, path=None):
+    """(backend, cuda device or -1) for tensors on `devices`: backend None
+    or "auto" means $FERRY_BACKEND, else cuda when a tensor is on a GPU."""
+    if backend is None:
+        backend = os.environ.get("FERRY_BACKEND") or "auto"
+    if backend == "auto":
+        backend = "cuda" if any(dv.type == "cuda" for dv in devices) else "host"
+    if backend not in ("host", "cuda"):
+        raise ValueError(f"{who}: backend {backend!r} is not 'host' or 'cuda'")
+    cuda_devices = sorted({dv.index or 0 for dv in devices if dv.type == "cuda"})
+    if backend == "host" and cuda_devices:
+        raise CheckpointError(f"{who}: backend='host' but the state has tensors on a GPU; "
+                              "use backend='cuda'", path, "FERRY_EINVAL")
+    return backend, cuda_devices[0] if cuda_devices else -1
+
+
 def _engine_for(backend, device, policy_path, host_cap, knobs):
     cur = _session.current
     if (cur is not None and not cur.engine.closed and cur.cfg.get("backend") == backend
@@ -523,16 +542,9 @@ class Stager:
         return self._synchronize_after_execute
 
     def _engine(self, devices):
-        backend = self._backend or os.environ.get("FERRY_BACKEND") or "auto"
-        if backend == "auto":
-            backend = "cuda" if any(d.type == "cuda" for d in devices) else "host"
-        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-        if backend == "host" and cuda:
-            raise CheckpointError("ferry.checkpoint.Stager: backend='host' but the state has "
-                                  "tensors on a GPU; use backend='cuda'", None, "FERRY_EINVAL")
+        backend, device = _backend_device(self._backend, devices, "ferry.checkpoint.Stager")
         policy_path, _ = _snapshot_policy(self._policy)
-        return _engine_for(backend, cuda[0] if cuda else -1, policy_path, self._host_cap,
-                           self._knobs)
+        return _engine_for(backend, device, policy_path, self._host_cap, self._knobs)
 
     def stage(self, state_dict: Dict[str, Any]) -> concurrent.futures.Future:
         tensors = []
@@ -793,17 +805,7 @@ def snapshot(
 
     # backend and device: cuda when a storage lives on a GPU
     devices = {st.device for st in storages if st.device.type != "cpu"}
-    if backend is None:
-        backend = os.environ.get("FERRY_BACKEND") or "auto"
-    if backend == "auto":
-        backend = "cuda" if any(dv.type == "cuda" for dv in devices) else "host"
-    if backend not in ("host", "cuda"):
-        raise ValueError(f"ferry.torch.snapshot: backend {backend!r} is not 'host' or 'cuda'")
-    cuda_devices = sorted({dv.index or 0 for dv in devices if dv.type == "cuda"})
-    if backend == "host" and cuda_devices:
-        raise CheckpointError(f"ferry.torch.snapshot({path!r}): backend='host' but the state "
-                              "has tensors on a GPU; use backend='cuda'", path, "FERRY_EINVAL")
-    device = cuda_devices[0] if cuda_devices else -1
+    backend, device = _backend_device(backend, devices, f"ferry.torch.snapshot({path!r})", path)
     policy_path, pol = _snapshot_policy(policy)
     engine = _engine_for(backend, device, policy_path, host_cap, knobs)
 
