@@ -99,6 +99,9 @@ def main():
             failed = run_suite(a.build, m["suite"]) if ok else []
         finally:
             shutil.move(backup, path)
+            # the restored file keeps its old mtime (copy2), older than the
+            # mutant's object: touch it or make keeps the mutant built in
+            os.utime(path)
         result = "build-broken" if not ok else ("killed" if failed else "survived")
         results.append(dict(m, result=result, tests=failed[:5], seconds=round(time.time() - t0, 1)))
         print(f"{result.upper():9}{m['id']:40} {m['class']:22} {', '.join(failed[:2])}", flush=True)
