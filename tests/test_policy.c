@@ -493,6 +493,10 @@ TEST(policy_nonsense_answers_kept) {
  * endless. */
 TEST(policy_runaway_loops_interrupted) {
   char path[256];
+  /* the instruction budget is under test: the wall clock must not win,
+   * even under valgrind */
+  setenv("FERRY_POLICY_DECISION_MS", "600000", 1);
+  setenv("FERRY_POLICY_LOAD_MS", "600000", 1);
   ferry_policy *p = load_file("loops.lua",
       "local function spin(n) local s = 0 for i = 1, n do s = s + i end return s end\n" /* 1 */
       "local function tail(n) return tail(n + 1) end\n" /* 2 */
@@ -563,14 +567,133 @@ TEST(policy_runaway_loops_interrupted) {
   ferry_policy_destroy(p);
 
   /* At load time too, with the load budget. */
-  return expect_load_error("loadloop.lua", "local x = 0\nwhile true do x = x + 1 end\n", 0, 2,
-                           "interrupted after 100000000 VM instructions (runaway loop?)");
+  int rc = expect_load_error("loadloop.lua", "local x = 0\nwhile true do x = x + 1 end\n", 0, 2,
+                             "interrupted after 100000000 VM instructions (runaway loop?)");
+  unsetenv("FERRY_POLICY_DECISION_MS");
+  unsetenv("FERRY_POLICY_LOAD_MS");
+  return rc;
+}
+
+/* Time spent where the instruction count does not grow fast (a loop on
+ * os.clock, ~0.5 s for the instruction budget) is stopped by the wall-clock
+ * budget; the C functions the hook cannot interrupt (the pattern matcher,
+ * table.sort) refuse work they could not finish quickly, with the caller's
+ * file:line; ordinary patterns are untouched. */
+TEST(policy_wall_clock_and_c_functions_bounded) {
+  char path[256];
+  setenv("FERRY_POLICY_DECISION_MS", "30", 1);
+  ferry_policy *p = load_file("bounded.lua",
+      "local big = string.rep('a', 3000)\n" /* 1 */
+      "local bomb = string.rep('a*', 12) .. 'b'\n" /* 2 */
+      "return { api = 1, decide = function(t)\n" /* 3 */
+      "  local p = t:path()\n" /* 4 */
+      "  if p == 'clock' then local t0 = os.clock() while os.clock() - t0 < 60 do end end\n" /* 5 */
+      "  if p == 'find' then string.find(big, bomb) end\n" /* 6 */
+      "  if p == 'method' then big:match(bomb) end\n" /* 7 */
+      "  if p == 'gmatch' then for _ in big:gmatch('(a*)(a*)(a*)b') do end end\n" /* 8 */
+      "  if p == 'gsub' then big:gsub('a-a-a-a-b', '') end\n" /* 9 */
+      "  if p == 'plain' then string.find(string.rep('ab', 1e6), string.rep('ab', 100), 1, true) end\n" /* 10 */
+      "  if p == 'sort' then local x = {} for i = 1, 70000 do x[i] = -i end table.sort(x) end\n" /* 11 */
+      "  assert(('model.layers.12.mlp'):match('^model%.layers%.(%d+)%.') == '12')\n"
+      "  assert(select(2, ('a.b.c'):gsub('%.', '/')) == 2)\n"
+      "  assert(('x(y)'):find('(', 1, true) == 2 and ('a.b'):find('.', 2, true) == 2)\n"
+      "  local n = 0 for w in ('decoder.layers.3.self_attn'):gmatch('[^.]+') do n = n + 1 end\n"
+      "  assert(n == 4)\n"
+      "  assert(('%s'):rep(3, '-') == '%s-%s-%s')\n"
+      "  local s = {3, 1, 2} table.sort(s) assert(s[1] == 1 and s[3] == 3)\n"
+      "  return ferry.OFFLOAD\n"
+      "end }\n",
+      0, path, sizeof path);
+  unsetenv("FERRY_POLICY_DECISION_MS");
+  CHECK(p != NULL);
+  static const struct {
+    const char *site;
+    int line;
+    const char *msg;
+  } cases[] = {
+      {"clock", 5, "interrupted after 30 ms, the wall-clock budget of a decision "
+                   "(FERRY_POLICY_DECISION_MS)"},
+      {"find", 6, "string.find: pattern 'a*a*a*a*a*a*a*a*a*a*a*a*b' is too costly for a "
+                  "3000-byte subject (up to 5.3e+36 matcher steps, the limit is 1.7e+07): "
+                  "anchor it with '^', match a shorter string or use fewer repetitions "
+                  "(*, +, -, ?)"},
+      {"method", 7, "string.match: pattern 'a*a*a*a*a*a*a*a*a*a*a*a*b' is too costly for a "
+                    "3000-byte subject (up to 5.3e+36 matcher steps, the limit is 1.7e+07): "
+                    "anchor it with '^', match a shorter string or use fewer repetitions "
+                    "(*, +, -, ?)"},
+      {"gmatch", 8, "string.gmatch: pattern '(a*)(a*)(a*)b' is too costly for a 3000-byte "
+                    "subject (up to 1.4e+13 matcher steps, the limit is 1.7e+07): anchor it "
+                    "with '^', match a shorter string or use fewer repetitions (*, +, -, ?)"},
+      {"gsub", 9, "string.gsub: pattern 'a-a-a-a-b' is too costly for a 3000-byte subject "
+                  "(up to 1e+16 matcher steps, the limit is 1.7e+07): anchor it with '^', "
+                  "match a shorter string or use fewer repetitions (*, +, -, ?)"},
+      {"plain", 10, "string.find: pattern 'abababababababababababababababababababababababababab"
+                    "abababab...' is too costly for a 2000000-byte subject (up to 2.5e+07 "
+                    "matcher steps, the limit is 1.7e+07): search a shorter string or for a "
+                    "shorter one"},
+      {"sort", 11, "table.sort: 70000 items, more than the limit of 65536"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ferry_tensor_desc d = desc_of(cases[i].site, "X", FERRY_KIND_ACTIVATION, 4096);
+    ferry_decision out = {FERRY_OFFLOAD, 0, 0, 1};
+    double t0 = now_ms();
+    ferry_policy_decide(p, &d, NULL, &out);
+    printf("  %-7s stopped after %.1f ms\n", cases[i].site, now_ms() - t0);
+    CHECK_EQ(out.action, FERRY_KEEP);
+    if (expect_fault(p, path, cases[i].line, cases[i].msg)) {
+      fprintf(stderr, "bounded case '%s'\n", cases[i].site);
+      return 1;
+    }
+  }
+  ferry_tensor_desc ok = desc_of("ordinary", "X", FERRY_KIND_ACTIVATION, 4096);
+  ferry_decision out;
+  ferry_policy_decide(p, &ok, NULL, &out);
+  if (out.action != FERRY_OFFLOAD) fprintf(stderr, "%s\n", ferry_policy_last_error(p));
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_destroy(p);
+
+  /* a load has its own budget */
+  setenv("FERRY_POLICY_LOAD_MS", "40", 1);
+  int rc = expect_load_error("slowload.lua",
+                             "local t0 = os.clock()\nwhile os.clock() - t0 < 60 do end\n", 0, 2,
+                             "interrupted after 40 ms, the wall-clock budget of a policy load "
+                             "(FERRY_POLICY_LOAD_MS)");
+  unsetenv("FERRY_POLICY_LOAD_MS");
+  return rc;
+}
+
+/* The sandbox's globals are an allow-list: any name added to what policy
+ * code can reach must be added here (and to docs/security.md) on purpose. */
+TEST(policy_sandbox_globals_are_the_allow_list) {
+  char path[256];
+  ferry_policy *p = load_file("globals.lua", "return { api = 1, decide = function() return 0 end }\n",
+                              0, path, sizeof path);
+  CHECK(p != NULL);
+  char names[8192];
+  size_t len = ferry_policy_globals(p, names, sizeof names);
+  CHECK(len < sizeof names);
+  static const char want[] =
+      "assert,error,ferry,getmetatable,ipairs,"
+      "math,math.abs,math.acos,math.asin,math.atan,math.atan2,math.ceil,math.cos,math.cosh,"
+      "math.deg,math.exp,math.floor,math.fmod,math.frexp,math.huge,math.ldexp,math.log,"
+      "math.log10,math.max,math.min,math.modf,math.pi,math.pow,math.rad,math.random,"
+      "math.randomseed,math.sin,math.sinh,math.sqrt,math.tan,math.tanh,"
+      "next,os,os.clock,os.time,pairs,pcall,rawequal,rawget,require,select,setmetatable,"
+      "string,string.byte,string.char,string.find,string.format,string.gmatch,string.gsub,"
+      "string.len,string.lower,string.match,string.rep,string.reverse,string.sub,string.upper,"
+      "table,table.concat,table.foreach,table.foreachi,table.getn,table.insert,table.maxn,"
+      "table.move,table.remove,table.sort,tonumber,tostring,type,unpack,xpcall";
+  if (strcmp(names, want) != 0) fprintf(stderr, "  got  %s\n  want %s\n", names, want);
+  CHECK(strcmp(names, want) == 0);
+  ferry_policy_destroy(p);
+  return 0;
 }
 
 /* An allocation bomb is stopped by the memory cap, counted, and the state
  * recovers its memory. */
 TEST(policy_memory_bomb_stopped) {
   setenv("FERRY_POLICY_MEM_MB", "16", 1);
+  setenv("FERRY_POLICY_DECISION_MS", "600000", 1); /* the memory cap is under test */
   char path[256];
   ferry_policy *p = load_file("bomb.lua",
       "local keep = {}\n"
@@ -585,6 +708,7 @@ TEST(policy_memory_bomb_stopped) {
       "end }\n",
       0, path, sizeof path);
   unsetenv("FERRY_POLICY_MEM_MB");
+  unsetenv("FERRY_POLICY_DECISION_MS");
   CHECK(p != NULL);
   static const struct {
     const char *site;

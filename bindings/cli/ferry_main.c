@@ -2,8 +2,10 @@
  * ferry_main.c — the `ferry` command: one binary, one subcommand per job.
  * Each subcommand lives in its own file (cli_*.c) and is declared here.
  */
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ferry_tools.h"
 
@@ -36,7 +38,24 @@ static void usage(FILE *to) {
               "and uses 125-127 for its own failures.\n");
 }
 
+/* Ctrl-C ends every subcommand within moments with the shell's 128 + SIGINT,
+ * also while a C call that cannot be interrupted runs (a policy in the
+ * pattern matcher, a blocked read): async-signal-safe write and _exit, no
+ * cleanup that could itself hang. `ferry run` execs its trainer, which gets
+ * its own default handling. */
+static void on_interrupt(int sig) {
+  static const char msg[] = "\nferry: interrupted\n";
+  ssize_t ignored = write(STDERR_FILENO, msg, sizeof msg - 1);
+  (void)ignored;
+  _exit(128 + sig);
+}
+
 int main(int argc, char **argv) {
+  struct sigaction sa = {0}, old;
+  sa.sa_handler = on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  for (int sig = SIGINT; sig; sig = sig == SIGINT ? SIGTERM : 0) /* kept if ignored (nohup) */
+    if (sigaction(sig, NULL, &old) == 0 && old.sa_handler != SIG_IGN) sigaction(sig, &sa, NULL);
   if (argc < 2) {
     usage(stderr);
     return 2;

@@ -99,6 +99,12 @@ FERRY_API void ferry_policy_step_begin(ferry_policy *p, uint64_t step);
 FERRY_API void ferry_policy_get_stats(const ferry_policy *p, ferry_policy_stats *out);
 /* Last fault as "file:line: message", "" if none. */
 FERRY_API const char *ferry_policy_last_error(const ferry_policy *p);
+/* The names a policy's code can reach, sorted and comma-separated: the
+ * sandbox's globals and the members of its string, table, math and os
+ * libraries ("assert,error,...,os.clock,...,string.byte,..."). Writes at most
+ * n bytes (truncated, NUL-terminated); returns the full length. For the
+ * allow-list test and docs/security.md. */
+FERRY_API size_t ferry_policy_globals(const ferry_policy *p, char *out, size_t n);
 
 /* ---- checkpoint snapshots -------------------------------------------------
  * A policy may have a `snapshot(e)` function beside `decide`: called once

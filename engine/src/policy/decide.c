@@ -251,7 +251,7 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
   lua_pushvalue(L, SLOT_TENSOR);
   lua_pushvalue(L, SLOT_CTX);
   p->running = p->decide_where;
-  int status = run_protected(p, 2, 4, SLOT_MSGH, DECIDE_MAX_INSTRUCTIONS);
+  int status = run_protected(p, 2, 4, SLOT_MSGH, 0);
   p->running = NULL;
   p->cur_ctx = NULL;
   if (status) {
@@ -312,7 +312,7 @@ void ferry_policy_snapshot(ferry_policy *p, const ferry_snapshot_entry *e,
   lua_setfield(L, -2, "device");
   p->stats.calls++;
   p->running = p->snapshot_where;
-  int status = run_protected(p, 1, 2, SLOT_MSGH, DECIDE_MAX_INSTRUCTIONS);
+  int status = run_protected(p, 1, 2, SLOT_MSGH, 0);
   p->running = NULL;
   if (status) {
     char msg[MSG_LEN];

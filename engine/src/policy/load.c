@@ -268,6 +268,8 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
   p->trusted = trusted != 0;
   p->mem_cap = (size_t)env_ull("FERRY_POLICY_MEM_MB", DEFAULT_MEM_CAP >> 20, 4, 1 << 20) << 20;
   p->error_budget = (unsigned)env_ull("FERRY_POLICY_ERROR_BUDGET", DEFAULT_ERROR_BUDGET, 1, 1u << 30);
+  p->decide_budget_ns = env_ull("FERRY_POLICY_DECISION_MS", DEFAULT_DECIDE_MS, 1, 3600000) * 1000000;
+  p->load_budget_ns = env_ull("FERRY_POLICY_LOAD_MS", DEFAULT_LOAD_MS, 1, 3600000) * 1000000;
   const char *libdir = getenv("FERRY_POLICY_LIBDIR");
   char found[PATH_MAX] = "";
   if ((!libdir || !*libdir) && ferry_policy_libdir(found, sizeof found) == FERRY_OK) libdir = found;
@@ -328,7 +330,7 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
   }
   lua_getfield(L, LUA_REGISTRYINDEX, "ferry.env");
   lua_setfenv(L, -2);
-  status = run_protected(p, 0, 1, 1, LOAD_MAX_INSTRUCTIONS);
+  status = run_protected(p, 0, 1, 1, 1);
   if (status) {
     take_fault(p, status, errbuf, errlen);
     goto fail;
@@ -389,6 +391,49 @@ void ferry_policy_get_stats(const ferry_policy *p, ferry_policy_stats *out) {
 }
 
 const char *ferry_policy_last_error(const ferry_policy *p) { return p ? p->last_error : ""; }
+
+static int compare_names(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+size_t ferry_policy_globals(const ferry_policy *p, char *out, size_t n) {
+  if (n) out[0] = '\0';
+  if (!p || !p->L) return 0;
+  static const char *const LIBS[] = {"string", "table", "math", "os"};
+  lua_State *L = p->L;
+  int top = lua_gettop(L);
+  char *names[1024];
+  size_t count = 0;
+  lua_getfield(L, LUA_REGISTRYINDEX, "ferry.env");
+  int env = lua_gettop(L);
+  for (lua_pushnil(L); lua_next(L, env) && count < 1024; lua_pop(L, 1))
+    if (lua_type(L, -2) == LUA_TSTRING) names[count++] = strdup(lua_tostring(L, -2));
+  for (size_t i = 0; i < sizeof LIBS / sizeof LIBS[0]; i++) {
+    lua_getfield(L, env, LIBS[i]);
+    int lib = lua_gettop(L);
+    if (lua_istable(L, lib))
+      for (lua_pushnil(L); lua_next(L, lib) && count < 1024; lua_pop(L, 1))
+        if (lua_type(L, -2) == LUA_TSTRING) {
+          char full[128];
+          snprintf(full, sizeof full, "%s.%s", LIBS[i], lua_tostring(L, -2));
+          names[count++] = strdup(full);
+        }
+    lua_settop(L, env);
+  }
+  lua_settop(L, top);
+  qsort(names, count, sizeof names[0], compare_names);
+  size_t len = 0;
+  int truncated = 0;
+  for (size_t i = 0; i < count; i++) {
+    const char *name = names[i] ? names[i] : "?";
+    size_t need = strlen(name) + (len ? 1 : 0);
+    truncated = truncated || len + need >= n;
+    if (!truncated) snprintf(out + len, n - len, "%s%s", len ? "," : "", name);
+    len += need;
+    free(names[i]);
+  }
+  return len;
+}
 
 void ferry_policy_step_begin(ferry_policy *p, uint64_t step) {
   if (p) p->step = step;

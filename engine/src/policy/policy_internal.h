@@ -26,6 +26,10 @@
 #define HOOK_PERIOD 1000                   /* VM instructions between hook calls */
 #define DECIDE_MAX_INSTRUCTIONS 10000000ull /* per decide call (~20 ms) */
 #define LOAD_MAX_INSTRUCTIONS 100000000ull  /* loading the policy and its modules */
+#define DEFAULT_DECIDE_MS 50                /* wall clock per decide/snapshot call */
+#define DEFAULT_LOAD_MS 5000                /* wall clock for loading a policy */
+#define PATTERN_MAX_STEPS (1u << 24)        /* string patterns: ~20 ms at worst */
+#define SORT_MAX_ITEMS (1 << 16)            /* table.sort: ~15 ms at worst */
 #define DEFAULT_MEM_CAP (64ull << 20)
 #define DEFAULT_ERROR_BUDGET 100
 #define MAX_POLICY_FILE (16u << 20)
@@ -118,6 +122,9 @@ struct ferry_policy {
   size_t mem_used, mem_cap;
   int enforce_cap;
   uint64_t ticks, tick_budget;
+  uint64_t deadline_ns, budget_ns;  /* wall clock of the call in progress */
+  const char *budget_what;          /* its name, for the message */
+  uint64_t decide_budget_ns, load_budget_ns;
   int interrupt;
   char interrupt_msg[MSG_LEN];
   int c_nesting;
@@ -158,10 +165,15 @@ const char *describe_value(lua_State *L, int idx, char *buf, size_t n);
 void take_fault(ferry_policy *p, int status, char *out, size_t n);
 
 /* Run policy code: a function and nargs arguments on top of the stack,
- * with the cap and the instruction budget. Returns the lua_pcall status. */
-static inline int run_protected(ferry_policy *p, int nargs, int nresults, int msgh, uint64_t max_instr) {
+ * with the cap, the instruction budget and the wall-clock budget of a
+ * decision (or, when loading, of a load). Returns the lua_pcall status. */
+static inline int run_protected(ferry_policy *p, int nargs, int nresults, int msgh, int loading) {
   p->ticks = 0;
-  p->tick_budget = max_instr / HOOK_PERIOD;
+  p->tick_budget = (loading ? LOAD_MAX_INSTRUCTIONS : DECIDE_MAX_INSTRUCTIONS) / HOOK_PERIOD;
+  p->budget_ns = loading ? p->load_budget_ns : p->decide_budget_ns;
+  p->budget_what = loading ? "a policy load (FERRY_POLICY_LOAD_MS)"
+                           : "a decision (FERRY_POLICY_DECISION_MS)";
+  p->deadline_ns = util_now_ns() + p->budget_ns;
   p->interrupt = INTERRUPT_NONE;
   p->c_nesting = 0;
   p->enforce_cap = 1;

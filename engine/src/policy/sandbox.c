@@ -1,8 +1,8 @@
 /*
  * sandbox.c: the sandboxed LuaJIT state a policy runs in: allocator cap,
- * instruction-count hook, the C functions policies may call (pcall, xpcall,
- * gsub, log, require, t:path(), ctx:offloaded_in_layer()) and state setup
- * from sandbox.lua. See docs/policy-api.md, "How the host works".
+ * instruction-count and wall-clock hook, the C functions policies may call
+ * (pcall, xpcall, bounded string patterns and table.sort, log, require,
+ * t:path(), ctx:offloaded_in_layer()) and state setup from sandbox.lua. See docs/policy-api.md, "How the host works".
  */
 #include "policy/policy_internal.h"
 
@@ -85,14 +85,23 @@ void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
 void policy_hook(lua_State *L, lua_Debug *ar) {
   (void)ar;
   ferry_policy *p = policy_of(L);
-  if (++p->ticks <= p->tick_budget && !p->interrupt) return;
+  int over_time = 0;
+  if (!p->interrupt && ++p->ticks <= p->tick_budget &&
+      !(over_time = util_now_ns() > p->deadline_ns))
+    return;
   if (!p->interrupt) {
     char pos[MSG_LEN];
     where(L, 0, pos, sizeof pos);
     p->interrupt = INTERRUPT_BUDGET;
-    snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
-             "%.400s: interrupted after %" PRIu64 " VM instructions (runaway loop?)",
-             pos[0] ? pos : p->running ? p->running : p->chunk, p->tick_budget * HOOK_PERIOD);
+    const char *at = pos[0] ? pos : p->running ? p->running : p->chunk;
+    if (over_time)
+      snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
+               "%.400s: interrupted after %" PRIu64 " ms, the wall-clock budget of %s",
+               at, p->budget_ns / 1000000, p->budget_what);
+    else
+      snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
+               "%.400s: interrupted after %" PRIu64 " VM instructions (runaway loop?)", at,
+               p->tick_budget * HOOK_PERIOD);
   }
   /* Once interrupted, every hook raises again until the call is over. */
   p->enforce_cap = 0;
@@ -181,15 +190,105 @@ static int sandbox_xpcall(lua_State *L) {
   return finish_pcall(L, p, status, nesting, 1);
 }
 
-static int sandbox_gsub(lua_State *L) {
+/* ---- bounded C functions ------------------------------------------------ */
+/* The count hook cannot fire inside a C function, so the sandbox's C
+ * functions whose work is not bounded by the memory cap are bounded up
+ * front: Lua's pattern matcher backtracks (string.find(string.rep("a",
+ * 3000), string.rep("a*", 12) .. "b") never returns) and table.sort is
+ * n log n over a table the memory cap lets grow to millions of entries.
+ * string.rep, table.concat and the rest are linear in their output, which
+ * the memory cap bounds. See docs/policy-api.md, "Limits". */
+enum { PAT_FIND, PAT_MATCH, PAT_GMATCH, PAT_GSUB };
+static const char *const PAT_NAMES[] = {"find", "match", "gmatch", "gsub"};
+
+/* An upper bound of the matcher's steps for pattern pat on a subject of
+ * slen bytes: each start position times the ways k backtracking items
+ * (x*, x+, x-, x?, %b, %1-%9) can split the subject, C(slen + k, k), times
+ * a factor for long patterns (sets are scanned per character). Measured
+ * with LuaJIT 2.1 at about 1 ns a step (bench: docs/policy-api.md). */
+static double pattern_steps(const char *pat, size_t plen, size_t slen, int can_anchor) {
+  size_t i = 0, k = 0;
+  int anchored = can_anchor && plen && pat[0] == '^';
+  if (anchored) i = 1;
+  while (i < plen) {
+    char c = pat[i++];
+    if (c == '%' && i < plen) {
+      char e = pat[i++];
+      if (e == 'b') { i += 2; k++; continue; }
+      if (e >= '1' && e <= '9') { k++; continue; }
+      if (e == 'f' && i < plen && pat[i] == '[') c = pat[i++]; /* the set follows */
+      else goto item;
+    }
+    if (c == '[') {
+      if (i < plen && pat[i] == '^') i++;
+      do {
+        if (i < plen && pat[i] == '%') i++;
+        i++;
+      } while (i < plen && pat[i] != ']');
+      i++;
+    }
+  item:
+    if (i < plen && (pat[i] == '*' || pat[i] == '+' || pat[i] == '-' || pat[i] == '?')) {
+      i++;
+      k++;
+    }
+  }
+  double ways = 1;
+  for (size_t j = 1; j <= k; j++) ways = ways * (double)(slen + j) / (double)j;
+  double starts = anchored ? 1 : (double)slen + 1;
+  double width = plen > 16 ? (double)plen / 16 : 1;
+  return starts * ways * width;
+}
+
+static int is_plain(const char *pat, size_t plen) {
+  for (size_t i = 0; i < plen; i++)
+    if (strchr("^$*+?.([%-", pat[i])) return 0;
+  return 1;
+}
+
+/* string.find/match/gmatch/gsub: the real function (upvalue 1) after the
+ * bound check; gsub also counts as a nesting level (its replacement
+ * function calls back into Lua). */
+static int sandbox_pattern(lua_State *L) {
   ferry_policy *p = policy_of(L);
+  int kind = (int)lua_tointeger(L, lua_upvalueindex(2));
+  size_t slen, plen;
+  luaL_checklstring(L, 1, &slen);
+  const char *pat = luaL_checklstring(L, 2, &plen);
+  int plain = (kind == PAT_FIND && lua_toboolean(L, 4)) || is_plain(pat, plen);
+  double steps = plain ? (double)slen * (double)(plen ? plen : 1) / 16
+                       : pattern_steps(pat, plen, slen, kind != PAT_GMATCH);
+  if (steps > PATTERN_MAX_STEPS) {
+    char msg[MSG_LEN]; /* lua_pushfstring has no %g */
+    snprintf(msg, sizeof msg,
+             "string.%s: pattern '%.60s%s' is too costly for a %zu-byte subject (up to %.2g "
+             "matcher steps, the limit is %.2g): %s",
+             PAT_NAMES[kind], pat, plen > 60 ? "..." : "", slen, steps,
+             (double)PATTERN_MAX_STEPS,
+             plain ? "search a shorter string or for a shorter one"
+                   : "anchor it with '^', match a shorter string or use fewer repetitions "
+                     "(*, +, -, ?)");
+    return luaL_error(L, "%s", msg);
+  }
   int nesting = p->c_nesting;
-  enter_nested(L, p, "string.gsub");
-  lua_pushvalue(L, lua_upvalueindex(1)); /* the real gsub */
+  if (kind == PAT_GSUB) enter_nested(L, p, "string.gsub");
+  lua_pushvalue(L, lua_upvalueindex(1));
   lua_insert(L, 1);
   lua_call(L, lua_gettop(L) - 1, LUA_MULTRET);
   p->c_nesting = nesting;
   return lua_gettop(L);
+}
+
+static int sandbox_sort(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  size_t n = lua_objlen(L, 1);
+  if (n > SORT_MAX_ITEMS)
+    return luaL_error(L, "table.sort: %d items, more than the limit of %d", (int)n,
+                      SORT_MAX_ITEMS);
+  lua_pushvalue(L, lua_upvalueindex(1));
+  lua_insert(L, 1);
+  lua_call(L, lua_gettop(L) - 1, 0);
+  return 0;
 }
 
 static int sandbox_log(lua_State *L) {
@@ -378,10 +477,17 @@ static void push_c_functions(lua_State *L, ferry_policy *p) {
   set_cfunc(L, C, "pcall", sandbox_pcall, 0);
   set_cfunc(L, C, "xpcall", sandbox_xpcall, 0);
   set_cfunc(L, C, "log", sandbox_log, 0);
-  lua_getglobal(L, "string");
-  lua_getfield(L, -1, "gsub");
+  for (int kind = PAT_FIND; kind <= PAT_GSUB; kind++) {
+    lua_getglobal(L, "string");
+    lua_getfield(L, -1, PAT_NAMES[kind]);
+    lua_remove(L, -2);
+    lua_pushinteger(L, kind);
+    set_cfunc(L, C, PAT_NAMES[kind], sandbox_pattern, 2);
+  }
+  lua_getglobal(L, "table");
+  lua_getfield(L, -1, "sort");
   lua_remove(L, -2);
-  set_cfunc(L, C, "gsub", sandbox_gsub, 1);
+  set_cfunc(L, C, "sort", sandbox_sort, 1);
   lua_pushvalue(L, 3);
   lua_pushvalue(L, 2);
   set_cfunc(L, C, "require", sandbox_require, 2);

@@ -31,7 +31,7 @@ local function copy(src, skip)
   return t
 end
 local sstring = copy(string, { dump = true })
-sstring.gsub = C.gsub
+for _, f in ipairs{ 'find', 'match', 'gmatch', 'gsub' } do sstring[f] = C[f] end
 setmetatable(sstring, { __index = function(_, k)
   if k == 'dump' then error("'string.dump' is not available to policies", 2) end
 end })
@@ -44,7 +44,9 @@ setmetatable(sos, { __index = function(_, k)
     .. '(only os.clock and os.time are)', 2)
 end })
 F.log = C.log
-local allowed = { string = sstring, table = copy(table), math = copy(math), os = sos,
+local stable = copy(table)
+stable.sort = C.sort
+local allowed = { string = sstring, table = stable, math = copy(math), os = sos,
   ferry = F, pairs = pairs, ipairs = ipairs, next = next, select = select,
   type = type, tostring = tostring, tonumber = tonumber, error = error,
   assert = assert, pcall = C.pcall, xpcall = C.xpcall,

@@ -36,6 +36,13 @@ static inline uint64_t util_mix64(uint64_t x) {
   return x;
 }
 
+/* CLOCK_MONOTONIC in nanoseconds. */
+static inline uint64_t util_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 /* CLOCK_MONOTONIC in microseconds. */
 static inline double util_now_us(void) {
   struct timespec ts;
