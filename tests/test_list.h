@@ -15,6 +15,7 @@
   X(meminfo_reader_parses_and_refuses)                                     \
   /* stream ordering (test_ordering.c) */                                  \
   X(copies_wait_for_a_busy_compute_stream)                                 \
+  X(reloads_wait_for_the_compute_stream_before_writing)                    \
   /* fault injection (test_faults.c) */                                    \
   X(faults_lose_nothing)                                                   \
   X(faults_spec_is_checked)                                                \

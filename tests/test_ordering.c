@@ -100,3 +100,90 @@ TEST(copies_wait_for_a_busy_compute_stream) {
   CHECK_EQ(test_buffers_live(), 0);
   return 0;
 }
+
+/* A reload writes into memory the device allocator hands out in the order
+ * of the compute stream: the block's previous user may still have work
+ * queued there (here: a slow write into it). The reload copy must wait for
+ * that work, or the earlier write lands after the reloaded bytes. */
+typedef struct {
+  ferry_backend *bk;
+  void *scratch, *busy, *garbage;
+} reuse_ctx;
+
+static int alloc_still_in_use(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
+  reuse_ctx *r = ud;
+  int rc = test_device_alloc_cb(NULL, bytes, stream, dev, owner);
+  if (rc) return rc;
+  /* the previous user's last kernels, queued on the compute stream */
+  if (r->bk->ops->copy_h2d(r->bk, r->scratch, r->busy, BUSY_BYTES, stream) ||
+      r->bk->ops->copy_h2d(r->bk, *dev, r->garbage, bytes, stream))
+    return -1;
+  return 0;
+}
+
+TEST(reloads_wait_for_the_compute_stream_before_writing) {
+  ferry_config c = test_engine_config(NULL);
+  c.decide = offload_everything;
+  c.min_offload_bytes = 0;
+  c.max_fwd_stash = 0;
+  c.link.h2d_bytes_per_s = c.link.d2h_bytes_per_s = 200e6;
+  reuse_ctx r = {0};
+  c.device_alloc = alloc_still_in_use;
+  c.callback_ud = &r;
+  ferry_engine *e = NULL;
+  char err[256];
+  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  ferry_backend *bk = r.bk = ferry_engine_backend(e);
+#ifdef FERRY_TEST_CUDA_DOUBLE
+  cuda_double_set_copy_delay_us(20000);
+#endif
+  bk_stream compute = NULL;
+  CHECK_OK(bk->ops->stream_create(bk, &compute));
+  unsigned char *pattern = NULL, *seen = NULL;
+  CHECK_OK(bk->ops->host_alloc(bk, BUSY_BYTES, 4096, &r.busy));
+  CHECK_OK(bk->ops->host_alloc(bk, BYTES, 4096, &r.garbage));
+  CHECK_OK(bk->ops->host_alloc(bk, BYTES, 4096, (void **)&pattern));
+  CHECK_OK(bk->ops->host_alloc(bk, BYTES, 4096, (void **)&seen));
+  for (size_t i = 0; i < BYTES; i++) pattern[i] = (unsigned char)(i * 131 + 7);
+  memset(r.garbage, 0xEE, BYTES);
+  r.scratch = test_dev_malloc(BUSY_BYTES);
+
+  test_buffer *b = test_buffer_new(BYTES);
+  test_dev_write(b->ptr, pattern, BYTES);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  d.bytes = BYTES;
+  d.dtype = FERRY_DTYPE_U8;
+  d.ndim = 1;
+  d.shape[0] = BYTES;
+  ferry_handle h = 0;
+  CHECK_OK(ferry_step_begin(e));
+  CHECK_OK(ferry_pack(e, &d, b->ptr, b, compute, &h));
+  test_buffer_unref(b);
+  CHECK_OK(ferry_backward_begin(e));
+  void *p = NULL, *o = NULL;
+  CHECK_OK(ferry_unpack(e, h, compute, &p, &o));
+  CHECK_OK(bk->ops->copy_d2h(bk, seen, p, BYTES, compute));
+  CHECK_OK(bk->ops->stream_synchronize(bk, compute));
+  ferry_stats st;
+  CHECK_OK(ferry_get_stats(e, &st, sizeof st));
+  CHECK(st.bytes_h2d >= BYTES);
+  if (memcmp(seen, pattern, BYTES) != 0)
+    fprintf(stderr, "the reloaded bytes were overwritten by the block's previous user "
+                    "(first byte %u, want %u)\n", seen[0], pattern[0]);
+  CHECK(memcmp(seen, pattern, BYTES) == 0);
+  test_buffer_unref(o);
+  CHECK_OK(ferry_backward_end(e));
+  CHECK_OK(ferry_step_end(e));
+#ifdef FERRY_TEST_CUDA_DOUBLE
+  cuda_double_set_copy_delay_us(0);
+#endif
+  CHECK_OK(bk->ops->stream_destroy(bk, compute));
+  CHECK_OK(bk->ops->host_free(bk, pattern, BYTES));
+  CHECK_OK(bk->ops->host_free(bk, seen, BYTES));
+  CHECK_OK(bk->ops->host_free(bk, r.garbage, BYTES));
+  CHECK_OK(bk->ops->host_free(bk, r.busy, BUSY_BYTES));
+  test_dev_free(r.scratch);
+  ferry_engine_destroy(e);
+  CHECK_EQ(test_buffers_live(), 0);
+  return 0;
+}

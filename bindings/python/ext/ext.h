@@ -44,7 +44,7 @@ extern torch_objects T;
 extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_layout,
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
-    *s_device;
+    *s_device, *s_version, *s_detach;
 
 /* ---- dtypes ------------------------------------------------------------------
  * torch.dtype objects are singletons: a short table keyed by identity. */
@@ -134,6 +134,12 @@ struct EngineObject {
 typedef struct HandleObject {
   PyObject_HEAD EngineObject *eng;
   ferry_handle h;   /* 0 once unpacked */
+  /* weakrefs to tensors sharing the saved tensor's version counter (the
+   * tensor, its base if a view, the alias the engine holds): the first one
+   * alive is checked at unpack; NULL slots unused */
+  PyObject *sharers[3];
+  int64_t version;  /* the saved tensor's version when it was packed */
+  int32_t site;     /* innermost module site when packed, -1 if none */
   PyObject *dtype;  /* torch.dtype */
   PyObject *result; /* the unpacked tensor, for a second unpack (retain_graph) */
   int32_t ndim;
@@ -162,7 +168,7 @@ static inline int32_t kind_of_ptr(const EngineObject *self, uintptr_t p) {
   return FERRY_KIND_ACTIVATION;
 }
 
-extern PyTypeObject EngineType, HandleType, PackHookType, UnpackHookType, SiteHookType,
+extern PyTypeObject EngineType, HandleType, KeptType, PackHookType, UnpackHookType, SiteHookType,
     NodeCapType, SnapshotType, SnapshotPolicyType, ResidentType;
 extern PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
 

@@ -1,14 +1,18 @@
 /*
  * hooks.c — the hot path: PackHook / UnpackHook, C callables handed to
  * saved_tensors_hooks so a saved tensor costs no Python frame (tiny tensors
- * take a fast keep path that never reaches the engine), and Handle, what a
- * pack returns; its deallocation discards the engine handle.
+ * take a fast keep path that never reaches the engine), and what a pack
+ * returns: a Handle (the engine holds the tensor; its deallocation discards
+ * the engine handle) or a Kept (the tensor stays as it is). Both carry the
+ * tensor's version at pack time: torch skips its in-place check for tensors
+ * saved through hooks, so unpack does it.
  */
 #include "ext.h"
 
 /* ---- Handle ------------------------------------------------------------------- */
 static void handle_dealloc(HandleObject *self) {
   if (self->h && self->eng && self->eng->e) ferry_discard(self->eng->e, self->h);
+  for (int i = 0; i < 3; i++) Py_XDECREF(self->sharers[i]);
   Py_XDECREF(self->result);
   Py_XDECREF(self->dtype);
   Py_XDECREF(self->eng);
@@ -27,6 +31,28 @@ PyTypeObject HandleType = {
     .tp_doc = "A saved tensor held by a ferry engine.",
     .tp_dealloc = (destructor)handle_dealloc,
     .tp_repr = (reprfunc)handle_repr,
+};
+
+/* ---- Kept --------------------------------------------------------------------- */
+typedef struct {
+  PyObject_HEAD PyObject *tensor; /* the tensor, or a detached alias sharing its version counter */
+  PyObject *origin;               /* weakref to the tensor when `tensor` is an alias */
+  int64_t version;
+  int32_t site;
+} KeptObject;
+
+static void kept_dealloc(KeptObject *self) {
+  Py_XDECREF(self->tensor);
+  Py_XDECREF(self->origin);
+  PyObject_Free(self);
+}
+
+PyTypeObject KeptType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.Kept",
+    .tp_basicsize = sizeof(KeptObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A saved tensor ferry left where it was, with its version at pack time.",
+    .tp_dealloc = (destructor)kept_dealloc,
 };
 
 /* ---- hooks ---------------------------------------------------------------------- */
@@ -64,8 +90,8 @@ static void hook_dealloc(HookObject *self) {
 /* The object a kept tensor is stored as. A tensor with a grad_fn (an output
  * the saving node produced) must not be stored as is: its grad_fn owns the
  * saved variable, which would own the tensor — a C++ reference cycle that
- * Python's gc cannot see, leaking the graph when backward never runs. An
- * alias without autograd metadata (`.data`) breaks it. */
+ * Python's gc cannot see, leaking the graph when backward never runs. A
+ * detached alias breaks it and still shares the tensor's version counter. */
 static PyObject *keep_object(PyObject *t) {
   PyObject *rg = PyObject_GetAttr(t, s_requires_grad);
   if (!rg) return NULL;
@@ -77,14 +103,40 @@ static PyObject *keep_object(PyObject *t) {
     needs_alias = leaf == Py_False;
     Py_DECREF(leaf);
   }
-  if (needs_alias) return PyObject_GetAttr(t, s_data);
+  if (needs_alias) return PyObject_CallMethodNoArgs(t, s_detach);
   Py_INCREF(t);
   return t;
 }
 
+static int read_version(PyObject *t, int64_t *v) {
+  PyObject *o = PyObject_GetAttr(t, s_version);
+  if (!o) return -1;
+  *v = PyLong_AsLongLong(o);
+  Py_DECREF(o);
+  return *v == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int32_t current_site(EngineObject *eng) {
+  return eng->depth && (uint32_t)eng->stack[eng->depth - 1] < eng->n_sites
+             ? eng->stack[eng->depth - 1] : -1;
+}
+
+static PyObject *make_kept(EngineObject *eng, PyObject *t) {
+  KeptObject *k = PyObject_New(KeptObject, &KeptType);
+  if (!k) return NULL;
+  k->tensor = k->origin = NULL;
+  k->site = current_site(eng);
+  if (read_version(t, &k->version) < 0 || !(k->tensor = keep_object(t)) ||
+      (k->tensor != t && !(k->origin = PyWeakref_NewRef(t, NULL)))) {
+    Py_DECREF(k);
+    return NULL;
+  }
+  return (PyObject *)k;
+}
+
 static PyObject *keep_with(EngineObject *eng, PyObject *t, int reason) {
   eng->kept[reason]++;
-  return keep_object(t);
+  return make_kept(eng, t);
 }
 
 static int read_int_tuple(PyObject *tup, int64_t *out, int32_t *n) {
@@ -246,6 +298,8 @@ static HandleObject *new_handle(EngineObject *eng, const ferry_tensor_desc *d,
   if (!hd) return NULL;
   hd->h = 0;
   hd->result = NULL;
+  hd->sharers[0] = hd->sharers[1] = hd->sharers[2] = NULL;
+  hd->site = current_site(eng);
   hd->ndim = d->ndim;
   memcpy(hd->shape, d->shape, sizeof hd->shape);
   memcpy(hd->strides, strides, sizeof hd->strides);
@@ -261,11 +315,18 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
                                 const int64_t *strides, PyObject *dtype, void *ptr) {
   HandleObject *hd = new_handle(eng, d, strides, dtype);
   if (!hd) return NULL;
-  PyObject *owner = keep_object(t);
-  if (!owner) {
+  PyObject *base = NULL;
+  PyObject *owner = read_version(t, &hd->version) < 0 ? NULL : keep_object(t);
+  if (!owner || !(hd->sharers[0] = PyWeakref_NewRef(t, NULL)) ||
+      (owner != t && !(hd->sharers[1] = PyWeakref_NewRef(owner, NULL))) ||
+      ((d->flags & FERRY_FLAG_VIEW) &&
+       (!(base = PyObject_GetAttr(t, s_base)) || !(hd->sharers[2] = PyWeakref_NewRef(base, NULL))))) {
+    Py_XDECREF(base);
+    Py_XDECREF(owner);
     Py_DECREF(hd);
     return NULL;
   }
+  Py_XDECREF(base);
   void *stream = compute_stream(eng);
   if (PyErr_Occurred()) {
     Py_DECREF(owner);
@@ -280,7 +341,8 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
     Py_XSETREF(eng->last_pack_error, PyUnicode_FromString(ferry_last_error(eng->e)));
     if (!eng->last_pack_error) PyErr_Clear();
     Py_DECREF(hd);
-    return owner;
+    Py_DECREF(owner);
+    return make_kept(eng, t);
   }
   hd->h = h;
   return (PyObject *)hd;
@@ -459,12 +521,58 @@ PyObject *empty_like_handle(EngineObject *self, uint64_t bytes) {
   return t;
 }
 
+/* torch's in-place check: `now` shares the saved tensor's version counter
+ * (NULL: the tensor is gone, so nothing can have changed it); `info` is the
+ * tensor itself, for the message, or NULL. -1 with torch's RuntimeError set
+ * (its own text, from ferry._inplace, plus the module) on a mismatch. */
+static int check_version(EngineObject *eng, PyObject *now, PyObject *info, PyObject *shape,
+                         int64_t saved, int32_t site_id) {
+  if (!now) return 0;
+  int64_t cur;
+  if (read_version(now, &cur) < 0) return -1;
+  if (cur == saved) return 0;
+  PyObject *mod = PyImport_ImportModule("ferry._inplace");
+  if (!mod) return -1;
+  const char *path =
+      site_id >= 0 && (uint32_t)site_id < eng->n_sites ? eng->sites[site_id].path : NULL;
+  PyObject *exc = PyObject_CallMethod(mod, "error", "OOOLLz", now, info ? info : Py_None,
+                                      shape ? shape : Py_None, (long long)cur, (long long)saved,
+                                      path);
+  Py_DECREF(mod);
+  if (!exc) return -1;
+  PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+  Py_DECREF(exc);
+  return -1;
+}
+
+static PyObject *unpack_kept(EngineObject *eng, KeptObject *k) {
+  PyObject *origin = k->origin ? PyWeakref_GetObject(k->origin) : k->tensor; /* borrowed */
+  if (check_version(eng, k->tensor, origin == Py_None ? NULL : origin, NULL, k->version, k->site))
+    return NULL;
+  Py_INCREF(k->tensor);
+  return k->tensor;
+}
+
 static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
-  if (Py_TYPE(obj) != &HandleType) { /* kept as a plain tensor */
+  if (Py_TYPE(obj) == &KeptType) return unpack_kept(eng, (KeptObject *)obj);
+  if (Py_TYPE(obj) != &HandleType) { /* not ours: returned as torch gave it */
     Py_INCREF(obj);
     return obj;
   }
   HandleObject *hd = (HandleObject *)obj;
+  PyObject *now = NULL, *tensor = PyWeakref_GetObject(hd->sharers[0]); /* borrowed */
+  for (int i = 0; i < 3 && !now; i++)
+    if (hd->sharers[i] && PyWeakref_GetObject(hd->sharers[i]) != Py_None)
+      now = PyWeakref_GetObject(hd->sharers[i]);
+  if (now && tensor == Py_None) { /* a view, gone: name its own shape */
+    PyObject *shape = int_tuple(hd->shape, hd->ndim);
+    int bad = !shape || check_version(eng, now, NULL, shape, hd->version, hd->site);
+    Py_XDECREF(shape);
+    if (bad) return NULL;
+  } else if (check_version(eng, now, tensor == Py_None ? NULL : tensor, NULL, hd->version,
+                           hd->site)) {
+    return NULL;
+  }
   if (!hd->h) {
     if (hd->result) { /* unpacked before: backward over a retained graph */
       eng->unpacks_repeated++;

@@ -84,7 +84,7 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__ferry(void) {
   if (intern_names()) return NULL;
-  PyTypeObject *types[] = {&EngineType,   &HandleType,   &PackHookType,
+  PyTypeObject *types[] = {&EngineType,   &HandleType,   &KeptType,     &PackHookType,
                            &UnpackHookType, &SiteHookType, &NodeCapType,
                            &SnapshotType, &SnapshotPolicyType, &ResidentType};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from . import _inplace
 from ._policy import PolicyLike
 import ferry as _pkg
 from . import _session as _sessmod
@@ -290,6 +291,7 @@ class offload:
         if self.model is not None:
             s.engine.set_param_ranges(_param_ranges(self.model))
             self._handles = s.hooks_for(self.model, _ModelHooks).install()
+        _inplace.prepare()  # before any hooks of ours are active
         self._ctx = torch.autograd.graph.saved_tensors_hooks(*s.engine.hooks())
         self._ctx.__enter__()
         _sessmod.current = s
