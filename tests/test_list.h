@@ -81,6 +81,7 @@
   /* checkpoint staging (test_snapshot.c) */                               \
   X(snapshot_round_trip_random)                                            \
   X(snapshot_consistent_after_fence)                                       \
+  X(snapshot_staging_waits_for_the_compute_stream)                         \
   X(snapshot_cap_holds_chunked)                                            \
   X(snapshot_error_unwritable_path)                                        \
   X(snapshot_error_write_fails_midway)                                     \
@@ -97,6 +98,7 @@
   X(resident_round_trip_bit_identical)                                     \
   X(resident_cap_refusal)                                                  \
   X(resident_copies_are_ordered)                                           \
+  X(resident_to_host_waits_for_the_callers_stream)                         \
   X(resident_destroy_with_copies_in_flight)                                \
   X(resident_rejects_misuse)                                               \
   X(resident_threads_share_an_engine)                                      \

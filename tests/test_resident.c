@@ -4,8 +4,12 @@
  * the stats. Runs over whichever backend FERRY_TEST_BACKEND names. */
 #include <pthread.h>
 
+#include "ferry_tools.h"
 #include "test.h"
 #include "test_device.h"
+#ifdef FERRY_TEST_CUDA_DOUBLE
+#include "cuda_double.h"
+#endif
 
 static uint64_t rs_next(uint64_t *s) { /* splitmix64 */
   uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -188,6 +192,48 @@ TEST(resident_copies_are_ordered) {
   free(a);
   free(b);
   free(got);
+  ferry_engine_destroy(e);
+  return 0;
+}
+
+/* to_host waits for the work already queued on the caller's stream (the
+ * write that produces the bytes, behind a slow one); a copy that does not
+ * wait reads the zeros that were there. */
+TEST(resident_to_host_waits_for_the_callers_stream) {
+  const size_t n = 1u << 20, busy_bytes = 4u << 20;
+  ferry_engine *e = rs_open(0, 200e6);
+  CHECK(e);
+#ifdef FERRY_TEST_CUDA_DOUBLE
+  cuda_double_set_copy_delay_us(20000);
+#endif
+  ferry_backend *bk = ferry_engine_backend(e);
+  bk_stream compute = NULL;
+  CHECK_OK(bk->ops->stream_create(bk, &compute));
+  ferry_resident *r = NULL;
+  CHECK_OK(ferry_resident_create(e, n, &r));
+  void *want = NULL, *busy = NULL;
+  CHECK_OK(bk->ops->host_alloc(bk, n, 4096, &want));
+  CHECK_OK(bk->ops->host_alloc(bk, busy_bytes, 4096, &busy));
+  rs_fill(want, n, 9);
+  void *dev = test_dev_malloc(n), *scratch = test_dev_malloc(busy_bytes);
+  unsigned char *zero = calloc(1, n);
+  test_dev_write(dev, zero, n);
+  CHECK_OK(bk->ops->copy_h2d(bk, scratch, busy, busy_bytes, compute)); /* ~20 ms */
+  CHECK_OK(bk->ops->copy_h2d(bk, dev, want, n, compute));              /* the "kernel" */
+  CHECK_OK(ferry_resident_to_host(r, dev, compute));
+  CHECK_OK(ferry_resident_wait(r));
+  CHECK(memcmp(ferry_resident_host_ptr(r), want, n) == 0);
+  CHECK_OK(bk->ops->stream_synchronize(bk, compute));
+#ifdef FERRY_TEST_CUDA_DOUBLE
+  cuda_double_set_copy_delay_us(0);
+#endif
+  CHECK_OK(ferry_resident_destroy(r));
+  CHECK_OK(bk->ops->host_free(bk, want, n));
+  CHECK_OK(bk->ops->host_free(bk, busy, busy_bytes));
+  CHECK_OK(bk->ops->stream_destroy(bk, compute));
+  test_dev_free(dev);
+  test_dev_free(scratch);
+  free(zero);
   ferry_engine_destroy(e);
   return 0;
 }

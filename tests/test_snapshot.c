@@ -23,6 +23,9 @@
 #include "ferry_tools.h"
 #include "test.h"
 #include "test_device.h"
+#ifdef FERRY_TEST_CUDA_DOUBLE
+#include "cuda_double.h"
+#endif
 
 /* ---- fixtures -------------------------------------------------------------- */
 static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
@@ -367,6 +370,59 @@ TEST(snapshot_consistent_after_fence) {
     ferry_engine_destroy(f.e);
     remove_dir(dir);
   }
+  return 0;
+}
+
+/* Staging copies wait for the work already queued on the compute stream:
+ * here the writes that produce each tensor's final bytes, behind a slow one.
+ * A staging copy that does not wait reads the zeros that were there. */
+TEST(snapshot_staging_waits_for_the_compute_stream) {
+  fixture f;
+  ferry_config c = fixture_config(&f);
+  c.link.d2h_bytes_per_s = c.link.h2d_bytes_per_s = 200e6;
+  CHECK_OK(fixture_open(&f, &c));
+#ifdef FERRY_TEST_CUDA_DOUBLE
+  cuda_double_set_copy_delay_us(20000);
+#endif
+  ferry_backend *bk = ferry_engine_backend(f.e);
+  bk_stream compute = NULL;
+  CHECK_OK(bk->ops->stream_create(bk, &compute));
+  char dir[64], path[128];
+  CHECK(make_dir(dir, sizeof dir) == 0);
+  snprintf(path, sizeof path, "%s/ckpt.pt", dir);
+  state st;
+  CHECK(state_make(&st, 4, size_1m, 0, 77) == 0);
+  const size_t busy_bytes = 4u << 20;
+  void *busy = NULL, *scratch = test_dev_malloc(busy_bytes);
+  CHECK_OK(bk->ops->host_alloc(bk, busy_bytes, 4096, &busy));
+  void *pinned[4] = {0};
+  CHECK_OK(bk->ops->copy_h2d(bk, scratch, busy, busy_bytes, compute)); /* ~20 ms */
+  for (size_t i = 0; i < st.n; i++) {
+    uint64_t n = st.rec[i].bytes;
+    CHECK_OK(bk->ops->host_alloc(bk, n, 4096, &pinned[i]));
+    memcpy(pinned[i], st.expect[i], n);
+    unsigned char *zero = calloc(1, n);
+    test_dev_write(st.dev[i], zero, n); /* what a copy that does not wait sees */
+    free(zero);
+    CHECK_OK(bk->ops->copy_h2d(bk, st.dev[i], pinned[i], n, compute)); /* the "kernel" */
+  }
+  ferry_snapshot *s = NULL;
+  CHECK_OK(ferry_snapshot_start(f.e, path, st.rec, st.n, compute, &s));
+  CHECK_OK(ferry_snapshot_fence(s, compute));
+  CHECK_OK(ferry_snapshot_wait(s));
+  ferry_snapshot_free(s);
+  CHECK_OK(bk->ops->stream_synchronize(bk, compute));
+  CHECK(check_archive(dir, path, &st) == 0);
+#ifdef FERRY_TEST_CUDA_DOUBLE
+  cuda_double_set_copy_delay_us(0);
+#endif
+  for (size_t i = 0; i < st.n; i++) CHECK_OK(bk->ops->host_free(bk, pinned[i], st.rec[i].bytes));
+  CHECK_OK(bk->ops->host_free(bk, busy, busy_bytes));
+  test_dev_free(scratch);
+  CHECK_OK(bk->ops->stream_destroy(bk, compute));
+  state_free(&st);
+  ferry_engine_destroy(f.e);
+  remove_dir(dir);
   return 0;
 }
 
