@@ -56,6 +56,7 @@
   X(stash_released_when_copy_completes)                                    \
   X(stash_prefetch_explicit_and_ahead)                                     \
   X(stash_alias_stored_once)                                               \
+  X(stash_context_thresholds_and_alias_sizes)                              \
   X(stash_cap_keeps_on_device)                                             \
   X(stash_no_leak_10000_steps)                                             \
   X(stash_error_paths_lose_nothing)                                        \

@@ -426,6 +426,90 @@ TEST(stash_alias_stored_once) {
   return 0;
 }
 
+/* What the policy is told about the step so far is exact, the size
+ * threshold is exact, and an alias must match in size as well as address
+ * (saving r[0] then r: the second is not the first's bytes). */
+typedef struct ctx_log {
+  int calls;
+  ferry_context seen[8];
+} ctx_log;
+
+static int offload_and_log(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
+                           ferry_decision *out) {
+  (void)d;
+  ctx_log *l = ud;
+  if (l->calls < 8) l->seen[l->calls] = *ctx;
+  l->calls++;
+  out->action = FERRY_OFFLOAD;
+  out->reload = FERRY_RELOAD_ON_USE;
+  out->prefetch_distance = -1;
+  out->cacheable = 0;
+  return 0;
+}
+
+TEST(stash_context_thresholds_and_alias_sizes) {
+  enum { SZ = 100000 };
+  fixture f;
+  ferry_config c = fixture_config(&f, 1);
+  ctx_log log = {0};
+  c.decide = offload_and_log;
+  c.decide_ud = &log;
+  c.max_fwd_stash = 0;
+  c.min_offload_bytes = 4096;
+  CHECK_OK(fixture_open(&f, &c));
+  uint64_t sums[3];
+  ferry_handle hs[3];
+  for (int i = 0; i < 3; i++) CHECK((hs[i] = pack_new(&f, SZ, 10 + (uint64_t)i, &sums[i])));
+  CHECK_EQ(log.calls, 3);
+  CHECK_EQ(log.seen[2].offloaded_this_step, 2);
+  CHECK_EQ(log.seen[2].bytes_offloaded_this_step, 2 * SZ);
+  CHECK_EQ(log.seen[2].arena_in_use, 2 * SZ);
+  CHECK_EQ(log.seen[2].packed_this_step, 2);
+  /* below the threshold: kept without asking; at it: asked */
+  uint64_t s_small, s_at;
+  ferry_handle small = pack_new(&f, 4095, 20, &s_small), at = pack_new(&f, 4096, 21, &s_at);
+  CHECK(small && at);
+  CHECK_EQ(log.calls, 4);
+  CHECK_EQ(log.seen[3].bytes_offloaded_this_step, 3 * SZ);
+  CHECK_OK(ferry_backward_begin(f.e));
+  if (unpack_check(&f, small, 4095, s_small) || unpack_check(&f, at, 4096, s_at)) return 1;
+  for (int i = 2; i >= 0; i--)
+    if (unpack_check(&f, hs[i], SZ, sums[i])) return 1;
+  CHECK_OK(ferry_backward_end(f.e));
+  CHECK_OK(ferry_step_end(f.e));
+  if (check_quiescent(&f)) return 1;
+  ferry_engine_destroy(f.e);
+
+  /* r[:half] saved first (held in the forward stash), then r at the same
+   * address, then another tensor that pushes them out: r must come back
+   * whole, not as the half the first copy holds */
+  c = fixture_config(&f, 1);
+  c.max_fwd_stash = 1;
+  CHECK_OK(fixture_open(&f, &c));
+  test_buffer *r = test_buffer_new(SZ);
+  fill(r, 30);
+  uint64_t whole = dev_checksum(r->ptr, SZ), half = dev_checksum(r->ptr, SZ / 2), s_next;
+  ferry_tensor_desc dh = desc_of(SZ / 2, 0), dw = desc_of(SZ, 0);
+  ferry_handle hh = 0, hw = 0;
+  atomic_fetch_add(&r->refs, 1);
+  CHECK_OK(ferry_pack(f.e, &dh, r->ptr, r, NULL, &hh));
+  CHECK_OK(ferry_pack(f.e, &dw, r->ptr, r, NULL, &hw));
+  ferry_handle next = pack_new(&f, SZ, 31, &s_next);
+  CHECK(next);
+  ferry_stats st;
+  CHECK_OK(ferry_get_stats(f.e, &st, sizeof st));
+  CHECK_EQ(st.tensors_aliased, 0);
+  CHECK_OK(ferry_backward_begin(f.e));
+  if (unpack_check(&f, next, SZ, s_next) || unpack_check(&f, hw, SZ, whole) ||
+      unpack_check(&f, hh, SZ / 2, half))
+    return 1;
+  CHECK_OK(ferry_backward_end(f.e));
+  CHECK_OK(ferry_step_end(f.e));
+  if (check_quiescent(&f)) return 1;
+  ferry_engine_destroy(f.e);
+  return 0;
+}
+
 /* ---- the cap ------------------------------------------------------------------------ */
 TEST(stash_cap_keeps_on_device) {
   fixture f;

@@ -10,6 +10,7 @@ names the tests that failed. Exit status 1 below the 90% target.
 The source files are restored after each mutant, also on Ctrl-C.
 """
 import argparse
+import functools
 import json
 import os
 import re
@@ -34,6 +35,18 @@ def build(bdir):
     return r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
+@functools.lru_cache(maxsize=None)
+def default_python():
+    """The torch 2.x interpreter `make test` uses (the DCP, compile and HF
+    tests skip on Debian's torch 1.13, which would let their mutants live)."""
+    r = sh([os.path.join(ROOT, ".ci", "python-env")])
+    lines = r.stdout.strip().splitlines()
+    if r.returncode or not lines or not os.access(lines[-1], os.X_OK):
+        sys.exit("mutate: no torch 2.x interpreter (.ci/python-env failed); "
+                 "set FERRY_MUTATE_PYTHON")
+    return lines[-1]
+
+
 def run_suite(bdir, suite):
     """Failed test names for suite "c" (the C suite: ferry_tests) or
     "py:<pytest args>" (pytest over the build tree's package)."""
@@ -48,7 +61,7 @@ def run_suite(bdir, suite):
         return failed
     args = suite[3:].split()
     env = dict(os.environ, PYTHONPATH=os.path.join(bdir, "python"))
-    py = os.environ.get("FERRY_MUTATE_PYTHON", "/usr/bin/python3")
+    py = os.environ.get("FERRY_MUTATE_PYTHON") or default_python()
     try:
         r = sh([py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"] + args, env=env,
                timeout=600)

@@ -127,12 +127,26 @@ def test_file_is_what_torch_save_writes(tmp_path):
             assert ours.read(name) == theirs.read(name), name  # data.pkl included
     with open(path, "rb") as f:
         raw = f.read()
-    for info in ours.infolist():
+    raw_theirs = buf.getvalue()
+
+    def extra_ids(data, info):
+        """ids of the local header's extra fields: torch pads with "FB" ones"""
+        at = info.header_offset + 30 + len(info.filename.encode())
+        end = at + int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+        ids = []
+        while at + 4 <= end:
+            ids.append(data[at:at + 2])
+            at += 4 + int.from_bytes(data[at + 2:at + 4], "little")
+        return ids
+
+    for info, their in zip(ours.infolist(), theirs.infolist()):
         assert info.compress_type == zipfile.ZIP_STORED
         # local header (30 bytes + name + extra) then data, 64-byte aligned
         start = info.header_offset + 30 + len(info.filename.encode()) + \
             int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
         assert start % 64 == 0, info.filename
+        assert b"FB" in extra_ids(raw, info), info.filename
+        assert b"FB" in extra_ids(raw_theirs, their), their.filename
 
 
 def test_non_tensor_objects_pass_through_and_are_counted(tmp_path):
