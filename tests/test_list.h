@@ -142,6 +142,7 @@
   X(policy_runaway_loops_interrupted)                              \
   X(policy_wall_clock_and_c_functions_bounded)                               \
   X(policy_sandbox_globals_are_the_allow_list)                              \
+  X(policy_env_limits_are_strict)                                           \
   X(policy_memory_bomb_stopped)                                    \
   X(policy_error_budget_disables)                                  \
   X(policy_site_cache)                                             \

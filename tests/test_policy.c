@@ -662,6 +662,38 @@ TEST(policy_wall_clock_and_c_functions_bounded) {
   return rc;
 }
 
+/* The policy host's environment variables go through the one strict
+ * parser: a bad value fails the load with the variable, the value and what
+ * was expected, instead of being ignored. */
+TEST(policy_env_limits_are_strict) {
+  static const struct {
+    const char *var, *value, *msg;
+  } cases[] = {
+      {"FERRY_POLICY_DECISION_MS", "abc", "FERRY_POLICY_DECISION_MS abc: not a number; expected a whole number"},
+      {"FERRY_POLICY_DECISION_MS", "0", "FERRY_POLICY_DECISION_MS 0: must be between 1 and 3600000"},
+      {"FERRY_POLICY_DECISION_MS", "2.5", "FERRY_POLICY_DECISION_MS 2.5: must be a whole number"},
+      {"FERRY_POLICY_LOAD_MS", "inf", "FERRY_POLICY_LOAD_MS inf: not a number; expected a whole number"},
+      {"FERRY_POLICY_MEM_MB", "3", "FERRY_POLICY_MEM_MB 3: must be between 4 and 1048576"},
+      {"FERRY_POLICY_MEM_MB", "64x", "FERRY_POLICY_MEM_MB 64x: unexpected \"x\"; expected a whole number"},
+      {"FERRY_POLICY_ERROR_BUDGET", "-1", "FERRY_POLICY_ERROR_BUDGET -1: must be between 1 and 1073741824"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    setenv(cases[i].var, cases[i].value, 1);
+    ferry_policy *p = NULL;
+    char err[512] = "";
+    int rc = ferry_policy_create(NULL, "return { api = 1, decide = function() return 0 end }", 0,
+                                 &p, err, sizeof err);
+    unsetenv(cases[i].var);
+    if (rc != FERRY_EINVAL || p || strcmp(err, cases[i].msg) != 0) {
+      fprintf(stderr, "%s=%s: rc %d\n  got  \"%s\"\n  want \"%s\"\n", cases[i].var,
+              cases[i].value, rc, err, cases[i].msg);
+      ferry_policy_destroy(p);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 /* The sandbox's globals are an allow-list: any name added to what policy
  * code can reach must be added here (and to docs/security.md) on purpose. */
 TEST(policy_sandbox_globals_are_the_allow_list) {

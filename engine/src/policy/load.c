@@ -266,10 +266,20 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
     return FERRY_ENOMEM;
   }
   p->trusted = trusted != 0;
-  p->mem_cap = (size_t)env_ull("FERRY_POLICY_MEM_MB", DEFAULT_MEM_CAP >> 20, 4, 1 << 20) << 20;
-  p->error_budget = (unsigned)env_ull("FERRY_POLICY_ERROR_BUDGET", DEFAULT_ERROR_BUDGET, 1, 1u << 30);
-  p->decide_budget_ns = env_ull("FERRY_POLICY_DECISION_MS", DEFAULT_DECIDE_MS, 1, 3600000) * 1000000;
-  p->load_budget_ns = env_ull("FERRY_POLICY_LOAD_MS", DEFAULT_LOAD_MS, 1, 3600000) * 1000000;
+  unsigned long long mem_mb, errors, decide_ms, load_ms;
+  if (env_count("FERRY_POLICY_MEM_MB", DEFAULT_MEM_CAP >> 20, 4, 1 << 20, &mem_mb, errbuf, errlen) ||
+      env_count("FERRY_POLICY_ERROR_BUDGET", DEFAULT_ERROR_BUDGET, 1, 1u << 30, &errors, errbuf,
+                errlen) ||
+      env_count("FERRY_POLICY_DECISION_MS", DEFAULT_DECIDE_MS, 1, 3600000, &decide_ms, errbuf,
+                errlen) ||
+      env_count("FERRY_POLICY_LOAD_MS", DEFAULT_LOAD_MS, 1, 3600000, &load_ms, errbuf, errlen)) {
+    free(p);
+    return FERRY_EINVAL;
+  }
+  p->mem_cap = (size_t)mem_mb << 20;
+  p->error_budget = (unsigned)errors;
+  p->decide_budget_ns = decide_ms * 1000000;
+  p->load_budget_ns = load_ms * 1000000;
   const char *libdir = getenv("FERRY_POLICY_LIBDIR");
   char found[PATH_MAX] = "";
   if ((!libdir || !*libdir) && ferry_policy_libdir(found, sizeof found) == FERRY_OK) libdir = found;

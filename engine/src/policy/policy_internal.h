@@ -154,8 +154,8 @@ struct ferry_policy {
 /* ---- shared functions --------------------------------------------------- */
 /* sandbox.c */
 void copy_str(char *dst, size_t n, const char *src);
-unsigned long long env_ull(const char *name, unsigned long long dflt, unsigned long long lo,
-                                  unsigned long long hi);
+int env_count(const char *name, unsigned long long dflt, unsigned long long lo,
+              unsigned long long hi, unsigned long long *out, char *err, size_t errlen);
 int has_position(const char *msg);
 void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize);
 void policy_hook(lua_State *L, lua_Debug *ar);

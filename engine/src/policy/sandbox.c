@@ -12,19 +12,20 @@ void copy_str(char *dst, size_t n, const char *src) {
   snprintf(dst, n, "%s", src ? src : "");
 }
 
-unsigned long long env_ull(const char *name, unsigned long long dflt, unsigned long long lo,
-                                  unsigned long long hi) {
+/* A whole number from the environment variable `name` (dflt when unset or
+ * empty), through the one strict parser: -1 with the variable, its value
+ * and what was expected in err when it is not one in [lo, hi]. */
+int env_count(const char *name, unsigned long long dflt, unsigned long long lo,
+              unsigned long long hi, unsigned long long *out, char *err, size_t errlen) {
   const char *s = getenv(name);
-  if (!s || !*s) return dflt;
-  char *end;
-  errno = 0;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (errno || *end || v < lo || v > hi) {
-    fprintf(stderr, "ferry: ignoring %s=%s (expected an integer in [%llu, %llu])\n", name, s, lo,
-            hi);
-    return dflt;
-  }
-  return v;
+  *out = dflt;
+  if (!s || !*s) return 0;
+  double v;
+  if (ferry_parse_number(name, s, FERRY_NUMBER_COUNT, (double)lo, (double)hi, 0, &v, err,
+                         errlen) != FERRY_OK)
+    return -1;
+  *out = (unsigned long long)v;
+  return 0;
 }
 
 static ferry_policy *policy_of(lua_State *L) {
