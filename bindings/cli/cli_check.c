@@ -14,6 +14,26 @@
 #include "cli.h"
 #include "ferry_tools.h"
 
+/* Faults as they happen, each distinct message printed once; repeats are
+ * counted and summed up at the end (a fault in every decision would
+ * otherwise print one identical line per tensor). */
+#define MAX_DISTINCT_FAULTS 64
+typedef struct {
+  char *msg[MAX_DISTINCT_FAULTS];
+  uint64_t count[MAX_DISTINCT_FAULTS];
+  int n;
+} fault_log;
+
+static void note_fault(fault_log *f, const char *msg) {
+  for (int i = 0; i < f->n; i++)
+    if (!strcmp(f->msg[i], msg)) {
+      f->count[i]++;
+      return;
+    }
+  printf("  fault: %s\n", msg);
+  if (f->n < MAX_DISTINCT_FAULTS && (f->msg[f->n] = strdup(msg))) f->count[f->n++] = 1;
+}
+
 int ferry_cli_check(int argc, char **argv);
 
 typedef struct model_shape {
@@ -226,6 +246,7 @@ int ferry_cli_check(int argc, char **argv) {
     return 1;
   }
   uint64_t faults_seen = 0, offloaded_total = 0, kept_total = 0;
+  fault_log faults = {0};
   for (int step = 1; step <= steps; step++) {
     ferry_policy_step_begin(p, (uint64_t)step);
     /* the context an engine would keep while packing this step */
@@ -249,7 +270,7 @@ int ferry_cli_check(int argc, char **argv) {
       ferry_policy_get_stats(p, &after);
       int from_cache = after.cache_hits > before.cache_hits;
       if (after.errors > faults_seen) {
-        printf("  fault: %s\n", ferry_policy_last_error(p));
+        note_fault(&faults, ferry_policy_last_error(p));
         faults_seen = after.errors;
       }
       ctx.packed_this_step++;
@@ -298,6 +319,12 @@ int ferry_cli_check(int argc, char **argv) {
          (unsigned long long)kept_total, (unsigned long long)s.calls,
          (unsigned long long)s.cache_hits, (unsigned long long)s.errors,
          s.disabled ? " (policy disabled by its error budget)" : "");
+  for (int i = 0; i < faults.n; i++) {
+    if (faults.count[i] > 1)
+      printf("fault repeated %llu times: %s\n", (unsigned long long)faults.count[i],
+             faults.msg[i]);
+    free(faults.msg[i]);
+  }
   if (s.errors) fprintf(stderr, "ferry check: %s: last fault: %s\n", path, ferry_policy_last_error(p));
   free(sites);
   free(per_layer);
