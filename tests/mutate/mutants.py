@@ -1,6 +1,7 @@
 """The mutants of `make mutate` (tests/mutate/run.py): each a small
 deliberate bug of a class that has corrupted data or broken a promise in
-offload engines. suite: "c" (the C suite) or "py:<pytest args>".
+offload engines. suite: "c" (the C suite), "py:<pytest args>" or
+"cli:<tests/cli script>".
 Survivors are explained in tests/MUTANTS.md."""
 
 PY_RELOADS = "py:tests/python/test_reloads.py tests/python/test_autograd.py"
@@ -22,6 +23,8 @@ STAGING = "engine/src/checkpoint/staging.c"
 ZIP = "engine/src/checkpoint/zip_writer.c"
 RESIDENT = "engine/src/resident/resident.c"
 LOAD = "engine/src/policy/load.c"
+SANDBOX = "engine/src/policy/sandbox.c"
+CHECK = "bindings/cli/cli_check.c"
 
 MUTANTS = [
     # ---- copy paths
@@ -161,4 +164,39 @@ MUTANTS = [
       "            return torch.frombuffer(r, dtype=t.dtype).view(t.shape)",
       "            return t",
       "py:tests/python/test_checkpoint.py"),
+
+    # ---- policy sandbox limits
+    m("wall-clock-budget-ignored", "policy sandbox", SANDBOX,
+      "!(over_time = util_now_ns() > p->deadline_ns))",
+      "!(over_time = 0))"),
+    m("pattern-bound-off-by-a-power", "policy sandbox", SANDBOX,
+      "  for (size_t j = 1; j <= k; j++) ways = ways * (double)(slen + j) / (double)j;",
+      "  for (size_t j = 2; j <= k; j++) ways = ways * (double)(slen + j) / (double)j;"),
+    m("pattern-anchor-always", "policy sandbox", SANDBOX,
+      "  double starts = anchored ? 1 : (double)slen + 1;",
+      "  double starts = 1;"),
+    m("sort-bound-ignored", "policy sandbox", SANDBOX,
+      "  if (n > SORT_MAX_ITEMS)",
+      "  if (n > SORT_MAX_ITEMS * 2)"),
+    m("env-limit-not-checked", "strict numbers", LOAD,
+      'env_count("FERRY_POLICY_LOAD_MS", DEFAULT_LOAD_MS, 1, 3600000, &load_ms, errbuf, errlen)) {',
+      '(env_count("FERRY_POLICY_LOAD_MS", DEFAULT_LOAD_MS, 1, 3600000, &load_ms, errbuf, errlen), 0)) {'),
+    m("fault-printed-every-time", "quiet logs", CHECK,
+      "      f->count[i]++;\n      return;",
+      "      f->count[i]++;\n      break;",
+      "cli:tests/cli/test_check_faults.py"),
+
+    # ---- torch's in-place check
+    m("version-not-compared", "pack/unpack", HOOKS,
+      "  if (cur == saved) return 0;",
+      "  if (cur >= saved) return 0;",
+      "py:tests/python/test_limits.py -k inplace"),
+    m("kept-alias-without-shared-counter", "pack/unpack", HOOKS,
+      "  if (needs_alias) return PyObject_CallMethodNoArgs(t, s_detach);",
+      "  if (needs_alias) return PyObject_GetAttr(t, s_data);",
+      "py:tests/python/test_limits.py -k inplace"),
+    m("view-base-not-watched", "pack/unpack", HOOKS,
+      "  for (int i = 0; i < 3 && !now; i++)",
+      "  for (int i = 0; i < 2 && !now; i++)",
+      "py:tests/python/test_limits.py -k inplace"),
 ]

@@ -48,8 +48,9 @@ def default_python():
 
 
 def run_suite(bdir, suite):
-    """Failed test names for suite "c" (the C suite: ferry_tests) or
-    "py:<pytest args>" (pytest over the build tree's package)."""
+    """Failed test names for suite "c" (the C suite: ferry_tests),
+    "py:<pytest args>" (pytest over the build tree's package) or
+    "cli:<script>" (a tests/cli script run on the build's ferry)."""
     if suite == "c":
         try:
             r = sh([os.path.join(bdir, "bin", "ferry_tests")], timeout=600)
@@ -59,6 +60,12 @@ def run_suite(bdir, suite):
         if r.returncode != 0 and not failed:
             failed.append(f"(exit {r.returncode}: a crash or abort)")
         return failed
+    if suite.startswith("cli:"):  # a tests/cli script, given the ferry binary
+        try:
+            r = sh([sys.executable, suite[4:], os.path.join(bdir, "bin", "ferry")], timeout=600)
+        except subprocess.TimeoutExpired:
+            return ["(timeout)"]
+        return [suite[4:]] if r.returncode else []
     args = suite[3:].split()
     env = dict(os.environ, PYTHONPATH=os.path.join(bdir, "python"))
     py = os.environ.get("FERRY_MUTATE_PYTHON") or default_python()
