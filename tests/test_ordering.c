@@ -106,13 +106,14 @@ TEST(copies_wait_for_a_busy_compute_stream) {
  * queued there (here: a slow write into it). The reload copy must wait for
  * that work, or the earlier write lands after the reloaded bytes. */
 typedef struct {
+  test_device_stats st; /* first: the engine's release/retain callbacks get callback_ud */
   ferry_backend *bk;
   void *scratch, *busy, *garbage;
 } reuse_ctx;
 
 static int alloc_still_in_use(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
   reuse_ctx *r = ud;
-  int rc = test_device_alloc_cb(NULL, bytes, stream, dev, owner);
+  int rc = test_device_alloc_cb(&r->st, bytes, stream, dev, owner);
   if (rc) return rc;
   /* the previous user's last kernels, queued on the compute stream */
   if (r->bk->ops->copy_h2d(r->bk, r->scratch, r->busy, BUSY_BYTES, stream) ||
