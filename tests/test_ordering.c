@@ -158,8 +158,7 @@ TEST(reloads_wait_for_the_compute_stream_before_writing) {
   d.shape[0] = BYTES;
   ferry_handle h = 0;
   CHECK_OK(ferry_step_begin(e));
-  CHECK_OK(ferry_pack(e, &d, b->ptr, b, compute, &h));
-  test_buffer_unref(b);
+  CHECK_OK(ferry_pack(e, &d, b->ptr, b, compute, &h)); /* our reference goes with it */
   CHECK_OK(ferry_backward_begin(e));
   void *p = NULL, *o = NULL;
   CHECK_OK(ferry_unpack(e, h, compute, &p, &o));
