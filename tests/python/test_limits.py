@@ -158,3 +158,46 @@ def test_unchanged_saved_tensors_pass_the_check_on_every_path(tmp_path):
         b.sum().backward()
     want = 2 * ((x + 1).cos() ** 2 - (x + 1).sin() ** 2)
     torch.testing.assert_close(x.grad, want)
+
+
+# ---- one number parser --------------------------------------------------------
+@pytest.mark.parametrize("value", ["0.4", "nan", "inf", "-1", "0", "12 parsecs", "1e300", "16Q",
+                                   "0x10", "5 G"])
+def test_python_keywords_read_numbers_as_the_cli_does(value, tmp_path):
+    """host_cap= goes through the engine's parser: the same refusal, word
+    for word, as `ferry sim --host-cap`."""
+    from test_trace_replay import ferry_cli
+    trace = tmp_path / "t.jsonl"
+    subprocess.run([ferry_cli(), "trace", "synth", "--preset", "tiny", "-o", str(trace)],
+                   check=True, capture_output=True)
+    r = subprocess.run([ferry_cli(), "sim", "--trace", str(trace), "--host-cap", value],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    cli = r.stderr.splitlines()[0]
+    assert cli.startswith(f"ferry sim: --host-cap {value}: "), cli
+    with pytest.raises(ValueError) as e:
+        ft.offload(torch.nn.Linear(2, 2), host_cap=value)
+    assert str(e.value) == f"ferry: host_cap {value}: " + cli.split(f"--host-cap {value}: ", 1)[1]
+
+
+@pytest.mark.parametrize("knob,value,message", [
+    ("max_fwd_stash", -1, "ferry: max_fwd_stash -1: must be between 0 and 1048576"),
+    ("max_fwd_stash", 2.5, "ferry: max_fwd_stash 2.5: must be a whole number"),
+    ("prefetch_distance", 5000, "ferry: prefetch_distance 5000: must be between 0 and 4096"),
+    ("min_offload_bytes", float("nan"), "ferry: min_offload_bytes nan: not a number"),
+    ("min_offload_bytes", "1M ish", "ferry: min_offload_bytes 1M ish: unexpected"),
+    ("max_fwd_stash_bytes", float("inf"), "ferry: max_fwd_stash_bytes inf: not a number"),
+    ("max_fwd_stash_bytes", 0.5, "ferry: max_fwd_stash_bytes 0.5: must be a whole number of bytes"),
+])
+def test_numeric_knobs_are_strict_and_named(knob, value, message):
+    with pytest.raises(ValueError) as e:
+        ft.offload(torch.nn.Linear(2, 2), **{knob: value})
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_size_knobs_take_size_strings():
+    with pytest.warns(UserWarning, match="overrule"):
+        c = ft.offload(torch.nn.Linear(2, 2), min_offload_bytes="1M", max_fwd_stash_bytes="64MiB")
+    with c:
+        knobs = c.engine.knobs()
+    assert knobs["min_offload_bytes"] == 1 << 20 and knobs["max_fwd_stash_bytes"] == 64 << 20

@@ -8,6 +8,7 @@
  * released around engine calls (docs/pytorch.md).
  */
 #include "ext.h"
+#include "ferry_tools.h"
 
 PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
 
@@ -60,6 +61,20 @@ static PyObject *mod_info(PyObject *mod, PyObject *unused) {
   return r;
 }
 
+/* parse_number(what, text, kind, min, max, min_open=False) -> float: the
+ * engine's one strict parser (ferry_tools.h), so Python keywords read
+ * numbers exactly as CLI flags and environment variables do. */
+static PyObject *mod_parse_number(PyObject *mod, PyObject *args) {
+  const char *what, *text;
+  int kind, min_open = 0;
+  double lo, hi, v;
+  if (!PyArg_ParseTuple(args, "ssidd|p", &what, &text, &kind, &lo, &hi, &min_open)) return NULL;
+  char err[256];
+  if (ferry_parse_number(what, text, kind, lo, hi, min_open, &v, err, sizeof err) != FERRY_OK)
+    return PyErr_Format(PyExc_ValueError, "ferry: %s", err);
+  return PyFloat_FromDouble(v);
+}
+
 static PyObject *mod_strerror(PyObject *mod, PyObject *arg) {
   long code = PyLong_AsLong(arg);
   if (code == -1 && PyErr_Occurred()) return NULL;
@@ -70,6 +85,9 @@ static PyMethodDef module_methods[] = {
     {"info", mod_info, METH_NOARGS,
      "info() -> dict: version, which arena an engine gets here, backend availability."},
     {"strerror", mod_strerror, METH_O, "Message of a FERRY_E* code."},
+    {"parse_number", mod_parse_number, METH_VARARGS,
+     "parse_number(what, text, kind, min, max, min_open=False) -> float: the strict parser of "
+     "every ferry flag (NUMBER_* kinds); ValueError naming what, the text and what was expected."},
     {"unlink_node_cap", nodecap_unlink, METH_O,
      "unlink_node_cap(name): remove a NodeCap's shared-memory segment."},
     {NULL}};
@@ -104,6 +122,9 @@ PyMODINIT_FUNC PyInit__ferry(void) {
       PyModule_AddStringConstant(m, "__version__", ferry_version_string()) ||
       PyModule_AddIntConstant(m, "MAX_DIMS", FERRY_MAX_DIMS) ||
       PyModule_AddIntConstant(m, "KIND_ACTIVATION", FERRY_KIND_ACTIVATION) ||
+      PyModule_AddIntConstant(m, "NUMBER_COUNT", FERRY_NUMBER_COUNT) ||
+      PyModule_AddIntConstant(m, "NUMBER_BYTES", FERRY_NUMBER_BYTES) ||
+      PyModule_AddIntConstant(m, "NUMBER_PERCENT", FERRY_NUMBER_PERCENT) ||
       PyModule_AddIntConstant(m, "KIND_PARAMETER", FERRY_KIND_PARAMETER) ||
       PyModule_AddIntConstant(m, "KIND_BUFFER", FERRY_KIND_BUFFER) ||
       PyModule_AddIntConstant(m, "HAVE_NODE_CAP_HOOK",

@@ -9,8 +9,14 @@ KIND_PARAMETER: int
 KIND_BUFFER: int
 HAVE_NODE_CAP_HOOK: int
 
+NUMBER_COUNT: int
+NUMBER_BYTES: int
+NUMBER_PERCENT: int
+
 def info() -> Dict[str, Any]: ...
 def strerror(code: int) -> str: ...
+def parse_number(what: str, text: str, kind: int, min: float, max: float,
+                 min_open: bool = ...) -> float: ...
 def unlink_node_cap(name: str) -> None: ...
 
 class FerryError(RuntimeError):

@@ -31,9 +31,6 @@ current = None  # Session of the offload context entered last
 
 
 # ---- configuration --------------------------------------------------------
-UNITS = {"": 0, "k": 10, "kib": 10, "m": 20, "mib": 20, "g": 30, "gib": 30, "t": 40, "tib": 40}
-
-
 def parse_cap(value, what):
     """bytes (int), "16G", "512MiB" or "40%" -> (bytes, pct)."""
     if value is None:
@@ -47,23 +44,34 @@ def parse_cap(value, what):
     if isinstance(value, float):
         raise TypeError(f"ferry: {what}={value!r}: give whole bytes (int) or a string like '40%'")
     s = str(value).strip()
-    if s.endswith("%"):
-        try:
-            pct = float(s[:-1])
-        except ValueError:
-            pct = -1
-        if not 0 < pct <= 100:
-            raise ValueError(f"ferry: {what}={value!r}: a percentage must be in (0, 100]")
-        return 0, pct
-    num = s.rstrip("KkMmGgTtIiBb")
-    unit = s[len(num):].lower()
-    if not num.isdigit() or unit not in UNITS:
-        raise ValueError(f"ferry: {what}={value!r}: expected bytes (e.g. 1073741824, 512M, 16G) "
-                         "or a percentage of MemTotal (e.g. 40%)")
-    n = int(num) << UNITS[unit]
-    if n <= 0:
-        raise ValueError(f"ferry: {what}={value!r} is 0")
-    return n, 0.0
+    if s.endswith("%"):  # the engine's own parser, as for --host-cap and FERRY_HOST_CAP
+        return 0, _ferry.parse_number(what, s, _ferry.NUMBER_PERCENT, 0, 100, True)
+    return int(_ferry.parse_number(what, s, _ferry.NUMBER_BYTES, 1, 2.0 ** 53)), 0.0
+
+
+# The numeric knobs of offload(**knobs): (kind, min, max). Sizes also take
+# "512K"-style strings; every value goes through the engine's parser, so a
+# bad one is refused as the CLI refuses it, naming the keyword.
+NUMERIC_KNOBS = {
+    "max_fwd_stash": (_ferry.NUMBER_COUNT, 0, 1 << 20),
+    "prefetch_distance": (_ferry.NUMBER_COUNT, 0, 4096),
+    "min_offload_bytes": (_ferry.NUMBER_BYTES, 0, 2.0 ** 50),
+    "max_fwd_stash_bytes": (_ferry.NUMBER_BYTES, 0, 2.0 ** 53),
+}
+
+
+def parse_knobs(knobs):
+    """knobs with the numeric ones checked and made ints."""
+    out = dict(knobs)
+    for name, (kind, lo, hi) in NUMERIC_KNOBS.items():
+        value = out.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError(f"ferry: {name} must be a number, got {type(value).__name__}")
+        text = value.strip() if isinstance(value, str) else repr(value)
+        out[name] = int(_ferry.parse_number(name, text, kind, lo, hi))
+    return out
 
 
 # ---- sessions ----------------------------------------------------------------

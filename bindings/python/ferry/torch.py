@@ -254,8 +254,8 @@ class offload:
             record_trace = os.environ.get("FERRY_TRACE") or None
         cap_bytes, cap_pct = _parse_cap(host_cap if host_cap is not None
                                         else os.environ.get("FERRY_HOST_CAP") or None, "host_cap")
-        cfg = dict(knobs, backend=backend, device=device, host_cap_bytes=cap_bytes,
-                   host_cap_pct=cap_pct)
+        cfg = dict(_sessmod.parse_knobs(knobs), backend=backend, device=device,
+                   host_cap_bytes=cap_bytes, host_cap_pct=cap_pct)
         if _sessmod.fixed_knobs(knobs):
             cfg["knobs_fixed"] = _sessmod.fixed_knobs(knobs)
         if record_trace:
