@@ -560,19 +560,17 @@ static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
     return obj;
   }
   HandleObject *hd = (HandleObject *)obj;
-  PyObject *now = NULL, *tensor = PyWeakref_GetObject(hd->sharers[0]); /* borrowed */
+  PyObject *now = NULL; /* borrowed */
   for (int i = 0; i < 3 && !now; i++)
-    if (hd->sharers[i] && PyWeakref_GetObject(hd->sharers[i]) != Py_None)
-      now = PyWeakref_GetObject(hd->sharers[i]);
-  if (now && tensor == Py_None) { /* a view, gone: name its own shape */
-    PyObject *shape = int_tuple(hd->shape, hd->ndim);
-    int bad = !shape || check_version(eng, now, NULL, shape, hd->version, hd->site);
-    Py_XDECREF(shape);
-    if (bad) return NULL;
-  } else if (check_version(eng, now, tensor == Py_None ? NULL : tensor, NULL, hd->version,
-                           hd->site)) {
-    return NULL;
-  }
+    if (hd->sharers[i] && (now = PyWeakref_GetObject(hd->sharers[i])) == Py_None) now = NULL;
+  PyObject *tensor = PyWeakref_GetObject(hd->sharers[0]);
+  if (tensor == Py_None) tensor = NULL;
+  /* the tensor gone (a view checked through its base): name its own shape */
+  PyObject *shape = now && !tensor ? int_tuple(hd->shape, hd->ndim) : NULL;
+  int bad = (now && !tensor && !shape) ||
+            check_version(eng, now, tensor, shape, hd->version, hd->site);
+  Py_XDECREF(shape);
+  if (bad) return NULL;
   if (!hd->h) {
     if (hd->result) { /* unpacked before: backward over a retained graph */
       eng->unpacks_repeated++;

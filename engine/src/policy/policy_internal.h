@@ -122,8 +122,8 @@ struct ferry_policy {
   size_t mem_used, mem_cap;
   int enforce_cap;
   uint64_t ticks, tick_budget;
-  uint64_t deadline_ns, budget_ns;  /* wall clock of the call in progress */
-  const char *budget_what;          /* its name, for the message */
+  uint64_t deadline_ns;              /* wall clock of the call in progress */
+  int loading;                       /* that call is a load, not a decision */
   uint64_t decide_budget_ns, load_budget_ns;
   int interrupt;
   char interrupt_msg[MSG_LEN];
@@ -170,10 +170,8 @@ void take_fault(ferry_policy *p, int status, char *out, size_t n);
 static inline int run_protected(ferry_policy *p, int nargs, int nresults, int msgh, int loading) {
   p->ticks = 0;
   p->tick_budget = (loading ? LOAD_MAX_INSTRUCTIONS : DECIDE_MAX_INSTRUCTIONS) / HOOK_PERIOD;
-  p->budget_ns = loading ? p->load_budget_ns : p->decide_budget_ns;
-  p->budget_what = loading ? "a policy load (FERRY_POLICY_LOAD_MS)"
-                           : "a decision (FERRY_POLICY_DECISION_MS)";
-  p->deadline_ns = util_now_ns() + p->budget_ns;
+  p->loading = loading;
+  p->deadline_ns = util_now_ns() + (loading ? p->load_budget_ns : p->decide_budget_ns);
   p->interrupt = INTERRUPT_NONE;
   p->c_nesting = 0;
   p->enforce_cap = 1;

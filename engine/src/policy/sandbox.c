@@ -97,8 +97,10 @@ void policy_hook(lua_State *L, lua_Debug *ar) {
     const char *at = pos[0] ? pos : p->running ? p->running : p->chunk;
     if (over_time)
       snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
-               "%.400s: interrupted after %" PRIu64 " ms, the wall-clock budget of %s",
-               at, p->budget_ns / 1000000, p->budget_what);
+               "%.400s: interrupted after %" PRIu64 " ms, the wall-clock budget of %s", at,
+               (p->loading ? p->load_budget_ns : p->decide_budget_ns) / 1000000,
+               p->loading ? "a policy load (FERRY_POLICY_LOAD_MS)"
+                          : "a decision (FERRY_POLICY_DECISION_MS)");
     else
       snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
                "%.400s: interrupted after %" PRIu64 " VM instructions (runaway loop?)", at,
