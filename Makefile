@@ -4,7 +4,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?=
 PYTHON_TORCH ?= /usr/bin/python3
 
-.PHONY: all deps build demo test bench mutate install clean
+.PHONY: all deps build demo test bench soak mutate install clean
 
 all: build
 
@@ -38,6 +38,16 @@ bench: build
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json
 	@python3 bench/targets.py $(BUILD)/bench.json
+
+# Longer runs than make test affords: fault injection over 200,000 seeded
+# rounds (make test runs 1,500) and the concurrency stress for 20,000 steps
+# per thread (make bench runs 200). About eight minutes on 2 cores.
+SOAK_FAULT_ROUNDS ?= 200000
+SOAK_STRESS_STEPS ?= 20000
+soak: build
+	FERRY_FAULT_ROUNDS=$(SOAK_FAULT_ROUNDS) $(BUILD)/bin/ferry_tests faults_lose_nothing
+	FERRY_STRESS_STEPS=$(SOAK_STRESS_STEPS) $(BUILD)/bin/ferry_bench --only stress --json $(BUILD)/soak.json
+	@python3 bench/targets.py $(BUILD)/soak.json | grep -E '^(target|stress_)|passed'
 
 # Mutation testing (tests/mutate/): plants each mutant, rebuilds build-mutate,
 # runs the suite that should catch it; writes $(BUILD)/mutate.json. Not part

@@ -34,6 +34,7 @@ void bench_policy(bench_report *r);
 void bench_sim(bench_report *r);
 void bench_snapshot(bench_report *r);
 void bench_prefetch(bench_report *r);
+void bench_stress(bench_report *r);
 /* Instruction-count mode, run under callgrind (bench_engine.c). */
 int bench_engine_instr(const char *which, long iters);
 #endif

@@ -9,5 +9,6 @@ const bench_entry bench_table[] = {
     {"sim", bench_sim},
     {"snapshot", bench_snapshot},
     {"prefetch", bench_prefetch},
+    {"stress", bench_stress},
 };
 const size_t bench_table_len = sizeof bench_table / sizeof bench_table[0];

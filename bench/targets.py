@@ -26,6 +26,11 @@ TARGETS = [
     ("stall_vs_floor", "<=", 1.1, "budget.lua exposed stall / link-bound floor, demo trace"),
     ("snapshot_blocked_vs_sync_cpu", "<=", 0.1, "training blocked by a snapshot / a .cpu() copy of the state"),
     ("snapshot_step_slowdown", "<=", 1.10, "step time while a snapshot drains / without"),
+    ("stress_mismatches", "==", 0, "tensors not bit-identical, 5 threads in 2 processes on one node cap"),
+    ("stress_cap_exceeded_samples", "==", 0, "monitor samples with the node total over the cap"),
+    ("stress_reclaimed_vs_killed_share", "==", 1, "bytes reclaimed after SIGKILL / the killed process's share"),
+    ("stress_node_total_after_close", "==", 0, "node total after every survivor engine is destroyed, B"),
+    ("stress_rss_drift_mib", "<=", 8, "survivor RSS growth over the second half of the run, MiB"),
     ("optimizer_offload_step_ratio", "<=", 1.3, "step with offload_optimizer(fraction=0.5) / plain"),
 ]
 
