@@ -9,6 +9,10 @@
   X(number_parser_is_strict)                                               \
   X(api_refuses_null_and_bad_arguments)                                    \
   X(api_refuses_out_of_order_calls)                                        \
+  /* the message sink (test_log.c) */                                     \
+  X(log_file_is_capped_and_rotated)                                        \
+  X(log_counts_repeats_and_filters_levels)                                 \
+  X(log_refuses_what_is_not_a_regular_file)                                \
   /* host RAM readings (test_ram.c) */                                     \
   X(ram_rules_see_the_host_ram_reading)                                    \
   X(ram_percent_cap_is_of_the_reading)                                     \

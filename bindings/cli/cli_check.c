@@ -61,7 +61,8 @@ static void usage(FILE *to) {
           "  -s, --steps N        training steps to run (default 2; later steps show\n"
           "                       which answers came from the site cache)\n"
           "  -r, --ram-pct P      host RAM used %% the context reports (default 30)\n"
-          "  -q, --quiet          print only the header, faults and the summary\n"
+          "  -q, --quiet          print only the header, faults and the summary (no\n"
+          "                       ferry.log lines)\n"
           "  -h, --help           this help\n"
           "\n"
           "Exit status: 0 policy loaded and decided without a fault; 1 load error or\n"
@@ -198,7 +199,10 @@ int ferry_cli_check(int argc, char **argv) {
   while ((c = getopt_long(argc, argv, ":tl:s:r:qh", longopts, NULL)) != -1) {
     switch (c) {
     case 't': trusted = 1; break;
-    case 'q': quiet = 1; break;
+    case 'q':
+      quiet = 1;
+      ferry_log_level(FERRY_LOG_ERROR); /* a policy's ferry.log lines too */
+      break;
     case 'l':
       if (parse_int(optarg, 1, 1024, "--layers", &m.layers)) return 2;
       break;

@@ -52,6 +52,8 @@ static void sim_usage(FILE *f) {
           "  --svg FILE          device memory over the last step, baseline vs policies\n"
           "  --no-layers         skip the per-layer table\n"
           "  --max-line BYTES    longest trace line read (default 1M; longer is an error)\n"
+          "  -q, --quiet         errors only on stderr: no progress, policy log lines or\n"
+          "                      warnings (FERRY_LOG_FILE still gets errors; the report prints)\n"
           "  --fit DEVICE_BYTES  search policies/host_budget.lua's knobs (host bytes, layers\n"
           "                      kept, stash, prefetch) for the lowest-overhead setting whose\n"
           "                      steady peak fits DEVICE_BYTES; writes it as a policy\n"
@@ -85,6 +87,8 @@ static char *with_knob(const char *src, const char *knob, long value) {
   snprintf(v, sizeof v, "%ld", value);
   return sim_policy_set_knob(src, knob, v);
 }
+
+static int sim_quiet; /* -q: errors only on stderr */
 
 typedef struct progress_state {
   const char *label;
@@ -187,7 +191,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   }
   int want_tl = chrome || svg;
   sim_result *rs = calloc((size_t)n_jobs + 1, sizeof *rs);
-  progress_state ps = {.tty = isatty(2)};
+  progress_state ps = {.tty = isatty(2) && !sim_quiet};
   int rc = 0;
   for (int i = 0; i <= n_jobs && !rc; i++) {
     sim_config c = opts_config(o, &hw);
@@ -374,7 +378,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"fit-host", required_argument, 0, 'H'}, {"fit-out", required_argument, 0, 'O'},
       {"mfu", required_argument, 0, 'M'},     {"tflops", required_argument, 0, 'T'},
       {"release-copied", no_argument, 0, 'X'}, {"prefetch-at-backward", no_argument, 0, 'B'},
-      {"max-line", required_argument, 0, 'Y'},
+      {"max-line", required_argument, 0, 'Y'}, {"quiet", no_argument, 0, 'q'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -386,7 +390,7 @@ int ferry_cli_sim(int argc, char **argv) {
   const char *fit_out = "fit.lua";
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
-  while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":hq", opts, NULL)) != -1) {
     switch (c) {
     case 'p': policies = optarg; break;
     case 't': trace = optarg; break;
@@ -443,6 +447,10 @@ int ferry_cli_sim(int argc, char **argv) {
       trace_limits.max_line_bytes = (size_t)line_limit;
       break;
     case 'D': demo_dir = optarg; break;
+    case 'q':
+      sim_quiet = 1;
+      ferry_log_level(FERRY_LOG_ERROR);
+      break;
     case 'h': sim_usage(stdout); return 0;
     case ':':
     case '?':

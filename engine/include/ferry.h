@@ -354,6 +354,23 @@ FERRY_API int ferry_node_budget_get_stats(ferry_node_budget *b,
 FERRY_API int ferry_node_budget_unlink(const char *name, char *errbuf,
                                        size_t errlen);
 
+/* ---- the engine's messages (process-wide) ------------------------------- */
+/* Policy ferry.log() lines, warnings and errors go to stderr ("ferry: ..."),
+ * or to a file: each line with time, pid and level; when the next line would
+ * take it past max_bytes (>= 4096) it is renamed path.1 (path.1 to path.2 ...,
+ * keep (0-100) old files) and a new one started. "%p" in path is the pid: one
+ * file per process, as ranks must not rotate one file. A message equal to the
+ * previous one is counted and written once with the count. path NULL =
+ * stderr. Without a call, FERRY_LOG_FILE, FERRY_LOG_MAX_BYTES (16M),
+ * FERRY_LOG_KEEP (3) and FERRY_LOG_LEVEL (error|warning|info) set it. A path
+ * that is not a regular file is refused (FERRY_EINVAL). */
+enum { FERRY_LOG_ERROR = 0, FERRY_LOG_WARNING = 1, FERRY_LOG_INFO = 2 };
+FERRY_API int ferry_log_open(const char *path, uint64_t max_bytes, uint32_t keep,
+                             int level, char *errbuf, size_t errlen);
+/* Only the level (e.g. a tool's -q), the destination kept; returns the
+ * previous level, or -1 if level is not a FERRY_LOG_*. */
+FERRY_API int ferry_log_level(int level);
+
 /* Fill *cfg with the defaults of FERRY_CONFIG_INIT (for FFI callers). */
 FERRY_API void ferry_config_init(ferry_config *cfg);
 

@@ -14,6 +14,7 @@
 #include <jemalloc/jemalloc.h>
 
 #include "arena/arena_internal.h"
+#include "util/log.h"
 
 /* Where retained grows do happen (see je_hook_alloc), grow by no more than
  * this per backend call. jemalloc grows geometrically by default; capped at
@@ -168,8 +169,8 @@ static void je_destroy(ferry_arena *a) {
   /* Discards every allocation (live ones included) and the arena's
    * metadata; hooks may still run during this call, so ja outlives it. */
   if (ja->created && je_ctl_arena_write(ja, "destroy", NULL, 0) != 0)
-    fprintf(stderr, "ferry: jemalloc arena.%u.destroy failed; its pinned "
-                    "memory is freed anyway\n", ja->index);
+    util_log(FERRY_LOG_ERROR, "jemalloc arena.%u.destroy failed; its pinned memory is freed "
+             "anyway", ja->index);
   free(ja);
   a->kind_state = NULL;
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "arena/arena_internal.h"
+#include "util/log.h"
 
 #define POOL_GRANULE_SHIFT 8 /* 256-byte blocks, the alignment copies like */
 #define POOL_GRANULE ((size_t)1 << POOL_GRANULE_SHIFT)
@@ -276,8 +277,8 @@ static size_t pool_free(ferry_arena *a, void *p, size_t bytes) {
   pool_block *b = live_take(s, (uintptr_t)p);
   if (!b) {
     pthread_mutex_unlock(&a->lock);
-    fprintf(stderr, "ferry: pinned arena free of %p, which is not a live "
-                    "allocation of this arena (double free?); ignored\n", p);
+    util_log(FERRY_LOG_ERROR, "pinned arena free of %p, which is not a live allocation of "
+             "this arena (double free?); ignored", p);
     return 0;
   }
   size_t requested = b->requested;
@@ -286,8 +287,8 @@ static size_t pool_free(ferry_arena *a, void *p, size_t bytes) {
   s->frees_since_coalesce++;
   pthread_mutex_unlock(&a->lock);
   if (bytes != requested)
-    fprintf(stderr, "ferry: pinned arena free of %p with size %zu, but it was "
-                    "allocated with %zu bytes\n", p, bytes, requested);
+    util_log(FERRY_LOG_ERROR, "pinned arena free of %p with size %zu, but it was allocated "
+             "with %zu bytes", p, bytes, requested);
   return requested;
 }
 

@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "util/errbuf.h"
+#include "util/log.h"
 #include "core/engine_internal.h"
 
 /* ---- registry of live engines --------------------------------------------
@@ -198,6 +199,7 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
   ferry_config c;
   int rc = config_load(cfg, &c, errbuf, errlen);
   if (rc) return rc;
+  if ((rc = util_log_check_env(errbuf, errlen))) return rc; /* a wrong FERRY_LOG_* */
 
   ferry_engine *e = calloc(1, sizeof *e);
   if (!e) return ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "out of memory creating the engine");

@@ -5,6 +5,7 @@
  * t:path(), ctx:offloaded_in_layer()) and state setup from sandbox.lua. See docs/policy-api.md, "How the host works".
  */
 #include "policy/policy_internal.h"
+#include "util/log.h"
 
 /* ---- small helpers ------------------------------------------------------ */
 void copy_str(char *dst, size_t n, const char *src) {
@@ -299,10 +300,10 @@ static int sandbox_log(lua_State *L) {
   size_t len;
   const char *msg = luaL_checklstring(L, 1, &len);
   if (p->log_lines < MAX_LOG_LINES)
-    fprintf(stderr, "ferry: policy %s: %.*s\n", p->name, (int)len, msg);
+    util_log(FERRY_LOG_INFO, "policy %s: %.*s", p->name, (int)(len < 900 ? len : 900), msg);
   else if (p->log_lines == MAX_LOG_LINES)
-    fprintf(stderr, "ferry: policy %s: more than %d log lines, the rest are dropped\n", p->name,
-            MAX_LOG_LINES);
+    util_log(FERRY_LOG_WARNING, "policy %s: more than %d log lines, the rest are dropped",
+             p->name, MAX_LOG_LINES);
   p->log_lines++;
   return 0;
 }
