@@ -128,6 +128,10 @@ void ferry_node_budget_close(ferry_node_budget *b);
 int ferry_node_budget_reserve(void *budget, uint64_t bytes, int release);
 int ferry_node_budget_get_stats(ferry_node_budget *b, ferry_node_budget_stats *out, int32_t *pids, uint64_t *bytes, uint32_t max);
 int ferry_node_budget_unlink(const char *name, char *errbuf, size_t errlen);
+enum {
+FERRY_LOG_ERROR = 0, FERRY_LOG_WARNING = 1, FERRY_LOG_INFO = 2};
+int ferry_log_open(const char *path, uint64_t max_bytes, uint32_t keep, int level, char *errbuf, size_t errlen);
+int ferry_log_level(int level);
 void ferry_config_init(ferry_config *cfg);
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf, size_t errlen);
 void ferry_engine_destroy(ferry_engine *e);
