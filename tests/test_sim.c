@@ -574,9 +574,17 @@ TEST(sim_link_presets_and_syntax) {
   CHECK_NEAR(x.link.latency_us, 2000, 1e-9);
   CHECK_NEAR(x.duplex_h2d, 0.5, 0);
   CHECK_EQ(sim_parse_link("h2d=fast", &x, err, sizeof err), -1);
-  CHECK_STR_CONTAINS(err, "h2d=fast is not a bandwidth");
+  CHECK_STR_CONTAINS(err, "--link h2d fast: not a number; expected a bandwidth");
   CHECK_EQ(sim_parse_link("duplex=1.5", &x, err, sizeof err), -1);
-  CHECK_STR_CONTAINS(err, "within (0, 1]");
+  CHECK_STR_CONTAINS(err, "--link duplex 1.5: must be above 0 and at most 1");
+  /* the shared parser's bounds: no absurd links, no bare numbers */
+  CHECK_EQ(sim_parse_link("h2d=1e-300GB/s", &x, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "--link h2d 1e-300GB/s: must be between 0.001 GB/s and 1e+05 GB/s");
+  CHECK_EQ(sim_parse_link("d2h=55", &x, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "--link d2h 55: needs a unit; expected a bandwidth");
+  CHECK_EQ(sim_parse_link("latency=2s", &x, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "--link latency 2s: must be between 0 us and 1 s");
+  CHECK_EQ(sim_parse_link("duplex=nan", &x, err, sizeof err), -1);
   CHECK_EQ(sim_parse_link("warp=9", &x, err, sizeof err), -1);
   CHECK_STR_CONTAINS(err, "unknown key \"warp\"");
   return 0;

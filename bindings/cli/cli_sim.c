@@ -133,14 +133,15 @@ static int parse_pinned(const char *spec, sim_opts *o) {
       if (!strcmp(kv, "alloc")) o->pin_alloc_us = 0;
       else o->pin_touch_bytes_per_s = 0;
     } else if (!strcmp(kv, "alloc") || !strcmp(kv, "touch")) {
-      /* units through the link parser: latency= for times, h2d= for rates */
-      sim_hw tmp;
-      memset(&tmp, 0, sizeof tmp);
-      char one[128], err[256];
-      snprintf(one, sizeof one, "%s=%s", !strcmp(kv, "alloc") ? "latency" : "h2d", v);
-      if (sim_parse_link(one, &tmp, err, sizeof err)) goto bad;
-      if (!strcmp(kv, "alloc")) o->pin_alloc_us = tmp.link.latency_us;
-      else o->pin_touch_bytes_per_s = tmp.link.h2d_bytes_per_s;
+      int alloc = !strcmp(kv, "alloc");
+      char what[32];
+      snprintf(what, sizeof what, "--pinned %s", kv);
+      double x; /* up to 1 s per allocation; 1 MB/s to 100 TB/s */
+      if (cli_number("sim", what, v, alloc ? FERRY_NUMBER_DURATION : FERRY_NUMBER_BANDWIDTH,
+                     alloc ? 0 : 1e6, alloc ? 1e6 : 1e14, 0, &x))
+        return -1;
+      if (alloc) o->pin_alloc_us = x;
+      else o->pin_touch_bytes_per_s = x;
     } else {
       goto bad;
     }
@@ -429,14 +430,10 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'B': o.prefetch_bwd = 1; break;
     case 'M':
     case 'T': {
-      char *end;
-      errno = 0;
-      double x = strtod(optarg, &end);
-      if (end == optarg || *end || errno || !(x > 0) || (c == 'M' && x > 1) || x > 1e6) {
-        fprintf(stderr, "ferry sim: %s %s: expected %s\n", c == 'M' ? "--mfu" : "--tflops", optarg,
-                c == 'M' ? "a fraction in (0, 1], e.g. 0.4" : "TFLOP/s > 0, e.g. 400");
+      double x;
+      if (cli_number("sim", c == 'M' ? "--mfu" : "--tflops", optarg, FERRY_NUMBER_REAL, 0,
+                     c == 'M' ? 1 : 1e6, 1, &x))
         return 2;
-      }
       if (c == 'M') o.mfu = x;
       else o.tflops = x;
       break;
@@ -509,7 +506,9 @@ int ferry_cli_sim(int argc, char **argv) {
           step = strtol(b, &end, 10);
           ok = end != b && step > 0;
         }
-        ok = ok && !*end && hi >= lo && (hi - lo) / step < MAX_RUNS;
+        /* bounded first: hi - lo must not overflow */
+        ok = ok && !*end && labs(lo) < 1000000000 && labs(hi) < 1000000000 && hi >= lo &&
+             (hi - lo) / step < MAX_RUNS;
       }
     }
     if (!ok) {

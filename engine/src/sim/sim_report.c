@@ -37,29 +37,7 @@ const sim_hw *sim_hw_preset(const char *name) {
 
 const char *sim_hw_names(void) { return "h100, h200, a100, gh200"; }
 
-static int parse_num_unit(const char *v, const char *const *units, const double *scale, int nu,
-                          double *out) {
-  char *end;
-  errno = 0;
-  double x = strtod(v, &end);
-  if (end == v || errno || !isfinite(x) || x < 0) return -1;
-  if (!*end) {
-    *out = x * scale[0];
-    return 0;
-  }
-  for (int i = 0; i < nu; i++)
-    if (!strcasecmp(end, units[i])) {
-      *out = x * scale[i];
-      return 0;
-    }
-  return -1;
-}
-
 int sim_parse_link(const char *spec, sim_hw *hw, char *err, size_t errlen) {
-  static const char *const bw_units[] = {"GB/s", "B/s", "KB/s", "MB/s", "TB/s", "GiB/s", "MiB/s"};
-  static const double bw_scale[] = {1e9, 1, 1e3, 1e6, 1e12, GIB, 1048576.0};
-  static const char *const t_units[] = {"us", "ns", "ms", "s"};
-  static const double t_scale[] = {1, 1e-3, 1e3, 1e6};
   char *copy = strdup(spec ? spec : "");
   if (!copy) return -1;
   int rc = 0;
@@ -74,26 +52,24 @@ int sim_parse_link(const char *spec, sim_hw *hw, char *err, size_t errlen) {
     *eq = 0;
     const char *k = tok, *v = eq + 1;
     double x;
+    char what[32];
+    snprintf(what, sizeof what, "--link %s", k);
+    /* 1 MB/s to 100 TB/s: outside it a link model means nothing */
     if (!strcmp(k, "h2d") || !strcmp(k, "d2h")) {
-      if (parse_num_unit(v, bw_units, bw_scale, 7, &x) || x <= 0) {
-        snprintf(err, errlen, "--link: %s=%s is not a bandwidth > 0 (e.g. 55GB/s)", k, v);
+      if (ferry_parse_number(what, v, FERRY_NUMBER_BANDWIDTH, 1e6, 1e14, 0, &x, err, errlen)) {
         rc = -1;
         break;
       }
       if (k[0] == 'h') hw->link.h2d_bytes_per_s = x;
       else hw->link.d2h_bytes_per_s = x;
     } else if (!strcmp(k, "latency")) {
-      if (parse_num_unit(v, t_units, t_scale, 4, &x) || x > 1e6) {
-        snprintf(err, errlen, "--link: latency=%s is not a time within 0..1s (e.g. 5us)", v);
+      if (ferry_parse_number(what, v, FERRY_NUMBER_DURATION, 0, 1e6, 0, &x, err, errlen)) {
         rc = -1;
         break;
       }
       hw->link.latency_us = x;
     } else if (!strcmp(k, "duplex") || !strcmp(k, "duplex_h2d") || !strcmp(k, "duplex_d2h")) {
-      char *end;
-      x = strtod(v, &end);
-      if (end == v || *end || !(x > 0 && x <= 1)) {
-        snprintf(err, errlen, "--link: %s=%s must be a number within (0, 1]", k, v);
+      if (ferry_parse_number(what, v, FERRY_NUMBER_REAL, 0, 1, 1, &x, err, errlen)) {
         rc = -1;
         break;
       }

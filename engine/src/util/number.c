@@ -108,6 +108,9 @@ int ferry_parse_number(const char *what, const char *text, int kind, double min,
     return ferry_errbuf(err, errlen, FERRY_EINVAL, "%s %s: not a number; expected %s", what,
                         text, k->expected);
   double scale = unit_scale(k->units, end);
+  if (scale == 0 && !*end)
+    return ferry_errbuf(err, errlen, FERRY_EINVAL, "%s %s: needs a unit; expected %s", what,
+                        text, k->expected);
   if (scale == 0)
     return ferry_errbuf(err, errlen, FERRY_EINVAL, "%s %s: unexpected \"%s\"; expected %s", what,
                         text, end, k->expected);
