@@ -243,9 +243,11 @@ typedef struct sim_backend_stats {
   double pinned_alloc_us;  /* host time they cost (also counted in host_wait_us) */
 } sim_backend_stats;
 
-/* dir: 0 = D2H, 1 = H2D; times in µs of the virtual clock. */
+/* dir: 0 = D2H, 1 = H2D; times in µs of the virtual clock; dev and host:
+ * the copy's device and host addresses (an offload's host address is its
+ * reload's source: that pairs them). */
 typedef void (*sim_copy_listener)(void *ud, int dir, double start_us, double end_us,
-                                  uint64_t bytes);
+                                  uint64_t bytes, const void *dev, const void *host);
 
 /* Whether b is a sim backend (an engine's: engine_backend in core.h). */
 FERRY_API int sim_backend_is(const ferry_backend *b);
@@ -441,7 +443,11 @@ typedef struct sim_interval {
   double t0, t1;
   uint64_t bytes; /* copies */
   int32_t lane;   /* 0 compute, 1 D2H, 2 H2D */
-  int32_t layer;  /* compute: layer of the next tensor event, -1 if none */
+  int32_t layer;  /* compute: layer of the next tensor event, -1 if none;
+                     copies: the tensor's */
+  uint32_t tensor; /* copies: the trace's tensor index + 1, 0 = unknown */
+  uint32_t flow;   /* an offload and its reload share a nonzero id */
+  const char *module_path; /* copies: the tensor's (the trace's string) */
 } sim_interval;
 
 typedef struct sim_mem_sample {
@@ -451,6 +457,7 @@ typedef struct sim_mem_sample {
 
 typedef struct sim_timeline {
   double t_begin, t_end; /* the recorded step */
+  double t_backward;     /* its backward_begin, 0 if none */
   sim_interval *iv;
   size_t n_iv, cap_iv;
   sim_mem_sample *mem;

@@ -29,6 +29,7 @@ typedef struct sim_op {
   uint8_t kind; /* sim_op_kind */
   uint8_t dir;  /* OP_COPY: 0 D2H, 1 H2D */
   uint64_t bytes;
+  const void *dev, *host; /* OP_COPY: its two ends, for the listener */
   double t_us;         /* OP_WAIT_TIME: not before this time */
   sim_stream *other;   /* OP_WAIT_STREAM: until other has completed */
   uint64_t target;     /*                 this many operations */
@@ -143,7 +144,8 @@ static void finish_copy(sim_backend *sb, sim_stream *s) {
   s->completed++;
   sb->st.copies[d]++;
   sb->st.bytes[d] += op->bytes;
-  if (sb->listener) sb->listener(sb->listener_ud, d, s->start_us, sb->link, op->bytes);
+  if (sb->listener)
+    sb->listener(sb->listener_ud, d, s->start_us, sb->link, op->bytes, op->dev, op->host);
 }
 
 /* One step of the link: start what can start, then run to the next change
@@ -375,7 +377,8 @@ static int sim_copy(ferry_backend *b, int dir, void *dst, const void *src, size_
   if (!is_own_stream(sb, s)) {
     rc = backend_fail(b, FERRY_EINVAL, "sim %s: copies need an engine stream, got %p", name, s);
   } else {
-    sim_op op = {.kind = OP_COPY, .dir = (uint8_t)dir, .bytes = bytes};
+    sim_op op = {.kind = OP_COPY, .dir = (uint8_t)dir, .bytes = bytes, .dev = dir ? dst : src,
+                 .host = dir ? src : dst};
     if (enqueue(sb, s, op)) rc = backend_fail(b, FERRY_ENOMEM, "sim %s: out of memory", name);
   }
   pthread_mutex_unlock(&sb->lock);

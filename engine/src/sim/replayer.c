@@ -14,6 +14,7 @@
 #include "util/errbuf.h"
 #include "ferry_tools.h"
 #include "core/core.h"
+#include "util/u64map.h"
 #include "util/util.h"
 
 
@@ -59,6 +60,9 @@ typedef struct replay {
   char *err;            /* the caller's error buffer */
   size_t errlen;
   int err_written;      /* err holds the message already (not an engine error) */
+  /* recording: which tensor a copy moves, and which offload a reload undoes */
+  u64map dev_tensor;    /* a packed buffer's address -> tensor index + 1 */
+  u64map host_offload;  /* an offload's host address -> its interval index + 1 */
 } replay;
 
 /* Per-step sums over the steady steps (all but the first, unless one). */
@@ -125,11 +129,34 @@ static void mem_sample(replay *r) {
   tl->mem[tl->n_mem++] = (sim_mem_sample){t, b};
 }
 
-/* The sim backend's copy listener: each copy onto the timeline. */
-static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes) {
+/* key -> val, replacing what key held (a buffer address reused); 0 or -1. */
+static int map_set(u64map *m, const void *key, uint32_t val) {
+  u64map_remove(m, (uint64_t)(uintptr_t)key);
+  return u64map_insert(m, (uint64_t)(uintptr_t)key, val);
+}
+
+/* The sim backend's copy listener: each copy onto the timeline, with the
+ * tensor it moves; a reload is paired with its offload by host address. */
+static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, const void *dev,
+                    const void *host) {
   replay *r = ud;
   if (!r->recording) return;
-  timeline_push(&r->res->tl, (sim_interval){t0, t1, bytes, 1 + dir, -1});
+  sim_timeline *tl = &r->res->tl;
+  sim_interval iv = {t0, t1, bytes, 1 + dir, -1, 0, 0, NULL};
+  uint32_t v = 0;
+  if (dir == 0) {
+    if (u64map_find(&r->dev_tensor, (uint64_t)(uintptr_t)dev, &v)) iv.tensor = v;
+    map_set(&r->host_offload, host, (uint32_t)tl->n_iv + 1);
+  } else if (u64map_find(&r->host_offload, (uint64_t)(uintptr_t)host, &v)) {
+    u64map_remove(&r->host_offload, (uint64_t)(uintptr_t)host);
+    iv.tensor = tl->iv[v - 1].tensor;
+    iv.flow = tl->iv[v - 1].flow = v; /* only offloads reloaded get an arrow */
+  }
+  if (iv.tensor) {
+    iv.layer = r->descs[iv.tensor - 1].layer;
+    iv.module_path = r->t->tensors[iv.tensor - 1].desc.module_path; /* lives with the trace */
+  }
+  timeline_push(tl, iv);
 }
 
 /* A trainer buffer (from a slab; real bytes on host), counted or not. */
@@ -382,7 +409,7 @@ static void replay_gap(replay *r, const trace_step *ts, uint32_t k) {
       layer = t->tensors[t->events[j].tensor].desc.layer;
       break;
     }
-  timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer});
+  timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer, 0, 0, NULL});
 }
 
 /* The trainer's buffer for a pack: its primary's for an alias, else a new
@@ -436,6 +463,8 @@ static int replay_pack(replay *r, uint32_t ti) {
   sim_buf *b = pack_buffer(r, ti);
   if (!b) return FERRY_ENOMEM;
   r->bufs[ti] = b;
+  if (r->recording && tt->alias_of < 0)
+    map_set(&r->dev_tensor, buf_ptr(b), ti + 1);
   uint64_t off0 = engine_offloaded(r->e);
   double a = r->host ? util_now_us() : 0;
   int rc = ferry_pack(r->e, d, buf_ptr(b), b, NULL, &r->handles[ti]);
@@ -510,7 +539,9 @@ static int replay_event(replay *r, const trace_ev *ev, double *t0) {
     if ((rc = ferry_discard(r->e, r->handles[ev->tensor]))) return rc;
     r->bufs[ev->tensor] = NULL;
     return 0;
-  case TEV_BACKWARD_BEGIN: return ferry_backward_begin(r->e);
+  case TEV_BACKWARD_BEGIN:
+    if (r->recording) r->res->tl.t_backward = replay_now(r);
+    return ferry_backward_begin(r->e);
   case TEV_BACKWARD_END: return ferry_backward_end(r->e);
   case TEV_STEP_END: return replay_step_end(r);
   default: return 0;
@@ -664,6 +695,8 @@ static void replay_close(replay *r) {
   free(r->descs);
   free(r->handles);
   free(r->bufs);
+  u64map_free(&r->dev_tensor);
+  u64map_free(&r->host_offload);
 }
 
 /* All steps: an engine error names the label and the trace. */

@@ -303,58 +303,101 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   return rc;
 }
 
-/* ---- Chrome trace events ---------------------------------------------------------- */
+/* ---- Chrome trace events (Perfetto) ------------------------------------------------ */
+/* One event: ph, name, pid, tid (0 = none), ts in µs from the step's start. */
+static cJSON *trace_event(cJSON *events, const char *ph, const char *name, int pid, int tid,
+                          double ts) {
+  cJSON *e = cJSON_CreateObject();
+  cJSON_AddStringToObject(e, "ph", ph);
+  if (name) cJSON_AddStringToObject(e, "name", name);
+  cJSON_AddNumberToObject(e, "pid", pid);
+  if (tid) cJSON_AddNumberToObject(e, "tid", tid);
+  cJSON_AddNumberToObject(e, "ts", round(ts * 1000) / 1000);
+  cJSON_AddItemToArray(events, e);
+  return e;
+}
+
+static void trace_meta(cJSON *events, const char *what, int pid, int tid, const char *key,
+                       cJSON *value) {
+  cJSON *e = trace_event(events, "M", what, pid, tid, 0);
+  cJSON *args = cJSON_AddObjectToObject(e, "args");
+  cJSON_AddItemToObject(args, key, value);
+}
+
+/* A process per run (the baseline, then each policy), a thread per lane:
+ * compute slices named by layer, copies by the tensor's module path with
+ * its bytes, layer and trace index, a flow arrow from each offload to its
+ * reload, the device-memory counter, and instants at backward's start and
+ * the step's end. Times: the last step, from its start. */
 int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *err,
                            size_t errlen) {
-  FILE *f = fopen(path, "w");
-  if (!f) {
-    snprintf(err, errlen, "cannot write %s: %s", path, strerror(errno));
-    return -1;
-  }
   static const char *const lanes[3] = {"compute", "D2H copies", "H2D copies"};
-  fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", f);
-  int first = 1;
-#define SEP() (first ? (first = 0, "") : ",\n")
+  cJSON *root = cJSON_CreateObject();
+  cJSON_AddStringToObject(root, "displayTimeUnit", "ms");
+  cJSON *events = cJSON_AddArrayToObject(root, "traceEvents");
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
     const sim_timeline *tl = &r->tl;
-    cJSON *s = cJSON_CreateString(r->label);
-    char *esc = cJSON_PrintUnformatted(s);
-    cJSON_Delete(s);
-    fprintf(f, "%s{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":%d,\"args\":{\"name\":%s}}", SEP(),
-            i + 1, esc ? esc : "\"?\"");
-    fprintf(f, "%s{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":%d,\"args\":{\"sort_index\":%d}}",
-            SEP(), i + 1, i);
-    free(esc);
+    int pid = i + 1;
+    trace_meta(events, "process_name", pid, 0, "name", cJSON_CreateString(r->label));
+    trace_meta(events, "process_sort_index", pid, 0, "sort_index", cJSON_CreateNumber(i));
     for (int k = 0; k < 3; k++)
-      fprintf(f, "%s{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}}",
-              SEP(), i + 1, k + 1, lanes[k]);
+      trace_meta(events, "thread_name", pid, k + 1, "name", cJSON_CreateString(lanes[k]));
     double t0 = tl->t_begin;
+    char name[64];
     for (size_t k = 0; k < tl->n_iv; k++) {
       const sim_interval *iv = &tl->iv[k];
       if (iv->t1 < t0) continue;
-      if (iv->lane == 0)
-        fprintf(f, "%s{\"ph\":\"X\",\"pid\":%d,\"tid\":1,\"ts\":%.3f,\"dur\":%.3f,\"name\":\"%s%d\"}",
-                SEP(), i + 1, iv->t0 - t0, iv->t1 - iv->t0, iv->layer >= 0 ? "layer " : "outside layers",
-                iv->layer >= 0 ? iv->layer : 0);
-      else
-        fprintf(f, "%s{\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,\"name\":\"%s\","
-                   "\"args\":{\"bytes\":%llu}}",
-                SEP(), i + 1, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0,
-                iv->lane == 1 ? "offload" : "reload", (unsigned long long)iv->bytes);
+      const char *what;
+      if (iv->lane == 0) {
+        if (iv->layer >= 0) snprintf(name, sizeof name, "layer %d", iv->layer);
+        what = iv->layer >= 0 ? name : "outside layers";
+      } else {
+        what = iv->module_path && *iv->module_path ? iv->module_path
+               : iv->lane == 1                      ? "offload"
+                                                    : "reload";
+      }
+      cJSON *e = trace_event(events, "X", what, pid, iv->lane + 1, iv->t0 - t0);
+      cJSON_AddNumberToObject(e, "dur", round((iv->t1 - iv->t0) * 1000) / 1000);
+      cJSON_AddStringToObject(e, "cat", iv->lane == 0 ? "compute" : iv->lane == 1 ? "offload"
+                                                                                  : "reload");
+      cJSON *args = cJSON_AddObjectToObject(e, "args");
+      if (iv->layer >= 0) cJSON_AddNumberToObject(args, "layer", iv->layer);
+      if (iv->lane == 0) continue;
+      cJSON_AddNumberToObject(args, "bytes", (double)iv->bytes);
+      if (iv->tensor) cJSON_AddNumberToObject(args, "tensor", iv->tensor - 1);
+      if (!iv->flow) continue;
+      /* the arrow leaves the offload at its start and enters the reload */
+      cJSON *f = trace_event(events, iv->lane == 1 ? "s" : "f", "offload -> reload", pid,
+                             iv->lane + 1, iv->t0 - t0);
+      cJSON_AddStringToObject(f, "cat", "flow");
+      cJSON_AddNumberToObject(f, "id", (double)pid * 1e7 + iv->flow);
+      if (iv->lane == 2) cJSON_AddStringToObject(f, "bp", "e");
     }
-    for (size_t k = 0; k < tl->n_mem; k++)
-      fprintf(f, "%s{\"ph\":\"C\",\"pid\":%d,\"name\":\"device memory\",\"ts\":%.3f,\"args\":{\"GiB\":%.4f}}",
-              SEP(), i + 1, tl->mem[k].t - t0, (double)tl->mem[k].bytes / GIB);
+    for (size_t k = 0; k < tl->n_mem; k++) {
+      cJSON *e = trace_event(events, "C", "device memory", pid, 0, tl->mem[k].t - t0);
+      cJSON *args = cJSON_AddObjectToObject(e, "args");
+      cJSON_AddNumberToObject(args, "GiB", round((double)tl->mem[k].bytes / GIB * 1e4) / 1e4);
+    }
+    struct {
+      const char *name;
+      double t;
+    } marks[2] = {{"backward", tl->t_backward}, {"step end", tl->t_end}};
+    for (int m = 0; m < 2; m++) {
+      if (marks[m].t < t0 || marks[m].t <= 0) continue;
+      cJSON *e = trace_event(events, "i", marks[m].name, pid, 1, marks[m].t - t0);
+      cJSON_AddStringToObject(e, "s", "p"); /* across the process's lanes */
+    }
   }
-#undef SEP
-  fputs("\n]}\n", f);
-  int bad = ferror(f);
-  if (fclose(f) || bad) {
-    snprintf(err, errlen, "write error on %s", path);
+  char *text = cJSON_PrintUnformatted(root);
+  cJSON_Delete(root);
+  if (!text) {
+    snprintf(err, errlen, "out of memory writing %s", path);
     return -1;
   }
-  return 0;
+  int rc = write_text(path, text, err, errlen);
+  free(text);
+  return rc;
 }
 
 /* ---- SVG ------------------------------------------------------------------------------ */
