@@ -543,6 +543,7 @@ TEST(sim_replay_policies_on_synthesized_llama) {
   CHECK_STR_CONTAINS(text, "\"D2H copies\"");
   CHECK_STR_CONTAINS(text, "\"H2D copies\"");
   CHECK_STR_CONTAINS(text, "\"device memory\"");
+  CHECK_STR_CONTAINS(text, "\"offload -> reload\""); /* flow arrows */
   f = fopen(svg, "r");
   CHECK(f);
   n = fread(text, 1, sizeof text - 1, f);
@@ -551,6 +552,8 @@ TEST(sim_replay_policies_on_synthesized_llama) {
   CHECK_STR_CONTAINS(text, "<svg");
   CHECK_STR_CONTAINS(text, "device memory in use (GiB)");
   CHECK_STR_CONTAINS(text, "time since step start (ms)");
+  CHECK_STR_CONTAINS(text, ">backward starts</text>"); /* the forward/backward boundary */
+  CHECK_STR_CONTAINS(text, "stroke-dasharray=\"2 3\" stroke-opacity");
   CHECK_STR_CONTAINS(text, "budget");
   unlink(json);
   unlink(chrome);

@@ -505,6 +505,13 @@ static void svg_series(FILE *f, const svg_plot *p, const sim_result *r, int i) {
     prev_py = py;
   }
   fputs("\"/>\n", f);
+  /* where its backward starts (the forward pass is left of the line);
+   * the lines of several runs fall close together: one label, in the legend */
+  if (tl->t_backward > tl->t_begin) {
+    double px = L + (tl->t_backward - tl->t_begin) / 1e3 / p->tms * pw;
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%d\" x2=\"%.1f\" y2=\"%d\" stroke=\"%s\" "
+               "stroke-dasharray=\"2 3\" stroke-opacity=\"0.7\"/>\n", px, T, px, T + ph, c);
+  }
   int ly = T + 20 + i * 22;
   fprintf(f, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"%s\" stroke-width=\"3\"/>\n",
           L + pw + 12, ly, L + pw + 36, ly, c);
@@ -523,6 +530,11 @@ int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *
   svg_plot p = svg_scale(info, rs, n);
   svg_axes(f, &p, info);
   for (int i = 0; i < n; i++) svg_series(f, &p, &rs[i], i);
+  fprintf(f, "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"black\" "
+             "stroke-dasharray=\"2 3\"/>\n", p.left + p.pw + 24, p.top + 20 + n * 22 - 6,
+          p.left + p.pw + 24, p.top + 20 + n * 22 + 6);
+  fprintf(f, "<text x=\"%d\" y=\"%d\">backward starts</text>\n", p.left + p.pw + 42,
+          p.top + 20 + n * 22 + 4);
   fputs("</svg>\n", f);
   int bad = ferror(f);
   if (fclose(f) || bad) {
