@@ -45,7 +45,7 @@ typedef struct worker {
   shared_counts *counts;
   atomic_long *progress;
   pthread_barrier_t *done; /* the parent samples RSS before engines go */
-  long tensors, bytes, refused_errors;
+  long tensors, bytes, pack_errors;
   char err[256];
 } worker;
 
@@ -129,7 +129,7 @@ static void *run_worker(void *arg) {
       if (ferry_pack(e, &d, p, p, NULL, &hs[i])) {
         free(p);
         hs[i] = 0;
-        w->refused_errors++;
+        w->pack_errors++;
       }
     }
     if (w->counts) atomic_store(&w->counts->holding, 1);
@@ -272,7 +272,7 @@ void bench_stress(bench_report *r) {
   long tensors = 0, bytes = 0, errors = 0;
   for (int i = 0; i < PARENT_THREADS; i++) {
     if (ws[i].err[0]) fprintf(stderr, "bench_stress: worker %d: %s\n", i, ws[i].err);
-    tensors += ws[i].tensors, bytes += ws[i].bytes, errors += ws[i].refused_errors;
+    tensors += ws[i].tensors, bytes += ws[i].bytes, errors += ws[i].pack_errors;
   }
   /* the parent's own mismatches: every packed tensor must have come back */
   long mismatches = (long)PARENT_THREADS * steps * TENSORS_PER_STEP - tensors - errors;

@@ -152,9 +152,10 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
     iv.tensor = tl->iv[v - 1].tensor;
     iv.flow = tl->iv[v - 1].flow = v; /* only offloads reloaded get an arrow */
   }
-  if (iv.tensor) {
-    iv.layer = r->descs[iv.tensor - 1].layer;
-    iv.module_path = r->t->tensors[iv.tensor - 1].desc.module_path; /* lives with the trace */
+  if (iv.tensor) { /* the trace's own desc: its strings outlive the engine */
+    const ferry_tensor_desc *d = &r->t->tensors[iv.tensor - 1].desc;
+    iv.layer = d->layer;
+    iv.module_path = d->module_path;
   }
   timeline_push(tl, iv);
 }
