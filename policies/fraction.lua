@@ -14,8 +14,9 @@ activation_offload_fraction:
     min_offloaded_tensor_size counts elements, 1024*1024 by default; use
     R.min_elements(1024 * 1024) for the same threshold);
   - reload with prefetch, PREFETCH tensors ahead.
-The fraction counts tensors within a step, so eligible tensors are decided
-by Lua every step (the others are cached).
+The fraction counts tensors within a step: eligible tensors are decided by
+Lua until two steps in a row give the same answers, then from the engine's
+cache (docs/policy-api.md, "Steady state").
 
 Knobs: edit the lines below. ]]
 local FRACTION = 0.5

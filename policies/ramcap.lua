@@ -5,8 +5,8 @@ backward, and only warn past 60%. This policy is default.lua (activations
 of at least 1024 bytes, no parameters or buffers, no head, no Liger
 modules, reload on use) with the 60% made a rule: while the host's RAM use
 (sampled by the engine) is at or above RAM_PCT, new tensors stay on device.
-The RAM check reads the context, so tensors that pass the other rules are
-decided by Lua each time; the rest are cached.
+The engine samples the RAM use once per step, so every answer is cached,
+and forgotten at the begin of a step where the reading has crossed RAM_PCT.
 
 Knobs: edit the lines below. ]]
 local RAM_PCT = 60

@@ -15,6 +15,7 @@
   X(log_refuses_what_is_not_a_regular_file)                                \
   /* host RAM readings (test_ram.c) */                                     \
   X(ram_rules_see_the_host_ram_reading)                                    \
+  X(ram_cap_cached_until_the_reading_crosses)                                    \
   X(ram_percent_cap_is_of_the_reading)                                     \
   X(meminfo_reader_parses_and_refuses)                                     \
   /* stream ordering (test_ordering.c) */                                  \

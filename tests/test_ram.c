@@ -75,6 +75,62 @@ TEST(ram_rules_see_the_host_ram_reading) {
   return 0;
 }
 
+/* ram_cap's answers are cached within a step (the reading is taken once, at
+ * the step's begin) and forgotten at the begin of a step where the reading
+ * has crossed the cap: one engine, the RAM use changing between steps. */
+TEST(ram_cap_cached_until_the_reading_crosses) {
+  fake_ram ram = {.total = 64ull << 30};
+  ferry_config c = test_engine_config(NULL);
+  c.min_offload_bytes = 0;
+  c.policy_source = "local R = require 'ferry.rules'\n"
+                    "return R.policy { R.min_bytes(0), R.ram_cap(37) }\n";
+  c.host_ram = fake_host_ram;
+  c.host_ram_ud = &ram;
+  ferry_engine *e = NULL;
+  char err[512];
+  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  /* GiB available each step: 37.5% used, the same, 6.25%, 37.5% again */
+  static const uint64_t avail_gib[] = {40, 40, 60, 40, 40};
+  static const uint64_t want_offloaded[] = {0, 0, 4, 0, 0};
+  uint64_t offloaded_before = 0, hits_before = 0;
+  for (int step = 0; step < 5; step++) {
+    ram.avail = avail_gib[step] << 30;
+    CHECK_OK(ferry_step_begin(e));
+    ferry_handle h[4];
+    for (int i = 0; i < 4; i++) {
+      char path[32];
+      snprintf(path, sizeof path, "model.layers.%d.mlp", i);
+      test_buffer *b = test_buffer_new(4096);
+      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+      d.bytes = 4096;
+      d.dtype = FERRY_DTYPE_U8;
+      d.ndim = 1;
+      d.shape[0] = 4096;
+      d.module_path = path;
+      d.module_class = "Linear";
+      CHECK_OK(ferry_pack(e, &d, b->ptr, b, NULL, &h[i]));
+    }
+    CHECK_OK(ferry_backward_begin(e));
+    void *owners[4];
+    for (int i = 3; i >= 0; i--) {
+      void *p;
+      CHECK_OK(ferry_unpack(e, h[i], NULL, &p, &owners[i]));
+    }
+    CHECK_OK(ferry_backward_end(e));
+    CHECK_OK(ferry_step_end(e));
+    for (int i = 0; i < 4; i++) test_buffer_unref(owners[i]);
+    ferry_stats st;
+    CHECK_OK(ferry_get_stats(e, &st, sizeof st));
+    CHECK_EQ(st.tensors_offloaded - offloaded_before, want_offloaded[step]);
+    /* the second step of each reading is answered from the cache */
+    if (step == 1 || step == 4) CHECK_EQ(st.policy_cache_hits - hits_before, 4);
+    offloaded_before = st.tensors_offloaded;
+    hits_before = st.policy_cache_hits;
+  }
+  ferry_engine_destroy(e);
+  return 0;
+}
+
 TEST(ram_percent_cap_is_of_the_reading) {
   fake_ram ram = {.total = 1ull << 30, .avail = 1ull << 29};
   ferry_config c = test_engine_config(NULL);

@@ -252,12 +252,12 @@ int ferry_cli_check(int argc, char **argv) {
   uint64_t faults_seen = 0, offloaded_total = 0, kept_total = 0;
   fault_log faults = {0};
   for (int step = 1; step <= steps; step++) {
-    ferry_policy_step_begin(p, (uint64_t)step);
     /* the context an engine would keep while packing this step */
     ferry_context ctx = {.step = (uint64_t)step, .phase = FERRY_PHASE_FORWARD,
                          .host_ram_used_pct = ram_pct, .offloaded_per_layer = per_layer,
                          .layers_tracked = (uint32_t)m.layers};
     memset(per_layer, 0, (size_t)m.layers * sizeof *per_layer);
+    ferry_policy_step_begin(p, &ctx);
     uint64_t off = 0, off_bytes = 0;
     if (!quiet) {
       printf("\nstep %d\n", step);

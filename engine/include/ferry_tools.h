@@ -93,8 +93,9 @@ FERRY_API void ferry_policy_get_knobs(const ferry_policy *p, ferry_policy_knobs 
 /* Decide for one tensor. Never fails: any fault gives FERRY_KEEP. */
 FERRY_API void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc,
                          const ferry_context *ctx, ferry_decision *out);
-/* Called by the engine at each step begin (cache epochs, ctx sampling). */
-FERRY_API void ferry_policy_step_begin(ferry_policy *p, uint64_t step);
+/* Called by the engine at each step begin, ctx->step being the new step and
+ * ctx->host_ram_used_pct sampled: runs the policy's step(ctx), if any. */
+FERRY_API void ferry_policy_step_begin(ferry_policy *p, const ferry_context *ctx);
 
 FERRY_API void ferry_policy_get_stats(const ferry_policy *p, ferry_policy_stats *out);
 /* Last fault as "file:line: message", "" if none. */

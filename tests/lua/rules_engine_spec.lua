@@ -131,12 +131,30 @@ describe("rules through the engine", function()
     s:close()
   end)
 
-  it("selectors are not cached: Lua decides every step", function()
-    local s = session("R.fraction(1)")
-    s:step({ {}, {} })
+  it("selectors: Lua decides until two steps repeat, then the engine caches; a new site thaws",
+    function()
+    local s = session("R.fraction(0.5)")
+    local specs = {}
+    for i = 1, 4 do specs[i] = { path = "m.layers." .. (i - 1) .. ".mlp", layer = i - 1 } end
+    assert.same({ O, K, O, K }, s:step(specs)) -- the first step spreads
+    assert.same({ O, O, K, K }, s:step(specs)) -- then the first half
     local calls = s:stats().policy_calls
-    s:step({ {}, {} })
-    assert.equal(calls + 2, s:stats().policy_calls)
+    assert.same({ O, O, K, K }, s:step(specs)) -- repeats the second: Lua decides
+    assert.equal(calls + 4, s:stats().policy_calls)
+    calls = s:stats().policy_calls
+    assert.same({ O, O, K, K }, s:step(specs)) -- frozen: Lua answers from its table
+    assert.equal(calls + 4, s:stats().policy_calls)
+    calls = s:stats().policy_calls
+    assert.same({ O, O, K, K }, s:step(specs)) -- and the engine caches those answers
+    assert.equal(calls, s:stats().policy_calls)
+    -- a fifth site: the cache is forgotten and the rule counts again
+    local grown = { specs[1], specs[2], specs[3], specs[4], { path = "m.head", layer = -1 } }
+    s:step(grown)
+    assert.is_true(s:stats().policy_calls > calls)
+    -- that step was counted only from the new site on: the next one learns nothing from
+    -- it (n is still 4), and the one after counts the five
+    assert.same({ O, O, K, K, K }, s:step(grown))
+    assert.same({ O, O, O, K, K }, s:step(grown))
     s:close()
   end)
 

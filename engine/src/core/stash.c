@@ -241,7 +241,7 @@ static void step_begin_locked(ferry_engine *e) {
   if (e->layer_counts) memset(e->layer_counts, 0, e->cap_layers * sizeof *e->layer_counts);
   e->n_offloads = 0;
   e->prefetch_lo = e->prefetch_hi = 0;
-  if (e->policy) ferry_policy_step_begin(e->policy, e->step);
+  if (e->policy) ferry_policy_step_begin(e->policy, &e->ctx);
   trace_event(e, "step_begin", 0);
 }
 

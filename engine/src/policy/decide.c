@@ -181,6 +181,34 @@ static int read_answer(ferry_policy *p, int first, ferry_decision *d) {
   return 0;
 }
 
+/* The `ctx` Lua sees: the engine's context, or only the step without one. */
+static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
+  policy_ctx_view *c = p->ctx;
+  if (ctx) {
+    c->step = (double)ctx->step;
+    c->phase = ctx->phase;
+    c->host_ram_used_pct = ctx->host_ram_used_pct;
+    c->arena_in_use = (double)ctx->arena_in_use;
+    c->arena_cap = (double)ctx->arena_cap;
+    c->stash_depth = (double)ctx->stash_depth;
+    c->bytes_in_flight = (double)ctx->bytes_in_flight;
+    c->packed_this_step = (double)ctx->packed_this_step;
+    c->offloaded_this_step = (double)ctx->offloaded_this_step;
+    c->bytes_offloaded_this_step = (double)ctx->bytes_offloaded_this_step;
+  } else {
+    memset(c, 0, sizeof *c);
+    c->step = (double)p->step;
+  }
+}
+
+/* ferry.forget_cached() asked for it: later decisions run Lua again. */
+static void forget_sites(ferry_policy *p) {
+  p->forget = 0;
+  if (!p->n_sites) return;
+  memset(p->sites, 0, (p->sites_mask + 1) * sizeof *p->sites);
+  p->n_sites = 0;
+}
+
 void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
                          ferry_decision *out) {
   static const ferry_decision keep = {FERRY_KEEP, FERRY_RELOAD_ON_USE, -1, 0};
@@ -217,22 +245,7 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
   t->layer_count = desc->layer_count;
   t->phase = desc->phase;
   t->step = (double)(ctx ? ctx->step : p->step);
-  policy_ctx_view *c = p->ctx;
-  if (ctx) {
-    c->step = (double)ctx->step;
-    c->phase = ctx->phase;
-    c->host_ram_used_pct = ctx->host_ram_used_pct;
-    c->arena_in_use = (double)ctx->arena_in_use;
-    c->arena_cap = (double)ctx->arena_cap;
-    c->stash_depth = (double)ctx->stash_depth;
-    c->bytes_in_flight = (double)ctx->bytes_in_flight;
-    c->packed_this_step = (double)ctx->packed_this_step;
-    c->offloaded_this_step = (double)ctx->offloaded_this_step;
-    c->bytes_offloaded_this_step = (double)ctx->bytes_offloaded_this_step;
-  } else {
-    memset(c, 0, sizeof *c);
-    c->step = (double)p->step;
-  }
+  set_ctx_view(p, ctx);
   p->cur_ctx = ctx;
   p->cur_path_id = key.path_id;
   p->cur_class_id = key.class_id;
@@ -254,6 +267,7 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
   int status = run_protected(p, 2, 4, SLOT_MSGH, 0);
   p->running = NULL;
   p->cur_ctx = NULL;
+  if (p->forget) forget_sites(p);
   if (status) {
     char msg[MSG_LEN];
     take_fault(p, status, msg, sizeof msg);
@@ -268,6 +282,31 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
       }
     }
   }
+  lua_settop(L, SLOT_COUNT_);
+}
+
+/* The policy's step(ctx), when it has one: once per step, before the
+ * step's first decision, with the context sampled at its begin (host RAM).
+ * A fault counts like a decision's. */
+void ferry_policy_step_begin(ferry_policy *p, const ferry_context *ctx) {
+  if (!p || !ctx) return;
+  p->step = ctx->step;
+  if (!p->has_step || p->stats.disabled) return;
+  lua_State *L = p->L;
+  set_ctx_view(p, ctx);
+  p->cur_ctx = ctx;
+  lua_getfield(L, LUA_REGISTRYINDEX, "ferry.step");
+  lua_pushvalue(L, SLOT_CTX);
+  p->running = p->step_where;
+  int status = run_protected(p, 1, 0, SLOT_MSGH, 0);
+  p->running = NULL;
+  p->cur_ctx = NULL;
+  if (status) {
+    char msg[MSG_LEN];
+    take_fault(p, status, msg, sizeof msg);
+    count_fault(p, msg);
+  }
+  if (p->forget) forget_sites(p);
   lua_settop(L, SLOT_COUNT_);
 }
 

@@ -77,6 +77,34 @@ static const knob_spec KNOBS[] = {
 
 /* The policy table is at the top of the stack. Reads it with raw accesses
  * only (no policy code runs). */
+/* Reads the optional function field `name` of the policy table at tbl into
+ * the registry as "ferry.<name>", its "file:line" into where. */
+static int optional_function(ferry_policy *p, const char *src, int tbl, const char *name,
+                             const char *example, char *where, char *errbuf, size_t errlen,
+                             int *has) {
+  lua_State *L = p->L;
+  lua_pushstring(L, name);
+  lua_rawget(L, tbl);
+  if (lua_isnil(L, -1)) {
+    lua_pop(L, 1);
+    return 0;
+  }
+  if (!lua_isfunction(L, -1))
+    return load_fail(p, src, name, errbuf, errlen, "%s must be a function (%s), got %s", name,
+                     example, luaL_typename(L, -1));
+  lua_Debug ar;
+  lua_pushvalue(L, -1);
+  if (lua_getinfo(L, ">S", &ar) && ar.linedefined > 0)
+    snprintf(where, MSG_LEN, "%s:%d", ar.short_src, ar.linedefined);
+  else
+    copy_str(where, MSG_LEN, p->chunk);
+  lua_pushfstring(L, "ferry.%s", name);
+  lua_insert(L, -2);
+  lua_settable(L, LUA_REGISTRYINDEX);
+  *has = 1;
+  return 0;
+}
+
 static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf, size_t errlen) {
   lua_State *L = p->L;
   int tbl = lua_gettop(L);
@@ -130,27 +158,14 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
   }
   lua_pop(L, 1);
 
-  /* Optional snapshot(e) (checkpoint entries): kept in the registry, so the
-   * permanent stack of decide stays as it is. */
-  lua_pushliteral(L, "snapshot");
-  lua_rawget(L, tbl);
-  if (!lua_isnil(L, -1)) {
-    if (!lua_isfunction(L, -1))
-      return load_fail(p, src, "snapshot", errbuf, errlen,
-                       "snapshot must be a function (snapshot = function(e) ... end), got %s",
-                       luaL_typename(L, -1));
-    lua_Debug ar;
-    lua_pushvalue(L, -1);
-    if (lua_getinfo(L, ">S", &ar) && ar.linedefined > 0)
-      snprintf(p->snapshot_where, sizeof p->snapshot_where, "%s:%d", ar.short_src,
-               ar.linedefined);
-    else
-      copy_str(p->snapshot_where, sizeof p->snapshot_where, p->chunk);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, LUA_REGISTRYINDEX, "ferry.snapshot");
-    p->has_snapshot = 1;
-  }
-  lua_pop(L, 1);
+  /* Optional snapshot(e) (checkpoint entries) and step(ctx) (each step's
+   * begin): kept in the registry, so the permanent stack of decide stays as
+   * it is. */
+  if (optional_function(p, src, tbl, "snapshot", "snapshot = function(e) ... end",
+                        p->snapshot_where, errbuf, errlen, &p->has_snapshot) ||
+      optional_function(p, src, tbl, "step", "step = function(ctx) ... end", p->step_where,
+                        errbuf, errlen, &p->has_step))
+    return FERRY_EPOLICY;
 
   lua_pushliteral(L, "knobs");
   lua_rawget(L, tbl);
@@ -443,8 +458,4 @@ size_t ferry_policy_globals(const ferry_policy *p, char *out, size_t n) {
     free(names[i]);
   }
   return len;
-}
-
-void ferry_policy_step_begin(ferry_policy *p, uint64_t step) {
-  if (p) p->step = step;
 }

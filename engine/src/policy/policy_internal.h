@@ -110,6 +110,8 @@ struct ferry_policy {
   char decide_where[MSG_LEN]; /* "file:line" of the decide function */
   char snapshot_where[MSG_LEN]; /* "file:line" of the snapshot function, if any */
   int has_snapshot;             /* the function is in the registry as "ferry.snapshot" */
+  char step_where[MSG_LEN];     /* "file:line" of the step function, if any */
+  int has_step;                 /* the function is in the registry as "ferry.step" */
   const char *running;        /* where the running call is, when nothing better is known */
   char libdir[1024];
   int trusted;
@@ -147,6 +149,7 @@ struct ferry_policy {
   /* per-site decision cache */
   site_entry *sites;
   uint32_t n_sites, sites_mask;
+  int forget; /* ferry.forget_cached() was called: empty the cache when the call returns */
 
   char last_error[MSG_LEN];
 };

@@ -295,6 +295,13 @@ static int sandbox_sort(lua_State *L) {
   return 0;
 }
 
+/* ferry.forget_cached(): every cached answer is dropped when the running
+ * call returns (a policy whose earlier answers no longer hold). */
+static int sandbox_forget_cached(lua_State *L) {
+  policy_of(L)->forget = 1;
+  return 0;
+}
+
 static int sandbox_log(lua_State *L) {
   ferry_policy *p = policy_of(L);
   size_t len;
@@ -481,6 +488,7 @@ static void push_c_functions(lua_State *L, ferry_policy *p) {
   set_cfunc(L, C, "pcall", sandbox_pcall, 0);
   set_cfunc(L, C, "xpcall", sandbox_xpcall, 0);
   set_cfunc(L, C, "log", sandbox_log, 0);
+  set_cfunc(L, C, "forget_cached", sandbox_forget_cached, 0);
   for (int kind = PAT_FIND; kind <= PAT_GSUB; kind++) {
     lua_getglobal(L, "string");
     lua_getfield(L, -1, PAT_NAMES[kind]);

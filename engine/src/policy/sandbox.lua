@@ -44,6 +44,7 @@ setmetatable(sos, { __index = function(_, k)
     .. '(only os.clock and os.time are)', 2)
 end })
 F.log = C.log
+F.forget_cached = C.forget_cached
 local stable = copy(table)
 stable.sort = C.sort
 local allowed = { string = sstring, table = stable, math = copy(math), os = sos,

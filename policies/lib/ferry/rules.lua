@@ -56,6 +56,9 @@ local R = { api = 1 }
 
 local MAX_BYTES = 2 ^ 50 -- 1 PiB, the engine's limit on a tensor
 
+-- Drops the engine's cached answers (outside the sandbox: nothing to drop).
+local forget_cached = F.forget_cached or function() end
+
 -- ---------------------------------------------------------------------------
 -- helpers
 
@@ -82,6 +85,26 @@ end
 
 local function rule(spec)
   return setmetatable(spec, RULE)
+end
+
+-- Site ids: a tensor's (module path, or class when the path is empty;
+-- bytes; dtype; kind) -> a small integer, memoized in nested tables, so
+-- that keying a tensor by its site builds no string.
+local function site_keys()
+  local by_path, by_class, n = {}, {}, 0
+  return function(t)
+    local root, k = by_path, t:path()
+    if k == "" then root, k = by_class, t:class() end
+    local a = root[k]
+    if not a then a = {}; root[k] = a end
+    local bytes = tonumber(t.bytes)
+    local b = a[bytes]
+    if not b then b = {}; a[bytes] = b end
+    local code = t.dtype * 4 + t.kind
+    local id = b[code]
+    if not id then n = n + 1; id = n; b[code] = id end
+    return id
+  end
 end
 
 local KIND_NAMES = { [ACTIVATION] = "ACTIVATION", [PARAMETER] = "PARAMETER",
@@ -428,14 +451,23 @@ function R.when(fn, opts)
 end
 
 -- ---------------------------------------------------------------------------
--- guards on the engine's state: never cached
+-- guards on the engine's state: never cached, but for ram_cap
 
 -- Keep everything while the host's RAM use is at or above pct percent
 -- (torchtune/TRL only warn past 60%).
+-- The engine samples the RAM use once per step, at its begin, so within a
+-- step the answer depends on the site only: it is cached, and every cached
+-- answer is dropped at the begin of a step where the reading has crossed pct.
 function R.ram_cap(pct)
   check_number("ram_cap", "pct", pct, 0, 100)
+  local above = nil
   return rule {
-    name = "ram_cap(" .. pct .. "%)", stage = 4, scope = "ctx",
+    name = "ram_cap(" .. pct .. "%)", stage = 4, scope = "site", per_step = true,
+    on_step = function(_, ctx)
+      local now = ctx.host_ram_used_pct >= pct
+      if above ~= nil and now ~= above then forget_cached() end
+      above = now
+    end,
     test = function(t, ctx) return ctx.host_ram_used_pct < pct end,
   }
 end
@@ -469,7 +501,7 @@ function R.arena_cap(pct)
 end
 
 -- ---------------------------------------------------------------------------
--- selectors: count within a step, never cached
+-- selectors: count within a step; cached once the steps repeat (R.policy)
 
 -- Offload a fraction f of the eligible tensors, deterministically.
 --   order "first" (default): the first ceil(f * n) eligible tensors of each
@@ -493,6 +525,7 @@ function R.fraction(f, order)
       if seen > 0 then previous = seen end
       seen = 0
     end,
+    discard = function() seen = 0 end, -- a partial step: learn nothing from it
     test = function()
       local k = seen + 1
       seen = k
@@ -543,6 +576,7 @@ function R.budget(opts)
         need = prev_total - budget
       end
     end,
+    discard = function() total = 0 end, -- a partial step: learn nothing from it
     test = function(t)
       local b = tonumber(t.bytes)
       total = total + b
@@ -591,10 +625,7 @@ function R.host_budget(opts)
   local learning, sites, nsites, pos = true, {}, 0, 0
   local chosen = nil -- site key -> true (offload) / false (keep), after learning
   local used, stepno = 0, nil -- bytes offloaded this step (learning and new sites)
-  local function key_of(t)
-    return t:path() .. "\0" .. tostring(tonumber(t.bytes)) .. "\0" .. tostring(t.dtype) ..
-      "\0" .. tostring(t.kind)
-  end
+  local key_of = site_keys() -- a site's key: a number, no string built per call
   local function finish()
     local list = {}
     for k, s in pairs(sites) do list[#list + 1] = { key = k, first = s[1], size = s[2], n = s[3] } end
@@ -917,12 +948,15 @@ function R.policy(spec)
   local nfilter, nguard, nselect = 0, 0, 0
   local learned = {} -- selectors whose answer depends on the site once ready
   local on_steps = {}
+  local discards = {} -- called before on_steps after a step only partly counted
   for s = 1, 5 do
     for _, r in ipairs(stages[s]) do
       local i = #tests + 1
       tests[i], scopes[i], names[i] = r.test, r.scope, r
+      if r.discard then discards[#discards + 1] = r.discard end
       if s <= 3 then nfilter = nfilter + 1
-      elseif s == 4 then nguard = nguard + 1
+      elseif s == 4 then
+        if not r.per_step then nguard = nguard + 1 end
       elseif r.learned then learned[#learned + 1] = r
       else nselect = nselect + 1 end
       if r.on_step then on_steps[#on_steps + 1] = r.on_step end
@@ -983,6 +1017,7 @@ function R.policy(spec)
     return d > 4096 and 4096 or d
   end
   if window then
+    discards[#discards + 1] = function() win_count = 0 end
     on_steps[#on_steps + 1] = function()
       if win_count > 0 then
         win_prev_count = win_count
@@ -1002,19 +1037,71 @@ function R.policy(spec)
   end
   if any_tensor_scope then offload_cacheable = false end
 
+  -- Steady state. Selectors and byte windows count within a step, so their
+  -- answers are not the site's alone, but a training loop packs the same
+  -- sites in the same order every step: once two whole steps in a row gave
+  -- every site one answer, and the same answer in both, the next steps would
+  -- too, and the answers are frozen and cached by the engine. A site the
+  -- frozen steps did not have thaws them: the engine forgets its cache and
+  -- every rule counts again (from that tensor on, for the rest of the step).
+  local freezable = cache_allowed and nguard == 0 and not any_tensor_scope
+    and (nselect > 0 or window ~= nil)
+  local FREEZE_MAX = 16384 -- the engine's site cache holds no more
   local current_step = nil
   local last_rule = 0 -- index of the rule that kept the last tensor, 0 = offloaded
-
-  -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
-  -- per call.
-  local function decide(t, ctx)
-    if nstep > 0 then
-      local step = tonumber(ctx.step)
-      if step ~= current_step then
-        current_step = step
-        for i = 1, nstep do on_steps[i](step) end
-      end
+  local site_id = site_keys()
+  -- this step: site id -> answer code ((rule index * 2 + action) * 8192 +
+  -- distance + 1; rule index 0 = offloaded)
+  local sig, sig_n, mixed = {}, 0, false
+  local sig_prev, sig_prev_n, frozen = nil, 0, nil
+  local function same(a, an, b, bn)
+    if an ~= bn then return false end
+    for k, v in pairs(b) do
+      if a[k] ~= v then return false end
     end
+    return true
+  end
+  if freezable then
+    on_steps[#on_steps + 1] = function()
+      if frozen then return end
+      if sig_n > 0 and not mixed then
+        if sig_prev and same(sig_prev, sig_prev_n, sig, sig_n) then
+          frozen = sig
+          return
+        end
+        sig_prev, sig_prev_n = sig, sig_n
+      else
+        sig_prev = nil
+      end
+      sig, sig_n, mixed = {}, 0, false
+    end
+    nstep = #on_steps
+  end
+  local function note(t, action, dist)
+    if mixed then return end
+    local id = site_id(t)
+    local code = (last_rule * 2 + action) * 8192 + (dist or -1) + 1
+    local old = sig[id]
+    if old == nil then
+      if sig_n >= FREEZE_MAX then mixed = true; return end
+      sig[id], sig_n = code, sig_n + 1
+    elseif old ~= code then
+      mixed = true
+    end
+  end
+
+  local partial = false -- this step was counted from a thaw on
+  local function run_steps(step, ctx)
+    current_step = step
+    if partial then
+      partial = false
+      for i = 1, #discards do discards[i]() end
+    end
+    for i = 1, nstep do on_steps[i](step, ctx) end
+  end
+
+  -- the rules themselves -> action, distance, cacheable
+  local function live(t, ctx)
     local stable = not learning and not (window and not freed)
     for i = 1, nlearned do
       if not learned[i].ready() then stable = false end
@@ -1026,7 +1113,8 @@ function R.policy(spec)
           if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
         end
         local cacheable = false
-        if (i <= nfilter or names[i].learned) and cache_allowed and stable then
+        local r = names[i]
+        if (i <= nfilter or r.learned or r.per_step) and cache_allowed and stable then
           local scope = scopes[i]
           if scope == "site" then
             cacheable = true
@@ -1035,7 +1123,7 @@ function R.policy(spec)
           end
         end
         last_rule = i
-        return KEEP, rmode, rdist, cacheable
+        return KEEP, rdist, cacheable
       end
     end
     if learning then
@@ -1050,10 +1138,33 @@ function R.policy(spec)
     if cacheable and (any_layer_scope or nlearned > 0) then cacheable = t:path() ~= "" end
     last_rule = 0
     if window then
-      return OFFLOAD, rmode, window_distance(tonumber(ctx.offloaded_this_step),
-        tonumber(t.bytes)), cacheable
+      return OFFLOAD, window_distance(tonumber(ctx.offloaded_this_step), tonumber(t.bytes)),
+        cacheable
     end
-    return OFFLOAD, rmode, rdist, cacheable
+    return OFFLOAD, rdist, cacheable
+  end
+
+  -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
+  -- per call once the steps repeat.
+  local function decide(t, ctx)
+    if nstep > 0 then
+      local step = tonumber(ctx.step)
+      if step ~= current_step then run_steps(step, ctx) end
+    end
+    if frozen then
+      local code = frozen[site_id(t)]
+      if code then
+        local d, hi = code % 8192 - 1, floor(code / 8192)
+        local action = hi % 2
+        last_rule = (hi - action) / 2
+        return action, rmode, d >= 0 and d or nil, true
+      end
+      frozen, sig_prev, sig, sig_n, mixed, partial = nil, nil, {}, 0, true, true
+      forget_cached()
+    end
+    local action, dist, cacheable = live(t, ctx)
+    if freezable then note(t, action, dist) end
+    return action, rmode, dist, cacheable
   end
 
   local order = {}
@@ -1075,6 +1186,7 @@ function R.policy(spec)
     name = name,
     knobs = next(knobs) ~= nil and knobs or nil,
     decide = decide,
+    step = nstep > 0 and function(ctx) run_steps(tonumber(ctx.step), ctx) end or nil,
     explain = explain,
     rules = order,
     reload = reload.name,
