@@ -37,6 +37,7 @@ typedef struct torch_objects {
   PyObject *empty_strided; /* torch.empty_strided */
   PyObject *cuda_current_stream; /* torch.cuda.current_stream, or NULL */
   int has_is_nested;
+  int has_is_cpu;         /* Tensor.is_cpu exists (one attribute read instead of device.type) */
 } torch_objects;
 extern torch_objects T;
 
@@ -44,7 +45,7 @@ extern torch_objects T;
 extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_layout,
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
-    *s_device, *s_version, *s_detach;
+    *s_device, *s_version, *s_detach, *s_is_cpu;
 
 /* ---- dtypes ------------------------------------------------------------------
  * torch.dtype objects are singletons: a short table keyed by identity. */

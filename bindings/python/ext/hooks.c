@@ -208,7 +208,17 @@ void *compute_stream(EngineObject *eng) {
 
 /* Whether t lives where the engine's backend can copy it from. */
 static int pack_check_device(EngineObject *eng, PyObject *t) {
-  PyObject *v = PyObject_GetAttr(t, s_is_cuda);
+  PyObject *v;
+  if (eng->backend != FERRY_BACKEND_CUDA && T.has_is_cpu) {
+    /* host memory or not, in one attribute read (t.device.type costs a
+     * device object and a string: several times as much) */
+    v = PyObject_GetAttr(t, s_is_cpu);
+    if (!v) return -1;
+    int cpu = v == Py_True;
+    Py_DECREF(v);
+    return cpu ? PACK_ON : KEEP_DEVICE;
+  }
+  v = PyObject_GetAttr(t, s_is_cuda);
   if (!v) return -1;
   int is_cuda = v == Py_True;
   Py_DECREF(v);
@@ -452,6 +462,13 @@ static PyObject *call_method(PyObject *obj, PyObject *name, PyObject *a, PyObjec
  * else a view of it (a reloaded uint8 buffer, or the first tensor packed
  * for the same bytes when the engine stored them once). Steals owner. */
 static PyObject *rebuild(EngineObject *eng, HandleObject *hd, PyObject *owner, void *ptr) {
+  /* The very object this handle gave the engine (a kept tensor, or the
+   * device buffer a stash hit returns): it is what was packed, so its
+   * layout needs no reading. The weakref tells identity safely: it is
+   * alive while the engine holds the object, so no other object can have
+   * the same address. */
+  PyObject *given = PyWeakref_GetObject(hd->sharers[1] ? hd->sharers[1] : hd->sharers[0]);
+  if (given == owner) return owner;
   int same = same_layout(owner, hd, ptr);
   if (same) {
     if (same < 0) Py_CLEAR(owner);
