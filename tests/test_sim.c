@@ -426,6 +426,12 @@ TEST(sim_replay_matches_hand_computed_times) {
   CHECK_NEAR(r.layers[1].stall_us, 100.0, 1e-6);
   CHECK_NEAR(r.layers[2].stall_us, 100.0, 1e-6);
   CHECK_NEAR(r.layers[3].stall_us, 0, 1e-6);
+  /* the floor: the sixth pack (no compute since the first offload) finds
+   * 600000 B offloaded against a 500000 B peak, so 100000 B (100 us) were
+   * copied with no compute to hide them; backward's first two unpacks (the
+   * four later ones were stash hits) need 200000 B (200 us) with none */
+  CHECK_NEAR(r.stall_floor_us, 300.0, 1e-6);
+  CHECK(r.stall_us + r.host_wait_us >= r.stall_floor_us);
   /* the timeline: 6 D2H and 2 H2D copies, the compute interval */
   int d2h = 0, h2d = 0;
   for (size_t i = 0; i < r.tl.n_iv; i++) d2h += r.tl.iv[i].lane == 1, h2d += r.tl.iv[i].lane == 2;
@@ -492,6 +498,8 @@ TEST(sim_replay_policies_on_synthesized_llama) {
     CHECK(rs[i].step_us >= rs[0].step_us);
     CHECK_EQ(rs[i].policy_errors, 0);
     CHECK(rs[i].peak_host_bytes > 0 && rs[i].host_reserved_bytes >= rs[i].peak_host_bytes);
+    /* the floor is a lower bound of what the engine's schedule exposes */
+    CHECK(rs[i].stall_us + rs[i].host_wait_us >= rs[i].stall_floor_us);
   }
   /* layers.lua offloads only its first layers */
   CHECK(rs[2].layers[1].offloaded_bytes > 0);
@@ -734,6 +742,12 @@ TEST(sim_budget_beats_default_on_llama3_8b) {
          rs[1].peak_device_bytes / 1073741824.0, stall[1] / 1e3);
   CHECK(rs[1].peak_device_bytes <= rs[0].peak_device_bytes);
   CHECK(stall[1] < 0.5 * stall[0]);
+  /* the link-bound floor: the forward copies 40 GiB at 55 GB/s against a
+   * 0.4 s forward pass, so it is hundreds of ms, and below both stalls */
+  for (int i = 0; i < 2; i++) {
+    CHECK(rs[i].stall_floor_us > 1e5);
+    CHECK(stall[i] >= rs[i].stall_floor_us);
+  }
   for (int i = 0; i < 2; i++) sim_result_free(&rs[i]);
   sim_trace_free(t);
   return 0;

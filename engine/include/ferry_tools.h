@@ -483,6 +483,10 @@ typedef struct sim_result {
   uint64_t first_step_peak_device_bytes; /* step 1 alone */
   uint32_t warmup;                       /* steps left out */
   double pinned_alloc_us;                /* per steady step: pinning host memory */
+  /* per steady step: the least exposed stall any schedule of the same
+   * copies could have at this peak, the link at full speed (replayer.c,
+   * link_floor); 0 on the host backend */
+  double stall_floor_us;
   uint64_t host_ram_bytes;               /* the simulated host's RAM */
   /* compute time: gaps (per replayed trace pass) timed from FLOPs at
    * sim_config.tflops, gaps kept as the trace has them; and a plain

@@ -63,11 +63,62 @@ typedef struct replay {
   /* recording: which tensor a copy moves, and which offload a reload undoes */
   u64map dev_tensor;    /* a packed buffer's address -> tensor index + 1 */
   u64map host_offload;  /* an offload's host address -> its interval index + 1 */
+  uint8_t *went;        /* per tensor: offloaded when packed; once unpacked, reloaded */
 } replay;
+
+/* The least exposed stall any schedule of a step's copies could have with
+ * the link at full speed, the engine's way: reloads start when backward
+ * begins (reloading earlier would raise the peak the offloads lowered), and
+ * forward and backward stalls add up.
+ *  - forward: at each pack the saved bytes on device, kept (K) plus
+ *    offloaded (D) less those copied, are at most the step's peak P, so
+ *    D + K - P bytes were copied within the compute since the first offload;
+ *  - backward: the reloads a prefix of backward's unpacks needs (stash hits
+ *    need none) arrive within the backward compute before the last of them.
+ * A real schedule adds queueing, latency per copy, the duplex slowdown and
+ * the stash bounds to it. */
+typedef struct link_floor {
+  double h2d_per_us, d2h_per_us;
+  int in_backward;
+  double fwd_compute, bwd_compute; /* µs: since the first offload; since backward began */
+  double offloaded, kept;          /* forward bytes: offloaded; kept and still held */
+  double fwd_bound;                /* max over forward packs of (D + K) / link - compute */
+  double h2d_bytes, h2d_bound;     /* reloaded so far; max over unpacks */
+} link_floor;
+
+static void floor_compute(link_floor *f, double us) {
+  if (f->in_backward) f->bwd_compute += us;
+  else if (f->offloaded > 0) f->fwd_compute += us;
+}
+
+/* After a pack, unpack or discard of a tensor of bytes: counted (it takes
+ * device memory of its own), moved (offloaded when packed; reloaded when
+ * unpacked). */
+static void floor_tensor(link_floor *f, int type, int moved, int counted, double bytes) {
+  if (!f->in_backward) {
+    if (type == TEV_PACK && moved) f->offloaded += bytes;
+    else if (counted && !moved) f->kept += type == TEV_PACK ? bytes : -bytes;
+    if (type == TEV_PACK && f->offloaded > 0 && f->d2h_per_us > 0) {
+      double b = (f->offloaded + f->kept) / f->d2h_per_us - f->fwd_compute;
+      if (b > f->fwd_bound) f->fwd_bound = b;
+    }
+    return;
+  }
+  if (type == TEV_UNPACK && moved && f->h2d_per_us > 0) {
+    f->h2d_bytes += bytes;
+    double b = f->h2d_bytes / f->h2d_per_us - f->bwd_compute;
+    if (b > f->h2d_bound) f->h2d_bound = b;
+  }
+}
+
+static double floor_us(const link_floor *f, double peak) {
+  double fwd = f->d2h_per_us > 0 ? f->fwd_bound - peak / f->d2h_per_us : 0;
+  return (fwd > 0 ? fwd : 0) + (f->h2d_bound > 0 ? f->h2d_bound : 0);
+}
 
 /* Per-step sums over the steady steps (all but the first, unless one). */
 typedef struct step_sums {
-  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned;
+  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned, floor;
   uint32_t n_steady;
 } step_sums;
 
@@ -368,7 +419,8 @@ static int replay_tables(replay *r) {
   r->descs = malloc((size_t)(t->n_tensors ? t->n_tensors : 1) * sizeof *r->descs);
   r->handles = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r->handles);
   r->bufs = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r->bufs);
-  if (!r->descs || !r->handles || !r->bufs)
+  r->went = calloc(t->n_tensors ? t->n_tensors : 1, 1);
+  if (!r->descs || !r->handles || !r->bufs || !r->went)
     return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
   for (uint32_t i = 0; i < t->n_tensors; i++) {
     ferry_tensor_desc *d = &r->descs[i];
@@ -397,12 +449,12 @@ static double event_gap(replay *r, const trace_ev *ev) {
 
 /* The compute before event k, and on the timeline the layer it belongs to:
  * the event's own, or the next tensor event's. */
-static void replay_gap(replay *r, const trace_step *ts, uint32_t k) {
+static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
-  double a = replay_now(r);
-  replay_compute(r, event_gap(r, ev));
-  if (!r->recording) return;
+  double a = replay_now(r), us = event_gap(r, ev);
+  replay_compute(r, us);
+  if (!r->recording) return us;
   int32_t layer = r->cur_layer;
   if (ev->type == TEV_COMPUTE && ev->layer >= 0) layer = ev->layer;
   else for (uint32_t j = k; j < ts->end && j < k + 64; j++)
@@ -411,6 +463,7 @@ static void replay_gap(replay *r, const trace_step *ts, uint32_t k) {
       break;
     }
   timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer, 0, 0, NULL});
+  return us;
 }
 
 /* The trainer's buffer for a pack: its primary's for an alias, else a new
@@ -477,6 +530,7 @@ static int replay_pack(replay *r, uint32_t ti) {
   if (tt->alias_of >= 0 && t->tensors[tt->alias_of].last_alias == (int32_t)ti)
     buf_unref(r, r->bufs[tt->alias_of]); /* the trainer's reference */
   int offloaded = engine_offloaded(r->e) != off0;
+  r->went[ti] = (uint8_t)offloaded;
   if (offloaded && r->sim && r->c->pinned_no_pool) sim_backend_pinned_alloc(r->sim, d->bytes);
   if (r->last) count_pack(r, d, offloaded);
   return 0;
@@ -489,11 +543,16 @@ static int replay_unpack(replay *r, uint32_t ti) {
   r->cur_layer = r->descs[ti].layer;
   void *dev = NULL, *owner = NULL;
   double w, s_before = sim_stall(r, &w);
+  ferry_stats st;
+  uint64_t hits0 = ferry_get_stats(r->e, &st, sizeof st) ? 0 : st.stash_hits;
   double a = host ? util_now_us() : 0;
   int rc = ferry_unpack(r->e, r->handles[ti], NULL, &dev, &owner);
   double dt = host ? util_now_us() - a : 0;
   if (rc) return rc;
   r->host_stall += dt;
+  /* from here on: whether its bytes came back over the link */
+  if (r->went[ti] && !ferry_get_stats(r->e, &st, sizeof st) && st.stash_hits != hits0)
+    r->went[ti] = 0;
   sim_buf *b = owner;
   /* an alias hands back its primary's buffer */
   uint32_t src = t->tensors[ti].alias_of >= 0 ? (uint32_t)t->tensors[ti].alias_of : ti;
@@ -606,11 +665,22 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   double t0 = 0;
   int rc;
   r->cur_layer = -1;
+  link_floor fl = {0};
+  fl.h2d_per_us = r->c->link.h2d_bytes_per_s / 1e6;
+  fl.d2h_per_us = r->c->link.d2h_bytes_per_s / 1e6;
   for (uint32_t k = ts->first; k < ts->end; k++) {
     const trace_ev *ev = &t->events[k];
-    if (ev->gap_us > 0 || (ev->flops > 0 && r->c->tflops > 0)) replay_gap(r, ts, k);
+    if (ev->gap_us > 0 || (ev->flops > 0 && r->c->tflops > 0))
+      floor_compute(&fl, replay_gap(r, ts, k));
     r->res->events++;
     if ((rc = replay_event(r, ev, &t0))) return rc;
+    if (ev->type == TEV_BACKWARD_BEGIN) fl.in_backward = 1;
+    if (ev->type == TEV_PACK || ev->type == TEV_UNPACK || ev->type == TEV_DISCARD) {
+      const ferry_tensor_desc *d = &r->descs[ev->tensor];
+      int counted = t->tensors[ev->tensor].alias_of < 0 && d->kind != FERRY_KIND_PARAMETER &&
+                    d->kind != FERRY_KIND_BUFFER;
+      floor_tensor(&fl, ev->type, r->went[ev->tensor], counted, (double)d->bytes);
+    }
   }
   double step_us = replay_now(r) - t0;
   ferry_get_stats(r->e, &s1, sizeof s1);
@@ -625,6 +695,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   if (r->steady) {
     add_step(sums, step_us, st1 - st0, w1 - w0, &s0, &s1);
     sums->pinned += pinned_us(r) - pin0;
+    sums->floor += r->host ? 0 : floor_us(&fl, (double)r->peak_steady);
   }
   return 0;
 }
@@ -668,6 +739,7 @@ static void finish_result(replay *r, const step_sums *s) {
   out->prefetches = s->pf / n;
   out->stash_hits = s->hits / n;
   out->pinned_alloc_us = s->pinned / n;
+  out->stall_floor_us = s->floor / n;
   compute_note(r);
   out->warmup = r->warmup;
   out->peak_saved_bytes = r->peak_steady;
@@ -696,6 +768,7 @@ static void replay_close(replay *r) {
   free(r->descs);
   free(r->handles);
   free(r->bufs);
+  free(r->went);
   u64map_free(&r->dev_tensor);
   u64map_free(&r->host_offload);
 }

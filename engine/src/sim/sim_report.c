@@ -153,6 +153,17 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
             rs[i].pinned_alloc_us > 0 ? pin : "");
   }
   fputc('\n', f);
+  if (n > 1 && !strcmp(rs[0].backend, "sim")) {
+    fprintf(f, "\nstall floor (the least stall any schedule of the same copies could expose "
+               "at the same peak, the link at full speed; docs/simulator.md):");
+    for (int i = 1; i < n; i++) {
+      char fl[32], sl[32];
+      fmt_us(fl, sizeof fl, rs[i].stall_floor_us);
+      fmt_us(sl, sizeof sl, rs[i].stall_us + rs[i].host_wait_us);
+      fprintf(f, "\n  %-22.22s floor %s, stall %s", rs[i].label, fl, sl);
+    }
+    fputc('\n', f);
+  }
   if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
   if (hw->device_bytes > 0) {
     fprintf(f, "\n%s has %.0f GB of device memory:", hw->name, hw->device_bytes / GB);
@@ -214,6 +225,7 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
   cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
   cJSON_AddNumberToObject(o, "reload_stall_us", r->stall_us);
+  cJSON_AddNumberToObject(o, "stall_floor_us", r->stall_floor_us);
   cJSON_AddNumberToObject(o, "host_wait_us", r->host_wait_us);
   cJSON_AddNumberToObject(o, "bytes_d2h", r->bytes_d2h);
   cJSON_AddNumberToObject(o, "bytes_h2d", r->bytes_h2d);
