@@ -34,9 +34,17 @@ test: build
 bench: build
 	$(BUILD)/bin/ferry_bench --json $(BUILD)/bench.json
 	@py=$$(.ci/python-env 2>/dev/null | tail -1); [ -x "$$py" ] || py=$(PYTHON_TORCH); \
-	  echo "[torch] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
+	  echo "[torch] $$py"; $$py -c 'import torch, sys; sys.exit(int(torch.__version__.split(".")[0]) < 2)' 2>/dev/null || \
+	    echo "[torch 2.x] no torch 2.x interpreter (.ci/python-env failed): the *_torch2 metrics stay missing"; \
+	  PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
+	  PYTHONPATH=$(BUILD)/python $$py bench/bench_step.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json
+	@py=/usr/bin/python3; \
+	  if [ -x "$$py" ] && $$py -c 'import torch, sys; sys.exit(int(torch.__version__.split(".")[0]) != 1)' 2>/dev/null; then \
+	    echo "[torch 1.x] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
+	    PYTHONPATH=$(BUILD)/python $$py bench/bench_step.py --json $(BUILD)/bench.json; \
+	  else echo "[torch 1.x] skipped: $$py has no torch 1.x (the *_torch1 metrics stay missing)"; fi
 	@python3 bench/targets.py $(BUILD)/bench.json
 
 # Longer runs than make test affords: fault injection over 200,000 seeded
