@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -347,23 +348,85 @@ static int fsync_parent_dir(const char *path) {
   return rc;
 }
 
+/* The process's umask, read without changing it (umask() would, racily). */
+static mode_t process_umask(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  unsigned mask = 022;
+  char line[128];
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "Umask: %o", &mask) == 1) break;
+  if (f) fclose(f);
+  return (mode_t)mask;
+}
+
+/* The temporary file, created on the writer thread rather than in start:
+ * creating a file (a journal update on most file systems) and reading the
+ * umask took 0.1-0.6 ms of the caller's time on the development VM. Errors
+ * are the handle's, as every I/O error. */
+static int create_tmp(ferry_snapshot *s) {
+  size_t len = strlen(s->tmp_path);
+  char *template_path = malloc(len + 1);
+  if (!template_path) return io_fail(s, "allocating the name of", ENOMEM);
+  memcpy(template_path, s->tmp_path, len + 1);
+  int fd = mkostemp(s->tmp_path, O_CLOEXEC);
+  int err = errno;
+  if (fd < 0) /* mkostemp may leave a name it tried in the template: not ours */
+    memcpy(s->tmp_path, template_path, len + 1);
+  free(template_path);
+  if (fd < 0) return io_fail(s, "creating", err);
+  fchmod(fd, 0666 & ~process_umask()); /* as open(0666) would */
+  s->fd = fd;
+  return FERRY_OK;
+}
+
+/* When start issued every staging copy (the state fits in the arena), no
+ * caller waits for this thread except in poll/wait/free: it then runs on
+ * idle CPU only (SCHED_IDLE), so that the file's CRC-32 and write() calls
+ * do not take a core from the training loop or from the staging copies the
+ * next fence waits for (bench/README.md, "Checkpoint benchmarks": on 2
+ * cores, steps overlapping a snapshot ran 1.5-2x slower with the writer at
+ * normal priority). A chunked snapshot keeps normal priority: its fence
+ * waits for this thread to free staging buffers. The cost: while every
+ * core is busy the file takes longer to appear, and its staging memory is
+ * held until then. */
+static void writer_priority(ferry_snapshot *s) {
+  pthread_mutex_lock(&s->mu);
+  int all_issued = s->issue_done;
+  pthread_mutex_unlock(&s->mu);
+#if defined(__linux__) && defined(SCHED_IDLE)
+  if (all_issued) {
+    struct sched_param sp = {0};
+    pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp); /* best effort */
+  }
+#else
+  (void)all_issued;
+#endif
+}
+
 static void *writer_main(void *arg) {
   ferry_snapshot *s = arg;
-  zip_writer z;
-  int err = zipw_init(&z, s->fd);
-  int rc = err ? io_fail(s, "allocating the writer for", err) : write_records(s, &z);
-  zipw_free(&z);
+  writer_priority(s);
+  int rc = create_tmp(s), err;
+  if (rc == FERRY_OK) {
+    zip_writer z;
+    err = zipw_init(&z, s->fd);
+    rc = err ? io_fail(s, "allocating the writer for", err) : write_records(s, &z);
+    zipw_free(&z);
+  }
   /* Whatever happened, no copy may still target the slots when they go. */
   stop_issuing(s);
   release_slots(s);
-  if (rc == FERRY_OK && fsync(s->fd) != 0) rc = io_fail(s, "fsync of", errno);
-  if (close(s->fd) != 0 && rc == FERRY_OK) rc = io_fail(s, "close of", errno);
-  s->fd = -1;
+  int created = s->fd >= 0;
+  if (created) {
+    if (rc == FERRY_OK && fsync(s->fd) != 0) rc = io_fail(s, "fsync of", errno);
+    if (close(s->fd) != 0 && rc == FERRY_OK) rc = io_fail(s, "close of", errno);
+    s->fd = -1;
+  }
   if (rc == FERRY_OK && rename(s->tmp_path, s->path) != 0)
     rc = snap_fail(s, FERRY_EIO, "snapshot %s: rename of %s to %s failed: %s", s->path,
                    s->tmp_path, s->path, strerror(errno));
   if (rc != FERRY_OK) {
-    unlink(s->tmp_path);
+    if (created) unlink(s->tmp_path);
   } else if ((err = fsync_parent_dir(s->path))) {
     snap_fail(s, FERRY_EIO,
               "snapshot %s: the file is complete and renamed into place, but the fsync of "
@@ -534,17 +597,6 @@ static void abandon(ferry_engine *e, ferry_snapshot *s) {
   snapshot_free_memory(s);
 }
 
-/* The process's umask, read without changing it (umask() would, racily). */
-static mode_t process_umask(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  unsigned mask = 022;
-  char line[128];
-  while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "Umask: %o", &mask) == 1) break;
-  if (f) fclose(f);
-  return (mode_t)mask;
-}
-
 static const char *file_type(mode_t m) {
   if (S_ISDIR(m)) return "a directory";
   if (S_ISCHR(m)) return "a character device";
@@ -601,18 +653,7 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
     return rc;
   }
 
-  s->fd = mkostemp(s->tmp_path, O_CLOEXEC);
-  if (s->fd >= 0) fchmod(s->fd, 0666 & ~process_umask()); /* as open(0666) would */
-  if (s->fd < 0) {
-    /* An I/O error: reported on the handle like every other one. */
-    io_fail(s, "creating", errno);
-    pthread_mutex_lock(&s->mu);
-    s->issue_done = s->done = 1;
-    pthread_mutex_unlock(&s->mu);
-    *out = s;
-    return FERRY_OK;
-  }
-
+  /* The temporary file is created by the writer thread (create_tmp). */
   if ((rc = take_slots(s))) {
     abandon(e, s);
     return start_fail(e, rc, "out of host memory for the staging list");
