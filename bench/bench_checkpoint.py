@@ -68,25 +68,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def import_ferry(json_path):
-    try:
-        import ferry  # noqa: F401
-    except ImportError:
-        for d in ([os.path.join(os.path.dirname(os.path.abspath(json_path)), "python")]
-                  if json_path else []) + [os.path.join(HERE, "..", "build", "python")]:
-            if os.path.isdir(os.path.join(d, "ferry")):
-                sys.path.insert(0, d)
-                break
-    import ferry
-    import ferry.torch
-    return ferry
+from bench_common import import_ferry, merge_json  # noqa: E402
 
 
 def tensors_of(x, out):
@@ -101,19 +85,6 @@ def tensors_of(x, out):
         for v in x:
             tensors_of(v, out)
     return out
-
-
-def merge_json(path, metrics):
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read().strip()
-        data = json.loads(text) if text else {}
-    data.update(metrics)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main():

@@ -20,26 +20,9 @@ Usage: python bench/bench_optim.py [--json build/bench.json] [--reps 9]
 """
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def import_ferry(json_path):
-    try:
-        import ferry  # noqa: F401
-    except ImportError:
-        for d in ([os.path.join(os.path.dirname(os.path.abspath(json_path)), "python")] if json_path else []) + \
-                 [os.path.join(HERE, "..", "build", "python")]:
-            if os.path.isdir(os.path.join(d, "ferry")):
-                sys.path.insert(0, d)
-                break
-    import ferry
-    import ferry.torch
-    return ferry
+from bench_common import import_ferry, merge_json  # noqa: E402
 
 
 def make(torch, dim, blocks, seed=0):
@@ -101,16 +84,7 @@ def main():
           f"{out['optimizer_offload_step_ms_offload']:.1f} ms (median of {args.reps})")
     print(json.dumps(out, indent=1))
     if args.json:
-        data = {}
-        if os.path.exists(args.json):
-            with open(args.json) as f:
-                text = f.read().strip()
-            data = json.loads(text) if text else {}
-        data.update(out)
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, args.json)
+        merge_json(args.json, out)
 
 
 if __name__ == "__main__":

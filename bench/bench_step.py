@@ -57,6 +57,7 @@ Usage: python bench/bench_step.py [--json build/bench.json] [--reps 15]
          [--replay-reps 200] [--blocks 2]
 """
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -66,7 +67,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_torch import import_ferry, merge_json, write_policy, KEEP_ALL  # noqa: E402
+from bench_common import import_ferry, merge_json, write_policy  # noqa: E402
+from bench_torch import KEEP_ALL  # noqa: E402
 
 B, S, WIDTH, HEADS, VOCAB = 8, 256, 128, 4, 512
 
@@ -258,14 +260,14 @@ def main():
     replay_us = {m: (replay[m] - replay["none"]) * 1e6 for m in replay if m != "none"}
 
     # ---- end to end ----
+    def run(m):
+        c = modes[m]
+        with (c() if c is not None else contextlib.nullcontext()):
+            step()
+
     order = list(modes)
     for m in order:  # warm-up
-        c = modes[m]
-        if c is None:
-            step()
-        else:
-            with c():
-                step()
+        run(m)
     times = {m: [] for m in modes}
     for r in range(args.reps):
         rot = order[r % len(order):] + order[:r % len(order)]
@@ -273,12 +275,7 @@ def main():
             gc.collect()
             gc.disable()
             t0 = time.perf_counter()
-            c = modes[m]
-            if c is None:
-                step()
-            else:
-                with c():
-                    step()
+            run(m)
             times[m].append(time.perf_counter() - t0)
             gc.enable()
     ft.step()

@@ -77,25 +77,11 @@ import sys
 import tempfile
 import time
 import timeit
+from bench_common import import_ferry, write_policy, merge_json  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CHAIN = 2000
 MIB_ELEMS = 262144  # float32: 1 MiB
 N_BIG = 128         # leaves; as many op outputs again
-
-
-def import_ferry(json_path):
-    try:
-        import ferry  # noqa: F401
-    except ImportError:
-        for d in ([os.path.join(os.path.dirname(os.path.abspath(json_path)), "python")] if json_path else []) + \
-                 [os.path.join(HERE, "..", "build", "python")]:
-            if os.path.isdir(os.path.join(d, "ferry")):
-                sys.path.insert(0, d)
-                break
-    import ferry
-    import ferry.torch
-    return ferry
 
 
 OFFLOAD_ALL = """
@@ -113,26 +99,6 @@ KEEP_ALL_UNCACHED = """
 return { api = 1, name = "keep-all-uncached",
   decide = function(t, ctx) return ferry.KEEP end }
 """
-
-
-def write_policy(d, name, src):
-    path = os.path.join(d, name)
-    with open(path, "w") as f:
-        f.write(src)
-    return path
-
-
-def merge_json(path, out):
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read().strip()
-        data = json.loads(text) if text else {}
-    data.update(out)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def timed_reps(modes, run, reps):
