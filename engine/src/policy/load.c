@@ -75,8 +75,17 @@ static const knob_spec KNOBS[] = {
     {"max_fwd_stash_bytes", (double)KNOB_MAX_MIN_OFFLOAD_BYTES},
 };
 
-/* The policy table is at the top of the stack. Reads it with raw accesses
- * only (no policy code runs). */
+/* "file:line" of the function at the top of the stack into where (MSG_LEN
+ * bytes), the chunk's name when Lua does not know the line. */
+static void function_where(ferry_policy *p, char *where) {
+  lua_Debug ar;
+  lua_pushvalue(p->L, -1);
+  if (lua_getinfo(p->L, ">S", &ar) && ar.linedefined > 0)
+    snprintf(where, MSG_LEN, "%s:%d", ar.short_src, ar.linedefined);
+  else
+    copy_str(where, MSG_LEN, p->chunk);
+}
+
 /* Reads the optional function field `name` of the policy table at tbl into
  * the registry as "ferry.<name>", its "file:line" into where. */
 static int optional_function(ferry_policy *p, const char *src, int tbl, const char *name,
@@ -92,12 +101,7 @@ static int optional_function(ferry_policy *p, const char *src, int tbl, const ch
   if (!lua_isfunction(L, -1))
     return load_fail(p, src, name, errbuf, errlen, "%s must be a function (%s), got %s", name,
                      example, luaL_typename(L, -1));
-  lua_Debug ar;
-  lua_pushvalue(L, -1);
-  if (lua_getinfo(L, ">S", &ar) && ar.linedefined > 0)
-    snprintf(where, MSG_LEN, "%s:%d", ar.short_src, ar.linedefined);
-  else
-    copy_str(where, MSG_LEN, p->chunk);
+  function_where(p, where);
   lua_pushfstring(L, "ferry.%s", name);
   lua_insert(L, -2);
   lua_settable(L, LUA_REGISTRYINDEX);
@@ -105,6 +109,8 @@ static int optional_function(ferry_policy *p, const char *src, int tbl, const ch
   return 0;
 }
 
+/* The policy table is at the top of the stack. Reads it with raw accesses
+ * only (no policy code runs). */
 static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf, size_t errlen) {
   lua_State *L = p->L;
   int tbl = lua_gettop(L);
@@ -148,14 +154,7 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
   if (!lua_isfunction(L, -1))
     return load_fail(p, src, "decide", errbuf, errlen, "decide must be a function, got %s",
                      luaL_typename(L, -1));
-  {
-    lua_Debug ar;
-    lua_pushvalue(L, -1);
-    if (lua_getinfo(L, ">S", &ar) && ar.linedefined > 0)
-      snprintf(p->decide_where, sizeof p->decide_where, "%s:%d", ar.short_src, ar.linedefined);
-    else
-      copy_str(p->decide_where, sizeof p->decide_where, p->chunk);
-  }
+  function_where(p, p->decide_where);
   lua_pop(L, 1);
 
   /* Optional snapshot(e) (checkpoint entries) and step(ctx) (each step's
