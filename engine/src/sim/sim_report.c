@@ -11,6 +11,7 @@
 #include <strings.h>
 
 #include "ferry_tools.h"
+#include "util/chrome_trace.h"
 
 #define GB 1e9
 #define GIB 1073741824.0
@@ -316,45 +317,24 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
 }
 
 /* ---- Chrome trace events (Perfetto) ------------------------------------------------ */
-/* One event: ph, name, pid, tid (0 = none), ts in µs from the step's start. */
-static cJSON *trace_event(cJSON *events, const char *ph, const char *name, int pid, int tid,
-                          double ts) {
-  cJSON *e = cJSON_CreateObject();
-  cJSON_AddStringToObject(e, "ph", ph);
-  if (name) cJSON_AddStringToObject(e, "name", name);
-  cJSON_AddNumberToObject(e, "pid", pid);
-  if (tid) cJSON_AddNumberToObject(e, "tid", tid);
-  cJSON_AddNumberToObject(e, "ts", round(ts * 1000) / 1000);
-  cJSON_AddItemToArray(events, e);
-  return e;
-}
-
-static void trace_meta(cJSON *events, const char *what, int pid, int tid, const char *key,
-                       cJSON *value) {
-  cJSON *e = trace_event(events, "M", what, pid, tid, 0);
-  cJSON *args = cJSON_AddObjectToObject(e, "args");
-  cJSON_AddItemToObject(args, key, value);
-}
-
-/* A process per run (the baseline, then each policy), a thread per lane:
- * compute slices named by layer, copies by the tensor's module path with
- * its bytes, layer and trace index, a flow arrow from each offload to its
- * reload, the device-memory counter, and instants at backward's start and
- * the step's end. Times: the last step, from its start. */
+/* Written through util/chrome_trace.h, the writer real runs use too
+ * (core/chrome_recorder.c). A process per run (the baseline, then each
+ * policy), a thread per lane: compute slices named by layer, copies by the
+ * tensor's module path with its bytes, layer and trace index, a flow arrow
+ * from each offload to its reload, the device-memory counter, and instants
+ * at backward's start and the step's end. Times: the last step, in µs from
+ * its start. */
 int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *err,
                            size_t errlen) {
   static const char *const lanes[3] = {"compute", "D2H copies", "H2D copies"};
-  cJSON *root = cJSON_CreateObject();
-  cJSON_AddStringToObject(root, "displayTimeUnit", "ms");
-  cJSON *events = cJSON_AddArrayToObject(root, "traceEvents");
+  ct_writer w;
+  if (ct_open(&w, path, err, errlen)) return -1;
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
     const sim_timeline *tl = &r->tl;
     int pid = i + 1;
-    trace_meta(events, "process_name", pid, 0, "name", cJSON_CreateString(r->label));
-    trace_meta(events, "process_sort_index", pid, 0, "sort_index", cJSON_CreateNumber(i));
-    for (int k = 0; k < 3; k++)
-      trace_meta(events, "thread_name", pid, k + 1, "name", cJSON_CreateString(lanes[k]));
+    ct_process(&w, pid, r->label, i);
+    for (int k = 0; k < 3; k++) ct_thread(&w, pid, k + 1, lanes[k], -1);
     double t0 = tl->t_begin;
     char name[64];
     for (size_t k = 0; k < tl->n_iv; k++) {
@@ -369,47 +349,34 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
                : iv->lane == 1                      ? "offload"
                                                     : "reload";
       }
-      cJSON *e = trace_event(events, "X", what, pid, iv->lane + 1, iv->t0 - t0);
-      cJSON_AddNumberToObject(e, "dur", round((iv->t1 - iv->t0) * 1000) / 1000);
-      cJSON_AddStringToObject(e, "cat", iv->lane == 0 ? "compute" : iv->lane == 1 ? "offload"
-                                                                                  : "reload");
-      cJSON *args = cJSON_AddObjectToObject(e, "args");
+      cJSON *e = ct_slice(what, iv->lane == 0 ? "compute" : iv->lane == 1 ? "offload" : "reload",
+                          pid, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0);
+      cJSON *args = ct_args(e);
       if (iv->layer >= 0) cJSON_AddNumberToObject(args, "layer", iv->layer);
-      if (iv->lane == 0) continue;
-      cJSON_AddNumberToObject(args, "bytes", (double)iv->bytes);
-      if (iv->tensor) cJSON_AddNumberToObject(args, "tensor", iv->tensor - 1);
-      if (!iv->flow) continue;
+      if (iv->lane != 0) {
+        cJSON_AddNumberToObject(args, "bytes", (double)iv->bytes);
+        if (iv->tensor) cJSON_AddNumberToObject(args, "tensor", iv->tensor - 1);
+      }
+      ct_emit(&w, e);
       /* the arrow leaves the offload at its start and enters the reload */
-      cJSON *f = trace_event(events, iv->lane == 1 ? "s" : "f", "offload -> reload", pid,
-                             iv->lane + 1, iv->t0 - t0);
-      cJSON_AddStringToObject(f, "cat", "flow");
-      cJSON_AddNumberToObject(f, "id", (double)pid * 1e7 + iv->flow);
-      if (iv->lane == 2) cJSON_AddStringToObject(f, "bp", "e");
+      if (iv->lane != 0 && iv->flow)
+        ct_flow(&w, iv->lane == 1, "offload -> reload", (double)pid * 1e7 + iv->flow, pid,
+                iv->lane + 1, iv->t0 - t0);
     }
-    for (size_t k = 0; k < tl->n_mem; k++) {
-      cJSON *e = trace_event(events, "C", "device memory", pid, 0, tl->mem[k].t - t0);
-      cJSON *args = cJSON_AddObjectToObject(e, "args");
-      cJSON_AddNumberToObject(args, "GiB", round((double)tl->mem[k].bytes / GIB * 1e4) / 1e4);
-    }
+    for (size_t k = 0; k < tl->n_mem; k++)
+      ct_counter(&w, "device memory", pid, tl->mem[k].t - t0, "GiB",
+                 round((double)tl->mem[k].bytes / GIB * 1e4) / 1e4);
     struct {
       const char *name;
       double t;
     } marks[2] = {{"backward", tl->t_backward}, {"step end", tl->t_end}};
     for (int m = 0; m < 2; m++) {
       if (marks[m].t < t0 || marks[m].t <= 0) continue;
-      cJSON *e = trace_event(events, "i", marks[m].name, pid, 1, marks[m].t - t0);
-      cJSON_AddStringToObject(e, "s", "p"); /* across the process's lanes */
+      /* across the process's lanes */
+      ct_emit(&w, ct_instant(marks[m].name, pid, 1, marks[m].t - t0, 'p'));
     }
   }
-  char *text = cJSON_PrintUnformatted(root);
-  cJSON_Delete(root);
-  if (!text) {
-    snprintf(err, errlen, "out of memory writing %s", path);
-    return -1;
-  }
-  int rc = write_text(path, text, err, errlen);
-  free(text);
-  return rc;
+  return ct_close(&w, err, errlen);
 }
 
 /* ---- SVG ------------------------------------------------------------------------------ */
