@@ -116,6 +116,8 @@
   X(sim_host_memory_is_address_space_only)                              \
   X(sim_trace_reader_names_line_and_problem)                            \
   X(sim_trace_errors_full_text_after_blank_lines)                       \
+  X(sim_trace_reader_fast_and_cjson_paths_agree)                        \
+  X(sim_trace_load_streams_what_parse_reads)                            \
   X(sim_synth_matches_korthikanti_formula)                              \
   X(sim_synth_llama_shapes_and_sizes)                                   \
   X(sim_replay_matches_hand_computed_times)                             \

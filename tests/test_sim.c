@@ -257,7 +257,7 @@ TEST(sim_trace_reader_names_line_and_problem) {
   BAD(HDR BEGIN "{\"ev\":\"compute\",\"t_us\":0,\"us\":-3}\n" END, "bad.jsonl:3: \"us\" must be");
   /* a NUL byte inside a line */
   static const char nul[] = HDR "{\"ev\":\"step_begin\"\0,\"t_us\":0}\n";
-  CHECK_EQ(expect_parse_error(nul, sizeof nul - 1, "bad.jsonl:2: NUL byte"), 0);
+  CHECK_EQ(expect_parse_error(nul, sizeof nul - 1, "bad.jsonl:2: a NUL byte"), 0);
 
   /* a good one, with an alias, a discard and compute */
   const char *good = HDR
@@ -277,6 +277,126 @@ TEST(sim_trace_reader_names_line_and_problem) {
   sim_trace_free(t);
   CHECK_RC(sim_trace_load("/nonexistent/trace.jsonl", &t, err, sizeof err), FERRY_EIO);
   CHECK_STR_CONTAINS(err, "/nonexistent/trace.jsonl: cannot open");
+  return 0;
+}
+
+/* simdjson reads the lines it accepts and cJSON the rest (json_line.h):
+ * what only cJSON can hold must still be read or refused the same way. */
+TEST(sim_trace_reader_fast_and_cjson_paths_agree) {
+  /* an integer past 2^64: simdjson refuses it, cJSON reads it, the reader
+   * calls it absurd */
+  BAD(HDR BEGIN PACK(1, 100000000000000000000000) END,
+      "bad.jsonl:3: \"bytes\" = 99999999999999991611392 is absurd");
+  /* a module path that is not UTF-8 (simdjson refuses it) is kept as is;
+   * a member given twice counts once, the first, on both paths */
+#define PACK_MODULE(id, module)                                                          \
+  "{\"ev\":\"pack\",\"t_us\":1,\"id\":" #id ",\"step\":1,\"bytes\":16,\"bytes\":\"x\","  \
+  "\"dtype\":\"f32\",\"shape\":[4],\"kind\":\"activation\",\"phase\":\"forward\","       \
+  "\"layer\":0,\"layers\":2,\"decision\":\"offload\",\"module\":\"" module "\"}\n"
+  const char *text = HDR BEGIN PACK_MODULE(1, "m\xff\xfe") PACK_MODULE(2, "mlp") UNPACK(2) UNPACK(1) END;
+#undef PACK_MODULE
+  sim_trace *t = NULL;
+  char err[256] = "";
+  CHECK_OK(sim_trace_parse("both", text, strlen(text), &t, err, sizeof err));
+  CHECK_EQ(t->n_tensors, 2);
+  CHECK(!strcmp(t->tensors[0].desc.module_path, "m\xff\xfe"));
+  CHECK(!strcmp(t->tensors[1].desc.module_path, "mlp"));
+  CHECK_EQ(t->tensors[0].desc.bytes, 16);
+  CHECK_EQ(t->tensors[1].desc.bytes, 16);
+  sim_trace_free(t);
+  /* nesting: 32 levels pass, 33 do not, on either path (the second line of
+   * each pair is not UTF-8, so cJSON reads it) */
+  char deep[512];
+  for (int depth = 32; depth <= 33; depth++)
+    for (int slow = 0; slow <= 1; slow++) {
+      char nest[80] = "", close[80] = "";
+      for (int i = 1; i < depth; i++) strcat(nest, "["), strcat(close, "]");
+      snprintf(deep, sizeof deep,
+               HDR "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1,\"x\":%s\"%s\"%s}\n" END, nest,
+               slow ? "\xff" : "a", close);
+      t = NULL;
+      int rc = sim_trace_parse("deep.jsonl", deep, strlen(deep), &t, err, sizeof err);
+      sim_trace_free(t);
+      if (depth == 32) CHECK_OK(rc);
+      else CHECK(rc == FERRY_EPARSE && strstr(err, "deep.jsonl:2: nested deeper than 32 levels"));
+    }
+  return 0;
+}
+
+/* sim_trace_load reads a file through a buffer of a few MiB: a trace many
+ * times that size, its lines cut at every chunk's end, reads the same as
+ * the same text from memory; a line longer than the buffer (with a raised
+ * --max-line) still reads. */
+TEST(sim_trace_load_streams_what_parse_reads) {
+  synth_model m;
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  m.steps = 30; /* about 9.6 MB */
+  char *buf = NULL, err[512] = "";
+  size_t len = 0;
+  FILE *mem = open_memstream(&buf, &len);
+  CHECK(mem != NULL);
+  CHECK_OK(synth_write(&m, mem, err, sizeof err));
+  fclose(mem);
+  char path[] = "/tmp/ferry-test-stream-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  CHECK_EQ(write(fd, buf, len), (ssize_t)len);
+  close(fd);
+  sim_trace *a = NULL, *b = NULL;
+  CHECK_OK(sim_trace_parse("mem", buf, len, &a, err, sizeof err));
+  int rc = sim_trace_load(path, &b, err, sizeof err);
+  unlink(path);
+  free(buf);
+  CHECK_OK(rc);
+  CHECK(len > 2 * (4u << 20));
+  CHECK_EQ(a->n_events, b->n_events);
+  CHECK_EQ(a->n_tensors, b->n_tensors);
+  CHECK_EQ(a->n_steps, b->n_steps);
+  CHECK_EQ(a->resident_bytes, b->resident_bytes);
+  for (uint32_t i = 0; i < a->n_events; i++) {
+    const trace_ev *x = &a->events[i], *y = &b->events[i];
+    CHECK(x->type == y->type && x->tensor == y->tensor && x->layer == y->layer &&
+          x->gap_us == y->gap_us && x->flops == y->flops);
+    CHECK(!x->op == !y->op && (!x->op || !strcmp(x->op, y->op)));
+  }
+  for (uint32_t i = 0; i < a->n_tensors; i++) {
+    const trace_tensor *x = &a->tensors[i], *y = &b->tensors[i];
+    CHECK(x->id == y->id && x->desc.bytes == y->desc.bytes && x->alias_of == y->alias_of &&
+          x->line == y->line && x->decision == y->decision && x->desc.ndim == y->desc.ndim &&
+          !memcmp(x->desc.shape, y->desc.shape, sizeof x->desc.shape) &&
+          !strcmp(x->desc.module_path, y->desc.module_path));
+  }
+  sim_trace_free(a);
+  sim_trace_free(b);
+
+  /* a 6 MiB line: refused at the default 1 MiB, read with --max-line 8 MiB */
+  size_t big = 6u << 20;
+  char *line = malloc(big + 1024);
+  CHECK(line != NULL);
+  int n = snprintf(line, 1024, HDR BEGIN
+                   "{\"ev\":\"pack\",\"t_us\":1,\"id\":1,\"step\":1,\"bytes\":16,\"dtype\":\"f32\","
+                   "\"shape\":[4],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
+                   "\"layers\":2,\"decision\":\"offload\",\"module\":\"");
+  memset(line + n, 'm', big);
+  n += (int)big;
+  n += snprintf(line + n, 1024, "\"}\n" UNPACK(1) END);
+  char path2[] = "/tmp/ferry-test-long-XXXXXX";
+  fd = mkstemp(path2);
+  CHECK(fd >= 0);
+  CHECK_EQ(write(fd, line, (size_t)n), n);
+  close(fd);
+  free(line);
+  a = NULL;
+  rc = sim_trace_load(path2, &a, err, sizeof err);
+  int refused = rc == FERRY_EPARSE && strstr(err, ":3: a line longer than 1048576 bytes") != NULL;
+  sim_trace_limits lim = SIM_TRACE_LIMITS_DEFAULT;
+  lim.max_line_bytes = 8u << 20;
+  int rc2 = sim_trace_load_limited(path2, &lim, &b, err, sizeof err);
+  unlink(path2);
+  CHECK(refused);
+  CHECK_OK(rc2);
+  CHECK_EQ(strlen(b->tensors[0].desc.module_path), big);
+  sim_trace_free(b);
   return 0;
 }
 

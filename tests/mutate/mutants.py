@@ -139,10 +139,10 @@ MUTANTS = [
       "    return reader_fail(r, \"id %lld packed twice (first at line %u)\", (long long)id,\n                       t->tensors[dup].line);",
       "    return reader_fail(r, \"id %lld packed twice (first at line %u)\", (long long)id,\n                       r->line);"),
     m("trace-bytes-bound-off", "strict numbers", READER,
-      "      (rc = get_int(r, o, \"bytes\", 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||",
-      "      (rc = get_int(r, o, \"bytes\", 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||"),
+      "      (rc = get_int(r, o, JK_BYTES, 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||",
+      "      (rc = get_int(r, o, JK_BYTES, 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||"),
     m("trace-nul-byte-accepted", "hostile input", READER,
-      "    if (memchr(s, 0, n)) return reader_fail(r, \"NUL byte in the line\");\n",
+      "    if (nul && nul < nl) return reader_fail(r, \"a NUL byte: not a JSON-lines trace (a binary file?)\");\n",
       ""),
     # ---- checkpoint writer
     m("zip-crc-not-updated", "checkpoint writer", ZIP,

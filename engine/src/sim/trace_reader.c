@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "sim/json_line.h"
 #include "util/errbuf.h"
 #include "ferry_tools.h"
 #include "core/core.h"
@@ -34,7 +35,9 @@ typedef struct reader {
   char *err;
   size_t errlen;
   uint32_t line;
-  u64map ids; /* trace id -> tensor index */
+  u64map ids; /* trace id -> tensor index, for ids past by_id */
+  uint32_t *by_id; /* id -> tensor index + 1 (0: none), for small ids */
+  size_t cap_by_id;
   intern_table strs; /* owned strings, deduplicated */
   uint8_t *state; /* per tensor: TS_* */
   uint32_t cap_events, cap_tensors, cap_steps, cap_resident;
@@ -47,6 +50,9 @@ typedef struct reader {
   double last_t; /* t_us of the previous line */
   int has_gap;   /* t_us moved at least once */
   int max_depth; /* deepest nesting a line may have */
+  size_t max_line; /* longest line, in bytes */
+  json_simd *simd; /* the fast path; NULL: cJSON reads every line */
+  json_line obj;   /* the line being read */
 } reader;
 
 /* Writes "name:line: message" into the caller's buffer; FERRY_EPARSE. */
@@ -73,15 +79,16 @@ static const char *str_own(reader *r, const char *s) { return intern_get(&r->str
 /* ---- members ------------------------------------------------------------------ */
 
 /* An integer member within [lo, hi]; 1 if absent and not required. */
-static int get_int(reader *r, const cJSON *o, const char *key, int required, double lo, double hi,
+static int get_int(reader *r, const json_line *o, json_key k, int required, double lo, double hi,
                    int64_t *out) {
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  const char *key = json_key_names[k];
+  const json_value *v = json_line_get(o, k);
   if (!v) {
     if (required) return reader_fail(r, "missing member \"%s\"", key);
     return 1;
   }
-  if (!cJSON_IsNumber(v)) return reader_fail(r, "\"%s\" must be a number", key);
-  double d = v->valuedouble;
+  if (v->type != JV_NUMBER) return reader_fail(r, "\"%s\" must be a number", key);
+  double d = v->num;
   if (!isfinite(d) || d != floor(d)) return reader_fail(r, "\"%s\" must be an integer, got %g", key, d);
   if (d < lo || d > hi)
     return reader_fail(r, "\"%s\" = %.0f is %s (allowed %.0f .. %.0f)", key, d,
@@ -91,13 +98,43 @@ static int get_int(reader *r, const cJSON *o, const char *key, int required, dou
 }
 
 /* A string member; 1 if absent and not required. */
-static int get_str(reader *r, const cJSON *o, const char *key, int required, const char **out) {
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+static int get_str(reader *r, const json_line *o, json_key k, int required, const char **out) {
+  const json_value *v = json_line_get(o, k);
   *out = NULL;
-  if (!v) return required ? reader_fail(r, "missing member \"%s\"", key) : 1;
-  if (!cJSON_IsString(v) || !v->valuestring) return reader_fail(r, "\"%s\" must be a string", key);
-  *out = v->valuestring;
+  if (!v) return required ? reader_fail(r, "missing member \"%s\"", json_key_names[k]) : 1;
+  if (v->type != JV_STRING) return reader_fail(r, "\"%s\" must be a string", json_key_names[k]);
+  *out = v->str;
   return 0;
+}
+
+/* Ids are small and rising in every trace ferry writes: a dense array finds
+ * them in cache where a hash table misses on each. A hostile id (2^50 in a
+ * ten-line trace) goes to the map, so the array stays within 8 slots per
+ * tensor read. */
+static int id_find(const reader *r, uint64_t id, uint32_t *idx) {
+  if (id < r->cap_by_id && r->by_id[id]) {
+    *idx = r->by_id[id] - 1;
+    return 1;
+  }
+  return u64map_find(&r->ids, id, idx);
+}
+
+static int id_insert(reader *r, uint64_t id, uint32_t idx) {
+  size_t bound = 8 * ((size_t)r->t->n_tensors + 8192);
+  if (id >= r->cap_by_id && id < bound) {
+    size_t ncap = r->cap_by_id ? r->cap_by_id : 8192;
+    while (ncap <= id) ncap *= 2;
+    uint32_t *b = realloc(r->by_id, ncap * sizeof *b);
+    if (!b) return -1;
+    memset(b + r->cap_by_id, 0, (ncap - r->cap_by_id) * sizeof *b);
+    r->by_id = b;
+    r->cap_by_id = ncap;
+  }
+  if (id < r->cap_by_id) {
+    r->by_id[id] = idx + 1;
+    return 0;
+  }
+  return u64map_insert(&r->ids, id, idx);
 }
 
 /* Appends an event of the open step, gap_us after the previous one. */
@@ -112,11 +149,11 @@ static int add_event(reader *r, uint8_t type, uint32_t tensor, double gap) {
 }
 
 /* The tensor an event names by its "id", which must be packed and live. */
-static int get_live_tensor(reader *r, const cJSON *o, const char *ev, uint32_t *idx) {
+static int get_live_tensor(reader *r, const json_line *o, const char *ev, uint32_t *idx) {
   int64_t id;
-  int rc = get_int(r, o, "id", 1, 1, MAX_ID, &id);
+  int rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id);
   if (rc) return rc;
-  if (!u64map_find(&r->ids, (uint64_t)id, idx))
+  if (!id_find(r, (uint64_t)id, idx))
     return reader_fail(r, "%s of id %lld before its pack", ev, (long long)id);
   if (r->state[*idx] == TS_DONE)
     return reader_fail(r, "%s of id %lld, which was already unpacked or discarded (line %u packed it)",
@@ -127,33 +164,32 @@ static int get_live_tensor(reader *r, const cJSON *o, const char *ev, uint32_t *
 /* ---- pack --------------------------------------------------------------------- */
 
 /* A pack's "shape" member into d->ndim and d->shape. */
-static int get_shape(reader *r, const cJSON *o, ferry_tensor_desc *d) {
-  const cJSON *shape = cJSON_GetObjectItemCaseSensitive(o, "shape");
+static int get_shape(reader *r, const json_line *o, ferry_tensor_desc *d) {
+  const json_value *shape = json_line_get(o, JK_SHAPE);
   if (!shape) return reader_fail(r, "missing member \"shape\"");
-  if (!cJSON_IsArray(shape)) return reader_fail(r, "\"shape\" must be an array of integers");
-  int n = cJSON_GetArraySize(shape);
-  if (n > FERRY_MAX_DIMS)
-    return reader_fail(r, "\"shape\" has %d dimensions (at most %d)", n, FERRY_MAX_DIMS);
-  d->ndim = n;
-  int i = 0;
-  for (const cJSON *x = shape->child; x; x = x->next, i++) {
-    if (!cJSON_IsNumber(x) || !isfinite(x->valuedouble) || x->valuedouble != floor(x->valuedouble) ||
-        x->valuedouble < 0 || x->valuedouble > MAX_ID)
+  if (shape->type != JV_ARRAY) return reader_fail(r, "\"shape\" must be an array of integers");
+  if (o->shape_n > FERRY_MAX_DIMS)
+    return reader_fail(r, "\"shape\" has %u dimensions (at most %d)", o->shape_n, FERRY_MAX_DIMS);
+  d->ndim = (int)o->shape_n;
+  for (int i = 0; i < d->ndim; i++) {
+    const json_value *x = &o->shape[i];
+    if (x->type != JV_NUMBER || !isfinite(x->num) || x->num != floor(x->num) || x->num < 0 ||
+        x->num > MAX_ID)
       return reader_fail(r, "\"shape\"[%d] must be a non-negative integer", i);
-    d->shape[i] = (int64_t)x->valuedouble;
+    d->shape[i] = (int64_t)x->num;
   }
   return 0;
 }
 
 /* A pack's string members (dtype, kind, phase, decision, module, class) and
  * shape into *d and *dec, checked in the order the errors name them. */
-static int get_pack_desc(reader *r, const cJSON *o, ferry_tensor_desc *d, uint8_t *dec) {
+static int get_pack_desc(reader *r, const json_line *o, ferry_tensor_desc *d, uint8_t *dec) {
   const char *dtype, *kind, *phase, *decision, *module = NULL, *cls = NULL;
   int rc;
-  if ((rc = get_str(r, o, "dtype", 1, &dtype)) || (rc = get_str(r, o, "kind", 1, &kind)) ||
-      (rc = get_str(r, o, "phase", 1, &phase)) || (rc = get_str(r, o, "decision", 1, &decision)))
+  if ((rc = get_str(r, o, JK_DTYPE, 1, &dtype)) || (rc = get_str(r, o, JK_KIND, 1, &kind)) ||
+      (rc = get_str(r, o, JK_PHASE, 1, &phase)) || (rc = get_str(r, o, JK_DECISION, 1, &decision)))
     return rc;
-  if ((rc = get_str(r, o, "module", 0, &module)) < 0 || (rc = get_str(r, o, "class", 0, &cls)) < 0)
+  if ((rc = get_str(r, o, JK_MODULE, 0, &module)) < 0 || (rc = get_str(r, o, JK_CLASS, 0, &cls)) < 0)
     return rc;
   if ((d->dtype = ferry_dtype_from_name(dtype)) < 0)
     return reader_fail(r, "unknown dtype \"%s\"", dtype);
@@ -186,18 +222,19 @@ static int latest_pack_of_size(reader *r, uint64_t bytes, int32_t *alias_of) {
 
 /* alias: the same buffer as a live earlier pack, named by alias_of or, in
  * traces without it, the latest live pack of the same size; -1 if none. */
-static int get_alias(reader *r, const cJSON *o, uint64_t bytes, int32_t *alias_of) {
+static int get_alias(reader *r, const json_line *o, uint64_t bytes, int32_t *alias_of) {
   const sim_trace *t = r->t;
   *alias_of = -1;
-  const cJSON *al = cJSON_GetObjectItemCaseSensitive(o, "alias");
-  if (al && !cJSON_IsBool(al)) return reader_fail(r, "\"alias\" must be true or false");
-  if (!cJSON_IsTrue(al)) return 0;
+  const json_value *al = json_line_get(o, JK_ALIAS);
+  if (al && al->type != JV_TRUE && al->type != JV_FALSE)
+    return reader_fail(r, "\"alias\" must be true or false");
+  if (!al || al->type != JV_TRUE) return 0;
   int64_t of;
-  int rc = get_int(r, o, "alias_of", 0, 1, MAX_ID, &of);
+  int rc = get_int(r, o, JK_ALIAS_OF, 0, 1, MAX_ID, &of);
   if (rc < 0) return rc;
   if (rc == 0) {
     uint32_t p;
-    if (!u64map_find(&r->ids, (uint64_t)of, &p) || r->state[p] != TS_PACKED)
+    if (!id_find(r, (uint64_t)of, &p) || r->state[p] != TS_PACKED)
       return reader_fail(r, "alias_of %lld is not a live id", (long long)of);
     *alias_of = (int32_t)p;
   } else if ((rc = latest_pack_of_size(r, bytes, alias_of))) {
@@ -225,7 +262,7 @@ static int add_tensor(reader *r, uint64_t id, const ferry_tensor_desc *d, uint8_
     if (!s) return reader_fail(r, "out of memory");
     r->state = s;
   }
-  if (u64map_insert(&r->ids, id, idx)) return reader_fail(r, "out of memory");
+  if (id_insert(r, id, idx)) return reader_fail(r, "out of memory");
   trace_tensor *tt = &t->tensors[idx];
   tt->desc = *d;
   tt->id = id;
@@ -241,20 +278,20 @@ static int add_tensor(reader *r, uint64_t id, const ferry_tensor_desc *d, uint8_
 }
 
 /* {"ev":"pack",...}: a saved tensor, with its description and decision. */
-static int parse_pack(reader *r, const cJSON *o, double gap) {
+static int parse_pack(reader *r, const json_line *o, double gap) {
   sim_trace *t = r->t;
   if (!r->in_step) return reader_fail(r, "pack outside a step (no step_begin before it)");
   int64_t id, step, bytes, layer, layers, flags = 0;
   int rc;
-  if ((rc = get_int(r, o, "id", 1, 1, MAX_ID, &id)) ||
-      (rc = get_int(r, o, "step", 1, 0, MAX_ID, &step)) ||
-      (rc = get_int(r, o, "bytes", 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||
-      (rc = get_int(r, o, "layer", 1, -1, MAX_LAYERS, &layer)) ||
-      (rc = get_int(r, o, "layers", 1, 0, MAX_LAYERS, &layers)))
+  if ((rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id)) ||
+      (rc = get_int(r, o, JK_STEP, 1, 0, MAX_ID, &step)) ||
+      (rc = get_int(r, o, JK_BYTES, 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||
+      (rc = get_int(r, o, JK_LAYER, 1, -1, MAX_LAYERS, &layer)) ||
+      (rc = get_int(r, o, JK_LAYERS, 1, 0, MAX_LAYERS, &layers)))
     return rc;
-  if ((rc = get_int(r, o, "flags", 0, 0, 255, &flags)) < 0) return rc;
+  if ((rc = get_int(r, o, JK_FLAGS, 0, 0, 255, &flags)) < 0) return rc;
   uint32_t dup;
-  if (u64map_find(&r->ids, (uint64_t)id, &dup))
+  if (id_find(r, (uint64_t)id, &dup))
     return reader_fail(r, "id %lld packed twice (first at line %u)", (long long)id,
                        t->tensors[dup].line);
   ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
@@ -273,28 +310,28 @@ static int parse_pack(reader *r, const cJSON *o, double gap) {
 /* ---- the other events ----------------------------------------------------------- */
 
 /* {"ev":"header",...}: must be the first line, of format ferry-trace v1. */
-static int parse_header(reader *r, const cJSON *o, const char *ev) {
+static int parse_header(reader *r, const json_line *o, const char *ev) {
   if (strcmp(ev, "header"))
     return reader_fail(r, "the first line must be the header ({\"ev\":\"header\",...}), got \"%s\"",
                        ev);
   const char *fmt;
   int64_t version;
   int rc;
-  if ((rc = get_str(r, o, "format", 1, &fmt))) return rc;
+  if ((rc = get_str(r, o, JK_FORMAT, 1, &fmt))) return rc;
   if (strcmp(fmt, "ferry-trace")) return reader_fail(r, "format \"%s\" is not \"ferry-trace\"", fmt);
-  if ((rc = get_int(r, o, "version", 1, 1, 1e9, &version))) return rc;
+  if ((rc = get_int(r, o, JK_VERSION, 1, 1, 1e9, &version))) return rc;
   if (version != 1)
     return reader_fail(r, "trace format version %lld is newer than this reader (1)",
                        (long long)version);
   const char *backend = NULL;
-  if ((rc = get_str(r, o, "backend", 0, &backend)) < 0) return rc;
+  if ((rc = get_str(r, o, JK_BACKEND, 0, &backend)) < 0) return rc;
   if (backend) snprintf(r->t->backend, sizeof r->t->backend, "%s", backend);
   r->seen_header = 1;
   return 0;
 }
 
 /* {"ev":"unpack"|"discard","id":N}: the end of a live tensor. */
-static int parse_unpack_or_discard(reader *r, const cJSON *o, const char *ev, double gap) {
+static int parse_unpack_or_discard(reader *r, const json_line *o, const char *ev, double gap) {
   if (!r->in_step) return reader_fail(r, "%s outside a step", ev);
   uint32_t idx = 0;
   int rc = get_live_tensor(r, o, ev, &idx);
@@ -305,9 +342,9 @@ static int parse_unpack_or_discard(reader *r, const cJSON *o, const char *ev, do
 }
 
 /* {"ev":"step_begin","step":N}: opens a step. */
-static int parse_step_begin(reader *r, const cJSON *o, double gap) {
+static int parse_step_begin(reader *r, const json_line *o, double gap) {
   int64_t step;
-  int rc = get_int(r, o, "step", 1, 0, MAX_ID, &step);
+  int rc = get_int(r, o, JK_STEP, 1, 0, MAX_ID, &step);
   if (rc) return rc;
   if (r->in_step)
     return reader_fail(r, "step_begin of step %lld inside step %llu (no step_end)", (long long)step,
@@ -336,10 +373,10 @@ static int fail_live_at_step_end(reader *r, int64_t step) {
 }
 
 /* {"ev":"step_end","step":N}: closes the open step, every tensor done. */
-static int parse_step_end(reader *r, const cJSON *o, double gap) {
+static int parse_step_end(reader *r, const json_line *o, double gap) {
   sim_trace *t = r->t;
   int64_t step;
-  int rc = get_int(r, o, "step", 1, 0, MAX_ID, &step);
+  int rc = get_int(r, o, JK_STEP, 1, 0, MAX_ID, &step);
   if (rc) return rc;
   if (!r->in_step) return reader_fail(r, "step_end without step_begin");
   if ((uint64_t)step != r->step_number)
@@ -366,21 +403,20 @@ static int parse_backward(reader *r, const char *ev, double gap) {
 }
 
 /* {"ev":"compute","us":X,...}: X microseconds of the trainer's compute. */
-static int parse_compute(reader *r, const cJSON *o) {
+static int parse_compute(reader *r, const json_line *o) {
   sim_trace *t = r->t;
-  const cJSON *us = cJSON_GetObjectItemCaseSensitive(o, "us");
+  const json_value *us = json_line_get(o, JK_US);
   if (!us) return reader_fail(r, "missing member \"us\"");
-  if (!cJSON_IsNumber(us) || !isfinite(us->valuedouble) || us->valuedouble < 0 ||
-      us->valuedouble > MAX_COMPUTE_US)
+  if (us->type != JV_NUMBER || !isfinite(us->num) || us->num < 0 || us->num > MAX_COMPUTE_US)
     return reader_fail(r, "\"us\" must be a number within [0, %.0f] (an hour)", MAX_COMPUTE_US);
   if (!r->in_step) return reader_fail(r, "compute outside a step");
   int64_t layer = -1;
   const char *op = NULL;
   int rc;
-  if ((rc = get_int(r, o, "layer", 0, -1, MAX_LAYERS, &layer)) < 0) return rc;
-  if ((rc = get_str(r, o, "op", 0, &op)) < 0) return rc;
+  if ((rc = get_int(r, o, JK_LAYER, 0, -1, MAX_LAYERS, &layer)) < 0) return rc;
+  if ((rc = get_str(r, o, JK_OP, 0, &op)) < 0) return rc;
   t->has_compute = 1;
-  if ((rc = add_event(r, TEV_COMPUTE, 0, us->valuedouble))) return rc;
+  if ((rc = add_event(r, TEV_COMPUTE, 0, us->num))) return rc;
   t->events[t->n_events - 1].layer = (int32_t)layer;
   if (op && !(t->events[t->n_events - 1].op = str_own(r, op))) return reader_fail(r, "out of memory");
   return 0;
@@ -388,13 +424,13 @@ static int parse_compute(reader *r, const cJSON *o) {
 
 /* {"ev":"resident","bytes":N,"what":S}: device memory held outside the
  * saved tensors, before the first step; a second line for S replaces it. */
-static int parse_resident(reader *r, const cJSON *o) {
+static int parse_resident(reader *r, const json_line *o) {
   sim_trace *t = r->t;
   int64_t bytes;
   const char *what;
   int rc;
-  if ((rc = get_int(r, o, "bytes", 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||
-      (rc = get_str(r, o, "what", 1, &what)))
+  if ((rc = get_int(r, o, JK_BYTES, 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||
+      (rc = get_str(r, o, JK_WHAT, 1, &what)))
     return rc;
   if (r->in_step)
     return reader_fail(r, "resident inside a step: resident memory is declared before the first step");
@@ -417,12 +453,12 @@ static int parse_resident(reader *r, const cJSON *o) {
 /* ---- lines ---------------------------------------------------------------------- */
 
 /* A line's "t_us": never back in time; *gap is the time since the last line. */
-static int get_time(reader *r, const cJSON *o, double *gap) {
-  const cJSON *tv = cJSON_GetObjectItemCaseSensitive(o, "t_us");
+static int get_time(reader *r, const json_line *o, double *gap) {
+  const json_value *tv = json_line_get(o, JK_T_US);
   if (!tv) return reader_fail(r, "missing member \"t_us\"");
-  if (!cJSON_IsNumber(tv) || !isfinite(tv->valuedouble) || tv->valuedouble < 0)
+  if (tv->type != JV_NUMBER || !isfinite(tv->num) || tv->num < 0)
     return reader_fail(r, "\"t_us\" must be a non-negative number");
-  double tus = tv->valuedouble;
+  double tus = tv->num;
   if (r->seen_header && tus + 1e-6 < r->last_t)
     return reader_fail(r, "t_us %.1f goes back in time (previous line: %.1f)", tus, r->last_t);
   *gap = r->seen_header ? tus - r->last_t : 0;
@@ -433,7 +469,7 @@ static int get_time(reader *r, const cJSON *o, double *gap) {
 }
 
 /* One event (after the header) to its parser by its "ev". */
-static int parse_event(reader *r, const cJSON *o, const char *ev, double gap) {
+static int parse_event(reader *r, const json_line *o, const char *ev, double gap) {
   if (!strcmp(ev, "pack")) return parse_pack(r, o, gap);
   if (!strcmp(ev, "unpack") || !strcmp(ev, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
   if (!strcmp(ev, "step_begin")) return parse_step_begin(r, o, gap);
@@ -446,65 +482,28 @@ static int parse_event(reader *r, const cJSON *o, const char *ev, double gap) {
 }
 
 /* A parsed line's object: its ev and t_us, then the header or an event. */
-static int parse_object(reader *r, const cJSON *o) {
-  if (!cJSON_IsObject(o)) return reader_fail(r, "a line must be a JSON object");
+static int parse_object(reader *r, const json_line *o) {
+  if (!o->is_object) return reader_fail(r, "a line must be a JSON object");
   const char *ev;
   double gap = 0;
   int rc;
-  if ((rc = get_str(r, o, "ev", 1, &ev))) return rc;
+  if ((rc = get_str(r, o, JK_EV, 1, &ev))) return rc;
   if ((rc = get_time(r, o, &gap))) return rc;
   if (!r->seen_header) return parse_header(r, o, ev);
   /* optional "flops": the floating-point work of the compute before this
    * event (recorded traces) or of this compute event (synthesized) */
-  const cJSON *fl = cJSON_GetObjectItemCaseSensitive(o, "flops");
+  const json_value *fl = json_line_get(o, JK_FLOPS);
   r->flops = -1;
   if (fl) {
-    if (!cJSON_IsNumber(fl) || !isfinite(fl->valuedouble) || fl->valuedouble < 0 ||
-        fl->valuedouble > 1e21)
+    if (fl->type != JV_NUMBER || !isfinite(fl->num) || fl->num < 0 || fl->num > 1e21)
       return reader_fail(r, "\"flops\" must be a number within [0, 1e21]");
-    r->flops = fl->valuedouble;
+    r->flops = fl->num;
   }
   return parse_event(r, o, ev, gap);
 }
 
-/* One non-blank line of n bytes at s: one JSON object and nothing after it. */
-static int parse_line(reader *r, const char *s, size_t n) {
-  const char *end = NULL;
-  cJSON *o = cJSON_ParseWithLengthOpts(s, n, &end, 0);
-  if (!o) {
-    const char *ep = cJSON_GetErrorPtr();
-    long col = ep && ep >= s && ep <= s + n ? (long)(ep - s) + 1 : 1;
-    return reader_fail(r, "malformed JSON near column %ld", col);
-  }
-  int rc = 0;
-  for (const char *p = end; p && p < s + n; p++)
-    if (*p != ' ' && *p != '\t' && *p != '\r') {
-      rc = reader_fail(r, "text after the JSON object at column %ld", (long)(p - s) + 1);
-      break;
-    }
-  if (!rc) rc = parse_object(r, o);
-  cJSON_Delete(o);
-  return rc;
-}
-
-/* ---- traces --------------------------------------------------------------------- */
-
-void sim_trace_free(sim_trace *t) {
-  if (!t) return;
-  free(t->name);
-  free(t->events);
-  free(t->tensors);
-  free(t->steps);
-  for (uint32_t i = 0; i < t->n_resident; i++) free(t->resident[i].what);
-  free(t->resident);
-  for (size_t i = 0; i < t->n_strings; i++) free(t->strings[i]);
-  free(t->strings);
-  free(t);
-}
-
-/* Every line of data in turn (blank ones skipped), then the end's checks. */
 /* The deepest [ and { nesting of a JSON line, strings skipped: checked
- * before parsing, so a hostile line costs one pass and no recursion. */
+ * before cJSON parses, so a hostile line costs one pass and no recursion. */
 static int json_depth(const char *s, size_t n) {
   int depth = 0, deepest = 0, in_string = 0;
   for (size_t i = 0; i < n; i++) {
@@ -523,8 +522,60 @@ static int json_depth(const char *s, size_t n) {
   return deepest;
 }
 
-static int parse_lines(reader *r, const char *data, size_t len) {
-  if (!data || len == 0) return reader_fail(r, "empty trace (no header line)");
+/* A line simdjson refused, read with cJSON, which words why: the nesting,
+ * malformed JSON at a column, or text after the object; or reads it, for
+ * what only cJSON holds (a number past 2^64, text that is not UTF-8). */
+static int parse_line_slow(reader *r, const char *s, size_t n) {
+  if (json_depth(s, n) > r->max_depth)
+    return reader_fail(r, "nested deeper than %d levels (no trace line is)", r->max_depth);
+  const char *end = NULL;
+  cJSON *o = cJSON_ParseWithLengthOpts(s, n, &end, 0);
+  if (!o) {
+    const char *ep = cJSON_GetErrorPtr();
+    long col = ep && ep >= s && ep <= s + n ? (long)(ep - s) + 1 : 1;
+    return reader_fail(r, "malformed JSON near column %ld", col);
+  }
+  int rc = 0;
+  for (const char *p = end; p && p < s + n; p++)
+    if (*p != ' ' && *p != '\t' && *p != '\r') {
+      rc = reader_fail(r, "text after the JSON object at column %ld", (long)(p - s) + 1);
+      break;
+    }
+  if (!rc) {
+    json_line_from_cjson(o, &r->obj);
+    rc = parse_object(r, &r->obj);
+  }
+  cJSON_Delete(o);
+  return rc;
+}
+
+/* One non-blank line of n bytes at s, readable bytes from s on: one JSON
+ * object and nothing after it. */
+static int parse_line(reader *r, const char *s, size_t n, size_t readable) {
+  if (r->simd && json_simd_parse(r->simd, s, n, readable, &r->obj) == 0)
+    return parse_object(r, &r->obj);
+  return parse_line_slow(r, s, n);
+}
+
+/* ---- traces --------------------------------------------------------------------- */
+
+void sim_trace_free(sim_trace *t) {
+  if (!t) return;
+  free(t->name);
+  free(t->events);
+  free(t->tensors);
+  free(t->steps);
+  for (uint32_t i = 0; i < t->n_resident; i++) free(t->resident[i].what);
+  free(t->resident);
+  for (size_t i = 0; i < t->n_strings; i++) free(t->strings[i]);
+  free(t->strings);
+  free(t);
+}
+
+/* The complete lines in data[0, len) in turn (blank ones skipped); the
+ * buffer stays readable up to end, which lets simdjson read past a line. */
+static int parse_lines(reader *r, const char *data, size_t len, const char *end) {
+  const char *nul = memchr(data, 0, len); /* one pass, not one per line */
   size_t pos = 0;
   int rc;
   while (pos < len) {
@@ -534,14 +585,19 @@ static int parse_lines(reader *r, const char *data, size_t len) {
     size_t n = (size_t)(nl - (data + pos));
     const char *s = data + pos;
     pos += n + 1;
-    if (memchr(s, 0, n)) return reader_fail(r, "NUL byte in the line");
-    if (json_depth(s, n) > r->max_depth)
-      return reader_fail(r, "nested deeper than %d levels (no trace line is)", r->max_depth);
+    if (nul && nul < nl) return reader_fail(r, "a NUL byte: not a JSON-lines trace (a binary file?)");
+    if (n > r->max_line)
+      return reader_fail(r, "a line longer than %zu bytes (no trace line is; --max-line)", r->max_line);
     size_t k = 0;
     while (k < n && (s[k] == ' ' || s[k] == '\t' || s[k] == '\r')) k++;
     if (k == n) continue; /* blank lines carry nothing */
-    if ((rc = parse_line(r, s, n))) return rc;
+    if ((rc = parse_line(r, s, n, (size_t)(end - s)))) return rc;
   }
+  return 0;
+}
+
+/* After the last line: a header, no step left open, a step at least. */
+static int parse_end(reader *r) {
   r->line = 0;
   if (!r->seen_header) return reader_fail(r, "empty trace (no header line)");
   if (r->in_step)
@@ -555,7 +611,9 @@ static int parse_lines(reader *r, const char *data, size_t len) {
 static int reader_finish(reader *r, int rc) {
   sim_trace *t = r->t;
   u64map_free(&r->ids);
+  free(r->by_id);
   free(r->state);
+  json_simd_free(r->simd);
   t->strings = NULL;
   t->n_strings = 0;
   if (r->strs.count) {
@@ -571,26 +629,36 @@ static int reader_finish(reader *r, int rc) {
   return rc;
 }
 
-/* Reads a whole trace from memory, lines nested at most max_depth deep. */
-static int parse_trace(const char *name, const char *data, size_t len, int max_depth,
-                       sim_trace **out, char *err, size_t errlen) {
-  *out = NULL;
+/* A reader of a trace named name (in messages) within lim; FERRY_OK, or
+ * FERRY_ENOMEM with the message in err. */
+static int reader_start(reader *r, const char *name, const sim_trace_limits *lim, char *err,
+                        size_t errlen) {
   if (err && errlen) err[0] = 0;
-  reader r;
-  memset(&r, 0, sizeof r);
-  r.name = name ? name : "trace";
-  r.err = err;
-  r.errlen = errlen;
-  r.max_depth = max_depth;
+  memset(r, 0, sizeof *r);
+  r->name = name ? name : "trace";
+  r->err = err;
+  r->errlen = errlen;
+  r->max_depth = lim->max_depth;
+  r->max_line = lim->max_line_bytes;
   sim_trace *t = calloc(1, sizeof *t);
-  if (!t || !(t->name = strdup(r.name))) {
+  if (!t || !(t->name = strdup(r->name))) {
     free(t);
-    return reader_fail(&r, "out of memory");
+    reader_fail(r, "out of memory");
+    return FERRY_ENOMEM;
   }
-  r.t = t;
-  int rc = reader_finish(&r, parse_lines(&r, data, len));
+  r->t = t;
+  /* without it (out of memory) every line takes the cJSON path */
+  r->simd = json_simd_new(lim->max_depth);
+  return FERRY_OK;
+}
+
+/* Ends the reader: the trace in *out on success (rc 0), else freed. */
+static int reader_done(reader *r, int rc, sim_trace **out) {
+  sim_trace *t = r->t;
+  if (!rc) rc = parse_end(r);
+  rc = reader_finish(r, rc);
   /* Recorded traces carry time in t_us; synthesized ones in compute events. */
-  if (!rc && t->has_compute && r.has_gap)
+  if (!rc && t->has_compute && r->has_gap)
     for (uint32_t i = 0; i < t->n_events; i++)
       if (t->events[i].type != TEV_COMPUTE) t->events[i].gap_us = 0;
   if (rc) {
@@ -604,7 +672,13 @@ static int parse_trace(const char *name, const char *data, size_t len, int max_d
 int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **out, char *err,
                     size_t errlen) {
   sim_trace_limits lim = SIM_TRACE_LIMITS_DEFAULT;
-  return parse_trace(name, data, len, lim.max_depth, out, err, errlen);
+  *out = NULL;
+  reader r;
+  int rc = reader_start(&r, name, &lim, err, errlen);
+  if (rc) return rc;
+  if (!data || len == 0) rc = reader_fail(&r, "empty trace (no header line)");
+  else rc = parse_lines(&r, data, len, data + len);
+  return reader_done(&r, rc, out);
 }
 
 /* Reads a whole trace file (at most 16 GiB) and parses it. */
@@ -628,26 +702,67 @@ static int open_trace(const char *path, char *err, size_t errlen) {
   return fd;
 }
 
-/* Checks the bytes just read: the line count, a line over the limit, a NUL
- * byte. FERRY_OK, or FERRY_EPARSE with "FILE:LINE: ..." in err. */
-static int check_chunk(const char *path, const char *p, size_t n, const sim_trace_limits *lim,
-                       uint32_t *line, size_t *line_len, char *err, size_t errlen) {
-  for (size_t i = 0; i < n; i++) {
-    if (p[i] == '\n') {
-      (*line)++;
-      *line_len = 0;
-      continue;
+/* The 1-based line of data[at] (data: the unread lines, after line done). */
+static uint32_t line_at(const char *data, size_t at, uint32_t done) {
+  uint32_t line = done + 1;
+  for (const char *p = data; (p = memchr(p, '\n', (size_t)(data + at - p))); p++) line++;
+  return line;
+}
+
+/* Reads the file through a buffer of a few MiB, parsing its complete lines
+ * as they come: memory stays bounded by the longest line whatever the file
+ * (a FIFO fed forever, /dev/zero), and a NUL byte or an endless line fails
+ * on the chunk that shows it. */
+static int load_lines(reader *r, int fd, const sim_trace_limits *lim) {
+  size_t cap = lim->max_line_bytes + 1 > (4u << 20) ? lim->max_line_bytes + 1 : (4u << 20);
+  /* zeroed, with the padding simdjson reads past a line's end */
+  char *buf = calloc(1, cap + JSON_LINE_PADDING);
+  if (!buf) return reader_fail(r, "out of memory");
+  size_t have = 0; /* unparsed bytes at buf: the start of a line */
+  uint64_t total = 0;
+  int rc = 0;
+  while (!rc) {
+    ssize_t got = read(fd, buf + have, cap - have);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      rc = reader_fail(r, "read error: %s", strerror(errno));
+      rc = FERRY_EIO;
+      break;
     }
-    if (!p[i] || ++*line_len > lim->max_line_bytes) {
-      if (err && errlen)
-        snprintf(err, errlen,
-                 p[i] ? "%s:%u: a line longer than %zu bytes (no trace line is; --max-line)"
-                      : "%s:%u: a NUL byte: not a JSON-lines trace (a binary file?)",
-                 path, *line + 1, lim->max_line_bytes);
-      return FERRY_EPARSE;
+    if (got == 0) break;
+    total += (uint64_t)got;
+    if (total > lim->max_file_bytes) {
+      rc = reader_fail(r, "larger than %llu bytes", (unsigned long long)lim->max_file_bytes);
+      break;
     }
+    const char *nul = memchr(buf + have, 0, (size_t)got);
+    have += (size_t)got;
+    if (nul) {
+      r->line = line_at(buf, (size_t)(nul - buf), r->line);
+      rc = reader_fail(r, "a NUL byte: not a JSON-lines trace (a binary file?)");
+      break;
+    }
+    const char *last = memrchr(buf, '\n', have);
+    size_t complete = last ? (size_t)(last - buf) + 1 : 0;
+    if (have - complete > lim->max_line_bytes) {
+      r->line = line_at(buf, complete, r->line);
+      rc = reader_fail(r, "a line longer than %zu bytes (no trace line is; --max-line)",
+                       lim->max_line_bytes);
+      break;
+    }
+    if (!complete) continue;
+    rc = parse_lines(r, buf, complete, buf + cap + JSON_LINE_PADDING);
+    memmove(buf, buf + complete, have - complete);
+    have -= complete;
   }
-  return FERRY_OK;
+  if (!rc && have) {
+    r->line++;
+    rc = reader_fail(r, "truncated: the last line has no newline");
+  } else if (!rc && !total) {
+    rc = reader_fail(r, "empty trace (no header line)");
+  }
+  free(buf);
+  return rc;
 }
 
 int sim_trace_load_limited(const char *path, const sim_trace_limits *limits, sim_trace **out,
@@ -657,40 +772,10 @@ int sim_trace_load_limited(const char *path, const sim_trace_limits *limits, sim
   if (limits) lim = *limits;
   int fd = open_trace(path, err, errlen);
   if (fd < 0) return FERRY_EIO;
-  size_t cap = 1 << 20, n = 0, line_len = 0;
-  uint32_t line = 0;
-  char *buf = malloc(cap);
-  int rc = buf ? FERRY_OK : FERRY_ENOMEM;
-  while (!rc) {
-    if (n == cap) {
-      char *nb = (uint64_t)cap * 2 <= lim.max_file_bytes ? realloc(buf, cap * 2) : NULL;
-      if (!nb) {
-        if (err && errlen)
-          snprintf(err, errlen, "%s: larger than %llu bytes", path,
-                   (unsigned long long)lim.max_file_bytes);
-        rc = (uint64_t)cap * 2 <= lim.max_file_bytes ? FERRY_ENOMEM : FERRY_EPARSE;
-        break;
-      }
-      buf = nb;
-      cap *= 2;
-    }
-    ssize_t got = read(fd, buf + n, cap - n);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      if (err && errlen) snprintf(err, errlen, "%s: read error: %s", path, strerror(errno));
-      rc = FERRY_EIO;
-    } else if (got == 0) {
-      break;
-    } else {
-      rc = check_chunk(path, buf + n, (size_t)got, &lim, &line, &line_len, err, errlen);
-      n += (size_t)got;
-    }
-  }
+  reader r;
+  int rc = reader_start(&r, path, &lim, err, errlen);
+  if (!rc) rc = reader_done(&r, load_lines(&r, fd, &lim), out);
   close(fd);
-  if (rc == FERRY_ENOMEM && err && errlen && !err[0])
-    snprintf(err, errlen, "%s: out of memory reading it", path);
-  if (!rc) rc = parse_trace(path, buf, n, lim.max_depth, out, err, errlen);
-  free(buf);
   return rc;
 }
 

@@ -1,0 +1,90 @@
+/*
+ * json_line.h — one line of a JSON-lines trace, as the members the trace
+ * reader knows. Two parsers fill it: simdjson (json_line_simd.cpp), fast, for
+ * the lines it accepts, and cJSON (json_line.c) for the rest, which also
+ * words the error of a malformed line with its column. Unknown members are
+ * skipped; of a member given twice, the first counts (cJSON's lookup).
+ */
+#ifndef FERRY_SIM_JSON_LINE_H
+#define FERRY_SIM_JSON_LINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ferry.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The members of docs/trace-format.md, in no particular order. */
+typedef enum json_key {
+  JK_EV, JK_T_US, JK_ID, JK_STEP, JK_BYTES, JK_DTYPE, JK_SHAPE, JK_KIND, JK_PHASE, JK_LAYER,
+  JK_LAYERS, JK_FLAGS, JK_MODULE, JK_CLASS, JK_DECISION, JK_ALIAS, JK_ALIAS_OF, JK_FLOPS, JK_US,
+  JK_OP, JK_FORMAT, JK_VERSION, JK_BACKEND, JK_WHAT,
+  JK_COUNT
+} json_key;
+
+typedef enum json_type {
+  JV_OTHER = 1, /* null or an object */
+  JV_NUMBER,
+  JV_STRING,
+  JV_TRUE,
+  JV_FALSE,
+  JV_ARRAY /* only "shape" keeps its items */
+} json_type;
+
+typedef struct json_value {
+  uint8_t type;    /* json_type */
+  double num;      /* JV_NUMBER */
+  const char *str; /* JV_STRING: valid until the next line is parsed */
+} json_value;
+
+typedef struct json_line {
+  uint32_t present; /* bit k: member k was given */
+  json_value v[JK_COUNT];
+  uint32_t shape_n; /* "shape"'s items, when it is an array */
+  json_value shape[FERRY_MAX_DIMS];
+  int is_object; /* the line was an object (else nothing else is set) */
+} json_line;
+
+/* The member's name, as the trace format spells it. */
+extern const char *const json_key_names[JK_COUNT];
+
+/* The key of name k (n bytes), or -1 for a member the reader ignores. */
+int json_key_find(const char *k, size_t n);
+
+/* Sets member key from its value, unless an earlier one was given. */
+static inline json_value *json_line_slot(json_line *l, int key) {
+  if (key < 0 || (l->present >> key & 1)) return NULL;
+  l->present |= 1u << key;
+  return &l->v[key];
+}
+
+static inline const json_value *json_line_get(const json_line *l, json_key key) {
+  return l->present >> key & 1 ? &l->v[key] : NULL;
+}
+
+/* The slow path: the members of a line cJSON parsed (o lives as long as
+ * *out's strings are used); is_object 0 if it is not an object. */
+struct cJSON;
+void json_line_from_cjson(const struct cJSON *o, json_line *out);
+
+/* Readable bytes a buffer keeps past its last line so that no line is
+ * copied for simdjson (it reads up to this far past a document's end). */
+#define JSON_LINE_PADDING 64
+
+/* The fast parser: one per reader, lines nested at most max_depth deep. */
+typedef struct json_simd json_simd;
+json_simd *json_simd_new(int max_depth);
+void json_simd_free(json_simd *p);
+/* Parses the n bytes at s (readable bytes from s: at least n; with fewer
+ * than n + JSON_LINE_PADDING the line is copied) into *out: 0, or -1 if simdjson did not
+ * accept the line, which the cJSON path then reads and words. */
+int json_simd_parse(json_simd *p, const char *s, size_t n, size_t readable, json_line *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
