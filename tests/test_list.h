@@ -158,6 +158,8 @@
   X(policy_failed_reload_keeps_old)                                \
   X(policy_shipped_default_loads)                                  \
   X(policy_cli_check_exit_codes)                                   \
+  X(policy_explain_hand_written)                                   \
+  X(policy_explain_rules_lines)                                    \
   X(policy_snapshot_answers)                                       \
   X(policy_snapshot_faults_stage)                                  \
   X(policy_snapshot_rules_and_default)                             \

@@ -97,6 +97,34 @@ FERRY_API void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *des
  * ctx->host_ram_used_pct sampled: runs the policy's step(ctx), if any. */
 FERRY_API void ferry_policy_step_begin(ferry_policy *p, const ferry_context *ctx);
 
+/* Why a policy decided what it did (ferry_policy_explain): the rule that
+ * made the decision and where the policy wrote it. */
+typedef struct ferry_policy_reason {
+  /* The rule's name: a rules-library rule ("min_bytes(1024)", "all rules
+   * passed" for an offload no rule kept and no selector chose), "decide"
+   * (a policy without explain), "explain" (its explain named no rule),
+   * "fault" (an error or a nonsense answer: the tensor was kept),
+   * "disabled" (the error budget is spent), "site cache" (a cached answer
+   * stored by decide, not by explain, whose reason is unknown). */
+  char rule[512];
+  /* "file:line" where the rule is written: the rule's line in the policy
+   * file (rules library), the decide or explain function's first line, the
+   * fault's position; "" when there is none. */
+  char where[512];
+  int from_cache; /* the answer came from the site cache (with its stored reason) */
+} ferry_policy_reason;
+
+/* ferry_policy_decide with the reason; for tools (`ferry check`), never
+ * called by the engine, whose decide pays nothing for reasons. It takes the
+ * place of a decide call (it runs the policy once, through the policy's
+ * explain(t, ctx) when it has one, else decide) and shares the site cache,
+ * the faults and the stats with decide; a cached answer comes back with the
+ * reason stored when explain cached it. Contract: docs/policy-api.md,
+ * "explain". why may be NULL. */
+FERRY_API void ferry_policy_explain(ferry_policy *p, const ferry_tensor_desc *desc,
+                                    const ferry_context *ctx, ferry_decision *out,
+                                    ferry_policy_reason *why);
+
 FERRY_API void ferry_policy_get_stats(const ferry_policy *p, ferry_policy_stats *out);
 /* Last fault as "file:line: message", "" if none. */
 FERRY_API const char *ferry_policy_last_error(const ferry_policy *p);

@@ -351,16 +351,38 @@ describe("ferry.rules", function()
     assert.is_false(select(4, run(p, { bytes = 1 })))
   end)
 
-  it("explain names the rule that kept a tensor", function()
+  it("explain names the rule that made a decision and its line", function()
+    -- line 1 of the source is `local R = require 'ferry.rules'`
     local p = policy [[return R.policy { R.min_bytes(10), R.exclude_modules(R.HEAD),
       R.exclude_modules("vision") }]]
-    assert.same({ KEEP, "min_bytes(10)" }, { p.explain(D.desc { bytes = 1 }, D.ctx {}) })
-    local a, why = p.explain(D.desc { path = "lm_head" }, D.ctx {})
+    assert.same({ KEEP, "min_bytes(10)", "policy:2", ON_USE, nil, true },
+      { p.explain(D.desc { bytes = 1 }, D.ctx {}) })
+    local a, why, where = p.explain(D.desc { path = "lm_head" }, D.ctx {})
     assert.equal(KEEP, a)
     assert.matches("^exclude_modules%({top=lm_head|", why)
-    a, why = p.explain(D.desc { path = "model.vision.0" }, D.ctx {})
-    assert.equal("exclude_modules({under=vision})", why)
-    assert.same({ OFFLOAD }, { p.explain(D.desc { path = "model.layers.0" }, D.ctx {}) })
+    assert.equal("policy:2", where)
+    a, why, where = p.explain(D.desc { path = "model.vision.0" }, D.ctx {})
+    assert.same({ "exclude_modules({under=vision})", "policy:3" }, { why, where })
+    -- an offload no rule kept, without a selector: no line (the host puts
+    -- the policy's return there)
+    assert.same({ OFFLOAD, "all rules passed", nil, ON_USE, nil, true },
+      { p.explain(D.desc { path = "model.layers.0" }, D.ctx {}) })
+  end)
+
+  it("explain: a selector's offloads and keeps are the selector's", function()
+    local p = policy [[
+return R.policy {
+  R.min_bytes(10),
+  R.fraction(0.5),
+  reload = R.prefetch(3),
+}]]
+    local ctx = D.ctx { step = 1 }
+    assert.same({ OFFLOAD, "fraction(0.5, first)", "policy:4", PREFETCH, 3, false },
+      { p.explain(D.desc { bytes = 100 }, ctx) })
+    assert.same({ KEEP, "fraction(0.5, first)", "policy:4", PREFETCH, 3, false },
+      { p.explain(D.desc { bytes = 100 }, ctx) })
+    local a, why, where = p.explain(D.desc { bytes = 1 }, ctx)
+    assert.same({ KEEP, "min_bytes(10)", "policy:3" }, { a, why, where })
   end)
 
   it("rejects bad rules at load with the policy's line", function()

@@ -130,6 +130,82 @@ static void site_insert(ferry_policy *p, const site_key *k, uint64_t h, const fe
   p->n_sites++;
 }
 
+/* ---- reasons of cached answers (ferry_policy_explain only) --------------- */
+#define MAX_REASONS 4096 /* distinct reasons remembered; past it: "site cache" */
+
+static void set_reason(ferry_policy_reason *why, const char *rule, const char *where) {
+  copy_str(why->rule, sizeof why->rule, rule);
+  copy_str(why->where, sizeof why->where, where);
+}
+
+/* The index of why in p->reasons, added on first sight; UINT32_MAX if full. */
+static uint32_t reason_id(ferry_policy *p, const ferry_policy_reason *why) {
+  for (uint32_t i = 0; i < p->n_reasons; i++)
+    if (!strcmp(p->reasons[i].rule, why->rule) && !strcmp(p->reasons[i].where, why->where))
+      return i;
+  void *grown = p->reasons;
+  if (p->n_reasons >= MAX_REASONS ||
+      util_grow(&grown, &p->cap_reasons, sizeof *p->reasons, p->n_reasons + 1, 16))
+    return UINT32_MAX;
+  p->reasons = grown;
+  p->reasons[p->n_reasons] = *why;
+  return p->n_reasons++;
+}
+
+/* Remembers why as the reason of the site cached under key. */
+static void reason_store(ferry_policy *p, const site_key *k, uint64_t h,
+                         const ferry_policy_reason *why) {
+  uint32_t id = reason_id(p, why);
+  if (id == UINT32_MAX) return;
+  if (!p->reason_sites || (p->n_reason_sites + 1) * 2 > p->reason_sites_mask + 1) {
+    if (p->n_reason_sites >= SITE_CACHE_MAX) return;
+    uint32_t cap = p->reason_sites ? (p->reason_sites_mask + 1) * 2 : 256;
+    reason_entry *grown = calloc(cap, sizeof *grown);
+    if (!grown) return;
+    for (uint32_t i = 0; p->reason_sites && i <= p->reason_sites_mask; i++) {
+      if (!p->reason_sites[i].hash) continue;
+      uint32_t s = (uint32_t)p->reason_sites[i].hash & (cap - 1);
+      while (grown[s].hash) s = (s + 1) & (cap - 1);
+      grown[s] = p->reason_sites[i];
+    }
+    free(p->reason_sites);
+    p->reason_sites = grown;
+    p->reason_sites_mask = cap - 1;
+  }
+  uint32_t s = (uint32_t)h & p->reason_sites_mask;
+  for (; p->reason_sites[s].hash; s = (s + 1) & p->reason_sites_mask)
+    if (p->reason_sites[s].hash == h && site_equal(&p->reason_sites[s].key, k)) {
+      p->reason_sites[s].reason = id;
+      return;
+    }
+  p->reason_sites[s] = (reason_entry){h, *k, id};
+  p->n_reason_sites++;
+}
+
+/* The reason stored for the cached site key, or "site cache" if none. */
+static void reason_of_site(const ferry_policy *p, const site_key *k, uint64_t h,
+                           ferry_policy_reason *why) {
+  for (uint32_t s = (uint32_t)h & p->reason_sites_mask; p->reason_sites && p->reason_sites[s].hash;
+       s = (s + 1) & p->reason_sites_mask)
+    if (p->reason_sites[s].hash == h && site_equal(&p->reason_sites[s].key, k)) {
+      *why = p->reasons[p->reason_sites[s].reason];
+      return;
+    }
+  set_reason(why, "site cache", "");
+}
+
+/* A fault's reason: "fault" at the message's "file:line", else the chunk. */
+static void fault_reason(const ferry_policy *p, const char *msg, ferry_policy_reason *why) {
+  copy_str(why->rule, sizeof why->rule, "fault");
+  if (has_position(msg)) {
+    const char *colon = strchr(msg, ':');
+    colon = strchr(colon + 1, ':');
+    snprintf(why->where, sizeof why->where, "%.*s", (int)(colon - msg), msg);
+  } else {
+    copy_str(why->where, sizeof why->where, p->chunk);
+  }
+}
+
 /* ---- deciding ----------------------------------------------------------- */
 static void count_fault(ferry_policy *p, const char *msg) {
   p->stats.errors++;
@@ -143,26 +219,31 @@ static void count_fault(ferry_policy *p, const char *msg) {
   }
 }
 
-static void nonsense(ferry_policy *p, const char *what, const char *expected, int idx) {
+/* fn: "decide" or "explain", the function that answered; where: its file:line. */
+static void nonsense(ferry_policy *p, const char *fn, const char *where, const char *what,
+                     const char *expected, int idx) {
   char vb[96], msg[MSG_LEN];
-  snprintf(msg, sizeof msg, "%.300s: decide returned a nonsense %s: %s (expected %s); the tensor was kept",
-           p->decide_where, what, describe_value(p->L, idx, vb, sizeof vb), expected);
+  snprintf(msg, sizeof msg, "%.300s: %s returned a nonsense %s: %s (expected %s); the tensor was kept",
+           where, fn, what, describe_value(p->L, idx, vb, sizeof vb), expected);
   count_fault(p, msg);
 }
 
-/* Read decide's answer at stack slots first..first+3 into *d. */
-static int read_answer(ferry_policy *p, int first, ferry_decision *d) {
+/* Read the answer of fn (decide: action, reload, distance, cache at stack
+ * slots first..first+3; explain: action at first, the other three at
+ * first+3..first+5) into *d. */
+static int read_answer(ferry_policy *p, const char *fn, const char *where, int first, int rest,
+                       ferry_decision *d) {
   lua_State *L = p->L;
-  int a = first, r = first + 1, dist = first + 2, c = first + 3;
+  int a = first, r = rest, dist = rest + 1, c = rest + 2;
   lua_Number v;
   if (lua_type(L, a) != LUA_TNUMBER || ((v = lua_tonumber(L, a)) != FERRY_KEEP && v != FERRY_OFFLOAD))
-    return nonsense(p, "action", "ferry.KEEP or ferry.OFFLOAD", a), -1;
+    return nonsense(p, fn, where, "action", "ferry.KEEP or ferry.OFFLOAD", a), -1;
   d->action = (int32_t)v;
   if (lua_isnil(L, r)) {
     d->reload = FERRY_RELOAD_ON_USE;
   } else if (lua_type(L, r) != LUA_TNUMBER ||
              ((v = lua_tonumber(L, r)) != FERRY_RELOAD_ON_USE && v != FERRY_RELOAD_PREFETCH)) {
-    return nonsense(p, "reload", "ferry.ON_USE or ferry.PREFETCH", r), -1;
+    return nonsense(p, fn, where, "reload", "ferry.ON_USE or ferry.PREFETCH", r), -1;
   } else {
     d->reload = (int32_t)v;
   }
@@ -170,14 +251,14 @@ static int read_answer(ferry_policy *p, int first, ferry_decision *d) {
     d->prefetch_distance = -1; /* the engine's default */
   } else if (lua_type(L, dist) != LUA_TNUMBER || !((v = lua_tonumber(L, dist)) >= 0) ||
              v > MAX_PREFETCH_DISTANCE || v != floor(v)) {
-    return nonsense(p, "prefetch distance", "an integer in [0, 4096] or nil", dist), -1;
+    return nonsense(p, fn, where, "prefetch distance", "an integer in [0, 4096] or nil", dist), -1;
   } else {
     d->prefetch_distance = (int32_t)v;
   }
   if (lua_isnil(L, c) || lua_type(L, c) == LUA_TBOOLEAN)
     d->cacheable = lua_toboolean(L, c);
   else
-    return nonsense(p, "cache flag", "true, false or nil", c), -1;
+    return nonsense(p, fn, where, "cache flag", "true, false or nil", c), -1;
   return 0;
 }
 
@@ -204,15 +285,27 @@ static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
 /* ferry.forget_cached() asked for it: later decisions run Lua again. */
 static void forget_sites(ferry_policy *p) {
   p->forget = 0;
+  if (p->n_reason_sites) {
+    memset(p->reason_sites, 0, (p->reason_sites_mask + 1) * sizeof *p->reason_sites);
+    p->n_reason_sites = 0;
+  }
   if (!p->n_sites) return;
   memset(p->sites, 0, (p->sites_mask + 1) * sizeof *p->sites);
   p->n_sites = 0;
 }
 
-void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
-                         ferry_decision *out) {
+/* decide and explain in one body. why is NULL for the engine's decide: the
+ * function is inlined into ferry_policy_decide with why a constant NULL, so
+ * every reason branch below folds away and decide pays nothing for them. */
+static inline __attribute__((always_inline)) void
+decide_or_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
+                  ferry_decision *out, ferry_policy_reason *why) {
   static const ferry_decision keep = {FERRY_KEEP, FERRY_RELOAD_ON_USE, -1, 0};
   *out = keep;
+  if (why) {
+    memset(why, 0, sizeof *why);
+    if (p && p->stats.disabled) set_reason(why, "disabled", "");
+  }
   if (!p || !desc || p->stats.disabled) return;
 
   site_key key;
@@ -230,6 +323,10 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
     if (e) {
       *out = e->decision;
       p->stats.cache_hits++;
+      if (why) {
+        reason_of_site(p, &key, h, why);
+        why->from_cache = 1;
+      }
       return;
     }
   }
@@ -259,12 +356,19 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
   }
   p->shape_len = key.ndim;
 
+  /* explain(t, ctx) -> action, rule, where, reload, distance, cache */
+  int via_explain = why && p->has_explain;
+  const char *fn = via_explain ? "explain" : "decide";
+  const char *fn_where = via_explain ? p->explain_where : p->decide_where;
   p->stats.calls++;
-  lua_pushvalue(L, SLOT_DECIDE);
+  if (via_explain)
+    lua_getfield(L, LUA_REGISTRYINDEX, "ferry.explain");
+  else
+    lua_pushvalue(L, SLOT_DECIDE);
   lua_pushvalue(L, SLOT_TENSOR);
   lua_pushvalue(L, SLOT_CTX);
-  p->running = p->decide_where;
-  int status = run_protected(p, 2, 4, SLOT_MSGH, 0);
+  p->running = fn_where;
+  int status = run_protected(p, 2, via_explain ? 6 : 4, SLOT_MSGH, 0);
   p->running = NULL;
   p->cur_ctx = NULL;
   if (p->forget) forget_sites(p);
@@ -272,17 +376,42 @@ void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const f
     char msg[MSG_LEN];
     take_fault(p, status, msg, sizeof msg);
     count_fault(p, msg);
+    if (why) fault_reason(p, msg, why);
   } else {
     ferry_decision d;
-    if (read_answer(p, SLOT_COUNT_ + 1, &d) == 0) {
+    int first = SLOT_COUNT_ + 1;
+    if (read_answer(p, fn, fn_where, first, via_explain ? first + 3 : first + 1, &d) == 0) {
       *out = d;
+      if (why && via_explain) {
+        int has_rule = lua_type(L, first + 1) == LUA_TSTRING;
+        set_reason(why, has_rule ? lua_tostring(L, first + 1) : "explain",
+                   lua_type(L, first + 2) == LUA_TSTRING ? lua_tostring(L, first + 2)
+                   : has_rule                            ? p->table_where
+                                                         : p->explain_where);
+      } else if (why) {
+        set_reason(why, "decide", p->decide_where);
+      }
       if (d.cacheable && site_cacheable) {
         if (!h) h = site_hash(&key);
         site_insert(p, &key, h, &d);
+        if (why) reason_store(p, &key, h, why);
       }
+    } else if (why) {
+      fault_reason(p, p->last_error, why);
     }
   }
   lua_settop(L, SLOT_COUNT_);
+}
+
+void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
+                         ferry_decision *out) {
+  decide_or_explain(p, desc, ctx, out, NULL);
+}
+
+void ferry_policy_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
+                          ferry_decision *out, ferry_policy_reason *why) {
+  ferry_policy_reason scratch;
+  decide_or_explain(p, desc, ctx, out, why ? why : &scratch);
 }
 
 /* The policy's step(ctx), when it has one: once per step, before the

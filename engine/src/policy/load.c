@@ -43,6 +43,22 @@ static int last_return_line(const char *src) {
   return found;
 }
 
+/* Line of the last `return` at the start of a line, unindented (the main
+ * chunk's, returning the policy table, not a function's); else the last
+ * `return` anywhere; 0 if none. */
+static int table_return_line(const char *src) {
+  int line = 1, found = 0;
+  for (const char *c = src; c && *c; c++) {
+    if (!strncmp(c, "return", 6) && !(c[6] == '_' || (c[6] >= 'a' && c[6] <= 'z') ||
+                                      (c[6] >= 'A' && c[6] <= 'Z') || (c[6] >= '0' && c[6] <= '9')))
+      found = line;
+    while (*c && *c != '\n') c++;
+    if (!*c) break;
+    line++;
+  }
+  return found ? found : last_return_line(src);
+}
+
 /* Write "chunk:line: msg" (or "chunk: msg" without a line) into errbuf. */
 static int load_fail(ferry_policy *p, const char *src, const char *word, char *errbuf,
                      size_t errlen, const char *fmt, ...) {
@@ -157,14 +173,22 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
   function_where(p, p->decide_where);
   lua_pop(L, 1);
 
-  /* Optional snapshot(e) (checkpoint entries) and step(ctx) (each step's
-   * begin): kept in the registry, so the permanent stack of decide stays as
-   * it is. */
+  /* Optional snapshot(e) (checkpoint entries), step(ctx) (each step's
+   * begin) and explain(t, ctx) (decide with its reason, for tools): kept in
+   * the registry, so the permanent stack of decide stays as it is. */
   if (optional_function(p, src, tbl, "snapshot", "snapshot = function(e) ... end",
                         p->snapshot_where, errbuf, errlen, &p->has_snapshot) ||
       optional_function(p, src, tbl, "step", "step = function(ctx) ... end", p->step_where,
-                        errbuf, errlen, &p->has_step))
+                        errbuf, errlen, &p->has_step) ||
+      optional_function(p, src, tbl, "explain", "explain = function(t, ctx) ... end",
+                        p->explain_where, errbuf, errlen, &p->has_explain))
     return FERRY_EPOLICY;
+  /* Where an explained reason without a line points: the policy table. */
+  int table_line = table_return_line(src);
+  if (table_line)
+    snprintf(p->table_where, sizeof p->table_where, "%.400s:%d", p->chunk, table_line);
+  else
+    copy_str(p->table_where, sizeof p->table_where, p->chunk);
 
   lua_pushliteral(L, "knobs");
   lua_rawget(L, tbl);
@@ -391,6 +415,8 @@ void ferry_policy_destroy(ferry_policy *p) {
   free(p->strings);
   free(p->by_content);
   free(p->sites);
+  free(p->reason_sites);
+  free(p->reasons);
   free(p);
 }
 

@@ -103,6 +103,15 @@ typedef struct site_entry {
   ferry_decision decision;
 } site_entry;
 
+/* The reason stored with a cached answer, for ferry_policy_explain only
+ * (the engine's decide never reads or writes these): site -> index into
+ * ferry_policy.reasons. */
+typedef struct reason_entry {
+  uint64_t hash; /* 0 = empty slot; the site's hash */
+  site_key key;
+  uint32_t reason;
+} reason_entry;
+
 struct ferry_policy {
   lua_State *L;
   char name[128];
@@ -112,6 +121,9 @@ struct ferry_policy {
   int has_snapshot;             /* the function is in the registry as "ferry.snapshot" */
   char step_where[MSG_LEN];     /* "file:line" of the step function, if any */
   int has_step;                 /* the function is in the registry as "ferry.step" */
+  char explain_where[MSG_LEN];  /* "file:line" of the explain function, if any */
+  int has_explain;              /* the function is in the registry as "ferry.explain" */
+  char table_where[MSG_LEN];    /* "file:line" of the policy's top-level `return` (its table) */
   const char *running;        /* where the running call is, when nothing better is known */
   char libdir[1024];
   int trusted;
@@ -150,6 +162,12 @@ struct ferry_policy {
   site_entry *sites;
   uint32_t n_sites, sites_mask;
   int forget; /* ferry.forget_cached() was called: empty the cache when the call returns */
+
+  /* reasons of cached answers (ferry_policy_explain only) */
+  reason_entry *reason_sites;
+  uint32_t n_reason_sites, reason_sites_mask;
+  ferry_policy_reason *reasons; /* distinct reasons, in order of first sight */
+  uint32_t n_reasons, cap_reasons;
 
   char last_error[MSG_LEN];
 };

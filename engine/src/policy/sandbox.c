@@ -339,6 +339,27 @@ static int ctx_offloaded_in_layer(lua_State *L) {
   return 1;
 }
 
+/* The second argument a module of ferry's own gets (ferry.rules records
+ * with it where each rule was written, for ferry_policy_explain): the
+ * "file:line" of the innermost Lua code outside the calling module's file,
+ * i.e. the line of the policy that called into the module; nil if none
+ * (`return R.policy {...}` is a tail call: its caller's frame is gone). */
+static int module_caller_where(lua_State *L) {
+  lua_Debug ar;
+  if (!lua_getstack(L, 1, &ar) || !lua_getinfo(L, "S", &ar)) {
+    lua_pushnil(L);
+    return 1;
+  }
+  const char *self = ar.source; /* the module's chunk name, kept alive by its code */
+  for (int lv = 2; lv < 256 && lua_getstack(L, lv, &ar); lv++) {
+    if (!lua_getinfo(L, "Sl", &ar) || ar.currentline <= 0 || !strcmp(ar.source, self)) continue;
+    lua_pushfstring(L, "%s:%d", ar.short_src, ar.currentline);
+    return 1;
+  }
+  lua_pushnil(L);
+  return 1;
+}
+
 /* require, limited to ferry's own modules under the policy library dir
  * (and "ffi" for trusted policies). upvalues: loaded table, sandbox env. */
 static int sandbox_require(lua_State *L) {
@@ -384,7 +405,8 @@ static int sandbox_require(lua_State *L) {
   lua_pushlightuserdata(L, p); /* mark as loading, to catch loops */
   lua_setfield(L, lua_upvalueindex(1), name);
   lua_pushvalue(L, 1);
-  lua_call(L, 1, 1); /* stack: name, result */
+  lua_pushcfunction(L, module_caller_where);
+  lua_call(L, 2, 1); /* stack: name, result */
   if (lua_isnil(L, -1)) {
     lua_pop(L, 1);
     lua_pushboolean(L, 1);

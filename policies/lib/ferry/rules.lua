@@ -38,6 +38,29 @@ matches are memoized per path string; paths are interned Lua strings).
 
 local ferry = ferry -- the sandbox's global; a stand-in table outside it
 
+-- The policy host passes ferry's own modules a function giving "file:line"
+-- of the policy line that called into the module (where a rule is written,
+-- for explain and `ferry check`). Outside the host (the unit specs' test
+-- double) plain LuaJIT's debug library does the same.
+local caller_where = select(2, ...)
+if type(caller_where) ~= "function" then
+  local ok, dbg = pcall(function() return debug end) -- an error in the sandbox
+  if ok and type(dbg) == "table" then
+    caller_where = function()
+      local self = dbg.getinfo(1, "S").source
+      for level = 2, 255 do
+        local info = dbg.getinfo(level, "Sl")
+        if not info then return nil end
+        if info.currentline > 0 and info.source ~= self then
+          return info.short_src .. ":" .. info.currentline
+        end
+      end
+    end
+  else
+    caller_where = function() return nil end
+  end
+end
+
 local F = ferry or {}
 local KEEP, OFFLOAD = F.KEEP or 0, F.OFFLOAD or 1
 local ON_USE, PREFETCH = F.ON_USE or 0, F.PREFETCH or 1
@@ -83,7 +106,9 @@ local function check_number(fn, what, v, lo, hi, integer)
   return v
 end
 
+-- A rule remembers where the policy wrote it: "file:line", or nil.
 local function rule(spec)
+  spec.where = caller_where()
   return setmetatable(spec, RULE)
 end
 
@@ -829,7 +854,8 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
   spec.snapshot  the checkpoint snapshot function, e.g. R.snapshot { ... }
   spec[1..n]   the rules
 The result has api = 1, name, knobs, decide, and also rules (their names,
-in evaluation order) and explain(t, ctx) -> action, rule name, for tools.]]
+in evaluation order) and explain(t, ctx) -> action, rule name, its
+"file:line", reload, distance, cacheable, for tools (see explain below).]]
 function R.policy(spec)
   if type(spec) ~= "table" then fail("policy", "expected a table of rules") end
   local name = spec.name or "policy"
@@ -937,7 +963,7 @@ function R.policy(spec)
     }
     merged.which = function(t)
       local i = verdict(t:path(), t:class())
-      return i > 0 and modules[i].name or nil
+      return i > 0 and modules[i] or nil
     end
     -- module filters after the cheap field filters of stage 1
     stages[1][#stages[1] + 1] = merged
@@ -945,6 +971,7 @@ function R.policy(spec)
 
   -- flatten into arrays the decide loop indexes by number
   local tests, scopes, names = {}, {}, {}
+  local selector = nil -- the last selector: the reason for an offload, if any
   local nfilter, nguard, nselect = 0, 0, 0
   local learned = {} -- selectors whose answer depends on the site once ready
   local on_steps = {}
@@ -959,6 +986,7 @@ function R.policy(spec)
         if not r.per_step then nguard = nguard + 1 end
       elseif r.learned then learned[#learned + 1] = r
       else nselect = nselect + 1 end
+      if s == 5 then selector = r end
       if r.on_step then on_steps[#on_steps + 1] = r.on_step end
     end
   end
@@ -1170,15 +1198,27 @@ function R.policy(spec)
   local order = {}
   for i = 1, ntest do order[i] = names[i].name end
 
-  -- explain(t, ctx) -> action, name of the rule that kept it (or nil).
-  -- It runs decide, so selectors count the tensor like a real decision.
+  -- explain(t, ctx) -> action, rule, where, reload, distance, cacheable:
+  -- decide's answer with its reason, the name of the rule that made it and
+  -- "file:line" where the policy wrote that rule. A keep: the rule that kept
+  -- the tensor. An offload: the last selector (fraction, budget, ...), which
+  -- chose it; without one, "all rules passed" and no line (the policy host
+  -- puts the policy's `return` line there). It runs decide, so selectors
+  -- count the tensor like a real decision: call it instead of decide, not
+  -- besides. For tools (ferry_policy_explain, `ferry check`); the engine
+  -- never calls it.
   local function explain(t, ctx)
-    local action = decide(t, ctx)
+    local action, rl, dist, cacheable = decide(t, ctx)
     local i = last_rule
-    if i == 0 then return action, nil end
-    local r = names[i]
-    if r.which then return action, r.which(t) end
-    return action, r.name
+    local r
+    if i == 0 then
+      r = selector
+      if not r then return action, "all rules passed", nil, rl, dist, cacheable end
+    else
+      r = names[i]
+      if r.which then r = r.which(t) or r end
+    end
+    return action, r.name, r.where, rl, dist, cacheable
   end
 
   return {
