@@ -113,6 +113,7 @@
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(sim_duplex_slows_both_directions_exactly)                           \
   X(sim_stream_waits_for_compute_event)                                 \
+  X(sim_wait_on_a_later_stream_starts_at_once)                          \
   X(sim_host_memory_is_address_space_only)                              \
   X(sim_trace_reader_names_line_and_problem)                            \
   X(sim_trace_errors_full_text_after_blank_lines)                       \

@@ -112,6 +112,45 @@ TEST(sim_duplex_slows_both_directions_exactly) {
   return 0;
 }
 
+/* A wait that completes on a stream later in the backend's list lets an
+ * earlier stream go at that instant: A copies (0..100 us), B waits for it,
+ * A then waits for B and copies again: 100..200 us. (The link used to skip
+ * ahead to the next look before noticing A could go: 150..250.) */
+TEST(sim_wait_on_a_later_stream_starts_at_once) {
+  ferry_backend *b = make_sim(1e9, 0.0, 1.0); /* 1000 bytes per us */
+  CHECK(b);
+  const ferry_backend_ops *o = b->ops;
+  bk_stream a, s2;
+  bk_event *ea, *eb, *done;
+  CHECK_OK(o->stream_create(b, &a));
+  CHECK_OK(o->stream_create(b, &s2));
+  CHECK_OK(o->event_create(b, &ea));
+  CHECK_OK(o->event_create(b, &eb));
+  CHECK_OK(o->event_create(b, &done));
+  CHECK_OK(o->copy_d2h(b, fake_host, fake_dev, 100000, a));
+  CHECK_OK(o->event_record(b, ea, a));
+  CHECK_OK(o->stream_wait_event(b, s2, ea));
+  CHECK_OK(o->event_record(b, eb, s2));
+  CHECK_OK(o->stream_wait_event(b, a, eb));
+  CHECK_OK(o->copy_d2h(b, fake_host, fake_dev, 100000, a));
+  CHECK_OK(o->event_record(b, done, a));
+  sim_backend_advance(b, 150.0);
+  CHECK_EQ(o->event_query(b, eb), 1);
+  CHECK_EQ(o->event_query(b, done), 0);
+  sim_backend_advance(b, 50.0);
+  CHECK_EQ(o->event_query(b, done), 1);
+  sim_backend_stats st;
+  sim_backend_get_stats(b, &st);
+  CHECK_NEAR(st.busy_us[0], 200.0, 1e-6);
+  o->event_destroy(b, ea);
+  o->event_destroy(b, eb);
+  o->event_destroy(b, done);
+  o->stream_destroy(b, s2);
+  o->stream_destroy(b, a);
+  o->destroy(b);
+  return 0;
+}
+
 TEST(sim_stream_waits_for_compute_event) {
   ferry_backend *b = make_sim(1e9, 0.0, 1.0);
   CHECK(b);

@@ -104,9 +104,9 @@ static double copy_time_left(const sim_backend *sb, const sim_stream *s, int d) 
   return t;
 }
 
-/* Start what can start at link time on idle streams. Returns whether
- * anything changed. */
-static int start_ready(sim_backend *sb) {
+/* One pass over the streams for start_ready: whether anything started or
+ * completed. */
+static int start_ready_pass(sim_backend *sb) {
   int changed = 0;
   for (sim_stream *s = sb->streams; s; s = s->next) {
     while (!s->active && s->count) {
@@ -131,6 +131,15 @@ static int start_ready(sim_backend *sb) {
       changed = 1;
     }
   }
+  return changed;
+}
+
+/* Start what can start at link time on idle streams, until nothing more
+ * can: a wait that completes on a stream later in the list may let an
+ * earlier one go. Returns whether anything changed. */
+static int start_ready(sim_backend *sb) {
+  int changed = 0;
+  while (start_ready_pass(sb)) changed = 1;
   return changed;
 }
 
