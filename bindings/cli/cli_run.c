@@ -52,6 +52,10 @@ static void usage(FILE *to) {
           "options (each sets an environment variable read by the Python binding):\n"
           "  -p, --policy FILE     Lua policy file                    FERRY_POLICY\n"
           "  -t, --trace FILE      write a JSONL trace to FILE        FERRY_TRACE\n"
+          "      --chrome-trace FILE  write a Chrome trace (Perfetto) FERRY_CHROME_TRACE\n"
+          "      --trace-out FILE  of the run to FILE: copies with\n"
+          "                        their real times, counters; %%p in FILE\n"
+          "                        is the process id (one file per rank)\n"
           "  -c, --cap BYTES|PCT%%  pinned host memory cap, e.g. 16G,  FERRY_HOST_CAP\n"
           "                        1073741824 or 40%% of MemTotal\n"
           "  -b, --backend NAME    host, cuda or auto                 FERRY_BACKEND\n"
@@ -292,17 +296,18 @@ static int check_policy(const char *path, char *out, size_t outlen) {
   return absolute_path("--policy", real, out, outlen);
 }
 
-static int check_trace(const char *path, char *out, size_t outlen) {
+static int check_trace(const char *opt, const char *path, char *out, size_t outlen) {
   size_t len = strlen(path);
-  if (!len || path[len - 1] == '/') return fail("--trace '%s': names a directory, not a file", path);
-  int rc = absolute_path("--trace", path, out, outlen);
+  if (!len || path[len - 1] == '/')
+    return fail("%s '%s': names a directory, not a file", opt, path);
+  int rc = absolute_path(opt, path, out, outlen);
   if (rc) return rc;
   char dir[PATH_MAX];
   snprintf(dir, sizeof dir, "%s", out);
   char *slash = strrchr(dir, '/');
   slash[slash == dir] = '\0'; /* "/a/b" -> "/a", "/b" -> "/" */
   if (access(dir, W_OK) != 0)
-    return fail("--trace %s: cannot write in %s: %s", path, dir, strerror(errno));
+    return fail("%s %s: cannot write in %s: %s", opt, path, dir, strerror(errno));
   return 0;
 }
 
@@ -350,12 +355,14 @@ static void print_quoted(const char *arg) {
 int ferry_cli_run(int argc, char **argv) {
   static const struct option opts[] = {{"policy", required_argument, 0, 'p'},
                                        {"trace", required_argument, 0, 't'},
+                                       {"chrome-trace", required_argument, 0, 'T'},
+                                       {"trace-out", required_argument, 0, 'T'},
                                        {"cap", required_argument, 0, 'c'},
                                        {"backend", required_argument, 0, 'b'},
                                        {"dry-run", no_argument, 0, 'n'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
-  const char *policy = NULL, *trace = NULL, *cap = NULL, *backend = NULL;
+  const char *policy = NULL, *trace = NULL, *chrome = NULL, *cap = NULL, *backend = NULL;
   int dry_run = 0, c;
   opterr = 0; /* our own messages name "ferry run" */
   optind = 1;
@@ -365,6 +372,7 @@ int ferry_cli_run(int argc, char **argv) {
     switch (c) {
     case 'p': policy = optarg; break;
     case 't': trace = optarg; break;
+    case 'T': chrome = optarg; break;
     case 'c': cap = optarg; break;
     case 'b': backend = optarg; break;
     case 'n': dry_run = 1; break;
@@ -382,12 +390,15 @@ int ferry_cli_run(int argc, char **argv) {
   char **cmd = argv + optind;
 
   /* Check every value before touching the environment. */
-  char policy_abs[PATH_MAX], trace_abs[PATH_MAX], cap_value[64], jemalloc[PATH_MAX];
+  char policy_abs[PATH_MAX], trace_abs[PATH_MAX], chrome_abs[PATH_MAX], cap_value[64],
+      jemalloc[PATH_MAX];
   int rc;
   if (backend && strcmp(backend, "host") && strcmp(backend, "cuda") && strcmp(backend, "auto"))
     return fail("--backend '%s': expected host, cuda or auto", backend);
   if (policy && (rc = check_policy(policy, policy_abs, sizeof policy_abs))) return rc;
-  if (trace && (rc = check_trace(trace, trace_abs, sizeof trace_abs))) return rc;
+  if (trace && (rc = check_trace("--trace", trace, trace_abs, sizeof trace_abs))) return rc;
+  if (chrome && (rc = check_trace("--chrome-trace", chrome, chrome_abs, sizeof chrome_abs)))
+    return rc;
   if (cap && (rc = parse_cap(cap, cap_value, sizeof cap_value))) return rc;
   if ((rc = find_jemalloc(jemalloc, sizeof jemalloc))) return rc;
   char *preload = NULL;
@@ -401,6 +412,7 @@ int ferry_cli_run(int argc, char **argv) {
              {"FERRY_JEMALLOC_PRELOADED", jemalloc},
              {"FERRY_POLICY", policy ? policy_abs : NULL},
              {"FERRY_TRACE", trace ? trace_abs : NULL},
+             {"FERRY_CHROME_TRACE", chrome ? chrome_abs : NULL},
              {"FERRY_HOST_CAP", cap ? cap_value : NULL},
              {"FERRY_BACKEND", backend}};
   for (size_t i = 0; i < sizeof env / sizeof env[0]; i++) {

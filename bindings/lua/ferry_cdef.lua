@@ -111,6 +111,7 @@ int32_t release_when_copied;
 int32_t prefetch_at_backward_begin;
 uint32_t knobs_fixed;
 uint32_t reserved2;
+const char *chrome_trace_path;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {

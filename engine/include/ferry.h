@@ -302,6 +302,11 @@ typedef struct ferry_config {
    * file's knob); ferry_get_knobs reports the conflicts in `overruled` */
   uint32_t knobs_fixed;
   uint32_t reserved2;
+  /* Chrome trace (Perfetto) of the run: a lane per calling thread and per
+   * copy stream, copies with their observed times, offload -> reload arrows,
+   * device/pinned/stash counters (docs/pytorch.md#perfetto-traces); NULL =
+   * none. Valid JSON after every step end. */
+  const char *chrome_trace_path;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \

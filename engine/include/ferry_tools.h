@@ -191,6 +191,15 @@ enum {
   BK_HOST_MEMORY_OPAQUE = 1u << 0,
 };
 
+/* Told of each copy a backend ran on one of its streams: dir 0 = D2H, 1 =
+ * H2D; when it started and ended, in µs of CLOCK_MONOTONIC (the clock of the
+ * engine's other timestamps); its bytes and its device and host addresses.
+ * Called on the thread that ran the copy (the host backend's stream worker)
+ * while other threads may hold the engine lock: it must not call into the
+ * engine or the backend. */
+typedef void (*bk_copy_listener)(void *ud, int dir, double start_us, double end_us,
+                                 uint64_t bytes, const void *dev, const void *host);
+
 typedef struct ferry_backend_ops {
   const char *name;
   unsigned flags;
@@ -227,6 +236,11 @@ typedef struct ferry_backend_ops {
    * issue (a copy enqueued, its event not recorded) is drained before its
    * buffers go back. */
   int (*stream_synchronize)(ferry_backend *b, bk_stream s);
+  /* Optional (NULL: the backend cannot time its copies): from now on, fn
+   * (NULL: none) is told of every copy that completes. Set it while no copy
+   * is in flight; with none set, copies pay nothing for it. The engine sets
+   * it when it records a Chrome trace (ferry_config.chrome_trace_path). */
+  int (*set_copy_listener)(ferry_backend *b, bk_copy_listener fn, void *ud);
 } ferry_backend_ops;
 
 struct ferry_backend {

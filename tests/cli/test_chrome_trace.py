@@ -1,11 +1,28 @@
 #!/usr/bin/env python3
-"""The Perfetto/Chrome trace of `ferry sim --chrome-trace` against its
-schema: known phases; every slice on a declared lane with a known name;
-copies named by module path with bytes, tensor and (inside a layer) layer; every flow arrow
-with exactly one start on an offload and one end on the reload of the same
-tensor, not before it; counters never negative; backward before step end.
+"""The Perfetto/Chrome traces ferry writes, against one schema:
 
-Usage: test_chrome_trace.py FERRY_BINARY"""
+- `ferry sim --chrome-trace` (the simulator's runs);
+- a real run: `ferry run --chrome-trace FILE` (alias --trace-out) over
+  examples/train_gpt.py, and (tests/python/test_chrome_trace_run.py)
+  ferry.torch.offload(..., chrome_trace=FILE) from pytest.
+
+Checked everywhere: known phases; every slice on a declared lane with a
+known name; copies named by module path with bytes, tensor (and layer
+inside a layer); every flow arrow with exactly one start on an offload and
+one end on the reload of the same tensor, not before the offload ended;
+counters never negative; backward before step end. Real runs also: a lane
+per calling thread and one per copy stream, copies of one stream never
+overlapping (a stream runs its copies in order), copy args tensor, bytes,
+module, decision and reload mode, every unpack's tensor packed before, the
+device/pinned/stash counters present, step begin < backward < step end per
+step.
+
+Usage: test_chrome_trace.py FERRY_BINARY          (the simulator's trace)
+       test_chrome_trace.py FERRY_BINARY --run    (ferry run --chrome-trace;
+                                                    exit 77 when the build's
+                                                    Python package or torch
+                                                    cannot be imported)
+       test_chrome_trace.py --check FILE [--real] (check a trace file)"""
 import collections
 import json
 import os
@@ -14,11 +31,17 @@ import subprocess
 import sys
 import tempfile
 
-FERRY = sys.argv[1]
-LANES = {"compute", "D2H copies", "H2D copies"}
+SIM_LANES = {"compute", "D2H copies", "H2D copies"}
+COPY_LANES = {"D2H copies", "H2D copies"}
+THREAD_LANE = re.compile(r"compute thread \d+( \(.*\))?")
+ENGINE_CALLS = {"pack", "unpack", "discard", "step end"}
+REAL_COUNTERS = {"device bytes held (saved tensors)", "pinned host bytes in use",
+                 "forward stash depth"}
+EPS = 0.002  # µs: timestamps are rounded to the ns
 
 
-def check(events):
+def check(events, real=False):
+    """Problems found (strings) and the number of offload -> reload arrows."""
     problems = []
     lanes = {}  # (pid, tid) -> lane name
     for e in events:
@@ -26,30 +49,68 @@ def check(events):
             problems.append(f"unknown phase {e}")
         if e["ph"] == "M" and e["name"] == "thread_name":
             lanes[(e["pid"], e["tid"])] = e["args"]["name"]
-    if set(lanes.values()) != LANES:
-        problems.append(f"lanes {sorted(set(lanes.values()))}")
+    names = set(lanes.values())
+    if not real and names != SIM_LANES:
+        problems.append(f"lanes {sorted(names)}")
+    if real and (not COPY_LANES <= names or not any(THREAD_LANE.fullmatch(n) for n in names)
+                 or any(n not in COPY_LANES and not THREAD_LANE.fullmatch(n) for n in names)):
+        problems.append(f"lanes {sorted(names)}: want D2H copies, H2D copies and compute threads")
     slices_at = {}  # (pid, tid, ts) -> slice
-    for e in events:
-        if e["ph"] != "X":
-            continue
-        lane = lanes.get((e["pid"], e["tid"]))
+    packed = set()
+    by_lane = collections.defaultdict(list)
+    for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"]):
+        lane = lanes.get((e["pid"], e.get("tid")))
         if lane is None:
             problems.append(f"slice on an undeclared lane: {e}")
             continue
         if e["ts"] < 0 or e["dur"] < 0:
             problems.append(f"negative time: {e}")
         slices_at[(e["pid"], e["tid"], e["ts"])] = e
+        by_lane[(e["pid"], e["tid"])].append(e)
+        a = e.get("args", {})
         if lane == "compute":
             if not re.fullmatch(r"layer \d+|outside layers", e["name"]):
                 problems.append(f"compute slice name {e['name']!r}")
+        elif real and lane not in COPY_LANES:  # a calling thread's lane
+            if e["cat"] == "wait":
+                if not e["name"].startswith("wait for "):
+                    problems.append(f"wait slice name {e['name']!r}")
+            elif e["cat"] != "engine" or e["name"] not in ENGINE_CALLS:
+                problems.append(f"thread slice {e['name']!r} ({e.get('cat')})")
+            elif e["name"] != "step end" and ("tensor" not in a or a.get("bytes", 0) <= 0
+                                              or a.get("decision") not in ("keep", "offload")):
+                problems.append(f"{e['name']} without its tensor: {e}")
+            elif e["name"] == "pack":
+                packed.add((e["pid"], a["tensor"]))
+            elif e["name"] == "unpack" and (e["pid"], a["tensor"]) not in packed:
+                problems.append(f"unpack of tensor {a['tensor']} before its pack: {e}")
+        elif real and e["cat"] == "other":  # a resident buffer's or checkpoint's copy
+            if e["name"] != "other copy":
+                problems.append(f"other copy named {e['name']!r}")
         else:
-            a = e["args"]
-            # named by the tensor's module path ("layer" only inside a layer)
-            if a.get("bytes", 0) <= 0 or "tensor" not in a or e["name"] in ("offload", "reload") \
-                    or ("layer" in a) != e["name"].startswith("model.layers."):
-                problems.append(f"copy without its tensor: {e}")
             if e["cat"] != ("offload" if lane == "D2H copies" else "reload"):
                 problems.append(f"copy category: {e}")
+            if a.get("bytes", 0) <= 0 or "tensor" not in a:
+                problems.append(f"copy without its tensor: {e}")
+            elif not real:
+                # named by the tensor's module path ("layer" only inside a layer)
+                if e["name"] in ("offload", "reload") or \
+                        ("layer" in a) != e["name"].startswith("model.layers."):
+                    problems.append(f"copy without its tensor: {e}")
+            else:
+                module = a.get("module")
+                if e["name"] != (module or e["cat"]) or a.get("decision") != "offload" or \
+                        ("layer" in a and str(a["layer"]) not in (module or "").split(".")) or \
+                        (e["cat"] == "reload" and a.get("reload") not in ("prefetch", "on use")) \
+                        or a.get("queued_us", -1) < 0:
+                    problems.append(f"copy args: {e}")
+    if real:  # a stream runs its copies one after the other
+        for (pid, tid), sl in by_lane.items():
+            if lanes[(pid, tid)] not in COPY_LANES:
+                continue
+            for prev, cur in zip(sl, sl[1:]):
+                if cur["ts"] + EPS < prev["ts"] + prev["dur"]:
+                    problems.append(f"{lanes[(pid, tid)]}: copies overlap: {prev} {cur}")
     flows = collections.defaultdict(list)
     for e in events:
         if e["ph"] in "sf":
@@ -63,35 +124,114 @@ def check(events):
         off = slices_at.get((s["pid"], s["tid"], s["ts"]))
         rel = slices_at.get((f["pid"], f["tid"], f["ts"]))
         if not off or not rel or off["cat"] != "offload" or rel["cat"] != "reload" or \
-                off["args"]["tensor"] != rel["args"]["tensor"] or f["ts"] < s["ts"] + off["dur"]:
+                off["args"]["tensor"] != rel["args"]["tensor"] or \
+                f["ts"] + (EPS if real else 0) < s["ts"] + off["dur"]:
             problems.append(f"flow {fid} does not join an offload to its reload: {s} {f}")
+    counters = set()
     for e in events:
-        if e["ph"] == "C" and any(v < 0 for v in e["args"].values()):
-            problems.append(f"negative counter {e}")
-    marks = {(e["pid"], e["name"]): e["ts"] for e in events if e["ph"] == "i"}
-    for (pid, name), ts in marks.items():
-        if name == "backward" and not ts < marks.get((pid, "step end"), -1):
-            problems.append(f"pid {pid}: backward at {ts}, not before the step's end")
+        if e["ph"] == "C":
+            counters.add(e["name"])
+            if any(v < 0 for v in e["args"].values()):
+                problems.append(f"negative counter {e}")
+    if real and not REAL_COUNTERS <= counters:
+        problems.append(f"counters {sorted(counters)}: want {sorted(REAL_COUNTERS)}")
+    # instants: per process (the simulator: one step per process) or per step
+    marks = collections.defaultdict(dict)
+    for e in events:
+        if e["ph"] == "i":
+            marks[(e["pid"], e.get("args", {}).get("step"))][e["name"]] = e["ts"]
+    for (pid, step), m in marks.items():
+        order = [n for n in ("step begin", "backward", "step end") if n in m]
+        if real and "step end" in m and "step begin" not in m:
+            problems.append(f"pid {pid} step {step}: ends without a begin")
+        if "backward" in m and "step end" not in m and not real:
+            problems.append(f"pid {pid}: backward without a step end")
+        if any(m[a] > m[b] for a, b in zip(order, order[1:])) or \
+                ("backward" in m and "step end" in m and not m["backward"] < m["step end"]):
+            problems.append(f"pid {pid} step {step}: marks out of order {m}")
     return problems, len(flows)
 
 
+def report(problems, events, nflows, what):
+    for p in problems[:20]:
+        print("FAIL", p)
+    if problems:
+        sys.exit(f"{what}: {len(problems)} problem(s) in {len(events)} events")
+    print(f"ok   {what}: {len(events)} events, {nflows} offload -> reload arrows, schema holds")
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def sim_trace(ferry, d):
+    trace, out = os.path.join(d, "t.jsonl"), os.path.join(d, "run.json")
+    subprocess.run([ferry, "trace", "synth", "--preset", "tiny", "-o", trace], check=True,
+                   capture_output=True)
+    subprocess.run([ferry, "sim", "--trace", trace, "--policy", "default,budget,layers",
+                    "--no-layers", "--chrome-trace", out], check=True, capture_output=True)
+    events = load(out)
+    problems, nflows = check(events)
+    if nflows == 0:
+        problems.append("no flow arrows: the policies offload on this trace")
+    report(problems, events, nflows, "ferry sim --chrome-trace")
+
+
+def run_trace(ferry, d):
+    """ferry run --trace-out over examples/train_gpt.py (2 steps, host backend)."""
+    build = os.path.dirname(os.path.dirname(os.path.abspath(ferry)))  # <build>/bin/ferry
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
+    if os.environ.get("FERRY_TEST_SANITIZED") == "1":
+        print("SKIP: a sanitizer build's extension cannot be loaded into Python")
+        sys.exit(77)
+    # an interpreter with torch for which the build made the extension
+    venv = os.environ.get("FERRY_VENV") or os.path.expanduser("~/.cache/ferry/venv-torch2")
+    python, why = None, []
+    for cand in (sys.executable, "/usr/bin/python3", os.path.join(venv, "bin", "python")):
+        if not os.access(cand, os.X_OK):
+            continue
+        probe = subprocess.run([cand, "-c", "import torch, ferry.torch"], env=env,
+                               capture_output=True, text=True)
+        if probe.returncode == 0:
+            python = cand
+            break
+        why.append(f"{cand}: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
+    if not python:
+        print("SKIP: no interpreter here imports torch and the build's ferry package:", why)
+        sys.exit(77)
+    out = os.path.join(d, "run-%p.json")
+    r = subprocess.run([ferry, "run", "--trace-out", out, "--backend", "host", "--",
+                        python, os.path.join(repo, "examples", "train_gpt.py"),
+                        "--steps", "2", "--policy", "default"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        sys.exit(f"ferry run failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    files = [f for f in os.listdir(d) if f.startswith("run-") and f.endswith(".json")]
+    if len(files) != 1 or not re.fullmatch(r"run-\d+\.json", files[0]):
+        sys.exit(f"want one run-PID.json (%p is the process id), found {files}")
+    events = load(os.path.join(d, files[0]))
+    problems, nflows = check(events, real=True)
+    steps = {e["args"]["step"] for e in events if e["ph"] == "i" and e["name"] == "step end"}
+    if steps != {1, 2}:
+        problems.append(f"step ends {sorted(steps)}: want 1 and 2")
+    if nflows == 0:
+        problems.append("no flow arrows: default.lua offloads train_gpt.py's activations")
+    report(problems, events, nflows, "ferry run --trace-out")
+
+
 def main():
+    if sys.argv[1] == "--check":
+        events = load(sys.argv[2])
+        problems, nflows = check(events, real="--real" in sys.argv)
+        report(problems, events, nflows, sys.argv[2])
+        return
     with tempfile.TemporaryDirectory() as d:
-        trace, out = os.path.join(d, "t.jsonl"), os.path.join(d, "run.json")
-        subprocess.run([FERRY, "trace", "synth", "--preset", "tiny", "-o", trace], check=True,
-                       capture_output=True)
-        subprocess.run([FERRY, "sim", "--trace", trace, "--policy", "default,budget,layers",
-                        "--no-layers", "--chrome-trace", out], check=True, capture_output=True)
-        with open(out) as f:
-            events = json.load(f)["traceEvents"]
-        problems, nflows = check(events)
-        if nflows == 0:
-            problems.append("no flow arrows: the policies offload on this trace")
-        for p in problems[:20]:
-            print("FAIL", p)
-        if problems:
-            sys.exit(f"{len(problems)} problem(s) in {len(events)} events")
-        print(f"ok   {len(events)} events, {nflows} offload -> reload arrows, schema holds")
+        if "--run" in sys.argv[2:]:
+            run_trace(sys.argv[1], d)
+        else:
+            sim_trace(sys.argv[1], d)
 
 
 if __name__ == "__main__":

@@ -161,9 +161,9 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                            "host_cap_bytes", "host_cap_pct", "min_offload_bytes",
                            "max_fwd_stash", "prefetch_distance", "link", "arena",
                            "device", "policy_trusted", "node_cap", "fast_keep",
-                           "max_fwd_stash_bytes", "knobs_fixed", NULL};
+                           "max_fwd_stash_bytes", "knobs_fixed", "chrome_trace_path", NULL};
   const char *backend = "host", *policy_path = NULL, *policy_source = NULL, *trace_path = NULL,
-             *arena = "auto";
+             *arena = "auto", *chrome_trace_path = NULL;
   unsigned long long cap_bytes = 0, min_bytes = 1024, stash_bytes = 0;
   unsigned int knobs_fixed = 0;
   double cap_pct = 0;
@@ -174,10 +174,11 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOpKI", kwlist, &backend,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOpKIz", kwlist, &backend,
                                    &policy_path, &policy_source, &trace_path, &cap_bytes, &cap_pct,
                                    &min_bytes, &max_stash, &prefetch, &link, &arena, &device,
-                                   &trusted, &node_cap, &fast_keep, &stash_bytes, &knobs_fixed))
+                                   &trusted, &node_cap, &fast_keep, &stash_bytes, &knobs_fixed,
+                                   &chrome_trace_path))
     return -1;
   ferry_config cfg;
   ferry_config_init(&cfg);
@@ -198,6 +199,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.policy_source = policy_source;
   cfg.policy_trusted = trusted;
   cfg.trace_path = trace_path;
+  cfg.chrome_trace_path = chrome_trace_path;
   if (config_node_cap(self, &cfg, node_cap)) return -1;
   self->backend = cfg.backend;
   self->device_index = device < 0 ? 0 : device;

@@ -4,6 +4,7 @@ One engine per configuration (backend, caps, knobs, node cap), kept and
 reused across steps; `current` is the session of the offload context entered
 last. Below ferry.torch and ferry.checkpoint, which both import it.
 """
+import atexit
 import os
 import warnings
 import weakref
@@ -28,6 +29,16 @@ def fixed_knobs(knobs):
 
 sessions = {}  # configuration key -> Session
 current = None  # Session of the offload context entered last
+
+
+@atexit.register
+def _finish_chrome_traces():
+    """At exit, close the engines that write a Chrome trace, so the events
+    after the last step end reach the file (it is valid JSON at every step
+    end already). Their saved tensors are of no use any more."""
+    for s in list(sessions.values()):
+        if s.cfg.get("chrome_trace_path") and not s.engine.closed:
+            s.engine.close()
 
 
 # ---- configuration --------------------------------------------------------

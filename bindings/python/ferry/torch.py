@@ -20,7 +20,8 @@ across steps; the policy can change between steps (hot swap). Each entry
 of the context starts a step (steps="auto"), ending the previous one.
 
 Defaults come from the environment `ferry run` sets: FERRY_POLICY,
-FERRY_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments win).
+FERRY_TRACE, FERRY_CHROME_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments
+win).
 """
 from __future__ import annotations
 
@@ -201,8 +202,8 @@ class offload:
     """Context manager offloading what `model` saves for backward.
 
     offload(model, policy=None, backend=None, *, record_trace=None,
-            host_cap=None, node_host_cap=None, node_cap_name=None,
-            steps="auto", **knobs)
+            chrome_trace=None, host_cap=None, node_host_cap=None,
+            node_cap_name=None, steps="auto", **knobs)
 
     policy: a shipped policy name ("default", "layers", "fraction", "ramcap",
         "budget") or a path to a Lua file; default $FERRY_POLICY or "default".
@@ -212,6 +213,12 @@ class offload:
     record_trace: write the engine's JSONL trace there (docs/trace-format.md);
         default $FERRY_TRACE. While tracing, every saved tensor reaches the
         engine (the small-tensor fast path is off) so the trace is complete.
+    chrome_trace: write a Chrome trace (Perfetto, chrome://tracing) of the
+        run there: a lane per calling thread and per copy stream, each copy
+        with its observed start and end, offload -> reload arrows, counters
+        (docs/pytorch.md#perfetto-traces); default $FERRY_CHROME_TRACE. Valid
+        JSON after every step end; complete once the engine is closed
+        (ferry.torch.close(), or at exit).
     host_cap: pinned host memory cap, bytes or "16G"/"40%"; default
         $FERRY_HOST_CAP.
     node_host_cap: a cap shared by the processes of this node (DDP local
@@ -225,7 +232,8 @@ class offload:
 
     def __init__(self, model: Optional[torch.nn.Module] = None,
                  policy: Optional[PolicyLike] = None, backend: Optional[str] = None, *,
-                 record_trace: Optional[str] = None, host_cap: Optional[Union[int, str]] = None,
+                 record_trace: Optional[str] = None, chrome_trace: Optional[str] = None,
+                 host_cap: Optional[Union[int, str]] = None,
                  node_host_cap: Optional[Union[int, str]] = None,
                  node_cap_name: Optional[str] = None, steps: Union[str, bool] = "auto",
                  **knobs: Any) -> None:
@@ -252,6 +260,8 @@ class offload:
         backend, device = _resolve_backend(backend, model)
         if record_trace is None:
             record_trace = os.environ.get("FERRY_TRACE") or None
+        if chrome_trace is None:
+            chrome_trace = os.environ.get("FERRY_CHROME_TRACE") or None
         cap_bytes, cap_pct = _parse_cap(host_cap if host_cap is not None
                                         else os.environ.get("FERRY_HOST_CAP") or None, "host_cap")
         cfg = dict(_sessmod.parse_knobs(knobs), backend=backend, device=device,
@@ -260,6 +270,8 @@ class offload:
             cfg["knobs_fixed"] = _sessmod.fixed_knobs(knobs)
         if record_trace:
             cfg["trace_path"] = os.path.abspath(os.fspath(record_trace))
+        if chrome_trace:
+            cfg["chrome_trace_path"] = os.path.abspath(os.fspath(chrome_trace))
         if "link" in cfg and cfg["link"] is not None:
             cfg["link"] = tuple(float(x) for x in cfg["link"])
         node_spec = None

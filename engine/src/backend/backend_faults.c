@@ -121,6 +121,13 @@ static int faulty_stream_wait_event(ferry_backend *b, bk_stream s, bk_event *ev)
   return pass(f, f->inner->ops->stream_wait_event(f->inner, s, ev));
 }
 
+/* Copies are the inner backend's, so is their timing (never failed; only set
+ * when the inner backend has it). */
+static int faulty_set_copy_listener(ferry_backend *b, bk_copy_listener fn, void *ud) {
+  faulty *f = as_faulty(b);
+  return pass(f, f->inner->ops->set_copy_listener(f->inner, fn, ud));
+}
+
 static const ferry_backend_ops faulty_ops = {
     .name = "faults",
     .destroy = faulty_destroy,
@@ -137,6 +144,7 @@ static const ferry_backend_ops faulty_ops = {
     .event_synchronize = faulty_event_synchronize,
     .stream_wait_event = faulty_stream_wait_event,
     .stream_synchronize = faulty_stream_synchronize,
+    .set_copy_listener = faulty_set_copy_listener,
 };
 
 /* "seed=N,copy=P,event=P,alloc=P" (any subset; probabilities in [0, 1]). */
@@ -177,6 +185,7 @@ int ferry_backend_faults_wrap(ferry_backend *inner, const char *spec, ferry_back
   if (!f) return ferry_errbuf(err, errlen, FERRY_ENOMEM, "out of memory");
   f->ops = faulty_ops;
   f->ops.flags = inner->ops->flags;
+  if (!inner->ops->set_copy_listener) f->ops.set_copy_listener = NULL;
   f->base.ops = &f->ops;
   f->inner = inner;
   f->rng = 0x9E3779B97F4A7C15ull;

@@ -112,6 +112,9 @@ struct host_backend {
   link_state link;
   _Atomic uint64_t pinned_allocs;
   _Atomic uint64_t pinned_bytes;
+  /* told of each copy (set_copy_listener): ud is stored before fn */
+  _Atomic(bk_copy_listener) listener;
+  void *_Atomic listener_ud;
 };
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -289,18 +292,25 @@ static void run_op(host_stream *s, const stream_op *op) {
     case OP_COPY_D2H:
     case OP_COPY_H2D: {
       copy_dir d = op->kind == OP_COPY_D2H ? DIR_D2H : DIR_H2D;
+      bk_copy_listener tell =
+          atomic_load_explicit(&s->backend->listener, memory_order_acquire);
+      double t0 = tell ? util_now_us() : 0;
       /* (A 0-byte copy may carry NULL pointers, which memcpy must not get.) */
       if (!l->throttled) {
         if (op->bytes) memcpy(op->dst, op->src, op->bytes);
-        break;
+      } else {
+        /* An emulated link lands the bytes when the modeled transfer ends,
+         * as a device copy is only complete at its event: a reader that
+         * does not wait for it sees the old bytes, as it would on a GPU. */
+        link_copy c;
+        link_join(l, &c, op->bytes, d);
+        link_finish(l, &c);
+        if (op->bytes) memcpy(op->dst, op->src, op->bytes);
       }
-      /* An emulated link lands the bytes when the modeled transfer ends, as
-       * a device copy is only complete at its event: a reader that does
-       * not wait for it sees the old bytes, as it would on a GPU. */
-      link_copy c;
-      link_join(l, &c, op->bytes, d);
-      link_finish(l, &c);
-      if (op->bytes) memcpy(op->dst, op->src, op->bytes);
+      if (tell)
+        tell(atomic_load_explicit(&s->backend->listener_ud, memory_order_relaxed), (int)d, t0,
+             util_now_us(), op->bytes, d == DIR_D2H ? op->src : op->dst,
+             d == DIR_D2H ? op->dst : op->src);
       break;
     }
     case OP_WAIT:
@@ -684,6 +694,13 @@ static int stream_wait_event(ferry_backend *b, bk_stream h, bk_event *ev) {
   return enqueue(hb, s, &op, "stream_wait_event");
 }
 
+static int set_copy_listener(ferry_backend *b, bk_copy_listener fn, void *ud) {
+  host_backend *hb = as_host(b);
+  atomic_store_explicit(&hb->listener_ud, ud, memory_order_relaxed);
+  atomic_store_explicit(&hb->listener, fn, memory_order_release);
+  return FERRY_OK;
+}
+
 static void host_destroy(ferry_backend *b) {
   host_backend *hb = as_host(b);
   if (!hb) return;
@@ -724,6 +741,7 @@ static const ferry_backend_ops host_ops = {
     .event_synchronize = event_synchronize,
     .stream_synchronize = stream_synchronize,
     .stream_wait_event = stream_wait_event,
+    .set_copy_listener = set_copy_listener,
 };
 
 static bool bad_rate(double v) { return !isfinite(v) || v < 0; }
@@ -781,6 +799,8 @@ int ferry_backend_host_create(const ferry_config *cfg, ferry_backend **out,
   l->last_update_s = now_s();
   atomic_init(&hb->pinned_allocs, 0);
   atomic_init(&hb->pinned_bytes, 0);
+  atomic_init(&hb->listener, NULL);
+  atomic_init(&hb->listener_ud, NULL);
   *out = &hb->base;
   return FERRY_OK;
 }

@@ -132,7 +132,7 @@ static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
     return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.knobs_fixed 0x%x has bits that are no FERRY_KNOB_*", out->knobs_fixed);
   /* Strings are not retained past creation. */
-  out->policy_path = out->policy_source = out->trace_path = NULL;
+  out->policy_path = out->policy_source = out->trace_path = out->chrome_trace_path = NULL;
   return FERRY_OK;
 }
 
@@ -266,6 +266,12 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     ferry_errbuf(errbuf, errlen, rc, "%s", e->last_error);
     goto fail;
   }
+  /* (a caller built against an older header has no such field) */
+  if (cfg->struct_size >= offsetof(ferry_config, chrome_trace_path) + sizeof(const char *) &&
+      cfg->chrome_trace_path && (rc = ctrace_open(e, cfg->chrome_trace_path))) {
+    ferry_errbuf(errbuf, errlen, rc, "%s", e->last_error);
+    goto fail;
+  }
   if (registry_add(e)) {
     rc = ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "too many live engines (max %d)", MAX_ENGINES);
     goto fail;
@@ -297,6 +303,7 @@ void ferry_engine_destroy(ferry_engine *e) {
     if (e->h2d) e->bk->ops->stream_destroy(e->bk, e->h2d);
     e->bk->ops->destroy(e->bk);
   }
+  ctrace_close(e); /* the copy threads are gone: no copy listener call can come */
   free(e->event_pool);
   intern_clear(&e->interned);
   pthread_cond_destroy(&e->reload_done);

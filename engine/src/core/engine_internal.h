@@ -47,7 +47,8 @@ typedef struct stash_entry {
   void *owner;
   void *host;        /* arena buffer */
   bk_event *ev;      /* last copy issued for this entry */
-  uint64_t trace_id; /* pack number in the trace, 0 when not tracing */
+  uint64_t trace_id; /* pack number in the trace(s), 0 when not tracing */
+  const char *module_path; /* interned; set only while recording a Chrome trace */
 } stash_entry;
 
 /* An arena buffer that a copy may still touch: freed once ev completes. */
@@ -124,6 +125,8 @@ struct ferry_engine {
   double trace_t0_us;
   uint64_t trace_seq;
   double trace_flops; /* FLOPs since the last traced event (ferry_trace_flops) */
+  /* Chrome trace of the run (chrome_recorder.c), NULL when not recording */
+  struct ct_recorder *ct;
 
   /* hooks of the rooms above the core (core.h), newest last */
   struct shutdown_hook {
@@ -146,5 +149,40 @@ void trace_close(ferry_engine *e);
 void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int decision,
                 int aliased);
 void trace_event(ferry_engine *e, const char *ev, uint64_t id);
+
+/* chrome_recorder.c: the Chrome trace of a real run. Every call but open and
+ * close needs e->ct (callers test it: nothing is paid without a trace) and
+ * is made with the engine lock held. t0: when the call began (util_now_us). */
+typedef struct ct_recorder ct_recorder;
+/* what a call's slice says of its tensor, taken while its entry exists */
+typedef struct ct_tensor {
+  uint64_t tensor, alias_of, bytes; /* pack numbers (alias_of 0: none) */
+  const char *module;
+  int32_t layer;
+  int decision; /* FERRY_KEEP or FERRY_OFFLOAD */
+} ct_tensor;
+static inline ct_tensor ctrace_tensor(const stash_entry *s, uint64_t tensor) {
+  return (ct_tensor){.tensor = tensor, .bytes = s->bytes, .module = s->module_path,
+                     .layer = s->layer,
+                     .decision = s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD};
+}
+int ctrace_open(ferry_engine *e, const char *path);
+void ctrace_close(ferry_engine *e); /* once the copy streams are gone */
+/* a call's slice on the calling thread's lane (what: "pack", "unpack",
+ * "discard", "step end"), with its tensor (NULL: none) and, for an unpack,
+ * how it was found; then the counters */
+void ctrace_call(ferry_engine *e, const char *what, double t0, const ct_tensor *t,
+                 const char *found);
+/* the host waited (a slice nested in the call's) */
+void ctrace_wait(ferry_engine *e, const char *what, double t0);
+/* an instant ("step begin", "backward", "step end": the file is flushed) */
+void ctrace_mark(ferry_engine *e, const char *what);
+/* a copy of entry s through host buffer host, dir 0 = D2H, 1 = H2D: about
+ * to be issued; its issue failed; seen complete by the engine (backends that
+ * do not time their copies only) */
+void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const void *host,
+                       int prefetch);
+void ctrace_copy_unissue(ferry_engine *e, int dir, const void *host);
+void ctrace_copy_observed(ferry_engine *e, int dir, const void *host);
 
 #endif

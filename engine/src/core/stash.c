@@ -102,8 +102,10 @@ static void pending_drain(ferry_engine *e) {
   while (e->n_pending) {
     uint32_t i = e->n_pending - 1;
     if (e->bk->ops->event_query(e->bk, e->pending[i].ev) != 1) {
+      double t0 = e->ct ? util_now_us() : 0;
       e->stats.waits++;
       e->bk->ops->event_synchronize(e->bk, e->pending[i].ev);
+      if (e->ct) ctrace_wait(e, "wait for copies", t0);
     }
     pending_retire(e, i);
   }
@@ -155,9 +157,12 @@ static int fwd_push(ferry_engine *e, uint32_t idx) {
 static void *stash_release(ferry_engine *e, uint32_t idx) {
   stash_entry *s = &e->entries[idx];
   if (e->bk->ops->event_query(e->bk, s->ev) != 1) {
+    double t0 = e->ct ? util_now_us() : 0;
     e->stats.waits++;
     e->bk->ops->event_synchronize(e->bk, s->ev);
+    if (e->ct) ctrace_wait(e, "wait for offload (stash bound)", t0);
   }
+  if (e->ct) ctrace_copy_observed(e, 0, s->host);
   void *owner = s->owner;
   if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   s->in_alias_map = 0;
@@ -243,6 +248,7 @@ static void step_begin_locked(ferry_engine *e) {
   e->prefetch_lo = e->prefetch_hi = 0;
   if (e->policy) ferry_policy_step_begin(e->policy, &e->ctx);
   trace_event(e, "step_begin", 0);
+  if (e->ct) ctrace_mark(e, "step begin");
 }
 
 int ferry_step_begin(ferry_engine *e) {
@@ -261,6 +267,7 @@ int ferry_step_begin(ferry_engine *e) {
 int ferry_step_end(ferry_engine *e) {
   int rc = engine_check(e);
   if (rc) return rc;
+  double t0 = e->ct ? util_now_us() : 0;
   pthread_mutex_lock(&e->lock);
   if (!e->in_step) {
     rc = engine_fail(e, FERRY_ESTATE, "ferry_step_end: no step in progress");
@@ -269,6 +276,10 @@ int ferry_step_end(ferry_engine *e) {
     e->in_step = 0;
     e->phase = FERRY_PHASE_FORWARD;
     trace_event(e, "step_end", 0);
+    if (e->ct) {
+      ctrace_call(e, "step end", t0, NULL, NULL);
+      ctrace_mark(e, "step end");
+    }
     if (e->stats.live_handles > e->live_at_step_begin) {
       uint64_t n = e->stats.live_handles - e->live_at_step_begin;
       rc = engine_fail(e, FERRY_ELEAK,
@@ -299,6 +310,7 @@ static int set_phase(ferry_engine *e, int phase, const char *ev) {
   e->phase = phase;
   e->ctx.phase = phase;
   trace_event(e, ev, 0);
+  if (e->ct && phase == FERRY_PHASE_BACKWARD) ctrace_mark(e, "backward");
   /* Backward needs the last offloaded tensors first: with the policy's
    * prefetch, their reloads start now rather than at the first unpack. */
   if (phase == FERRY_PHASE_BACKWARD && e->cfg.prefetch_at_backward_begin)
@@ -385,10 +397,14 @@ static void count_layer(ferry_engine *e, int32_t layer) {
 static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
   const ferry_backend_ops *o = e->bk->ops;
   int rc;
-  if ((rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) ||
-      (rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch)) ||
-      (rc = o->copy_d2h(e->bk, s->host, s->dev_ptr, s->bytes, e->d2h)) ||
-      (rc = o->event_record(e->bk, s->ev, e->d2h))) {
+  if (!(rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) &&
+      !(rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch))) {
+    if (e->ct) ctrace_copy_issue(e, 0, s, s->host, 0);
+    rc = o->copy_d2h(e->bk, s->host, s->dev_ptr, s->bytes, e->d2h);
+    if (rc && e->ct) ctrace_copy_unissue(e, 0, s->host);
+    if (!rc) rc = o->event_record(e->bk, s->ev, e->d2h);
+  }
+  if (rc) {
     engine_fail(e, rc, "offload copy failed, tensor kept on device: %s", e->bk->err);
     /* The copy may be enqueued without an event after it: drain the stream
      * before the host buffer goes back. */
@@ -410,6 +426,7 @@ static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t p
   a->primary = pidx;
   a->bytes = desc->bytes;
   a->step = e->step;
+  if (e->trace || e->ct) a->trace_id = ++e->trace_seq;
   e->entries[pidx].refs++;
   e->stats.tensors_packed++;
   e->stats.tensors_aliased++;
@@ -469,6 +486,8 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   s->layer = desc->layer;
   s->step = e->step;
   s->refs = 1;
+  if (e->trace || e->ct) s->trace_id = ++e->trace_seq;
+  if (e->ct && desc->module_path) s->module_path = intern_get(&e->interned, desc->module_path);
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
   if (d.action == FERRY_OFFLOAD) pack_offload(e, idx, &d, compute_stream);
@@ -499,10 +518,19 @@ static void release_over_bound(ferry_engine *e) {
   } while (n == RELEASE_BATCH);
 }
 
+/* A pack's slice in the Chrome trace, once the stash bound's releases are
+ * done (they are part of the call). Takes the lock. */
+static void ctrace_pack_done(ferry_engine *e, double t0, const ct_tensor *t) {
+  pthread_mutex_lock(&e->lock);
+  if (e->ct) ctrace_call(e, "pack", t0, t, NULL);
+  pthread_mutex_unlock(&e->lock);
+}
+
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
                void *compute_stream, ferry_handle *out) {
   int rc = engine_check(e);
   if (rc) return rc;
+  double t0 = e->ct ? util_now_us() : 0;
   pthread_mutex_lock(&e->lock);
   if (!out || !desc || !device_ptr || !owner) {
     rc = engine_fail(e, FERRY_EINVAL, "ferry_pack: %s is NULL",
@@ -519,15 +547,24 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
       e->entries[pidx].bytes == desc->bytes) {
     if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
+    ct_tensor t = {0};
+    if (e->ct) {
+      t = ctrace_tensor(&e->entries[pidx], e->entries[(uint32_t)(*out & HANDLE_INDEX_MASK) - 1].trace_id);
+      t.alias_of = e->entries[pidx].trace_id;
+    }
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
+    if (e->ct) ctrace_pack_done(e, t0, &t);
     return FERRY_OK;
   }
   if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
+  ct_tensor t = {0};
+  if (e->ct) t = ctrace_tensor(s, s->trace_id);
   release_over_bound(e);
+  if (e->ct) ctrace_pack_done(e, t0, &t);
   return FERRY_OK;
 
 oom:
@@ -541,7 +578,7 @@ unlock:
 /* Bring an OFFLOADED entry back to a fresh device buffer, ordered after
  * compute_stream. Called and returns with the lock held; drops it around the
  * allocator callback, so the entries array may move: use indices. */
-static int reload(ferry_engine *e, uint32_t idx, void *compute_stream) {
+static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefetch) {
   stash_entry *s = &e->entries[idx];
   s->state = ENTRY_RELOADING;
   uint64_t bytes = s->bytes;
@@ -565,10 +602,14 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream) {
     }
   } else {
     const ferry_backend_ops *o = e->bk->ops;
-    if ((rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) ||
-        (rc = o->stream_wait_event(e->bk, e->h2d, e->ev_scratch)) ||
-        (rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d)) ||
-        (rc = o->event_record(e->bk, s->ev, e->h2d))) {
+    if (!(rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) &&
+        !(rc = o->stream_wait_event(e->bk, e->h2d, e->ev_scratch))) {
+      if (e->ct) ctrace_copy_issue(e, 1, s, s->host, prefetch);
+      rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d);
+      if (rc && e->ct) ctrace_copy_unissue(e, 1, s->host);
+      if (!rc) rc = o->event_record(e->bk, s->ev, e->h2d);
+    }
+    if (rc) {
       rc = engine_fail(e, rc, "reload copy failed; the handle stays valid: %s", e->bk->err);
       /* A failed issue may have left a copy running into dev, with no event
        * after it: drain the stream before dev goes back. */
@@ -621,7 +662,7 @@ static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uin
     uint32_t j = e->offload_order[q];
     stash_entry *t = &e->entries[j];
     if (t->state != ENTRY_OFFLOADED || t->step != step || t->offload_index != q) continue;
-    if (reload(e, j, compute_stream) == FERRY_OK) e->stats.prefetches++;
+    if (reload(e, j, compute_stream, 1) == FERRY_OK) e->stats.prefetches++;
     if (pos > e->n_offloads) return; /* the step ended meanwhile */
   }
 }
@@ -697,6 +738,8 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
                  void **owner) {
   int rc = engine_check(e);
   if (rc) return rc;
+  double t0 = e->ct ? util_now_us() : 0;
+  const char *found = NULL;
   pthread_mutex_lock(&e->lock);
   if (!device_ptr || !owner) {
     rc = engine_fail(e, FERRY_EINVAL, "ferry_unpack: %s is NULL", !device_ptr ? "device_ptr" : "owner");
@@ -715,6 +758,11 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   stash_entry *s = &e->entries[p];
   uint32_t mark = s->offloads_before;
   uint64_t step = s->step;
+  if (e->ct)
+    found = s->state == ENTRY_KEPT       ? "kept"
+            : s->state == ENTRY_STASHED  ? "stash hit"
+            : s->state == ENTRY_RELOADED ? "prefetched"
+                                         : "reloaded";
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
      * buffer, which the caller is free to overwrite or free once it has it:
@@ -727,7 +775,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
       goto unlock;
     }
   } else if (s->state == ENTRY_OFFLOADED) {
-    if ((rc = reload(e, p, compute_stream))) goto unlock;
+    if ((rc = reload(e, p, compute_stream, 0))) goto unlock;
     if (lookup(e, h) < 0) { /* consumed while the lock was dropped */
       rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was used concurrently",
                        (unsigned long long)h);
@@ -735,20 +783,31 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
     }
     s = &e->entries[p];
   }
-  if (s->state == ENTRY_RELOADED &&
-      (rc = e->bk->ops->stream_wait_event(e->bk, compute_stream, s->ev))) {
-    rc = engine_fail(e, rc, "ferry_unpack: compute stream cannot wait for the reload: %s",
-                     e->bk->err);
-    goto unlock;
+  if (s->state == ENTRY_RELOADED) {
+    /* on the host backend the calling thread is the compute stream: it
+     * waits here for a reload still running (the stall) */
+    double tw = e->ct && e->bk->ops->event_query(e->bk, s->ev) != 1 ? util_now_us() : 0;
+    if ((rc = e->bk->ops->stream_wait_event(e->bk, compute_stream, s->ev))) {
+      rc = engine_fail(e, rc, "ferry_unpack: compute stream cannot wait for the reload: %s",
+                       e->bk->err);
+      goto unlock;
+    }
+    if (e->ct) {
+      if (tw > 0) ctrace_wait(e, "wait for reload", tw);
+      ctrace_copy_observed(e, 1, s->host);
+    }
   }
   *device_ptr = s->dev_ptr;
   uint64_t tid = e->entries[slot].trace_id;
+  ct_tensor t = {0};
+  if (e->ct) t = ctrace_tensor(s, tid);
   retire_slot(e, slot, p);
   void *unused;
   *owner = consume(e, p, 1, &unused);
   e->stats.tensors_unpacked++;
   trace_event(e, "unpack", tid);
   prefetch_next(e, mark, step, compute_stream);
+  if (e->ct) ctrace_call(e, "unpack", t0, &t, found);
 unlock:
   pthread_mutex_unlock(&e->lock);
   return rc;
@@ -761,7 +820,7 @@ int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream) {
   uint32_t slot = 0, p = 0;
   if ((rc = resolve(e, h, "ferry_prefetch", &slot, &p)) == FERRY_OK &&
       e->entries[p].state == ENTRY_OFFLOADED) {
-    rc = reload(e, p, compute_stream);
+    rc = reload(e, p, compute_stream, 1);
     if (rc == FERRY_OK) e->stats.prefetches++;
   }
   pthread_mutex_unlock(&e->lock);
@@ -771,6 +830,7 @@ int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream) {
 int ferry_discard(ferry_engine *e, ferry_handle h) {
   int rc = engine_check(e);
   if (rc) return rc;
+  double t0 = e->ct ? util_now_us() : 0;
   pthread_mutex_lock(&e->lock);
   uint32_t slot = 0, p = 0;
   void *to_release = NULL;
@@ -781,9 +841,12 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
                        (unsigned long long)h);
     } else {
       uint64_t tid = e->entries[slot].trace_id;
+      ct_tensor t = {0};
+      if (e->ct) t = ctrace_tensor(&e->entries[p], tid);
       retire_slot(e, slot, p);
       consume(e, p, 0, &to_release);
       trace_event(e, "discard", tid);
+      if (e->ct) ctrace_call(e, "discard", t0, &t, NULL);
     }
   }
   pthread_mutex_unlock(&e->lock);

@@ -64,8 +64,7 @@ void trace_close(ferry_engine *e) {
 void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int decision,
                 int aliased) {
   if (!e->trace) return;
-  uint64_t id = ++e->trace_seq;
-  e->entries[idx].trace_id = id;
+  uint64_t id = e->entries[idx].trace_id; /* numbered by the stash */
   cJSON *o = event_object(e, "pack");
   if (!o) return;
   cJSON_AddNumberToObject(o, "id", (double)id);

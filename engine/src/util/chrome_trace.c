@@ -67,7 +67,7 @@ static int flush_events(ct_writer *w, int closing) {
 
 int ct_flush(ct_writer *w, char *err, size_t errlen) {
   if (flush_events(w, 0)) {
-    snprintf(err, errlen, "write error on the Chrome trace: %s", strerror(w->error));
+    if (err && errlen) snprintf(err, errlen, "write error on the Chrome trace: %s", strerror(w->error));
     return -1;
   }
   return 0;
@@ -80,7 +80,7 @@ int ct_close(ct_writer *w, char *err, size_t errlen) {
     if (close(w->fd) && !w->error) w->error = errno;
     w->fd = -1;
     if (w->error) {
-      snprintf(err, errlen, "write error on the Chrome trace: %s", strerror(w->error));
+      if (err && errlen) snprintf(err, errlen, "write error on the Chrome trace: %s", strerror(w->error));
       rc = -1;
     }
   }

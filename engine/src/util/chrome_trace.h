@@ -29,7 +29,7 @@ typedef struct ct_writer {
 /* Creates (truncates) path and writes the header. 0, or -1 with a message. */
 int ct_open(ct_writer *w, const char *path, char *err, size_t errlen);
 /* Writes what is buffered and the closing; 0, or -1 with a message naming
- * the file's first write error. */
+ * the file's first write error (err may be NULL). */
 int ct_flush(ct_writer *w, char *err, size_t errlen);
 /* Flushes, closes and frees; 0, or -1 with a message. Safe on a writer
  * that failed to open or is closed. */

@@ -1,0 +1,362 @@
+/*
+ * chrome_recorder.c — the Chrome trace (Perfetto) of a real run
+ * (ferry_config.chrome_trace_path), in the schema `ferry sim --chrome-trace`
+ * writes and through the same writer (util/chrome_trace.h):
+ *
+ *   - one process (the real pid), lanes: each thread that calls the engine
+ *     ("compute thread TID (NAME)": pack, unpack, discard and step-end
+ *     slices, with the host's waits nested in them), then "D2H copies" and
+ *     "H2D copies" (the copy streams);
+ *   - copies named by their tensor's module path, with the start and end
+ *     the backend observed (the host backend's worker: when it began and
+ *     finished the copy; bk_copy_listener), args tensor (the pack number, the
+ *     JSONL trace's id when both are recorded), bytes, layer, module,
+ *     decision, reload mode and queued_us (issue to start);
+ *   - a flow arrow from each offload to the reload of the same tensor;
+ *   - counters: device bytes of saved tensors held, pinned host bytes in
+ *     use, forward stash depth, sampled after each engine call;
+ *   - instants at step begin, backward and step end (args: step).
+ *
+ * Timestamps are µs since the trace opened. Everything is written under
+ * the recorder's own lock, a leaf: the engine calls in with its lock held,
+ * the backend's copy threads without it. With no trace open (e->ct NULL)
+ * the engine pays one branch per call. A backend that cannot time copies
+ * (no set_copy_listener) gets copy slices from issue to the moment the
+ * engine first saw their event complete, marked "timing": "observed".
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "core/engine_internal.h"
+#include "util/chrome_trace.h"
+#include "util/log.h"
+#include "util/u64map.h"
+#include "util/util.h"
+
+enum { LANE_D2H = 1, LANE_H2D = 2, LANE_FIRST_THREAD = 3 };
+static const char *const LANE_NAME[2] = {"D2H copies", "H2D copies"};
+
+/* A copy issued and not yet seen complete, or an offload done whose reload
+ * may come (for the flow arrow). */
+typedef struct ct_copy {
+  uint64_t tensor;      /* pack number */
+  uint64_t bytes;
+  const char *module;   /* interned by the engine, NULL if none */
+  int32_t layer;
+  uint8_t prefetch;     /* reload: started ahead of its unpack */
+  double issued_us;     /* when the engine issued it */
+  double start_us;      /* offload done: its slice's start */
+  uint32_t next_free;
+} ct_copy;
+
+struct ct_recorder {
+  pthread_mutex_t lock;
+  ct_writer w;
+  int pid;
+  double t0_us;
+  uint64_t gen;          /* tells this recorder's lanes from an earlier one's */
+  int next_lane;
+  int timed;             /* the backend tells copy times */
+  char error[160];       /* first write error, reported at close */
+  ct_copy *copies;
+  uint32_t n_copies, cap_copies, free_head; /* free list through next_free, 0 = none */
+  u64map pending[2];     /* host address -> copy slot + 1, per direction */
+  u64map offloaded;      /* host address -> slot + 1 of the last offload into it */
+  /* last counter values written, -1 = none yet */
+  double last_device, last_pinned, last_depth;
+};
+
+static _Atomic uint64_t recorder_gens = 1;
+static _Thread_local struct {
+  uint64_t gen;
+  int lane;
+} this_thread;
+
+static double rel(const ct_recorder *r, double abs_us) { return abs_us - r->t0_us; }
+
+/* ---- copy slots ---------------------------------------------------------------- */
+static uint32_t slot_new(ct_recorder *r) {
+  if (r->free_head) {
+    uint32_t i = r->free_head - 1;
+    r->free_head = r->copies[i].next_free;
+    return i + 1;
+  }
+  if (util_grow((void **)&r->copies, &r->cap_copies, sizeof *r->copies, r->n_copies + 1, 64))
+    return 0;
+  return ++r->n_copies;
+}
+
+static void slot_free(ct_recorder *r, uint32_t s) {
+  r->copies[s - 1].next_free = r->free_head;
+  r->free_head = s;
+}
+
+/* Remove host's slot from m and return it (0: none). */
+static uint32_t take(u64map *m, const void *host) {
+  uint32_t s;
+  if (!host || !u64map_find(m, (uintptr_t)host, &s)) return 0;
+  u64map_remove(m, (uintptr_t)host);
+  return s;
+}
+
+/* ---- lanes ---------------------------------------------------------------------- */
+/* The calling thread's lane, declared on first sight. Recorder lock held. */
+static int thread_lane(ct_recorder *r) {
+  if (this_thread.gen == r->gen) return this_thread.lane;
+  int lane = r->next_lane++;
+  char name[16] = "", label[64];
+#if defined(__GLIBC__)
+  pthread_getname_np(pthread_self(), name, sizeof name);
+#endif
+  long tid = (long)syscall(SYS_gettid);
+  if (name[0]) snprintf(label, sizeof label, "compute thread %ld (%s)", tid, name);
+  else snprintf(label, sizeof label, "compute thread %ld", tid);
+  ct_thread(&r->w, r->pid, lane, label, lane - LANE_FIRST_THREAD);
+  this_thread.gen = r->gen;
+  this_thread.lane = lane;
+  return lane;
+}
+
+static void note_error(ct_recorder *r) {
+  if (r->w.error && !r->error[0]) ct_flush(&r->w, r->error, sizeof r->error);
+}
+
+/* ---- copies ---------------------------------------------------------------------- */
+static void copy_slice(ct_recorder *r, int dir, const ct_copy *c, double start, double end,
+                       int observed) {
+  const char *name = c->module && *c->module ? c->module : dir ? "reload" : "offload";
+  cJSON *e = ct_slice(name, dir ? "reload" : "offload", r->pid, dir ? LANE_H2D : LANE_D2H,
+                      rel(r, start), end - start);
+  cJSON *a = ct_args(e);
+  if (a) {
+    cJSON_AddNumberToObject(a, "tensor", (double)c->tensor);
+    cJSON_AddNumberToObject(a, "bytes", (double)c->bytes);
+    if (c->layer >= 0) cJSON_AddNumberToObject(a, "layer", c->layer);
+    if (c->module && *c->module) cJSON_AddStringToObject(a, "module", c->module);
+    cJSON_AddStringToObject(a, "decision", "offload");
+    if (dir) cJSON_AddStringToObject(a, "reload", c->prefetch ? "prefetch" : "on use");
+    double queued = start > c->issued_us ? start - c->issued_us : 0;
+    cJSON_AddNumberToObject(a, "queued_us", round(queued * 1000) / 1000);
+    if (observed) cJSON_AddStringToObject(a, "timing", "observed");
+  }
+  ct_emit(&r->w, e);
+}
+
+/* A copy completed (start..end, absolute µs): its slice, and for a reload
+ * the arrow from the offload that wrote the same host buffer. Lock held. */
+static void copy_done(ct_recorder *r, int dir, double start, double end, const void *host,
+                      int observed) {
+  uint32_t s = take(&r->pending[dir], host);
+  if (!s) {
+    /* not a saved tensor's: a resident buffer's or a checkpoint's copy */
+    cJSON *e = ct_slice("other copy", "other", r->pid, dir ? LANE_H2D : LANE_D2H, rel(r, start),
+                        end - start);
+    ct_emit(&r->w, e);
+    return;
+  }
+  ct_copy *c = &r->copies[s - 1];
+  copy_slice(r, dir, c, start, end, observed);
+  if (!dir) {
+    c->start_us = start;
+    uint32_t old = take(&r->offloaded, host);
+    if (old) slot_free(r, old);
+    if (u64map_insert(&r->offloaded, (uintptr_t)host, s)) slot_free(r, s);
+    return;
+  }
+  uint32_t o = take(&r->offloaded, host);
+  if (o && r->copies[o - 1].tensor == c->tensor) {
+    ct_flow(&r->w, 1, "offload -> reload", (double)c->tensor, r->pid, LANE_D2H,
+            rel(r, r->copies[o - 1].start_us));
+    ct_flow(&r->w, 0, "offload -> reload", (double)c->tensor, r->pid, LANE_H2D, rel(r, start));
+  }
+  if (o) slot_free(r, o);
+  slot_free(r, s);
+}
+
+static void on_copy(void *ud, int dir, double start_us, double end_us, uint64_t bytes,
+                    const void *dev, const void *host) {
+  (void)bytes;
+  (void)dev;
+  ct_recorder *r = ud;
+  pthread_mutex_lock(&r->lock);
+  copy_done(r, dir ? 1 : 0, start_us, end_us, host, 0);
+  note_error(r);
+  pthread_mutex_unlock(&r->lock);
+}
+
+void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const void *host,
+                       int prefetch) {
+  ct_recorder *r = e->ct;
+  pthread_mutex_lock(&r->lock);
+  uint32_t old = take(&r->pending[dir], host), slot = old ? old : slot_new(r);
+  if (slot) {
+    r->copies[slot - 1] = (ct_copy){.tensor = s->trace_id,
+                                    .bytes = s->bytes,
+                                    .module = s->module_path,
+                                    .layer = s->layer,
+                                    .prefetch = (uint8_t)prefetch,
+                                    .issued_us = util_now_us()};
+    if (u64map_insert(&r->pending[dir], (uintptr_t)host, slot)) slot_free(r, slot);
+  }
+  pthread_mutex_unlock(&r->lock);
+}
+
+void ctrace_copy_unissue(ferry_engine *e, int dir, const void *host) {
+  ct_recorder *r = e->ct;
+  pthread_mutex_lock(&r->lock);
+  uint32_t s = take(&r->pending[dir], host);
+  if (s) slot_free(r, s);
+  pthread_mutex_unlock(&r->lock);
+}
+
+void ctrace_copy_observed(ferry_engine *e, int dir, const void *host) {
+  ct_recorder *r = e->ct;
+  if (r->timed) return;
+  pthread_mutex_lock(&r->lock);
+  uint32_t s;
+  if (host && u64map_find(&r->pending[dir], (uintptr_t)host, &s))
+    copy_done(r, dir, r->copies[s - 1].issued_us, util_now_us(), host, 1);
+  pthread_mutex_unlock(&r->lock);
+}
+
+/* ---- counters and calls ----------------------------------------------------------- */
+static void counter(ct_recorder *r, const char *name, const char *key, double *last, double v,
+                    double t) {
+  if (v == *last) return;
+  *last = v;
+  ct_counter(&r->w, name, r->pid, t, key, v);
+}
+
+/* Samples after each call; only what changed is written. Both locks held. */
+static void counters(ferry_engine *e, ct_recorder *r, double t) {
+  ferry_arena_stats as;
+  ferry_arena_get_stats(e->arena, &as);
+  counter(r, "device bytes held (saved tensors)", "bytes", &r->last_device,
+          (double)e->stats.device_bytes_held, t);
+  counter(r, "pinned host bytes in use", "bytes", &r->last_pinned, (double)as.in_use, t);
+  counter(r, "forward stash depth", "tensors", &r->last_depth, (double)e->ctx.stash_depth, t);
+}
+
+void ctrace_call(ferry_engine *e, const char *what, double t0, const ct_tensor *t,
+                 const char *found) {
+  ct_recorder *r = e->ct;
+  pthread_mutex_lock(&r->lock);
+  double now = util_now_us();
+  cJSON *ev = ct_slice(what, "engine", r->pid, thread_lane(r), rel(r, t0), now - t0);
+  cJSON *a = t || found ? ct_args(ev) : NULL;
+  if (a && t) {
+    if (t->tensor) cJSON_AddNumberToObject(a, "tensor", (double)t->tensor);
+    cJSON_AddNumberToObject(a, "bytes", (double)t->bytes);
+    if (t->layer >= 0) cJSON_AddNumberToObject(a, "layer", t->layer);
+    if (t->module && *t->module) cJSON_AddStringToObject(a, "module", t->module);
+    cJSON_AddStringToObject(a, "decision", t->decision == FERRY_OFFLOAD ? "offload" : "keep");
+    if (t->alias_of) cJSON_AddNumberToObject(a, "alias_of", (double)t->alias_of);
+  }
+  if (a && found) cJSON_AddStringToObject(a, "found", found);
+  ct_emit(&r->w, ev);
+  counters(e, r, rel(r, now));
+  note_error(r);
+  pthread_mutex_unlock(&r->lock);
+}
+
+void ctrace_wait(ferry_engine *e, const char *what, double t0) {
+  ct_recorder *r = e->ct;
+  pthread_mutex_lock(&r->lock);
+  double now = util_now_us();
+  ct_emit(&r->w, ct_slice(what, "wait", r->pid, thread_lane(r), rel(r, t0), now - t0));
+  pthread_mutex_unlock(&r->lock);
+}
+
+void ctrace_mark(ferry_engine *e, const char *what) {
+  ct_recorder *r = e->ct;
+  pthread_mutex_lock(&r->lock);
+  double now = rel(r, util_now_us());
+  cJSON *ev = ct_instant(what, r->pid, thread_lane(r), now, 'p');
+  cJSON_AddNumberToObject(ct_args(ev), "step", (double)e->step);
+  ct_emit(&r->w, ev);
+  counters(e, r, now);
+  /* the file is whole at each step's end */
+  if (!strcmp(what, "step end")) ct_flush(&r->w, NULL, 0);
+  note_error(r);
+  pthread_mutex_unlock(&r->lock);
+}
+
+/* ---- lifecycle ---------------------------------------------------------------------- */
+/* path with each %p replaced by the process id (one file per rank), %% by %. */
+static int expand_path(const char *path, char *out, size_t outlen) {
+  size_t n = 0;
+  for (const char *p = path; *p; p++) {
+    char pid[24];
+    const char *piece = pid;
+    if (p[0] == '%' && p[1] == 'p') snprintf(pid, sizeof pid, "%d", (int)getpid()), p++;
+    else if (p[0] == '%' && p[1] == '%') piece = "%", p++;
+    else pid[0] = *p, pid[1] = 0;
+    size_t k = strlen(piece);
+    if (n + k >= outlen) return -1;
+    memcpy(out + n, piece, k);
+    n += k;
+  }
+  out[n] = 0;
+  return 0;
+}
+
+int ctrace_open(ferry_engine *e, const char *path_spec) {
+  char path[4096];
+  if (expand_path(path_spec, path, sizeof path))
+    return engine_fail(e, FERRY_EINVAL, "chrome trace path is too long: %.100s...", path_spec);
+  ct_recorder *r = calloc(1, sizeof *r);
+  if (!r) return engine_fail(e, FERRY_ENOMEM, "out of memory opening the Chrome trace");
+  char err[4200];
+  if (ct_open(&r->w, path, err, sizeof err)) {
+    free(r);
+    return engine_fail(e, FERRY_EIO, "chrome trace: %s", err);
+  }
+  if (u64map_grow(&r->pending[0]) || u64map_grow(&r->pending[1]) || u64map_grow(&r->offloaded)) {
+    ct_close(&r->w, err, sizeof err);
+    u64map_free(&r->pending[0]);
+    u64map_free(&r->pending[1]);
+    u64map_free(&r->offloaded);
+    free(r);
+    return engine_fail(e, FERRY_ENOMEM, "out of memory opening the Chrome trace");
+  }
+  pthread_mutex_init(&r->lock, NULL);
+  r->pid = (int)getpid();
+  r->t0_us = util_now_us();
+  r->gen = atomic_fetch_add(&recorder_gens, 1);
+  r->next_lane = LANE_FIRST_THREAD;
+  r->last_device = r->last_pinned = r->last_depth = -1;
+  char name[160];
+  snprintf(name, sizeof name, "ferry: %s (%s backend)",
+           e->policy ? ferry_policy_name(e->policy) : e->decide ? "decide callback" : "no policy",
+           e->bk->ops->name);
+  ct_process(&r->w, r->pid, name, 0);
+  for (int d = 0; d < 2; d++) ct_thread(&r->w, r->pid, LANE_D2H + d, LANE_NAME[d], 100 + d);
+  if (e->bk->ops->set_copy_listener &&
+      e->bk->ops->set_copy_listener(e->bk, on_copy, r) == FERRY_OK)
+    r->timed = 1;
+  ct_flush(&r->w, r->error, sizeof r->error);
+  e->ct = r;
+  return FERRY_OK;
+}
+
+/* After the copy streams are gone: no listener call can come. */
+void ctrace_close(ferry_engine *e) {
+  ct_recorder *r = e->ct;
+  if (!r) return;
+  e->ct = NULL;
+  char err[256] = "";
+  if (ct_close(&r->w, err, sizeof err) == 0 && r->error[0]) snprintf(err, sizeof err, "%s", r->error);
+  if (err[0]) util_log(FERRY_LOG_ERROR, "chrome trace: %s", err);
+  u64map_free(&r->pending[0]);
+  u64map_free(&r->pending[1]);
+  u64map_free(&r->offloaded);
+  free(r->copies);
+  pthread_mutex_destroy(&r->lock);
+  free(r);
+}
