@@ -54,7 +54,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--recorded", "--no-layers", "--demo", "--help", "--fit-out",
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
-               "--output", "--trusted", "--link", "--pinned", "--trace-out"}
+               "--output", "--trusted", "--link", "--pinned", "--trace-out", "--why"}
 
 
 def argv(sub, flag, value, d):
