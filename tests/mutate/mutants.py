@@ -131,6 +131,12 @@ MUTANTS = [
     m("policy-scan-line-count", "trace/policy line numbers", LOAD,
       "    if (*c == '\\n') {\n      line++;\n      continue;\n    }",
       "    if (*c == '\\n') {\n      continue;\n    }"),
+    m("reason-line-off-by-one", "trace/policy line numbers", SANDBOX,
+      '    lua_pushfstring(L, "%s:%d", ar.short_src, ar.currentline);',
+      '    lua_pushfstring(L, "%s:%d", ar.short_src, ar.currentline - 1);'),
+    m("cached-answer-loses-reason", "policy cache", DECIDE,
+      "        if (why) reason_store(p, &key, h, why);",
+      "        if (why && 0) reason_store(p, &key, h, why);"),
     # ---- trace line numbers
     m("trace-blank-lines-uncounted", "trace/policy line numbers", READER,
       "    if (k == n) continue; /* blank lines carry nothing */",
