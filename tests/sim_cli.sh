@@ -28,4 +28,30 @@ grep -q '"pinned_alloc_us":' "$D/o.json"
 rc=0
 "$FERRY" sim --policy default --trace "$D/t.jsonl" --pinned pool=maybe 2>/dev/null || rc=$?
 [ "$rc" = 2 ]
+# optimizer-state offload: one run per share without --policy, each policy
+# per share with it; the report and the JSON carry it; bad lists refused
+"$FERRY" sim --trace "$D/t.jsonl" --optimizer-fraction 0,0.5,1 --cpu-adam 1e9 --no-layers \
+  --json "$D/opt.json" > "$D/opt.txt"
+grep -q '^optimizer 0 ' "$D/opt.txt"
+grep -q '^optimizer 1 ' "$D/opt.txt"
+grep -q 'optimizer 0.5 .*share 0.50 .*overlapped): device -' "$D/opt.txt"
+grep -q '"optimizer_fraction":	0.5' "$D/opt.json"
+grep -q '"optimizer_stall_us":' "$D/opt.json"
+"$FERRY" sim --trace "$D/t.jsonl" --policy default,budget --optimizer-fraction 0.25 \
+  --optimizer-overlap off --no-layers > "$D/opt2.txt"
+grep -q '^default opt=0.25 ' "$D/opt2.txt"
+grep -q 'budget opt=0.25 .*serial' "$D/opt2.txt"
+for bad in "0.5,2" "0.5," "0.5,,1"; do
+  rc=0
+  "$FERRY" sim --trace "$D/t.jsonl" --optimizer-fraction "$bad" 2> "$D/err.txt" || rc=$?
+  [ "$rc" = 2 ]
+  grep -q -e '--optimizer-fraction 2: ' -e '--optimizer-fraction: empty value' "$D/err.txt"
+done
+rc=0
+"$FERRY" sim --trace "$D/t.jsonl" --optimizer-overlap maybe 2> "$D/err.txt" || rc=$?
+[ "$rc" = 2 ]
+grep -q 'optimizer-overlap maybe: expected on or off' "$D/err.txt"
+rc=0
+"$FERRY" sim --fit 50M --trace "$D/t.jsonl" --optimizer-fraction 0.5 2> "$D/err.txt" || rc=$?
+[ "$rc" = 2 ]
 echo ok

@@ -133,6 +133,9 @@
   X(sim_fit_picks_the_cheapest_setting_that_fits)                          \
   X(sim_recorded_trace_flops_and_resident)                                 \
   X(sim_prefetch_starts_at_backward_begin)                                 \
+  X(sim_optimizer_fraction_zero_is_no_offload)                             \
+  X(sim_optimizer_offload_frees_exactly_the_share)                         \
+  X(sim_optimizer_offload_hand_computed_steps)                             \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -47,6 +47,15 @@ static void sim_usage(FILE *f) {
           "  --pinned SPEC       pinned allocation cost: pool=on|off,alloc=3ms,touch=2.5GB/s\n"
           "                      (pool=on: the engine's arena pays once, when it grows; off:\n"
           "                      every offload pays a fresh allocation; alloc=0 touch=0: free)\n"
+          "  --optimizer-fraction F[,F2...]  also step this share of the optimizer on the\n"
+          "                      host (ferry.torch.offload_optimizer): its states leave the\n"
+          "                      device; gradients D2H, a CPU Adam step, parameters H2D. One\n"
+          "                      run per policy and share (without --policy: no activation\n"
+          "                      offload), against the plain baseline\n"
+          "  --cpu-adam RATE     host Adam rate, parameters/s per rank (default %.3g:\n"
+          "                      DeepSpeed's CPU-Adam on a node shared by 8 GPUs)\n"
+          "  --optimizer-overlap on|off  on (default): the host step overlaps the device\n"
+          "                      share's, the parameters' copies the next forward; off: serial\n"
           "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          device memory over the last step, baseline vs policies\n"
@@ -61,7 +70,7 @@ static void sim_usage(FILE *f) {
           "  --fit-out FILE      where --fit writes the policy (default fit.lua)\n"
           "  --demo DIR          synthesize the Llama-3-8B-like trace, dry-run default, layers\n"
           "                      and budget on h100, write every output into DIR\n",
-          sim_hw_names());
+          sim_hw_names(), SIM_DEFAULT_CPU_ADAM);
 }
 
 
@@ -112,9 +121,12 @@ typedef struct sim_opts {
   int no_pool;
   double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
   int release_copied, prefetch_bwd;
+  double cpu_adam;     /* params/s per rank, 0 = the default */
+  int opt_serial;      /* --optimizer-overlap off */
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0}
+#define MAX_FRACTIONS 16
 
 /* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
 static int parse_pinned(const char *spec, sim_opts *o) {
@@ -153,11 +165,36 @@ bad:
   return -1;
 }
 
+/* "0,0.25,1": shares of the optimizer stepped on the host, each 0..1. The
+ * count, or -1 after a message naming the flag and the value. */
+static int parse_fractions(const char *spec, double *out) {
+  int n = 0;
+  const char *p = spec;
+  for (;;) {
+    size_t len = strcspn(p, ",");
+    char elem[64];
+    snprintf(elem, sizeof elem, "%.*s", (int)(len < sizeof elem ? len : sizeof elem - 1), p);
+    if (n == MAX_FRACTIONS) {
+      fprintf(stderr, "ferry sim: --optimizer-fraction %s: at most %d shares\n", spec,
+              MAX_FRACTIONS);
+      return -1;
+    }
+    if (len >= sizeof elem ||
+        cli_number("sim", "--optimizer-fraction", len >= sizeof elem ? spec : elem,
+                   FERRY_NUMBER_REAL, 0, 1, 0, &out[n]))
+      return -1;
+    n++;
+    if (!p[len]) return n;
+    p += len + 1;
+  }
+}
+
 typedef struct sim_job {
   char label[128];
-  char path[PATH_MAX];
+  char path[PATH_MAX]; /* "" with no source: no policy (keep everything) */
   char *source; /* sweep: the substituted source */
   int recorded;
+  double opt_fraction; /* --optimizer-fraction: the share stepped on the host */
 } sim_job;
 
 /* What the trace reader takes (--max-line). */
@@ -179,6 +216,8 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.release_when_copied = o->release_copied;
   c.prefetch_at_backward_begin = o->prefetch_bwd;
   c.tflops = o->tflops > 0 ? o->tflops : hw->peak_tflops * o->mfu;
+  c.cpu_adam_params_per_s = o->cpu_adam;
+  c.optimizer_serial = o->opt_serial;
   return c;
 }
 
@@ -204,7 +243,8 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
       c.label = j->label;
       if (j->recorded) c.replay_decisions = 1;
       else if (j->source) c.policy_source = j->source;
-      else c.policy_path = j->path;
+      else if (j->path[0]) c.policy_path = j->path;
+      c.optimizer_fraction = j->opt_fraction;
     }
     ps.label = i ? jobs[i - 1].label : "no offload";
     if (sim_replay(t, &c, &rs[i], err, sizeof err)) {
@@ -380,6 +420,8 @@ int ferry_cli_sim(int argc, char **argv) {
       {"mfu", required_argument, 0, 'M'},     {"tflops", required_argument, 0, 'T'},
       {"release-copied", no_argument, 0, 'X'}, {"prefetch-at-backward", no_argument, 0, 'B'},
       {"max-line", required_argument, 0, 'Y'}, {"quiet", no_argument, 0, 'q'},
+      {"optimizer-fraction", required_argument, 0, 'o'}, {"cpu-adam", required_argument, 0, 'A'},
+      {"optimizer-overlap", required_argument, 0, 'V'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -389,6 +431,8 @@ int ferry_cli_sim(int argc, char **argv) {
   sim_opts o = SIM_OPTS_INIT;
   uint64_t fit = 0, fit_host = 0, line_limit;
   const char *fit_out = "fit.lua";
+  double fractions[MAX_FRACTIONS];
+  int n_fractions = 0;
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
   while ((c = getopt_long(argc, argv, ":hq", opts, NULL)) != -1) {
@@ -438,6 +482,20 @@ int ferry_cli_sim(int argc, char **argv) {
       else o.tflops = x;
       break;
     }
+    case 'o':
+      if ((n_fractions = parse_fractions(optarg, fractions)) < 0) return 2;
+      break;
+    case 'A': /* 1000 params/s (a stalled host) to 10 T params/s (a generous bound) */
+      if (cli_number("sim", "--cpu-adam", optarg, FERRY_NUMBER_REAL, 1e3, 1e13, 0, &o.cpu_adam))
+        return 2;
+      break;
+    case 'V':
+      if (strcmp(optarg, "on") && strcmp(optarg, "off")) {
+        fprintf(stderr, "ferry sim: --optimizer-overlap %s: expected on or off\n", optarg);
+        return 2;
+      }
+      o.opt_serial = !strcmp(optarg, "off");
+      break;
     case 'L': layers_table = 0; break;
     case 'Y':
       if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
@@ -481,8 +539,13 @@ int ferry_cli_sim(int argc, char **argv) {
   o.warmup = warmup ? (int32_t)warmup : -1;
   if (fit && !steps_given) o.steps = 4;
   if (fit && !warmup_given) o.warmup = 2; /* learning in step 1, arena growth in step 2 */
+  if (fit && n_fractions) {
+    fprintf(stderr, "ferry sim: --fit does not search --optimizer-fraction (yet): run --fit, "
+                    "then check its policy with --optimizer-fraction\n");
+    return 2;
+  }
   if (fit) return run_fit(trace, link ? "custom" : hw_name, &hw, &o, fit, fit_host, fit_out);
-  if (!policies && !recorded) {
+  if (!policies && !recorded && !n_fractions) {
     fprintf(stderr, "ferry sim: --policy is required (e.g. --policy default,budget)\n");
     return 2;
   }
@@ -564,6 +627,27 @@ int ferry_cli_sim(int argc, char **argv) {
   if (!rc && recorded && n < MAX_RUNS) {
     snprintf(jobs[n].label, sizeof jobs[n].label, "recorded decisions");
     jobs[n++].recorded = 1;
+  }
+  if (!rc && n_fractions) { /* every run once per share; no policy: keep every tensor */
+    if (n == 0) n = 1; /* jobs[0] is zeroed: no policy */
+    if ((long)n * n_fractions > MAX_RUNS) {
+      fprintf(stderr, "ferry sim: %d runs x %d optimizer shares is over %d runs\n", n,
+              n_fractions, MAX_RUNS);
+      rc = 2;
+    } else {
+      for (int i = n - 1; i >= 0; i--)
+        for (int k = n_fractions - 1; k >= 0; k--) {
+          sim_job *dst = &jobs[i * n_fractions + k];
+          sim_job base = jobs[i];
+          if (k) base.source = base.source ? strdup(base.source) : NULL;
+          *dst = base;
+          dst->opt_fraction = fractions[k];
+          if (base.label[0])
+            snprintf(dst->label, sizeof dst->label, "%.100s opt=%g", base.label, fractions[k]);
+          else snprintf(dst->label, sizeof dst->label, "optimizer %g", fractions[k]);
+        }
+      n *= n_fractions;
+    }
   }
   if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, layers_table);
   for (int i = 0; i < n; i++) free(jobs[i].source);

@@ -434,6 +434,10 @@ FERRY_API void sim_trace_free(sim_trace *t);
 /* ---- replay ------------------------------------------------------------------- */
 /* A DGX H100's 2 TB of system memory (NVIDIA DGX H100 datasheet) */
 #define SIM_DEFAULT_HOST_RAM 2000000000000ull
+/* DeepSpeed's CPU-Adam: 11.6e9 parameters stepped in 8.2 s by one process
+ * on a node (DeepSpeed PR #735, docs/hardware.md), shared by the node's 8
+ * GPUs: parameters per second per rank */
+#define SIM_DEFAULT_CPU_ADAM (11.6e9 / 8.2 / 8)
 
 typedef struct sim_config {
   ferry_link link;
@@ -469,6 +473,16 @@ typedef struct sim_config {
   int pinned_no_pool;
   int release_when_copied; /* ferry_config.release_when_copied */
   int prefetch_at_backward_begin; /* ferry_config.prefetch_at_backward_begin */
+  /* sim: optimizer-state offload (docs/simulator.md, "Optimizer-state
+   * offload"), as ferry.torch.offload_optimizer does it: the share of the
+   * trace's resident "optimizer states" (and "master weights") kept on the
+   * host, 0..1 (0 = none); the host's Adam rate in parameters per second
+   * per rank (0 = SIM_DEFAULT_CPU_ADAM); optimizer_serial: the host step
+   * after the device share's and the updated parameters waited for before
+   * the step ends (overlap=False), else overlapped (the default) */
+  double optimizer_fraction;
+  double cpu_adam_params_per_s;
+  int optimizer_serial;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -548,6 +562,18 @@ typedef struct sim_result {
   uint32_t n_decisions;
   uint64_t events;    /* trace events replayed */
   double wall_s;      /* wall time of the replay loop */
+  /* optimizer-state offload (all 0 when off): the share, the parameters
+   * stepped on the host per rank, the device memory it frees (in
+   * resident_bytes and the peaks already), the pinned host memory it holds
+   * (states, gradient and parameter buffers: in peak_host_bytes too), the
+   * host's rate, whether serial; per steady step: the share's gradients
+   * D2H and updated parameters H2D, the host step, and the time the step
+   * is longer for it (waiting for gradients, for the host step, for
+   * parameters; not in stall_us) */
+  double opt_fraction, opt_params, opt_cpu_adam_params_per_s;
+  uint64_t opt_device_bytes, opt_host_bytes;
+  int opt_serial;
+  double opt_bytes_d2h, opt_bytes_h2d, opt_cpu_us, opt_stall_us;
 } sim_result;
 
 /* Replay t under c. On failure err names the problem. */

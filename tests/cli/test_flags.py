@@ -32,6 +32,8 @@ TABLE = [
     ("sim", "--link duplex=", ["0", "1.5"], "0.8"),
     ("sim", "--pinned alloc=", ["2s"], "3ms"),
     ("sim", "--pinned touch=", ["1e-9GB/s"], "2.5GB/s"),
+    ("sim", "--optimizer-fraction", ["1.5", "1.0001"], "0.5"),
+    ("sim", "--cpu-adam", ["0", "1", "1e14"], "2e8"),
     ("check", "--layers", ["0", "2000"], "2"),
     ("check", "--steps", ["0", "101"], "1"),
     ("check", "--ram-pct", ["101"], "50"),
@@ -54,7 +56,8 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--recorded", "--no-layers", "--demo", "--help", "--fit-out",
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
-               "--output", "--trusted", "--link", "--pinned", "--trace-out", "--why"}
+               "--output", "--trusted", "--link", "--pinned", "--trace-out",
+               "--optimizer-overlap", "--why"}
 
 
 def argv(sub, flag, value, d):

@@ -31,6 +31,37 @@ typedef struct sim_buf {
 
 #define BUF_SLAB 1024
 
+/* Optimizer-state offload (sim_config.optimizer_fraction; docs/simulator.md,
+ * "Optimizer-state offload"): what ferry.torch.offload_optimizer does per
+ * step, through the engine's resident buffers, on the engine's streams:
+ *  - backward: the share's gradients go D2H a layer's worth at a time as
+ *    backward passes that share of its compute (post-accumulate hooks);
+ *  - step(): the host waits for them, then steps the share for
+ *    params / cpu_adam while the device steps the rest (the compute after
+ *    backward_end, scaled by 1 - fraction), and step() returns when both
+ *    are done (serial: the host step first, then the device's);
+ *  - the updated parameters go H2D after it, a layer's worth at a time;
+ *    the next forward waits for each before the compute that needs it
+ *    (serial: all are waited for before the step ends).
+ * The share's optimizer states leave the device's resident memory. */
+typedef struct opt_model {
+  double fraction;
+  uint32_t k;                    /* chunks: about a layer's parameters each */
+  ferry_resident *state;         /* the share's optimizer states (host only) */
+  ferry_resident **grad, **param; /* per chunk; NULL for a 0-byte chunk */
+  char *dev;                     /* fake device addresses: grad j at dev + j,
+                                    param j at dev + k + j (never touched) */
+  bk_stream lane;                /* orders the H2D copies after `now` */
+  bk_event *now_ev;
+  double cpu_us;                 /* the host step */
+  double *fwd_us, *bwd_us;       /* per trace step: forward, backward compute */
+  uint8_t *pending;              /* per chunk: its H2D not waited for yet */
+  uint32_t grads_issued;         /* this step */
+  int synced;                    /* step() reached this step */
+  double cpu_end;                /* when the host step ends (overlapped) */
+  double stall, host_wait;       /* this step: exposed; of it, host waits */
+} opt_model;
+
 typedef struct replay {
   const sim_trace *t;
   const sim_config *c;
@@ -64,6 +95,9 @@ typedef struct replay {
   u64map dev_tensor;    /* a packed buffer's address -> tensor index + 1 */
   u64map host_offload;  /* an offload's host address -> its interval index + 1 */
   uint8_t *went;        /* per tensor: offloaded when packed; once unpacked, reloaded */
+  uint64_t resident;    /* the trace's resident bytes less what the optimizer offload frees */
+  double gap_scale;     /* compute multiplier (the device's share of the optimizer step) */
+  opt_model *opt;       /* optimizer-state offload, NULL when off */
 } replay;
 
 /* The least exposed stall any schedule of a step's copies could have with
@@ -119,6 +153,7 @@ static double floor_us(const link_floor *f, double peak) {
 /* Per-step sums over the steady steps (all but the first, unless one). */
 typedef struct step_sums {
   double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned, floor;
+  double opt_d2h, opt_h2d, opt_stall;
   uint32_t n_steady;
 } step_sums;
 
@@ -168,7 +203,7 @@ static void mem_sample(replay *r) {
   if (!r->recording) return;
   sim_timeline *tl = &r->res->tl;
   double t = replay_now(r);
-  uint64_t b = r->t->resident_bytes + r->live_bytes;
+  uint64_t b = r->resident + r->live_bytes;
   if (tl->n_mem && tl->mem[tl->n_mem - 1].bytes == b) return;
   if (tl->n_mem == tl->cap_mem) {
     size_t n = tl->cap_mem ? tl->cap_mem * 2 : 1024;
@@ -207,6 +242,10 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
     const ferry_tensor_desc *d = &r->t->tensors[iv.tensor - 1].desc;
     iv.layer = d->layer;
     iv.module_path = d->module_path;
+  } else if (r->opt && (const char *)dev >= r->opt->dev &&
+             (const char *)dev < r->opt->dev + 2 * r->opt->k) {
+    iv.module_path = (const char *)dev < r->opt->dev + r->opt->k ? "optimizer: gradients"
+                                                                : "optimizer: parameters";
   }
   timeline_push(tl, iv);
 }
@@ -452,7 +491,7 @@ static double event_gap(replay *r, const trace_ev *ev) {
 static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
-  double a = replay_now(r), us = event_gap(r, ev);
+  double a = replay_now(r), us = event_gap(r, ev) * r->gap_scale;
   replay_compute(r, us);
   if (!r->recording) return us;
   int32_t layer = r->cur_layer;
@@ -647,6 +686,264 @@ static double pinned_us(replay *r) {
   return st.pinned_alloc_us;
 }
 
+/* ---- optimizer-state offload (opt_model above) ------------------------------------ */
+
+/* The compute before ev as event_gap times it, without counting it. */
+static double gap_of(const replay *r, const trace_ev *ev) {
+  if (r->c->tflops > 0 && ev->flops >= 0) return ev->flops / (r->c->tflops * 1e6);
+  return ev->gap_us > 0 ? ev->gap_us : 0;
+}
+
+/* The trace's resident entry named what, or NULL. */
+static const trace_resident *resident_named(const sim_trace *t, const char *what) {
+  for (uint32_t i = 0; i < t->n_resident; i++)
+    if (!strcmp(t->resident[i].what, what)) return &t->resident[i];
+  return NULL;
+}
+
+/* A share of x bytes, rounded to the byte. */
+static uint64_t share_of(double f, uint64_t x) { return (uint64_t)(f * (double)x + 0.5); }
+
+/* The engine's last error as the replay's, naming the optimizer offload. */
+static int opt_fail(replay *r, int rc, const char *what) {
+  return ferry_errbuf(r->err, r->errlen, rc, "%s: optimizer offload: %s: %s", r->res->label, what,
+                      ferry_last_error(r->e));
+}
+
+/* A resident buffer of bytes (none for 0). */
+static int opt_buffer(replay *r, uint64_t bytes, ferry_resident **out) {
+  *out = NULL;
+  if (!bytes) return 0;
+  int rc = ferry_resident_create(r->e, bytes, out);
+  return rc ? opt_fail(r, rc, "a host buffer") : 0;
+}
+
+/* Validates the settings and, for a share > 0, takes the share's states off
+ * the device, pins the host buffers and sizes the host step. */
+static int opt_open(replay *r) {
+  const sim_config *c = r->c;
+  const sim_trace *t = r->t;
+  sim_result *out = r->res;
+  double f = c->optimizer_fraction;
+  r->resident = t->resident_bytes;
+  r->gap_scale = 1;
+  if (!(f >= 0 && f <= 1))
+    return ferry_errbuf(r->err, r->errlen, FERRY_EINVAL,
+                        "optimizer fraction %g must be within 0..1", f);
+  if (!(c->cpu_adam_params_per_s >= 0) || !isfinite(c->cpu_adam_params_per_s))
+    return ferry_errbuf(r->err, r->errlen, FERRY_EINVAL,
+                        "CPU Adam rate %g must be > 0 parameters/s (0: the default)",
+                        c->cpu_adam_params_per_s);
+  if (f == 0) return 0;
+  if (!r->sim)
+    return ferry_errbuf(r->err, r->errlen, FERRY_EUNSUPPORTED,
+                        "optimizer offload is modeled on the sim backend only");
+  const trace_resident *params = resident_named(t, "parameters");
+  const trace_resident *grads = resident_named(t, "gradients");
+  const trace_resident *states = resident_named(t, "optimizer states");
+  const trace_resident *masters = resident_named(t, "master weights");
+  if (!params || !grads || !states)
+    return ferry_errbuf(r->err, r->errlen, FERRY_EINVAL,
+                        "%s: optimizer offload needs the trace's resident memory named "
+                        "\"parameters\", \"gradients\" and \"optimizer states\" (%s missing; "
+                        "ferry_trace_resident declares them, synthesized traces have them)",
+                        t->name, !params ? "\"parameters\"" : !grads ? "\"gradients\""
+                                                                  : "\"optimizer states\"");
+  opt_model *o = calloc(1, sizeof *o);
+  if (!o) return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
+  r->opt = o;
+  o->fraction = f;
+  /* the parameters' element size: the trace's parameter packs', else bf16 */
+  int elem = 2;
+  for (uint32_t i = 0; i < t->n_tensors; i++)
+    if (t->tensors[i].desc.kind == FERRY_KIND_PARAMETER &&
+        ferry_dtype_size(t->tensors[i].desc.dtype) > 0) {
+      elem = ferry_dtype_size(t->tensors[i].desc.dtype);
+      break;
+    }
+  double rate = c->cpu_adam_params_per_s > 0 ? c->cpu_adam_params_per_s : SIM_DEFAULT_CPU_ADAM;
+  out->opt_fraction = f;
+  out->opt_params = f * (double)params->bytes / elem;
+  out->opt_cpu_adam_params_per_s = rate;
+  out->opt_serial = c->optimizer_serial != 0;
+  o->cpu_us = out->opt_params / rate * 1e6;
+  out->opt_device_bytes = share_of(f, states->bytes + (masters ? masters->bytes : 0));
+  r->resident -= out->opt_device_bytes;
+  uint64_t gbytes = share_of(f, grads->bytes), pbytes = share_of(f, params->bytes);
+  out->opt_host_bytes = out->opt_device_bytes + gbytes + pbytes;
+  o->k = t->layers > 0 ? (uint32_t)(t->layers < 1023 ? t->layers + 1 : 1024) : 1;
+  o->grad = calloc(o->k, sizeof *o->grad);
+  o->param = calloc(o->k, sizeof *o->param);
+  o->pending = calloc(o->k, 1);
+  o->dev = malloc(2 * (size_t)o->k);
+  o->fwd_us = calloc(t->n_steps ? t->n_steps : 1, sizeof *o->fwd_us);
+  o->bwd_us = calloc(t->n_steps ? t->n_steps : 1, sizeof *o->bwd_us);
+  if (!o->grad || !o->param || !o->pending || !o->dev || !o->fwd_us || !o->bwd_us)
+    return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
+  int rc = opt_buffer(r, out->opt_device_bytes, &o->state);
+  for (uint32_t j = 0; j < o->k && !rc; j++) {
+    uint64_t g = gbytes / o->k + (j + 1 == o->k ? gbytes % o->k : 0);
+    uint64_t p = pbytes / o->k + (j + 1 == o->k ? pbytes % o->k : 0);
+    if (!(rc = opt_buffer(r, g, &o->grad[j]))) rc = opt_buffer(r, p, &o->param[j]);
+  }
+  if (rc) return rc;
+  ferry_backend *b = engine_backend(r->e);
+  if ((rc = b->ops->stream_create(b, &o->lane)) || (rc = b->ops->event_create(b, &o->now_ev)))
+    return ferry_errbuf(r->err, r->errlen, rc, "optimizer offload: %s", b->err);
+  /* each trace step's forward and backward compute: the layers' shares */
+  for (uint32_t s = 0; s < t->n_steps; s++) {
+    int phase = 0;
+    for (uint32_t k = t->steps[s].first; k < t->steps[s].end; k++) {
+      const trace_ev *ev = &t->events[k];
+      if (phase == 0) o->fwd_us[s] += gap_of(r, ev);
+      else if (phase == 1) o->bwd_us[s] += gap_of(r, ev);
+      if (ev->type == TEV_BACKWARD_BEGIN) phase = 1;
+      else if (ev->type == TEV_BACKWARD_END) phase = 2;
+    }
+  }
+  return 0;
+}
+
+static void opt_close(replay *r) {
+  opt_model *o = r->opt;
+  if (!o) return;
+  for (uint32_t j = 0; j < o->k; j++) {
+    if (o->grad && o->grad[j]) ferry_resident_destroy(o->grad[j]);
+    if (o->param && o->param[j]) ferry_resident_destroy(o->param[j]);
+  }
+  if (o->state) ferry_resident_destroy(o->state);
+  ferry_backend *b = r->e ? engine_backend(r->e) : NULL;
+  if (b && o->now_ev) b->ops->event_destroy(b, o->now_ev);
+  if (b && o->lane) b->ops->stream_destroy(b, o->lane);
+  free(o->grad);
+  free(o->param);
+  free(o->pending);
+  free(o->dev);
+  free(o->fwd_us);
+  free(o->bwd_us);
+  free(o);
+  r->opt = NULL;
+}
+
+/* The host waits for buffer x's last copy; the wait is the optimizer's. */
+static int opt_wait(replay *r, ferry_resident *x) {
+  double a = replay_now(r);
+  int rc = ferry_resident_wait(x);
+  if (rc) return opt_fail(r, rc, "waiting for a copy");
+  double d = replay_now(r) - a;
+  r->opt->stall += d;
+  r->opt->host_wait += d;
+  return 0;
+}
+
+/* Chunk j's gradients D2H, after the compute so far (the hook's copy). */
+static int opt_grad(replay *r, uint32_t j) {
+  opt_model *o = r->opt;
+  int rc = o->grad[j] ? ferry_resident_to_host(o->grad[j], o->dev + j, NULL) : 0;
+  return rc ? opt_fail(r, rc, "gradients to the host") : 0;
+}
+
+/* Chunk j's updated parameters H2D from now on, without the compute stream
+ * waiting for them (it does so when the forward needs them). */
+static int opt_param(replay *r, uint32_t j) {
+  opt_model *o = r->opt;
+  if (!o->param[j]) return 0;
+  ferry_backend *b = engine_backend(r->e);
+  int rc;
+  if ((rc = b->ops->event_record(b, o->now_ev, NULL)) ||
+      (rc = b->ops->stream_wait_event(b, o->lane, o->now_ev)))
+    return ferry_errbuf(r->err, r->errlen, rc, "optimizer offload: %s", b->err);
+  if ((rc = ferry_resident_to_device(o->param[j], o->dev + o->k + j, o->lane)))
+    return opt_fail(r, rc, "parameters to the device");
+  o->pending[j] = 1;
+  return 0;
+}
+
+/* Before `gap` µs of forward compute, `done` µs into this step's `total`:
+ * the parameters of the chunks it reaches must be on the device. */
+static int opt_forward(replay *r, double done, double gap, double total) {
+  opt_model *o = r->opt;
+  for (uint32_t j = 0; j < o->k; j++) {
+    if (!o->pending[j]) continue;
+    if ((double)j * total / o->k >= done + gap - 1e-9 * total) break;
+    o->pending[j] = 0;
+    int rc = opt_wait(r, o->param[j]);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* Every parameter chunk still pending, waited for. */
+static int opt_params_all(replay *r) {
+  for (uint32_t j = 0; j < r->opt->k; j++)
+    if (r->opt->pending[j]) {
+      r->opt->pending[j] = 0;
+      int rc = opt_wait(r, r->opt->param[j]);
+      if (rc) return rc;
+    }
+  return 0;
+}
+
+/* `done` µs into this step's backward of `total`: the chunks whose share of
+ * backward has passed have their gradients; they go to the host. */
+static int opt_backward(replay *r, double done, double total) {
+  opt_model *o = r->opt;
+  while (o->grads_issued < o->k &&
+         (double)(o->grads_issued + 1) * total / o->k <= done + 1e-9 * total) {
+    int rc = opt_grad(r, o->grads_issued++);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* step(): the remaining gradients go, the host waits for all of them, and
+ * the host step starts (serial: runs now, before the device's). */
+static int opt_sync(replay *r) {
+  opt_model *o = r->opt;
+  int rc;
+  while (o->grads_issued < o->k)
+    if ((rc = opt_grad(r, o->grads_issued++))) return rc;
+  for (uint32_t j = 0; j < o->k; j++)
+    if (o->grad[j] && (rc = opt_wait(r, o->grad[j]))) return rc;
+  o->synced = 1;
+  if (r->c->optimizer_serial) {
+    replay_compute(r, o->cpu_us);
+    o->stall += o->cpu_us;
+  } else {
+    o->cpu_end = replay_now(r) + o->cpu_us;
+  }
+  return 0;
+}
+
+/* At step_end: step() returns once the host step is done; serial, the
+ * updated parameters are on the device before the step ends. */
+static int opt_step_end(replay *r) {
+  opt_model *o = r->opt;
+  int rc;
+  if ((rc = opt_params_all(r))) return rc; /* a step without backward_begin */
+  if (!o->synced && (rc = opt_sync(r))) return rc;
+  if (!r->c->optimizer_serial) {
+    double d = o->cpu_end - replay_now(r);
+    if (d > 0) {
+      replay_compute(r, d);
+      o->stall += d;
+    }
+    return 0;
+  }
+  for (uint32_t j = 0; j < o->k; j++)
+    if ((rc = opt_param(r, j))) return rc;
+  return opt_params_all(r);
+}
+
+/* After step_end (overlapped): the updated parameters start for the next
+ * forward. */
+static int opt_after_step(replay *r) {
+  int rc = 0;
+  if (!r->c->optimizer_serial)
+    for (uint32_t j = 0; j < r->opt->k && !rc; j++) rc = opt_param(r, j);
+  return rc;
+}
+
 /* Replays step si of steps (the trace's steps in a loop) and sums it up. */
 static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) {
   const sim_trace *t = r->t;
@@ -668,12 +965,37 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   link_floor fl = {0};
   fl.h2d_per_us = r->c->link.h2d_bytes_per_s / 1e6;
   fl.d2h_per_us = r->c->link.d2h_bytes_per_s / 1e6;
+  opt_model *o = r->opt;
+  uint32_t tsi = si % t->n_steps;
+  int phase = 0; /* forward, backward, after backward_end */
+  double done = 0; /* compute so far in this phase */
+  if (o) {
+    o->grads_issued = 0;
+    o->synced = 0;
+    o->stall = o->host_wait = 0;
+  }
   for (uint32_t k = ts->first; k < ts->end; k++) {
     const trace_ev *ev = &t->events[k];
-    if (ev->gap_us > 0 || (ev->flops > 0 && r->c->tflops > 0))
-      floor_compute(&fl, replay_gap(r, ts, k));
+    if (ev->gap_us > 0 || (ev->flops > 0 && r->c->tflops > 0)) {
+      if (o && phase == 0 && (rc = opt_forward(r, done, gap_of(r, ev), o->fwd_us[tsi])))
+        return rc;
+      r->gap_scale = o && phase == 2 ? 1 - o->fraction : 1;
+      double us = replay_gap(r, ts, k);
+      r->gap_scale = 1;
+      floor_compute(&fl, us);
+      done += us;
+      if (o && phase == 1 && (rc = opt_backward(r, done, o->bwd_us[tsi]))) return rc;
+    }
     r->res->events++;
+    if (o && ev->type == TEV_BACKWARD_BEGIN && (rc = opt_params_all(r))) return rc;
+    if (o && ev->type == TEV_STEP_END && (rc = opt_step_end(r))) return rc;
     if ((rc = replay_event(r, ev, &t0))) return rc;
+    if (ev->type == TEV_BACKWARD_BEGIN || ev->type == TEV_BACKWARD_END) {
+      phase = ev->type == TEV_BACKWARD_BEGIN ? 1 : 2;
+      done = 0;
+    }
+    if (o && ev->type == TEV_BACKWARD_END && (rc = opt_sync(r))) return rc;
+    if (o && ev->type == TEV_STEP_END && (rc = opt_after_step(r))) return rc;
     if (ev->type == TEV_BACKWARD_BEGIN) fl.in_backward = 1;
     if (ev->type == TEV_PACK || ev->type == TEV_UNPACK || ev->type == TEV_DISCARD) {
       const ferry_tensor_desc *d = &r->descs[ev->tensor];
@@ -693,7 +1015,13 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   }
   if (si == 0) r->res->first_step_us = step_us;
   if (r->steady) {
-    add_step(sums, step_us, st1 - st0, w1 - w0, &s0, &s1);
+    /* the optimizer's host waits are its own figure, not the activations' */
+    add_step(sums, step_us, st1 - st0, w1 - w0 - (o ? o->host_wait : 0), &s0, &s1);
+    if (o) {
+      sums->opt_d2h += (double)(s1.resident_bytes_d2h - s0.resident_bytes_d2h);
+      sums->opt_h2d += (double)(s1.resident_bytes_h2d - s0.resident_bytes_h2d);
+      sums->opt_stall += o->stall;
+    }
     sums->pinned += pinned_us(r) - pin0;
     sums->floor += r->host ? 0 : floor_us(&fl, (double)r->peak_steady);
   }
@@ -740,11 +1068,17 @@ static void finish_result(replay *r, const step_sums *s) {
   out->stash_hits = s->hits / n;
   out->pinned_alloc_us = s->pinned / n;
   out->stall_floor_us = s->floor / n;
+  if (r->opt) {
+    out->opt_bytes_d2h = s->opt_d2h / n;
+    out->opt_bytes_h2d = s->opt_h2d / n;
+    out->opt_stall_us = s->opt_stall / n;
+    out->opt_cpu_us = r->opt->cpu_us;
+  }
   compute_note(r);
   out->warmup = r->warmup;
   out->peak_saved_bytes = r->peak_steady;
-  out->peak_device_bytes = r->t->resident_bytes + r->peak_steady;
-  out->first_step_peak_device_bytes = r->t->resident_bytes + r->peak_first;
+  out->peak_device_bytes = r->resident + r->peak_steady;
+  out->first_step_peak_device_bytes = r->resident + r->peak_first;
   ferry_stats fs;
   ferry_get_stats(r->e, &fs, sizeof fs);
   out->peak_host_bytes = fs.arena_peak;
@@ -759,6 +1093,7 @@ static void finish_result(replay *r, const step_sums *s) {
 /* Destroys the engine and frees the buffers the trainer still held (an
  * error stopped the step midway) and the tables. */
 static void replay_close(replay *r) {
+  opt_close(r);
   if (r->e) ferry_engine_destroy(r->e);
   for (uint32_t i = 0; i < r->n_slabs; i++) {
     for (int k = 0; k < BUF_SLAB; k++) free(r->slabs[i][k].mem);
@@ -788,6 +1123,7 @@ static int replay_steps(replay *r, uint32_t steps) {
     if (r->c->progress) r->c->progress(r->c->progress_ud, si + 1, steps);
   }
   r->res->wall_s = (util_now_us() - t_start) / 1e6;
+  r->recording = 0; /* copies finishing at teardown are not the last step's */
   finish_result(r, &sums);
   if (r->bad_bytes)
     return ferry_errbuf(r->err, r->errlen, FERRY_EBACKEND,
@@ -812,10 +1148,13 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   r.warmup = c->warmup < 0 ? 0 : c->warmup == 0 ? 1 : (uint32_t)c->warmup;
   set_label(out, c);
   snprintf(out->backend, sizeof out->backend, "%s", r.host ? "host" : "sim");
+  r.resident = t->resident_bytes;
+  r.gap_scale = 1;
   int rc = replay_open_engine(&r);
   if (!rc) rc = replay_tables(&r);
+  if (!rc) rc = opt_open(&r);
   if (!rc) {
-    out->resident_bytes = t->resident_bytes;
+    out->resident_bytes = r.resident;
     out->steps = c->steps ? c->steps : t->n_steps;
     rc = replay_steps(&r, out->steps);
   }

@@ -104,6 +104,32 @@ static void fmt_us(char *b, size_t n, double us) {
 
 static double pct(double v, double base) { return base > 0 ? 100.0 * (v - base) / base : 0; }
 
+/* Runs with optimizer-state offload: what moves, what it frees and costs. */
+static void sim_print_optimizer(FILE *f, const sim_result *rs, int n) {
+  int any = 0;
+  for (int i = 0; i < n; i++) any |= rs[i].opt_fraction > 0;
+  if (!any) return;
+  fprintf(f, "\noptimizer-state offload (docs/simulator.md): the host steps a share of the "
+             "parameters; per steady step:");
+  for (int i = 0; i < n; i++) {
+    const sim_result *r = &rs[i];
+    if (!(r->opt_fraction > 0)) continue;
+    char fr[32], hb[32], d2h[32], h2d[32], cpu[32], ex[32];
+    fmt_bytes(fr, sizeof fr, (double)r->opt_device_bytes);
+    fmt_bytes(hb, sizeof hb, (double)r->opt_host_bytes);
+    fmt_bytes(d2h, sizeof d2h, r->opt_bytes_d2h);
+    fmt_bytes(h2d, sizeof h2d, r->opt_bytes_h2d);
+    fmt_us(cpu, sizeof cpu, r->opt_cpu_us);
+    fmt_us(ex, sizeof ex, r->opt_stall_us);
+    fprintf(f, "\n  %-22.22s share %.2f (%.3g params at %.3g params/s, %s): device -%s, "
+               "host +%s pinned; gradients D2H %s, parameters H2D %s, host step %s, "
+               "exposed %s", r->label, r->opt_fraction, r->opt_params,
+            r->opt_cpu_adam_params_per_s, r->opt_serial ? "serial" : "overlapped", fr, hb, d2h,
+            h2d, cpu, ex);
+  }
+  fputc('\n', f);
+}
+
 void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_trace *t = info->trace;
   const sim_hw *hw = info->hw;
@@ -154,6 +180,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
             rs[i].pinned_alloc_us > 0 ? pin : "");
   }
   fputc('\n', f);
+  sim_print_optimizer(f, rs, n);
   if (n > 1 && !strcmp(rs[0].backend, "sim")) {
     fprintf(f, "\nstall floor (the least stall any schedule of the same copies could expose "
                "at the same peak, the link at full speed; docs/simulator.md):");
@@ -245,6 +272,18 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "steps", r->steps);
   cJSON_AddNumberToObject(o, "events", (double)r->events);
   cJSON_AddNumberToObject(o, "wall_s", r->wall_s);
+  cJSON_AddNumberToObject(o, "optimizer_fraction", r->opt_fraction);
+  if (r->opt_fraction > 0) {
+    cJSON_AddBoolToObject(o, "optimizer_overlap", !r->opt_serial);
+    cJSON_AddNumberToObject(o, "optimizer_params", r->opt_params);
+    cJSON_AddNumberToObject(o, "cpu_adam_params_per_s", r->opt_cpu_adam_params_per_s);
+    cJSON_AddNumberToObject(o, "optimizer_device_bytes", (double)r->opt_device_bytes);
+    cJSON_AddNumberToObject(o, "optimizer_host_bytes", (double)r->opt_host_bytes);
+    cJSON_AddNumberToObject(o, "optimizer_bytes_d2h", r->opt_bytes_d2h);
+    cJSON_AddNumberToObject(o, "optimizer_bytes_h2d", r->opt_bytes_h2d);
+    cJSON_AddNumberToObject(o, "optimizer_cpu_us", r->opt_cpu_us);
+    cJSON_AddNumberToObject(o, "optimizer_stall_us", r->opt_stall_us);
+  }
   cJSON *layers = cJSON_AddArrayToObject(o, "layers");
   for (uint32_t k = 0; layers && k < r->n_layers; k++) {
     const sim_layer_row *l = &r->layers[k];
