@@ -22,7 +22,7 @@ typedef struct {
 } subcommand;
 
 static const subcommand commands[] = {
-    {"check", ferry_cli_check, "load a policy and print its decisions on built-in tensors"},
+    {"check", ferry_cli_check, "load a policy and print its decisions, with their reasons"},
     {"sim", ferry_cli_sim, "dry-run policies over a trace on a simulated GPU link"},
     {"trace", ferry_cli_trace, "synthesize traces (ferry trace synth ...)"},
     {"run", ferry_cli_run, "run a trainer with jemalloc preloaded and ferry settings"},
