@@ -1388,7 +1388,12 @@ TEST(sim_optimizer_offload_frees_exactly_the_share) {
  *    the step ends: 1000 + 2000 + 200 + 40 + 50 + 1000 = 4290 us;
  *  - overlapped with a slow host (1e6 parameters/s: 500000 us): the host
  *    step is exposed but for the device's 50 us: 200 + 3000 + 200 + 50 +
- *    499950 = 503400 us, 500300 more than the baseline. */
+ *    499950 = 503400 us, 500300 more than the baseline;
+ *  - everything on the host (chunks of 400 us each way, host step 80 us, no
+ *    device step): the forward waits 400 us for the first chunk, then 200
+ *    before each next one (its 400 us copy against 200 us of compute), so
+ *    2200 us; backward 2000 plus the last gradients' 400; the host step's
+ *    80 us, hidden by nothing: 4680 us, 1680 of them exposed. */
 TEST(sim_optimizer_offload_hand_computed_steps) {
   const char *text = opt_trace();
   sim_trace *t = NULL;
@@ -1399,25 +1404,27 @@ TEST(sim_optimizer_offload_hand_computed_steps) {
   CHECK_OK(sim_replay(t, &c, &base, err, sizeof err));
   CHECK_NEAR(base.step_us, 3100, 1e-6);
   static const struct {
-    double rate;
+    double fraction, rate;
     int serial;
     double step, exposed, cpu;
   } cases[] = {
-      {1.25e10, 0, 3450, 400, 40},
-      {1.25e10, 1, 4290, 1240, 40},
-      {1e6, 0, 503400, 500350, 500000},
+      {0.5, 1.25e10, 0, 3450, 400, 40},
+      {0.5, 1.25e10, 1, 4290, 1240, 40},
+      {0.5, 1e6, 0, 503400, 500350, 500000},
+      {1, 1.25e10, 0, 4680, 1680, 80},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    c = opt_config(0.5, cases[i].rate, cases[i].serial);
+    double f = cases[i].fraction;
+    c = opt_config(f, cases[i].rate, cases[i].serial);
     CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
     CHECK_NEAR(r.opt_cpu_us, cases[i].cpu, 1e-6);
     CHECK_NEAR(r.step_us, cases[i].step, 1e-6);
     CHECK_NEAR(r.opt_stall_us, cases[i].exposed, 1e-6);
     CHECK_NEAR(r.stall_us + r.host_wait_us, 0, 1e-6); /* the activations' stall: none */
-    CHECK_NEAR(r.opt_bytes_d2h, 1e6, 0);
-    CHECK_NEAR(r.opt_bytes_h2d, 1e6, 0);
-    CHECK_EQ(r.opt_device_bytes, 6000000);
-    CHECK_EQ(r.peak_device_bytes, base.peak_device_bytes - 6000000);
+    CHECK_NEAR(r.opt_bytes_d2h, f * 2e6, 0);
+    CHECK_NEAR(r.opt_bytes_h2d, f * 2e6, 0);
+    CHECK_EQ(r.opt_device_bytes, (uint64_t)(f * 12e6));
+    CHECK_EQ(r.peak_device_bytes, base.peak_device_bytes - (uint64_t)(f * 12e6));
     CHECK_EQ(r.opt_serial, cases[i].serial);
     sim_result_free(&r);
   }
