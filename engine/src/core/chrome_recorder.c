@@ -80,6 +80,8 @@ static _Thread_local struct {
 
 static double rel(const ct_recorder *r, double abs_us) { return abs_us - r->t0_us; }
 
+double ctrace_now(void) { return util_now_us(); }
+
 /* ---- copy slots ---------------------------------------------------------------- */
 static uint32_t slot_new(ct_recorder *r) {
   if (r->free_head) {
@@ -342,6 +344,7 @@ int ctrace_open(ferry_engine *e, const char *path_spec) {
     r->timed = 1;
   ct_flush(&r->w, r->error, sizeof r->error);
   e->ct = r;
+  e->number_packs = 1;
   return FERRY_OK;
 }
 

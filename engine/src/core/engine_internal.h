@@ -127,6 +127,7 @@ struct ferry_engine {
   double trace_flops; /* FLOPs since the last traced event (ferry_trace_flops) */
   /* Chrome trace of the run (chrome_recorder.c), NULL when not recording */
   struct ct_recorder *ct;
+  int number_packs; /* a trace (JSONL, Chrome) is recorded: packs get trace_id */
 
   /* hooks of the rooms above the core (core.h), newest last */
   struct shutdown_hook {
@@ -168,6 +169,8 @@ static inline ct_tensor ctrace_tensor(const stash_entry *s, uint64_t tensor) {
 }
 int ctrace_open(ferry_engine *e, const char *path);
 void ctrace_close(ferry_engine *e); /* once the copy streams are gone */
+/* when a call began (out of line: the untraced path holds no clock code) */
+double ctrace_now(void) __attribute__((cold));
 /* a call's slice on the calling thread's lane (what: "pack", "unpack",
  * "discard", "step end"), with its tensor (NULL: none) and, for an unpack,
  * how it was found; then the counters */

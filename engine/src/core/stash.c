@@ -426,7 +426,7 @@ static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t p
   a->primary = pidx;
   a->bytes = desc->bytes;
   a->step = e->step;
-  if (e->trace || e->ct) a->trace_id = ++e->trace_seq;
+  if (e->number_packs) a->trace_id = ++e->trace_seq;
   e->entries[pidx].refs++;
   e->stats.tensors_packed++;
   e->stats.tensors_aliased++;
@@ -486,8 +486,10 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   s->layer = desc->layer;
   s->step = e->step;
   s->refs = 1;
-  if (e->trace || e->ct) s->trace_id = ++e->trace_seq;
-  if (e->ct && desc->module_path) s->module_path = intern_get(&e->interned, desc->module_path);
+  if (e->number_packs) {
+    s->trace_id = ++e->trace_seq;
+    if (e->ct && desc->module_path) s->module_path = intern_get(&e->interned, desc->module_path);
+  }
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
   if (d.action == FERRY_OFFLOAD) pack_offload(e, idx, &d, compute_stream);
@@ -518,19 +520,40 @@ static void release_over_bound(ferry_engine *e) {
   } while (n == RELEASE_BATCH);
 }
 
-/* A pack's slice in the Chrome trace, once the stash bound's releases are
- * done (they are part of the call). Takes the lock. */
-static void ctrace_pack_done(ferry_engine *e, double t0, const ct_tensor *t) {
+/* The Chrome trace's side of pack and unpack, kept out of their hot paths. */
+#define CTRACE_COLD __attribute__((cold, noinline))
+
+/* A pack's slice, once the stash bound's releases are done (they are part
+ * of the call): the handle at entry idx is not back to its caller yet, so
+ * the entry is still there. Takes the lock. */
+static CTRACE_COLD void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) {
   pthread_mutex_lock(&e->lock);
-  if (e->ct) ctrace_call(e, "pack", t0, t, NULL);
+  const stash_entry *s = &e->entries[idx];
+  const stash_entry *p = s->state == ENTRY_ALIAS ? &e->entries[s->primary] : s;
+  ct_tensor t = ctrace_tensor(p, s->trace_id);
+  if (p != s) t.alias_of = p->trace_id;
+  ctrace_call(e, "pack", t0, &t, NULL);
   pthread_mutex_unlock(&e->lock);
+}
+
+/* What an unpack's slice says of primary entry p, before it is consumed. */
+static CTRACE_COLD void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor,
+                                           ct_tensor *t, const char **found) {
+  const stash_entry *s = &e->entries[p];
+  *t = ctrace_tensor(s, tensor);
+  *found = s->state == ENTRY_KEPT       ? "kept"
+           : s->state == ENTRY_STASHED  ? "stash hit"
+           : s->state == ENTRY_RELOADED ? "prefetched"
+                                        : "reloaded";
 }
 
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
                void *compute_stream, ferry_handle *out) {
   int rc = engine_check(e);
   if (rc) return rc;
-  double t0 = e->ct ? util_now_us() : 0;
+  /* e->ct is fixed for the engine's life */
+  const int traced = __builtin_expect(e->ct != NULL, 0);
+  double t0 = traced ? ctrace_now() : 0;
   pthread_mutex_lock(&e->lock);
   if (!out || !desc || !device_ptr || !owner) {
     rc = engine_fail(e, FERRY_EINVAL, "ferry_pack: %s is NULL",
@@ -547,24 +570,17 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
       e->entries[pidx].bytes == desc->bytes) {
     if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
-    ct_tensor t = {0};
-    if (e->ct) {
-      t = ctrace_tensor(&e->entries[pidx], e->entries[(uint32_t)(*out & HANDLE_INDEX_MASK) - 1].trace_id);
-      t.alias_of = e->entries[pidx].trace_id;
-    }
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
-    if (e->ct) ctrace_pack_done(e, t0, &t);
+    if (traced) ctrace_pack_done(e, t0, (uint32_t)(*out & HANDLE_INDEX_MASK) - 1);
     return FERRY_OK;
   }
   if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
-  ct_tensor t = {0};
-  if (e->ct) t = ctrace_tensor(s, s->trace_id);
   release_over_bound(e);
-  if (e->ct) ctrace_pack_done(e, t0, &t);
+  if (traced) ctrace_pack_done(e, t0, idx);
   return FERRY_OK;
 
 oom:
@@ -573,6 +589,8 @@ unlock:
   pthread_mutex_unlock(&e->lock);
   return rc;
 }
+
+
 
 /* ---- reload -------------------------------------------------------------------- */
 /* Bring an OFFLOADED entry back to a fresh device buffer, ordered after
@@ -738,7 +756,9 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
                  void **owner) {
   int rc = engine_check(e);
   if (rc) return rc;
-  double t0 = e->ct ? util_now_us() : 0;
+  const int ct = __builtin_expect(e->ct != NULL, 0); /* fixed for the engine's life */
+  double t0 = ct ? ctrace_now() : 0;
+  ct_tensor t;
   const char *found = NULL;
   pthread_mutex_lock(&e->lock);
   if (!device_ptr || !owner) {
@@ -758,11 +778,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   stash_entry *s = &e->entries[p];
   uint32_t mark = s->offloads_before;
   uint64_t step = s->step;
-  if (e->ct)
-    found = s->state == ENTRY_KEPT       ? "kept"
-            : s->state == ENTRY_STASHED  ? "stash hit"
-            : s->state == ENTRY_RELOADED ? "prefetched"
-                                         : "reloaded";
+  if (ct) ctrace_unpack_info(e, p, e->entries[slot].trace_id, &t, &found);
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
      * buffer, which the caller is free to overwrite or free once it has it:
@@ -786,28 +802,26 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   if (s->state == ENTRY_RELOADED) {
     /* on the host backend the calling thread is the compute stream: it
      * waits here for a reload still running (the stall) */
-    double tw = e->ct && e->bk->ops->event_query(e->bk, s->ev) != 1 ? util_now_us() : 0;
+    double tw = ct && e->bk->ops->event_query(e->bk, s->ev) != 1 ? util_now_us() : 0;
     if ((rc = e->bk->ops->stream_wait_event(e->bk, compute_stream, s->ev))) {
       rc = engine_fail(e, rc, "ferry_unpack: compute stream cannot wait for the reload: %s",
                        e->bk->err);
       goto unlock;
     }
-    if (e->ct) {
+    if (ct) {
       if (tw > 0) ctrace_wait(e, "wait for reload", tw);
       ctrace_copy_observed(e, 1, s->host);
     }
   }
   *device_ptr = s->dev_ptr;
   uint64_t tid = e->entries[slot].trace_id;
-  ct_tensor t = {0};
-  if (e->ct) t = ctrace_tensor(s, tid);
   retire_slot(e, slot, p);
   void *unused;
   *owner = consume(e, p, 1, &unused);
   e->stats.tensors_unpacked++;
   trace_event(e, "unpack", tid);
   prefetch_next(e, mark, step, compute_stream);
-  if (e->ct) ctrace_call(e, "unpack", t0, &t, found);
+  if (ct) ctrace_call(e, "unpack", t0, &t, found);
 unlock:
   pthread_mutex_unlock(&e->lock);
   return rc;

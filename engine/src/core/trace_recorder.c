@@ -44,6 +44,7 @@ int trace_open(ferry_engine *e, const char *path) {
   if (!e->trace)
     return engine_fail(e, FERRY_EIO, "cannot open trace file %s: %s", path, strerror(errno));
   setvbuf(e->trace, NULL, _IOFBF, 1 << 20);
+  e->number_packs = 1;
   e->trace_t0_us = util_now_us();
   cJSON *o = event_object(e, "header");
   if (!o) return FERRY_ENOMEM;
