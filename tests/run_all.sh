@@ -51,6 +51,11 @@ fi
 
 if ! skip valgrind && command -v valgrind >/dev/null; then
   stage "C suite under valgrind memcheck"
+  # Valgrind runs code tens of times slower: the policy host's wall-clock
+  # budgets (50 ms a decision, 5 s a load) guard against runaway policies at
+  # native speed and would interrupt sound ones here. Tests of the budgets
+  # set their own values.
+  FERRY_POLICY_DECISION_MS=5000 FERRY_POLICY_LOAD_MS=120000 \
   FERRY_TEST_STEPS=300 valgrind -q --error-exitcode=99 --leak-check=full \
     --errors-for-leak-kinds=definite "$BUILD/bin/ferry_tests"
   summary+=("valgrind: ok")

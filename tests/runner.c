@@ -36,7 +36,30 @@ int test_arena_kind(void) {
   return FERRY_ARENA_AUTO;
 }
 
+/* The policy host's limits as the suite was started with (valgrind's run
+ * raises the wall-clock ones): each test starts from them, so a test that
+ * sets and then unsets one does not hand the default to the tests after. */
+static const char *const POLICY_ENV[] = {"FERRY_POLICY_DECISION_MS", "FERRY_POLICY_LOAD_MS",
+                                         "FERRY_POLICY_MEM_MB", "FERRY_POLICY_ERROR_BUDGET"};
+#define N_POLICY_ENV (sizeof POLICY_ENV / sizeof POLICY_ENV[0])
+static char *policy_env_start[N_POLICY_ENV];
+
+static void policy_env_save(void) {
+  for (size_t i = 0; i < N_POLICY_ENV; i++) {
+    const char *v = getenv(POLICY_ENV[i]);
+    policy_env_start[i] = v ? strdup(v) : NULL;
+  }
+}
+
+static void policy_env_restore(void) {
+  for (size_t i = 0; i < N_POLICY_ENV; i++) {
+    if (policy_env_start[i]) setenv(POLICY_ENV[i], policy_env_start[i], 1);
+    else unsetenv(POLICY_ENV[i]);
+  }
+}
+
 static int run_one(const test_entry *t) {
+  policy_env_restore();
   int rc = t->fn();
   printf("%s %s\n", rc == 0 ? "ok  " : "FAIL", t->name);
   fflush(stdout);
@@ -45,6 +68,7 @@ static int run_one(const test_entry *t) {
 
 int main(int argc, char **argv) {
   size_t failed = 0, ran = 0;
+  policy_env_save();
   if (argc > 1 && strcmp(argv[1], "--list") == 0) {
     for (size_t i = 0; i < n_tests; i++) printf("%s\n", tests[i].name);
     return 0;
