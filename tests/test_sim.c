@@ -597,6 +597,33 @@ TEST(sim_replay_matches_hand_computed_times) {
   CHECK_EQ(d2h, 6);
   CHECK_EQ(h2d, 2);
   CHECK_NEAR(r.tl.t_end - r.tl.t_begin, 1400.0, 1e-6);
+  /* the waits on it: the host's for copies 1 and 2 in forward ([0, 200]),
+   * the compute stream's for the reloads of 2 and 1 after the compute
+   * ([1200, 1400], layers 1 and 0) */
+  double copies = 0, reloads = 0, t0 = r.tl.t_begin;
+  for (size_t i = 0; i < r.tl.n_waits; i++) {
+    const sim_wait *w = &r.tl.waits[i];
+    CHECK(w->t1 > w->t0);
+    if (w->kind == SIM_WAIT_COPIES) {
+      copies += w->t1 - w->t0;
+      CHECK(w->t0 >= t0 - 1e-6 && w->t1 <= t0 + 200 + 1e-6);
+    } else {
+      CHECK_EQ(w->kind, SIM_WAIT_RELOAD);
+      reloads += w->t1 - w->t0;
+      CHECK(w->t0 >= t0 + 1200 - 1e-6 && w->t1 <= t0 + 1400 + 1e-6);
+      CHECK(w->layer == 0 || w->layer == 1);
+    }
+  }
+  CHECK_NEAR(copies, 200.0, 1e-6);
+  CHECK_NEAR(reloads, 200.0, 1e-6);
+  /* pinned host memory: the largest sample is the arena's peak, and it is
+   * back to none by the step's end */
+  uint64_t most = 0;
+  for (size_t i = 0; i < r.tl.n_host; i++)
+    if (r.tl.host[i].bytes > most) most = r.tl.host[i].bytes;
+  CHECK(r.tl.n_host >= 2);
+  CHECK_EQ(most, r.peak_host_bytes);
+  CHECK_EQ(r.tl.host[r.tl.n_host - 1].bytes, 0);
   sim_result_free(&r);
 
   /* the baseline keeps everything: no copies, no stall, compute only */
@@ -682,14 +709,16 @@ TEST(sim_replay_policies_on_synthesized_llama) {
   /* reports */
   char dir[] = "/tmp/ferry-sim-test-XXXXXX";
   CHECK(mkdtemp(dir));
-  char json[128], chrome[128], svg[128];
+  char json[128], chrome[128], svg[128], html[128];
   snprintf(json, sizeof json, "%s/r.json", dir);
   snprintf(chrome, sizeof chrome, "%s/c.json", dir);
   snprintf(svg, sizeof svg, "%s/m.svg", dir);
+  snprintf(html, sizeof html, "%s/r.html", dir);
   sim_run_info info = {"tiny.jsonl", t, hw};
   CHECK_EQ(sim_write_json(json, &info, rs, 4, err, sizeof err), 0);
   CHECK_EQ(sim_write_chrome_trace(chrome, rs, 4, err, sizeof err), 0);
   CHECK_EQ(sim_write_svg(svg, &info, rs, 4, err, sizeof err), 0);
+  CHECK_EQ(sim_write_html(html, &info, rs, 4, err, sizeof err), 0);
   FILE *f = fopen(json, "r");
   CHECK(f);
   char text[1 << 16];
@@ -711,20 +740,39 @@ TEST(sim_replay_policies_on_synthesized_llama) {
   CHECK_STR_CONTAINS(text, "\"H2D copies\"");
   CHECK_STR_CONTAINS(text, "\"device memory\"");
   CHECK_STR_CONTAINS(text, "\"offload -> reload\""); /* flow arrows */
+  /* the SVG and the HTML whole (tests/cli/test_sim_plots.py checks them
+   * through the CLI) */
+  static char big[1 << 20];
   f = fopen(svg, "r");
   CHECK(f);
-  n = fread(text, 1, sizeof text - 1, f);
-  text[n] = 0;
+  n = fread(big, 1, sizeof big - 1, f);
+  CHECK(n < sizeof big - 1);
+  big[n] = 0;
   fclose(f);
-  CHECK_STR_CONTAINS(text, "<svg");
-  CHECK_STR_CONTAINS(text, "device memory in use (GiB)");
-  CHECK_STR_CONTAINS(text, "time since step start (ms)");
-  CHECK_STR_CONTAINS(text, ">backward starts</text>"); /* the forward/backward boundary */
-  CHECK_STR_CONTAINS(text, "stroke-dasharray=\"2 3\" stroke-opacity");
-  CHECK_STR_CONTAINS(text, "budget");
+  CHECK_STR_CONTAINS(big, "<svg");
+  CHECK_STR_CONTAINS(big, "device memory in use (MiB)"); /* the tiny model's scale */
+  CHECK_STR_CONTAINS(big, "pinned host memory in use (MiB)"); /* the right axis */
+  CHECK_STR_CONTAINS(big, "time since the step's start (ms)");
+  CHECK_STR_CONTAINS(big, ">backward starts"); /* the forward/backward boundary */
+  CHECK_STR_CONTAINS(big, "class=\"backward\" data-run=\"budget\"");
+  CHECK_STR_CONTAINS(big, "class=\"device-curve\" data-run=\"budget\"");
+  CHECK_STR_CONTAINS(big, "class=\"host-curve\" data-run=\"budget\"");
+  CHECK_STR_CONTAINS(big, "class=\"stall reload\" data-run=\"default\"");
+  CHECK_STR_CONTAINS(big, "class=\"peak device\" data-run=\"no offload\"");
+  f = fopen(html, "r");
+  CHECK(f);
+  n = fread(big, 1, sizeof big - 1, f);
+  CHECK(n < sizeof big - 1);
+  big[n] = 0;
+  fclose(f);
+  CHECK_STR_CONTAINS(big, "<!DOCTYPE html>");
+  CHECK_STR_CONTAINS(big, "<tr data-run=\"layers\">");
+  CHECK_STR_CONTAINS(big, "<svg width=");
+  CHECK(!strstr(big, "http://") && !strstr(big, "https://"));
   unlink(json);
   unlink(chrome);
   unlink(svg);
+  unlink(html);
   rmdir(dir);
   for (int i = 0; i < 4; i++) sim_result_free(&rs[i]);
   sim_trace_free(t);

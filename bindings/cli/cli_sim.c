@@ -58,7 +58,10 @@ static void sim_usage(FILE *f) {
           "                      share's, the parameters' copies the next forward; off: serial\n"
           "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
-          "  --svg FILE          device memory over the last step, baseline vs policies\n"
+          "  --svg FILE          memory over the last step: device (baseline and each\n"
+          "                      policy), pinned host, exposed stalls, backward's start, peaks\n"
+          "  --html FILE         one self-contained page (opens offline): the table, the SVG\n"
+          "                      and per-layer bars of bytes offloaded and kept per policy\n"
           "  --no-layers         skip the per-layer table\n"
           "  --max-line BYTES    longest trace line read (default 1M; longer is an error)\n"
           "  -q, --quiet         errors only on stderr: no progress, policy log lines or\n"
@@ -222,14 +225,15 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
 }
 
 static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, const sim_opts *o,
-                   const char *json, const char *chrome, const char *svg, int layers_table) {
+                   const char *json, const char *chrome, const char *svg, const char *html,
+                   int layers_table) {
   char err[1024];
   sim_trace *t = NULL;
   if (sim_trace_load_limited(trace_path, &trace_limits, &t, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     return 1;
   }
-  int want_tl = chrome || svg;
+  int want_tl = chrome || svg || html;
   sim_result *rs = calloc((size_t)n_jobs + 1, sizeof *rs);
   progress_state ps = {.tty = isatty(2) && !sim_quiet};
   int rc = 0;
@@ -259,6 +263,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     if (json && sim_write_json(json, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
     if (!rc && chrome && sim_write_chrome_trace(chrome, rs, n_jobs + 1, err, sizeof err)) rc = 1;
     if (!rc && svg && sim_write_svg(svg, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    if (!rc && html && sim_write_html(html, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
     if (rc) fprintf(stderr, "ferry sim: %s\n", err);
     for (int i = 1; i <= n_jobs && !rc; i++)
       if (rs[i].policy_errors) rc = 3; /* a policy that faulted is worth a non-zero exit */
@@ -364,11 +369,12 @@ static int demo(const char *dir) {
     fprintf(stderr, "ferry sim --demo: cannot create %s: %s\n", dir, strerror(errno));
     return 1;
   }
-  char trace[PATH_MAX], json[PATH_MAX], chrome[PATH_MAX], svg[PATH_MAX], err[256];
+  char trace[PATH_MAX], json[PATH_MAX], chrome[PATH_MAX], svg[PATH_MAX], html[PATH_MAX], err[256];
   snprintf(trace, sizeof trace, "%s/llama3-8b.jsonl", dir);
   snprintf(json, sizeof json, "%s/sim.json", dir);
   snprintf(chrome, sizeof chrome, "%s/sim-trace.json", dir);
   snprintf(svg, sizeof svg, "%s/memory.svg", dir);
+  snprintf(html, sizeof html, "%s/report.html", dir);
   synth_model m;
   synth_preset("llama3-8b", &m);
   FILE *f = fopen(trace, "w");
@@ -390,10 +396,11 @@ static int demo(const char *dir) {
     }
   }
   sim_opts o = SIM_OPTS_INIT;
-  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, &o, json, chrome, svg, 1);
+  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, &o, json, chrome, svg, html, 1);
   if (rc == 0 || rc == 3)
-    printf("\nwrote %s, %s (open in https://ui.perfetto.dev), %s and the trace %s\n", json, chrome,
-           svg, trace);
+    printf("\nwrote %s (the report: open it in a browser, it needs no network), %s, %s "
+           "(open in https://ui.perfetto.dev), %s and the trace %s\n", html, json, chrome, svg,
+           trace);
   if (rc) return rc;
   /* what fits in half the H100: the step in 40 GiB, host budget half the
    * preset's RAM per GPU */
@@ -411,6 +418,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"hw", required_argument, 0, 'w'},      {"link", required_argument, 0, 'l'},
       {"steps", required_argument, 0, 'n'},   {"json", required_argument, 0, 'j'},
       {"chrome-trace", required_argument, 0, 'c'}, {"svg", required_argument, 0, 's'},
+      {"html", required_argument, 0, 'E'},
       {"sweep", required_argument, 0, 'S'},   {"recorded", no_argument, 0, 'r'},
       {"host-cap", required_argument, 0, 'C'}, {"no-layers", no_argument, 0, 'L'},
       {"demo", required_argument, 0, 'D'},    {"help", no_argument, 0, 'h'},
@@ -424,7 +432,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"optimizer-overlap", required_argument, 0, 'V'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
-             *chrome = NULL, *svg = NULL, *sweep = NULL, *demo_dir = NULL;
+             *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
   long steps = 3, warmup = 1;
   int steps_given = 0, warmup_given = 0;
   int recorded = 0, layers_table = 1, c;
@@ -448,6 +456,7 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'j': json = optarg; break;
     case 'c': chrome = optarg; break;
     case 's': svg = optarg; break;
+    case 'E': html = optarg; break;
     case 'S': sweep = optarg; break;
     case 'r': recorded = 1; break;
     case 'C':
@@ -649,7 +658,7 @@ int ferry_cli_sim(int argc, char **argv) {
       n *= n_fractions;
     }
   }
-  if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, layers_table);
+  if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, html, layers_table);
   for (int i = 0; i < n; i++) free(jobs[i].source);
   free(jobs);
   return rc;

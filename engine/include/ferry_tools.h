@@ -512,6 +512,17 @@ typedef struct sim_mem_sample {
   uint64_t bytes; /* device bytes in use (resident + saved) */
 } sim_mem_sample;
 
+/* What the trainer waited for (sim backend): the compute stream for a
+ * reload (the unpack's exposed stall), the host for copies (the forward
+ * stash bound, the step end draining them), the host pinning memory. */
+enum { SIM_WAIT_RELOAD = 0, SIM_WAIT_COPIES = 1, SIM_WAIT_PINNING = 2 };
+
+typedef struct sim_wait {
+  double t0, t1; /* the clock stood still for compute meanwhile */
+  int32_t kind;  /* SIM_WAIT_* */
+  int32_t layer; /* the layer of the event that waited, -1 outside blocks */
+} sim_wait;
+
 typedef struct sim_timeline {
   double t_begin, t_end; /* the recorded step */
   double t_backward;     /* its backward_begin, 0 if none */
@@ -519,6 +530,13 @@ typedef struct sim_timeline {
   size_t n_iv, cap_iv;
   sim_mem_sample *mem;
   size_t n_mem, cap_mem;
+  /* the exposed waits, in time order (their sum is the step's stall_us +
+   * host_wait_us), and the pinned host memory in use (the arena's, resident
+   * buffers included) after each event that changed it */
+  sim_wait *waits;
+  size_t n_waits, cap_waits;
+  sim_mem_sample *host;
+  size_t n_host, cap_host;
 } sim_timeline;
 
 typedef struct sim_result {
@@ -703,8 +721,16 @@ FERRY_API int sim_write_json(const char *path, const sim_run_info *info, const s
                    char *err, size_t errlen);
 FERRY_API int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *err,
                            size_t errlen);
+/* Device memory over the last step per run (left axis), pinned host memory
+ * in use (right axis), the exposed waits, backward's start and the peaks
+ * (sim_plot.c; docs/simulator.md, "Outputs"). Needs sim_config.timeline. */
 FERRY_API int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
                   char *err, size_t errlen);
+/* One self-contained page (no script, font or URL loaded): the comparison
+ * table, the text report, the SVG inline and per-layer bars of bytes
+ * offloaded and kept per policy. */
+FERRY_API int sim_write_html(const char *path, const sim_run_info *info, const sim_result *rs,
+                             int n, char *err, size_t errlen);
 
 
 /* ---- the zip writer of checkpoint snapshots (stored entries, ZIP64, 64-byte aligned data); errors are errno values

@@ -52,7 +52,8 @@ TABLE = [
     ("trace synth", "--hbm", ["0"], "1500"),
 ]
 # flags that take no number
-NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg", "--sweep",
+NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg", "--html",
+               "--sweep",
                "--recorded", "--no-layers", "--demo", "--help", "--fit-out",
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",

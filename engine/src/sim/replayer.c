@@ -362,6 +362,8 @@ void sim_result_free(sim_result *r) {
   free(r->layers);
   free(r->tl.iv);
   free(r->tl.mem);
+  free(r->tl.waits);
+  free(r->tl.host);
   free(r->decisions);
   memset(r, 0, sizeof *r);
 }
@@ -621,7 +623,7 @@ static int replay_step_end(replay *r) {
 }
 
 /* One event, as the trainer would call ferry; *t0 is the step's start. */
-static int replay_event(replay *r, const trace_ev *ev, double *t0) {
+static int replay_event_call(replay *r, const trace_ev *ev, double *t0) {
   int rc;
   switch (ev->type) {
   case TEV_STEP_BEGIN:
@@ -645,6 +647,55 @@ static int replay_event(replay *r, const trace_ev *ev, double *t0) {
   case TEV_STEP_END: return replay_step_end(r);
   default: return 0;
   }
+}
+
+/* The next capacity of a full timeline array of cap elements. */
+static size_t grown(size_t cap) { return cap ? cap * 2 : 256; }
+
+/* After an event of the recorded step: the waits it exposed (sim: the
+ * clock moved only by them, from a; s0 the backend's counters before) and
+ * the pinned host memory in use, onto the timeline. */
+static void timeline_after_event(replay *r, double a, const sim_backend_stats *s0) {
+  sim_timeline *tl = &r->res->tl;
+  if (r->sim) {
+    sim_backend_stats s1;
+    sim_backend_get_stats(r->sim, &s1);
+    double pin = s1.pinned_alloc_us - s0->pinned_alloc_us;
+    double d[3] = {s1.stall_us - s0->stall_us, s1.host_wait_us - s0->host_wait_us - pin, pin};
+    for (int32_t k = 0; k < 3; k++) {
+      if (!(d[k] > 1e-9)) continue;
+      if (tl->n_waits == tl->cap_waits) {
+        sim_wait *p = realloc(tl->waits, grown(tl->cap_waits) * sizeof *p);
+        if (!p) return;
+        tl->waits = p;
+        tl->cap_waits = grown(tl->cap_waits);
+      }
+      tl->waits[tl->n_waits++] = (sim_wait){a, a + d[k], k, r->cur_layer};
+      a += d[k];
+    }
+  }
+  ferry_stats st;
+  if (ferry_get_stats(r->e, &st, sizeof st)) return;
+  if (tl->n_host && tl->host[tl->n_host - 1].bytes == st.arena_in_use) return;
+  if (tl->n_host == tl->cap_host) {
+    sim_mem_sample *p = realloc(tl->host, grown(tl->cap_host) * sizeof *p);
+    if (!p) return;
+    tl->host = p;
+    tl->cap_host = grown(tl->cap_host);
+  }
+  tl->host[tl->n_host++] = (sim_mem_sample){replay_now(r), st.arena_in_use};
+}
+
+/* replay_event_call, and when recording what the event made the trainer
+ * wait for and the pinned memory after it. */
+static int replay_event(replay *r, const trace_ev *ev, double *t0) {
+  if (!r->recording) return replay_event_call(r, ev, t0);
+  sim_backend_stats s0 = {0};
+  if (r->sim) sim_backend_get_stats(r->sim, &s0);
+  double a = replay_now(r);
+  int rc = replay_event_call(r, ev, t0);
+  if (!rc) timeline_after_event(r, a, &s0);
+  return rc;
 }
 
 /* Before the last step: a fresh decision list and zeroed layer rows. */
