@@ -60,21 +60,33 @@ static void usage(FILE *to) {
           "                        1073741824 or 40%% of MemTotal\n"
           "  -b, --backend NAME    host, cuda or auto                 FERRY_BACKEND\n"
           "  -n, --dry-run         print the environment and command, run nothing\n"
+          "  -q, --quiet           the trainer's ferry messages: errors only\n"
+          "                        (FERRY_LOG_LEVEL=error)\n"
+          "  -v, --verbose         print the environment and command on stderr, then\n"
+          "                        run it\n"
           "  -h, --help            this text\n"
           "\n"
           "jemalloc: $FERRY_JEMALLOC if set, else the jemalloc ferry was linked with,\n"
           "else " JEMALLOC_SONAME " in $LD_LIBRARY_PATH and the system library\n"
           "directories, else `ldconfig -p`. It is put first in LD_PRELOAD.\n"
           "\n"
+          "Files are the trainer's to write: \"-\" (stdin/stdout) is refused, as the\n"
+          "trainer's own streams are its own.\n"
+          "\n"
           "exit status: CMD's; 125 if ferry run failed, 126 if CMD cannot be\n"
-          "executed, 127 if CMD is not found.\n");
+          "executed, 127 if CMD is not found.\n"
+          "\n"
+          "examples:\n"
+          "  ferry run --policy default -- python train.py\n"
+          "  ferry run -p budget --cap 40%% --chrome-trace run-%%p.json -- torchrun train.py\n"
+          "  ferry run -n --policy layers -- python train.py\n");
 }
 
 static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int fail(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  fputs("ferry run: ", stderr);
+  fprintf(stderr, "%sferry run:%s ", cli_sgr(2, CLI_RED), cli_sgr(2, CLI_RESET));
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
   va_end(ap);
@@ -338,18 +350,18 @@ static int compose_preload(const char *jemalloc, char **out) {
   return 0;
 }
 
-static void print_quoted(const char *arg) {
+static void print_quoted(FILE *to, const char *arg) {
   if (*arg && strspn(arg, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
                           "_-+=/.,:@%") == strlen(arg)) {
-    fputs(arg, stdout);
+    fputs(arg, to);
     return;
   }
-  putchar('\'');
+  fputc('\'', to);
   for (; *arg; arg++) {
-    if (*arg == '\'') fputs("'\\''", stdout);
-    else putchar(*arg);
+    if (*arg == '\'') fputs("'\\''", to);
+    else fputc(*arg, to);
   }
-  putchar('\'');
+  fputc('\'', to);
 }
 
 int ferry_cli_run(int argc, char **argv) {
@@ -360,6 +372,8 @@ int ferry_cli_run(int argc, char **argv) {
                                        {"cap", required_argument, 0, 'c'},
                                        {"backend", required_argument, 0, 'b'},
                                        {"dry-run", no_argument, 0, 'n'},
+                                       {"quiet", no_argument, 0, 'q'},
+                                       {"verbose", no_argument, 0, 'v'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   const char *policy = NULL, *trace = NULL, *chrome = NULL, *cap = NULL, *backend = NULL;
@@ -368,7 +382,7 @@ int ferry_cli_run(int argc, char **argv) {
   optind = 1;
   /* '+': stop at the first non-option, so the trainer's own options stay
    * its own even without "--". ':': report a missing argument as ':'. */
-  while ((c = getopt_long(argc, argv, "+:p:t:c:b:nh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "+:p:t:c:b:nqvh", opts, NULL)) != -1) {
     switch (c) {
     case 'p': policy = optarg; break;
     case 't': trace = optarg; break;
@@ -376,6 +390,8 @@ int ferry_cli_run(int argc, char **argv) {
     case 'c': cap = optarg; break;
     case 'b': backend = optarg; break;
     case 'n': dry_run = 1; break;
+    case 'q': cli_verbosity = -1; break;
+    case 'v': cli_verbosity = 1; break;
     case 'h': usage(stdout); return 0;
     default: /* ':' a missing value; optopt: an unknown short option, 0 for a long one */
       cli_bad_option("run", opts, argv, optind, optopt, c == ':');
@@ -395,6 +411,11 @@ int ferry_cli_run(int argc, char **argv) {
   int rc;
   if (backend && strcmp(backend, "host") && strcmp(backend, "cuda") && strcmp(backend, "auto"))
     return fail("--backend '%s': expected host, cuda or auto", backend);
+  static const char *const dash_flags[] = {"--policy", "--trace", "--chrome-trace"};
+  const char *dash_values[] = {policy, trace, chrome};
+  for (int i = 0; i < 3; i++)
+    if (dash_values[i] && !strcmp(dash_values[i], "-"))
+      return fail("%s -: the trainer's stdin and stdout are its own; give a file", dash_flags[i]);
   if (policy && (rc = check_policy(policy, policy_abs, sizeof policy_abs))) return rc;
   if (trace && (rc = check_trace("--trace", trace, trace_abs, sizeof trace_abs))) return rc;
   if (chrome && (rc = check_trace("--chrome-trace", chrome, chrome_abs, sizeof chrome_abs)))
@@ -414,25 +435,28 @@ int ferry_cli_run(int argc, char **argv) {
              {"FERRY_TRACE", trace ? trace_abs : NULL},
              {"FERRY_CHROME_TRACE", chrome ? chrome_abs : NULL},
              {"FERRY_HOST_CAP", cap ? cap_value : NULL},
-             {"FERRY_BACKEND", backend}};
+             {"FERRY_BACKEND", backend},
+             {"FERRY_LOG_LEVEL", cli_verbosity < 0 ? "error" : NULL}};
+  FILE *show = dry_run ? stdout : cli_verbosity > 0 ? stderr : NULL;
   for (size_t i = 0; i < sizeof env / sizeof env[0]; i++) {
     if (!env[i].value) continue;
-    if (dry_run) printf("%s=%s\n", env[i].name, env[i].value);
-    else if (setenv(env[i].name, env[i].value, 1) != 0) {
+    if (show) fprintf(show, "%s=%s\n", env[i].name, env[i].value);
+    if (dry_run) continue;
+    if (setenv(env[i].name, env[i].value, 1) != 0) {
       free(preload);
       return fail("cannot set %s: %s", env[i].name, strerror(errno));
     }
   }
   free(preload);
-  if (dry_run) {
-    fputs("exec", stdout);
+  if (show) {
+    fputs("exec", show);
     for (char **a = cmd; *a; a++) {
-      putchar(' ');
-      print_quoted(*a);
+      fputc(' ', show);
+      print_quoted(show, *a);
     }
-    putchar('\n');
-    return 0;
+    fputc('\n', show);
   }
+  if (dry_run) return 0;
   fflush(stdout);
   fflush(stderr);
   execvp(cmd[0], cmd);

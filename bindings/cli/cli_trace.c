@@ -31,7 +31,15 @@ static void synth_usage(FILE *f) {
           "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
           "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
           "  --steps N            steps in the trace (default 1)\n"
-          "  -o, --output FILE    where to write (\"-\" = stdout)\n",
+          "  -o, --output FILE    where to write (\"-\" = stdout)\n"
+          "  -q, --quiet          no summary line on stderr (errors only)\n"
+          "  -v, --verbose        also print every dimension of the model on stderr\n"
+          "  -h, --help           this help\n"
+          "\n"
+          "examples:\n"
+          "  ferry trace synth -o llama3-8b.jsonl\n"
+          "  ferry trace synth --preset tiny --steps 2 -o - | ferry sim --policy default --trace -\n"
+          "  ferry trace synth --layers 48 --hidden 6144 --seq 4096 --checkpoint full -o big.jsonl\n",
           synth_preset_names());
 }
 
@@ -96,12 +104,13 @@ static int trace_synth_main(int argc, char **argv) {
       {"checkpoint", required_argument, 0, 'c'}, {"shard", required_argument, 0, 'S'},
       {"tflops", required_argument, 0, 't'}, {"hbm", required_argument, 0, 'm'},
       {"steps", required_argument, 0, 'N'},  {"output", required_argument, 0, 'o'},
+      {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *out = NULL;
   int c, bad = 0;
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
-  while ((c = getopt_long(argc, argv, ":o:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":o:qvh", opts, NULL)) != -1) {
     switch (c) {
     case 'P': break;
     case 'a':
@@ -141,6 +150,8 @@ static int trace_synth_main(int argc, char **argv) {
       break;
     case 'c': bad |= parse_checkpoint(optarg, &m) != 0; break;
     case 'o': out = optarg; break;
+    case 'q': cli_verbosity = -1; break;
+    case 'v': cli_verbosity = 1; break;
     case 'h': synth_usage(stdout); return 0;
     case ':':
     case '?':
@@ -164,21 +175,36 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr, "ferry trace synth: %s\n", err);
     return 2;
   }
-  FILE *f = strcmp(out, "-") ? fopen(out, "w") : stdout;
+  int rc = cli_claim_stdout("trace synth", "--output", out);
+  if (rc) return rc;
+  FILE *f = strcmp(out, "-") ? fopen(out, "w") : cli_stdout();
   if (!f) {
     fprintf(stderr, "ferry trace synth: cannot write %s: %s\n", out, strerror(errno));
     return 1;
   }
-  int rc = synth_write(&m, f, err, sizeof err);
-  if (f != stdout && fclose(f) && !rc) {
+  rc = synth_write(&m, f, err, sizeof err);
+  if (strcmp(out, "-") && fclose(f) && !rc) {
     snprintf(err, sizeof err, "write error");
     rc = -1;
   }
+  if (!strcmp(out, "-") && cli_output_done("trace synth") && !rc) return 1;
   if (rc) {
     fprintf(stderr, "ferry trace synth: %s: %s\n", out, err);
     return 1;
   }
-  fprintf(stderr,
+  if (cli_verbosity > 0)
+    fprintf(stderr,
+            "ferry trace synth: arch %s, layers %d, hidden %d, heads %d, kv-heads %d, ffn %d, "
+            "vocab %d, seq %d, micro-batch %d, dtype %s, flash %s, checkpoint %s, shard %d, "
+            "tflops %g, hbm %g GB/s, steps %d\n",
+            m.arch == SYNTH_GPT ? "gpt" : "llama", m.layers, m.hidden, m.heads, m.kv_heads, m.ffn,
+            m.vocab, m.seq, m.micro_batch, ferry_dtype_name(m.dtype), m.flash ? "on" : "off",
+            m.checkpoint == SYNTH_CKPT_FULL        ? "full"
+            : m.checkpoint == SYNTH_CKPT_SELECTIVE ? "selective"
+                                                   : "off",
+            m.shard, m.tflops, m.hbm_gbps, m.steps);
+  if (cli_verbosity >= 0)
+    fprintf(stderr,
           "ferry trace synth: %s: %s, %.2fB parameters, %.2f GiB resident per GPU (shard %d), "
           "%.2f GiB of activations per layer, %d step(s)\n",
           out, m.name[0] ? m.name : "custom", (double)synth_param_count(&m) / 1e9,
@@ -189,8 +215,15 @@ static int trace_synth_main(int argc, char **argv) {
 
 int ferry_cli_trace(int argc, char **argv) {
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
-    fprintf(argc < 2 ? stderr : stdout, "usage: ferry trace synth [options] -o FILE\n"
-                                        "       ferry trace synth --help\n");
+    fprintf(argc < 2 ? stderr : stdout,
+            "usage: ferry trace synth [options] -o FILE\n"
+            "       ferry trace synth --help\n"
+            "\n"
+            "Traces for `ferry sim`. Subcommands:\n"
+            "  synth    write the trace of a transformer's training steps from its shape\n"
+            "\n"
+            "examples:\n"
+            "  ferry trace synth --preset llama3-8b -o llama3-8b.jsonl\n");
     return argc < 2 ? 2 : 0;
   }
   if (!strcmp(argv[1], "synth")) return trace_synth_main(argc - 1, argv + 1);

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "ferry_tools.h"
 
 /* Weak: a build without one of the cli_*.c files still links and says so. */
@@ -32,10 +33,20 @@ static void usage(FILE *to) {
   fprintf(to, "usage: ferry <command> [args]\n\ncommands:\n");
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     fprintf(to, "  %-8s %s\n", commands[i].name, commands[i].summary);
-  fprintf(to, "\n`ferry <command> --help` for each; `ferry -V` (--version).\n"
-              "\nexit status: 0 ok; 1 a policy, trace or run error; 2 usage (a bad flag or\n"
-              "value); 130 interrupted. `ferry run` passes the trainer's status through\n"
-              "and uses 125-127 for its own failures.\n");
+  fprintf(to, "\n`ferry <command> --help` (or `ferry help <command>`) for each; `ferry -V`\n"
+              "(--version).\n"
+              "\nconventions (docs/cli.md): a file name \"-\" is stdin or stdout (one output\n"
+              "on stdout at a time; the report for people then goes to stderr); -q, --quiet\n"
+              "and -v, --verbose in every command; colour only on a terminal and never with\n"
+              "NO_COLOR set; progress on stderr when it is a terminal.\n"
+              "\nexit status: 0 ok; 1 a policy, trace, file or run error; 2 usage (a bad flag\n"
+              "or value); 3 `ferry sim`: a policy faulted in a replay; 4 `ferry sim --fit`:\n"
+              "nothing fits; 130 interrupted (143 terminated). `ferry run` passes the\n"
+              "trainer's status through and uses 125-127 for its own failures.\n"
+              "\nexamples:\n"
+              "  ferry check default\n"
+              "  ferry trace synth -o - | ferry sim --policy default,layers --trace -\n"
+              "  ferry run --policy budget -- python train.py\n");
 }
 
 /* Ctrl-C ends every subcommand within moments with the shell's 128 + SIGINT,
@@ -45,6 +56,7 @@ static void usage(FILE *to) {
  * its own default handling. */
 static void on_interrupt(int sig) {
   static const char msg[] = "\nferry: interrupted\n";
+  cli_output_abandon(); /* the temporary file of an output "-" */
   ssize_t ignored = write(STDERR_FILENO, msg, sizeof msg - 1);
   (void)ignored;
   _exit(128 + sig);
@@ -64,6 +76,12 @@ int main(int argc, char **argv) {
     printf("ferry %s\n", ferry_version_string());
     return 0;
   }
+  if (argc > 2 && !strcmp(argv[1], "help")) { /* ferry help sim = ferry sim --help */
+    static char help_flag[] = "--help";
+    char *sub[] = {argv[2], help_flag, NULL};
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+      if (!strcmp(argv[2], commands[i].name) && commands[i].fn) return commands[i].fn(2, sub);
+  }
   if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
     usage(stdout);
     return 0;
@@ -79,8 +97,11 @@ int main(int argc, char **argv) {
   const char *names[sizeof commands / sizeof commands[0]];
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) names[i] = commands[i].name;
   const char *close = ferry_suggest(argv[1], names, sizeof commands / sizeof commands[0]);
-  if (close) fprintf(stderr, "ferry: unknown command '%s'; did you mean '%s'?\n\n", argv[1], close);
-  else fprintf(stderr, "ferry: unknown command '%s'\n\n", argv[1]);
+  const char *red = cli_sgr(2, CLI_RED), *bold = cli_sgr(2, CLI_BOLD), *off = cli_sgr(2, CLI_RESET);
+  if (close)
+    fprintf(stderr, "%sferry:%s unknown command '%s'; did you mean '%s%s%s'?\n\n", red, off,
+            argv[1], bold, close, off);
+  else fprintf(stderr, "%sferry:%s unknown command '%s'\n\n", red, off, argv[1]);
   usage(stderr);
   return 2;
 }

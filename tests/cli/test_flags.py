@@ -58,7 +58,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
-               "--optimizer-overlap", "--why"}
+               "--optimizer-overlap", "--why", "--verbose"}
 
 
 def argv(sub, flag, value, d):
