@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -25,8 +26,9 @@ static void sim_usage(FILE *f) {
           "offloading and once per policy, and compares them.\n"
           "\n"
           "  --policy LIST       policy files, comma-separated (a bare name is looked up in\n"
-          "                      policies/, e.g. default, layers, budget)\n"
-          "  --trace FILE        trace (docs/trace-format.md; `ferry trace synth` writes one)\n"
+          "                      policies/, e.g. default, layers, budget; - reads stdin)\n"
+          "  --trace FILE        trace (docs/trace-format.md; `ferry trace synth` writes one;\n"
+          "                      - reads stdin)\n"
           "  --hw NAME           link preset (default h100)\n"
           "  --link SPEC         override it: h2d=55GB/s,d2h=55GB/s,latency=5us,duplex=0.9\n"
           "                      (also duplex_h2d=, duplex_d2h=)\n"
@@ -66,13 +68,25 @@ static void sim_usage(FILE *f) {
           "  --max-line BYTES    longest trace line read (default 1M; longer is an error)\n"
           "  -q, --quiet         errors only on stderr: no progress, policy log lines or\n"
           "                      warnings (FERRY_LOG_FILE still gets errors; the report prints)\n"
+          "  -v, --verbose       also on stderr: each policy's file and each replay's wall\n"
+          "                      time and steps\n"
           "  --fit DEVICE_BYTES  search policies/host_budget.lua's knobs (host bytes, layers\n"
           "                      kept, stash, prefetch) for the lowest-overhead setting whose\n"
           "                      steady peak fits DEVICE_BYTES; writes it as a policy\n"
           "  --fit-host BYTES    host budget per rank for --fit (default: half --host-ram)\n"
           "  --fit-out FILE      where --fit writes the policy (default fit.lua)\n"
           "  --demo DIR          synthesize the Llama-3-8B-like trace, dry-run default, layers\n"
-          "                      and budget on h100, write every output into DIR\n",
+          "                      and budget on h100, write every output into DIR\n"
+          "  -h, --help          this help\n"
+          "\n"
+          "An output FILE of - is stdout (one at a time; the table then goes to stderr).\n"
+          "Progress shows on stderr when it is a terminal.\n"
+          "\n"
+          "examples:\n"
+          "  ferry sim --policy default,layers,budget --trace llama3-8b.jsonl --hw h100\n"
+          "  ferry trace synth -o - | ferry sim --policy default --trace - --json - | jq .runs\n"
+          "  ferry sim --policy budget --sweep KEEP_LAST=0..4 --trace t.jsonl --no-layers\n"
+          "  ferry sim --fit 40GiB --trace t.jsonl --fit-out fit.lua\n",
           sim_hw_names(), SIM_DEFAULT_CPU_ADAM);
 }
 
@@ -100,19 +114,28 @@ static char *with_knob(const char *src, const char *knob, long value) {
   return sim_policy_set_knob(src, knob, v);
 }
 
-static int sim_quiet; /* -q: errors only on stderr */
-
 typedef struct progress_state {
   const char *label;
-  int tty;
+  int run, runs; /* runs 0: --fit, counted as they start */
 } progress_state;
 
+/* The line on stderr (cli_progress: a terminal, not -q). */
 static void on_progress(void *ud, uint32_t step, uint32_t steps) {
   progress_state *p = ud;
-  if (!p->tty) return;
-  fprintf(stderr, "\rferry sim: %-24.24s step %u/%u", p->label, step, steps);
-  if (step == steps) fprintf(stderr, "\r%60s\r", "");
-  fflush(stderr);
+  if (!p->runs) {
+    if (step == 1) p->run++;
+    cli_progress(step == 1, "ferry sim --fit: setting %d, step %u/%u", p->run, step, steps);
+  } else {
+    cli_progress(step == 1, "ferry sim: run %d/%d %.40s: step %u/%u", p->run, p->runs, p->label,
+                 step, steps);
+  }
+}
+
+/* -v: how long a replay took, on stderr. */
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* Run settings common to every replay of a `ferry sim` command. */
@@ -229,13 +252,13 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
                    int layers_table) {
   char err[1024];
   sim_trace *t = NULL;
-  if (sim_trace_load_limited(trace_path, &trace_limits, &t, err, sizeof err)) {
+  if (sim_trace_load_limited(cli_input(trace_path), &trace_limits, &t, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     return 1;
   }
   int want_tl = chrome || svg || html;
   sim_result *rs = calloc((size_t)n_jobs + 1, sizeof *rs);
-  progress_state ps = {.tty = isatty(2) && !sim_quiet};
+  progress_state ps = {.runs = n_jobs + 1};
   int rc = 0;
   for (int i = 0; i <= n_jobs && !rc; i++) {
     sim_config c = opts_config(o, &hw);
@@ -251,20 +274,36 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
       c.optimizer_fraction = j->opt_fraction;
     }
     ps.label = i ? jobs[i - 1].label : "no offload";
+    ps.run = i + 1;
+    double t0 = now_s();
     if (sim_replay(t, &c, &rs[i], err, sizeof err)) {
+      cli_progress_end();
       fprintf(stderr, "ferry sim: %s\n", err);
       rc = 1;
+    } else if (cli_verbosity > 0) {
+      cli_progress_end();
+      fprintf(stderr, "ferry sim: %s: %u steps replayed in %.3f s\n", ps.label, rs[i].steps,
+              now_s() - t0);
     }
   }
+  cli_progress_end();
   if (!rc) {
     sim_run_info info = {trace_path, t, &hw};
     sim_print_table(stdout, &info, rs, n_jobs + 1);
     if (layers_table && n_jobs <= 4) sim_print_layers(stdout, rs, n_jobs + 1);
-    if (json && sim_write_json(json, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
-    if (!rc && chrome && sim_write_chrome_trace(chrome, rs, n_jobs + 1, err, sizeof err)) rc = 1;
-    if (!rc && svg && sim_write_svg(svg, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
-    if (!rc && html && sim_write_html(html, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    /* an output "-" is written to a temporary file, then to stdout */
+    const char *jp = cli_output(json), *cp = cli_output(chrome), *sp = cli_output(svg),
+               *hp = cli_output(html);
+    if ((json && !jp) || (chrome && !cp) || (svg && !sp) || (html && !hp)) {
+      snprintf(err, sizeof err, "a temporary file for stdout: %s", strerror(errno));
+      rc = 1;
+    }
+    if (!rc && json && sim_write_json(jp, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    if (!rc && chrome && sim_write_chrome_trace(cp, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    if (!rc && svg && sim_write_svg(sp, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
+    if (!rc && html && sim_write_html(hp, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
     if (rc) fprintf(stderr, "ferry sim: %s\n", err);
+    if (cli_stdout_claimed() && cli_output_done("sim") && !rc) rc = 1;
     for (int i = 1; i <= n_jobs && !rc; i++)
       if (rs[i].policy_errors) rc = 3; /* a policy that faulted is worth a non-zero exit */
   }
@@ -284,7 +323,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
   }
   char *tmpl = read_file(path);
   sim_trace *t = NULL;
-  if (!tmpl || sim_trace_load_limited(trace_path, &trace_limits, &t, err, sizeof err)) {
+  if (!tmpl || sim_trace_load_limited(cli_input(trace_path), &trace_limits, &t, err, sizeof err)) {
     fprintf(stderr, "ferry sim --fit: %s\n", tmpl ? err : "cannot read the policy template");
     free(tmpl);
     return 1;
@@ -292,10 +331,14 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
   sim_fit_config fc = {0};
   fc.policy_template = tmpl;
   fc.replay = opts_config(o, hw);
+  progress_state ps = {0};
+  fc.replay.progress = on_progress;
+  fc.replay.progress_ud = &ps;
   fc.device_bytes = device_bytes;
   fc.host_bytes = host_bytes ? host_bytes : fc.replay.host_ram_bytes / 2;
   sim_fit_result fr;
   int rc = sim_fit(t, &fc, &fr, err, sizeof err);
+  cli_progress_end();
   if (rc) fprintf(stderr, "ferry sim --fit: %s\n", err);
   sim_config bc = opts_config(o, hw);
   sim_result base;
@@ -345,10 +388,15 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
              hw_arg, (double)b->peak_device_bytes / (1u << 30),
              (double)b->host_reserved_bytes / (1u << 30),
              100.0 * (b->step_us - base.step_us) / base.step_us);
-    FILE *f = src ? fopen(out_path, "w") : NULL;
-    if (!f || fputs(hdr, f) < 0 || fputs(src, f) < 0 || fclose(f)) {
+    int to_stdout = !strcmp(out_path, "-");
+    FILE *f = !src ? NULL : to_stdout ? cli_stdout() : fopen(out_path, "w");
+    int bad = !f || fputs(hdr, f) < 0 || fputs(src, f) < 0;
+    if (f && (to_stdout ? cli_output_done("sim") : fclose(f))) bad = 1;
+    if (bad) {
       fprintf(stderr, "ferry sim --fit: cannot write %s\n", out_path);
       rc = 1;
+    } else if (to_stdout) {
+      printf("wrote the policy to stdout\n");
     } else {
       printf("wrote %s\n  check it:  ferry sim --policy %s --trace %s --hw %s --steps %u "
              "--warmup %u\n  train:     ferry run --policy %s -- python train.py   "
@@ -429,7 +477,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"release-copied", no_argument, 0, 'X'}, {"prefetch-at-backward", no_argument, 0, 'B'},
       {"max-line", required_argument, 0, 'Y'}, {"quiet", no_argument, 0, 'q'},
       {"optimizer-fraction", required_argument, 0, 'o'}, {"cpu-adam", required_argument, 0, 'A'},
-      {"optimizer-overlap", required_argument, 0, 'V'},
+      {"optimizer-overlap", required_argument, 0, 'V'}, {"verbose", no_argument, 0, 'v'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -443,7 +491,7 @@ int ferry_cli_sim(int argc, char **argv) {
   int n_fractions = 0;
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
-  while ((c = getopt_long(argc, argv, ":hq", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":hqv", opts, NULL)) != -1) {
     switch (c) {
     case 'p': policies = optarg; break;
     case 't': trace = optarg; break;
@@ -511,10 +559,8 @@ int ferry_cli_sim(int argc, char **argv) {
       trace_limits.max_line_bytes = (size_t)line_limit;
       break;
     case 'D': demo_dir = optarg; break;
-    case 'q':
-      sim_quiet = 1;
-      ferry_log_level(FERRY_LOG_ERROR);
-      break;
+    case 'q': cli_verbosity = -1; break;
+    case 'v': cli_verbosity = 1; break;
     case 'h': sim_usage(stdout); return 0;
     case ':':
     case '?':
@@ -528,6 +574,14 @@ int ferry_cli_sim(int argc, char **argv) {
     fprintf(stderr, "ferry sim: unexpected argument '%s'\n", argv[optind]);
     return 2;
   }
+  if (cli_verbosity < 0) ferry_log_level(FERRY_LOG_ERROR);
+  /* "-": stdin read once, one output on stdout */
+  int dash = cli_claim_stdin("sim", "--trace", trace);
+  static const char *const out_flags[] = {"--json", "--chrome-trace", "--svg", "--html",
+                                          "--fit-out"};
+  const char *out_values[] = {json, chrome, svg, html, fit ? fit_out : NULL};
+  for (int i = 0; i < 5 && !dash; i++) dash = cli_claim_stdout("sim", out_flags[i], out_values[i]);
+  if (dash) return dash;
   if (demo_dir) return demo(demo_dir);
   const sim_hw *preset = sim_hw_preset(hw_name);
   if (!preset) {
@@ -591,15 +645,25 @@ int ferry_cli_sim(int argc, char **argv) {
   }
   sim_job *jobs = calloc(MAX_RUNS + 1, sizeof *jobs);
   int n = 0, rc = 0;
-  char *list = strdup(policies ? policies : "");
+  char *list = strdup(policies ? policies : ""), *stdin_src = NULL;
   for (char *save = NULL, *p = strtok_r(list, ",", &save); p && !rc; p = strtok_r(NULL, ",", &save)) {
     char path[PATH_MAX];
     char why[512];
-    if (ferry_policy_find(p, path, sizeof path, why, sizeof why)) {
+    int from_stdin = !strcmp(p, "-");
+    if (from_stdin) { /* the source itself: a label "stdin", chunk name "policy" */
+      if ((rc = cli_claim_stdin("sim", "--policy", p))) break;
+      if (!(stdin_src = cli_read_stdin(16u << 20, NULL))) {
+        fprintf(stderr, "ferry sim: --policy -: cannot read stdin: %s\n", strerror(errno));
+        rc = 1;
+        break;
+      }
+      snprintf(path, sizeof path, "stdin");
+    } else if (ferry_policy_find(p, path, sizeof path, why, sizeof why)) {
       fprintf(stderr, "ferry sim: --policy: %s\n", why);
       rc = 2;
       break;
     }
+    if (cli_verbosity > 0) fprintf(stderr, "ferry sim: --policy %s: %s\n", p, path);
     const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
     char name[100];
     snprintf(name, sizeof name, "%.99s", base);
@@ -608,11 +672,16 @@ int ferry_cli_sim(int argc, char **argv) {
     if (!sweep) {
       if (n >= MAX_RUNS) break;
       snprintf(jobs[n].label, sizeof jobs[n].label, "%s", name);
-      snprintf(jobs[n].path, sizeof jobs[n].path, "%s", path);
+      if (from_stdin && !(jobs[n].source = strdup(stdin_src))) {
+        fprintf(stderr, "ferry sim: out of memory\n");
+        rc = 1;
+        break;
+      }
+      if (!from_stdin) snprintf(jobs[n].path, sizeof jobs[n].path, "%s", path);
       n++;
       continue;
     }
-    char *src = read_file(path);
+    char *src = from_stdin ? strdup(stdin_src) : read_file(path);
     if (!src) {
       fprintf(stderr, "ferry sim: cannot read %s\n", path);
       rc = 2;
@@ -633,6 +702,7 @@ int ferry_cli_sim(int argc, char **argv) {
     free(src);
   }
   free(list);
+  free(stdin_src);
   if (!rc && recorded && n < MAX_RUNS) {
     snprintf(jobs[n].label, sizeof jobs[n].label, "recorded decisions");
     jobs[n++].recorded = 1;
