@@ -81,6 +81,12 @@ static double text_w(const char *str, double fs) {
   return w * fs;
 }
 
+/* s into dst, shortened with "..." to be at most max_px wide at font size fs. */
+static void fit_text(char *dst, size_t n, const char *s, double max_px, double fs) {
+  snprintf(dst, n, "%s", s);
+  while (text_w(dst, fs) > max_px && strlen(dst) > 4) strcpy(dst + strlen(dst) - 4, "...");
+}
+
 static void fmt_bytes(char *b, size_t n, double v) {
   if (v >= GIB) snprintf(b, n, "%.2f GiB", v / GIB);
   else if (v >= 1048576.0) snprintf(b, n, "%.1f MiB", v / 1048576.0);
@@ -283,9 +289,9 @@ static void svg_axes(svg *p, const sim_run_info *info, int n) {
   const char *trace = info->trace_path ? info->trace_path : "trace";
   const char *base = strrchr(trace, '/');
   base = base && base[1] ? base + 1 : trace;
-  char title[512];
-  snprintf(title, sizeof title, "Memory over one training step: %s on %s", base, hw);
-  while (text_w(title, 16) > p->W - 40 && strlen(title) > 8) strcpy(title + strlen(title) - 4, "...");
+  char full[512], title[512];
+  snprintf(full, sizeof full, "Memory over one training step: %s on %s", base, hw);
+  fit_text(title, sizeof title, full, p->W - 40, 16);
   label(p, p->W / 2.0, 26, 16, MIDDLE, NULL, "title", title);
   label(p, p->W / 2.0, 46, 12, MIDDLE, "#444444", "subtitle",
         "the last replayed step of each run, time from its start; "
@@ -453,9 +459,7 @@ static void svg_waits(svg *p, const sim_result *r, int i) {
   if (kind >= 0) svg_wait_rect(p, r, i, kind, x0, x1, us);
   double y = p->sT + 4 + i * p->row + p->row - 7;
   char name[64];
-  snprintf(name, sizeof name, "%s", r->label);
-  while (text_w(name, 11) > p->L - 14 && strlen(name) > 4)
-    strcpy(name + strlen(name) - 4, "...");
+  fit_text(name, sizeof name, r->label, p->L - 14, 11);
   label(p, p->L - 7, y, 11, END, run_color(i), "strip-label", name);
   char t[32];
   fmt_us(t, sizeof t, total);
@@ -482,6 +486,9 @@ static int crosses(box a, box b) {
 }
 
 #define LABEL_FS 11
+/* More runs than this (a sweep): their peaks are marked, not labelled (the
+ * legend's rows give the figures) */
+#define MAX_LABELLED 8
 
 /* The leader from a marker at (x, y) to text at (tx, ty), or a zero-length
  * one when the text is close enough to need none. */
@@ -568,9 +575,10 @@ static double place(svg *p, mark *m) {
     if (!box_free(p, b)) continue;
     box l = leader(m->x, m->y, c->x, c->y, c->anchor);
     if (is_point(l) && nearer_mark(p, m, c)) continue; /* it would read as another's */
-    int on = box_on_line(p, b); /* a few cells: crossing a curve; many: along one */
-    double cost = c->cost + (is_point(l) ? 0 : 40) + (on ? 40 + 3.0 * (on < 30 ? on : 30) : 0) +
-                  (leader_clashes(p, l) ? 200 : 0);
+    double cost = c->cost + (is_point(l) ? 0 : 40);
+    int on = cost < least ? box_on_line(p, b) : 0; /* a few cells: across a curve; many: along */
+    cost += on ? 40 + 3.0 * (on < 30 ? on : 30) : 0;
+    if (cost < least && leader_clashes(p, l)) cost += 200;
     if (cost < least) least = cost, pick = c;
   }
   m->found = pick != NULL;
@@ -633,8 +641,9 @@ static void svg_peaks(svg *p, const sim_result *rs, int n) {
       x->bytes = host ? (double)rs[i].peak_host_bytes : (double)rs[i].peak_device_bytes;
       char b[32];
       fmt_bytes(b, sizeof b, x->bytes);
-      snprintf(x->text, sizeof x->text, "%.100s %s %s", rs[i].label, host ? "host peak" : "peak",
-               b);
+      char name[128];
+      fit_text(name, sizeof name, rs[i].label, 200, LABEL_FS);
+      snprintf(x->text, sizeof x->text, "%s %s %s", name, host ? "host peak" : "peak", b);
     }
   }
   if (!m || !order || !best || !saved) k = 0;
@@ -645,11 +654,13 @@ static void svg_peaks(svg *p, const sim_result *rs, int n) {
       p->marks[p->n_marks++][1] = m[j].y;
     }
   }
-  for (int j = 0; j < k; j++) mark_spots(p, &m[j]);
+  /* more than MAX_LABELLED runs: markers only (the legend's rows give the figures) */
+  for (int j = 0; j < k && n <= MAX_LABELLED; j++) mark_spots(p, &m[j]);
   if (k) *saved = *p;
   double least = INFINITY;
   unsigned seed = 12345;
-  for (int trial = 0; trial < (k > 1 ? 24 : 1); trial++) {
+  int trials = n > MAX_LABELLED ? 0 : k < 2 ? 1 : k <= 8 ? 24 : 6;
+  for (int trial = 0; trial < trials; trial++) {
     for (int j = 0; j < k; j++) order[j] = j;
     if (trial == 0 || trial == 1) /* highest on the page first, then lowest */
       for (int a = 0; a < k; a++)
@@ -676,7 +687,7 @@ static void svg_peaks(svg *p, const sim_result *rs, int n) {
   }
   if (k) {
     *p = *saved;
-    for (int j = 0; j < k; j++) place(p, &m[best[j]]);
+    for (int j = 0; j < k && n <= MAX_LABELLED; j++) place(p, &m[best[j]]);
     for (int j = 0; j < k; j++) svg_mark(p, &rs[m[j].run], &m[j]);
   }
   for (int j = 0; j < k; j++) free(m[j].spots);
@@ -730,13 +741,15 @@ static int svg_legend(svg *p, const sim_run_info *info, const sim_result *rs, in
   double y = p->legend_y;
   for (int i = 0; i < n; i++, y += 18) {
     const sim_result *r = &rs[i];
-    char pk[32], hp[32], st[32], sl[32], t[320];
+    char pk[32], hp[32], st[32], sl[32], t[400], rest[256], name[128];
     fmt_bytes(pk, sizeof pk, (double)r->peak_device_bytes);
     fmt_bytes(hp, sizeof hp, (double)r->peak_host_bytes);
     fmt_us(st, sizeof st, r->step_us);
     fmt_us(sl, sizeof sl, r->stall_us + r->host_wait_us);
-    snprintf(t, sizeof t, "%.100s: device peak %s, pinned host peak %s, step %s, stall %s",
-             r->label, pk, hp, st, sl);
+    snprintf(rest, sizeof rest, ": device peak %s, pinned host peak %s, step %s, stall %s", pk,
+             hp, st, sl);
+    fit_text(name, sizeof name, r->label, p->W - 8 - (p->L + 32) - text_w(rest, 12), 12);
+    snprintf(t, sizeof t, "%s%s", name, rest);
     fprintf(f, "<g class=\"legend run\" data-run=\"");
     xml_text(f, r->label);
     fprintf(f, "\">\n<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"%s\" "
@@ -753,8 +766,9 @@ static int svg_legend(svg *p, const sim_run_info *info, const sim_result *rs, in
   else
     snprintf(cap, sizeof cap, "capacity unknown");
   const char *keys[9] = {"device memory (left axis)", "pinned host memory (right axis)",
-                         "backward starts (forward is left of it)", cap, "device peak",
-                         "host peak", "waits for a reload", "host waits for copies",
+                         "backward starts (forward is left of it)", cap,
+                         n > MAX_LABELLED ? "device peak (figures above)" : "device peak",
+                         n > MAX_LABELLED ? "host peak (figures above)" : "host peak", "waits for a reload", "host waits for copies",
                          "host pins memory"};
   double x = p->L;
   y += 8;
@@ -832,12 +846,13 @@ int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *
 /* ---- HTML ---------------------------------------------------------------------------- */
 
 static const char html_style[] =
-    "body{font-family:sans-serif;margin:24px;color:#222;max-width:1180px}\n"
+    "body{font-family:sans-serif;margin:24px;color:#222;max-width:1150px}\n"
     "h1{font-size:22px;margin:0 0 6px}h2{font-size:17px;margin:28px 0 8px}\n"
     "p{margin:4px 0;font-size:14px;max-width:900px}.meta{color:#555;font-size:13px}\n"
     "table{border-collapse:collapse;font-size:13px}\n"
-    "th,td{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}\n"
-    "th{background:#f4f4f4}td.name,th.name{text-align:left}\n"
+    "th,td{padding:3px 7px;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}\n"
+    "th{background:#f4f4f4;white-space:normal;vertical-align:bottom}"
+    "td.name,th.name{text-align:left}\n"
     ".sw{display:inline-block;width:12px;height:12px;margin-right:6px;vertical-align:-1px}\n"
     ".bar{display:inline-block;height:12px;background:#e3e3e3;vertical-align:-1px;"
     "border-radius:2px;overflow:hidden;white-space:nowrap;font-size:0}\n"
