@@ -25,6 +25,9 @@ void cli_bad_option(const char *cmd, const struct option *opts, char **argv, int
 /* ---- -q / -v ------------------------------------------------------------------------ */
 /* -1 after -q (errors only), 0 by default, 1 after -v; the last one given wins. */
 extern int cli_verbosity;
+/* Back to the defaults (verbosity 0, stdin not read) for a subcommand called
+ * again in one process (tests); a claimed stdout stays claimed. */
+void cli_reset(void);
 
 /* ---- colour ------------------------------------------------------------------------- */
 /* Whether to colour what goes to fd: a terminal, NO_COLOR unset or empty

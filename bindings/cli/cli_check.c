@@ -6,6 +6,7 @@
  * file:line. How it works: docs/internals.md#cli_checkc.
  */
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <getopt.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -45,7 +46,8 @@ static void note_fault(fault_log *f, const char *msg) {
       f->count[i]++;
       return;
     }
-  say("  fault: %s\n", msg);
+  say("  %sfault:%s %s\n", cli_sgr(fileno(check_out), CLI_RED),
+      cli_sgr(fileno(check_out), CLI_RESET), msg);
   if (f->n < MAX_DISTINCT_FAULTS && (f->msg[f->n] = strdup(msg))) f->count[f->n++] = 1;
 }
 
@@ -83,13 +85,23 @@ static void usage(FILE *to) {
           "      --why PATTERN    only the decisions whose rule, its file:line or the\n"
           "                       module path contains PATTERN (rows and totals)\n"
           "      --json FILE      also write the decisions, reasons and totals as JSON\n"
-          "                       (- = stdout, and no text)\n"
+          "                       (- = stdout, and the text goes to stderr)\n"
           "  -q, --quiet          print only the header, faults and the summary (no\n"
           "                       rows, no ferry.log lines)\n"
+          "  -v, --verbose        also print after each step the offloads per layer\n"
+          "                       (the counts layer-aware rules see)\n"
           "  -h, --help           this help\n"
           "\n"
+          "POLICY - and --trace - read stdin (one of them). Decisions and the summary's\n"
+          "faults are coloured on a terminal (not with NO_COLOR).\n"
+          "\n"
           "Exit status: 0 policy loaded and decided without a fault; 1 load error\n"
-          "(policy or trace) or fault (printed with file:line); 2 usage error.\n");
+          "(policy or trace) or fault (printed with file:line); 2 usage error.\n"
+          "\n"
+          "examples:\n"
+          "  ferry check default\n"
+          "  ferry check --trace run.jsonl --why min_bytes mine.lua\n"
+          "  ferry check -q --json - budget | jq .summary\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, const char *what, int *out) {
@@ -346,8 +358,9 @@ static void check_tensor(check_run *r, const ferry_tensor_desc *d, ferry_context
   snprintf(shape + w, sizeof shape - (size_t)w, "]");
   snprintf(module, sizeof module, "%.120s (%.120s)", d->module_path ? d->module_path : "-",
            d->module_class ? d->module_class : "-");
-  say("  %-8s %-13s %-6s %-10s %-5s %-10s %-24s %-*s %s\n", offload ? "offload" : "keep",
-      reload, cache, KIND_NAMES[d->kind & 3], ferry_dtype_name(d->dtype),
+  say("  %s%-8s%s %-13s %-6s %-10s %-5s %-10s %-24s %-*s %s\n",
+      offload ? cli_sgr(fileno(check_out), CLI_GREEN) : "", offload ? "offload" : "keep",
+      offload ? cli_sgr(fileno(check_out), CLI_RESET) : "", reload, cache, KIND_NAMES[d->kind & 3], ferry_dtype_name(d->dtype),
       human_bytes(d->bytes, bytes, sizeof bytes), shape, r->module_width, module,
       reason_text(&why, reason, sizeof reason));
 }
@@ -432,11 +445,11 @@ static int write_json(const char *file, cJSON *root) {
     return 1;
   }
   int to_stdout = !strcmp(file, "-");
-  FILE *f = to_stdout ? stdout : fopen(file, "w");
+  FILE *f = to_stdout ? cli_stdout() : fopen(file, "w");
   int bad = !f;
   if (f) {
     bad = fputs(text, f) < 0 || fputc('\n', f) < 0;
-    bad = (to_stdout ? fflush(f) : fclose(f)) || bad;
+    bad = (to_stdout ? cli_output_done("check") : fclose(f)) || bad;
   }
   free(text);
   if (bad) fprintf(stderr, "ferry check: cannot write %s\n", file);
@@ -459,9 +472,14 @@ static void begin_step(check_run *r, ferry_context *ctx, uint64_t step, int ram_
   }
 }
 
-static void end_step(uint64_t step, uint64_t n, uint64_t off, uint64_t off_bytes, int quiet,
-                     cJSON *steps) {
+static void end_step(const check_run *r, uint64_t step, uint64_t n, uint64_t off,
+                     uint64_t off_bytes, int quiet, cJSON *steps) {
   char ob[32];
+  if (cli_verbosity > 0 && r->layers > 0) {
+    say("  offloaded per layer:");
+    for (int l = 0; l < r->layers; l++) say(" %d:%u", l, r->per_layer[l]);
+    say("\n");
+  }
   say("%sstep %llu: %llu tensors, %llu offloaded (%s), %llu kept\n", quiet ? "" : "  ",
       (unsigned long long)step, (unsigned long long)n, (unsigned long long)off,
       human_bytes(off_bytes, ob, sizeof ob), (unsigned long long)(n - off));
@@ -495,7 +513,7 @@ static int run_model(check_run *r, const model_shape *m, int steps, int ram_pct,
       site_to_desc(&sites[i], m, FERRY_PHASE_FORWARD, &d);
       check_tensor(r, &d, &ctx, &off, &off_bytes);
     }
-    end_step((uint64_t)step, (uint64_t)n, off, off_bytes, r->quiet, jsteps);
+    end_step(r, (uint64_t)step, (uint64_t)n, off, off_bytes, r->quiet, jsteps);
   }
   free(sites);
   return 0;
@@ -524,7 +542,7 @@ static void run_trace(check_run *r, const sim_trace *t, uint32_t steps, int ram_
       n++;
       check_tensor(r, &t->tensors[ev->tensor].desc, &ctx, &off, &off_bytes);
     }
-    end_step(st->number, n, off, off_bytes, r->quiet, jsteps);
+    end_step(r, st->number, n, off, off_bytes, r->quiet, jsteps);
   }
 }
 
@@ -534,7 +552,8 @@ int ferry_cli_check(int argc, char **argv) {
   static const struct option longopts[] = {
       {"trusted", no_argument, NULL, 't'}, {"layers", required_argument, NULL, 'l'},
       {"steps", required_argument, NULL, 's'}, {"ram-pct", required_argument, NULL, 'r'},
-      {"quiet", no_argument, NULL, 'q'},   {"help", no_argument, NULL, 'h'},
+      {"quiet", no_argument, NULL, 'q'},   {"verbose", no_argument, NULL, 'v'},
+      {"help", no_argument, NULL, 'h'},
       {"trace", required_argument, NULL, OPT_TRACE}, {"why", required_argument, NULL, OPT_WHY},
       {"json", required_argument, NULL, OPT_JSON}, {NULL, 0, NULL, 0}};
   int trusted = 0, quiet = 0, steps = 2, steps_given = 0, layers_given = 0, ram_pct = 30;
@@ -542,12 +561,14 @@ int ferry_cli_check(int argc, char **argv) {
   model_shape m = {.layers = 4, .batch = 1, .seq = 2048, .hidden = 4096, .heads = 32,
                    .intermediate = 14336, .vocab = 128256};
   optind = 1; /* callable more than once in one process (tests) */
+  cli_reset();
   opterr = 0; /* cli_bad_option names the flag and a close one */
   int c;
-  while ((c = getopt_long(argc, argv, ":tl:s:r:qh", longopts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, ":tl:s:r:qvh", longopts, NULL)) != -1) {
     switch (c) {
     case 't': trusted = 1; break;
-    case 'q': quiet = 1; break;
+    case 'q': quiet = 1; cli_verbosity = -1; break;
+    case 'v': quiet = 0; cli_verbosity = 1; break;
     case 'l':
       if (parse_int(optarg, 1, 1024, "--layers", &m.layers)) return 2;
       layers_given = 1;
@@ -586,20 +607,34 @@ int ferry_cli_check(int argc, char **argv) {
     fprintf(stderr, "ferry check: --layers is the synthetic model's; a trace has its own\n");
     return 2;
   }
-  check_out = json && !strcmp(json, "-") ? NULL : stdout;
+  /* "-": stdin once (POLICY or --trace), the JSON on stdout with the text on stderr */
+  int dash = cli_claim_stdin("check", "POLICY", argv[optind]);
+  if (!dash) dash = cli_claim_stdin("check", "--trace", trace_path);
+  if (!dash) dash = cli_claim_stdout("check", "--json", json);
+  if (dash) return dash;
+  check_out = stdout;
   if (quiet) ferry_log_level(FERRY_LOG_ERROR); /* a policy's ferry.log lines too */
   char path[PATH_MAX], err[1024];
-  if (ferry_policy_find(argv[optind], path, sizeof path, err, sizeof err)) {
+  char *source = NULL; /* POLICY -: the text read from stdin */
+  if (!strcmp(argv[optind], "-")) {
+    if (!(source = cli_read_stdin(16u << 20, NULL))) {
+      fprintf(stderr, "ferry check: POLICY -: cannot read stdin: %s\n", strerror(errno));
+      return 1;
+    }
+    snprintf(path, sizeof path, "-");
+  } else if (ferry_policy_find(argv[optind], path, sizeof path, err, sizeof err)) {
     fprintf(stderr, "ferry check: %s\n", err);
     return 2;
   }
   sim_trace *trace = NULL;
-  if (trace_path && sim_trace_load(trace_path, &trace, err, sizeof err)) {
+  if (trace_path && sim_trace_load(cli_input(trace_path), &trace, err, sizeof err)) {
     fprintf(stderr, "ferry check: %s\n", err);
+    free(source);
     return 1;
   }
   ferry_policy *p = NULL;
-  int rc = ferry_policy_create(path, NULL, trusted, &p, err, sizeof err);
+  int rc = ferry_policy_create(source ? NULL : path, source, trusted, &p, err, sizeof err);
+  free(source);
   if (rc != FERRY_OK) {
     fprintf(stderr, "ferry check: %s\n", err);
     sim_trace_free(trace);
@@ -647,18 +682,20 @@ int ferry_cli_check(int argc, char **argv) {
   ferry_policy_get_stats(p, &s);
   print_totals(&run);
   say("\nsummary: %llu decisions (%llu offload, %llu keep), %llu Lua calls, %llu cache hits, "
-      "%llu faults%s\n",
+      "%s%llu faults%s%s\n",
       (unsigned long long)(run.offloaded_total + run.kept_total),
       (unsigned long long)run.offloaded_total, (unsigned long long)run.kept_total,
       (unsigned long long)s.calls, (unsigned long long)s.cache_hits,
-      (unsigned long long)s.errors, s.disabled ? " (policy disabled by its error budget)" : "");
+      cli_sgr(fileno(check_out), s.errors ? CLI_RED : CLI_GREEN), (unsigned long long)s.errors,
+      cli_sgr(fileno(check_out), CLI_RESET),
+      s.disabled ? " (policy disabled by its error budget)" : "");
   for (int i = 0; i < run.faults.n; i++) {
     if (run.faults.count[i] > 1)
       say("fault repeated %llu times: %s\n", (unsigned long long)run.faults.count[i],
           run.faults.msg[i]);
     free(run.faults.msg[i]);
   }
-  if (s.errors) fprintf(stderr, "ferry check: %s: last fault: %s\n", path, ferry_policy_last_error(p));
+  if (s.errors) cli_error("check", "%s: last fault: %s\n", path, ferry_policy_last_error(p));
   if (root) {
     cJSON_AddItemToObject(root, "reasons", totals_json(&run));
     cJSON *sum = cJSON_AddObjectToObject(root, "summary");

@@ -99,6 +99,11 @@ static int data_fd = -1;     /* the real stdout once claimed */
 static FILE *data_file;      /* cli_stdout()'s stream on data_fd */
 static char temp_path[4096]; /* cli_output's file for "-", "" if none */
 
+void cli_reset(void) {
+  cli_verbosity = 0;
+  stdin_flag = NULL;
+}
+
 int cli_claim_stdin(const char *cmd, const char *flag, const char *value) {
   if (!value || strcmp(value, "-")) return 0;
   if (stdin_flag) {
