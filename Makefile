@@ -16,15 +16,15 @@ build: deps
 	@cmake --build $(BUILD) -j$(JOBS) -- --no-print-directory
 
 # The main job on a bundled default: synthesize a Llama-3-8B-like trace,
-# dry-run default/layers/budget on an H100 link, write JSON, Chrome trace
-# and SVG into $(BUILD)/demo/.
+# dry-run default/layers/budget on an H100 link, write the HTML report
+# (report.html), JSON, Chrome trace and SVG into $(BUILD)/demo/.
 # Then a real run: a small GPT-style model trains a few steps on CPU through
 # ferry.torch.offload (Debian's torch), recording its trace, which the
-# simulator replays beside the synthesized one.
+# simulator replays beside the synthesized one (its report: gpt-cpu.html).
 demo: build
 	$(BUILD)/bin/ferry sim --demo $(BUILD)/demo
 	PYTHONPATH=$(BUILD)/python $(PYTHON_TORCH) examples/train_gpt.py --steps 4 --trace $(BUILD)/demo/gpt-cpu.jsonl
-	$(BUILD)/bin/ferry sim --trace $(BUILD)/demo/gpt-cpu.jsonl --policy policies/default.lua,policies/budget.lua --hw h100 --steps 3
+	$(BUILD)/bin/ferry sim --trace $(BUILD)/demo/gpt-cpu.jsonl --policy policies/default.lua,policies/budget.lua --hw h100 --steps 3 --html $(BUILD)/demo/gpt-cpu.html
 
 # Every suite: ctest (host, pool arena, CUDA double), sanitizers, valgrind,
 # install, busted, pytest.
