@@ -137,15 +137,14 @@ static void copy_slice(ct_recorder *r, int dir, const ct_copy *c, double start, 
                       rel(r, start), end - start);
   cJSON *a = ct_args(e);
   if (a) {
-    cJSON_AddNumberToObject(a, "tensor", (double)c->tensor);
-    cJSON_AddNumberToObject(a, "bytes", (double)c->bytes);
-    if (c->layer >= 0) cJSON_AddNumberToObject(a, "layer", c->layer);
-    if (c->module && *c->module) cJSON_AddStringToObject(a, "module", c->module);
-    cJSON_AddStringToObject(a, "decision", "offload");
-    if (dir) cJSON_AddStringToObject(a, "reload", c->prefetch ? "prefetch" : "on use");
-    double queued = start > c->issued_us ? start - c->issued_us : 0;
-    cJSON_AddNumberToObject(a, "queued_us", round(queued * 1000) / 1000);
-    if (observed) cJSON_AddStringToObject(a, "timing", "observed");
+    ct_add_count(a, "tensor", (double)c->tensor);
+    ct_add_count(a, "bytes", (double)c->bytes);
+    if (c->layer >= 0) ct_add_count(a, "layer", c->layer);
+    if (c->module && *c->module) ct_add_str(a, "module", c->module);
+    ct_add_str(a, "decision", "offload");
+    if (dir) ct_add_str(a, "reload", c->prefetch ? "prefetch" : "on use");
+    ct_add_us(a, "queued_us", start > c->issued_us ? start - c->issued_us : 0);
+    if (observed) ct_add_str(a, "timing", "observed");
   }
   ct_emit(&r->w, e);
 }
@@ -253,14 +252,14 @@ void ctrace_call(ferry_engine *e, const char *what, double t0, const ct_tensor *
   cJSON *ev = ct_slice(what, "engine", r->pid, thread_lane(r), rel(r, t0), now - t0);
   cJSON *a = t || found ? ct_args(ev) : NULL;
   if (a && t) {
-    if (t->tensor) cJSON_AddNumberToObject(a, "tensor", (double)t->tensor);
-    cJSON_AddNumberToObject(a, "bytes", (double)t->bytes);
-    if (t->layer >= 0) cJSON_AddNumberToObject(a, "layer", t->layer);
-    if (t->module && *t->module) cJSON_AddStringToObject(a, "module", t->module);
-    cJSON_AddStringToObject(a, "decision", t->decision == FERRY_OFFLOAD ? "offload" : "keep");
-    if (t->alias_of) cJSON_AddNumberToObject(a, "alias_of", (double)t->alias_of);
+    if (t->tensor) ct_add_count(a, "tensor", (double)t->tensor);
+    ct_add_count(a, "bytes", (double)t->bytes);
+    if (t->layer >= 0) ct_add_count(a, "layer", t->layer);
+    if (t->module && *t->module) ct_add_str(a, "module", t->module);
+    ct_add_str(a, "decision", t->decision == FERRY_OFFLOAD ? "offload" : "keep");
+    if (t->alias_of) ct_add_count(a, "alias_of", (double)t->alias_of);
   }
-  if (a && found) cJSON_AddStringToObject(a, "found", found);
+  if (a && found) ct_add_str(a, "found", found);
   ct_emit(&r->w, ev);
   counters(e, r, rel(r, now));
   note_error(r);
@@ -280,7 +279,7 @@ void ctrace_mark(ferry_engine *e, const char *what) {
   pthread_mutex_lock(&r->lock);
   double now = rel(r, util_now_us());
   cJSON *ev = ct_instant(what, r->pid, thread_lane(r), now, 'p');
-  cJSON_AddNumberToObject(ct_args(ev), "step", (double)e->step);
+  ct_add_count(ct_args(ev), "step", (double)e->step);
   ct_emit(&r->w, ev);
   counters(e, r, now);
   /* the file is whole at each step's end */

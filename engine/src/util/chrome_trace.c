@@ -85,40 +85,116 @@ int ct_close(ct_writer *w, char *err, size_t errlen) {
     }
   }
   free(w->buf);
-  w->buf = NULL;
-  w->len = w->cap = 0;
+  free(w->scratch);
+  w->buf = w->scratch = NULL;
+  w->len = w->cap = w->scratch_len = 0;
   return rc;
+}
+
+/* ---- numbers -------------------------------------------------------------------
+ * cJSON prints a number that is not a small integer with sprintf("%1.15g")
+ * and reads it back with sscanf to check it: about 3,000 instructions, most
+ * of an event's cost when every event has two times. Times (µs, to the ns)
+ * and counts are written here as raw JSON text with integer arithmetic;
+ * the values are the same. */
+
+/* Adds item under key, a string constant the object does not copy. */
+static void add(cJSON *o, const char *key, cJSON *item) {
+  if (!item || !cJSON_AddItemToObjectCS(o, key, item)) cJSON_Delete(item);
+}
+
+/* Decimal digits of v into the end of buf (no terminator); returns the start. */
+static char *digits(char *end, uint64_t v) {
+  do *--end = (char)('0' + v % 10);
+  while (v /= 10);
+  return end;
+}
+
+void ct_add_us(cJSON *o, const char *key, double us) {
+  double ns = round(us * 1000);
+  if (!o) return;
+  if (!(fabs(ns) < 9e15)) { /* not finite, or beyond exact integers */
+    add(o, key, cJSON_CreateNumber(ns / 1000));
+    return;
+  }
+  char buf[32], *end = buf + sizeof buf - 1, *p;
+  *end = 0;
+  uint64_t a = (uint64_t)fabs(ns), frac = a % 1000;
+  if (frac) { /* ".5", ".25", ".125": no trailing zeros */
+    int n = 3;
+    while (frac % 10 == 0) frac /= 10, n--;
+    p = end;
+    for (int i = 0; i < n; i++, frac /= 10) *--p = (char)('0' + frac % 10);
+    *--p = '.';
+    end = p;
+  }
+  p = digits(end, a / 1000);
+  if (ns < 0) *--p = '-';
+  add(o, key, cJSON_CreateRaw(p));
+}
+
+void ct_add_count(cJSON *o, const char *key, double v) {
+  if (!o) return;
+  if (v != floor(v) || !(fabs(v) < 9e15)) {
+    add(o, key, cJSON_CreateNumber(v));
+    return;
+  }
+  char buf[32], *end = buf + sizeof buf - 1, *p;
+  *end = 0;
+  p = digits(end, (uint64_t)fabs(v));
+  if (v < 0) *--p = '-';
+  add(o, key, cJSON_CreateRaw(p));
+}
+
+void ct_add_str(cJSON *o, const char *key, const char *value) {
+  if (o) add(o, key, cJSON_CreateString(value));
 }
 
 cJSON *ct_event(const char *ph, const char *name, int pid, int tid, double ts_us) {
   cJSON *e = cJSON_CreateObject();
   if (!e) return NULL;
-  cJSON_AddStringToObject(e, "ph", ph);
-  if (name) cJSON_AddStringToObject(e, "name", name);
-  cJSON_AddNumberToObject(e, "pid", pid);
-  if (tid) cJSON_AddNumberToObject(e, "tid", tid);
-  cJSON_AddNumberToObject(e, "ts", round(ts_us * 1000) / 1000);
+  add(e, "ph", cJSON_CreateString(ph));
+  if (name) add(e, "name", cJSON_CreateString(name));
+  ct_add_count(e, "pid", pid);
+  if (tid) ct_add_count(e, "tid", tid);
+  ct_add_us(e, "ts", ts_us);
   return e;
 }
 
 cJSON *ct_args(cJSON *e) {
   if (!e) return NULL;
   cJSON *a = cJSON_GetObjectItemCaseSensitive(e, "args");
-  return a ? a : cJSON_AddObjectToObject(e, "args");
+  if (a) return a;
+  a = cJSON_CreateObject();
+  if (a && !cJSON_AddItemToObjectCS(e, "args", a)) {
+    cJSON_Delete(a);
+    a = NULL;
+  }
+  return a;
 }
 
 void ct_emit(ct_writer *w, cJSON *e) {
   if (!e) return;
-  char *text = cJSON_PrintUnformatted(e);
+  /* printed into the writer's scratch buffer (grown when an event does not
+   * fit), not into a fresh allocation per event */
+  if (!w->scratch) w->scratch = malloc(w->scratch_len = 1024);
+  while (w->scratch && !cJSON_PrintPreallocated(e, w->scratch, (int)w->scratch_len, 0)) {
+    free(w->scratch);
+    w->scratch = w->scratch_len < ((size_t)1 << 26) ? malloc(w->scratch_len *= 4) : NULL;
+  }
   cJSON_Delete(e);
-  if (!text) return;
+  const char *text = w->scratch;
+  if (!text) {
+    if (!w->error) w->error = ENOMEM;
+    w->scratch_len = 0;
+    return;
+  }
   size_t n = strlen(text), need = w->len + n + 2;
   if (need > w->cap) {
     size_t ncap = w->cap ? w->cap : 4096;
     while (ncap < need) ncap *= 2;
     char *b = realloc(w->buf, ncap);
     if (!b) {
-      free(text);
       if (!w->error) w->error = ENOMEM;
       return;
     }
@@ -131,7 +207,6 @@ void ct_emit(ct_writer *w, cJSON *e) {
   }
   memcpy(w->buf + w->len, text, n);
   w->len += n;
-  free(text);
   if (w->len >= w->flush_bytes) flush_events(w, 0);
 }
 
@@ -157,8 +232,8 @@ cJSON *ct_slice(const char *name, const char *cat, int pid, int tid, double ts_u
                 double dur_us) {
   cJSON *e = ct_event("X", name, pid, tid, ts_us);
   if (!e) return NULL;
-  cJSON_AddNumberToObject(e, "dur", round((dur_us > 0 ? dur_us : 0) * 1000) / 1000);
-  if (cat) cJSON_AddStringToObject(e, "cat", cat);
+  ct_add_us(e, "dur", dur_us > 0 ? dur_us : 0);
+  if (cat) add(e, "cat", cJSON_CreateString(cat));
   return e;
 }
 
@@ -166,22 +241,22 @@ void ct_flow(ct_writer *w, int start, const char *name, double id, int pid, int 
              double ts_us) {
   cJSON *f = ct_event(start ? "s" : "f", name, pid, tid, ts_us);
   if (!f) return;
-  cJSON_AddStringToObject(f, "cat", "flow");
-  cJSON_AddNumberToObject(f, "id", id);
-  if (!start) cJSON_AddStringToObject(f, "bp", "e");
+  add(f, "cat", cJSON_CreateString("flow"));
+  ct_add_count(f, "id", id);
+  if (!start) add(f, "bp", cJSON_CreateString("e"));
   ct_emit(w, f);
 }
 
 void ct_counter(ct_writer *w, const char *name, int pid, double ts_us, const char *key,
                 double value) {
   cJSON *e = ct_event("C", name, pid, 0, ts_us);
-  if (e) cJSON_AddNumberToObject(ct_args(e), key, value);
+  if (e) ct_add_count(ct_args(e), key, value);
   ct_emit(w, e);
 }
 
 cJSON *ct_instant(const char *name, int pid, int tid, double ts_us, char scope) {
   cJSON *e = ct_event("i", name, pid, tid, ts_us);
   char s[2] = {scope, 0};
-  if (e) cJSON_AddStringToObject(e, "s", s);
+  if (e) add(e, "s", cJSON_CreateString(s));
   return e;
 }

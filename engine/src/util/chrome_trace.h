@@ -24,6 +24,8 @@ typedef struct ct_writer {
   size_t len, cap;
   uint64_t events;     /* events appended, ever */
   size_t flush_bytes;  /* ct_emit flushes once buf holds this much */
+  char *scratch;       /* one event printed */
+  size_t scratch_len;
 } ct_writer;
 
 /* Creates (truncates) path and writes the header. 0, or -1 with a message. */
@@ -38,6 +40,14 @@ int ct_close(ct_writer *w, char *err, size_t errlen);
 /* A new event (not yet appended): ph, name (NULL: none), pid, tid (0: none),
  * ts in µs, rounded to the ns. NULL when out of memory. */
 cJSON *ct_event(const char *ph, const char *name, int pid, int tid, double ts_us);
+/* Numbers, the same values cJSON_AddNumberToObject writes, printed without
+ * its sprintf/sscanf round trip: a time in µs to the ns (rounded), a count
+ * (a whole number; any other value goes to cJSON). o may be NULL; key is
+ * a string constant (not copied). */
+void ct_add_us(cJSON *o, const char *key, double us);
+void ct_add_count(cJSON *o, const char *key, double v);
+/* A string member (value copied; key a constant, as above). */
+void ct_add_str(cJSON *o, const char *key, const char *value);
 /* The event's "args" object, added when missing (NULL if e is NULL). */
 cJSON *ct_args(cJSON *e);
 /* Appends e and frees it (NULL: nothing). */
