@@ -283,7 +283,7 @@ static void svg_layout(svg *p, const sim_run_info *info, const sim_result *rs, i
 /* ---- the SVG's parts ------------------------------------------------------------------ */
 
 /* The title, grid, ticks, both axes and their titles, the capacity line. */
-static void svg_axes(svg *p, const sim_run_info *info, int n) {
+static void svg_axes(svg *p, const sim_run_info *info) {
   FILE *f = p->f;
   const char *hw = info->hw ? info->hw->name : "?";
   const char *trace = info->trace_path ? info->trace_path : "trace";
@@ -339,7 +339,6 @@ static void svg_axes(svg *p, const sim_run_info *info, int n) {
         "Exposed stalls: when each run's compute waited (the step is longer by them)");
   fprintf(f, "<rect class=\"stall-area\" x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" "
              "fill=\"none\" stroke=\"#999999\"/>\n", p->L, p->sT, p->R - p->L, p->sB - p->sT);
-  (void)n;
   if (p->cap > 0 && p->cap / p->ydiv <= p->yg) {
     double py = py_dev(p, p->cap);
     fprintf(f, "<line class=\"capacity\" x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" "
@@ -805,7 +804,7 @@ static void svg_write(FILE *f, const sim_run_info *info, const sim_result *rs, i
     return;
   }
   p->f = b;
-  svg_axes(p, info, n);
+  svg_axes(p, info);
   for (int i = 0; i < n; i++) svg_curves(p, &rs[i], i);
   for (int i = 0; i < n; i++) svg_waits(p, &rs[i], i);
   svg_peaks(p, rs, n);
