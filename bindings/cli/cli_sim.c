@@ -84,8 +84,9 @@ static void sim_usage(FILE *f) {
           "\n"
           "examples:\n"
           "  ferry sim --policy default,layers,budget --trace llama3-8b.jsonl --hw h100\n"
-          "  ferry trace synth -o - | ferry sim --policy default --trace - --json - | jq .runs\n"
-          "  ferry sim --policy budget --sweep KEEP_LAST=0..4 --trace t.jsonl --no-layers\n"
+          "  ferry trace synth -o - | ferry sim --policy default --trace -\n"
+          "  ferry sim --policy default --trace t.jsonl --json - | jq '.policies[].step_us'\n"
+          "  ferry sim --policy budget --sweep FWD_STASH=1..8 --trace t.jsonl --no-layers\n"
           "  ferry sim --fit 40GiB --trace t.jsonl --fit-out fit.lua\n",
           sim_hw_names(), SIM_DEFAULT_CPU_ADAM);
 }
