@@ -16,9 +16,9 @@
 #include <string.h>
 
 #include "ferry_tools.h"
+#include "sim/sim_format.h"
 
 #define GB 1e9
-#define GIB 1073741824.0
 #define MIB 1048576.0
 #define MAX_BOXES 1024
 
@@ -85,19 +85,6 @@ static double text_w(const char *str, double fs) {
 static void fit_text(char *dst, size_t n, const char *s, double max_px, double fs) {
   snprintf(dst, n, "%s", s);
   while (text_w(dst, fs) > max_px && strlen(dst) > 4) strcpy(dst + strlen(dst) - 4, "...");
-}
-
-static void fmt_bytes(char *b, size_t n, double v) {
-  if (v >= GIB) snprintf(b, n, "%.2f GiB", v / GIB);
-  else if (v >= 1048576.0) snprintf(b, n, "%.1f MiB", v / 1048576.0);
-  else if (v >= 1024.0) snprintf(b, n, "%.1f KiB", v / 1024.0);
-  else snprintf(b, n, "%.0f B", v);
-}
-
-static void fmt_us(char *b, size_t n, double us) {
-  if (us >= 1e6) snprintf(b, n, "%.3f s", us / 1e6);
-  else if (us >= 1e3) snprintf(b, n, "%.1f ms", us / 1e3);
-  else snprintf(b, n, "%.1f us", us);
 }
 
 /* ---- the SVG's layout ---------------------------------------------------------------- */

@@ -11,10 +11,10 @@
 #include <strings.h>
 
 #include "ferry_tools.h"
+#include "sim/sim_format.h"
 #include "util/chrome_trace.h"
 
 #define GB 1e9
-#define GIB 1073741824.0
 
 /* Published measurements (docs/simulator.md gives the sources). latency is
  * the per-copy fixed cost: 3-7 us of host submission for cudaMemcpyAsync. */
@@ -89,19 +89,6 @@ int sim_parse_link(const char *spec, sim_hw *hw, char *err, size_t errlen) {
 }
 
 /* ---- tables ---------------------------------------------------------------------- */
-static void fmt_bytes(char *b, size_t n, double v) {
-  if (v >= GIB) snprintf(b, n, "%.2f GiB", v / GIB);
-  else if (v >= 1048576.0) snprintf(b, n, "%.1f MiB", v / 1048576.0);
-  else if (v >= 1024.0) snprintf(b, n, "%.1f KiB", v / 1024.0);
-  else snprintf(b, n, "%.0f B", v);
-}
-
-static void fmt_us(char *b, size_t n, double us) {
-  if (us >= 1e6) snprintf(b, n, "%.3f s", us / 1e6);
-  else if (us >= 1e3) snprintf(b, n, "%.1f ms", us / 1e3);
-  else snprintf(b, n, "%.1f us", us);
-}
-
 static double pct(double v, double base) { return base > 0 ? 100.0 * (v - base) / base : 0; }
 
 /* Runs with optimizer-state offload: what moves, what it frees and costs. */
