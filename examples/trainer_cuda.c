@@ -13,8 +13,9 @@
  *   trainer_cuda [--layers L] [--floats N] [--steps S] [--offload-layers K]
  *                [--device D]
  *
- * Started by `ferry run`, it honours FERRY_POLICY, FERRY_TRACE and
- * FERRY_HOST_CAP (see apply_launcher_env; docs/embedding.md).
+ * Started by `ferry run`, it honours FERRY_POLICY, FERRY_TRACE,
+ * FERRY_CHROME_TRACE and FERRY_HOST_CAP (see apply_launcher_env;
+ * docs/embedding.md).
  *
  * It calls only CUDA entry points that the CUDA test double
  * (tests/cuda_double) models, so CI also runs it, end to end, over the double
@@ -122,9 +123,10 @@ static int decide_first_layers(void *ud, const ferry_tensor_desc *d, const ferry
  * applies the ones it wants. Returns 0, or 2 after a message. */
 static int apply_launcher_env(ferry_config *cfg) {
   const char *policy = getenv("FERRY_POLICY"), *trace = getenv("FERRY_TRACE");
-  const char *cap = getenv("FERRY_HOST_CAP");
+  const char *cap = getenv("FERRY_HOST_CAP"), *chrome = getenv("FERRY_CHROME_TRACE");
   if (policy && *policy) cfg->policy_path = policy; /* replaces the decide callback */
   if (trace && *trace) cfg->trace_path = trace;
+  if (chrome && *chrome) cfg->chrome_trace_path = chrome;
   if (cap && *cap) {
     char *end;
     if (cap[strlen(cap) - 1] == '%') {

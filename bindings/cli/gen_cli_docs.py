@@ -46,11 +46,22 @@ def listed_commands(text):
 
 
 def split_option(line):
-    """(head, description) of an option line: head holds the flags and their
-    value names, up to the first gap of two spaces."""
+    """(head, description) of an option line: head holds the flags, each
+    with its value name, up to the first gap of two spaces or the first word
+    after a value that is not a flag ("--chrome-trace FILE compute, ...")."""
     body = line.strip()
     m = re.search(r"\s{2,}", body)
-    return (body[:m.start()], body[m.end():]) if m else (body, "")
+    head, desc = (body[:m.start()], body[m.end():]) if m else (body, "")
+    words = head.split(" ")
+    i = 0
+    while i < len(words) and FLAG.fullmatch(words[i].rstrip(",")):
+        i += 1
+        if i < len(words) and not words[i].startswith("-"):
+            i += 1  # its value
+    if i < len(words):
+        desc = " ".join(words[i:]) + ("  " + desc if desc else "")
+        head = " ".join(words[:i])
+    return head, desc.strip()
 
 
 def options(text):

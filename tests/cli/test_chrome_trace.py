@@ -3,7 +3,9 @@
 
 - `ferry sim --chrome-trace` (the simulator's runs);
 - a real run: `ferry run --chrome-trace FILE` (alias --trace-out) over
-  examples/train_gpt.py, and (tests/python/test_chrome_trace_run.py)
+  examples/train_gpt.py (host backend) and over examples/trainer_cuda.c on
+  the CUDA test double (cuda backend, copies timed by host functions on
+  their streams), and (tests/python/test_chrome_trace_run.py)
   ferry.torch.offload(..., chrome_trace=FILE) from pytest.
 
 Checked everywhere: known phases; every slice on a declared lane with a
@@ -22,6 +24,7 @@ Usage: test_chrome_trace.py FERRY_BINARY          (the simulator's trace)
                                                     exit 77 when the build's
                                                     Python package or torch
                                                     cannot be imported)
+       test_chrome_trace.py FERRY_BINARY --cuda-trainer TRAINER_CUDA_DOUBLE
        test_chrome_trace.py --check FILE [--real] (check a trace file)"""
 import collections
 import json
@@ -221,6 +224,28 @@ def run_trace(ferry, d):
     report(problems, events, nflows, "ferry run --trace-out")
 
 
+def cuda_trace(ferry, trainer, d):
+    """ferry run --trace-out over trainer_cuda on the CUDA test double: 3
+    steps of 8 layers, 6 offloaded each step; every copy timed by the
+    backend (no "observed" timing), none overlapping on its stream."""
+    out = os.path.join(d, "cuda.json")
+    r = subprocess.run([ferry, "run", "--trace-out", out, "--", trainer, "--steps", "3"],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        sys.exit(f"trainer failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    events = load(out)
+    problems, nflows = check(events, real=True)
+    copies = [e for e in events if e["ph"] == "X" and e.get("cat") in ("offload", "reload")]
+    offloads = sum(e["cat"] == "offload" for e in copies)
+    if offloads != 18:
+        problems.append(f"{offloads} offload slices: want 18 (6 layers x 3 steps)")
+    problems += [f"copy not timed by the backend: {e}" for e in copies
+                 if e["args"].get("timing") == "observed"]
+    if nflows == 0:
+        problems.append("no flow arrows")
+    report(problems, events, nflows, "ferry run --trace-out -- trainer_cuda (CUDA double)")
+
+
 def main():
     if sys.argv[1] == "--check":
         events = load(sys.argv[2])
@@ -230,6 +255,8 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         if "--run" in sys.argv[2:]:
             run_trace(sys.argv[1], d)
+        elif "--cuda-trainer" in sys.argv[2:]:
+            cuda_trace(sys.argv[1], sys.argv[sys.argv.index("--cuda-trainer") + 1], d)
         else:
             sim_trace(sys.argv[1], d)
 

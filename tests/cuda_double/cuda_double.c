@@ -37,7 +37,7 @@ typedef struct marker { /* completion of one cudaEventRecord */
   int clock_len;
 } marker;
 
-typedef enum { OP_COPY, OP_RECORD, OP_WAIT } op_kind;
+typedef enum { OP_COPY, OP_RECORD, OP_WAIT, OP_HOST_FUNC } op_kind;
 
 typedef struct op {
   op_kind kind;
@@ -48,6 +48,8 @@ typedef struct op {
   unsigned delay_us;
   int by_caller; /* a synchronous copy the calling thread runs itself */
   marker *m; /* RECORD: completes it; WAIT: waits for it */
+  cudaHostFn_t fn; /* HOST_FUNC: called on the stream's thread, in order */
+  void *fn_ud;
   struct op *next;
 } op;
 
@@ -374,6 +376,11 @@ static void *stream_worker(void *arg) {
       unlock();
       if (o->delay_us) sleep_us(o->delay_us);
       memcpy(o->dst, o->src, o->bytes);
+      lock();
+    }
+    if (o->kind == OP_HOST_FUNC) { /* as CUDA: the stream waits for it */
+      unlock();
+      o->fn(o->fn_ud);
       lock();
     }
     s->head = o->next;
@@ -765,6 +772,20 @@ cudaError_t CUDARTAPI cudaMemcpyAsync(void *dst, const void *src, size_t count,
   o->src = src;
   o->bytes = count;
   o->delay_us = g_delay_us;
+  return leave(cudaSuccess);
+}
+
+/* A host function in stream order (CUDA 10): it must not call CUDA. */
+cudaError_t CUDARTAPI cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData) {
+  ENTER("cudaLaunchHostFunc");
+  struct CUstream_st *s;
+  cudaError_t e = resolve_stream(stream, "cudaLaunchHostFunc", &s);
+  if (e != cudaSuccess) return leave(e);
+  if (!fn) return leave(fail(cudaErrorInvalidValue));
+  op *o = enqueue(s, OP_HOST_FUNC);
+  if (!o) return leave(fail(cudaErrorMemoryAllocation));
+  o->fn = fn;
+  o->fn_ud = userData;
   return leave(cudaSuccess);
 }
 

@@ -15,6 +15,7 @@
 #include "util/errbuf.h"
 #include "ferry_tools.h"
 #include "backend/backend_internal.h"
+#include "util/util.h"
 
 #define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)
@@ -53,6 +54,9 @@ typedef struct cuda_backend {
   int device;
   pin_method pin;
   size_t page;
+  /* told of each copy's start and end (set_copy_listener), NULL = none */
+  bk_copy_listener listener;
+  void *listener_ud;
 } cuda_backend;
 
 static cuda_backend *as_cuda(ferry_backend *b) { return (cuda_backend *)b; }
@@ -269,17 +273,65 @@ static int copy_args(ferry_backend *b, const char *what, const void *dst,
   return FERRY_OK;
 }
 
+/* ---- copy timing (set_copy_listener) --------------------------------------
+ * With a listener, a copy is bracketed by two host functions on its stream
+ * (cudaLaunchHostFunc): the first runs when the stream reaches the copy
+ * (what was before it, waits included, is done) and stamps the start; the
+ * second runs when the copy is done, stamps the end and tells the listener.
+ * The stream waits for each, a few µs per copy, paid only while a Chrome
+ * trace is recorded. A bracket that cannot be enqueued leaves the copy
+ * untimed (the engine then times it as it observes it). */
+typedef struct copy_timing {
+  bk_copy_listener fn; /* NULL: the copy failed, only free */
+  void *ud;
+  int dir;
+  uint64_t bytes;
+  const void *dev, *host;
+  double start_us;
+} copy_timing;
+
+static void CUDART_CB timing_start(void *p) { ((copy_timing *)p)->start_us = util_now_us(); }
+
+static void CUDART_CB timing_end(void *p) {
+  copy_timing *t = p;
+  if (t->fn) t->fn(t->ud, t->dir, t->start_us, util_now_us(), t->bytes, t->dev, t->host);
+  free(t);
+}
+
 /* No device guard on copies: the CUDA programming guide ("Stream and Event
  * Behavior") says a memory copy succeeds when issued to a stream of another
  * device than the current one (only kernel launches fail), so a writer or
  * backward thread sitting on device 0 may enqueue them as they are. */
+static int copy_async(cuda_backend *cb, int dir, void *dst, const void *src, size_t bytes,
+                      bk_stream s) {
+  copy_timing *t = NULL;
+  if (cb->listener && (t = malloc(sizeof *t))) {
+    *t = (copy_timing){cb->listener, cb->listener_ud, dir, bytes, dir ? dst : src,
+                       dir ? src : dst, 0};
+    if (cudaLaunchHostFunc(cuda_stream(s), timing_start, t) != cudaSuccess) {
+      (void)cudaGetLastError();
+      free(t);
+      t = NULL;
+    }
+  }
+  int rc = CUDA_CALL(cb, cudaMemcpyAsync,
+                     (dst, src, bytes, dir ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                      cuda_stream(s)));
+  if (t) {
+    if (rc) t->fn = NULL;
+    /* (if this fails, the start function may still run: t is left to it) */
+    if (cudaLaunchHostFunc(cuda_stream(s), timing_end, t) != cudaSuccess)
+      (void)cudaGetLastError();
+  }
+  return rc;
+}
+
 static int copy_d2h(ferry_backend *b, void *dst_host, const void *src_dev,
                     size_t bytes, bk_stream s) {
   if (bytes == 0) return FERRY_OK;
   int rc = copy_args(b, "copy_d2h", dst_host, src_dev, s);
   if (rc) return rc;
-  return CUDA_CALL(as_cuda(b), cudaMemcpyAsync,
-                   (dst_host, src_dev, bytes, cudaMemcpyDeviceToHost, cuda_stream(s)));
+  return copy_async(as_cuda(b), 0, dst_host, src_dev, bytes, s);
 }
 
 static int copy_h2d(ferry_backend *b, void *dst_dev, const void *src_host,
@@ -287,8 +339,14 @@ static int copy_h2d(ferry_backend *b, void *dst_dev, const void *src_host,
   if (bytes == 0) return FERRY_OK;
   int rc = copy_args(b, "copy_h2d", dst_dev, src_host, s);
   if (rc) return rc;
-  return CUDA_CALL(as_cuda(b), cudaMemcpyAsync,
-                   (dst_dev, src_host, bytes, cudaMemcpyHostToDevice, cuda_stream(s)));
+  return copy_async(as_cuda(b), 1, dst_dev, src_host, bytes, s);
+}
+
+static int set_copy_listener(ferry_backend *b, bk_copy_listener fn, void *ud) {
+  cuda_backend *cb = as_cuda(b);
+  cb->listener = fn;
+  cb->listener_ud = ud;
+  return FERRY_OK;
 }
 
 /* ---- events -------------------------------------------------------------- */
@@ -375,6 +433,7 @@ static const ferry_backend_ops cuda_ops = {
     .event_synchronize = event_synchronize,
     .stream_synchronize = stream_synchronize,
     .stream_wait_event = stream_wait_event,
+    .set_copy_listener = set_copy_listener,
 };
 
 /* ---- creation ------------------------------------------------------------ */
