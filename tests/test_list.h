@@ -121,6 +121,11 @@
   X(sim_trace_load_streams_what_parse_reads)                            \
   X(sim_synth_matches_korthikanti_formula)                              \
   X(sim_synth_llama_shapes_and_sizes)                                   \
+  X(sim_synth_checkpoint_modes_save_what_the_formulas_say)              \
+  X(sim_synth_recompute_time_goes_to_backward)                          \
+  X(sim_synth_selective_with_flash_is_refused)                          \
+  X(sim_synth_presets_match_published_parameter_counts)                 \
+  X(sim_synth_moe_router_and_experts)                                   \
   X(sim_replay_matches_hand_computed_times)                             \
   X(sim_replay_policies_on_synthesized_llama)                           \
   X(sim_link_presets_and_syntax)                                        \

@@ -22,11 +22,29 @@ static void synth_usage(FILE *f) {
           "  --preset NAME        start from a preset (default llama3-8b)\n"
           "  --arch llama|gpt     llama: RMSNorm, GQA, SwiGLU; gpt: LayerNorm, GeLU, dropout\n"
           "  --layers N --hidden N --heads N --kv-heads N --ffn N --vocab N\n"
+          "  --head-dim N         per-head width (default hidden / heads; Qwen3: 128)\n"
+          "  --qk-norm on|off     RMSNorm on q and k per head, as Qwen3 (llama arch)\n"
+          "  --experts N          MoE: N experts per layer (llama arch; 0 = dense), tokens\n"
+          "                       split evenly among them\n"
+          "  --top-k K            experts per token (MoE)\n"
+          "  --expert-ffn N       an expert's FFN width (default --ffn)\n"
+          "  --tie-embeddings on|off  the head shares the embedding (parameter count)\n"
           "  --seq N              sequence length (default 8192)\n"
           "  --micro-batch N      sequences per micro-batch (default 1)\n"
           "  --dtype T            bf16 (default), f16, f32\n"
           "  --flash on|off       FlashAttention (default on): no s^2 tensors\n"
-          "  --checkpoint MODE    off (default), full, selective[:attn_core+mlp_act]\n"
+          "  --checkpoint MODE    activation checkpointing (docs/simulator.md):\n"
+          "                       none (default; also off)\n"
+          "                       full: every block keeps only its input, recomputed\n"
+          "                         before its backward\n"
+          "                       full:K: every K-th block (torchtitan's ac_freq: blocks\n"
+          "                         K, 2K, ... counted from 1), the others save everything\n"
+          "                       selective-op: torchtitan's per-op policy: keeps the\n"
+          "                         outputs of the 1st, 3rd, 5th... matmul of a block and\n"
+          "                         of flash attention, recomputes the rest\n"
+          "                       selective[:attn_core+mlp_act]: Megatron-LM's: recomputes\n"
+          "                         the attention core (the s^2 tensors; needs --flash\n"
+          "                         off) and/or the MLP activation\n"
           "  --shard N            data-parallel sharding degree, FSDP/ZeRO-3 (default 8)\n"
           "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
           "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
@@ -39,7 +57,8 @@ static void synth_usage(FILE *f) {
           "examples:\n"
           "  ferry trace synth -o llama3-8b.jsonl\n"
           "  ferry trace synth --preset tiny --steps 2 -o - | ferry sim --policy default --trace -\n"
-          "  ferry trace synth --layers 48 --hidden 6144 --seq 4096 --checkpoint full -o big.jsonl\n",
+          "  ferry trace synth --layers 48 --hidden 6144 --seq 4096 --checkpoint full -o big.jsonl\n"
+          "  ferry trace synth --preset qwen3-30b-a3b --checkpoint selective-op -o moe.jsonl\n",
           synth_preset_names());
 }
 
@@ -56,9 +75,26 @@ static int num_arg(const char *opt, const char *v, double *out) {
   return cli_number("trace synth", opt, v, FERRY_NUMBER_REAL, 0, 1e9, 1, out) ? -1 : 0;
 }
 
+static int on_off(const char *opt, const char *v, int *out) {
+  if (!strcmp(v, "on")) *out = 1;
+  else if (!strcmp(v, "off")) *out = 0;
+  else {
+    fprintf(stderr, "ferry trace synth: %s %s: on or off\n", opt, v);
+    return -1;
+  }
+  return 0;
+}
+
 static int parse_checkpoint(const char *v, synth_model *m) {
-  if (!strcmp(v, "off")) m->checkpoint = SYNTH_CKPT_OFF;
+  m->ckpt_every = 1;
+  if (!strcmp(v, "none") || !strcmp(v, "off")) m->checkpoint = SYNTH_CKPT_OFF;
   else if (!strcmp(v, "full")) m->checkpoint = SYNTH_CKPT_FULL;
+  else if (!strncmp(v, "full:", 5)) {
+    long k;
+    if (cli_int("trace synth", "--checkpoint full:K", v + 5, 1, 1L << 20, &k)) return -1;
+    m->checkpoint = SYNTH_CKPT_FULL;
+    m->ckpt_every = (int)k;
+  } else if (!strcmp(v, "selective-op")) m->checkpoint = SYNTH_CKPT_SELECTIVE_OP;
   else if (!strncmp(v, "selective", 9) && (v[9] == 0 || v[9] == ':')) {
     m->checkpoint = SYNTH_CKPT_SELECTIVE;
     m->recompute = SYNTH_RECOMPUTE_ATTN_CORE;
@@ -74,9 +110,16 @@ static int parse_checkpoint(const char *v, synth_model *m) {
           return -1;
         }
       }
+      if (!m->recompute) {
+        fprintf(stderr, "ferry trace synth: --checkpoint %s: no group (attn_core, mlp_act)\n", v);
+        return -1;
+      }
     }
   } else {
-    fprintf(stderr, "ferry trace synth: --checkpoint %s: off, full or selective[:groups]\n", v);
+    fprintf(stderr,
+            "ferry trace synth: --checkpoint %s: none, full, full:K, selective-op or "
+            "selective[:attn_core+mlp_act]\n",
+            v);
     return -1;
   }
   return 0;
@@ -104,6 +147,9 @@ static int trace_synth_main(int argc, char **argv) {
       {"checkpoint", required_argument, 0, 'c'}, {"shard", required_argument, 0, 'S'},
       {"tflops", required_argument, 0, 't'}, {"hbm", required_argument, 0, 'm'},
       {"steps", required_argument, 0, 'N'},  {"output", required_argument, 0, 'o'},
+      {"head-dim", required_argument, 0, 'D'}, {"qk-norm", required_argument, 0, 'Q'},
+      {"experts", required_argument, 0, 'E'}, {"top-k", required_argument, 0, 'K'},
+      {"expert-ffn", required_argument, 0, 'X'}, {"tie-embeddings", required_argument, 0, 'T'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *out = NULL;
@@ -140,14 +186,13 @@ static int trace_synth_main(int argc, char **argv) {
         bad = 1;
       }
       break;
-    case 'F':
-      if (!strcmp(optarg, "on")) m.flash = 1;
-      else if (!strcmp(optarg, "off")) m.flash = 0;
-      else {
-        fprintf(stderr, "ferry trace synth: --flash %s: on or off\n", optarg);
-        bad = 1;
-      }
-      break;
+    case 'F': bad |= on_off("--flash", optarg, &m.flash) != 0; break;
+    case 'Q': bad |= on_off("--qk-norm", optarg, &m.qk_norm) != 0; break;
+    case 'T': bad |= on_off("--tie-embeddings", optarg, &m.tie_embeddings) != 0; break;
+    case 'D': bad |= int_arg("--head-dim", optarg, &m.head_dim) != 0; break;
+    case 'E': bad |= int_arg("--experts", optarg, &m.experts) != 0; break;
+    case 'K': bad |= int_arg("--top-k", optarg, &m.top_k) != 0; break;
+    case 'X': bad |= int_arg("--expert-ffn", optarg, &m.expert_ffn) != 0; break;
     case 'c': bad |= parse_checkpoint(optarg, &m) != 0; break;
     case 'o': out = optarg; break;
     case 'q': cli_verbosity = -1; break;
@@ -192,24 +237,42 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr, "ferry trace synth: %s: %s\n", out, err);
     return 1;
   }
+  char ckpt[32];
+  if (m.checkpoint == SYNTH_CKPT_FULL && m.ckpt_every > 1) snprintf(ckpt, sizeof ckpt, "full:%d", m.ckpt_every);
+  else snprintf(ckpt, sizeof ckpt, "%s", m.checkpoint == SYNTH_CKPT_FULL           ? "full"
+                                         : m.checkpoint == SYNTH_CKPT_SELECTIVE    ? "selective"
+                                         : m.checkpoint == SYNTH_CKPT_SELECTIVE_OP ? "selective-op"
+                                                                                   : "none");
   if (cli_verbosity > 0)
     fprintf(stderr,
-            "ferry trace synth: arch %s, layers %d, hidden %d, heads %d, kv-heads %d, ffn %d, "
-            "vocab %d, seq %d, micro-batch %d, dtype %s, flash %s, checkpoint %s, shard %d, "
+            "ferry trace synth: arch %s, layers %d, hidden %d, heads %d, kv-heads %d, head-dim %d, "
+            "qk-norm %s, ffn %d, experts %d, top-k %d, expert-ffn %d, vocab %d, seq %d, "
+            "micro-batch %d, dtype %s, flash %s, checkpoint %s, shard %d, "
             "tflops %g, hbm %g GB/s, steps %d\n",
-            m.arch == SYNTH_GPT ? "gpt" : "llama", m.layers, m.hidden, m.heads, m.kv_heads, m.ffn,
-            m.vocab, m.seq, m.micro_batch, ferry_dtype_name(m.dtype), m.flash ? "on" : "off",
-            m.checkpoint == SYNTH_CKPT_FULL        ? "full"
-            : m.checkpoint == SYNTH_CKPT_SELECTIVE ? "selective"
-                                                   : "off",
+            m.arch == SYNTH_GPT ? "gpt" : "llama", m.layers, m.hidden, m.heads, m.kv_heads,
+            m.head_dim ? m.head_dim : m.hidden / m.heads, m.qk_norm ? "on" : "off", m.ffn,
+            m.experts, m.top_k, m.experts ? (m.expert_ffn ? m.expert_ffn : m.ffn) : 0, m.vocab,
+            m.seq, m.micro_batch, ferry_dtype_name(m.dtype), m.flash ? "on" : "off", ckpt,
             m.shard, m.tflops, m.hbm_gbps, m.steps);
-  if (cli_verbosity >= 0)
-    fprintf(stderr,
-          "ferry trace synth: %s: %s, %.2fB parameters, %.2f GiB resident per GPU (shard %d), "
-          "%.2f GiB of activations per layer, %d step(s)\n",
-          out, m.name[0] ? m.name : "custom", (double)synth_param_count(&m) / 1e9,
-          (double)synth_resident_bytes(&m) / 1073741824.0, m.shard,
-          (double)synth_layer_activation_bytes(&m) / 1073741824.0, m.steps);
+  if (cli_verbosity >= 0) {
+    char params[64], saved[160];
+    if (m.experts)
+      snprintf(params, sizeof params, "%.2fB parameters (%.2fB active)",
+               (double)synth_param_count(&m) / 1e9, (double)synth_active_param_count(&m) / 1e9);
+    else snprintf(params, sizeof params, "%.2fB parameters", (double)synth_param_count(&m) / 1e9);
+    const double GiB = 1073741824.0, all = (double)synth_layer_activation_bytes(&m) / GiB;
+    int ck = synth_checkpointed_layers(&m);
+    if (!ck) snprintf(saved, sizeof saved, "%.2f GiB of activations per layer", all);
+    else {
+      int L = m.checkpoint == SYNTH_CKPT_FULL ? m.ckpt_every - 1 : 0; /* a checkpointed one */
+      snprintf(saved, sizeof saved,
+               "%.2f GiB of activations per layer, %.3f GiB kept by %d checkpointed layer(s) (%s)",
+               all, (double)synth_layer_saved_bytes(&m, L) / GiB, ck, ckpt);
+    }
+    fprintf(stderr, "ferry trace synth: %s: %s, %s, %.2f GiB resident per GPU (shard %d), %s, %d step(s)\n",
+            out, m.name[0] ? m.name : "custom", params, (double)synth_resident_bytes(&m) / GiB,
+            m.shard, saved, m.steps);
+  }
   return 0;
 }
 

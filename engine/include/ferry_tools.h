@@ -604,7 +604,18 @@ FERRY_API void sim_result_free(sim_result *r);
  */
 
 enum { SYNTH_LLAMA = 0, SYNTH_GPT = 1 };
-enum { SYNTH_CKPT_OFF = 0, SYNTH_CKPT_FULL = 1, SYNTH_CKPT_SELECTIVE = 2 };
+/* Activation checkpointing (docs/simulator.md, "Activation checkpointing"):
+ * none; full (every ckpt_every-th block keeps only its input and is
+ * recomputed before its backward); selective (Megatron-LM's: the groups in
+ * `recompute` are dropped and recomputed); selective-op (torchtitan's
+ * per-op policy: matmul outputs except every second one and attention's
+ * outputs kept, the rest recomputed). */
+enum {
+  SYNTH_CKPT_OFF = 0,
+  SYNTH_CKPT_FULL = 1,
+  SYNTH_CKPT_SELECTIVE = 2,
+  SYNTH_CKPT_SELECTIVE_OP = 3
+};
 /* What selective checkpointing recomputes (bit mask). */
 enum {
   SYNTH_RECOMPUTE_ATTN_CORE = 1u << 0, /* softmax & co: the s^2 tensors */
@@ -624,25 +635,39 @@ typedef struct synth_model {
   double tflops;   /* achieved matmul throughput, TFLOP/s */
   double hbm_gbps; /* achieved memory bandwidth of element-wise kernels, GB/s */
   int steps;       /* steps in the trace */
+  int ckpt_every;  /* full:K: the blocks whose 1-based index is a multiple of K (1: all) */
+  int head_dim;    /* 0: hidden / heads */
+  int qk_norm;     /* Qwen3: RMSNorm over head_dim on q and k */
+  int experts, top_k, expert_ffn; /* MoE (llama arch): 0 = dense; expert_ffn 0 = ffn */
+  int tie_embeddings; /* the head shares the embedding's weight */
 } synth_model;
 
-/* Fill *m with a preset ("llama3-8b", "llama3-70b", "gpt3-1.3b", "tiny")
- * and the defaults (seq 8192, micro-batch 1, bf16, flash on, no
- * checkpointing, shard 8, 400 TFLOP/s, 2000 GB/s, 1 step). -1 if unknown. */
+/* Fill *m with a preset (synth_preset_names()) and the defaults (seq 8192,
+ * micro-batch 1, bf16, flash on, no checkpointing, shard 8, 400 TFLOP/s,
+ * 2000 GB/s, 1 step). -1 if unknown. */
 FERRY_API int synth_preset(const char *name, synth_model *m);
 /* Names of the presets, for help texts. */
 FERRY_API const char *synth_preset_names(void);
-/* 0, or -1 with a message naming the bad field. */
+/* 0, or -1 with a message naming the bad field (or the checkpointing mode
+ * that would change nothing: selective with FlashAttention). */
 FERRY_API int synth_validate(const synth_model *m, char *err, size_t errlen);
 /* Write the trace; 0, or -1 with a message (I/O error). */
 FERRY_API int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen);
 
 /* Bytes of the distinct activation buffers one layer saves in the forward
- * pass (no parameters; a buffer saved by several ops counts once). */
+ * pass without checkpointing (no parameters; a buffer saved by several ops
+ * counts once). */
 FERRY_API uint64_t synth_layer_activation_bytes(const synth_model *m);
-/* Parameters of the model, and the resident bytes per GPU (parameters,
+/* What layer `layer` keeps from its forward pass to its backward under
+ * m's checkpointing (the trace's forward-phase activation packs). */
+FERRY_API uint64_t synth_layer_saved_bytes(const synth_model *m, int layer);
+/* The layers m's checkpointing applies to (full:K: layers / K). */
+FERRY_API int synth_checkpointed_layers(const synth_model *m);
+/* Parameters of the model (MoE: all experts; active: the router and top_k
+ * experts per layer), and the resident bytes per GPU (parameters,
  * gradients, optimizer states, sharded by m->shard). */
 FERRY_API uint64_t synth_param_count(const synth_model *m);
+FERRY_API uint64_t synth_active_param_count(const synth_model *m);
 FERRY_API uint64_t synth_resident_bytes(const synth_model *m);
 
 

@@ -50,6 +50,10 @@ TABLE = [
     ("trace synth", "--steps", ["1.5"], None),
     ("trace synth", "--tflops", ["0"], "300"),
     ("trace synth", "--hbm", ["0"], "1500"),
+    ("trace synth", "--head-dim", ["1.5"], "64"),
+    ("trace synth", "--experts", ["1.5"], None),
+    ("trace synth", "--top-k", ["1.5"], None),
+    ("trace synth", "--expert-ffn", ["1.5"], None),
 ]
 # flags that take no number
 NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg", "--html",
@@ -57,6 +61,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--recorded", "--no-layers", "--demo", "--help", "--fit-out",
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
+               "--qk-norm", "--tie-embeddings",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
                "--optimizer-overlap", "--why", "--verbose"}
 

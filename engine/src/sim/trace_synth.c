@@ -1,6 +1,7 @@
 /*
  * trace_synth.c — the trace synthesizer (declared in ferry_tools.h).
- * How it works: docs/internals.md#trace_synthc.
+ * How it works: docs/internals.md#trace_synthc; the model, the presets and
+ * the checkpointing modes with their sources: docs/simulator.md.
  */
 #include <math.h>
 #include <stdio.h>
@@ -11,12 +12,11 @@
 #include "ferry_tools.h"
 
 #define MAX_SAVES 6
-#define MAX_OPS 24
-#define MAX_BUFS 32
+#define MAX_OUTS 2
 #define SYNTH_MIN_OP_US 4.0
 
 typedef struct saved {
-  int buf;       /* layer-local buffer id: equal ids are one buffer */
+  int buf;       /* layer-local activation buffer (equal ids are one buffer); -1: a parameter */
   int ndim;
   int64_t shape[4];
   int dtype;
@@ -24,17 +24,32 @@ typedef struct saved {
   unsigned group; /* SYNTH_RECOMPUTE_* that drops it under selective */
 } saved;
 
+/* How torchtitan's per-op selective checkpointing treats an op's output
+ * (torchtitan/distributed/activation_checkpoint.py, _save_list in
+ * models/llama3/infra/parallelize.py; see docs/simulator.md). */
+enum {
+  SAC_NONE = 0,     /* not in the save list: recomputed */
+  SAC_MM,           /* aten.mm (a bias-free Linear): saved unless it is an even one */
+  SAC_SAVE,         /* SDPA flash/efficient attention: saved */
+  SAC_FORCE_RECOMP  /* the MoE router's gate: forced to recompute, not counted */
+};
+
 typedef struct op {
-  const char *suffix; /* module path below the layer ("self_attn.q_proj") */
+  char suffix[48];    /* module path below the layer ("self_attn.q_proj") */
   const char *cls;
   double flops, bytes; /* forward */
+  unsigned rgroup;    /* SYNTH_RECOMPUTE_* region it belongs to (Megatron selective) */
+  int sac;            /* SAC_* */
+  int n_outs;
+  saved outs[MAX_OUTS]; /* what it returns: what per-op SAC keeps when it saves the op */
   int n_saves;
-  saved saves[MAX_SAVES];
+  saved saves[MAX_SAVES]; /* what autograd saves for its backward */
 } op;
 
 typedef struct op_list {
-  op ops[MAX_OPS];
-  int n;
+  op *ops;
+  int n, cap;
+  int n_bufs; /* activation buffer ids are < n_bufs */
 } op_list;
 
 /* ---- presets ------------------------------------------------------------------ */
@@ -45,6 +60,7 @@ static void defaults(synth_model *m) {
   m->dtype = FERRY_DTYPE_BF16;
   m->flash = 1;
   m->checkpoint = SYNTH_CKPT_OFF;
+  m->ckpt_every = 1;
   m->recompute = SYNTH_RECOMPUTE_ATTN_CORE;
   m->shard = 8;
   m->tflops = 400;
@@ -55,6 +71,7 @@ static void defaults(synth_model *m) {
 int synth_preset(const char *name, synth_model *m) {
   defaults(m);
   snprintf(m->name, sizeof m->name, "%s", name ? name : "");
+  if (!name) return -1;
   /* Public shapes: Llama 3 model cards / config.json; GPT-3 paper table 2.1. */
   if (!strcmp(name, "llama3-8b")) {
     m->arch = SYNTH_LLAMA;
@@ -64,6 +81,45 @@ int synth_preset(const char *name, synth_model *m) {
     m->arch = SYNTH_LLAMA;
     m->layers = 80, m->hidden = 8192, m->heads = 64, m->kv_heads = 8, m->ffn = 28672;
     m->vocab = 128256;
+  } else if (!strcmp(name, "qwen3-8b")) {
+    /* https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json: hidden_size 4096,
+     * num_hidden_layers 36, num_attention_heads 32, num_key_value_heads 8,
+     * head_dim 128, intermediate_size 12288, vocab_size 151936,
+     * tie_word_embeddings false; QK-norm (Qwen3RMSNorm q_norm, k_norm over
+     * head_dim). Model card: 8.2B parameters. */
+    m->arch = SYNTH_LLAMA;
+    m->layers = 36, m->hidden = 4096, m->heads = 32, m->kv_heads = 8, m->head_dim = 128;
+    m->ffn = 12288, m->vocab = 151936, m->qk_norm = 1;
+  } else if (!strcmp(name, "qwen3-14b")) {
+    /* https://huggingface.co/Qwen/Qwen3-14B/blob/main/config.json: hidden_size 5120,
+     * num_hidden_layers 40, num_attention_heads 40, num_key_value_heads 8,
+     * head_dim 128, intermediate_size 17408, vocab_size 151936,
+     * tie_word_embeddings false; QK-norm. Model card: 14.8B parameters. */
+    m->arch = SYNTH_LLAMA;
+    m->layers = 40, m->hidden = 5120, m->heads = 40, m->kv_heads = 8, m->head_dim = 128;
+    m->ffn = 17408, m->vocab = 151936, m->qk_norm = 1;
+  } else if (!strcmp(name, "qwen3-30b-a3b")) {
+    /* https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: hidden_size
+     * 2048, num_hidden_layers 48, num_attention_heads 32 (x head_dim 128 = 4096,
+     * wider than hidden), num_key_value_heads 4, num_experts 128,
+     * num_experts_per_tok 8, moe_intermediate_size 768, decoder_sparse_step 1
+     * and mlp_only_layers [] (every layer MoE, no shared expert),
+     * norm_topk_prob true, vocab_size 151936, tie_word_embeddings false;
+     * QK-norm. Model card: 30.5B parameters in total, 3.3B activated. */
+    m->arch = SYNTH_LLAMA;
+    m->layers = 48, m->hidden = 2048, m->heads = 32, m->kv_heads = 4, m->head_dim = 128;
+    m->ffn = 6144, m->vocab = 151936, m->qk_norm = 1;
+    m->experts = 128, m->top_k = 8, m->expert_ffn = 768;
+  } else if (!strcmp(name, "mixtral-8x7b")) {
+    /* https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json:
+     * hidden_size 4096, num_hidden_layers 32, num_attention_heads 32,
+     * num_key_value_heads 8, intermediate_size 14336 (each expert),
+     * num_local_experts 8, num_experts_per_tok 2, vocab_size 32000,
+     * tie_word_embeddings false. https://mistral.ai/news/mixtral-of-experts/:
+     * 46.7B parameters in total, 12.9B used per token. */
+    m->arch = SYNTH_LLAMA;
+    m->layers = 32, m->hidden = 4096, m->heads = 32, m->kv_heads = 8, m->ffn = 14336;
+    m->vocab = 32000, m->experts = 8, m->top_k = 2;
   } else if (!strcmp(name, "gpt3-1.3b")) {
     m->arch = SYNTH_GPT;
     m->layers = 24, m->hidden = 2048, m->heads = 16, m->kv_heads = 16, m->ffn = 8192;
@@ -78,7 +134,31 @@ int synth_preset(const char *name, synth_model *m) {
   return 0;
 }
 
-const char *synth_preset_names(void) { return "llama3-8b, llama3-70b, gpt3-1.3b, tiny"; }
+const char *synth_preset_names(void) {
+  return "llama3-8b, llama3-70b, qwen3-8b, qwen3-14b, qwen3-30b-a3b, mixtral-8x7b, gpt3-1.3b, tiny";
+}
+
+static int64_t head_dim_of(const synth_model *m) {
+  return m->head_dim > 0 ? m->head_dim : (m->heads > 0 ? m->hidden / m->heads : 0);
+}
+
+static int64_t expert_ffn_of(const synth_model *m) { return m->expert_ffn > 0 ? m->expert_ffn : m->ffn; }
+
+static int layer_ops(const synth_model *m, op_list *l);
+static void op_list_free(op_list *l) {
+  free(l->ops);
+  l->ops = NULL;
+  l->n = l->cap = 0;
+}
+
+/* Whether some save of the layer belongs to group g (a selective group that
+ * drops nothing would be a silent no-op). */
+static int group_drops_something(const op_list *l, unsigned g) {
+  for (int i = 0; i < l->n; i++)
+    for (int k = 0; k < l->ops[i].n_saves; k++)
+      if (l->ops[i].saves[k].group & g) return 1;
+  return 0;
+}
 
 int synth_validate(const synth_model *m, char *err, size_t errlen) {
 #define BAD(...) \
@@ -89,25 +169,62 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
   if (m->arch != SYNTH_LLAMA && m->arch != SYNTH_GPT) BAD("arch must be llama or gpt");
   if (m->layers < 1 || m->layers > 10000) BAD("layers %d must be within 1..10000", m->layers);
   if (m->hidden < 1 || m->hidden > 1 << 20) BAD("hidden %d must be within 1..1048576", m->hidden);
-  if (m->heads < 1 || m->hidden % m->heads) BAD("heads %d must divide hidden %d", m->heads, m->hidden);
+  if (m->head_dim < 0 || m->head_dim > 1 << 16) BAD("head dim %d must be within 1..65536", m->head_dim);
+  if (m->heads < 1 || m->heads > 1 << 16) BAD("heads %d must be within 1..65536", m->heads);
+  if (!m->head_dim && m->hidden % m->heads)
+    BAD("heads %d must divide hidden %d (or give --head-dim)", m->heads, m->hidden);
+  if ((int64_t)m->heads * head_dim_of(m) > 1 << 22) BAD("heads x head dim must be at most 4194304");
   if (m->kv_heads < 1 || m->heads % m->kv_heads)
     BAD("kv heads %d must divide heads %d", m->kv_heads, m->heads);
   if (m->arch == SYNTH_GPT && m->kv_heads != m->heads) BAD("gpt has kv heads = heads");
+  if (m->arch == SYNTH_GPT && (m->qk_norm || m->experts))
+    BAD("gpt has no QK-norm and no experts here (--arch llama has both)");
   if (m->ffn < 1 || m->ffn > 1 << 22) BAD("ffn %d must be within 1..4194304", m->ffn);
+  if (m->experts < 0 || m->experts > 4096) BAD("experts %d must be within 0..4096", m->experts);
+  if (m->experts && (m->top_k < 1 || m->top_k > m->experts))
+    BAD("top-k %d must be within 1..experts (%d)", m->top_k, m->experts);
+  if (!m->experts && (m->top_k || m->expert_ffn))
+    BAD("%s %d needs experts (a dense model has none)", m->top_k ? "top-k" : "expert ffn",
+        m->top_k ? m->top_k : m->expert_ffn);
+  if (m->expert_ffn < 0 || m->expert_ffn > 1 << 22) BAD("expert ffn %d must be within 1..4194304", m->expert_ffn);
   if (m->vocab < 1 || m->vocab > 1 << 24) BAD("vocab %d must be within 1..16777216", m->vocab);
   if (m->seq < 1 || m->seq > 1 << 24) BAD("seq %d must be within 1..16777216", m->seq);
   if (m->micro_batch < 1 || m->micro_batch > 65536) BAD("micro-batch %d must be within 1..65536", m->micro_batch);
   if (ferry_dtype_size(m->dtype) < 1 || m->dtype == FERRY_DTYPE_BOOL ||
       m->dtype >= FERRY_DTYPE_I64)
     BAD("dtype must be a floating-point type");
-  if (m->checkpoint < SYNTH_CKPT_OFF || m->checkpoint > SYNTH_CKPT_SELECTIVE) BAD("bad checkpoint mode");
+  if (m->checkpoint < SYNTH_CKPT_OFF || m->checkpoint > SYNTH_CKPT_SELECTIVE_OP) BAD("bad checkpoint mode");
+  if (m->checkpoint == SYNTH_CKPT_FULL && (m->ckpt_every < 1 || m->ckpt_every > m->layers))
+    BAD("full:%d: K must be within 1..layers (%d); a larger K checkpoints no layer", m->ckpt_every,
+        m->layers);
+  if (m->checkpoint != SYNTH_CKPT_FULL && m->ckpt_every != 1)
+    BAD("a checkpointing frequency (full:K) needs full checkpointing");
   if (m->shard < 1 || m->shard > 1 << 20) BAD("shard %d must be >= 1", m->shard);
   if (!(m->tflops > 0 && m->tflops < 1e6)) BAD("tflops must be > 0");
   if (!(m->hbm_gbps > 0 && m->hbm_gbps < 1e7)) BAD("hbm bandwidth must be > 0");
   if (m->steps < 1 || m->steps > 1000000) BAD("steps %d must be within 1..1000000", m->steps);
-  double per_tensor = (double)m->micro_batch * m->seq * (double)(m->ffn > m->vocab ? m->ffn : m->vocab) * 4;
+  double widest = m->ffn > m->vocab ? m->ffn : m->vocab;
+  if ((double)m->heads * (double)head_dim_of(m) > widest) widest = (double)m->heads * (double)head_dim_of(m);
+  double per_tensor = (double)m->micro_batch * m->seq * widest * 4;
   double s2 = (double)m->micro_batch * m->heads * (double)m->seq * m->seq * 4;
   if (per_tensor > 1e15 || (!m->flash && s2 > 1e15)) BAD("tensors would exceed 1 PB: shape too large");
+  if (m->checkpoint == SYNTH_CKPT_SELECTIVE) {
+    if (!m->recompute || (m->recompute & ~(unsigned)(SYNTH_RECOMPUTE_ATTN_CORE | SYNTH_RECOMPUTE_MLP_ACT)))
+      BAD("selective checkpointing needs groups to recompute (attn_core, mlp_act)");
+    op_list l = {0};
+    if (layer_ops(m, &l)) BAD("out of memory");
+    int core_empty = (m->recompute & SYNTH_RECOMPUTE_ATTN_CORE) &&
+                     !group_drops_something(&l, SYNTH_RECOMPUTE_ATTN_CORE);
+    int act_empty = (m->recompute & SYNTH_RECOMPUTE_MLP_ACT) &&
+                    !group_drops_something(&l, SYNTH_RECOMPUTE_MLP_ACT);
+    op_list_free(&l);
+    if (core_empty)
+      BAD("--checkpoint selective recomputes the attention core (Megatron-LM's selective "
+          "recomputation: the s^2 softmax and dropout tensors); with FlashAttention there is no "
+          "s^2 tensor to drop, so it would change nothing. Use --checkpoint selective-op "
+          "(torchtitan's per-op policy), full or full:K, or --flash off");
+    if (act_empty) BAD("selective:mlp_act drops nothing in this model");
+  }
   return 0;
 #undef BAD
 }
@@ -121,9 +238,9 @@ static saved sv(int buf, int dtype, int kind, unsigned group, int ndim, int64_t 
 }
 
 static op *add_op(op_list *l, const char *suffix, const char *cls, double flops, double bytes) {
-  op *o = &l->ops[l->n++];
+  op *o = &l->ops[l->n++]; /* layer_ops sized the list for the model */
   memset(o, 0, sizeof *o);
-  o->suffix = suffix;
+  snprintf(o->suffix, sizeof o->suffix, "%s", suffix);
   o->cls = cls;
   o->flops = flops;
   o->bytes = bytes;
@@ -131,94 +248,134 @@ static op *add_op(op_list *l, const char *suffix, const char *cls, double flops,
 }
 
 static void save(op *o, saved s) { o->saves[o->n_saves++] = s; }
+static void out(op *o, int sac, saved s) {
+  o->sac = sac;
+  o->outs[o->n_outs++] = s;
+}
 
-enum { /* layer-local buffers */
+enum { /* layer-local activation buffers */
   B_X, B_XN1, B_Q, B_K, B_V, B_KREP, B_VREP, B_ATTN, B_H1, B_XN2, B_GATE, B_ACT, B_UP, B_PROD,
   B_QKV, B_SOFT32, B_PROBS, B_DMASK, B_DOUT, B_AMASK, B_FC1, B_GELU, B_MMASK, B_LSE, B_RSTD1,
-  B_RSTD2, B_W = 100 /* parameters: B_W + op index, never aliased */
+  B_RSTD2, B_QP, B_KP, B_QRSTD, B_KRSTD, B_OP, B_DOWN, B_FC2, B_SCORES, B_RLOGITS, B_RPROBS,
+  B_RIDX, B_RW, B_RDEN, B_DENSE_END,
+  /* expert e's buffers: B_DENSE_END + e * EB_N + EB_* */
+  EB_IDX = 0, EB_SLOT, EB_IN, EB_GATE, EB_ACT, EB_UP, EB_PROD, EB_DOWN, EB_RW, EB_N
 };
+#define B_PARAM (-1)
 
 /* The sizes one block's ops are written in. */
 typedef struct layer_shape {
-  int64_t b, s, h, a, d, kvd, f; /* batch, sequence, hidden, heads, head dim, kv width, ffn */
-  double tokens, e;              /* b * s; bytes per element */
-  int dt, llama;                 /* the model's dtype; Llama (else GPT-2) */
-  int w;                         /* the next parameter buffer (B_W + index) */
+  int64_t b, s, h, a, d, kv, qd, kvd, f; /* batch, sequence, hidden, heads, head dim, kv heads,
+                                            q width (a d), kv width, ffn */
+  int64_t E, k, fe;                      /* experts, top-k, expert ffn */
+  double tokens, e;                      /* b * s; bytes per element */
+  int dt, llama, qwen, mixtral;          /* the model's dtype; Llama (else GPT-2); Hugging
+                                            Face's Qwen3 or Mixtral class and module names */
 } layer_shape;
 
 #define ACT FERRY_KIND_ACTIVATION
 #define PARAM FERRY_KIND_PARAMETER
 #define F32 FERRY_DTYPE_F32
+#define I64 FERRY_DTYPE_I64
 
-/* The input norm and the q/k/v (Llama) or fused qkv (GPT-2) projections. */
+static const char *norm_cls(const layer_shape *ls) {
+  return !ls->llama ? "LayerNorm" : ls->qwen ? "Qwen3RMSNorm" : ls->mixtral ? "MixtralRMSNorm" : "LlamaRMSNorm";
+}
+
+/* The input norm and the q/k/v (Llama) or fused qkv (GPT-2) projections;
+ * Qwen3's QK-norm: an RMSNorm over head_dim on q and on k. */
 static void attention_in_ops(layer_shape *ls, op_list *l) {
-  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const int64_t b = ls->b, s = ls->s, h = ls->h, qd = ls->qd, kvd = ls->kvd;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   op *o;
-  const int llama = ls->llama;
-  const int64_t kvd = ls->kvd;
-  const char *norm_cls = llama ? "LlamaRMSNorm" : "LayerNorm";
   /* norm: input, statistics (rstd; LayerNorm also the mean), weight */
-  o = add_op(l, "input_layernorm", norm_cls, 0, 2 * tokens * h * e);
+  o = add_op(l, "input_layernorm", norm_cls(ls), 0, 2 * tokens * h * e);
   save(o, sv(B_X, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 1, h, 0, 0, 0));
-  if (llama) {
-    o = add_op(l, "self_attn.q_proj", "Linear", 2 * tokens * h * h, (2 * tokens * h + h * h) * e);
+  save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, s, ls->llama ? 1 : 2, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+  if (ls->llama) {
+    o = add_op(l, "self_attn.q_proj", "Linear", 2 * tokens * h * qd, (tokens * h + h * qd + tokens * qd) * e);
     save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
-    save(o, sv(ls->w++, dt, PARAM, 0, 2, h, h, 0, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 2, qd, h, 0, 0));
+    out(o, SAC_MM, sv(B_QP, dt, ACT, 0, 3, b, s, qd, 0));
     o = add_op(l, "self_attn.k_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
     save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
-    save(o, sv(ls->w++, dt, PARAM, 0, 2, kvd, h, 0, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 2, kvd, h, 0, 0));
+    out(o, SAC_MM, sv(B_KP, dt, ACT, 0, 3, b, s, kvd, 0));
     o = add_op(l, "self_attn.v_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
     save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
-    save(o, sv(ls->w++, dt, PARAM, 0, 2, kvd, h, 0, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 2, kvd, h, 0, 0));
+    out(o, SAC_MM, sv(B_V, dt, ACT, 0, 3, b, s, kvd, 0));
+    if (ls->qwen) {
+      /* q_norm / k_norm over head_dim: input, rstd per head, weight (head_dim) */
+      o = add_op(l, "self_attn.q_norm", "Qwen3RMSNorm", 0, 2 * tokens * qd * e);
+      save(o, sv(B_QP, dt, ACT, 0, 4, b, s, ls->a, ls->d));
+      save(o, sv(B_QRSTD, F32, ACT, 0, 3, b, s, ls->a, 0));
+      save(o, sv(B_PARAM, dt, PARAM, 0, 1, ls->d, 0, 0, 0));
+      o = add_op(l, "self_attn.k_norm", "Qwen3RMSNorm", 0, 2 * tokens * kvd * e);
+      save(o, sv(B_KP, dt, ACT, 0, 4, b, s, ls->kv, ls->d));
+      save(o, sv(B_KRSTD, F32, ACT, 0, 3, b, s, ls->kv, 0));
+      save(o, sv(B_PARAM, dt, PARAM, 0, 1, ls->d, 0, 0, 0));
+    }
     /* rotary embedding: element-wise, saves only the cos/sin constants */
-    add_op(l, "self_attn.rotary_emb", "LlamaRotaryEmbedding", 0, 4 * tokens * (h + kvd) * e);
+    add_op(l, "self_attn.rotary_emb",
+           ls->qwen ? "Qwen3RotaryEmbedding" : ls->mixtral ? "MixtralRotaryEmbedding" : "LlamaRotaryEmbedding", 0,
+           4 * tokens * (qd + kvd) * e);
   } else {
     o = add_op(l, "self_attn.qkv_proj", "Linear", 2 * tokens * h * 3 * h, (4 * tokens * h + 3 * h * h) * e);
     save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
-    save(o, sv(ls->w++, dt, PARAM, 0, 2, 3 * h, h, 0, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 2, 3 * h, h, 0, 0));
+    out(o, SAC_MM, sv(B_QKV, dt, ACT, 0, 3, b, s, 3 * h, 0));
   }
 }
 
 /* Attention itself: flash (saves q, k, v, out, lse) or eager (scores,
- * softmax, context; the probabilities recomputable). */
+ * softmax, context; the probabilities recomputable). The eager ops are
+ * Megatron's "core attention" (group attn_core). */
 static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
-  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const int64_t b = ls->b, s = ls->s, qd = ls->qd;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   op *o;
   const int llama = ls->llama;
   const int64_t a = ls->a, d = ls->d, kvd = ls->kvd;
+  const unsigned CORE = SYNTH_RECOMPUTE_ATTN_CORE;
   if (flash) {
     /* SDPA flash: q, k, v, output and the log-sum-exp; recomputes the rest */
-    o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * s * h, (2 * tokens * h + 2 * tokens * kvd) * e);
+    o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * s * qd, (2 * tokens * qd + 2 * tokens * kvd) * e);
     save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
     save(o, sv(B_K, dt, ACT, 0, 4, b, kvd / d, s, d));
     save(o, sv(B_V, dt, ACT, 0, 4, b, kvd / d, s, d));
     save(o, sv(B_ATTN, dt, ACT, 0, 4, b, a, s, d));
     save(o, sv(B_LSE, F32, ACT, 0, 3, b, a, s, 0));
+    out(o, SAC_SAVE, sv(B_ATTN, dt, ACT, 0, 4, b, a, s, d));
+    out(o, SAC_SAVE, sv(B_LSE, F32, ACT, 0, 3, b, a, s, 0));
   } else {
-    int kbuf = kvd == h ? B_K : B_KREP, vbuf = kvd == h ? B_V : B_VREP;
-    o = add_op(l, "self_attn.scores", "MatMul", 2 * tokens * s * h, (2 * tokens * h + b * a * s * s) * e);
+    int kbuf = kvd == qd ? B_K : B_KREP, vbuf = kvd == qd ? B_V : B_VREP;
+    o = add_op(l, "self_attn.scores", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
+    o->rgroup = CORE;
     save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
     save(o, sv(kbuf, dt, ACT, 0, 4, b, a, s, d));
     if (llama) {
       /* HF eager attention: softmax in fp32, then a copy to the model dtype */
       o = add_op(l, "self_attn.softmax", "Softmax", 0, (double)b * a * s * s * (e + 4 + 4 + e));
-      save(o, sv(B_SOFT32, F32, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
-      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * h, (2 * tokens * h + b * a * s * s) * e);
-      save(o, sv(B_PROBS, dt, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      o->rgroup = CORE;
+      save(o, sv(B_SOFT32, F32, ACT, CORE, 4, b, a, s, s));
+      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
+      o->rgroup = CORE;
+      save(o, sv(B_PROBS, dt, ACT, CORE, 4, b, a, s, s));
       save(o, sv(vbuf, dt, ACT, 0, 4, b, a, s, d));
     } else {
       o = add_op(l, "self_attn.softmax", "Softmax", 0, 2.0 * b * a * s * s * e);
-      save(o, sv(B_PROBS, dt, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      o->rgroup = CORE;
+      save(o, sv(B_PROBS, dt, ACT, CORE, 4, b, a, s, s));
       o = add_op(l, "self_attn.attention_dropout", "Dropout", 0, 3.0 * b * a * s * s * e);
-      save(o, sv(B_DMASK, FERRY_DTYPE_BOOL, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
-      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * h, (2 * tokens * h + b * a * s * s) * e);
-      save(o, sv(B_DOUT, dt, ACT, SYNTH_RECOMPUTE_ATTN_CORE, 4, b, a, s, s));
+      o->rgroup = CORE;
+      save(o, sv(B_DMASK, FERRY_DTYPE_BOOL, ACT, CORE, 4, b, a, s, s));
+      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
+      o->rgroup = CORE;
+      save(o, sv(B_DOUT, dt, ACT, CORE, 4, b, a, s, s));
       save(o, sv(B_V, dt, ACT, 0, 4, b, a, s, d));
     }
   }
@@ -226,46 +383,127 @@ static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
 
 /* The output projection, its dropout (GPT-2) and the post-attention norm. */
 static void attention_out_ops(layer_shape *ls, op_list *l) {
-  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const int64_t b = ls->b, s = ls->s, h = ls->h, qd = ls->qd;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   op *o;
-  const int llama = ls->llama;
-  const char *norm_cls = llama ? "LlamaRMSNorm" : "LayerNorm";
-  o = add_op(l, "self_attn.o_proj", "Linear", 2 * tokens * h * h, (2 * tokens * h + h * h) * e);
-  save(o, sv(B_ATTN, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 2, h, h, 0, 0));
-  if (!llama) {
+  o = add_op(l, "self_attn.o_proj", "Linear", 2 * tokens * qd * h, (tokens * qd + qd * h + tokens * h) * e);
+  save(o, sv(B_ATTN, dt, ACT, 0, 3, b, s, qd, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, qd, 0, 0));
+  out(o, SAC_MM, sv(B_OP, dt, ACT, 0, 3, b, s, h, 0));
+  if (!ls->llama) {
     o = add_op(l, "self_attn.resid_dropout", "Dropout", 0, 3 * tokens * h * e);
     save(o, sv(B_AMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, s, h, 0));
   }
-  o = add_op(l, "post_attention_layernorm", norm_cls, 0, 3 * tokens * h * e);
+  o = add_op(l, "post_attention_layernorm", norm_cls(ls), 0, 3 * tokens * h * e);
   save(o, sv(B_H1, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 1, h, 0, 0, 0));
+  save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, s, ls->llama ? 1 : 2, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+}
+
+/* A gated MLP (gate, up, SiLU, product, down) on `tokens` rows: Llama's, or
+ * one expert's. buf[] names its buffers: input, gate, act, up, product, down;
+ * lin[] its Linear modules: gate, up, down (Mixtral's experts: w1, w3, w2). */
+static const char *const LLAMA_LINEARS[3] = {"gate_proj", "up_proj", "down_proj"};
+static const char *const MIXTRAL_LINEARS[3] = {"w1", "w3", "w2"};
+static void gated_mlp_ops(layer_shape *ls, op_list *l, const char *prefix, const int buf[6],
+                          const char *const lin[3], double tokens, int64_t f, int ndim, int64_t d0,
+                          int64_t d1) {
+  const int64_t h = ls->h;
+  const double e = ls->e;
+  const int dt = ls->dt;
+  char name[48];
+  op *o;
+  /* a row shape: (b, s, n) for the dense MLP, (rows, n) for an expert */
+#define ROWS(buf_, n_, grp_) sv(buf_, dt, ACT, grp_, ndim, d0, ndim == 3 ? d1 : (n_), ndim == 3 ? (n_) : 0, 0)
+  snprintf(name, sizeof name, "%s%s", prefix, lin[0]);
+  o = add_op(l, name, "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
+  save(o, ROWS(buf[0], h, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
+  out(o, SAC_MM, ROWS(buf[1], f, 0));
+  snprintf(name, sizeof name, "%s%s", prefix, lin[1]);
+  o = add_op(l, name, "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
+  save(o, ROWS(buf[0], h, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
+  out(o, SAC_MM, ROWS(buf[3], f, 0));
+  snprintf(name, sizeof name, "%sact_fn", prefix);
+  o = add_op(l, name, "SiLU", 0, 2 * tokens * f * e);
+  o->rgroup = SYNTH_RECOMPUTE_MLP_ACT;
+  save(o, ROWS(buf[1], f, 0));
+  snprintf(name, sizeof name, "%smul", prefix);
+  o = add_op(l, name, "Mul", 0, 3 * tokens * f * e);
+  save(o, ROWS(buf[2], f, SYNTH_RECOMPUTE_MLP_ACT));
+  save(o, ROWS(buf[3], f, 0));
+  snprintf(name, sizeof name, "%s%s", prefix, lin[2]);
+  o = add_op(l, name, "Linear", 2 * tokens * f * h, (tokens * f + f * h + tokens * h) * e);
+  save(o, ROWS(buf[4], f, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, f, 0, 0));
+  out(o, SAC_MM, ROWS(buf[5], h, 0));
+#undef ROWS
 }
 
 /* Llama's gated MLP: gate, up, SiLU, product, down. */
 static void mlp_llama_ops(layer_shape *ls, op_list *l) {
-  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  static const int buf[6] = {B_XN2, B_GATE, B_ACT, B_UP, B_PROD, B_DOWN};
+  gated_mlp_ops(ls, l, "mlp.", buf, LLAMA_LINEARS, ls->tokens, ls->f, 3, ls->b, ls->s);
+}
+
+/* A sparse MoE block as Hugging Face's Qwen3MoeSparseMoeBlock (transformers
+ * 4.51; MixtralSparseMoeBlock is the same loop, module "block_sparse_moe",
+ * experts' Linears w1, w3, w2) runs it: the router (gate Linear, softmax in
+ * fp32, top-k, the top-k weights renormalized), then each expert on its
+ * tokens (gathered by index), its output scaled by the routing weight and
+ * index_add-ed back. The tokens are split evenly: T k / E per expert (the
+ * first T k mod E experts one more). */
+static void mlp_moe_ops(layer_shape *ls, op_list *l) {
+  const int64_t b = ls->b, s = ls->s, h = ls->h, E = ls->E, k = ls->k, fe = ls->fe;
+  const int64_t T = b * s;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
+  const char *moe = ls->mixtral ? "block_sparse_moe" : "mlp";
+  char name[48];
   op *o;
-  const int64_t f = ls->f;
-  o = add_op(l, "mlp.gate_proj", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
+  snprintf(name, sizeof name, "%s.gate", moe);
+  o = add_op(l, name, "Linear", 2 * tokens * h * E, (tokens * h + h * E + tokens * E) * e);
   save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 2, f, h, 0, 0));
-  o = add_op(l, "mlp.up_proj", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
-  save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 2, f, h, 0, 0));
-  o = add_op(l, "mlp.act_fn", "SiLU", 0, 2 * tokens * f * e);
-  save(o, sv(B_GATE, dt, ACT, 0, 3, b, s, f, 0));
-  o = add_op(l, "mlp.mul", "Mul", 0, 3 * tokens * f * e);
-  save(o, sv(B_ACT, dt, ACT, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
-  save(o, sv(B_UP, dt, ACT, 0, 3, b, s, f, 0));
-  o = add_op(l, "mlp.down_proj", "Linear", 2 * tokens * f * h, (tokens * f + f * h + tokens * h) * e);
-  save(o, sv(B_PROD, dt, ACT, 0, 3, b, s, f, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 2, h, f, 0, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, E, h, 0, 0));
+  out(o, SAC_FORCE_RECOMP, sv(B_RLOGITS, dt, ACT, 0, 2, T, E, 0, 0));
+  snprintf(name, sizeof name, "%s.softmax", moe);
+  o = add_op(l, name, "Softmax", 0, tokens * E * (e + 4));
+  save(o, sv(B_RPROBS, F32, ACT, 0, 2, T, E, 0, 0));
+  snprintf(name, sizeof name, "%s.topk", moe);
+  o = add_op(l, name, "TopK", 0, tokens * E * 4 + tokens * k * 12);
+  save(o, sv(B_RIDX, I64, ACT, 0, 2, T, k, 0, 0));
+  snprintf(name, sizeof name, "%s.norm_topk", moe);
+  o = add_op(l, name, "Div", 0, tokens * k * 12 + tokens * 4);
+  save(o, sv(B_RW, F32, ACT, 0, 2, T, k, 0, 0));
+  save(o, sv(B_RDEN, F32, ACT, 0, 2, T, 1, 0, 0));
+  const int64_t per = T * k / E, extra = T * k % E;
+  for (int64_t x = 0; x < E; x++) {
+    const int64_t t = per + (x < extra);
+    const double rows = (double)t;
+    const int base = B_DENSE_END + (int)x * EB_N;
+    char prefix[48];
+    snprintf(prefix, sizeof prefix, "%s.experts.%lld.", moe, (long long)x);
+    /* current_state = hidden_states[top_x]: the index op keeps top_x */
+    snprintf(name, sizeof name, "%s.experts.%lld", moe, (long long)x);
+    o = add_op(l, name, "Index", 0, 2 * rows * h * e + 8 * rows);
+    save(o, sv(base + EB_IDX, I64, ACT, 0, 1, t, 0, 0, 0));
+    const int buf[6] = {base + EB_IN, base + EB_GATE, base + EB_ACT, base + EB_UP, base + EB_PROD,
+                        base + EB_DOWN};
+    gated_mlp_ops(ls, l, prefix, buf, ls->mixtral ? MIXTRAL_LINEARS : LLAMA_LINEARS, rows, fe, 2, t, 0);
+    /* * routing_weights[top_x, idx, None] (indices and the bf16 weights kept),
+     * then final.index_add_(0, top_x, ...) (top_x kept) */
+    snprintf(name, sizeof name, "%s.experts.%lld.scale", moe, (long long)x);
+    o = add_op(l, name, "Mul", 0, 3 * rows * h * e + 16 * rows);
+    save(o, sv(base + EB_DOWN, dt, ACT, 0, 2, t, h, 0, 0));
+    save(o, sv(base + EB_RW, dt, ACT, 0, 2, t, 1, 0, 0));
+    save(o, sv(base + EB_IDX, I64, ACT, 0, 1, t, 0, 0, 0));
+    save(o, sv(base + EB_SLOT, I64, ACT, 0, 1, t, 0, 0, 0));
+    snprintf(name, sizeof name, "%s.experts.%lld.index_add", moe, (long long)x);
+    o = add_op(l, name, "IndexAdd", 0, 3 * rows * h * e);
+    save(o, sv(base + EB_IDX, I64, ACT, 0, 1, t, 0, 0, 0));
+  }
 }
 
 /* GPT-2's MLP: fc1, GELU, fc2, dropout. */
@@ -277,65 +515,85 @@ static void mlp_gpt_ops(layer_shape *ls, op_list *l) {
   const int64_t f = ls->f;
   o = add_op(l, "mlp.fc1", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
   save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 2, f, h, 0, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
+  out(o, SAC_MM, sv(B_FC1, dt, ACT, 0, 3, b, s, f, 0));
   o = add_op(l, "mlp.act", "GELU", 0, 2 * tokens * f * e);
+  o->rgroup = SYNTH_RECOMPUTE_MLP_ACT;
   save(o, sv(B_FC1, dt, ACT, 0, 3, b, s, f, 0));
   o = add_op(l, "mlp.fc2", "Linear", 2 * tokens * f * h, (tokens * f + f * h + tokens * h) * e);
   save(o, sv(B_GELU, dt, ACT, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
-  save(o, sv(ls->w++, dt, PARAM, 0, 2, h, f, 0, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, f, 0, 0));
+  out(o, SAC_MM, sv(B_FC2, dt, ACT, 0, 3, b, s, h, 0));
   o = add_op(l, "mlp.dropout", "Dropout", 0, 3 * tokens * h * e);
   save(o, sv(B_MMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, s, h, 0));
 }
 
-/* One repeated block. */
-static void layer_ops(const synth_model *m, op_list *l) {
+/* One repeated block (-1 out of memory). */
+static int layer_ops(const synth_model *m, op_list *l) {
   layer_shape ls;
   ls.b = m->micro_batch;
   ls.s = m->seq;
   ls.h = m->hidden;
   ls.a = m->heads;
-  ls.d = ls.h / ls.a;
-  ls.kvd = (int64_t)m->kv_heads * ls.d;
+  ls.d = head_dim_of(m);
+  ls.kv = m->kv_heads;
+  ls.qd = ls.a * ls.d;
+  ls.kvd = ls.kv * ls.d;
   ls.f = m->ffn;
+  ls.E = m->experts;
+  ls.k = m->top_k;
+  ls.fe = expert_ffn_of(m);
   ls.tokens = (double)ls.b * (double)ls.s;
   ls.e = ferry_dtype_size(m->dtype);
   ls.dt = m->dtype;
   ls.llama = m->arch == SYNTH_LLAMA;
-  ls.w = B_W;
+  ls.qwen = ls.llama && m->qk_norm;
+  ls.mixtral = ls.llama && !m->qk_norm && m->experts;
   l->n = 0;
+  l->cap = 24 + (m->experts > 0 ? 4 + 8 * m->experts : 0);
+  l->n_bufs = B_DENSE_END + (m->experts > 0 ? m->experts : 0) * EB_N;
+  l->ops = malloc((size_t)l->cap * sizeof *l->ops);
+  if (!l->ops) return -1;
   attention_in_ops(&ls, l);
   attention_core_ops(&ls, m->flash, l);
   attention_out_ops(&ls, l);
-  if (ls.llama) mlp_llama_ops(&ls, l);
-  else mlp_gpt_ops(&ls, l);
+  if (!ls.llama) mlp_gpt_ops(&ls, l);
+  else if (ls.E) mlp_moe_ops(&ls, l);
+  else mlp_llama_ops(&ls, l);
+  return 0;
 }
 
 /* Before and after the blocks: embedding; final norm, head and loss. */
-static void pre_ops(const synth_model *m, op_list *l) {
+static int pre_ops(const synth_model *m, op_list *l) {
   const int64_t b = m->micro_batch, s = m->seq, h = m->hidden;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
-  l->n = 0;
+  l->n = 0, l->cap = 1, l->n_bufs = 1;
+  if (!(l->ops = malloc(sizeof *l->ops))) return -1;
   op *o = add_op(l, "model.embed_tokens", "Embedding", 0, tokens * h * e + tokens * 8);
-  save(o, sv(0, FERRY_DTYPE_I64, FERRY_KIND_ACTIVATION, 0, 2, b, s, 0, 0));
+  save(o, sv(0, I64, ACT, 0, 2, b, s, 0, 0));
+  return 0;
 }
 
-static void post_ops(const synth_model *m, op_list *l) {
+static int post_ops(const synth_model *m, op_list *l) {
   const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = m->vocab;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
-  const int dt = m->dtype, A = FERRY_KIND_ACTIVATION, P = FERRY_KIND_PARAMETER;
+  const int dt = m->dtype;
   int llama = m->arch == SYNTH_LLAMA;
-  l->n = 0;
-  op *o = add_op(l, "model.norm", llama ? "LlamaRMSNorm" : "LayerNorm", 0, 2 * tokens * h * e);
-  save(o, sv(1, dt, A, 0, 3, b, s, h, 0));
-  save(o, sv(2, FERRY_DTYPE_F32, A, 0, 3, b, s, llama ? 1 : 2, 0));
-  save(o, sv(B_W, dt, P, 0, 1, h, 0, 0, 0));
+  const char *ncls = !llama ? "LayerNorm" : m->qk_norm ? "Qwen3RMSNorm" : m->experts ? "MixtralRMSNorm" : "LlamaRMSNorm";
+  l->n = 0, l->cap = 3, l->n_bufs = 6;
+  if (!(l->ops = malloc(3 * sizeof *l->ops))) return -1;
+  op *o = add_op(l, "model.norm", ncls, 0, 2 * tokens * h * e);
+  save(o, sv(1, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(2, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
   o = add_op(l, "lm_head", "Linear", 2 * tokens * h * V, (tokens * h + h * V + tokens * V) * e);
-  save(o, sv(3, dt, A, 0, 3, b, s, h, 0));
-  save(o, sv(B_W + 1, dt, P, 0, 2, V, h, 0, 0));
+  save(o, sv(3, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, V, h, 0, 0));
   /* logits upcast to fp32; log-softmax saves its fp32 output, NLL the labels */
   o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * (e + 4 + 4));
-  save(o, sv(4, FERRY_DTYPE_F32, A, 0, 3, b, s, V, 0));
-  save(o, sv(5, FERRY_DTYPE_I64, A, 0, 2, b, s, 0, 0));
+  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0));
+  save(o, sv(5, I64, ACT, 0, 2, b, s, 0, 0));
+  return 0;
 }
 
 static uint64_t saved_bytes(const saved *x) {
@@ -344,29 +602,122 @@ static uint64_t saved_bytes(const saved *x) {
   return n;
 }
 
-uint64_t synth_layer_activation_bytes(const synth_model *m) {
-  op_list l;
-  layer_ops(m, &l);
-  int seen[MAX_BUFS] = {0};
+/* ---- checkpointing ---------------------------------------------------------------- */
+/* The mode layer L runs under: full:K checkpoints the layers whose 1-based
+ * index is a multiple of K (torchtitan's ac_freq counts its wrapped blocks
+ * from 1 and wraps those with count % ac_freq == 0); the others save
+ * everything. */
+static int layer_mode(const synth_model *m, int L) {
+  if (m->checkpoint == SYNTH_CKPT_FULL) {
+    int k = m->ckpt_every > 0 ? m->ckpt_every : 1;
+    return (L + 1) % k == 0 ? SYNTH_CKPT_FULL : SYNTH_CKPT_OFF;
+  }
+  return m->checkpoint;
+}
+
+int synth_checkpointed_layers(const synth_model *m) {
+  int n = 0;
+  for (int L = 0; L < m->layers; L++) n += layer_mode(m, L) != SYNTH_CKPT_OFF;
+  return n;
+}
+
+/* torchtitan's per-op policy over one block: keep[i] = 1 when op i's
+ * outputs are saved. It counts aten.mm calls per block and forward
+ * (meta["forward_mm_count"] += 1) and saves a save-list op's output unless
+ * it is an mm with an even count: the 1st, 3rd, 5th... Linear are saved,
+ * the 2nd, 4th... recomputed; SDPA's outputs are saved; the router's gate
+ * is forced to recompute and not counted
+ * (per_op_sac_force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]). */
+static void sac_keep(const op_list *l, unsigned char *keep) {
+  int mm = 0;
+  for (int i = 0; i < l->n; i++) {
+    const op *o = &l->ops[i];
+    keep[i] = 0;
+    if (o->sac == SAC_MM) keep[i] = ++mm % 2 == 1;
+    else if (o->sac == SAC_SAVE) keep[i] = 1;
+  }
+}
+
+/* Bytes of distinct activation buffers among l's saves; with drop, those
+ * whose group is in drop are left out. */
+static uint64_t distinct_bytes(const op_list *l, unsigned drop) {
+  unsigned char *seen = calloc((size_t)l->n_bufs, 1);
+  if (!seen) return 0;
   uint64_t total = 0;
-  for (int i = 0; i < l.n; i++)
-    for (int k = 0; k < l.ops[i].n_saves; k++) {
-      const saved *x = &l.ops[i].saves[k];
-      if (x->kind != FERRY_KIND_ACTIVATION || seen[x->buf]) continue;
+  for (int i = 0; i < l->n; i++)
+    for (int k = 0; k < l->ops[i].n_saves; k++) {
+      const saved *x = &l->ops[i].saves[k];
+      if (x->kind != ACT || x->buf < 0 || seen[x->buf] || (x->group & drop)) continue;
       seen[x->buf] = 1;
       total += saved_bytes(x);
     }
+  free(seen);
   return total;
 }
 
-uint64_t synth_param_count(const synth_model *m) {
-  const uint64_t h = (uint64_t)m->hidden, d = h / (uint64_t)m->heads;
-  const uint64_t kvd = (uint64_t)m->kv_heads * d, f = (uint64_t)m->ffn, V = (uint64_t)m->vocab;
-  uint64_t per_layer = m->arch == SYNTH_LLAMA ? 2 * h * h + 2 * h * kvd + 3 * h * f + 2 * h
-                                              : 4 * h * h + 2 * h * f + 4 * h;
-  return V * h /* embedding */ + (uint64_t)m->layers * per_layer + 2 * h /* final norm */ +
-         V * h /* untied head */;
+uint64_t synth_layer_activation_bytes(const synth_model *m) {
+  op_list l = {0};
+  if (layer_ops(m, &l)) return 0;
+  uint64_t total = distinct_bytes(&l, 0);
+  op_list_free(&l);
+  return total;
 }
+
+uint64_t synth_layer_saved_bytes(const synth_model *m, int layer) {
+  op_list l = {0};
+  if (layer < 0 || layer >= m->layers || layer_ops(m, &l)) return 0;
+  uint64_t total = 0;
+  const uint64_t input = (uint64_t)m->micro_batch * (uint64_t)m->seq * (uint64_t)m->hidden *
+                         (uint64_t)ferry_dtype_size(m->dtype);
+  switch (layer_mode(m, layer)) {
+  case SYNTH_CKPT_FULL: total = input; break;
+  case SYNTH_CKPT_SELECTIVE: total = distinct_bytes(&l, m->recompute); break;
+  case SYNTH_CKPT_SELECTIVE_OP: {
+    unsigned char *keep = malloc((size_t)l.n);
+    if (!keep) break;
+    sac_keep(&l, keep);
+    total = input;
+    for (int i = 0; i < l.n; i++)
+      for (int k = 0; keep[i] && k < l.ops[i].n_outs; k++) total += saved_bytes(&l.ops[i].outs[k]);
+    free(keep);
+    break;
+  }
+  default: total = distinct_bytes(&l, 0);
+  }
+  op_list_free(&l);
+  return total;
+}
+
+/* ---- parameters ------------------------------------------------------------------- */
+/* The weight matrices of one block; with active, the router and top_k
+ * experts only. */
+static uint64_t layer_matrices(const synth_model *m, int active) {
+  const uint64_t h = (uint64_t)m->hidden, qd = (uint64_t)m->heads * (uint64_t)head_dim_of(m);
+  const uint64_t kvd = (uint64_t)m->kv_heads * (uint64_t)head_dim_of(m), f = (uint64_t)m->ffn;
+  if (m->arch != SYNTH_LLAMA) return 4 * h * h + 2 * h * f;
+  uint64_t attn = h * qd + 2 * h * kvd + qd * h;
+  if (!m->experts) return attn + 3 * h * f;
+  uint64_t n = active ? (uint64_t)m->top_k : (uint64_t)m->experts;
+  return attn + h * (uint64_t)m->experts + n * 3 * h * (uint64_t)expert_ffn_of(m);
+}
+
+/* Per block: matrices and norms (two; QK-norm: two of head_dim; LayerNorm:
+ * weight and bias). */
+static uint64_t layer_params(const synth_model *m, int active) {
+  const uint64_t h = (uint64_t)m->hidden;
+  uint64_t norms = m->arch == SYNTH_LLAMA ? 2 * h : 4 * h;
+  if (m->qk_norm) norms += 2 * (uint64_t)head_dim_of(m);
+  return layer_matrices(m, active) + norms;
+}
+
+static uint64_t params(const synth_model *m, int active) {
+  const uint64_t h = (uint64_t)m->hidden, V = (uint64_t)m->vocab;
+  return V * h /* embedding */ + (uint64_t)m->layers * layer_params(m, active) +
+         2 * h /* final norm */ + (m->tie_embeddings ? 0 : V * h) /* head */;
+}
+
+uint64_t synth_param_count(const synth_model *m) { return params(m, 0); }
+uint64_t synth_active_param_count(const synth_model *m) { return params(m, 1); }
 
 /* Mixed-precision Adam (ZeRO paper): 16-bit parameters and gradients, fp32
  * master weights, momentum and variance: 2 + 2 + 12 bytes per parameter,
@@ -378,14 +729,7 @@ static void resident_parts(const synth_model *m, uint64_t part[4]) {
   part[0] = P * e / sh;
   part[1] = P * e / sh;
   part[2] = P * 12 / sh;
-  part[3] = 0;
-  if (sh > 1) {
-    const uint64_t h = (uint64_t)m->hidden, d = h / (uint64_t)m->heads;
-    uint64_t per_layer = m->arch == SYNTH_LLAMA
-                             ? 2 * h * h + 2 * h * (uint64_t)m->kv_heads * d + 3 * h * (uint64_t)m->ffn
-                             : 4 * h * h + 2 * h * (uint64_t)m->ffn;
-    part[3] = 2 * per_layer * e;
-  }
+  part[3] = sh > 1 ? 2 * layer_matrices(m, 0) * e : 0;
 }
 
 uint64_t synth_resident_bytes(const synth_model *m) {
@@ -400,7 +744,6 @@ typedef struct writer {
   FILE *f;
   uint64_t next_id;
   uint64_t step;
-  const char *dtype_names[FERRY_DTYPE_COUNT_];
 } writer;
 
 static double op_us(const synth_model *m, const op *o) {
@@ -417,133 +760,235 @@ static void w_compute(writer *w, double us, int layer, const char *opname) {
           opname);
 }
 
-static void module_path(const synth_model *m, int layer, const char *suffix, char *buf, size_t n) {
-  (void)m;
+static void module_path(int layer, const char *suffix, char *buf, size_t n) {
   if (layer < 0) snprintf(buf, n, "%s", suffix);
+  else if (!suffix[0]) snprintf(buf, n, "model.layers.%d", layer);
   else snprintf(buf, n, "model.layers.%d.%s", layer, suffix);
 }
 
-/* Pack the saves of op o (those in `which`: 1 = not dropped by selective
- * recompute, 2 = dropped ones) into ids[]; bufid[] maps layer-local buffers
- * to their first pack's id for aliases. */
-static void w_pack_op(writer *w, const op *o, int layer, int phase, int which, uint64_t *ids,
-                      uint64_t *bufid) {
-  const synth_model *m = w->m;
+/* One pack line; alias_of 0 = a buffer of its own. Returns its id. */
+static uint64_t w_pack(writer *w, const saved *x, int layer, int phase, const char *path,
+                       const char *cls, uint64_t alias_of) {
+  uint64_t id = ++w->next_id;
+  fprintf(w->f,
+          "{\"ev\":\"pack\",\"t_us\":0,\"id\":%llu,\"step\":%llu,\"bytes\":%llu,\"dtype\":\"%s\","
+          "\"shape\":[",
+          (unsigned long long)id, (unsigned long long)w->step, (unsigned long long)saved_bytes(x),
+          ferry_dtype_name(x->dtype));
+  for (int i = 0; i < x->ndim; i++) fprintf(w->f, i ? ",%lld" : "%lld", (long long)x->shape[i]);
+  fprintf(w->f,
+          "],\"kind\":\"%s\",\"phase\":\"%s\",\"layer\":%d,\"layers\":%d,\"flags\":2,"
+          "\"module\":\"%s\",\"class\":\"%s\",\"decision\":\"keep\"",
+          ferry_kind_name(x->kind), ferry_phase_name(phase), layer, w->m->layers, path, cls);
+  if (alias_of) fprintf(w->f, ",\"alias\":true,\"alias_of\":%llu", (unsigned long long)alias_of);
+  fputs("}\n", w->f);
+  return id;
+}
+
+static void w_unpack(writer *w, uint64_t id) {
+  if (id) fprintf(w->f, "{\"ev\":\"unpack\",\"t_us\":0,\"id\":%llu}\n", (unsigned long long)id);
+}
+
+/* Which of an op's saves to pack. */
+enum { P_ALL = 0, P_KEPT = 1 /* not dropped by drop */, P_DROPPED = 2 /* dropped, of group g */ };
+
+/* Pack the saves of op o selected by which into ids[]; bufid[] maps
+ * layer-local buffers to their first pack's id for aliases. */
+static void w_pack_op(writer *w, const op *o, int layer, int phase, int which, unsigned drop,
+                      uint64_t *ids, uint64_t *bufid) {
   char path[160];
-  module_path(m, layer, o->suffix, path, sizeof path);
+  module_path(layer, o->suffix, path, sizeof path);
   for (int k = 0; k < o->n_saves; k++) {
     const saved *x = &o->saves[k];
-    int dropped = m->checkpoint == SYNTH_CKPT_SELECTIVE && (x->group & m->recompute);
-    if ((which == 1 && dropped) || (which == 2 && !dropped)) continue;
-    uint64_t id = ++w->next_id;
-    ids[k] = id;
-    fprintf(w->f,
-            "{\"ev\":\"pack\",\"t_us\":0,\"id\":%llu,\"step\":%llu,\"bytes\":%llu,\"dtype\":\"%s\","
-            "\"shape\":[",
-            (unsigned long long)id, (unsigned long long)w->step,
-            (unsigned long long)saved_bytes(x), ferry_dtype_name(x->dtype));
-    for (int i = 0; i < x->ndim; i++) fprintf(w->f, i ? ",%lld" : "%lld", (long long)x->shape[i]);
-    fprintf(w->f,
-            "],\"kind\":\"%s\",\"phase\":\"%s\",\"layer\":%d,\"layers\":%d,\"flags\":2,"
-            "\"module\":\"%s\",\"class\":\"%s\",\"decision\":\"keep\"",
-            ferry_kind_name(x->kind), ferry_phase_name(phase), layer, m->layers, path, o->cls);
-    if (x->buf < B_W && bufid[x->buf]) {
-      fprintf(w->f, ",\"alias\":true,\"alias_of\":%llu", (unsigned long long)bufid[x->buf]);
-    } else if (x->buf < B_W) {
-      bufid[x->buf] = id;
-    }
-    fputs("}\n", w->f);
+    int dropped = (x->group & drop) != 0;
+    if ((which == P_KEPT && dropped) || (which == P_DROPPED && !dropped)) continue;
+    int shared = x->buf >= 0 && x->kind != PARAM;
+    ids[k] = w_pack(w, x, layer, phase, path, o->cls, shared ? bufid[x->buf] : 0);
+    if (shared && !bufid[x->buf]) bufid[x->buf] = ids[k];
   }
 }
 
 static void w_unpack_op(writer *w, const op *o, const uint64_t *ids) {
-  for (int k = o->n_saves; k-- > 0;)
-    if (ids[k]) fprintf(w->f, "{\"ev\":\"unpack\",\"t_us\":0,\"id\":%llu}\n", (unsigned long long)ids[k]);
+  for (int k = o->n_saves; k-- > 0;) w_unpack(w, ids[k]);
 }
 
-static int has_dropped(const synth_model *m, const op *o) {
-  if (m->checkpoint != SYNTH_CKPT_SELECTIVE) return 0;
-  for (int k = 0; k < o->n_saves; k++)
-    if (o->saves[k].group & m->recompute) return 1;
-  return 0;
-}
-
-/* ids of a block's packs: [op][save] */
+/* ids of a block's packs */
 typedef struct block_ids {
-  uint64_t ids[MAX_OPS][MAX_SAVES];
-  uint64_t ckpt; /* full checkpointing: the block input */
+  uint64_t *ids;  /* [op][MAX_SAVES] */
+  uint64_t *outs; /* [op][MAX_OUTS]: per-op SAC's saved outputs */
+  uint64_t ckpt;  /* checkpointing: the block's input */
 } block_ids;
 
-static void w_block_forward(writer *w, const op_list *l, int layer, block_ids *bi) {
+typedef struct layer_ctx {
+  const op_list *l;
+  const unsigned char *keep; /* per-op SAC's choice */
+  uint64_t *bufid;           /* [l->n_bufs] */
+  const char *block_cls;
+} layer_ctx;
+
+#define IDS(bi, i) (&(bi)->ids[(size_t)(i) * MAX_SAVES])
+#define OUTS(bi, i) (&(bi)->outs[(size_t)(i) * MAX_OUTS])
+
+/* What a checkpoint keeps of a block: its input. */
+static void w_pack_block_input(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
-  uint64_t bufid[B_W] = {0};
-  memset(bi, 0, sizeof *bi);
-  if (m->checkpoint == SYNTH_CKPT_FULL) {
+  saved in = sv(B_X, m->dtype, ACT, 0, 3, m->micro_batch, m->seq, m->hidden, 0);
+  char path[64];
+  module_path(layer, "", path, sizeof path);
+  bi->ckpt = w_pack(w, &in, layer, FERRY_PHASE_FORWARD, path, c->block_cls, 0);
+}
+
+static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
+  const synth_model *m = w->m;
+  const op_list *l = c->l;
+  const int mode = layer_mode(m, layer);
+  memset(c->bufid, 0, (size_t)l->n_bufs * sizeof *c->bufid);
+  memset(bi->ids, 0, (size_t)l->n * MAX_SAVES * sizeof *bi->ids);
+  memset(bi->outs, 0, (size_t)l->n * MAX_OUTS * sizeof *bi->outs);
+  bi->ckpt = 0;
+  if (mode == SYNTH_CKPT_FULL) {
     double us = 0;
     for (int i = 0; i < l->n; i++) us += op_us(m, &l->ops[i]);
     w_compute(w, us, layer, "forward");
     /* checkpoint saves the block's input only */
-    op in = {.suffix = "", .cls = m->arch == SYNTH_LLAMA ? "LlamaDecoderLayer" : "GPTBlock", .n_saves = 1};
-    in.saves[0] = sv(B_X, m->dtype, FERRY_KIND_ACTIVATION, 0, 3, m->micro_batch, m->seq, m->hidden, 0);
-    char path[64];
-    snprintf(path, sizeof path, "model.layers.%d", layer);
-    uint64_t id = ++w->next_id;
-    bi->ckpt = id;
-    fprintf(w->f,
-            "{\"ev\":\"pack\",\"t_us\":0,\"id\":%llu,\"step\":%llu,\"bytes\":%llu,\"dtype\":\"%s\","
-            "\"shape\":[%d,%d,%d],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":%d,"
-            "\"layers\":%d,\"flags\":2,\"module\":\"%s\",\"class\":\"%s\",\"decision\":\"keep\"}\n",
-            (unsigned long long)id, (unsigned long long)w->step,
-            (unsigned long long)saved_bytes(&in.saves[0]), ferry_dtype_name(m->dtype),
-            m->micro_batch, m->seq, m->hidden, layer, m->layers, path, in.cls);
+    w_pack_block_input(w, c, layer, bi);
     return;
   }
+  if (mode == SYNTH_CKPT_SELECTIVE_OP) {
+    /* the checkpoint keeps the block's input; SAC the outputs it saves */
+    w_pack_block_input(w, c, layer, bi);
+    for (int i = 0; i < l->n; i++) {
+      const op *o = &l->ops[i];
+      w_compute(w, op_us(m, o), layer, o->suffix);
+      if (!c->keep[i]) continue;
+      char path[160];
+      module_path(layer, o->suffix, path, sizeof path);
+      for (int k = 0; k < o->n_outs; k++)
+        OUTS(bi, i)[k] = w_pack(w, &o->outs[k], layer, FERRY_PHASE_FORWARD, path, o->cls, 0);
+    }
+    return;
+  }
+  unsigned drop = mode == SYNTH_CKPT_SELECTIVE ? m->recompute : 0;
   for (int i = 0; i < l->n; i++) {
     w_compute(w, op_us(m, &l->ops[i]), layer, l->ops[i].suffix);
-    w_pack_op(w, &l->ops[i], layer, FERRY_PHASE_FORWARD, 1, bi->ids[i], bufid);
+    w_pack_op(w, &l->ops[i], layer, FERRY_PHASE_FORWARD, P_KEPT, drop, IDS(bi, i), c->bufid);
   }
 }
 
-static void w_block_backward(writer *w, const op_list *l, int layer, block_ids *bi) {
+/* Megatron selective: group g (the attention core, the MLP activation) is
+ * recomputed as a whole before the backward of the last op (in forward
+ * order) that saved one of its dropped tensors. */
+static int last_consumer(const op_list *l, unsigned g) {
+  for (int i = l->n; i-- > 0;)
+    for (int k = 0; k < l->ops[i].n_saves; k++)
+      if (l->ops[i].saves[k].group & g) return i;
+  return -1;
+}
+
+static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
-  uint64_t bufid[B_W] = {0};
-  if (m->checkpoint == SYNTH_CKPT_FULL) {
-    fprintf(w->f, "{\"ev\":\"unpack\",\"t_us\":0,\"id\":%llu}\n", (unsigned long long)bi->ckpt);
+  const op_list *l = c->l;
+  const int mode = layer_mode(m, layer);
+  memset(c->bufid, 0, (size_t)l->n_bufs * sizeof *c->bufid);
+  if (mode == SYNTH_CKPT_FULL || mode == SYNTH_CKPT_SELECTIVE_OP) {
+    /* recomputation: the block runs again from its input before its
+     * backward; per-op SAC takes the outputs it saved instead of running
+     * those ops. Every tensor the backward needs is packed again. */
+    w_unpack(w, bi->ckpt);
     for (int i = 0; i < l->n; i++) {
-      w_compute(w, op_us(m, &l->ops[i]), layer, "recompute");
-      w_pack_op(w, &l->ops[i], layer, FERRY_PHASE_RECOMPUTE, 0, bi->ids[i], bufid);
+      const op *o = &l->ops[i];
+      if (mode == SYNTH_CKPT_SELECTIVE_OP && c->keep[i])
+        for (int k = 0; k < o->n_outs; k++) w_unpack(w, OUTS(bi, i)[k]);
+      else w_compute(w, op_us(m, o), layer, "recompute");
+      w_pack_op(w, o, layer, FERRY_PHASE_RECOMPUTE, P_ALL, 0, IDS(bi, i), c->bufid);
     }
   }
+  static const unsigned groups[2] = {SYNTH_RECOMPUTE_ATTN_CORE, SYNTH_RECOMPUTE_MLP_ACT};
+  int at[2] = {-1, -1};
+  if (mode == SYNTH_CKPT_SELECTIVE)
+    for (int g = 0; g < 2; g++)
+      if (m->recompute & groups[g]) at[g] = last_consumer(l, groups[g]);
   for (int i = l->n; i-- > 0;) {
     const op *o = &l->ops[i];
-    if (has_dropped(m, o)) {
-      /* selective: recompute this op's dropped tensors just before use */
-      w_compute(w, op_us(m, o), layer, "recompute");
-      w_pack_op(w, o, layer, FERRY_PHASE_RECOMPUTE, 2, bi->ids[i], bufid);
+    for (int g = 0; g < 2; g++) {
+      if (at[g] != i) continue;
+      double us = 0;
+      for (int j = 0; j < l->n; j++)
+        if (l->ops[j].rgroup & groups[g]) us += op_us(m, &l->ops[j]);
+      w_compute(w, us, layer, "recompute");
+      for (int j = 0; j < l->n; j++)
+        w_pack_op(w, &l->ops[j], layer, FERRY_PHASE_RECOMPUTE, P_DROPPED, groups[g], IDS(bi, j),
+                  c->bufid);
     }
-    w_unpack_op(w, o, bi->ids[i]);
+    w_unpack_op(w, o, IDS(bi, i));
     w_compute(w, 2 * op_us(m, o), layer, o->suffix);
   }
+}
+
+static const char *checkpoint_name(const synth_model *m, char *buf, size_t n) {
+  switch (m->checkpoint) {
+  case SYNTH_CKPT_FULL:
+    if (m->ckpt_every > 1) snprintf(buf, n, "full:%d", m->ckpt_every);
+    else snprintf(buf, n, "full");
+    break;
+  case SYNTH_CKPT_SELECTIVE:
+    snprintf(buf, n, "selective:%s%s%s", m->recompute & SYNTH_RECOMPUTE_ATTN_CORE ? "attn_core" : "",
+             (m->recompute & SYNTH_RECOMPUTE_ATTN_CORE) && (m->recompute & SYNTH_RECOMPUTE_MLP_ACT) ? "+" : "",
+             m->recompute & SYNTH_RECOMPUTE_MLP_ACT ? "mlp_act" : "");
+    break;
+  case SYNTH_CKPT_SELECTIVE_OP: snprintf(buf, n, "selective-op"); break;
+  default: snprintf(buf, n, "none");
+  }
+  return buf;
 }
 
 int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   if (synth_validate(m, err, errlen)) return -1;
   writer w = {.m = m, .f = f};
-  op_list layer, pre, post;
-  layer_ops(m, &layer);
-  pre_ops(m, &pre);
-  post_ops(m, &post);
+  op_list layer = {0}, pre = {0}, post = {0};
+  block_ids *blocks = calloc((size_t)m->layers, sizeof *blocks);
+  uint64_t pre_store[MAX_SAVES], post_store[3 * MAX_SAVES];
+  block_ids pre_ids = {.ids = pre_store}, post_ids = {.ids = post_store};
+  uint64_t *bufid = NULL;
+  unsigned char *keep = NULL;
+  layer_ctx ctx = {.l = &layer,
+                   .block_cls = m->arch != SYNTH_LLAMA      ? "GPTBlock"
+                                : m->experts && m->qk_norm ? "Qwen3MoeDecoderLayer"
+                                : m->experts               ? "MixtralDecoderLayer"
+                                : m->qk_norm               ? "Qwen3DecoderLayer"
+                                                           : "LlamaDecoderLayer"};
+  char ckpt[48];
+  size_t n = 0;
+  int rc = -1;
+  if (!blocks || layer_ops(m, &layer) || pre_ops(m, &pre) || post_ops(m, &post)) goto oom;
+  n = (size_t)layer.n;
+  if (!(bufid = calloc((size_t)layer.n_bufs, sizeof *bufid)) || !(keep = calloc(n, 1))) goto oom;
+  for (int L = 0; L < m->layers; L++)
+    if (!(blocks[L].ids = malloc(n * MAX_SAVES * sizeof(uint64_t))) ||
+        !(blocks[L].outs = malloc(n * MAX_OUTS * sizeof(uint64_t))))
+      goto oom;
+  sac_keep(&layer, keep);
+  ctx.keep = keep, ctx.bufid = bufid;
   fprintf(f,
           "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1,\"ferry\":\"%s\","
           "\"backend\":\"synth\",\"model\":\"%s\",\"arch\":\"%s\",\"layers\":%d,\"hidden\":%d,"
-          "\"heads\":%d,\"kv_heads\":%d,\"ffn\":%d,\"vocab\":%d,\"seq\":%d,\"micro_batch\":%d,"
-          "\"dtype\":\"%s\",\"flash\":%s,\"checkpoint\":\"%s\",\"shard\":%d,\"tflops\":%g,"
-          "\"hbm_gbps\":%g}\n",
+          "\"heads\":%d,\"kv_heads\":%d,",
           ferry_version_string(), m->name, m->arch == SYNTH_LLAMA ? "llama" : "gpt", m->layers,
-          m->hidden, m->heads, m->kv_heads, m->ffn, m->vocab, m->seq, m->micro_batch,
-          ferry_dtype_name(m->dtype), m->flash ? "true" : "false",
-          m->checkpoint == SYNTH_CKPT_FULL ? "full" : m->checkpoint == SYNTH_CKPT_SELECTIVE ? "selective" : "off",
-          m->shard, m->tflops, m->hbm_gbps);
+          m->hidden, m->heads, m->kv_heads);
+  if (m->head_dim) fprintf(f, "\"head_dim\":%d,", m->head_dim);
+  if (m->qk_norm) fprintf(f, "\"qk_norm\":true,");
+  fprintf(f, "\"ffn\":%d,", m->ffn);
+  if (m->experts)
+    fprintf(f, "\"experts\":%d,\"top_k\":%d,\"expert_ffn\":%d,", m->experts, m->top_k,
+            (int)expert_ffn_of(m));
+  fprintf(f,
+          "\"vocab\":%d,\"seq\":%d,\"micro_batch\":%d,\"dtype\":\"%s\",\"flash\":%s,"
+          "\"checkpoint\":\"%s\",",
+          m->vocab, m->seq, m->micro_batch, ferry_dtype_name(m->dtype), m->flash ? "true" : "false",
+          checkpoint_name(m, ckpt, sizeof ckpt));
+  if (m->checkpoint != SYNTH_CKPT_OFF)
+    fprintf(f, "\"checkpointed_layers\":%d,", synth_checkpointed_layers(m));
+  fprintf(f, "\"shard\":%d,\"tflops\":%g,\"hbm_gbps\":%g}\n", m->shard, m->tflops, m->hbm_gbps);
   uint64_t part[4];
   resident_parts(m, part);
   static const char *const what[4] = {"parameters", "gradients", "optimizer states",
@@ -552,47 +997,56 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     if (part[i] || i < 3)
       fprintf(f, "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":%llu,\"what\":\"%s\"}\n",
               (unsigned long long)part[i], what[i]);
-  block_ids *blocks = malloc((size_t)m->layers * sizeof *blocks);
-  block_ids pre_ids, post_ids;
-  if (!blocks) {
-    if (err && errlen) snprintf(err, errlen, "out of memory");
-    return -1;
-  }
   uint64_t adam_bytes = synth_param_count(m) * 32 / (uint64_t)m->shard;
   for (int st = 1; st <= m->steps; st++) {
     w.step = (uint64_t)st;
     fprintf(f, "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":%d}\n", st);
-    uint64_t bufid[B_W] = {0};
-    memset(&pre_ids, 0, sizeof pre_ids);
-    memset(&post_ids, 0, sizeof post_ids);
+    uint64_t small_bufid[8] = {0};
+    memset(pre_store, 0, sizeof pre_store);
+    memset(post_store, 0, sizeof post_store);
     for (int i = 0; i < pre.n; i++) {
       w_compute(&w, op_us(m, &pre.ops[i]), -1, pre.ops[i].suffix);
-      w_pack_op(&w, &pre.ops[i], -1, FERRY_PHASE_FORWARD, 0, pre_ids.ids[i], bufid);
+      w_pack_op(&w, &pre.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&pre_ids, i), small_bufid);
     }
-    for (int L = 0; L < m->layers; L++) w_block_forward(&w, &layer, L, &blocks[L]);
-    memset(bufid, 0, sizeof bufid);
+    for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
+    memset(small_bufid, 0, sizeof small_bufid);
     for (int i = 0; i < post.n; i++) {
       w_compute(&w, op_us(m, &post.ops[i]), -1, post.ops[i].suffix);
-      w_pack_op(&w, &post.ops[i], -1, FERRY_PHASE_FORWARD, 0, post_ids.ids[i], bufid);
+      w_pack_op(&w, &post.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&post_ids, i), small_bufid);
     }
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
     for (int i = post.n; i-- > 0;) {
-      w_unpack_op(&w, &post.ops[i], post_ids.ids[i]);
+      w_unpack_op(&w, &post.ops[i], IDS(&post_ids, i));
       w_compute(&w, 2 * op_us(m, &post.ops[i]), -1, post.ops[i].suffix);
     }
-    for (int L = m->layers; L-- > 0;) w_block_backward(&w, &layer, L, &blocks[L]);
+    for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
     for (int i = pre.n; i-- > 0;) {
-      w_unpack_op(&w, &pre.ops[i], pre_ids.ids[i]);
+      w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
       w_compute(&w, 2 * op_us(m, &pre.ops[i]), -1, pre.ops[i].suffix);
     }
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
     w_compute(&w, (double)adam_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer");
     fprintf(f, "{\"ev\":\"step_end\",\"t_us\":0,\"step\":%d}\n", st);
   }
-  free(blocks);
+  rc = 0;
   if (ferror(f)) {
     if (err && errlen) snprintf(err, errlen, "write error");
-    return -1;
+    rc = -1;
   }
-  return 0;
+  goto done;
+oom:
+  if (err && errlen) snprintf(err, errlen, "out of memory");
+done:
+  if (blocks)
+    for (int L = 0; L < m->layers; L++) {
+      free(blocks[L].ids);
+      free(blocks[L].outs);
+    }
+  free(blocks);
+  free(bufid);
+  free(keep);
+  op_list_free(&layer);
+  op_list_free(&pre);
+  op_list_free(&post);
+  return rc;
 }

@@ -1,0 +1,44 @@
+#!/bin/sh
+# synth_cli.sh FERRY — `ferry trace synth`'s checkpointing modes and presets
+# end to end: Megatron's selective with FlashAttention refused with the
+# reason and the alternative, full:K and selective-op named in the header,
+# bad modes refused, the Qwen3 and MoE presets' parameter counts in the
+# summary, and a selective-op MoE trace that ferry sim replays.
+set -eu
+FERRY=$1
+D=$(mktemp -d)
+trap 'rm -rf "$D"' EXIT
+rc=0
+"$FERRY" trace synth --preset tiny --checkpoint selective -o "$D/s.jsonl" 2> "$D/err.txt" || rc=$?
+[ "$rc" = 2 ]
+grep -q 'with FlashAttention there is no s^2 tensor to drop' "$D/err.txt"
+grep -q 'selective-op' "$D/err.txt"
+[ ! -s "$D/s.jsonl" ]
+"$FERRY" trace synth --preset tiny --checkpoint selective --flash off -q -o "$D/s.jsonl"
+head -1 "$D/s.jsonl" | grep -q '"checkpoint":"selective:attn_core","checkpointed_layers":4,'
+"$FERRY" trace synth --preset tiny --checkpoint full:2 -q -o "$D/f.jsonl"
+head -1 "$D/f.jsonl" | grep -q '"checkpoint":"full:2","checkpointed_layers":2,'
+"$FERRY" trace synth --preset tiny --checkpoint selective-op -q -o "$D/o.jsonl"
+head -1 "$D/o.jsonl" | grep -q '"checkpoint":"selective-op","checkpointed_layers":4,'
+"$FERRY" trace synth --preset tiny --checkpoint none -q -o "$D/n.jsonl"
+head -1 "$D/n.jsonl" | grep -q '"checkpoint":"none",'
+for bad in full:0 full:x full:5 partial selective:nothing; do
+  rc=0
+  "$FERRY" trace synth --preset tiny --checkpoint "$bad" -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
+  [ "$rc" = 2 ] || { echo "--checkpoint $bad: exit $rc"; exit 1; }
+done
+grep -q 'unknown op group' "$D/err.txt"
+"$FERRY" trace synth --preset qwen3-8b -o /dev/null 2> "$D/q.txt"
+grep -q 'qwen3-8b, 8.19B parameters' "$D/q.txt"
+"$FERRY" trace synth --preset mixtral-8x7b --checkpoint full:4 --seq 1024 -o /dev/null 2> "$D/m.txt"
+grep -q 'mixtral-8x7b, 46.70B parameters (12.88B active)' "$D/m.txt"
+grep -q 'kept by 8 checkpointed layer(s) (full:4)' "$D/m.txt"
+"$FERRY" trace synth --help | grep -q 'selective-op'
+"$FERRY" trace synth --help | grep -q 'qwen3-30b-a3b'
+# a small MoE with QK-norm under torchtitan's policy replays
+"$FERRY" trace synth --preset tiny --experts 4 --top-k 2 --expert-ffn 128 --qk-norm on \
+  --head-dim 32 --checkpoint selective-op -q -o "$D/moe.jsonl"
+grep -q '"module":"model.layers.3.mlp.experts.3.down_proj"' "$D/moe.jsonl"
+"$FERRY" sim --policy default --trace "$D/moe.jsonl" --no-layers --steps 2 > "$D/sim.txt"
+grep -q '^default ' "$D/sim.txt"
+echo ok
