@@ -934,6 +934,139 @@ TEST(trace_records_every_event) {
   return 0;
 }
 
+/* ---- Chrome trace of the run (chrome_recorder.c) ------------------------------------------- */
+/* The trace file parsed (NULL if it does not parse); the caller frees it. */
+static cJSON *chrome_load(const char *path) {
+  FILE *in = fopen(path, "r");
+  if (!in) return NULL;
+  fseek(in, 0, SEEK_END);
+  long n = ftell(in);
+  fseek(in, 0, SEEK_SET);
+  char *text = malloc((size_t)n + 1);
+  size_t got = text ? fread(text, 1, (size_t)n, in) : 0;
+  fclose(in);
+  if (!text) return NULL;
+  text[got] = 0;
+  cJSON *root = cJSON_Parse(text);
+  free(text);
+  return root;
+}
+
+static const char *ev_str(const cJSON *e, const char *key) {
+  return cJSON_GetStringValue(cJSON_GetObjectItem(e, key));
+}
+static double ev_num(const cJSON *e, const char *key) {
+  return cJSON_GetNumberValue(cJSON_GetObjectItem(e, key));
+}
+static double ev_arg(const cJSON *e, const char *key) {
+  return cJSON_GetNumberValue(cJSON_GetObjectItem(cJSON_GetObjectItem(e, "args"), key));
+}
+
+/* Counts events with phase ph (and name, when not NULL). */
+static int chrome_count(const cJSON *events, const char *ph, const char *name) {
+  int n = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, events)
+    n += !strcmp(ev_str(e, "ph"), ph) && (!name || !strcmp(ev_str(e, "name"), name));
+  return n;
+}
+
+/* Two steps of offloads over a slow host link (the CUDA double's copies are
+ * slow too): the trace parses after each step end; its copies are the
+ * engine's (count, bytes each way); a stream's copies do not overlap and, on
+ * the host link, each lasts at least its bytes at the link's rate (the
+ * worker's times, not the issuing call's); every arrow joins an offload to
+ * the reload of the same tensor. An unwritable path fails creation. */
+TEST(chrome_trace_times_copies_and_joins_them) {
+  enum { STEPS = 2, M = 24 };
+  const double rate = 200e6; /* B/s */
+  fixture f;
+  ferry_config c = fixture_config(&f, 1);
+  char path[] = "/tmp/ferry-chrome-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+  c.chrome_trace_path = path;
+  c.link = (ferry_link){rate, rate, 0, 1.0};
+  CHECK_OK(fixture_open(&f, &c));
+  for (int step = 0; step < STEPS; step++) {
+    ferry_handle hs[M];
+    uint64_t sums[M];
+    CHECK_OK(ferry_step_begin(f.e));
+    for (int i = 0; i < M; i++)
+      CHECK((hs[i] = pack_new(&f, 4096 + 64 * (size_t)i, (uint64_t)(step * M + i), &sums[i])));
+    CHECK_OK(ferry_backward_begin(f.e));
+    for (int i = M - 1; i >= 1; i--)
+      if (unpack_check(&f, hs[i], 4096 + 64 * (size_t)i, sums[i])) return 1;
+    CHECK_OK(ferry_discard(f.e, hs[0]));
+    CHECK_OK(ferry_step_end(f.e));
+    cJSON *mid = chrome_load(path); /* whole at every step end */
+    CHECK(mid);
+    CHECK_EQ(chrome_count(cJSON_GetObjectItem(mid, "traceEvents"), "i", "step end"), step + 1);
+    cJSON_Delete(mid);
+  }
+  if (check_quiescent(&f)) return 1;
+  ferry_stats s;
+  CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+  ferry_engine_destroy(f.e);
+
+  cJSON *root = chrome_load(path);
+  CHECK(root);
+  const cJSON *events = cJSON_GetObjectItem(root, "traceEvents"), *e;
+  double bytes[2] = {0, 0}, end[2] = {0, 0};
+  int copies[2] = {0, 0}, slow = 0, overlap = 0, joined = 0;
+  cJSON_ArrayForEach(e, events) {
+    const char *cat = ev_str(e, "cat");
+    if (strcmp(ev_str(e, "ph"), "X") || !cat) continue;
+    int dir = !strcmp(cat, "offload") ? 0 : !strcmp(cat, "reload") ? 1 : -1;
+    if (dir < 0) continue;
+    double ts = ev_num(e, "ts"), dur = ev_num(e, "dur"), b = ev_arg(e, "bytes");
+    CHECK_EQ(ev_num(e, "tid"), dir + 1); /* "D2H copies", "H2D copies" */
+    CHECK(strcmp(ev_str(e, "name"), "model.layers.0.mlp") == 0);
+    copies[dir]++;
+    bytes[dir] += b;
+    overlap += ts + 0.002 < end[dir]; /* written in completion order */
+    end[dir] = ts + dur;
+    slow += test_backend_kind() == FERRY_BACKEND_HOST && dur < b / rate * 1e6 * 0.95;
+    if (dir == 0) continue;
+    /* the arrow into this reload starts on the offload of its tensor */
+    const cJSON *g, *h;
+    cJSON_ArrayForEach(g, events) {
+      if (strcmp(ev_str(g, "ph"), "f") || ev_num(g, "ts") != ts) continue;
+      cJSON_ArrayForEach(h, events) {
+        if (strcmp(ev_str(h, "ph"), "s") || ev_num(h, "id") != ev_num(g, "id")) continue;
+        const cJSON *o;
+        cJSON_ArrayForEach(o, events)
+          joined += !strcmp(ev_str(o, "ph"), "X") && ev_str(o, "cat") &&
+                    !strcmp(ev_str(o, "cat"), "offload") && ev_num(o, "ts") == ev_num(h, "ts") &&
+                    ev_arg(o, "tensor") == ev_arg(e, "tensor") &&
+                    ev_num(o, "ts") + ev_num(o, "dur") <= ts + 0.002;
+      }
+    }
+  }
+  CHECK_EQ(copies[0], s.tensors_offloaded);
+  CHECK_EQ(bytes[0], s.bytes_d2h);
+  CHECK_EQ(bytes[1], s.bytes_h2d);
+  CHECK(copies[1] > 0);
+  CHECK_EQ(overlap, 0);
+  CHECK_EQ(slow, 0);
+  CHECK_EQ(joined, copies[1]); /* every reload here follows its offload */
+  CHECK_EQ(chrome_count(events, "s", NULL), copies[1]);
+  CHECK_EQ(chrome_count(events, "f", NULL), copies[1]);
+  CHECK_EQ(chrome_count(events, "X", "pack"), STEPS * M);
+  CHECK_EQ(chrome_count(events, "i", "backward"), STEPS);
+  cJSON_Delete(root);
+  unlink(path);
+
+  c = fixture_config(&f, 1);
+  c.chrome_trace_path = "/nonexistent-dir/trace.json";
+  char err[512] = "";
+  ferry_engine *e2 = NULL;
+  CHECK_RC(ferry_engine_create(&c, &e2, err, sizeof err), FERRY_EIO);
+  CHECK_STR_CONTAINS(err, "/nonexistent-dir/trace.json");
+  return 0;
+}
+
 /* ---- a shared host budget ------------------------------------------------------------------- */
 typedef struct budget {
   atomic_long used, limit, refusals, calls;
