@@ -829,9 +829,10 @@ TEST(sim_synth_selective_with_flash_is_refused) {
  * activated (Qwen's model cards); Mixtral 8x7B 46.7B in total, 12.9B per
  * token (Mistral AI). Qwen3-30B-A3B's activated count is 3.353B exactly
  * (the total less the 120 unrouted experts' 27.18B, embedding and head
- * included), 1.6% above the card's two-digit "3.3B" (which neither rounds
- * nor matches any count we could find without the router or an embedding):
- * checked within 2%, and its exact formula in sim_synth_moe_router_and_experts. */
+ * included), 1.6% above the card's two-digit "3.3B" (what the count
+ * without the router, 3.340B, would round to, though every token uses the
+ * router): checked within 2%, and its exact formula in
+ * sim_synth_moe_router_and_experts. */
 TEST(sim_synth_presets_match_published_parameter_counts) {
   static const struct {
     const char *name;

@@ -17,7 +17,7 @@ static void synth_usage(FILE *f) {
           "usage: ferry trace synth [--preset NAME] [options] -o FILE\n"
           "\n"
           "Writes the trace (docs/trace-format.md) of a decoder-only transformer's training\n"
-          "steps, for `ferry sim --trace FILE`. Presets: %s.\n"
+          "steps, for `ferry sim --trace FILE`.\nPresets: %s.\n"
           "\n"
           "  --preset NAME        start from a preset (default llama3-8b)\n"
           "  --arch llama|gpt     llama: RMSNorm, GQA, SwiGLU; gpt: LayerNorm, GeLU, dropout\n"
@@ -58,7 +58,8 @@ static void synth_usage(FILE *f) {
           "  ferry trace synth -o llama3-8b.jsonl\n"
           "  ferry trace synth --preset tiny --steps 2 -o - | ferry sim --policy default --trace -\n"
           "  ferry trace synth --layers 48 --hidden 6144 --seq 4096 --checkpoint full -o big.jsonl\n"
-          "  ferry trace synth --preset qwen3-30b-a3b --checkpoint selective-op -o moe.jsonl\n",
+          "  ferry trace synth --preset qwen3-8b --checkpoint selective-op -o qwen3-8b.jsonl\n"
+          "  ferry trace synth --preset mixtral-8x7b --checkpoint full:4 -o mixtral.jsonl\n",
           synth_preset_names());
 }
 
