@@ -216,7 +216,7 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr, "ferry trace synth: -o FILE is required\n");
     return 2;
   }
-  char err[256];
+  char err[512];
   if (synth_validate(&m, err, sizeof err)) {
     fprintf(stderr, "ferry trace synth: %s\n", err);
     return 2;

@@ -219,10 +219,10 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
                     !group_drops_something(&l, SYNTH_RECOMPUTE_MLP_ACT);
     op_list_free(&l);
     if (core_empty)
-      BAD("--checkpoint selective recomputes the attention core (Megatron-LM's selective "
-          "recomputation: the s^2 softmax and dropout tensors); with FlashAttention there is no "
-          "s^2 tensor to drop, so it would change nothing. Use --checkpoint selective-op "
-          "(torchtitan's per-op policy), full or full:K, or --flash off");
+      BAD("selective checkpointing recomputes the attention core (Megatron-LM: its s^2 "
+          "softmax and dropout tensors); FlashAttention has no s^2 tensor to drop, so it would "
+          "change nothing: use selective-op (torchtitan's per-op policy), full or full:K, or "
+          "--flash off");
     if (act_empty) BAD("selective:mlp_act drops nothing in this model");
   }
   return 0;
