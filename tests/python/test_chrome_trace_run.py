@@ -120,3 +120,28 @@ def test_environment_names_the_file_per_process(tmp_path, monkeypatch):
     path = tmp_path / f"t-{os.getpid()}.json"
     problems, _ = schema.check(events_of(path), real=True)
     assert not problems, "\n".join(problems[:20])
+
+
+def test_profiler_ranges_name_the_engine_calls():
+    """Under torch.profiler each engine call is a record_function range named
+    as the Chrome trace's call slices ("ferry pack: <module>", "ferry unpack:
+    <module>"); without the profiler the hooks are told not to make any."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    with torch.profiler.profile() as prof:
+        with ft.offload(model, policy="default"):
+            assert ft.engine().profile_ranges
+            loss = gpt_loss(model, gpt_batch())
+        loss.backward()
+        ft.step()
+    packed = ft.stats()["tensors_packed"]
+    names = [e.name for e in prof.events() if e.name.startswith("ferry ")]
+    paths = {p for p, *_ in [(s[1],) for s in ft.model_sites(model)]}
+    assert packed > 0 and len(names) == 2 * packed, (len(names), packed)
+    for n in names:
+        what, _, path = n.partition(": ")
+        assert what in ("ferry pack", "ferry unpack") and path in paths, n
+    with ft.offload(model, policy="default"):
+        assert not ft.engine().profile_ranges  # profiler off: no range is made
+        loss = gpt_loss(model, gpt_batch())
+    loss.backward()

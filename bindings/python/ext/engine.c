@@ -500,6 +500,17 @@ static PyObject *engine_get_in_step(EngineObject *self, void *unused) {
   return PyBool_FromLong(self->in_step);
 }
 
+static PyObject *engine_get_profile_ranges(EngineObject *self, void *unused) {
+  return PyBool_FromLong(self->profile_ranges);
+}
+
+static int engine_set_profile_ranges(EngineObject *self, PyObject *v, void *unused) {
+  int on = v ? PyObject_IsTrue(v) : 0;
+  if (on < 0) return -1;
+  self->profile_ranges = on;
+  return 0;
+}
+
 static PyObject *engine_get_depth(EngineObject *self, void *unused) {
   return PyLong_FromUnsignedLong(self->depth);
 }
@@ -522,6 +533,8 @@ static int engine_set_min_bytes(EngineObject *self, PyObject *v, void *unused) {
 static PyGetSetDef engine_getset[] = {
     {"closed", (getter)engine_get_closed, NULL, "whether close() was called", NULL},
     {"in_step", (getter)engine_get_in_step, NULL, "a step is in progress", NULL},
+    {"profile_ranges", (getter)engine_get_profile_ranges, (setter)engine_set_profile_ranges,
+     "pack and unpack calls are torch profiler ranges (set at each offload entry)", NULL},
     {"module_depth", (getter)engine_get_depth, NULL, "current module stack depth", NULL},
     {"min_offload_bytes", (getter)engine_get_min_bytes, (setter)engine_set_min_bytes,
      "the fast keep path's threshold (the engine's min_offload_bytes)", NULL},

@@ -36,6 +36,9 @@ typedef struct torch_objects {
   PyObject *empty;        /* torch.empty */
   PyObject *empty_strided; /* torch.empty_strided */
   PyObject *cuda_current_stream; /* torch.cuda.current_stream, or NULL */
+  /* torch.ops.profiler._record_function_enter_new / _exit, looked up the
+   * first time an engine's calls are wrapped in profiler ranges */
+  PyObject *rf_enter, *rf_exit;
   int has_is_nested;
   int has_is_cpu;         /* Tensor.is_cpu exists (one attribute read instead of device.type) */
 } torch_objects;
@@ -114,6 +117,9 @@ struct EngineObject {
   uint64_t min_bytes; /* fast keep threshold */
   int fast_keep;      /* off while recording a trace: every tensor is traced */
   int in_backward;    /* an unpack happened in this step */
+  /* torch's profiler was on when the step's offload context was entered:
+   * pack and unpack calls are record_function ranges (hooks.c) */
+  int profile_ranges;
   int in_step;
   site *sites;
   uint32_t n_sites, cap_sites;

@@ -65,6 +65,7 @@ class Engine:
     closed: bool
     in_step: bool
     module_depth: int
+    profile_ranges: bool
     min_offload_bytes: int
     def __init__(self, backend: str = "host", policy_path: Optional[str] = None,
                  policy_source: Optional[str] = None, trace_path: Optional[str] = None,

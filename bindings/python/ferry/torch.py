@@ -51,6 +51,15 @@ __all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_s
            "Snapshot", "CheckpointError", "offload_optimizer", "OptimizerOffload",
            "offload_weights", "WeightOffload", "OffloadActivations", "NoOffload"]
 
+def _profiler_enabled():
+    """Whether torch's profiler is recording (checked once per offload
+    entry: the hooks then wrap engine calls in record_function ranges)."""
+    try:
+        return bool(torch._C._autograd._profiler_enabled())
+    except AttributeError:  # a torch without it: no ranges
+        return False
+
+
 def _is_compiled(m):
     """A torch.compile'd module (dynamo's OptimizedModule wrapper)."""
     return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
@@ -304,6 +313,7 @@ class offload:
             s.engine.set_param_ranges(_param_ranges(self.model))
             self._handles = s.hooks_for(self.model, _ModelHooks).install()
         _inplace.prepare()  # before any hooks of ours are active
+        s.engine.profile_ranges = _profiler_enabled()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(*s.engine.hooks())
         self._ctx.__enter__()
         _sessmod.current = s
