@@ -2,7 +2,8 @@
 # An installed ferry works without its source tree: build and install from a
 # copy of the sources, delete the copy and its build, move the prefix, then
 # use what was installed: `ferry check default`, `ferry sim --policy budget`,
-# a pkg-config build and a find_package build of a consumer.
+# the man page and bash completion, a pkg-config build and a find_package
+# build of a consumer.
 #   tests/install/relocated.sh      (JOBS=2)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -26,6 +27,15 @@ grep -q "$p/share/ferry/policies/default.lua" "$work/check.txt" ||
 "$p/bin/ferry" sim --policy budget --trace "$work/t.jsonl" --steps 2 >"$work/sim.txt" 2>&1 ||
   { cat "$work/sim.txt"; fail "ferry sim --policy budget"; }
 grep -q "^budget" "$work/sim.txt" || fail "ferry sim printed no row for budget"
+
+# the man page and the bash completion where man and bash-completion look; the
+# completion finds the installed policies beside the moved binary
+[ -s "$p/share/man/man1/ferry.1" ] || fail "no share/man/man1/ferry.1"
+comp=$p/share/bash-completion/completions/ferry
+[ -s "$comp" ] || fail "no share/bash-completion/completions/ferry"
+got=$(cd "$work" && PATH="$p/bin:$PATH" bash -c 'source "$1"; COMP_WORDS=(ferry sim --policy bud)
+  COMP_CWORD=3; _ferry; echo "${COMPREPLY[*]}"' bash "$comp")
+[ "$got" = budget ] || fail "the installed completion offers '$got' for --policy bud, not budget"
 
 # pkg-config, the .pc found where the prefix now is
 cc "$root/tests/install/consumer.c" -o "$work/consumer_pc" \
