@@ -76,6 +76,7 @@
   /* trace recorder (test_trace.c) */                                      \
   X(trace_records_every_event)                                             \
   X(chrome_trace_times_copies_and_joins_them)                              \
+  X(chrome_trace_one_file_per_engine)                                      \
   /* @@trace */                                                            \
   /* cuda backend (test_backend_cuda.c) */                                 \
   X(cuda_create_without_driver_is_enodev)                                  \

@@ -1067,6 +1067,57 @@ TEST(chrome_trace_times_copies_and_joins_them) {
   return 0;
 }
 
+/* Two engines on one thread, calls interleaved: each file has one lane for
+ * the thread (not one per switch). A second engine given a file another
+ * engine is writing is refused (it would truncate it); once that engine is
+ * gone the file may be used again. */
+TEST(chrome_trace_one_file_per_engine) {
+  fixture f, g;
+  ferry_config c = fixture_config(&f, 1), d = fixture_config(&g, 1);
+  char p1[] = "/tmp/ferry-chrome-XXXXXX", p2[] = "/tmp/ferry-chrome-XXXXXX";
+  int fd1 = mkstemp(p1), fd2 = mkstemp(p2);
+  CHECK(fd1 >= 0 && fd2 >= 0);
+  close(fd1);
+  close(fd2);
+  c.chrome_trace_path = p1;
+  d.chrome_trace_path = p2;
+  CHECK_OK(fixture_open(&f, &c));
+  CHECK_OK(fixture_open(&g, &d));
+  enum { M = 6 };
+  ferry_handle hf[M], hg[M];
+  uint64_t sf[M], sg[M];
+  for (int i = 0; i < M; i++) {
+    CHECK((hf[i] = pack_new(&f, 2048, (uint64_t)i, &sf[i])));
+    CHECK((hg[i] = pack_new(&g, 2048, (uint64_t)i + 100, &sg[i])));
+  }
+  for (int i = M - 1; i >= 0; i--)
+    if (unpack_check(&f, hf[i], 2048, sf[i]) || unpack_check(&g, hg[i], 2048, sg[i])) return 1;
+  CHECK_OK(ferry_step_end(f.e));
+  CHECK_OK(ferry_step_end(g.e));
+  fixture h;
+  ferry_config twice = fixture_config(&h, 1);
+  twice.chrome_trace_path = p1;
+  char err[512] = "";
+  ferry_engine *e3 = NULL;
+  CHECK_RC(ferry_engine_create(&twice, &e3, err, sizeof err), FERRY_EINVAL);
+  CHECK_STR_CONTAINS(err, "another engine");
+  ferry_engine_destroy(f.e);
+  ferry_engine_destroy(g.e);
+  for (int k = 0; k < 2; k++) {
+    cJSON *root = chrome_load(k ? p2 : p1);
+    CHECK(root);
+    const cJSON *events = cJSON_GetObjectItem(root, "traceEvents");
+    CHECK_EQ(chrome_count(events, "M", "thread_name"), 3); /* D2H, H2D, this thread */
+    CHECK_EQ(chrome_count(events, "X", "pack"), M);
+    cJSON_Delete(root);
+  }
+  CHECK_OK(ferry_engine_create(&twice, &e3, err, sizeof err)); /* free again */
+  ferry_engine_destroy(e3);
+  unlink(p1);
+  unlink(p2);
+  return 0;
+}
+
 /* ---- a shared host budget ------------------------------------------------------------------- */
 typedef struct budget {
   atomic_long used, limit, refusals, calls;

@@ -35,9 +35,10 @@ current = None  # Session of the offload context entered last
 def _finish_chrome_traces():
     """At exit, close the engines that write a Chrome trace, so the events
     after the last step end reach the file (it is valid JSON at every step
-    end already). Their saved tensors are of no use any more."""
+    end already). Their saved tensors are of no use any more. A forked child
+    leaves its parent's engines alone (their copy threads are not its own)."""
     for s in list(sessions.values()):
-        if s.cfg.get("chrome_trace_path") and not s.engine.closed:
+        if s.cfg.get("chrome_trace_path") and not s.engine.closed and s.pid == os.getpid():
             s.engine.close()
 
 
@@ -91,6 +92,7 @@ class Session:
         self.cfg = cfg
         self.node_cap = node_cap  # keeps the shared-memory slot for this process
         self.engine = _ferry.Engine(policy_path=policy_path, **cfg)
+        self.pid = os.getpid()
         self.policy_path = policy_path
         self.models = weakref.WeakKeyDictionary()
         self.policy_errors_seen = 0

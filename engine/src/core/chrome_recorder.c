@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -68,15 +69,34 @@ struct ct_recorder {
   uint32_t n_copies, cap_copies, free_head; /* free list through next_free, 0 = none */
   u64map pending[2];     /* host address -> copy slot + 1, per direction */
   u64map offloaded;      /* host address -> slot + 1 of the last offload into it */
+  u64map lanes;          /* OS thread id -> its lane */
+  uint64_t dev, ino;     /* the file, in the registry of open traces */
   /* last counter values written, -1 = none yet */
   double last_device, last_pinned, last_depth;
 };
 
 static _Atomic uint64_t recorder_gens = 1;
+/* the calling thread's lane in the recorder it used last (a cache of
+ * ct_recorder.lanes), and its OS id */
 static _Thread_local struct {
   uint64_t gen;
   int lane;
+  long tid;
 } this_thread;
+
+/* Files being written by this process's recorders (device, inode): a second
+ * engine given the same file is refused rather than truncating it. */
+static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct open_file {
+  uint64_t dev, ino;
+} *open_files;
+static uint32_t n_open, cap_open;
+
+static int open_find(uint64_t dev, uint64_t ino) {
+  for (uint32_t i = 0; i < n_open; i++)
+    if (open_files[i].dev == dev && open_files[i].ino == ino) return (int)i;
+  return -1;
+}
 
 static double rel(const ct_recorder *r, double abs_us) { return abs_us - r->t0_us; }
 
@@ -111,18 +131,23 @@ static uint32_t take(u64map *m, const void *host) {
 /* The calling thread's lane, declared on first sight. Recorder lock held. */
 static int thread_lane(ct_recorder *r) {
   if (this_thread.gen == r->gen) return this_thread.lane;
-  int lane = r->next_lane++;
-  char name[16] = "", label[64];
+  if (!this_thread.tid) this_thread.tid = (long)syscall(SYS_gettid);
+  long tid = this_thread.tid;
+  uint32_t lane;
+  if (!u64map_find(&r->lanes, (uint64_t)tid, &lane)) {
+    lane = (uint32_t)r->next_lane++;
+    if (u64map_insert(&r->lanes, (uint64_t)tid, lane)) return (int)lane; /* not cached */
+    char name[16] = "", label[64];
 #if defined(__GLIBC__)
-  pthread_getname_np(pthread_self(), name, sizeof name);
+    pthread_getname_np(pthread_self(), name, sizeof name);
 #endif
-  long tid = (long)syscall(SYS_gettid);
-  if (name[0]) snprintf(label, sizeof label, "compute thread %ld (%s)", tid, name);
-  else snprintf(label, sizeof label, "compute thread %ld", tid);
-  ct_thread(&r->w, r->pid, lane, label, lane - LANE_FIRST_THREAD);
+    if (name[0]) snprintf(label, sizeof label, "compute thread %ld (%s)", tid, name);
+    else snprintf(label, sizeof label, "compute thread %ld", tid);
+    ct_thread(&r->w, r->pid, (int)lane, label, (int)lane - LANE_FIRST_THREAD);
+  }
   this_thread.gen = r->gen;
-  this_thread.lane = lane;
-  return lane;
+  this_thread.lane = (int)lane;
+  return (int)lane;
 }
 
 static void note_error(ct_recorder *r) {
@@ -311,6 +336,15 @@ int ctrace_open(ferry_engine *e, const char *path_spec) {
   char path[4096];
   if (expand_path(path_spec, path, sizeof path))
     return engine_fail(e, FERRY_EINVAL, "chrome trace path is too long: %.100s...", path_spec);
+  struct stat st;
+  pthread_mutex_lock(&open_lock);
+  int taken = stat(path, &st) == 0 && open_find((uint64_t)st.st_dev, (uint64_t)st.st_ino) >= 0;
+  pthread_mutex_unlock(&open_lock);
+  if (taken)
+    return engine_fail(e, FERRY_EINVAL,
+                       "chrome trace %s is being written by another engine of this process: "
+                       "give each engine its own file",
+                       path);
   ct_recorder *r = calloc(1, sizeof *r);
   if (!r) return engine_fail(e, FERRY_ENOMEM, "out of memory opening the Chrome trace");
   char err[4200];
@@ -318,11 +352,22 @@ int ctrace_open(ferry_engine *e, const char *path_spec) {
     free(r);
     return engine_fail(e, FERRY_EIO, "chrome trace: %s", err);
   }
-  if (u64map_grow(&r->pending[0]) || u64map_grow(&r->pending[1]) || u64map_grow(&r->offloaded)) {
+  int bad = u64map_grow(&r->pending[0]) || u64map_grow(&r->pending[1]) ||
+            u64map_grow(&r->offloaded) || u64map_grow(&r->lanes) || fstat(r->w.fd, &st);
+  if (!bad) {
+    pthread_mutex_lock(&open_lock);
+    bad = util_grow((void **)&open_files, &cap_open, sizeof *open_files, n_open + 1, 4);
+    if (!bad) open_files[n_open++] = (struct open_file){(uint64_t)st.st_dev, (uint64_t)st.st_ino};
+    pthread_mutex_unlock(&open_lock);
+    r->dev = (uint64_t)st.st_dev;
+    r->ino = (uint64_t)st.st_ino;
+  }
+  if (bad) {
     ct_close(&r->w, err, sizeof err);
     u64map_free(&r->pending[0]);
     u64map_free(&r->pending[1]);
     u64map_free(&r->offloaded);
+    u64map_free(&r->lanes);
     free(r);
     return engine_fail(e, FERRY_ENOMEM, "out of memory opening the Chrome trace");
   }
@@ -355,9 +400,14 @@ void ctrace_close(ferry_engine *e) {
   char err[256] = "";
   if (ct_close(&r->w, err, sizeof err) == 0 && r->error[0]) snprintf(err, sizeof err, "%s", r->error);
   if (err[0]) util_log(FERRY_LOG_ERROR, "chrome trace: %s", err);
+  pthread_mutex_lock(&open_lock);
+  int i = open_find(r->dev, r->ino);
+  if (i >= 0) open_files[i] = open_files[--n_open];
+  pthread_mutex_unlock(&open_lock);
   u64map_free(&r->pending[0]);
   u64map_free(&r->pending[1]);
   u64map_free(&r->offloaded);
+  u64map_free(&r->lanes);
   free(r->copies);
   pthread_mutex_destroy(&r->lock);
   free(r);

@@ -41,6 +41,7 @@ int ct_open(ct_writer *w, const char *path, char *err, size_t errlen) {
   }
   struct stat st;
   w->seekable = fstat(w->fd, &st) == 0 && S_ISREG(st.st_mode);
+  w->pid = getpid();
   w->flush_bytes = CT_FLUSH_BYTES;
   int rc = write_all(w, HEADER, sizeof HEADER - 1, 0);
   if (rc) {
@@ -55,6 +56,10 @@ int ct_open(ct_writer *w, const char *path, char *err, size_t errlen) {
 
 static int flush_events(ct_writer *w, int closing) {
   if (w->fd < 0) return 0;
+  if (getpid() != w->pid) { /* a forked child: the file is its parent's */
+    w->len = 0;
+    return 0;
+  }
   if (!w->error && w->len) {
     w->error = write_all(w, w->buf, w->len, w->off);
     w->off += w->len;

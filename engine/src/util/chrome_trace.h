@@ -19,6 +19,7 @@ typedef struct ct_writer {
   int fd;              /* -1 when closed */
   int seekable;        /* regular file: the trailer is rewritten at each flush */
   int error;           /* errno of the first failed write, 0 if none */
+  int pid;             /* the process that opened it: a forked child writes nothing */
   uint64_t off;        /* file offset of the next event (the trailer's) */
   char *buf;           /* events not yet written */
   size_t len, cap;
