@@ -68,7 +68,8 @@ const char *cli_output(const char *value);
 /* Sends what was written for "-" to stdout and closes it: 0, or 1 after
  * "ferry CMD: cannot write stdout: ...". Call once, at the end. */
 int cli_output_done(const char *cmd);
-/* From a signal handler: removes the temporary file (async-signal-safe). */
+/* After a failed write, or from a signal handler: removes the temporary
+ * file, so nothing half-written reaches stdout (async-signal-safe). */
 void cli_output_abandon(void);
 
 /* ---- progress ------------------------------------------------------------------------- */

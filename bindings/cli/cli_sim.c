@@ -304,7 +304,8 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     if (!rc && svg && sim_write_svg(sp, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
     if (!rc && html && sim_write_html(hp, &info, rs, n_jobs + 1, err, sizeof err)) rc = 1;
     if (rc) fprintf(stderr, "ferry sim: %s\n", err);
-    if (cli_stdout_claimed() && cli_output_done("sim") && !rc) rc = 1;
+    if (rc) cli_output_abandon(); /* no half-written output on stdout */
+    else if (cli_stdout_claimed() && cli_output_done("sim")) rc = 1;
     for (int i = 1; i <= n_jobs && !rc; i++)
       if (rs[i].policy_errors) rc = 3; /* a policy that faulted is worth a non-zero exit */
   }
