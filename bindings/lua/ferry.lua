@@ -210,8 +210,9 @@ device_index, max_fwd_stash, host_cap_bytes, host_cap_pct,
 min_offload_bytes, prefetch_distance, link = { d2h_bytes_per_s,
 h2d_bytes_per_s, latency_us, duplex }, device (from ferry.malloc_device())
 or device_alloc/release/retain (ferry_*_fn cdata), decide (ferry_decide_fn),
-policy_path, policy_source, policy_trusted, trace_path, node_budget (from
-ferry.node_budget()).]]
+policy_path, policy_source, policy_trusted, trace_path, chrome_trace_path
+(a Chrome trace of the run, docs/pytorch.md#perfetto-traces), node_budget
+(from ferry.node_budget()).]]
 function M.engine(opts)
   opts = opts or {}
   local cfg = ffi.new("ferry_config")
@@ -232,11 +233,12 @@ function M.engine(opts)
   cfg.retain = opts.retain or nil
   cfg.decide = opts.decide or nil
   -- strings stay referenced by the engine object for its whole life
-  local keep = { opts.policy_path, opts.policy_source, opts.trace_path }
+  local keep = { opts.policy_path, opts.policy_source, opts.trace_path, opts.chrome_trace_path }
   cfg.policy_path = opts.policy_path
   cfg.policy_source = opts.policy_source
   cfg.policy_trusted = opts.policy_trusted and 1 or 0
   cfg.trace_path = opts.trace_path
+  cfg.chrome_trace_path = opts.chrome_trace_path
   if opts.node_budget then -- a ferry.node_budget(): share its cap
     cfg.host_reserve = C.ferry_node_budget_reserve
     cfg.host_reserve_ud = opts.node_budget.ptr

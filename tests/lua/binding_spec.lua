@@ -90,6 +90,33 @@ describe("ferry binding", function()
     decide:free()
   end)
 
+  it("writes a Chrome trace of the run when given chrome_trace_path", function()
+    local path = os.tmpname()
+    local decide = ffi.cast("ferry_decide_fn", function(_, desc, ctx, out)
+      out.action = ferry.OFFLOAD
+      out.reload = ferry.ON_USE
+      out.prefetch_distance = -1
+      out.cacheable = 0
+      return 0
+    end)
+    local s = H.session { decide = decide, max_fwd_stash = 1, chrome_trace_path = path }
+    for i = 1, 6 do s:pack { bytes = 4096 + i, path = "model.layers." .. i } end
+    s:finish_step()
+    s:close()
+    decide:free()
+    local f = assert(io.open(path))
+    local text = f:read("*a")
+    f:close()
+    os.remove(path)
+    local function count(pat) return select(2, text:gsub(pat, "")) end
+    assert.truthy(text:match('^{"displayTimeUnit":"ms","traceEvents":%['))
+    assert.truthy(text:match("%]}\n$"))
+    assert.equal(6, count('"cat":"offload"'))
+    assert.equal(5, count('"cat":"reload"')) -- the last one packed is a stash hit
+    assert.equal(5, count('"ph":"s"'))
+    assert.equal(5, count('"ph":"f"'))
+  end)
+
   it("turns handle errors into nil, message, code with the engine's detail", function()
     local s = H.session {}
     local e = s.e
