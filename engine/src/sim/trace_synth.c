@@ -461,7 +461,7 @@ static void mlp_moe_ops(layer_shape *ls, op_list *l) {
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   const char *moe = ls->mixtral ? "block_sparse_moe" : "mlp";
-  char name[48];
+  char name[96];
   op *o;
   snprintf(name, sizeof name, "%s.gate", moe);
   o = add_op(l, name, "Linear", 2 * tokens * h * E, (tokens * h + h * E + tokens * E) * e);
