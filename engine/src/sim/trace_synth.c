@@ -35,7 +35,7 @@ enum {
 };
 
 typedef struct op {
-  char suffix[48];    /* module path below the layer ("self_attn.q_proj") */
+  char suffix[96];    /* module path below the layer ("self_attn.q_proj") */
   const char *cls;
   double flops, bytes; /* forward */
   unsigned rgroup;    /* SYNTH_RECOMPUTE_* region it belongs to (Megatron selective) */
@@ -412,7 +412,7 @@ static void gated_mlp_ops(layer_shape *ls, op_list *l, const char *prefix, const
   const int64_t h = ls->h;
   const double e = ls->e;
   const int dt = ls->dt;
-  char name[48];
+  char name[96];
   op *o;
   /* a row shape: (b, s, n) for the dense MLP, (rows, n) for an expert */
 #define ROWS(buf_, n_, grp_) sv(buf_, dt, ACT, grp_, ndim, d0, ndim == 3 ? d1 : (n_), ndim == 3 ? (n_) : 0, 0)
