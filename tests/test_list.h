@@ -72,6 +72,7 @@
   X(stash_shared_budget_hook)                                              \
   X(stash_fwd_bound_in_bytes)                                              \
   X(stash_fixed_knobs_win_over_the_policy)                                 \
+  X(stash_breakdown_by_rule_and_layer)                                     \
   /* @@stash */                                                            \
   /* trace recorder (test_trace.c) */                                      \
   X(trace_records_every_event)                                             \

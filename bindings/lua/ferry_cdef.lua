@@ -112,6 +112,8 @@ int32_t prefetch_at_backward_begin;
 uint32_t knobs_fixed;
 uint32_t reserved2;
 const char *chrome_trace_path;
+int32_t count_reasons;
+uint32_t reserved3;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {
@@ -209,6 +211,16 @@ uint64_t resident_bytes_d2h;
 uint64_t resident_bytes_h2d;
 }ferry_stats;
 int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
+typedef struct ferry_breakdown_row {
+const char *rule;
+const char *where;
+int32_t layer;
+uint32_t reserved;
+uint64_t tensors_offloaded, bytes_offloaded;
+uint64_t tensors_kept, bytes_kept;
+}ferry_breakdown_row;
+typedef void (*ferry_breakdown_fn)(void *ud, const ferry_breakdown_row *row);
+int ferry_get_breakdown(ferry_engine *e, ferry_breakdown_fn fn, void *ud);
 typedef struct ferry_resident ferry_resident;
 int ferry_resident_create(ferry_engine *e, uint64_t bytes, ferry_resident **out);
 int ferry_resident_to_host(ferry_resident *r, const void *device_ptr, void *compute_stream);

@@ -307,6 +307,12 @@ typedef struct ferry_config {
    * device/pinned/stash counters (docs/pytorch.md#perfetto-traces); NULL =
    * none. Valid JSON after every step end. */
   const char *chrome_trace_path;
+  /* 1: count each saved tensor by the rule that decided it and by layer
+   * (ferry_get_breakdown). Every decision then goes through the policy's
+   * explain, which also names the rule and its file:line: slower than
+   * decide, so off by default. */
+  int32_t count_reasons;
+  uint32_t reserved3;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \
@@ -549,6 +555,26 @@ typedef struct ferry_stats {
 
 /* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). */
 FERRY_API int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
+
+/* Saved tensors by the rule that decided them and by layer, since the
+ * engine was created (config.count_reasons). One row per (rule, where,
+ * layer); packs that found their buffer already stored (aliases) are not
+ * counted again. Engine-level outcomes have rules of their own:
+ * "min_offload_bytes" (too small to ask the policy), "host cap" (an offload
+ * the arena could not hold), "copy failed", "decide callback" (a C
+ * callback, which gives no reason), "no policy". */
+typedef struct ferry_breakdown_row {
+  const char *rule;  /* the rule's name, as ferry check prints it */
+  const char *where; /* "file:line" where the policy wrote it, "" if none */
+  int32_t layer;     /* -1: outside the repeated blocks */
+  uint32_t reserved;
+  uint64_t tensors_offloaded, bytes_offloaded;
+  uint64_t tensors_kept, bytes_kept;
+} ferry_breakdown_row;
+/* Called once per row, in first-seen order; the strings live until fn returns. */
+typedef void (*ferry_breakdown_fn)(void *ud, const ferry_breakdown_row *row);
+/* FERRY_ESTATE if the engine was created without config.count_reasons. */
+FERRY_API int ferry_get_breakdown(ferry_engine *e, ferry_breakdown_fn fn, void *ud);
 
 /* ---- resident buffers ----------------------------------------------------
  * Long-lived buffers in the pinned arena for state that lives on the host

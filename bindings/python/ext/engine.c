@@ -161,7 +161,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                            "host_cap_bytes", "host_cap_pct", "min_offload_bytes",
                            "max_fwd_stash", "prefetch_distance", "link", "arena",
                            "device", "policy_trusted", "node_cap", "fast_keep",
-                           "max_fwd_stash_bytes", "knobs_fixed", "chrome_trace_path", NULL};
+                           "max_fwd_stash_bytes", "knobs_fixed", "chrome_trace_path",
+                           "count_reasons", NULL};
   const char *backend = "host", *policy_path = NULL, *policy_source = NULL, *trace_path = NULL,
              *arena = "auto", *chrome_trace_path = NULL;
   unsigned long long cap_bytes = 0, min_bytes = 1024, stash_bytes = 0;
@@ -169,16 +170,16 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   double cap_pct = 0;
   unsigned int max_stash = 4, prefetch = 2;
   PyObject *link = Py_None, *node_cap = Py_None;
-  int device = -1, trusted = 0, fast_keep = 1;
+  int device = -1, trusted = 0, fast_keep = 1, count_reasons = 0;
   if (self->e) {
     PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOpKIz", kwlist, &backend,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOpKIzp", kwlist, &backend,
                                    &policy_path, &policy_source, &trace_path, &cap_bytes, &cap_pct,
                                    &min_bytes, &max_stash, &prefetch, &link, &arena, &device,
                                    &trusted, &node_cap, &fast_keep, &stash_bytes, &knobs_fixed,
-                                   &chrome_trace_path))
+                                   &chrome_trace_path, &count_reasons))
     return -1;
   ferry_config cfg;
   ferry_config_init(&cfg);
@@ -200,6 +201,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.policy_trusted = trusted;
   cfg.trace_path = trace_path;
   cfg.chrome_trace_path = chrome_trace_path;
+  cfg.count_reasons = count_reasons;
   if (config_node_cap(self, &cfg, node_cap)) return -1;
   self->backend = cfg.backend;
   self->device_index = device < 0 ? 0 : device;
@@ -213,7 +215,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   }
   self->e = e;
   self->min_bytes = effective_min_bytes(e);
-  self->fast_keep = fast_keep && !trace_path;
+  /* a trace or a breakdown counts every tensor: none may pass the engine by */
+  self->fast_keep = fast_keep && !trace_path && !count_reasons;
   self->pack_hook = make_hook(&PackHookType, self);
   self->unpack_hook = make_hook(&UnpackHookType, self);
   if (!self->pack_hook || !self->unpack_hook) return -1;
@@ -308,6 +311,33 @@ static PyObject *engine_set_policy(EngineObject *self, PyObject *args, PyObject 
   int rc = ferry_set_policy(self->e, path, source, trusted);
   if (!rc) self->min_bytes = effective_min_bytes(self->e);
   return check_rc(self, rc);
+}
+
+/* ferry_get_breakdown's rows as dicts, appended to a list */
+static void breakdown_row(void *ud, const ferry_breakdown_row *r) {
+  PyObject *rows = ud;
+  if (PyErr_Occurred()) return;
+  PyObject *d = Py_BuildValue("{s:s,s:s,s:i,s:K,s:K,s:K,s:K}", "rule", r->rule, "where",
+                              r->where, "layer", r->layer, "tensors_offloaded",
+                              (unsigned long long)r->tensors_offloaded, "bytes_offloaded",
+                              (unsigned long long)r->bytes_offloaded, "tensors_kept",
+                              (unsigned long long)r->tensors_kept, "bytes_kept",
+                              (unsigned long long)r->bytes_kept);
+  if (d) PyList_Append(rows, d);
+  Py_XDECREF(d);
+}
+
+static PyObject *engine_breakdown(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  PyObject *rows = PyList_New(0);
+  if (!rows) return NULL;
+  int rc = ferry_get_breakdown(self->e, breakdown_row, rows);
+  if (rc) {
+    Py_DECREF(rows);
+    return raise_ferry(rc, ferry_last_error(self->e));
+  }
+  if (PyErr_Occurred()) Py_CLEAR(rows);
+  return rows;
 }
 
 static PyObject *engine_stats(EngineObject *self, PyObject *unused) {
@@ -550,6 +580,10 @@ static PyMethodDef engine_methods[] = {
     {"set_policy", (PyCFunction)(void (*)(void))engine_set_policy, METH_VARARGS | METH_KEYWORDS,
      "set_policy(path=None, source=None, trusted=False), between steps."},
     {"stats", (PyCFunction)engine_stats, METH_NOARGS, "Engine stats and binding counters."},
+    {"breakdown", (PyCFunction)engine_breakdown, METH_NOARGS,
+     "Saved tensors by rule and layer (ferry_get_breakdown): a list of dicts with rule, where, "
+     "layer, tensors_offloaded, bytes_offloaded, tensors_kept, bytes_kept. Needs "
+     "count_reasons=True."},
     {"reset_counters", (PyCFunction)engine_reset_counters, METH_NOARGS,
      "Zero the binding's own counters (kept_*, recompute_packs...)."},
     {"last_error", (PyCFunction)engine_last_error, METH_NOARGS, NULL},

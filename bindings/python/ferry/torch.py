@@ -211,8 +211,8 @@ class offload:
     """Context manager offloading what `model` saves for backward.
 
     offload(model, policy=None, backend=None, *, record_trace=None,
-            chrome_trace=None, host_cap=None, node_host_cap=None,
-            node_cap_name=None, steps="auto", **knobs)
+            chrome_trace=None, reasons=False, host_cap=None,
+            node_host_cap=None, node_cap_name=None, steps="auto", **knobs)
 
     policy: a shipped policy name ("default", "layers", "fraction", "ramcap",
         "budget") or a path to a Lua file; default $FERRY_POLICY or "default".
@@ -228,6 +228,11 @@ class offload:
         (docs/pytorch.md#perfetto-traces); default $FERRY_CHROME_TRACE. Valid
         JSON after every step end; complete once the engine is closed
         (ferry.torch.close(), or at exit).
+    reasons: count every saved tensor by the rule that decided it and by
+        layer, for ferry.torch.stats(by="rule") and stats(by="layer"). Each
+        decision then goes through the policy's explain (slower than
+        decide) and every saved tensor reaches the engine (no small-tensor
+        fast path): for looking at a policy, not for production steps.
     host_cap: pinned host memory cap, bytes or "16G"/"40%"; default
         $FERRY_HOST_CAP.
     node_host_cap: a cap shared by the processes of this node (DDP local
@@ -242,7 +247,7 @@ class offload:
     def __init__(self, model: Optional[torch.nn.Module] = None,
                  policy: Optional[PolicyLike] = None, backend: Optional[str] = None, *,
                  record_trace: Optional[str] = None, chrome_trace: Optional[str] = None,
-                 host_cap: Optional[Union[int, str]] = None,
+                 reasons: bool = False, host_cap: Optional[Union[int, str]] = None,
                  node_host_cap: Optional[Union[int, str]] = None,
                  node_cap_name: Optional[str] = None, steps: Union[str, bool] = "auto",
                  **knobs: Any) -> None:
@@ -281,6 +286,8 @@ class offload:
             cfg["trace_path"] = os.path.abspath(os.fspath(record_trace))
         if chrome_trace:
             cfg["chrome_trace_path"] = os.path.abspath(os.fspath(chrome_trace))
+        if reasons:
+            cfg["count_reasons"] = True
         if "link" in cfg and cfg["link"] is not None:
             cfg["link"] = tuple(float(x) for x in cfg["link"])
         node_spec = None
@@ -357,18 +364,54 @@ def set_policy(policy: PolicyLike) -> None:
     _session().set_policy(_pkg.policy_path(policy))
 
 
-def stats() -> Dict[str, Any]:
+_BREAKDOWN_KEYS = {"rule": ("rule", "where"), "layer": ("layer",),
+                   "rule,layer": ("rule", "where", "layer")}
+_BREAKDOWN_COUNTS = ("tensors_offloaded", "bytes_offloaded", "tensors_kept", "bytes_kept")
+
+
+def stats(by: Optional[str] = None) -> Any:
     """Engine stats (ferry_stats) plus the binding's counters as a dict:
     kept_small (fast path), kept_subclass, kept_sparse, kept_nested,
     kept_device, kept_non_dense, kept_ndim, kept_pack_error,
     recompute_packs, unpack_rebuilds, pack_errors, unpacks_repeated;
-    and policy, backend, arena."""
+    and policy, backend, arena.
+
+    by="rule", "layer" or "rule,layer": instead, the saved tensors since the
+    engine was made, grouped so (needs offload(..., reasons=True)): a list
+    of dicts with the group's keys (rule and where: the rule's name and the
+    file:line it is written at; layer: -1 outside the repeated blocks) and
+    tensors_offloaded, bytes_offloaded, tensors_kept, bytes_kept; largest
+    bytes first. Engine-level outcomes have rules of their own:
+    "min_offload_bytes", "host cap", "copy failed"."""
     s = _session()
+    if by is not None:
+        return _breakdown(s.engine, by)
     d = s.engine.stats()
     info = s.engine.info()
     d.update(policy=s.policy_path, backend=info["backend"], arena=info["arena"],
              policy_error=s.engine.policy_error())
     return d
+
+
+def _breakdown(engine, by):
+    keys = _BREAKDOWN_KEYS.get(by)
+    if keys is None:
+        raise ValueError(f"ferry.torch.stats: by={by!r} is not one of "
+                         f"{', '.join(repr(k) for k in _BREAKDOWN_KEYS)}")
+    try:
+        rows = engine.breakdown()
+    except FerryError:
+        raise FerryError("ferry.torch.stats(by=...): the engine counts no reasons; enter the "
+                         "context with ferry.torch.offload(..., reasons=True)",
+                         "FERRY_ESTATE") from None
+    groups: Dict[Tuple, Dict[str, Any]] = {}
+    for r in rows:
+        g = groups.setdefault(tuple(r[k] for k in keys),
+                              dict({k: r[k] for k in keys}, **{c: 0 for c in _BREAKDOWN_COUNTS}))
+        for c in _BREAKDOWN_COUNTS:
+            g[c] += r[c]
+    return sorted(groups.values(), key=lambda g: (-(g["bytes_offloaded"] + g["bytes_kept"]),
+                                                  tuple(str(g[k]) for k in keys)))
 
 
 def close() -> None:

@@ -272,6 +272,11 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     ferry_errbuf(errbuf, errlen, rc, "%s", e->last_error);
     goto fail;
   }
+  if (cfg->struct_size >= offsetof(ferry_config, count_reasons) + sizeof(int32_t) &&
+      cfg->count_reasons && (rc = breakdown_open(e))) {
+    ferry_errbuf(errbuf, errlen, rc, "out of memory for config.count_reasons");
+    goto fail;
+  }
   if (registry_add(e)) {
     rc = ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "too many live engines (max %d)", MAX_ENGINES);
     goto fail;
@@ -293,6 +298,7 @@ void ferry_engine_destroy(ferry_engine *e) {
   free(e->shutdown_hooks);
   if (e->entries || e->fwd) stash_destroy(e);
   trace_close(e);
+  breakdown_close(e);
   if (e->policy) ferry_policy_destroy(e->policy);
   if (e->arena) ferry_arena_destroy(e->arena);
   if (e->bk) {

@@ -128,6 +128,9 @@ struct ferry_engine {
   /* Chrome trace of the run (chrome_recorder.c), NULL when not recording */
   struct ct_recorder *ct;
   int number_packs; /* a trace (JSONL, Chrome) is recorded: packs get trace_id */
+  /* saved tensors by rule and layer (breakdown.c), NULL unless
+   * config.count_reasons */
+  struct breakdown *bd;
 
   /* hooks of the rooms above the core (core.h), newest last */
   struct shutdown_hook {
@@ -142,6 +145,16 @@ struct ferry_engine {
 /* stash.c */
 int stash_init(ferry_engine *e);
 void stash_destroy(ferry_engine *e); /* waits for copies, releases owners */
+
+/* breakdown.c: called with the lock held, only when e->bd is set */
+int breakdown_open(ferry_engine *e);
+void breakdown_close(ferry_engine *e);
+/* where the policy's explain writes the reason of the decision to count */
+ferry_policy_reason *breakdown_reason(ferry_engine *e);
+/* the reason of an engine-level outcome (no policy call, or overruled) */
+void breakdown_set(ferry_engine *e, const char *rule, const char *where);
+/* counts a new pack of `bytes` in layer under the current reason */
+void breakdown_count(ferry_engine *e, int32_t layer, uint64_t bytes, int offloaded);
 
 /* trace_recorder.c */
 int trace_open(ferry_engine *e, const char *path);

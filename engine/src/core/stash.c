@@ -360,22 +360,44 @@ static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decisio
   d->reload = FERRY_RELOAD_ON_USE;
   d->prefetch_distance = -1;
   d->cacheable = 0;
-  if (desc->bytes < e->min_offload_bytes) return;
+  if (desc->bytes < e->min_offload_bytes) {
+    if (e->bd) breakdown_set(e, "min_offload_bytes", "");
+    return;
+  }
   e->ctx.bytes_in_flight = e->bytes_in_flight;
   e->ctx.offloaded_per_layer = e->layer_counts;
   e->ctx.layers_tracked = e->cap_layers;
   if (e->policy) {
-    ferry_policy_decide(e->policy, desc, &e->ctx, d); /* never fails */
-  } else if (e->decide) {
-    if (e->decide(e->decide_ud, desc, &e->ctx, d) != 0 || !decision_valid(d)) {
+    /* never fail; explain also names the rule (config.count_reasons) */
+    if (__builtin_expect(e->bd != NULL, 0))
+      ferry_policy_explain(e->policy, desc, &e->ctx, d, breakdown_reason(e));
+    else
+      ferry_policy_decide(e->policy, desc, &e->ctx, d);
+  } else {
+    if (e->bd) breakdown_set(e, e->decide ? "decide callback" : "no policy", "");
+    if (e->decide && (e->decide(e->decide_ud, desc, &e->ctx, d) != 0 || !decision_valid(d))) {
       e->stats.policy_errors++;
       d->action = FERRY_KEEP;
+      if (e->bd) breakdown_set(e, "fault", "");
     }
   }
   if (!decision_valid(d)) {
     e->stats.policy_errors++;
     d->action = FERRY_KEEP;
+    if (e->bd) breakdown_set(e, "fault", "");
   }
+}
+
+/* Counts pack entry s by its reason: an offload the engine could not make
+ * is kept for an engine-level reason. Cold: only with config.count_reasons. */
+static __attribute__((cold, noinline)) void count_reason(ferry_engine *e, const stash_entry *s,
+                                                         const ferry_decision *d,
+                                                         uint64_t cap_fallbacks_before) {
+  const int offloaded = s->state != ENTRY_KEPT;
+  if (d->action == FERRY_OFFLOAD && !offloaded)
+    breakdown_set(e, e->stats.cap_fallbacks > cap_fallbacks_before ? "host cap" : "copy failed",
+                  "");
+  breakdown_count(e, s->layer, s->bytes, offloaded);
 }
 
 static void count_layer(ferry_engine *e, int32_t layer) {
@@ -492,8 +514,10 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   }
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
+  const uint64_t cap_fallbacks = e->stats.cap_fallbacks;
   if (d.action == FERRY_OFFLOAD) pack_offload(e, idx, &d, compute_stream);
   if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
+  if (__builtin_expect(e->bd != NULL, 0)) count_reason(e, s, &d, cap_fallbacks);
   e->stats.tensors_packed++;
   e->ctx.packed_this_step++;
   e->stats.device_bytes_held += s->bytes;
