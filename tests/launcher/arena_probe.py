@@ -67,7 +67,8 @@ class Config(ctypes.Structure):
                 ("release_when_copied", ctypes.c_int32),
                 ("prefetch_at_backward_begin", ctypes.c_int32),
                 ("knobs_fixed", ctypes.c_uint32),
-                ("reserved2", ctypes.c_uint32), ("chrome_trace_path", ctypes.c_char_p)]
+                ("reserved2", ctypes.c_uint32), ("chrome_trace_path", ctypes.c_char_p),
+                ("count_reasons", ctypes.c_int32), ("reserved3", ctypes.c_uint32)]
 
 
 def jemalloc_mapped():
