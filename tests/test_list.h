@@ -175,6 +175,8 @@
   X(policy_snapshot_answers)                                       \
   X(policy_snapshot_faults_stage)                                  \
   X(policy_snapshot_rules_and_default)                             \
+  X(policy_resident_hand_written)                                  \
+  X(policy_resident_rules)                                         \
   /* @@policy */
 
 /* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's

@@ -519,6 +519,143 @@ static int run_model(check_run *r, const model_shape *m, int steps, int ram_pct,
   return 0;
 }
 
+/* ---- optimizer states and weights: the policy's resident(r) --------------- */
+typedef struct candidate {
+  char name[112], module[96];
+  int layer;
+  uint64_t bytes;
+} candidate;
+
+static void add_param(candidate *v, int *n, int layer, const char *module, const char *param,
+                      uint64_t elems) {
+  candidate *c = &v[(*n)++];
+  snprintf(c->module, sizeof c->module, "%s", module);
+  snprintf(c->name, sizeof c->name, "%s.%s", module, param);
+  c->layer = layer;
+  c->bytes = elems * 2; /* bf16 */
+}
+
+/* The synthetic model's parameters, in model order (Llama-style: grouped
+ * K/V with a quarter of the heads, untied embedding and head). */
+static candidate *model_params(const model_shape *m, int *count) {
+  candidate *v = calloc((size_t)m->layers * 9 + 3, sizeof *v);
+  if (!v) return NULL;
+  int n = 0;
+  const uint64_t h = (uint64_t)m->hidden, I = (uint64_t)m->intermediate, kv = h / 4;
+  add_param(v, &n, -1, "model.embed_tokens", "weight", (uint64_t)m->vocab * h);
+  static const struct { const char *module; int shape; } P[] = {
+      {"input_layernorm", 0}, {"self_attn.q_proj", 1}, {"self_attn.k_proj", 2},
+      {"self_attn.v_proj", 2}, {"self_attn.o_proj", 1}, {"post_attention_layernorm", 0},
+      {"mlp.gate_proj", 3}, {"mlp.up_proj", 3}, {"mlp.down_proj", 3}};
+  for (int l = 0; l < m->layers; l++)
+    for (size_t i = 0; i < sizeof P / sizeof P[0]; i++) {
+      char mod[96];
+      snprintf(mod, sizeof mod, "model.layers.%d.%s", l, P[i].module);
+      const uint64_t elems[] = {h, h * h, h * kv, h * I};
+      add_param(v, &n, l, mod, "weight", elems[P[i].shape]);
+    }
+  add_param(v, &n, -1, "model.norm", "weight", h);
+  add_param(v, &n, -1, "lm_head", "weight", (uint64_t)m->vocab * h);
+  *count = n;
+  return v;
+}
+
+/* Each layer's parameters as one candidate (weights offload moves layers). */
+static candidate *model_layers(const candidate *params, int n, int layers) {
+  candidate *v = calloc((size_t)layers, sizeof *v);
+  if (!v) return NULL;
+  for (int l = 0; l < layers; l++) {
+    snprintf(v[l].module, sizeof v[l].module, "model.layers.%d", l);
+    snprintf(v[l].name, sizeof v[l].name, "%s", v[l].module);
+    v[l].layer = l;
+  }
+  for (int i = 0; i < n; i++)
+    if (params[i].layer >= 0) v[params[i].layer].bytes += params[i].bytes;
+  return v;
+}
+
+static int by_bytes_desc(const void *a, const void *b) {
+  const candidate *x = *(const candidate *const *)a, *y = *(const candidate *const *)b;
+  if (x->bytes != y->bytes) return x->bytes < y->bytes ? 1 : -1;
+  return x < y ? -1 : x > y; /* ties in model order */
+}
+
+/* Asks resident(r) about each candidate of kind, largest first (the order
+ * ferry.torch.offload_optimizer and offload_weights ask in); prints a row
+ * per candidate (--why filters them) and the host share. */
+static int check_kind(check_run *r, int kind, candidate *c, int n, int layers, cJSON *out) {
+  const candidate **order = malloc((size_t)n * sizeof *order);
+  if (!order) return -1;
+  uint64_t total = 0, host_bytes = 0;
+  for (int i = 0; i < n; i++) {
+    order[i] = &c[i];
+    total += c[i].bytes;
+  }
+  qsort(order, (size_t)n, sizeof *order, by_bytes_desc);
+  say("\n%s (resident(r), largest first):\n",
+      kind == FERRY_RESIDENT_OPTIMIZER ? "optimizer states" : "weights");
+  if (!r->quiet) say("  %-7s %-10s %-*s %s\n", "place", "bytes", 48, "parameter", "reason");
+  cJSON *rows = out ? cJSON_AddArrayToObject(out, kind == FERRY_RESIDENT_OPTIMIZER ? "optimizer"
+                                                                                    : "weights")
+                    : NULL;
+  int hosted = 0;
+  for (int i = 0; i < n; i++) {
+    const candidate *x = order[i];
+    ferry_resident_entry e = {.kind = kind, .dtype = FERRY_DTYPE_BF16, .name = x->name,
+                              .module = x->module, .layer = x->layer, .layer_count = layers,
+                              .bytes = x->bytes, .total_bytes = total, .index = i, .count = n};
+    ferry_policy_reason why;
+    int host = ferry_policy_resident(r->p, &e, &why);
+    ferry_policy_stats st;
+    ferry_policy_get_stats(r->p, &st);
+    if (st.errors > r->faults_seen) {
+      note_fault(&r->faults, ferry_policy_last_error(r->p));
+      r->faults_seen = st.errors;
+    }
+    hosted += host;
+    if (host) host_bytes += x->bytes;
+    if (r->why && !strstr(why.rule, r->why) && !strstr(why.where, r->why) &&
+        !strstr(x->name, r->why))
+      continue;
+    char b[32], reason[1100];
+    if (!r->quiet)
+      say("  %s%-7s%s %-10s %-*s %s\n", cli_sgr(fileno(check_out), host ? CLI_GREEN : ""),
+          host ? "host" : "device", cli_sgr(fileno(check_out), host ? CLI_RESET : ""),
+          human_bytes(x->bytes, b, sizeof b), 48, x->name, reason_text(&why, reason, sizeof reason));
+    if (rows) {
+      cJSON *o = cJSON_CreateObject();
+      cJSON_AddStringToObject(o, "name", x->name);
+      cJSON_AddNumberToObject(o, "layer", x->layer);
+      cJSON_AddNumberToObject(o, "bytes", (double)x->bytes);
+      cJSON_AddStringToObject(o, "place", host ? "host" : "device");
+      cJSON_AddStringToObject(o, "rule", why.rule);
+      cJSON_AddStringToObject(o, "where", why.where);
+      cJSON_AddItemToArray(rows, o);
+    }
+  }
+  char hb[32], tb[32];
+  say("  on the host: %d of %d, %s of %s (%.1f%%)\n", hosted, n,
+      human_bytes(host_bytes, hb, sizeof hb), human_bytes(total, tb, sizeof tb),
+      total ? 100.0 * (double)host_bytes / (double)total : 0.0);
+  free(order);
+  return 0;
+}
+
+/* The policy's answers for the synthetic model's optimizer states and
+ * layer weights, when it has resident(r). */
+static int check_resident(check_run *r, const model_shape *m, cJSON *root) {
+  if (!ferry_policy_has_resident(r->p)) return 0;
+  int n = 0;
+  candidate *params = model_params(m, &n);
+  candidate *layers = params ? model_layers(params, n, m->layers) : NULL;
+  cJSON *out = root ? cJSON_AddObjectToObject(root, "resident") : NULL;
+  int rc = !layers || check_kind(r, FERRY_RESIDENT_OPTIMIZER, params, n, m->layers, out) ||
+           check_kind(r, FERRY_RESIDENT_WEIGHTS, layers, m->layers, m->layers, out);
+  free(params);
+  free(layers);
+  return rc ? -1 : 0;
+}
+
 /* The pack events of a trace's first `steps` steps, in order; the phase
  * turns to backward at backward_begin (recompute packs). Alias packs (the
  * same buffer as an earlier live pack) are skipped: the engine stores the
@@ -678,9 +815,14 @@ int ferry_cli_check(int argc, char **argv) {
     fprintf(stderr, "ferry check: out of memory\n");
     rc = 1;
   }
+  print_totals(&run);
+  /* a trace names no parameters: resident(r) is asked about the synthetic model's */
+  if (!failed && check_resident(&run, &m, root)) {
+    fprintf(stderr, "ferry check: out of memory\n");
+    rc = 1;
+  }
   ferry_policy_stats s;
   ferry_policy_get_stats(p, &s);
-  print_totals(&run);
   say("\nsummary: %llu decisions (%llu offload, %llu keep), %llu Lua calls, %llu cache hits, "
       "%s%llu faults%s%s\n",
       (unsigned long long)(run.offloaded_total + run.kept_total),

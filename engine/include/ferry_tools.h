@@ -167,6 +167,45 @@ FERRY_API void ferry_policy_snapshot(ferry_policy *p, const ferry_snapshot_entry
                            ferry_snapshot_choice *out);
 
 
+/* ---- optimizer states and weights: the policy's resident(r) --------------
+ * A policy may have a `resident(r)` function beside `decide`: which
+ * parameters' optimizer states are kept and stepped on the host
+ * (ferry.torch.offload_optimizer), and which layers' weights live on the
+ * host between uses (ferry.torch.offload_weights). The caller asks once per
+ * candidate of a kind, largest first (ties in model order), with a Lua table
+ * r = { kind = "optimizer" | "weights", name, module, layer, layer_count,
+ * bytes, total_bytes, index, count, dtype } (index: the position in that
+ * order, from 0; total_bytes, count: of every candidate of the kind). It
+ * answers host [, rule [, where]]: true = on the host; false or nil = on the
+ * device. A fault or a nonsense answer leaves it on the device, counted like
+ * decide's. docs/optimizer-offload.md, "Choosing with a policy". */
+typedef enum ferry_resident_kind {
+  FERRY_RESIDENT_OPTIMIZER = 0, /* one parameter's optimizer state */
+  FERRY_RESIDENT_WEIGHTS = 1    /* one layer's weights */
+} ferry_resident_kind;
+
+typedef struct ferry_resident_entry {
+  int32_t kind;        /* ferry_resident_kind */
+  int32_t dtype;       /* ferry_dtype of the parameter(s) */
+  const char *name;    /* parameter name ("model.layers.3.mlp.up_proj.weight") or layer module */
+  const char *module;  /* module path ("model.layers.3.mlp.up_proj"), "" if unknown */
+  int32_t layer;       /* repeated block index, -1 outside the blocks */
+  int32_t layer_count; /* number of repeated blocks, 0 if unknown */
+  uint64_t bytes;      /* parameter bytes (a layer's: all of its parameters) */
+  uint64_t total_bytes; /* of every candidate of this kind */
+  int32_t index;       /* position in the order asked, from 0 */
+  int32_t count;       /* candidates of this kind */
+} ferry_resident_entry;
+
+/* Whether the policy defines resident(r). */
+FERRY_API int ferry_policy_has_resident(const ferry_policy *p);
+/* 1: on the host; 0: on the device (also without the function, and on a
+ * fault). why (may be NULL) gets the rule that answered and its file:line:
+ * "resident" at the function's line when it names none, "fault" at the
+ * fault's position, "no resident function" without one. Never fails. */
+FERRY_API int ferry_policy_resident(ferry_policy *p, const ferry_resident_entry *e,
+                                    ferry_policy_reason *why);
+
 /* ---- backends: the interface every backend (host, cuda, sim) implements.
  * The semantics are CUDA's, so the cuda backend is a thin mapping:
  *   - a stream runs its operations in order; different streams are unordered

@@ -500,3 +500,67 @@ void ferry_policy_snapshot(ferry_policy *p, const ferry_snapshot_entry *e,
   }
   lua_settop(L, SLOT_COUNT_);
 }
+
+/* ---- optimizer states and weights on the host ------------------------------ */
+int ferry_policy_has_resident(const ferry_policy *p) { return p && p->has_resident; }
+
+static const char *const RESIDENT_KINDS[] = {"optimizer", "weights"};
+
+int ferry_policy_resident(ferry_policy *p, const ferry_resident_entry *e,
+                          ferry_policy_reason *why) {
+  ferry_policy_reason scratch;
+  if (!why) why = &scratch;
+  set_reason(why, "no resident function", "");
+  why->from_cache = 0;
+  if (!p || !e || e->kind < FERRY_RESIDENT_OPTIMIZER || e->kind > FERRY_RESIDENT_WEIGHTS)
+    return 0;
+  if (!p->has_resident) return 0;
+  if (p->stats.disabled) {
+    set_reason(why, "disabled", "");
+    return 0;
+  }
+  lua_State *L = p->L;
+  /* Asked once per parameter or layer when an optimizer or model is
+   * wrapped: a fresh table per call keeps the Lua side simple. */
+  lua_getfield(L, LUA_REGISTRYINDEX, "ferry.resident");
+  lua_createtable(L, 0, 10); /* stack: ..., resident, r */
+  set_string_field(L, "kind", RESIDENT_KINDS[e->kind]);
+  set_string_field(L, "name", e->name);
+  set_string_field(L, "module", e->module);
+  set_number_field(L, "layer", e->layer);
+  set_number_field(L, "layer_count", e->layer_count);
+  set_number_field(L, "bytes", (lua_Number)e->bytes);
+  set_number_field(L, "total_bytes", (lua_Number)e->total_bytes);
+  set_number_field(L, "index", e->index);
+  set_number_field(L, "count", e->count);
+  set_number_field(L, "dtype", e->dtype);
+  p->stats.calls++;
+  p->running = p->resident_where;
+  int status = run_protected(p, 1, 3, SLOT_MSGH, 0);
+  p->running = NULL;
+  int host = 0;
+  const int ans = SLOT_COUNT_ + 1, rule = ans + 1, where = ans + 2;
+  if (status) {
+    char msg[MSG_LEN];
+    take_fault(p, status, msg, sizeof msg);
+    count_fault(p, msg);
+    fault_reason(p, msg, why);
+  } else if (!lua_isnil(L, ans) && lua_type(L, ans) != LUA_TBOOLEAN) {
+    char vb[96], msg[MSG_LEN];
+    snprintf(msg, sizeof msg,
+             "%.300s: resident returned a nonsense answer: %s (expected true, false or nil); "
+             "kept on the device",
+             p->resident_where, describe_value(L, ans, vb, sizeof vb));
+    count_fault(p, msg);
+    fault_reason(p, msg, why);
+  } else {
+    host = lua_toboolean(L, ans);
+    int named = lua_type(L, rule) == LUA_TSTRING;
+    set_reason(why, named ? lua_tostring(L, rule) : "resident",
+               lua_type(L, where) == LUA_TSTRING ? lua_tostring(L, where)
+               : named                           ? p->table_where
+                                                 : p->resident_where);
+  }
+  lua_settop(L, SLOT_COUNT_);
+  return host;
+}

@@ -174,14 +174,17 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
   lua_pop(L, 1);
 
   /* Optional snapshot(e) (checkpoint entries), step(ctx) (each step's
-   * begin) and explain(t, ctx) (decide with its reason, for tools): kept in
+   * begin), explain(t, ctx) (decide with its reason, for tools) and
+   * resident(r) (optimizer states and weights on the host): kept in
    * the registry, so the permanent stack of decide stays as it is. */
   if (optional_function(p, src, tbl, "snapshot", "snapshot = function(e) ... end",
                         p->snapshot_where, errbuf, errlen, &p->has_snapshot) ||
       optional_function(p, src, tbl, "step", "step = function(ctx) ... end", p->step_where,
                         errbuf, errlen, &p->has_step) ||
       optional_function(p, src, tbl, "explain", "explain = function(t, ctx) ... end",
-                        p->explain_where, errbuf, errlen, &p->has_explain))
+                        p->explain_where, errbuf, errlen, &p->has_explain) ||
+      optional_function(p, src, tbl, "resident", "resident = function(r) ... end",
+                        p->resident_where, errbuf, errlen, &p->has_resident))
     return FERRY_EPOLICY;
   /* Where an explained reason without a line points: the policy table. */
   int table_line = table_return_line(src);

@@ -123,6 +123,8 @@ struct ferry_policy {
   int has_step;                 /* the function is in the registry as "ferry.step" */
   char explain_where[MSG_LEN];  /* "file:line" of the explain function, if any */
   int has_explain;              /* the function is in the registry as "ferry.explain" */
+  char resident_where[MSG_LEN]; /* "file:line" of the resident function, if any */
+  int has_resident;             /* the function is in the registry as "ferry.resident" */
   char table_where[MSG_LEN];    /* "file:line" of the policy's top-level `return` (its table) */
   const char *running;        /* where the running call is, when nothing better is known */
   char libdir[1024];

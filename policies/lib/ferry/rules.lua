@@ -810,6 +810,104 @@ function R.snapshot(opts)
   end
 end
 
+-- ---------------------------------------------------------------------------
+-- optimizer states and weights on the host (the policy's `optimizer` and
+-- `weights` fields, which R.policy turns into its resident(r) function)
+
+--[[ ferry.torch.offload_optimizer and offload_weights ask the policy once per
+candidate, largest first (ties in model order), with
+r = { kind = "optimizer" | "weights", name, module, layer, layer_count,
+bytes, total_bytes, index, count, dtype }. A selector answers true (on the
+host), false (on the device) or nil (no opinion: the next selector of the
+list decides; none left: the device). Selectors are made at load and checked
+there; each remembers the line it is written on, for the reason. ]]
+local HOST_SELECTOR = {} -- metatable that marks host selectors
+
+local function host_selector(name, test)
+  return setmetatable({ name = name, test = test, where = caller_where() }, HOST_SELECTOR)
+end
+
+-- The host share of the states (or weights) by bytes: each candidate is
+-- taken, largest first, while the share stays within f of the total
+-- (Megatron's optimizer_offload_fraction; ferry.torch.offload_optimizer's
+-- fraction= chooses the same parameters).
+function R.host_fraction(f)
+  check_number("host_fraction", "f", f, 0, 1)
+  local used = 0
+  return host_selector("host_fraction(" .. format("%.6g", f) .. ")", function(r)
+    if r.index == 0 then used = 0 end
+    if f >= 1 then return true end
+    if used + r.bytes <= f * r.total_bytes then
+      used = used + r.bytes
+      return true
+    end
+    return false
+  end)
+end
+
+-- On the host: the candidates of modules that match (module matchers as in
+-- R.exclude_modules; a parameter's module, or a layer's).
+function R.host_modules(...)
+  local n = select("#", ...)
+  if n == 0 then fail("host_modules", "give at least one module matcher (e.g. \"mlp\")", 2) end
+  local fns, descs = {}, {}
+  for i = 1, n do
+    fns[i], descs[i] = compile_matcher("host_modules", (select(i, ...)))
+  end
+  return host_selector("host_modules(" .. concat(descs, ", ") .. ")", function(r)
+    for i = 1, n do
+      if fns[i](r.module, "") then return true end
+    end
+    return nil
+  end)
+end
+
+-- On the host: the candidates of the first n repeated blocks (layers
+-- 0 .. n-1); others: no opinion. Megatron's cpu_offloading_num_layers.
+function R.host_first_layers(n)
+  check_number("host_first_layers", "n", n, 0, 1e6, true)
+  return host_selector("host_first_layers(" .. n .. ")", function(r)
+    if r.layer >= 0 and r.layer < n then return true end
+    return nil
+  end)
+end
+
+-- On the device, whatever comes after: candidates under bytes (small
+-- parameters: norms, biases, whose host step costs more than it saves).
+function R.device_below(bytes)
+  check_number("device_below", "bytes", bytes, 0, MAX_BYTES)
+  return host_selector("device_below(" .. format("%.0f", bytes) .. ")", function(r)
+    if r.bytes < bytes then return false end
+    return nil
+  end)
+end
+
+-- A list of selectors (or one) -> function(r) -> host, rule, where.
+local function host_chooser(field, spec)
+  if spec == nil then return nil end
+  if getmetatable(spec) == HOST_SELECTOR then spec = { spec } end
+  if type(spec) == "function" then
+    return function(r) return spec(r) end
+  end
+  if type(spec) ~= "table" or #spec == 0 then
+    fail("policy", field .. " must be a selector (R.host_fraction(0.5), R.host_modules(...), " ..
+      "R.host_first_layers(n), R.device_below(n)), a list of them or a function(r)", 3)
+  end
+  for i, sel in ipairs(spec) do
+    if getmetatable(sel) ~= HOST_SELECTOR then
+      fail("policy", field .. "[" .. i .. "] is not a selector (R.host_fraction(0.5), ...)", 3)
+    end
+  end
+  return function(r)
+    for i = 1, #spec do
+      local sel = spec[i]
+      local host = sel.test(r)
+      if host ~= nil then return host, sel.name, sel.where end
+    end
+    return false, "device by default", nil
+  end
+end
+
 -- Prefetch a window of bytes: when a tensor is unpacked, the offloaded
 -- tensors backward needs next are reloaded until `bytes` are on their way
 -- (at least one tensor). The distance handed to the engine is counted in
@@ -852,6 +950,11 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
                is an error
   spec.cache   false to never let the engine cache a decision
   spec.snapshot  the checkpoint snapshot function, e.g. R.snapshot { ... }
+  spec.optimizer which parameters' optimizer states live and step on the
+               host: a selector (R.host_fraction(0.5), R.host_modules(...),
+               R.host_first_layers(n), R.device_below(n)), a list of them
+               (the first with an opinion decides) or a function(r)
+  spec.weights   which layers' weights live on the host between uses: the same
   spec[1..n]   the rules
 The result has api = 1, name, knobs, decide, and also rules (their names,
 in evaluation order) and explain(t, ctx) -> action, rule name, its
@@ -862,9 +965,19 @@ function R.policy(spec)
   if type(name) ~= "string" then fail("policy", "name must be a string") end
   for k in pairs(spec) do
     if type(k) ~= "number" and k ~= "name" and k ~= "reload" and k ~= "knobs" and k ~= "cache"
-      and k ~= "snapshot" then
+      and k ~= "snapshot" and k ~= "optimizer" and k ~= "weights" then
       fail("policy", "unknown field '" .. tostring(k) ..
-        "' (known: name, reload, knobs, cache, snapshot)")
+        "' (known: name, reload, knobs, cache, snapshot, optimizer, weights)")
+    end
+  end
+  local choose = { optimizer = host_chooser("optimizer", spec.optimizer),
+                   weights = host_chooser("weights", spec.weights) }
+  local resident
+  if choose.optimizer or choose.weights then
+    resident = function(r)
+      local c = choose[r.kind]
+      if not c then return false, "no " .. tostring(r.kind) .. " selector", nil end
+      return c(r)
     end
   end
   if spec.snapshot ~= nil and type(spec.snapshot) ~= "function" then
@@ -1205,8 +1318,8 @@ function R.policy(spec)
   -- chose it; without one, "all rules passed" and no line (the policy host
   -- puts the policy's `return` line there). It runs decide, so selectors
   -- count the tensor like a real decision: call it instead of decide, not
-  -- besides. For tools (ferry_policy_explain, `ferry check`); the engine
-  -- never calls it.
+  -- besides. For tools (ferry_policy_explain, `ferry check`) and for an
+  -- engine counting reasons (config.count_reasons).
   local function explain(t, ctx)
     local action, rl, dist, cacheable = decide(t, ctx)
     local i = last_rule
@@ -1231,6 +1344,7 @@ function R.policy(spec)
     rules = order,
     reload = reload.name,
     snapshot = spec.snapshot,
+    resident = resident,
   }
 end
 
