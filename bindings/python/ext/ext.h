@@ -3,8 +3,9 @@
  *
  * Parts: module.c (init, module functions), tensor.c (torch objects,
  * interned names, dtypes), engine.c (Engine), hooks.c (pack/unpack hooks,
- * Handle: the hot path), sites.c (module site hooks), snapshot.c (Snapshot,
- * SnapshotPolicy), resident.c (Resident), nodecap.c (NodeCap). docs/pytorch.md explains the design.
+ * Handle: the hot path), sites.c (module site hooks), snapshot.c (Snapshot),
+ * policy.c (PolicyInstance), resident.c (Resident), nodecap.c (NodeCap).
+ * docs/pytorch.md explains the design.
  */
 #ifndef FERRY_PY_EXT_H
 #define FERRY_PY_EXT_H
@@ -176,7 +177,7 @@ static inline int32_t kind_of_ptr(const EngineObject *self, uintptr_t p) {
 }
 
 extern PyTypeObject EngineType, HandleType, KeptType, PackHookType, UnpackHookType, SiteHookType,
-    NodeCapType, SnapshotType, SnapshotPolicyType, ResidentType;
+    NodeCapType, SnapshotType, PolicyInstanceType, ResidentType;
 extern PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
 
 /* engine.c */

@@ -104,7 +104,7 @@ PyMODINIT_FUNC PyInit__ferry(void) {
   if (intern_names()) return NULL;
   PyTypeObject *types[] = {&EngineType,   &HandleType,   &KeptType,     &PackHookType,
                            &UnpackHookType, &SiteHookType, &NodeCapType,
-                           &SnapshotType, &SnapshotPolicyType, &ResidentType};
+                           &SnapshotType, &PolicyInstanceType, &ResidentType};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
     if (PyType_Ready(types[i]) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);
@@ -117,7 +117,7 @@ PyMODINIT_FUNC PyInit__ferry(void) {
       PyModule_AddObjectRef(m, "Handle", (PyObject *)&HandleType) ||
       PyModule_AddObjectRef(m, "NodeCap", (PyObject *)&NodeCapType) ||
       PyModule_AddObjectRef(m, "Snapshot", (PyObject *)&SnapshotType) ||
-      PyModule_AddObjectRef(m, "SnapshotPolicy", (PyObject *)&SnapshotPolicyType) ||
+      PyModule_AddObjectRef(m, "PolicyInstance", (PyObject *)&PolicyInstanceType) ||
       PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) ||
       PyModule_AddStringConstant(m, "__version__", ferry_version_string()) ||
       PyModule_AddIntConstant(m, "MAX_DIMS", FERRY_MAX_DIMS) ||

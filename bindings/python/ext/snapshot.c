@@ -1,10 +1,10 @@
 /*
  * snapshot.c — checkpoint staging: Snapshot (ferry_snapshot_*, made by
- * Engine.snapshot) and SnapshotPolicy (a policy file's snapshot(e) function).
- * ferry/checkpoint.py drives both (docs/checkpoints.md).
+ * Engine.snapshot). ferry/checkpoint.py drives it with a PolicyInstance's
+ * snapshot(e) answers (policy.c; docs/checkpoints.md).
  */
 #include "ext.h"
-#include "ferry_tools.h" /* snapshot(e) of policies: SnapshotPolicy */
+#include "ferry_tools.h"
 
 /* ---- Snapshot: checkpoint staging (ferry_snapshot_*) ------------------------
  * The Python side (ferry/checkpoint.py) builds the records: the pickle and
@@ -209,113 +209,3 @@ done:
   Py_DECREF(path_obj);
   return (PyObject *)out;
 }
-
-/* ---- SnapshotPolicy: a policy file's snapshot(e) function -------------------
- * Its own instance of the policy (own sandboxed Lua state), loaded from the
- * same file the offload engine uses: checkpoint plans are made on the
- * Python thread, never under the engine's lock. */
-typedef struct {
-  PyObject_HEAD ferry_policy *p;
-} SnapshotPolicyObject;
-
-static int snapshot_policy_init(SnapshotPolicyObject *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"path", "source", "trusted", NULL};
-  const char *path = NULL, *source = NULL;
-  int trusted = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|zzp", kwlist, &path, &source, &trusted))
-    return -1;
-  if (self->p) {
-    PyErr_SetString(PyExc_RuntimeError, "SnapshotPolicy already initialised");
-    return -1;
-  }
-  char err[1024] = "";
-  int rc = ferry_policy_create(path, source, trusted, &self->p, err, sizeof err);
-  if (rc) {
-    raise_ferry(rc, err);
-    return -1;
-  }
-  return 0;
-}
-
-static void snapshot_policy_dealloc(SnapshotPolicyObject *self) {
-  ferry_policy_destroy(self->p);
-  Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-/* plan(entries) -> [(stage, order)]; entries: (key, path, nbytes, index,
- * dtype_name or None, on_device). */
-static PyObject *snapshot_policy_plan(SnapshotPolicyObject *self, PyObject *entries) {
-  if (!self->p) return raise_ferry(FERRY_ESTATE, "ferry: SnapshotPolicy not initialised");
-  PyObject *seq = PySequence_Fast(entries, "ferry: plan() takes a sequence of entries");
-  if (!seq) return NULL;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject *out = PyList_New(n);
-  for (Py_ssize_t i = 0; out && i < n; i++) {
-    const char *key, *path, *dtype_name = NULL;
-    unsigned long long nbytes;
-    int index, on_device;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ssKizp;ferry: a snapshot entry is "
-                          "(key, path, nbytes, index, dtype name or None, on_device)",
-                          &key, &path, &nbytes, &index, &dtype_name, &on_device)) {
-      Py_CLEAR(out);
-      break;
-    }
-    ferry_snapshot_entry e = {key, path, nbytes, index,
-                              dtype_name ? ferry_dtype_of_name(dtype_name) : FERRY_DTYPE_UNKNOWN,
-                              on_device};
-    ferry_snapshot_choice c;
-    ferry_policy_snapshot(self->p, &e, &c);
-    PyObject *item = Py_BuildValue("(Od)", c.stage ? Py_True : Py_False, c.order);
-    if (!item) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyList_SET_ITEM(out, i, item);
-  }
-  Py_DECREF(seq);
-  return out;
-}
-
-static PyObject *snapshot_policy_last_error(SnapshotPolicyObject *self, PyObject *unused) {
-  return PyUnicode_FromString(ferry_policy_last_error(self->p));
-}
-
-static PyObject *snapshot_policy_get_has(SnapshotPolicyObject *self, void *unused) {
-  return PyBool_FromLong(ferry_policy_has_snapshot(self->p));
-}
-
-static PyObject *snapshot_policy_get_errors(SnapshotPolicyObject *self, void *unused) {
-  ferry_policy_stats st;
-  ferry_policy_get_stats(self->p, &st);
-  return PyLong_FromUnsignedLongLong(st.errors);
-}
-
-static PyObject *snapshot_policy_get_name(SnapshotPolicyObject *self, void *unused) {
-  return PyUnicode_FromString(ferry_policy_name(self->p));
-}
-
-static PyMethodDef snapshot_policy_methods[] = {
-    {"plan", (PyCFunction)snapshot_policy_plan, METH_O,
-     "plan([(key, path, nbytes, index, dtype, on_device)]) -> [(stage, order)]"},
-    {"last_error", (PyCFunction)snapshot_policy_last_error, METH_NOARGS,
-     "The last fault of snapshot() as 'file:line: message', or ''."},
-    {NULL}};
-
-static PyGetSetDef snapshot_policy_getset[] = {
-    {"has_snapshot", (getter)snapshot_policy_get_has, NULL, "the policy defines snapshot(e)", NULL},
-    {"errors", (getter)snapshot_policy_get_errors, NULL, "faults so far", NULL},
-    {"name", (getter)snapshot_policy_get_name, NULL, "the policy's name", NULL},
-    {NULL}};
-
-PyTypeObject SnapshotPolicyType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.SnapshotPolicy",
-    .tp_basicsize = sizeof(SnapshotPolicyObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "SnapshotPolicy(path=None, source=None, trusted=False): a policy's snapshot(e).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)snapshot_policy_init,
-    .tp_dealloc = (destructor)snapshot_policy_dealloc,
-    .tp_methods = snapshot_policy_methods,
-    .tp_getset = snapshot_policy_getset,
-};
-

@@ -49,7 +49,7 @@ class Snapshot:
     def wait(self) -> None: ...
     def error(self) -> str: ...
 
-class SnapshotPolicy:
+class PolicyInstance:
     has_snapshot: bool
     errors: int
     name: str

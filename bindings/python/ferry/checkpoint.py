@@ -252,7 +252,7 @@ def _snapshot_policy(policy):
     path = _pkg.policy_path(policy or os.environ.get("FERRY_POLICY") or "default")
     p = _policies.get(path)
     if p is None:
-        p = _policies[path] = [_ferry.SnapshotPolicy(path=path), 0]
+        p = _policies[path] = [_ferry.PolicyInstance(path=path), 0]
     return path, p
 
 
