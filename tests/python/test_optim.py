@@ -125,6 +125,60 @@ def test_policy_chooses_host_share():
     assert len(opt.ferry_offload.pairs) == sum(1 for p in m.parameters() if p.dim() == 1)
 
 
+RESIDENT_POLICY = """local R = require "ferry.rules"
+return R.policy {
+  optimizer = R.host_fraction(0.5),
+}
+"""
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_lua_policy_chooses_what_fraction_would(kind, tmp_path):
+    """optimizer = R.host_fraction(0.5) picks the parameters fraction=0.5
+    picks (largest first within half the bytes), names them from the model,
+    gives each its reason, and trains bit for bit like the plain optimizer."""
+    pol = tmp_path / "half.lua"
+    pol.write_text(RESIDENT_POLICY)
+    data = batches(4)
+    ref = make_model()
+    ref_losses = train(ref, make_opt(kind, ref.parameters()), data)
+    m = make_model()
+    opt = offload_optimizer(make_opt(kind, m.parameters()), policy=str(pol), model=m)
+    by_fraction = offload_optimizer(make_opt(kind, make_model().parameters()), fraction=0.5)
+    off = opt.ferry_offload
+    names = [c.name for c in off.choices if c.host]
+    assert names == ["0.weight", "0.bias", "2.bias", "4.weight", "4.bias", "5.weight", "5.bias"]
+    assert off.host_bytes == by_fraction.ferry_offload.host_bytes == 27680 - 16384
+    assert [c.name for c in off.choices] == [n for n, _ in m.named_parameters()]
+    # the rule and its line (the policy's path, its start cut when long)
+    assert all(c.rule == "host_fraction(0.5)" and c.where.endswith("half.lua:3")
+               for c in off.choices), off.choices
+    assert train(m, opt, data) == ref_losses
+    assert same_params(m, ref)
+    assert off.host_steps == 4
+
+
+def test_lua_policy_is_asked_largest_first(tmp_path):
+    """r.index counts from the largest parameter; r carries the model's
+    names, layers (none in a Sequential of mixed layers) and byte totals."""
+    pol = tmp_path / "first.lua"
+    pol.write_text("return { api = 1, decide = function() end,\n"
+                   "  resident = function(r)\n"
+                   "    assert(r.kind == 'optimizer' and r.count == 8 and r.total_bytes == 27680)\n"
+                   "    assert(r.layer == -1 and r.module .. '.weight' == r.name or\n"
+                   "           r.module .. '.bias' == r.name)\n"
+                   "    return r.index == 0 end }\n")
+    m = make_model()
+    opt = offload_optimizer(make_opt("adamw", m.parameters()), policy=str(pol), model=m)
+    assert [c.name for c in opt.ferry_offload.choices if c.host] == ["2.weight"]
+    assert all(c.rule == "resident" for c in opt.ferry_offload.choices)
+
+
+def test_lua_policy_needs_resident(tmp_path):
+    with pytest.raises(ValueError, match="has no resident"):
+        offload_optimizer(make_opt("adamw", make_model().parameters()), policy="default")
+
+
 def test_rejects_bad_arguments():
     m = make_model()
     with pytest.raises(ValueError):

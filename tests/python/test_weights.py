@@ -72,6 +72,47 @@ def test_identical_losses_and_gradients(double_buffer, ckpt):
     assert all(p.numel() > 0 for p in m.parameters())
 
 
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(24, 24)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class BlockNet(Net):
+    """Net with blocks of a class of their own: ferry.torch's repeated blocks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+        self.head = torch.nn.Linear(24, 3)
+
+
+def test_policy_chooses_the_layers(tmp_path):
+    """weights = R.host_first_layers(2): the first two blocks move, with
+    their reason; training is bit for bit the plain one."""
+    pol = tmp_path / "w.lua"
+    pol.write_text('local R = require "ferry.rules"\n'
+                   'return R.policy { weights = R.host_first_layers(2) }\n')
+    ref_losses, ref_grads = run(BlockNet())
+    m = BlockNet()
+    w = offload_weights(m, policy=str(pol))
+    assert [ly.module for ly in w.layers] == [m.blocks[0], m.blocks[1]]
+    assert [(c.name, c.host, c.rule) for c in w.choices] == [
+        ("blocks.0", True, "host_first_layers(2)"), ("blocks.1", True, "host_first_layers(2)"),
+        ("blocks.2", False, "device by default"), ("blocks.3", False, "device by default")]
+    assert w.choices[0].where.endswith("w.lua:2")  # the path's start is cut when long
+    losses, grads = run(m)
+    assert losses == ref_losses
+    for a, b in zip(grads, ref_grads):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(TypeError, match="layers or policy"):
+        offload_weights(Net(), ["blocks.0"], policy=str(pol))
+
+
 def test_saved_weight_views_are_markers():
     """The Linear's saved weight.t() goes through the pack hook as a marker, so
     no saved tensor holds the offloaded storage."""

@@ -1,7 +1,8 @@
 /*
  * policy.c — PolicyInstance: a policy file loaded on its own, outside any
  * engine, for the answers a trainer asks for once rather than per tensor:
- * snapshot(e) for checkpoints (ferry/checkpoint.py).
+ * snapshot(e) for checkpoints (ferry/checkpoint.py), resident(r) for
+ * optimizer states and weights (ferry/optim.py, ferry/weights.py).
  */
 #include "ext.h"
 #include "ferry_tools.h"
@@ -72,6 +73,64 @@ static PyObject *policy_instance_plan(PolicyInstanceObject *self, PyObject *entr
   return out;
 }
 
+/* resident(kind, candidates) -> [(host, rule, where)]; kind "optimizer" or
+ * "weights"; candidates in the order to ask (largest first): (name, module,
+ * layer, layer_count, nbytes, dtype name or None). index, count and
+ * total_bytes come from the list. */
+static PyObject *policy_instance_resident(PolicyInstanceObject *self, PyObject *args) {
+  const char *kind_name;
+  PyObject *candidates;
+  if (!PyArg_ParseTuple(args, "sO", &kind_name, &candidates)) return NULL;
+  if (!self->p) return raise_ferry(FERRY_ESTATE, "ferry: PolicyInstance not initialised");
+  int kind = !strcmp(kind_name, "optimizer") ? FERRY_RESIDENT_OPTIMIZER
+             : !strcmp(kind_name, "weights") ? FERRY_RESIDENT_WEIGHTS
+                                             : -1;
+  if (kind < 0)
+    return PyErr_Format(PyExc_ValueError, "ferry: resident kind %R is not 'optimizer' or 'weights'",
+                        PyTuple_GET_ITEM(args, 0));
+  PyObject *seq = PySequence_Fast(candidates, "ferry: resident() takes a sequence of candidates");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  ferry_resident_entry *e = PyMem_Calloc((size_t)n + 1, sizeof *e);
+  PyObject *out = e ? PyList_New(n) : PyErr_NoMemory();
+  uint64_t total = 0;
+  for (Py_ssize_t i = 0; out && i < n; i++) {
+    const char *dtype_name = NULL;
+    unsigned long long nbytes;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ssiiKz;ferry: a resident candidate "
+                          "is (name, module, layer, layer_count, nbytes, dtype name or None)",
+                          &e[i].name, &e[i].module, &e[i].layer, &e[i].layer_count, &nbytes,
+                          &dtype_name)) {
+      Py_CLEAR(out);
+      break;
+    }
+    e[i].kind = kind;
+    e[i].bytes = nbytes;
+    e[i].dtype = dtype_name ? ferry_dtype_of_name(dtype_name) : FERRY_DTYPE_UNKNOWN;
+    e[i].index = (int32_t)i;
+    e[i].count = (int32_t)n;
+    total += nbytes;
+  }
+  for (Py_ssize_t i = 0; out && i < n; i++) {
+    e[i].total_bytes = total;
+    ferry_policy_reason why;
+    int host = ferry_policy_resident(self->p, &e[i], &why);
+    PyObject *item = Py_BuildValue("(Oss)", host ? Py_True : Py_False, why.rule, why.where);
+    if (!item) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyList_SET_ITEM(out, i, item);
+  }
+  PyMem_Free(e);
+  Py_DECREF(seq); /* the names point into it until here */
+  return out;
+}
+
+static PyObject *policy_instance_get_has_resident(PolicyInstanceObject *self, void *unused) {
+  return PyBool_FromLong(ferry_policy_has_resident(self->p));
+}
+
 static PyObject *policy_instance_last_error(PolicyInstanceObject *self, PyObject *unused) {
   return PyUnicode_FromString(ferry_policy_last_error(self->p));
 }
@@ -93,12 +152,17 @@ static PyObject *policy_instance_get_name(PolicyInstanceObject *self, void *unus
 static PyMethodDef policy_instance_methods[] = {
     {"plan", (PyCFunction)policy_instance_plan, METH_O,
      "plan([(key, path, nbytes, index, dtype, on_device)]) -> [(stage, order)]"},
+    {"resident", (PyCFunction)policy_instance_resident, METH_VARARGS,
+     "resident(kind, [(name, module, layer, layer_count, nbytes, dtype)]) -> "
+     "[(host, rule, where)]: the policy's resident(r), asked in the list's order"},
     {"last_error", (PyCFunction)policy_instance_last_error, METH_NOARGS,
      "The last fault of snapshot() as 'file:line: message', or ''."},
     {NULL}};
 
 static PyGetSetDef policy_instance_getset[] = {
     {"has_snapshot", (getter)policy_instance_get_has, NULL, "the policy defines snapshot(e)", NULL},
+    {"has_resident", (getter)policy_instance_get_has_resident, NULL,
+     "the policy defines resident(r)", NULL},
     {"errors", (getter)policy_instance_get_errors, NULL, "faults so far", NULL},
     {"name", (getter)policy_instance_get_name, NULL, "the policy's name", NULL},
     {NULL}};
@@ -107,7 +171,8 @@ PyTypeObject PolicyInstanceType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.PolicyInstance",
     .tp_basicsize = sizeof(PolicyInstanceObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "PolicyInstance(path=None, source=None, trusted=False): a policy's snapshot(e).",
+    .tp_doc = "PolicyInstance(path=None, source=None, trusted=False): a policy's snapshot(e) "
+               "and resident(r).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)policy_instance_init,
     .tp_dealloc = (destructor)policy_instance_dealloc,

@@ -51,12 +51,15 @@ class Snapshot:
 
 class PolicyInstance:
     has_snapshot: bool
+    has_resident: bool
     errors: int
     name: str
     def __init__(self, path: Optional[str] = None, source: Optional[str] = None,
                  trusted: bool = False) -> None: ...
     def plan(self, entries: Sequence[Tuple[str, str, int, int, str, bool]]
              ) -> List[Tuple[bool, int]]: ...
+    def resident(self, kind: str, candidates: Sequence[Tuple[str, str, int, int, int, Optional[str]]]
+                 ) -> List[Tuple[bool, str, str]]: ...
     def last_error(self) -> str: ...
 
 SnapshotRecord = Union[Tuple[str, bytes], Tuple[str, int, int, Any, bool]]

@@ -24,7 +24,10 @@ there with torch's own CPU kernels, as Megatron's ``HybridDeviceOptimizer``
   ``state_dict()``/``load_state_dict()`` (the wrapped optimizer's own format,
   with every parameter's state) and ``torch.save`` work unchanged.
 
-This module imports nothing else from ferry.
+``policy`` may instead be a Lua policy (a name, a path, a ``ferry.Policy``)
+whose ``resident(r)`` chooses the host share (``optimizer = R.host_fraction(0.5)``
+and the other selectors of the rules library; docs/optimizer-offload.md):
+``opt.ferry_offload.choices`` then says, per parameter, which rule placed it.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ import types
 from typing import Any, Callable, Dict, Optional
 
 import torch
+
+from . import _resident
 
 __all__ = ["offload_optimizer", "OptimizerOffload"]
 
@@ -46,21 +51,25 @@ def _pin(t):
     return t
 
 
-def _choose(params, fraction, policy):
-    """Indices (into params) of the host share."""
+def _choose(params, fraction, policy, model):
+    """Indices (into params) of the host share, and the Lua policy's
+    answers (None without one)."""
+    if _resident.is_policy(policy):
+        choices = _resident.choose_params(policy, params, model)
+        return [i for i, c in enumerate(choices) if c.host], choices
     if policy is not None:
-        return [i for i, p in enumerate(params) if policy(p)]
+        return [i for i, p in enumerate(params) if policy(p)], None
     sizes = [p.numel() * p.element_size() for p in params]
     total = sum(sizes)
     if fraction >= 1.0:
-        return list(range(len(params)))
+        return list(range(len(params))), None
     budget = fraction * total
     chosen, used = [], 0
     for i in sorted(range(len(params)), key=lambda i: (-sizes[i], i)):
         if used + sizes[i] <= budget:
             chosen.append(i)
             used += sizes[i]
-    return sorted(chosen)
+    return sorted(chosen), None
 
 
 class OptimizerOffload:
@@ -69,8 +78,8 @@ class OptimizerOffload:
     bytes of parameters they are."""
 
     def __init__(self, opt: torch.optim.Optimizer, fraction: float, overlap: bool,
-                 policy: Optional[Callable[[torch.nn.Parameter], bool]],
-                 early_grads: Optional[bool]) -> None:
+                 policy: Any, early_grads: Optional[bool],
+                 model: Optional[torch.nn.Module] = None) -> None:
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError("offload_optimizer: expected a torch.optim.Optimizer, got %s"
                             % type(opt).__name__)
@@ -86,7 +95,8 @@ class OptimizerOffload:
             raise RuntimeError("offload_optimizer: some parameters are already under "
                                "offload_weights (their sizes are not known while they are on "
                                "the host); call offload_optimizer first, then offload_weights")
-        idx = set(_choose(params, self.fraction, policy))
+        chosen, self.choices = _choose(params, self.fraction, policy, model)
+        idx = set(chosen)
         self.total_bytes = sum(p.numel() * p.element_size() for p in params)
         # Host share, per group: (group index, [(device param, host param)]).
         self.pairs = []  # (group index, device param, host param, host grad)
@@ -252,17 +262,21 @@ class OptimizerOffload:
 
 
 def offload_optimizer(opt: torch.optim.Optimizer, fraction: float = 0.5, overlap: bool = True,
-                      policy: Optional[Callable[[torch.nn.Parameter], bool]] = None,
-                      early_grads: Optional[bool] = None) -> torch.optim.Optimizer:
+                      policy: Any = None, early_grads: Optional[bool] = None,
+                      model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
     """Keep the optimizer state of a ``fraction`` (by bytes) of opt's
     parameters on the host and step it there; returns opt, patched in place
     (its ``ferry_offload`` attribute is the :class:`OptimizerOffload`).
 
-    ``policy``: optional ``policy(param) -> bool`` choosing the host share
-    instead of ``fraction``. ``early_grads``: copy gradients to the host as
-    they are accumulated (default: on torch >= 2.1 outside torch.distributed).
+    ``policy``: instead of ``fraction``, a Lua policy (name, path or
+    ``ferry.Policy``) whose ``resident(r)`` chooses the host share (its
+    answers and reasons in ``opt.ferry_offload.choices``), or a Python
+    ``policy(param) -> bool``. ``model``: names the parameters and their
+    layers for a Lua policy (without it they are ``param.<i>``, no layer).
+    ``early_grads``: copy gradients to the host as they are accumulated
+    (default: on torch >= 2.1 outside torch.distributed).
     """
-    off = OptimizerOffload(opt, fraction, overlap, policy, early_grads)
+    off = OptimizerOffload(opt, fraction, overlap, policy, early_grads, model)
     opt.step = types.MethodType(lambda self, closure=None: off.step(closure), opt)
     opt.state_dict = types.MethodType(lambda self: off.state_dict(), opt)
     opt.load_state_dict = types.MethodType(lambda self, sd: off.load_state_dict(sd), opt)

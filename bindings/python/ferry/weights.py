@@ -1,7 +1,10 @@
 """Weight offload (docs/optimizer-offload.md): chosen layers' parameters live
 on the host between uses.
 
-``offload_weights(model, layers, double_buffer=True)``:
+``offload_weights(model, layers, double_buffer=True)``, or
+``offload_weights(model, policy="mine.lua")``: the policy's ``resident(r)``
+chooses among the model's repeated blocks (``weights = R.host_first_layers(4)``;
+docs/optimizer-offload.md), its answers in ``WeightOffload.choices``:
 
 * At the start, and after each forward of a chosen layer, its parameters are
   copied to host buffers (pinned when CUDA is available) and their device
@@ -21,14 +24,14 @@ on the host between uses.
   the next forward of the layer sends them back.
 * Tied weights (a chosen layer's parameter also held by a module that is not
   chosen) are refused. With ``offload_optimizer``, wrap the optimizer first.
-
-This module imports nothing else from ferry.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
+
+from . import _resident
 
 __all__ = ["offload_weights", "WeightOffload"]
 
@@ -150,8 +153,8 @@ def _tensors(out):
 
 class WeightOffload:
     """What offload_weights did: ``layers`` (in order), counters ``offloads``
-    and ``reloads``; ``remove()`` brings every weight back and drops the
-    hooks."""
+    and ``reloads``, ``choices`` (a policy's answer per block, or None);
+    ``remove()`` brings every weight back and drops the hooks."""
 
     def __init__(self, model: torch.nn.Module, layers: Sequence[Union[torch.nn.Module, str]],
                  double_buffer: bool) -> None:
@@ -179,6 +182,7 @@ class WeightOffload:
                                      "that is not offloaded (tied weights are not supported)"
                                      % (name, pn))
         self.double_buffer = bool(double_buffer)
+        self.choices = None
         self.offloads = self.reloads = 0
         self.stream = None
         if any(p.is_cuda for m in mods for p in m.parameters()):
@@ -204,8 +208,19 @@ class WeightOffload:
                 p.__dict__.pop("_ferry_weight_offload", None)
 
 
-def offload_weights(model: torch.nn.Module, layers: Sequence[Union[torch.nn.Module, str]],
-                    double_buffer: bool = True) -> WeightOffload:
+def offload_weights(model: torch.nn.Module,
+                    layers: Optional[Sequence[Union[torch.nn.Module, str]]] = None,
+                    double_buffer: bool = True, policy: Any = None) -> WeightOffload:
     """Keep the parameters of ``layers`` (modules of model, or their names,
-    in forward order) on the host between uses; returns a WeightOffload."""
-    return WeightOffload(model, layers, double_buffer)
+    in forward order) on the host between uses; returns a WeightOffload.
+    Or ``policy`` (a Lua policy with ``resident(r)``) chooses them among the
+    model's repeated blocks."""
+    if (layers is None) == (policy is None):
+        raise TypeError("offload_weights: give layers or policy (one of them)")
+    choices = None
+    if policy is not None:
+        choices = _resident.choose_layers(policy, model)
+        layers = [c.name for c in choices if c.host]
+    w = WeightOffload(model, layers, double_buffer)
+    w.choices = choices
+    return w
