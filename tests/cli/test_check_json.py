@@ -19,6 +19,7 @@ DATA = "tests/cli/check_reasons"
 TRACE = f"{DATA}/trace.jsonl"
 POLICY = f"{DATA}/policy.lua"
 DECIDE = f"{DATA}/decide.lua"
+RESIDENT = f"{DATA}/resident.lua"
 
 
 def check(*args, rc=0):
@@ -124,6 +125,35 @@ def main():
                 not re.search(r"decide\.lua:\d+: no SiLU here", h["summary"]["last_fault"]):
             fail(f"hand-written decide: reasons {want}", h)
         print("ok   --json: a hand-written decide's and a fault's reasons")
+
+        # resident(r): the synthetic model's parameters and layers, largest
+        # first, each with its place and reason; the host share within half
+        r = check("--json", "-", "-q", RESIDENT)
+        res = json.loads(r.stdout)["resident"]
+        opt, wts = res["optimizer"], res["weights"]
+        sizes = [x["bytes"] for x in opt]
+        total = sum(sizes)
+        host = sum(x["bytes"] for x in opt if x["place"] == "host")
+        below = line_of(RESIDENT, "R.device_below(")
+        frac = line_of(RESIDENT, "R.host_fraction(")
+        if len(opt) != 4 * 9 + 3 or sizes != sorted(sizes, reverse=True) or \
+                not 0.45 * total < host <= 0.5 * total:
+            fail("optimizer states: 39 parameters, largest first, half the bytes on the host", res)
+        for x in opt:
+            want = (("device_below(65536)", below, "device") if x["bytes"] < 65536
+                    else ("host_fraction(0.5)", frac, None))
+            if x["rule"] != want[0] or x["where"] != f"{RESIDENT}:{want[1]}" or \
+                    (want[2] and x["place"] != want[2]):
+                fail(f"{x['name']}: {want}", x)
+        if [(x["name"], x["place"], x["rule"]) for x in sorted(wts, key=lambda x: x["layer"])] != \
+                [("model.layers.0", "host", "host_first_layers(1)")] + \
+                [(f"model.layers.{i}", "device", "device by default") for i in (1, 2, 3)]:
+            fail("weights: layer 0 on the host", res)
+        text = check("-q", RESIDENT).stdout
+        if "optimizer states (resident(r), largest first):" not in text or \
+                not re.search(r"on the host: 1 of 4, ", text):
+            sys.exit(f"FAIL the text's resident sections\n{text}")
+        print("ok   resident(r): optimizer states and weights with reasons and the host share")
 
         r = check("--json", os.path.join(d, "no", "such", "dir.json"), "-q", POLICY, rc=1)
         if "cannot write" not in r.stderr:
