@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _inplace
+from ._model import _compiled_in_place, _find_blocks, _is_compiled, _named_sites, _uncompiled  # noqa: F401
 from ._policy import PolicyLike
 import ferry as _pkg
 from . import _session as _sessmod
@@ -58,40 +59,6 @@ def _profiler_enabled():
         return bool(torch._C._autograd._profiler_enabled())
     except AttributeError:  # a torch without it: no ranges
         return False
-
-
-def _is_compiled(m):
-    """A torch.compile'd module (dynamo's OptimizedModule wrapper)."""
-    return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
-
-
-def _compiled_in_place(m):
-    """A module compiled by its own .compile() (torchtune's way)."""
-    return getattr(m, "_compiled_call_impl", None) is not None
-
-
-def _uncompiled(m):
-    """The module a torch.compile'd module wraps (m itself otherwise)."""
-    while _is_compiled(m):
-        m = m._orig_mod
-    return m
-
-
-def _named_sites(model):
-    """model.named_modules() as the hooks can see them: a compiled module is
-    one site, under its own path, with its wrapped module's class; the
-    modules inside it are left out, because a Python hook inside a compiled
-    region breaks the graph, and the tensors its graph saves reach the
-    saved-tensor hooks together at the end of its forward anyway."""
-    inside = []
-    for path, m in model.named_modules():
-        if any(path.startswith(p) for p in inside):
-            continue
-        if _is_compiled(m) or _compiled_in_place(m):
-            inside.append(path + "." if path else "")
-            yield path, m, type(_uncompiled(m)).__name__
-        else:
-            yield path, m, type(m).__name__
 
 
 # ---- configuration --------------------------------------------------------
@@ -129,30 +96,6 @@ def _default_node_cap_name():
 
 
 # ---- model description -----------------------------------------------------
-def _find_blocks(model):
-    """The model's repeated blocks: the ModuleList/Sequential whose children
-    all have one class, with the most parameters (ties: most children).
-    Returns (container path, {child name: index}) or (None, {})."""
-    best = None
-    for path, m, _ in _named_sites(model):
-        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
-            continue
-        kids = list(m.named_children())
-        if len(kids) < 2:
-            continue
-        cls = type(_uncompiled(kids[0][1]))
-        if cls in (torch.nn.ModuleList, torch.nn.Sequential) or \
-                any(type(_uncompiled(k)) is not cls for _, k in kids):
-            continue
-        nparams = sum(p.numel() for p in m.parameters())
-        score = (nparams, len(kids))
-        if best is None or score > best[0]:
-            best = (score, path, {name: i for i, (name, _) in enumerate(kids)})
-    if best is None:
-        return None, {}
-    return best[1], best[2]
-
-
 def model_sites(model: torch.nn.Module) -> List[Tuple[str, str, int]]:
     """[(module, path, class, layer, layer_count)] for every module of model,
     as the policy will see them. Inside a torch.compile'd module there are
