@@ -7,11 +7,13 @@ largest candidate first (ties in model order), through its own instance
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import _ferry
+from ._model import _find_blocks
 
 
 class Choice(NamedTuple):
@@ -44,7 +46,6 @@ def model_layers(model: Optional[torch.nn.Module]) -> Tuple[Dict[str, int], int,
     container path), as ferry.torch describes saved tensors."""
     if model is None:
         return {}, 0, ""
-    from .torch import _find_blocks  # ferry.torch imports this module's users
     cpath, blocks = _find_blocks(model)
     prefix = (cpath + ".") if cpath else ""
     return {prefix + name: i for name, i in blocks.items()}, len(blocks), cpath or ""
@@ -69,7 +70,6 @@ def _ask(policy, kind: str, items: Sequence[Tuple[str, str, int, int, int, str]]
     order = sorted(range(len(items)), key=lambda i: (-items[i][4], i))
     answers = inst.resident(kind, [items[i] for i in order])
     if inst.errors:
-        import warnings
         warnings.warn(f"ferry: policy {inst.name}: resident(r) failed: {inst.last_error()}; "
                       "those stay on the device", RuntimeWarning, stacklevel=4)
     out: List[Optional[Choice]] = [None] * len(items)
