@@ -18,8 +18,10 @@ docs/optimizer-offload.md), its answers in ``WeightOffload.choices``:
   would keep the device storage alive: inside a chosen layer's forward a
   ``saved_tensors_hooks`` pair replaces a saved view of one of its
   parameters by a marker, and rebuilds the view from the reloaded parameter
-  when backward needs it. Other saved tensors pass through unchanged (inside
-  an offloaded layer, ``ferry.torch.offload`` does not see them).
+  when backward needs it. Other saved tensors go to the hooks that were in
+  force when the layer's forward began (``ferry.torch.offload``'s, or
+  ``torch.utils.checkpoint``'s), as if ours were not there; torch 1.13 cannot
+  name those hooks, so there they pass through unchanged.
 * After backward the parameters stay on the device for the optimizer step;
   the next forward of the layer sends them back.
 * Tied weights (a chosen layer's parameter also held by a module that is not
@@ -34,6 +36,13 @@ import torch
 from . import _resident
 
 __all__ = ["offload_weights", "WeightOffload"]
+
+
+def _outer_hooks():
+    """The saved-tensor hooks in force now ((pack, unpack) or None): torch
+    2.x tells; torch 1.13 does not (None)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 def _storage_ptr(t):
@@ -58,6 +67,7 @@ class _Layer:
         self.on_device = True
         self.event = None  # a pending reload on the side stream (CUDA)
         self.ctx = None
+        self.outer = None  # the hooks our pack hands other tensors to
 
     def offload(self):
         if not self.on_device:
@@ -104,6 +114,9 @@ class _Layer:
             if p.numel() and ptr == _storage_ptr(p) and t.device == p.device:
                 return ("ferry-weight", self, i, tuple(t.shape), tuple(t.stride()),
                         t.storage_offset())
+        if self.outer is not None:
+            pack, unpack = self.outer
+            return ("ferry-outer", unpack, pack(t))
         return t
 
     def pre_forward(self, module, args):
@@ -111,6 +124,7 @@ class _Layer:
         nxt = self.owner.neighbour(self.index, +1)
         if nxt is not None and self.owner.double_buffer:
             nxt.load(asynchronous=True)
+        self.outer = _outer_hooks()
         self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
         self.ctx.__enter__()
 
@@ -118,6 +132,7 @@ class _Layer:
         if self.ctx is not None:
             self.ctx.__exit__(None, None, None)
             self.ctx = None
+            self.outer = None
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
@@ -137,6 +152,8 @@ def _unpack(x):
         _, layer, i, size, stride, offset = x
         layer.load()
         return layer.params[i].detach().as_strided(size, stride, offset)
+    if isinstance(x, tuple) and len(x) == 3 and x[0] == "ferry-outer":
+        return x[1](x[2])
     return x
 
 
