@@ -39,8 +39,11 @@ static void sim_usage(FILE *f) {
           "  --host-ram BYTES    host RAM this rank counts on (policies' host_ram_used_pct);\n"
           "                      default: the preset's (node RAM / GPUs), never this machine's\n"
           "  --mfu F             sustained fraction of the preset's BF16 peak for compute that\n"
-          "                      carries FLOPs in the trace (default 0.40: Llama 3 on H100)\n"
+          "                      carries FLOPs in the trace, synthesized traces included\n"
+          "                      (default 0.40: Llama 3 on H100)\n"
           "  --tflops X          achieved TFLOP/s instead (overrides --mfu)\n"
+          "  --hbm GBPS          achieved device-memory bandwidth, GB/s, for the memory-bound\n"
+          "                      ops of synthesized traces (default: 0.60 of the preset's)\n"
           "  --release-copied    the engine frees a forward-stash buffer once its copy is done\n"
           "                      (config.release_when_copied), not only when pushed out\n"
           "  --prefetch-at-backward  start the policy's first reloads at backward_begin\n"
@@ -147,12 +150,13 @@ typedef struct sim_opts {
   double pin_alloc_us, pin_touch_bytes_per_s;
   int no_pool;
   double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
+  double hbm;         /* device-memory bytes/s; 0: the preset's x SIM_DEFAULT_HBM_FRACTION */
   int release_copied, prefetch_bwd;
   double cpu_adam;     /* params/s per rank, 0 = the default */
   int opt_serial;      /* --optimizer-overlap off */
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0}
 #define MAX_FRACTIONS 16
 
 /* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
@@ -243,6 +247,7 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.release_when_copied = o->release_copied;
   c.prefetch_at_backward_begin = o->prefetch_bwd;
   c.tflops = o->tflops > 0 ? o->tflops : hw->peak_tflops * o->mfu;
+  c.hbm_bytes_per_s = o->hbm > 0 ? o->hbm : hw->hbm_bytes_per_s * SIM_DEFAULT_HBM_FRACTION;
   c.cpu_adam_params_per_s = o->cpu_adam;
   c.optimizer_serial = o->opt_serial;
   return c;
@@ -476,6 +481,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"pinned", required_argument, 0, 'P'},  {"fit", required_argument, 0, 'F'},
       {"fit-host", required_argument, 0, 'H'}, {"fit-out", required_argument, 0, 'O'},
       {"mfu", required_argument, 0, 'M'},     {"tflops", required_argument, 0, 'T'},
+      {"hbm", required_argument, 0, 'G'},
       {"release-copied", no_argument, 0, 'X'}, {"prefetch-at-backward", no_argument, 0, 'B'},
       {"max-line", required_argument, 0, 'Y'}, {"quiet", no_argument, 0, 'q'},
       {"optimizer-fraction", required_argument, 0, 'o'}, {"cpu-adam", required_argument, 0, 'A'},
@@ -541,6 +547,10 @@ int ferry_cli_sim(int argc, char **argv) {
       else o.tflops = x;
       break;
     }
+    case 'G': /* GB/s, as `ferry trace synth --hbm` takes it */
+      if (cli_number("sim", "--hbm", optarg, FERRY_NUMBER_REAL, 0, 1e7, 1, &o.hbm)) return 2;
+      o.hbm *= 1e9;
+      break;
     case 'o':
       if ((n_fractions = parse_fractions(optarg, fractions)) < 0) return 2;
       break;

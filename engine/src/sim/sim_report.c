@@ -18,16 +18,20 @@
 
 /* Published measurements (docs/simulator.md gives the sources). latency is
  * the per-copy fixed cost: 3-7 us of host submission for cudaMemcpyAsync. */
+/* The last two fields: dense BF16 peak (TFLOP/s) and HBM bandwidth, from the
+ * vendors' datasheets (H100 SXM 3.35 TB/s, H200 4.8, A100 80GB SXM 2.039,
+ * GH200 96 GB HBM3 4.0; docs/hardware.md). */
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
-     50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8, 989},
+     50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8,
+     989, 3350 * GB},
     {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 141 * GB,
-     "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989},
+     "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989, 4800 * GB},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
-     12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312},
+     12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
-     96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989},
+     96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
