@@ -15,6 +15,10 @@ grep -q '^local HOST_BYTES = ' "$D/fit.lua"
 # the replayed policy's steady peak is within the 50M target
 peak=$(tr ',' '\n' < "$D/r.json" | grep -m1 '"peak_device_bytes":' | sed 's/.*://')
 [ "${peak%.*}" -le 52428800 ]
+# --fit device: the preset's memory less 5% (80e9 x 0.95 B = 70.78 GiB on h100)
+"$FERRY" sim --fit device --hw h100 --trace "$D/t.jsonl" --fit-out "$D/dev.lua" > "$D/dev.txt"
+grep -q "target: device 70.78 GiB (h100's 80 GB less 5% headroom)" "$D/dev.txt"
+grep -q '^local HOST_BYTES = ' "$D/dev.lua"
 rc=0
 "$FERRY" sim --fit 1K --trace "$D/t.jsonl" --fit-out "$D/none.lua" > "$D/none.txt" || rc=$?
 [ "$rc" = 4 ]

@@ -742,6 +742,16 @@ typedef struct sim_hw {
 /* sim_config.hbm_bytes_per_s when 0: the synthesizer's default, 2000 GB/s. */
 #define SIM_DEFAULT_HBM_BYTES_PER_S 2e12
 
+/* The share of a device's memory a training run cannot count on: the CUDA
+ * context (~0.3 GiB with lazy module loading, over 1 GiB before CUDA 11.7)
+ * and the caching allocator's reserved-but-unallocated blocks (1.83 GiB with
+ * 78.09 GiB in use in one published OOM, 2.3%), which the sim does not
+ * model: 5% (docs/hardware.md, "Device memory headroom"). */
+#define SIM_DEVICE_HEADROOM 0.05
+/* What a run may peak at on hw: its device memory less SIM_DEVICE_HEADROOM
+ * (`ferry sim`'s "fits", `--fit device`). */
+FERRY_API double sim_hw_usable_bytes(const sim_hw *hw);
+
 /* NULL if unknown. */
 FERRY_API const sim_hw *sim_hw_preset(const char *name);
 FERRY_API const char *sim_hw_names(void);

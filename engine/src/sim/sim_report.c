@@ -42,6 +42,10 @@ const sim_hw *sim_hw_preset(const char *name) {
 
 const char *sim_hw_names(void) { return "h100, h200, a100, gh200"; }
 
+double sim_hw_usable_bytes(const sim_hw *hw) {
+  return hw ? hw->device_bytes * (1 - SIM_DEVICE_HEADROOM) : 0;
+}
+
 int sim_parse_link(const char *spec, sim_hw *hw, char *err, size_t errlen) {
   char *copy = strdup(spec ? spec : "");
   if (!copy) return -1;
@@ -185,10 +189,13 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   }
   if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
   if (hw->device_bytes > 0) {
-    fprintf(f, "\n%s has %.0f GB of device memory:", hw->name, hw->device_bytes / GB);
+    double usable = sim_hw_usable_bytes(hw);
+    fprintf(f, "\n%s has %.0f GB of device memory, %.2f GiB usable (%.0f%% kept for the CUDA "
+               "context and allocator fragmentation):", hw->name, hw->device_bytes / GB,
+            usable / (1u << 30), 100 * SIM_DEVICE_HEADROOM);
     for (int i = 0; i < n; i++)
       fprintf(f, " %s %s%s", rs[i].label,
-              (double)rs[i].peak_device_bytes <= hw->device_bytes ? "fits" : "DOES NOT FIT",
+              (double)rs[i].peak_device_bytes <= usable ? "fits" : "DOES NOT FIT",
               i + 1 < n ? ";" : "\n");
   }
   for (int i = 1; i < n; i++)
@@ -319,6 +326,7 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   cJSON_AddNumberToObject(link, "duplex_h2d", info->hw->duplex_h2d);
   cJSON_AddNumberToObject(link, "duplex_d2h", info->hw->duplex_d2h);
   cJSON_AddNumberToObject(root, "device_bytes", info->hw->device_bytes);
+  cJSON_AddNumberToObject(root, "device_usable_bytes", sim_hw_usable_bytes(info->hw));
   cJSON_AddNumberToObject(root, "layers", info->trace->layers);
   /* The first policy's figures at the top level, for scripts comparing one. */
   const sim_result *first = n > 1 ? &rs[1] : &rs[0];
