@@ -15,9 +15,11 @@ build: deps
 	@cmake -S . -B $(BUILD) -DFERRY_WERROR=ON $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD) -j$(JOBS) -- --no-print-directory
 
-# The main job on a bundled default: synthesize a Llama-3-8B-like trace,
-# dry-run default/layers/budget on an H100 link, write the HTML report
-# (report.html), JSON, Chrome trace and SVG into $(BUILD)/demo/.
+# The main job on a bundled default: synthesize a Qwen3-14B fine-tune (seq
+# 8192, FSDP over 8) that does not fit an 80 GB H100 without offloading,
+# dry-run default/layers/budget on h100, find the cheapest policy that fits
+# (--fit device), print it with the commands to check and use it; the HTML
+# report (report.html), JSON, Chrome trace, SVG and fit.lua go to $(BUILD)/demo/.
 # Then a real run: a small GPT-style model trains a few steps on CPU through
 # ferry.torch.offload (Debian's torch), recording its trace, which the
 # simulator replays beside the synthesized one (its report: gpt-cpu.html).

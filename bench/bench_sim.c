@@ -10,8 +10,9 @@
  * reading, parsing and replay (engine, policy host, sim backend) together;
  * each is also reported alone, and parsing the same text from memory.
  *
- * Floor: the demo's run (ferry sim --demo: the same preset, one step
- * replayed 3 times, h100): budget.lua's exposed stall (reload waits + host
+ * Floor: the run of docs/simulator.md's "Policy quality" (the same preset,
+ * one step replayed 3 times, h100 with `ferry sim`'s default GPU speed:
+ * peak x MFU 0.40 and 0.60 of its HBM): budget.lua's exposed stall (reload waits + host
  * waits per steady step) / the floor the simulator reports for the bytes it
  * moved (sim_result.stall_floor_us), beside both policies' peaks.
  */
@@ -46,7 +47,7 @@ static char *synth_text(const synth_model *m, size_t *len) {
   return buf;
 }
 
-/* stall_vs_floor on the demo's trace and link. */
+/* stall_vs_floor on the Llama-3-8B-like trace, h100 as `ferry sim --hw h100` sets it. */
 static void bench_floor(bench_report *r) {
   synth_model m;
   synth_preset("llama3-8b", &m);
@@ -58,7 +59,7 @@ static void bench_floor(bench_report *r) {
   int rc = text ? sim_trace_parse("llama3-8b", text, len, &t, err, sizeof err) : -1;
   free(text);
   if (rc) {
-    fprintf(stderr, "bench_sim: cannot synthesize the demo trace: %s\n", err);
+    fprintf(stderr, "bench_sim: cannot synthesize the llama3-8b trace: %s\n", err);
     return;
   }
   const sim_hw *hw = sim_hw_preset("h100");
@@ -69,6 +70,8 @@ static void bench_floor(bench_report *r) {
     c.link = hw->link;
     c.duplex_d2h = hw->duplex_d2h;
     c.duplex_h2d = hw->duplex_h2d;
+    c.tflops = hw->peak_tflops * SIM_DEFAULT_MFU;
+    c.hbm_bytes_per_s = hw->hbm_bytes_per_s * SIM_DEFAULT_HBM_FRACTION;
     c.steps = 3;
     policy_path(names[i], path, sizeof path);
     c.policy_path = path;
@@ -81,7 +84,7 @@ static void bench_floor(bench_report *r) {
   }
   double stall = res[1].stall_us + res[1].host_wait_us;
   char note[160];
-  snprintf(note, sizeof note, "budget.lua %.1f ms / floor %.1f ms, demo trace, h100; target <= 1.1",
+  snprintf(note, sizeof note, "budget.lua %.1f ms / floor %.1f ms, llama3-8b trace, h100; target <= 1.1",
            stall / 1e3, res[1].stall_floor_us / 1e3);
   bench_metric(r, "stall_vs_floor", stall / res[1].stall_floor_us, "x", note);
   bench_metric(r, "stall_vs_floor_default",

@@ -15,6 +15,10 @@ grep -q '^local HOST_BYTES = ' "$D/fit.lua"
 # the replayed policy's steady peak is within the 50M target
 peak=$(tr ',' '\n' < "$D/r.json" | grep -m1 '"peak_device_bytes":' | sed 's/.*://')
 [ "${peak%.*}" -le 52428800 ]
+# --fit device: the preset's memory less 5% (80e9 x 0.95 B = 70.78 GiB on h100)
+"$FERRY" sim --fit device --hw h100 --trace "$D/t.jsonl" --fit-out "$D/dev.lua" > "$D/dev.txt"
+grep -q "target: device 70.78 GiB (h100's 80 GB less 5% headroom)" "$D/dev.txt"
+grep -q '^local HOST_BYTES = ' "$D/dev.lua"
 rc=0
 "$FERRY" sim --fit 1K --trace "$D/t.jsonl" --fit-out "$D/none.lua" > "$D/none.txt" || rc=$?
 [ "$rc" = 4 ]
@@ -25,6 +29,31 @@ grep -q 'nothing in the search space fits' "$D/none.txt"
 grep -q 'host RAM 69 GB' "$D/o.txt"
 grep -q 'steps 3..4 (--warmup 2)' "$D/o.txt"
 grep -q '"pinned_alloc_us":' "$D/o.json"
+# compute carrying its work is timed on the --hw preset: a matmul of 1e12
+# FLOP (1e9 bytes) and a norm of 4.02e9 bytes. By hand: h100 989 TFLOP/s x
+# 0.40 -> 2527.806 us, 3350 GB/s x 0.60 -> 2000 us; a100 312 x 0.40 ->
+# 8012.821 us, 2039 x 0.60 -> 3285.924 us; --mfu 0.2 doubles the matmul,
+# --tflops 100 makes it 10000 us, --hbm 4020 the norm 1000 us.
+H='{"ev":"header","t_us":0,"format":"ferry-trace","version":1,"backend":"synth"}'
+printf '%s\n' "$H" '{"ev":"step_begin","t_us":0,"step":1}' \
+  '{"ev":"compute","t_us":0,"us":10,"flops":1e12,"hbm_bytes":1e9,"min_us":4}' \
+  '{"ev":"compute","t_us":0,"us":20,"flops":0,"hbm_bytes":4.02e9,"min_us":4}' \
+  '{"ev":"step_end","t_us":0,"step":1}' > "$D/work.jsonl"
+step_is() { # step_is WANT_US FERRY-SIM-ARGS...: the no-offload step, to 0.01 us
+  want=$1
+  shift
+  "$FERRY" sim -q --policy default --trace "$D/work.jsonl" --no-layers --json "$D/w.json" "$@" \
+    > "$D/w.txt"
+  got=$(tr ',' '\n' < "$D/w.json" | grep -m1 '"step_us_baseline":' | sed 's/.*://')
+  awk -v g="$got" -v w="$want" 'BEGIN { d = g - w; exit !(d < 0.01 && d > -0.01) }' ||
+    { echo "ferry sim $*: step $got us, want $want us" >&2; exit 1; }
+}
+step_is 4527.806 --hw h100
+step_is 11298.745 --hw a100
+step_is 19311.566 --hw a100 --mfu 0.2
+step_is 12000 --hw h100 --tflops 100
+step_is 3527.806 --hw h100 --hbm 4020
+grep -q 'roofline' "$D/w.txt"
 rc=0
 "$FERRY" sim --policy default --trace "$D/t.jsonl" --pinned pool=maybe 2>/dev/null || rc=$?
 [ "$rc" = 2 ]

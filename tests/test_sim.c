@@ -294,6 +294,10 @@ TEST(sim_trace_reader_names_line_and_problem) {
   BAD("{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":2}\n", "version 2 is newer");
   BAD(HDR "[1,2]\n", "bad.jsonl:2: a line must be a JSON object");
   BAD(HDR BEGIN "{\"ev\":\"compute\",\"t_us\":0,\"us\":-3}\n" END, "bad.jsonl:3: \"us\" must be");
+  BAD(HDR BEGIN "{\"ev\":\"compute\",\"t_us\":0,\"us\":3,\"hbm_bytes\":-1}\n" END,
+      "bad.jsonl:3: \"hbm_bytes\" must be");
+  BAD(HDR BEGIN "{\"ev\":\"compute\",\"t_us\":0,\"us\":3,\"min_us\":\"4\"}\n" END,
+      "bad.jsonl:3: \"min_us\" must be");
   /* a NUL byte inside a line */
   static const char nul[] = HDR "{\"ev\":\"step_begin\"\0,\"t_us\":0}\n";
   CHECK_EQ(expect_parse_error(nul, sizeof nul - 1, "bad.jsonl:2: a NUL byte"), 0);
@@ -1631,6 +1635,149 @@ TEST(sim_recorded_trace_flops_and_resident) {
   sim_result_free(&r);
   sim_trace_free(t);
   unlink(path);
+  return 0;
+}
+
+/* The sim_config `ferry sim --hw NAME --mfu MFU` builds (cli_sim.c's
+ * opts_config): the preset's peak x MFU, its HBM x SIM_DEFAULT_HBM_FRACTION. */
+static sim_config gpu_config(const char *hw_name, double mfu) {
+  const sim_hw *hw = sim_hw_preset(hw_name);
+  sim_config c = {0};
+  c.link = hw->link;
+  c.steps = 1;
+  c.tflops = hw->peak_tflops * mfu;
+  c.hbm_bytes_per_s = hw->hbm_bytes_per_s * SIM_DEFAULT_HBM_FRACTION;
+  return c;
+}
+
+/* A synthesized compute event carries its work (FLOPs, device-memory bytes,
+ * a least time), timed on the simulated GPU as a roofline. By hand, from
+ * the datasheets (docs/hardware.md): h100 989 TFLOP/s x 0.40 = 395.6,
+ * 3350 GB/s x 0.60 = 2010 GB/s; a100 312 x 0.40 = 124.8, 2039 x 0.60 =
+ * 1223.4 GB/s.
+ *   matmul, 1e12 FLOP and 1e9 B: h100 1e12 / 395.6e12 s = 2527.806 us (its
+ *     bytes: 497.5 us), a100 8012.821 us (817.4 us): 989/312 = 3.170x;
+ *   norm, 0 FLOP and 4.02e9 B: h100 2000 us, a100 3285.925 us;
+ *   launch-bound, 1e6 FLOP, 1e3 B, min_us 8: 8 us on both.
+ * Without a GPU speed the events keep the synthesizer's `us`. */
+TEST(sim_compute_roofline_hand_computed) {
+#define COMPUTE(us, flops, bytes, min)                                                     \
+  "{\"ev\":\"compute\",\"t_us\":0,\"us\":" #us ",\"flops\":" #flops ",\"hbm_bytes\":" #bytes \
+  ",\"min_us\":" #min "}\n"
+  static const char matmul[] = HDR BEGIN COMPUTE(10, 1e12, 1e9, 4) END;
+  static const char three[] = HDR BEGIN COMPUTE(10, 1e12, 1e9, 4) COMPUTE(20, 0, 4.02e9, 4)
+      COMPUTE(30, 1e6, 1e3, 8) END;
+#undef COMPUTE
+  sim_trace *t1 = NULL, *t3 = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("matmul", matmul, strlen(matmul), &t1, err, sizeof err));
+  CHECK_OK(sim_trace_parse("three", three, strlen(three), &t3, err, sizeof err));
+  CHECK_EQ(t3->n_hbm, 3);
+  static const struct {
+    const char *hw;
+    double mfu, matmul_us, three_us;
+  } want[] = {
+      {"h100", 0.40, 2527.805864, 2527.805864 + 2000 + 8},
+      {"a100", 0.40, 8012.820513, 8012.820513 + 3285.924473 + 8},
+      {"h100", 0.20, 2 * 2527.805864, 2 * 2527.805864 + 2000 + 8}, /* MFU halved */
+      {"a100", 0.80, 8012.820513 / 2, 8012.820513 / 2 + 3285.924473 + 8}, /* doubled */
+  };
+  for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+    sim_config c = gpu_config(want[i].hw, want[i].mfu);
+    sim_result r;
+    CHECK_OK(sim_replay(t1, &c, &r, err, sizeof err));
+    CHECK_NEAR(r.step_us, want[i].matmul_us, 1e-3);
+    sim_result_free(&r);
+    CHECK_OK(sim_replay(t3, &c, &r, err, sizeof err));
+    CHECK_NEAR(r.step_us, want[i].three_us, 1e-3);
+    CHECK_EQ(r.gaps_from_flops, 3);
+    CHECK(strstr(r.compute_note, "roofline") != NULL);
+    sim_result_free(&r);
+  }
+  /* the FLOP-bound event: a100 over h100 is exactly the ratio of peaks */
+  sim_result h, a;
+  sim_config ch = gpu_config("h100", SIM_DEFAULT_MFU), ca = gpu_config("a100", SIM_DEFAULT_MFU);
+  CHECK_OK(sim_replay(t1, &ch, &h, err, sizeof err));
+  CHECK_OK(sim_replay(t1, &ca, &a, err, sizeof err));
+  CHECK_NEAR(a.step_us / h.step_us, 989.0 / 312.0, 1e-9);
+  sim_result_free(&h);
+  sim_result_free(&a);
+  /* no GPU speed: the synthesizer's times */
+  sim_config none = {0};
+  none.steps = 1;
+  sim_result r;
+  CHECK_OK(sim_replay(t3, &none, &r, err, sizeof err));
+  CHECK_NEAR(r.step_us, 60, 1e-9);
+  CHECK_EQ(r.gaps_from_flops, 0);
+  CHECK(strstr(r.compute_note, "as synthesized") != NULL);
+  sim_result_free(&r);
+  sim_trace_free(t1);
+  sim_trace_free(t3);
+  return 0;
+}
+
+/* The synthesized Llama-3-8B-like trace (seq 8192) on h100 and a100: with
+ * a GPU speed, every compute event is timed on it, so the no-offload step
+ * is the sum over the step's events of max(flops / rate, hbm_bytes / bw,
+ * min_us) at that GPU's rates (hand-written here from the datasheets), not
+ * the synthesizer's 400 TFLOP/s on both; without one, the sum of `us`. */
+TEST(sim_synth_compute_follows_the_simulated_gpu) {
+  synth_model m;
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  sim_trace *t = NULL;
+  CHECK_OK(synth_to_trace(&m, &t));
+  CHECK(t->n_hbm > 0);
+  static const struct {
+    const char *hw;
+    double mfu, rate, bw; /* FLOP/s, B/s */
+  } gpu[] = {
+      {"h100", 0.40, 989e12 * 0.40, 3350e9 * 0.60},
+      {"a100", 0.40, 312e12 * 0.40, 2039e9 * 0.60},
+      {"h100", 0.20, 989e12 * 0.20, 3350e9 * 0.60},
+  };
+  const trace_step *st = &t->steps[0];
+  double step[3], synth_us = 0, flop_bound_h100 = 0;
+  char err[512];
+  for (int g = 0; g < 3; g++) {
+    double want = 0;
+    for (uint32_t k = st->first; k < st->end; k++) {
+      const trace_ev *ev = &t->events[k];
+      if (ev->type != TEV_COMPUTE) continue;
+      CHECK(ev->flops >= 0 && ev->hbm_bytes >= 0);
+      double f = ev->flops / gpu[g].rate * 1e6, b = ev->hbm_bytes / gpu[g].bw * 1e6;
+      double us = fmax(fmax(f, b), ev->min_us);
+      want += us;
+      if (g == 0) {
+        synth_us += ev->gap_us;
+        if (us == f) flop_bound_h100 += us;
+      }
+    }
+    sim_config c = gpu_config(gpu[g].hw, gpu[g].mfu);
+    sim_result r;
+    CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+    CHECK_NEAR(r.step_us, want, 1e-6 * want);
+    CHECK(strstr(r.compute_note, "roofline") != NULL);
+    step[g] = r.step_us;
+    sim_result_free(&r);
+  }
+  printf("  no offload: h100 %.1f ms, a100 %.1f ms (%.2fx), h100 at MFU 0.2 %.1f ms; "
+         "FLOP-bound on h100 %.1f ms; as synthesized %.1f ms\n",
+         step[0] / 1e3, step[1] / 1e3, step[1] / step[0], step[2] / 1e3, flop_bound_h100 / 1e3,
+         synth_us / 1e3);
+  /* most of the step is matmuls: a100 is slower by nearly 989/312 */
+  CHECK(flop_bound_h100 > 0.8 * step[0]);
+  CHECK(step[1] > 2.5 * step[0]);
+  /* halving the MFU doubles exactly the FLOP-bound part (the memory-bound
+   * ops stay memory-bound or become FLOP-bound: at least that much) */
+  CHECK(step[2] >= step[0] + flop_bound_h100 - 1e-3);
+  sim_config none = {0};
+  none.steps = 1;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &none, &r, err, sizeof err));
+  CHECK_NEAR(r.step_us, synth_us, 1e-6 * synth_us);
+  CHECK(strstr(r.compute_note, "as synthesized") != NULL);
+  sim_result_free(&r);
+  sim_trace_free(t);
   return 0;
 }
 

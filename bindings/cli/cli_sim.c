@@ -39,8 +39,11 @@ static void sim_usage(FILE *f) {
           "  --host-ram BYTES    host RAM this rank counts on (policies' host_ram_used_pct);\n"
           "                      default: the preset's (node RAM / GPUs), never this machine's\n"
           "  --mfu F             sustained fraction of the preset's BF16 peak for compute that\n"
-          "                      carries FLOPs in the trace (default 0.40: Llama 3 on H100)\n"
+          "                      carries FLOPs in the trace, synthesized traces included\n"
+          "                      (default 0.40: Llama 3 on H100)\n"
           "  --tflops X          achieved TFLOP/s instead (overrides --mfu)\n"
+          "  --hbm GBPS          achieved device-memory bandwidth, GB/s, for the memory-bound\n"
+          "                      ops of synthesized traces (default: 0.60 of the preset's)\n"
           "  --release-copied    the engine frees a forward-stash buffer once its copy is done\n"
           "                      (config.release_when_copied), not only when pushed out\n"
           "  --prefetch-at-backward  start the policy's first reloads at backward_begin\n"
@@ -72,11 +75,14 @@ static void sim_usage(FILE *f) {
           "                      time and steps\n"
           "  --fit DEVICE_BYTES  search policies/host_budget.lua's knobs (host bytes, layers\n"
           "                      kept, stash, prefetch) for the lowest-overhead setting whose\n"
-          "                      steady peak fits DEVICE_BYTES; writes it as a policy\n"
+          "                      steady peak fits DEVICE_BYTES; writes it as a policy.\n"
+          "                      --fit device: the --hw preset's memory less 5%% headroom\n"
+          "                      (CUDA context, allocator fragmentation)\n"
           "  --fit-host BYTES    host budget per rank for --fit (default: half --host-ram)\n"
           "  --fit-out FILE      where --fit writes the policy (default fit.lua)\n"
-          "  --demo DIR          synthesize the Llama-3-8B-like trace, dry-run default, layers\n"
-          "                      and budget on h100, write every output into DIR\n"
+          "  --demo DIR          synthesize a Qwen3-14B fine-tune (seq 8192, FSDP over 8) that\n"
+          "                      does not fit an H100, dry-run default, layers and budget on\n"
+          "                      h100, find the policy that fits (--fit device); outputs in DIR\n"
           "  -h, --help          this help\n"
           "\n"
           "An output FILE of - is stdout (one at a time; the table then goes to stderr).\n"
@@ -87,7 +93,7 @@ static void sim_usage(FILE *f) {
           "  ferry trace synth -o - | ferry sim --policy default --trace -\n"
           "  ferry sim --policy default --trace t.jsonl --json - | jq '.policies[].step_us'\n"
           "  ferry sim --policy budget --sweep FWD_STASH=1..8 --trace t.jsonl --no-layers\n"
-          "  ferry sim --fit 40GiB --trace t.jsonl --fit-out fit.lua\n",
+          "  ferry sim --fit device --trace t.jsonl --hw h100 --fit-out fit.lua\n",
           sim_hw_names(), SIM_DEFAULT_CPU_ADAM);
 }
 
@@ -147,12 +153,13 @@ typedef struct sim_opts {
   double pin_alloc_us, pin_touch_bytes_per_s;
   int no_pool;
   double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
+  double hbm;         /* device-memory bytes/s; 0: the preset's x SIM_DEFAULT_HBM_FRACTION */
   int release_copied, prefetch_bwd;
   double cpu_adam;     /* params/s per rank, 0 = the default */
   int opt_serial;      /* --optimizer-overlap off */
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0}
 #define MAX_FRACTIONS 16
 
 /* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
@@ -243,14 +250,23 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.release_when_copied = o->release_copied;
   c.prefetch_at_backward_begin = o->prefetch_bwd;
   c.tflops = o->tflops > 0 ? o->tflops : hw->peak_tflops * o->mfu;
+  c.hbm_bytes_per_s = o->hbm > 0 ? o->hbm : hw->hbm_bytes_per_s * SIM_DEFAULT_HBM_FRACTION;
   c.cpu_adam_params_per_s = o->cpu_adam;
   c.optimizer_serial = o->opt_serial;
   return c;
 }
 
+/* Replays the trace without offload, then once per job, and reports. runs,
+ * when not NULL, gets each run's peak and step (n_jobs + 1: the baseline
+ * first). */
+typedef struct run_summary {
+  uint64_t peak_device_bytes;
+  double step_us;
+} run_summary;
+
 static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, const sim_opts *o,
                    const char *json, const char *chrome, const char *svg, const char *html,
-                   int layers_table) {
+                   int layers_table, run_summary *runs) {
   char err[1024];
   sim_trace *t = NULL;
   if (sim_trace_load_limited(cli_input(trace_path), &trace_limits, &t, err, sizeof err)) {
@@ -308,6 +324,8 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     else if (cli_stdout_claimed() && cli_output_done("sim")) rc = 1;
     for (int i = 1; i <= n_jobs && !rc; i++)
       if (rs[i].policy_errors) rc = 3; /* a policy that faulted is worth a non-zero exit */
+    for (int i = 0; runs && i <= n_jobs; i++)
+      runs[i] = (run_summary){rs[i].peak_device_bytes, rs[i].step_us};
   }
   for (int i = 0; i <= n_jobs; i++) sim_result_free(&rs[i]);
   free(rs);
@@ -315,9 +333,14 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   return rc;
 }
 
-/* --fit: the search, its choice as a policy file, and the commands to use it. */
+/* --fit: the search, its choice as a policy file, and the commands to use it.
+ * from_device: device_bytes is the preset's usable memory (--fit device).
+ * chosen, when not NULL, gets the setting written (host_bytes 0 and fits 0
+ * when none). */
 static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw, const sim_opts *o,
-                   uint64_t device_bytes, uint64_t host_bytes, const char *out_path) {
+                   uint64_t device_bytes, int from_device, uint64_t host_bytes,
+                   const char *out_path, sim_fit_setting *chosen) {
+  if (chosen) memset(chosen, 0, sizeof *chosen);
   char err[1024], path[PATH_MAX], why[512];
   if (ferry_policy_find("host_budget", path, sizeof path, why, sizeof why)) {
     fprintf(stderr, "ferry sim --fit: %s\n", why);
@@ -352,9 +375,17 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
            "KEEP_LAST 0/1/2/4, FWD_STASH 1/4/16, PREFETCH_LAYERS 1/2) on %s, %u steps "
            "(--warmup %u)\n", fr.n, path, (double)fr.span_bytes / (1u << 30), hw->name,
            base.steps, base.warmup);
-    printf("no offload: peak %.2f GiB, step %.1f ms; target: device %.2f GiB, host %.2f GiB\n",
+    char headroom[160] = "";
+    if (from_device)
+      snprintf(headroom, sizeof headroom, " (%s's %.0f GB less %.0f%% headroom)", hw->name,
+               hw->device_bytes / 1e9, 100 * SIM_DEVICE_HEADROOM);
+    uint32_t n_fit = 0;
+    for (uint32_t i = 0; i < fr.n; i++) n_fit += fr.settings[i].fits != 0;
+    printf("no offload: peak %.2f GiB, step %.1f ms; target: device %.2f GiB%s, host %.2f GiB\n"
+           "%u of the %u settings fit\n",
            (double)base.peak_device_bytes / (1u << 30), base.step_us / 1e3,
-           (double)device_bytes / (1u << 30), (double)fc.host_bytes / (1u << 30));
+           (double)device_bytes / (1u << 30), headroom, (double)fc.host_bytes / (1u << 30), n_fit,
+           fr.n);
     if (getenv("FERRY_FIT_ALL"))
       for (uint32_t i = 0; i < fr.n; i++) {
         const sim_fit_setting *x = &fr.settings[i];
@@ -381,6 +412,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
            b->keep_last, b->fwd_stash, b->prefetch_layers,
            (double)b->peak_device_bytes / (1u << 30), (double)b->host_reserved_bytes / (1u << 30),
            b->step_us / 1e3, 100.0 * (b->step_us - base.step_us) / base.step_us);
+    if (chosen) *chosen = *b;
     char *src = sim_fit_source(tmpl, b);
     char hdr[512];
     snprintf(hdr, sizeof hdr,
@@ -396,6 +428,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
     if (f && (to_stdout ? cli_output_done("sim") : fclose(f))) bad = 1;
     if (bad) {
       fprintf(stderr, "ferry sim --fit: cannot write %s\n", out_path);
+      if (chosen) memset(chosen, 0, sizeof *chosen);
       rc = 1;
     } else if (to_stdout) {
       printf("wrote the policy to stdout\n");
@@ -414,26 +447,41 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
   return rc;
 }
 
+/* The demo's scenario: what a user would run that does not fit without
+ * offloading. Qwen3-14B (the qwen3-14b preset), seq 8192, no activation
+ * checkpointing, FSDP over the 8 GPUs of one H100 node: 99.9 GiB at peak on
+ * an 80 GB H100 (docs/simulator.md, "The demo"). */
+#define DEMO_PRESET "qwen3-14b"
+#define DEMO_NAME "Qwen3-14B"
+#define DEMO_HW "h100"
+
 static int demo(const char *dir) {
   if (mkdir(dir, 0777) && errno != EEXIST) {
     fprintf(stderr, "ferry sim --demo: cannot create %s: %s\n", dir, strerror(errno));
     return 1;
   }
   char trace[PATH_MAX], json[PATH_MAX], chrome[PATH_MAX], svg[PATH_MAX], html[PATH_MAX], err[256];
-  snprintf(trace, sizeof trace, "%s/llama3-8b.jsonl", dir);
+  snprintf(trace, sizeof trace, "%s/" DEMO_PRESET ".jsonl", dir);
   snprintf(json, sizeof json, "%s/sim.json", dir);
   snprintf(chrome, sizeof chrome, "%s/sim-trace.json", dir);
   snprintf(svg, sizeof svg, "%s/memory.svg", dir);
   snprintf(html, sizeof html, "%s/report.html", dir);
   synth_model m;
-  synth_preset("llama3-8b", &m);
+  synth_preset(DEMO_PRESET, &m);
   FILE *f = fopen(trace, "w");
   if (!f || synth_write(&m, f, err, sizeof err) || fclose(f)) {
     fprintf(stderr, "ferry sim --demo: cannot write %s\n", trace);
     return 1;
   }
-  printf("synthesized %s: Llama-3-8B-like, seq %d, micro-batch %d, bf16, flash attention, "
-         "FSDP shard %d, %.0f TFLOP/s\n\n", trace, m.seq, m.micro_batch, m.shard, m.tflops);
+  const sim_hw *hw = sim_hw_preset(DEMO_HW);
+  sim_opts o = SIM_OPTS_INIT;
+  double usable = sim_hw_usable_bytes(hw);
+  printf("synthesized %s: %s-like (%.2fB parameters), seq %d, micro-batch %d, bf16, flash "
+         "attention, no activation checkpointing, FSDP over %d GPUs: a full fine-tune on one "
+         "8-GPU node. Compute timed on %s: %.0f TFLOP/s x MFU %.2f, %.0f GB/s of HBM.\n\n",
+         trace, DEMO_NAME, (double)synth_param_count(&m) / 1e9, m.seq, m.micro_batch, m.shard,
+         hw->name, hw->peak_tflops, o.mfu,
+         hw->hbm_bytes_per_s * SIM_DEFAULT_HBM_FRACTION / 1e9);
   static const char *const names[3] = {"default", "layers", "budget"};
   sim_job jobs[3];
   memset(jobs, 0, sizeof jobs);
@@ -445,21 +493,51 @@ static int demo(const char *dir) {
       return 1;
     }
   }
-  sim_opts o = SIM_OPTS_INIT;
-  int rc = run_sim(trace, *sim_hw_preset("h100"), jobs, 3, &o, json, chrome, svg, html, 1);
+  run_summary runs[4];
+  int rc = run_sim(trace, *hw, jobs, 3, &o, json, chrome, svg, html, 1, runs);
   if (rc == 0 || rc == 3)
     printf("\nwrote %s (the report: open it in a browser, it needs no network), %s, %s "
            "(open in https://ui.perfetto.dev), %s and the trace %s\n", html, json, chrome, svg,
            trace);
   if (rc) return rc;
-  /* what fits in half the H100: the step in 40 GiB, host budget half the
-   * preset's RAM per GPU */
+  /* the cheapest host_budget.lua setting that fits the H100 with headroom,
+   * host budget half the preset's RAM per GPU */
   char fit[PATH_MAX];
   snprintf(fit, sizeof fit, "%s/fit.lua", dir);
-  printf("\n$ ferry sim --fit 40GiB --trace %s --hw h100 --fit-out %s\n", trace, fit);
+  printf("\n$ ferry sim --fit device --trace %s --hw %s --fit-out %s\n", trace, hw->name, fit);
   o.steps = 4;
   o.warmup = 2;
-  return run_fit(trace, "h100", sim_hw_preset("h100"), &o, 40ull << 30, 0, fit);
+  sim_fit_setting best;
+  rc = run_fit(trace, hw->name, hw, &o, (uint64_t)usable, 1, 0, fit, &best);
+  if (rc && rc != 4) return rc;
+  printf("\nin short, on %s (%.0f GB, %.2f GiB usable with %.0f%% headroom):\n", hw->name,
+         hw->device_bytes / 1e9, usable / (1u << 30), 100 * SIM_DEVICE_HEADROOM);
+  const char *base_name = strrchr(fit, '/') ? strrchr(fit, '/') + 1 : fit;
+  for (int i = 0; i <= 4; i++) {
+    if (i == 4 && !best.fits) break;
+    const char *name = i == 0 ? "no offload" : i < 4 ? names[i - 1] : base_name;
+    double peak = i < 4 ? (double)runs[i].peak_device_bytes : (double)best.peak_device_bytes;
+    double step = i < 4 ? runs[i].step_us : best.step_us;
+    int fits = peak <= usable;
+    printf("  %-11s peak %6.2f GiB", name, peak / (1u << 30));
+    if (i) printf(", step %+6.1f%%", 100.0 * (step - runs[0].step_us) / runs[0].step_us);
+    else printf("%14s", "");
+    printf(": %s", fits ? "fits" : i == 0 ? "does NOT fit without offloading" : "does not fit");
+    if (i == 4)
+      printf("  <- recommended: host_budget.lua with HOST_BYTES %.2f GiB, KEEP_LAST %d, "
+             "FWD_STASH %d, PREFETCH_LAYERS %d; %.2f GiB of pinned host memory",
+             (double)best.host_bytes / (1u << 30), best.keep_last, best.fwd_stash,
+             best.prefetch_layers, (double)best.host_reserved_bytes / (1u << 30));
+    putchar('\n');
+  }
+  if (!best.fits) {
+    printf("nothing in --fit's search fits: see above\n");
+    return 4;
+  }
+  printf("check it:  ferry sim --policy %s --trace %s --hw %s --steps %u --warmup %d\n"
+         "use it:    ferry run --policy %s -- python train.py\n",
+         fit, trace, hw->name, o.steps, o.warmup, fit);
+  return 0;
 }
 
 int ferry_cli_sim(int argc, char **argv) {
@@ -476,6 +554,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"pinned", required_argument, 0, 'P'},  {"fit", required_argument, 0, 'F'},
       {"fit-host", required_argument, 0, 'H'}, {"fit-out", required_argument, 0, 'O'},
       {"mfu", required_argument, 0, 'M'},     {"tflops", required_argument, 0, 'T'},
+      {"hbm", required_argument, 0, 'G'},
       {"release-copied", no_argument, 0, 'X'}, {"prefetch-at-backward", no_argument, 0, 'B'},
       {"max-line", required_argument, 0, 'Y'}, {"quiet", no_argument, 0, 'q'},
       {"optimizer-fraction", required_argument, 0, 'o'}, {"cpu-adam", required_argument, 0, 'A'},
@@ -488,6 +567,7 @@ int ferry_cli_sim(int argc, char **argv) {
   int recorded = 0, layers_table = 1, c;
   sim_opts o = SIM_OPTS_INIT;
   uint64_t fit = 0, fit_host = 0, line_limit;
+  int fit_device = 0;
   const char *fit_out = "fit.lua";
   double fractions[MAX_FRACTIONS];
   int n_fractions = 0;
@@ -522,8 +602,10 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'P':
       if (parse_pinned(optarg, &o)) return 2;
       break;
-    case 'F':
-      if (cli_bytes("sim", "--fit", optarg, 1, &fit)) return 2;
+    case 'F': /* "device": the --hw preset's memory less the headroom */
+      if (!strcmp(optarg, "device")) fit_device = 1;
+      else if (cli_bytes("sim", "--fit", optarg, 1, &fit)) return 2;
+      else fit_device = 0;
       break;
     case 'H':
       if (cli_bytes("sim", "--fit-host", optarg, 1, &fit_host)) return 2;
@@ -541,6 +623,10 @@ int ferry_cli_sim(int argc, char **argv) {
       else o.tflops = x;
       break;
     }
+    case 'G': /* GB/s, as `ferry trace synth --hbm` takes it */
+      if (cli_number("sim", "--hbm", optarg, FERRY_NUMBER_REAL, 0, 1e7, 1, &o.hbm)) return 2;
+      o.hbm *= 1e9;
+      break;
     case 'o':
       if ((n_fractions = parse_fractions(optarg, fractions)) < 0) return 2;
       break;
@@ -581,7 +667,7 @@ int ferry_cli_sim(int argc, char **argv) {
   int dash = cli_claim_stdin("sim", "--trace", trace);
   static const char *const out_flags[] = {"--json", "--chrome-trace", "--svg", "--html",
                                           "--fit-out"};
-  const char *out_values[] = {json, chrome, svg, html, fit ? fit_out : NULL};
+  const char *out_values[] = {json, chrome, svg, html, fit || fit_device ? fit_out : NULL};
   for (int i = 0; i < 5 && !dash; i++) dash = cli_claim_stdout("sim", out_flags[i], out_values[i]);
   if (dash) return dash;
   if (demo_dir) return demo(demo_dir);
@@ -600,6 +686,7 @@ int ferry_cli_sim(int argc, char **argv) {
     fprintf(stderr, "ferry sim: --trace FILE is required (`ferry trace synth` writes one)\n");
     return 2;
   }
+  if (fit_device) fit = (uint64_t)sim_hw_usable_bytes(&hw);
   o.steps = (uint32_t)steps;
   o.warmup = warmup ? (int32_t)warmup : -1;
   if (fit && !steps_given) o.steps = 4;
@@ -609,7 +696,9 @@ int ferry_cli_sim(int argc, char **argv) {
                     "then check its policy with --optimizer-fraction\n");
     return 2;
   }
-  if (fit) return run_fit(trace, link ? "custom" : hw_name, &hw, &o, fit, fit_host, fit_out);
+  if (fit)
+    return run_fit(trace, link ? "custom" : hw_name, &hw, &o, fit, fit_device, fit_host, fit_out,
+                   NULL);
   if (!policies && !recorded && !n_fractions) {
     fprintf(stderr, "ferry sim: --policy is required (e.g. --policy default,budget)\n");
     return 2;
@@ -730,7 +819,7 @@ int ferry_cli_sim(int argc, char **argv) {
       n *= n_fractions;
     }
   }
-  if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, html, layers_table);
+  if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, html, layers_table, NULL);
   for (int i = 0; i < n; i++) free(jobs[i].source);
   free(jobs);
   return rc;

@@ -412,6 +412,8 @@ typedef struct trace_ev {
   const char *op;  /* compute: its optional "op" name (owned by the trace) */
   double gap_us;   /* compute time before this event */
   double flops;    /* floating-point operations of that compute, -1 unknown */
+  double hbm_bytes; /* compute: bytes it reads and writes in device memory, -1 unknown */
+  double min_us;   /* compute: the least it takes on any GPU (kernel launches), 0 none */
 } trace_ev;
 
 typedef struct trace_tensor {
@@ -447,6 +449,7 @@ typedef struct sim_trace {
   int has_compute; /* synthesized: time comes from compute events */
   char backend[16]; /* the header's "backend": where it was recorded */
   uint32_t n_flops; /* events that carry "flops" */
+  uint32_t n_hbm;   /* compute events that carry "hbm_bytes" */
   int32_t layers;  /* largest `layers` seen, 0 if none */
   char **strings;  /* owned strings (module paths, classes) */
   size_t n_strings, cap_strings;
@@ -498,8 +501,14 @@ typedef struct sim_config {
    * peak): 0 = the default, 1; negative = none */
   int32_t warmup;
   /* achieved TFLOP/s of the simulated GPU: compute that carries FLOPs in
-   * the trace takes flops / this; 0 = the trace's own times */
+   * the trace takes flops / this (a synthesized event, which also carries
+   * its device-memory bytes and a least time, takes the largest of
+   * flops / this, hbm_bytes / hbm_bytes_per_s and min_us: a roofline);
+   * 0 = the trace's own times (a synthesized trace: the synthesizer's) */
   double tflops;
+  /* achieved device-memory bandwidth for that roofline, bytes/s; 0 =
+   * SIM_DEFAULT_HBM_BYTES_PER_S. Unused while tflops is 0. */
+  double hbm_bytes_per_s;
   /* the simulated host's RAM for host_cap_pct and the policies'
    * host_ram_used_pct (available = this less the pinned bytes the sim
    * reserved); 0 = SIM_DEFAULT_HOST_RAM. Never the machine running it. */
@@ -760,10 +769,27 @@ typedef struct sim_hw {
   const char *source;
   double host_ram_bytes;         /* host RAM per GPU: the node's / GPUs per node */
   double peak_tflops;            /* dense BF16 tensor-core peak, TFLOP/s */
+  double hbm_bytes_per_s;        /* device-memory (HBM) bandwidth, datasheet */
 } sim_hw;
 /* The default sustained fraction of peak (--mfu): 0.40, Llama 3's 38-43%
  * BF16 MFU on H100 (docs/simulator.md). */
 #define SIM_DEFAULT_MFU 0.40
+/* The fraction of the datasheet HBM bandwidth memory-bound ops reach
+ * (--hbm overrides): 0.60, the synthesizer's 2000 GB/s on H100's 3.35 TB/s
+ * (docs/hardware.md: a modelling choice, not a measurement). */
+#define SIM_DEFAULT_HBM_FRACTION 0.60
+/* sim_config.hbm_bytes_per_s when 0: the synthesizer's default, 2000 GB/s. */
+#define SIM_DEFAULT_HBM_BYTES_PER_S 2e12
+
+/* The share of a device's memory a training run cannot count on: the CUDA
+ * context (~0.3 GiB with lazy module loading, over 1 GiB before CUDA 11.7)
+ * and the caching allocator's reserved-but-unallocated blocks (1.83 GiB with
+ * 78.09 GiB in use in one published OOM, 2.3%), which the sim does not
+ * model: 5% (docs/hardware.md, "Device memory headroom"). */
+#define SIM_DEVICE_HEADROOM 0.05
+/* What a run may peak at on hw: its device memory less SIM_DEVICE_HEADROOM
+ * (`ferry sim`'s "fits", `--fit device`). */
+FERRY_API double sim_hw_usable_bytes(const sim_hw *hw);
 
 /* NULL if unknown. */
 FERRY_API const sim_hw *sim_hw_preset(const char *name);

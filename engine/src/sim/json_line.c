@@ -18,13 +18,14 @@ const char *const json_key_names[JK_COUNT] = {
     [JK_ALIAS] = "alias",   [JK_ALIAS_OF] = "alias_of", [JK_FLOPS] = "flops",
     [JK_US] = "us",         [JK_OP] = "op",           [JK_FORMAT] = "format",
     [JK_VERSION] = "version", [JK_BACKEND] = "backend", [JK_WHAT] = "what",
+    [JK_HBM_BYTES] = "hbm_bytes", [JK_MIN_US] = "min_us",
 };
 
 /* By length and first letter, then one comparison: a pack line has fourteen
  * members, so this runs a few million times a second. */
 int json_key_find(const char *k, size_t n) {
   int key = -1;
-  if (n == 0 || n > 8) return -1;
+  if (n == 0 || n > 9) return -1;
   switch (k[0]) {
   case 'a': key = n == 5 ? JK_ALIAS : JK_ALIAS_OF; break;
   case 'b': key = n == 5 ? JK_BYTES : JK_BACKEND; break;
@@ -32,10 +33,11 @@ int json_key_find(const char *k, size_t n) {
   case 'd': key = n == 5 ? JK_DTYPE : JK_DECISION; break;
   case 'e': key = JK_EV; break;
   case 'f': key = n == 5 ? JK_FLAGS : n == 6 ? JK_FORMAT : JK_FLOPS; break;
+  case 'h': key = JK_HBM_BYTES; break;
   case 'i': key = JK_ID; break;
   case 'k': key = JK_KIND; break;
   case 'l': key = n == 5 ? JK_LAYER : JK_LAYERS; break;
-  case 'm': key = JK_MODULE; break;
+  case 'm': key = k[1] == 'i' ? JK_MIN_US : JK_MODULE; break;
   case 'o': key = JK_OP; break;
   case 'p': key = JK_PHASE; break;
   case 's': key = n == 4 ? JK_STEP : JK_SHAPE; break;

@@ -477,12 +477,32 @@ static int replay_tables(replay *r) {
   return 0;
 }
 
-/* The compute time before ev: from its FLOPs at the simulated GPU's
- * achieved rate when both are known, else the trace's. */
+/* Whether ev's compute is timed on the simulated GPU: a rate is given and
+ * the trace says how much work it is (FLOPs, or device-memory bytes). */
+static int timed_from_work(const replay *r, const trace_ev *ev) {
+  return r->c->tflops > 0 && (ev->flops >= 0 || ev->hbm_bytes >= 0);
+}
+
+/* ev's compute on the simulated GPU (timed_from_work): a roofline, the
+ * larger of its FLOPs at the achieved rate and its device-memory bytes at
+ * the achieved bandwidth, and at least its min_us (kernel launches). A
+ * recorded event carries FLOPs only: flops / rate. */
+static double work_us(const replay *r, const trace_ev *ev) {
+  double us = ev->flops > 0 ? ev->flops / (r->c->tflops * 1e6) : 0;
+  if (ev->hbm_bytes > 0) {
+    double bw = r->c->hbm_bytes_per_s > 0 ? r->c->hbm_bytes_per_s : SIM_DEFAULT_HBM_BYTES_PER_S;
+    double mem = ev->hbm_bytes / bw * 1e6;
+    if (mem > us) us = mem;
+  }
+  return us > ev->min_us ? us : ev->min_us;
+}
+
+/* The compute time before ev: from its work at the simulated GPU's
+ * achieved rates when both are known, else the trace's. */
 static double event_gap(replay *r, const trace_ev *ev) {
-  if (r->c->tflops > 0 && ev->flops >= 0) {
+  if (timed_from_work(r, ev)) {
     if (r->first) r->res->gaps_from_flops++;
-    return ev->flops / (r->c->tflops * 1e6);
+    return work_us(r, ev);
   }
   if (r->first && ev->gap_us > 0) r->res->gaps_as_recorded++;
   return ev->gap_us;
@@ -741,7 +761,7 @@ static double pinned_us(replay *r) {
 
 /* The compute before ev as event_gap times it, without counting it. */
 static double gap_of(const replay *r, const trace_ev *ev) {
-  if (r->c->tflops > 0 && ev->flops >= 0) return ev->flops / (r->c->tflops * 1e6);
+  if (timed_from_work(r, ev)) return work_us(r, ev);
   return ev->gap_us > 0 ? ev->gap_us : 0;
 }
 
@@ -1027,7 +1047,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   }
   for (uint32_t k = ts->first; k < ts->end; k++) {
     const trace_ev *ev = &t->events[k];
-    if (ev->gap_us > 0 || (ev->flops > 0 && r->c->tflops > 0)) {
+    if (ev->gap_us > 0 || (timed_from_work(r, ev) && work_us(r, ev) > 0)) {
       if (o && phase == 0 && (rc = opt_forward(r, done, gap_of(r, ev), o->fwd_us[tsi])))
         return rc;
       r->gap_scale = o && phase == 2 ? 1 - o->fraction : 1;
@@ -1085,12 +1105,18 @@ static void compute_note(replay *r) {
   sim_result *out = r->res;
   const sim_trace *t = r->t;
   const char *where = t->backend[0] ? t->backend : "unknown";
-  if (out->gaps_as_recorded == 0 && out->gaps_from_flops > 0)
+  double bw = r->c->hbm_bytes_per_s > 0 ? r->c->hbm_bytes_per_s : SIM_DEFAULT_HBM_BYTES_PER_S;
+  if (out->gaps_as_recorded == 0 && out->gaps_from_flops > 0 && t->n_hbm > 0)
+    snprintf(out->compute_note, sizeof out->compute_note,
+             "each op timed on the simulated GPU (roofline): its FLOPs at %.1f TFLOP/s, its "
+             "bytes at %.0f GB/s of device memory", r->c->tflops, bw / 1e9);
+  else if (out->gaps_as_recorded == 0 && out->gaps_from_flops > 0)
     snprintf(out->compute_note, sizeof out->compute_note,
              "compute timed from the trace's FLOPs at %.0f TFLOP/s", r->c->tflops);
   else if (t->has_compute && out->gaps_from_flops == 0)
     snprintf(out->compute_note, sizeof out->compute_note,
-             "compute times as synthesized (the synthesizer's --tflops)");
+             "compute times as synthesized (the synthesizer's --tflops and --hbm: no GPU speed "
+             "given)");
   else if (out->gaps_from_flops == 0)
     snprintf(out->compute_note, sizeof out->compute_note,
              "compute times are the recording machine's (backend %s), not the simulated GPU's: "

@@ -871,7 +871,7 @@ static void html_table(FILE *f, const sim_run_info *info, const sim_result *rs, 
     if (i == 0 || rs[0].step_us <= 0) snprintf(ovh, sizeof ovh, "-");
     else snprintf(ovh, sizeof ovh, "%+.1f%%", 100.0 * (r->step_us - rs[0].step_us) / rs[0].step_us);
     int fits = info->hw && info->hw->device_bytes > 0
-                   ? (double)r->peak_device_bytes <= info->hw->device_bytes : -1;
+                   ? (double)r->peak_device_bytes <= sim_hw_usable_bytes(info->hw) : -1;
     fputs("<tr data-run=\"", f);
     xml_text(f, r->label);
     fprintf(f, "\"><td class=\"name\"><span class=\"sw\" style=\"background:%s\"></span>",

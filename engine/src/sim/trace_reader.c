@@ -143,7 +143,8 @@ static int add_event(reader *r, uint8_t type, uint32_t tensor, double gap) {
   if (util_grow((void **)&t->events, &r->cap_events, sizeof *t->events, t->n_events + 1, 256))
     return reader_fail(r, "out of memory");
   t->events[t->n_events++] =
-      (trace_ev){.type = type, .layer = -1, .tensor = tensor, .gap_us = gap, .flops = r->flops};
+      (trace_ev){.type = type, .layer = -1, .tensor = tensor, .gap_us = gap, .flops = r->flops,
+                 .hbm_bytes = -1};
   if (r->flops >= 0) t->n_flops++;
   return 0;
 }
@@ -415,10 +416,23 @@ static int parse_compute(reader *r, const json_line *o) {
   int rc;
   if ((rc = get_int(r, o, JK_LAYER, 0, -1, MAX_LAYERS, &layer)) < 0) return rc;
   if ((rc = get_str(r, o, JK_OP, 0, &op)) < 0) return rc;
+  /* optional roofline terms (synthesized traces): the bytes the compute
+   * moves through device memory, and the least time it takes on any GPU */
+  const json_value *hb = json_line_get(o, JK_HBM_BYTES), *mu = json_line_get(o, JK_MIN_US);
+  if (hb && (hb->type != JV_NUMBER || !isfinite(hb->num) || hb->num < 0 || hb->num > 1e21))
+    return reader_fail(r, "\"hbm_bytes\" must be a number within [0, 1e21]");
+  if (mu && (mu->type != JV_NUMBER || !isfinite(mu->num) || mu->num < 0 || mu->num > MAX_COMPUTE_US))
+    return reader_fail(r, "\"min_us\" must be a number within [0, %.0f] (an hour)", MAX_COMPUTE_US);
   t->has_compute = 1;
   if ((rc = add_event(r, TEV_COMPUTE, 0, us->num))) return rc;
-  t->events[t->n_events - 1].layer = (int32_t)layer;
-  if (op && !(t->events[t->n_events - 1].op = str_own(r, op))) return reader_fail(r, "out of memory");
+  trace_ev *ev = &t->events[t->n_events - 1];
+  ev->layer = (int32_t)layer;
+  if (hb) {
+    ev->hbm_bytes = hb->num;
+    t->n_hbm++;
+  }
+  if (mu) ev->min_us = mu->num;
+  if (op && !(ev->op = str_own(r, op))) return reader_fail(r, "out of memory");
   return 0;
 }
 

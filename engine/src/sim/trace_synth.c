@@ -754,10 +754,23 @@ static double op_us(const synth_model *m, const op *o) {
   return us > SYNTH_MIN_OP_US ? us : SYNTH_MIN_OP_US;
 }
 
-static void w_compute(writer *w, double us, int layer, const char *opname) {
+/* A compute event: us at the synthesizer's rates, and the work it stands
+ * for (FLOPs, bytes through device memory, the least time: kernel
+ * launches), so that `ferry sim` can time it on the simulated GPU instead. */
+static void w_compute(writer *w, double us, int layer, const char *opname, double flops,
+                      double bytes, double min_us) {
   if (us <= 0) return;
-  fprintf(w->f, "{\"ev\":\"compute\",\"t_us\":0,\"us\":%.3f,\"layer\":%d,\"op\":\"%s\"}\n", us, layer,
-          opname);
+  fprintf(w->f,
+          "{\"ev\":\"compute\",\"t_us\":0,\"us\":%.3f,\"flops\":%.9g,\"hbm_bytes\":%.9g,"
+          "\"min_us\":%g,\"layer\":%d,\"op\":\"%s\"}\n",
+          us, flops, bytes, min_us, layer, opname);
+}
+
+/* Op o run `times` times back to back (backward: twice its forward), as
+ * one compute event named name (NULL: the op's own). */
+static void w_op(writer *w, const op *o, int times, int layer, const char *name) {
+  w_compute(w, times * op_us(w->m, o), layer, name ? name : o->suffix, times * o->flops,
+            times * o->bytes, times * SYNTH_MIN_OP_US);
 }
 
 static void module_path(int layer, const char *suffix, char *buf, size_t n) {
@@ -847,9 +860,8 @@ static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids 
   memset(bi->outs, 0, (size_t)l->n * MAX_OUTS * sizeof *bi->outs);
   bi->ckpt = 0;
   if (mode == SYNTH_CKPT_FULL) {
-    double us = 0;
-    for (int i = 0; i < l->n; i++) us += op_us(m, &l->ops[i]);
-    w_compute(w, us, layer, "forward");
+    /* one event per op, all named "forward": each has its own roofline */
+    for (int i = 0; i < l->n; i++) w_op(w, &l->ops[i], 1, layer, "forward");
     /* checkpoint saves the block's input only */
     w_pack_block_input(w, c, layer, bi);
     return;
@@ -859,7 +871,7 @@ static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids 
     w_pack_block_input(w, c, layer, bi);
     for (int i = 0; i < l->n; i++) {
       const op *o = &l->ops[i];
-      w_compute(w, op_us(m, o), layer, o->suffix);
+      w_op(w, o, 1, layer, NULL);
       if (!c->keep[i]) continue;
       char path[160];
       module_path(layer, o->suffix, path, sizeof path);
@@ -870,7 +882,7 @@ static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids 
   }
   unsigned drop = mode == SYNTH_CKPT_SELECTIVE ? m->recompute : 0;
   for (int i = 0; i < l->n; i++) {
-    w_compute(w, op_us(m, &l->ops[i]), layer, l->ops[i].suffix);
+    w_op(w, &l->ops[i], 1, layer, NULL);
     w_pack_op(w, &l->ops[i], layer, FERRY_PHASE_FORWARD, P_KEPT, drop, IDS(bi, i), c->bufid);
   }
 }
@@ -899,7 +911,7 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
       const op *o = &l->ops[i];
       if (mode == SYNTH_CKPT_SELECTIVE_OP && c->keep[i])
         for (int k = 0; k < o->n_outs; k++) w_unpack(w, OUTS(bi, i)[k]);
-      else w_compute(w, op_us(m, o), layer, "recompute");
+      else w_op(w, o, 1, layer, "recompute");
       w_pack_op(w, o, layer, FERRY_PHASE_RECOMPUTE, P_ALL, 0, IDS(bi, i), c->bufid);
     }
   }
@@ -912,16 +924,14 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
     const op *o = &l->ops[i];
     for (int g = 0; g < 2; g++) {
       if (at[g] != i) continue;
-      double us = 0;
       for (int j = 0; j < l->n; j++)
-        if (l->ops[j].rgroup & groups[g]) us += op_us(m, &l->ops[j]);
-      w_compute(w, us, layer, "recompute");
+        if (l->ops[j].rgroup & groups[g]) w_op(w, &l->ops[j], 1, layer, "recompute");
       for (int j = 0; j < l->n; j++)
         w_pack_op(w, &l->ops[j], layer, FERRY_PHASE_RECOMPUTE, P_DROPPED, groups[g], IDS(bi, j),
                   c->bufid);
     }
     w_unpack_op(w, o, IDS(bi, i));
-    w_compute(w, 2 * op_us(m, o), layer, o->suffix);
+    w_op(w, o, 2, layer, NULL);
   }
 }
 
@@ -1005,27 +1015,28 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     memset(pre_store, 0, sizeof pre_store);
     memset(post_store, 0, sizeof post_store);
     for (int i = 0; i < pre.n; i++) {
-      w_compute(&w, op_us(m, &pre.ops[i]), -1, pre.ops[i].suffix);
+      w_op(&w, &pre.ops[i], 1, -1, NULL);
       w_pack_op(&w, &pre.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&pre_ids, i), small_bufid);
     }
     for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
     memset(small_bufid, 0, sizeof small_bufid);
     for (int i = 0; i < post.n; i++) {
-      w_compute(&w, op_us(m, &post.ops[i]), -1, post.ops[i].suffix);
+      w_op(&w, &post.ops[i], 1, -1, NULL);
       w_pack_op(&w, &post.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&post_ids, i), small_bufid);
     }
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
     for (int i = post.n; i-- > 0;) {
       w_unpack_op(&w, &post.ops[i], IDS(&post_ids, i));
-      w_compute(&w, 2 * op_us(m, &post.ops[i]), -1, post.ops[i].suffix);
+      w_op(&w, &post.ops[i], 2, -1, NULL);
     }
     for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
     for (int i = pre.n; i-- > 0;) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
-      w_compute(&w, 2 * op_us(m, &pre.ops[i]), -1, pre.ops[i].suffix);
+      w_op(&w, &pre.ops[i], 2, -1, NULL);
     }
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
-    w_compute(&w, (double)adam_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer");
+    w_compute(&w, (double)adam_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer", 0,
+              (double)adam_bytes, 0);
     fprintf(f, "{\"ev\":\"step_end\",\"t_us\":0,\"step\":%d}\n", st);
   }
   rc = 0;
