@@ -139,6 +139,7 @@
   X(sim_warmup_steps_and_first_step)                                       \
   X(sim_fit_picks_the_cheapest_setting_that_fits)                          \
   X(sim_recorded_trace_flops_and_resident)                                 \
+  X(sim_recorded_trace_flops_all)                                          \
   X(sim_prefetch_starts_at_backward_begin)                                 \
   X(sim_optimizer_fraction_zero_is_no_offload)                             \
   X(sim_optimizer_offload_frees_exactly_the_share)                         \
