@@ -99,6 +99,11 @@ class Session:
         self.warned_policy = False
         self.warned_live = False
         self.warned_knobs = set()
+        # while recording a trace: the FLOP counter (ferry/_flops.py) and the
+        # resident memory declared last, {what: bytes}
+        self.recording = bool(cfg.get("trace_path"))
+        self.flops = None
+        self.declared = {}
         self.check_knobs()
 
     def set_policy(self, policy_path):
@@ -121,14 +126,24 @@ class Session:
                           f" overrule policy {self.policy_path}'s own value (keyword arguments "
                           "win over a policy's knobs)", UserWarning, stacklevel=4)
 
-    def begin_step(self):
+    def begin_step(self, resident=None):
+        """End the step in progress and begin one; resident: {what: bytes}
+        of device memory to declare in the trace between the two (only what
+        changed since the last declaration is written)."""
         if self.engine.in_step:
             self.end_step()
+        if resident and self.recording:
+            for what, nbytes in resident.items():
+                if self.declared.get(what) != nbytes:
+                    self.engine.trace_resident(what, nbytes)
+                    self.declared[what] = nbytes
         self.engine.step_begin()
 
     def end_step(self):
         if not self.engine.in_step:
             return 0
+        if self.flops is not None:
+            self.flops.flush()  # the last backward's FLOPs, before backward_end
         live = self.engine.step_end()
         self.check_policy()
         if live and not self.warned_live:
