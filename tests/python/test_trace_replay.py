@@ -295,3 +295,76 @@ def test_not_recording_installs_no_flop_counting():
     assert not y._backward_hooks
     y.sum().backward()
 
+
+# ---- the engine's switches: release_when_copied, prefetch_at_backward_begin ------------
+def test_release_when_copied_frees_the_stash_once_copies_are_done():
+    """The forward stash holds offloaded buffers until max_fwd_stash pushes
+    them out; with release_when_copied a buffer goes at the first pack after
+    its copy to the host completed (engine test
+    stash_released_when_copy_completes): device_bytes_held drops within
+    forward. Packs go on (each one a chance to release) until it has, or
+    for at most 20 s, far below the stash bound; without the switch nothing
+    is released at all."""
+    import time
+    pol = ferry.policy(min_bytes=4096, max_stash=4096)
+
+    def run(release, packs):
+        xs = [torch.randn(64, 256, requires_grad=True) for _ in range(packs)]
+        with ft.offload(None, policy=pol, backend="host", release_when_copied=release):
+            ys, held, deadline = [], [], time.monotonic() + 20
+            for i, x in enumerate(xs):
+                ys.append(x.sin())  # saves x: 64 KiB, offloaded
+                held.append(ft.stats()["device_bytes_held"])
+                if release and held[-1] < (i + 1) * 65536:
+                    break
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)  # let the copy run
+            sum(y.sum() for y in ys).backward()
+        for x, _ in zip(xs, ys):
+            torch.testing.assert_close(x.grad, x.detach().cos())  # reloaded intact
+        ft.step()
+        ft.close()
+        return held
+
+    kept = run(False, 8)
+    assert kept == [(i + 1) * 65536 for i in range(8)]  # nothing released within forward
+    released = run(True, 1000)
+    assert released[-1] < len(released) * 65536, released[-5:]
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_prefetch_at_backward_begin_starts_the_first_reloads(early):
+    """With a prefetching policy, prefetch_at_backward_begin starts the last
+    offloaded tensors' reloads when backward begins, before any unpack."""
+    pol = ferry.policy(min_bytes=4096, max_stash=0, prefetch=2)
+    xs = [torch.randn(64, 256, requires_grad=True) for _ in range(4)]
+    with ft.offload(None, policy=pol, backend="host", prefetch_at_backward_begin=early):
+        loss = sum(x.sin().sum() for x in xs)
+    assert ft.stats()["tensors_offloaded"] == 4
+    ft.engine().backward_begin()
+    started = ft.stats()["prefetches"]
+    assert started == (2 if early else 0)
+    loss.backward()
+    for x in xs:
+        torch.testing.assert_close(x.grad, x.detach().cos())
+
+
+def test_engine_switches_are_checked_and_default_from_ferry_run(monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    info = ft.offload(model, backend="host").engine.info()
+    assert not info["release_when_copied"] and not info["prefetch_at_backward_begin"]
+    monkeypatch.setenv("FERRY_RELEASE_COPIED", "1")  # ferry run --release-copied
+    monkeypatch.setenv("FERRY_PREFETCH_AT_BACKWARD", "1")  # --prefetch-at-backward
+    info = ft.offload(model, backend="host").engine.info()
+    assert info["release_when_copied"] and info["prefetch_at_backward_begin"]
+    info = ft.offload(model, backend="host", release_when_copied=False).engine.info()
+    assert not info["release_when_copied"] and info["prefetch_at_backward_begin"]  # keyword wins
+    for bad in ("yes please", 2, 1.0, None.__class__):
+        with pytest.raises(TypeError, match="release_when_copied must be True or False"):
+            ft.offload(model, release_when_copied=bad)
+    monkeypatch.setenv("FERRY_PREFETCH_AT_BACKWARD", "maybe")
+    with pytest.raises(ValueError, match="FERRY_PREFETCH_AT_BACKWARD='maybe'"):
+        ft.offload(model)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        ft.offload(model, optimizer=model)

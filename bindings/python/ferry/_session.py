@@ -13,7 +13,14 @@ from . import _ferry
 from ._ferry import FerryError
 
 ENGINE_KNOBS = {"min_offload_bytes", "max_fwd_stash", "max_fwd_stash_bytes", "prefetch_distance",
-                "link", "arena", "policy_trusted", "fast_keep"}
+                "link", "arena", "policy_trusted", "fast_keep", "release_when_copied",
+                "prefetch_at_backward_begin"}
+# The on/off knobs of the engine's config that `ferry run` can set too: the
+# environment variable each takes its default from (docs/pytorch.md).
+SWITCH_KNOBS = {"release_when_copied": "FERRY_RELEASE_COPIED",
+                "prefetch_at_backward_begin": "FERRY_PREFETCH_AT_BACKWARD"}
+_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False}
 # The knobs a policy can set too (ferry_knobs): given as keywords they win
 # over the policy's (config.knobs_fixed), with one warning on a conflict.
 POLICY_KNOB_BITS = {"max_fwd_stash": 0x1, "prefetch_distance": 0x2, "min_offload_bytes": 0x4,
@@ -72,9 +79,37 @@ NUMERIC_KNOBS = {
 }
 
 
+def switch_from_env(name):
+    """The default of an on/off knob from its environment variable (set by
+    `ferry run`): None when unset or empty; a bad value raises, naming it."""
+    var = SWITCH_KNOBS[name]
+    text = os.environ.get(var, "").strip()
+    if not text:
+        return None
+    value = _SWITCH_WORDS.get(text.lower())
+    if value is None:
+        raise ValueError(f"ferry: {var}={text!r} is not 1 or 0 (also true/false, yes/no, on/off); "
+                         f"it sets {name}")
+    return value
+
+
 def parse_knobs(knobs):
-    """knobs with the numeric ones checked and made ints."""
+    """knobs with the numeric ones checked and made ints, the on/off ones
+    checked (True/False, or 1/0) and made bools, and those of the latter not
+    given taken from their environment variable."""
     out = dict(knobs)
+    for name in SWITCH_KNOBS:
+        value = out.get(name)
+        if value is None:
+            value = switch_from_env(name)
+            if value is None:
+                out.pop(name, None)
+                continue
+        elif isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            value = bool(value)
+        else:
+            raise TypeError(f"ferry: {name} must be True or False, got {value!r}")
+        out[name] = value
     for name, (kind, lo, hi) in NUMERIC_KNOBS.items():
         value = out.get(name)
         if value is None:

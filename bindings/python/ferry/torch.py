@@ -20,8 +20,8 @@ across steps; the policy can change between steps (hot swap). Each entry
 of the context starts a step (steps="auto"), ending the previous one.
 
 Defaults come from the environment `ferry run` sets: FERRY_POLICY,
-FERRY_TRACE, FERRY_CHROME_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments
-win).
+FERRY_TRACE, FERRY_CHROME_TRACE, FERRY_HOST_CAP, FERRY_BACKEND,
+FERRY_RELEASE_COPIED, FERRY_PREFETCH_AT_BACKWARD (arguments win).
 
 While recording a trace (record_trace=), and only then, the context also
 writes what the simulator needs to replay the run on another machine: the
@@ -251,7 +251,12 @@ class offload:
         "manual" — call ferry.torch.step() yourself.
     knobs: min_offload_bytes, max_fwd_stash, prefetch_distance,
         link=(d2h_B_per_s, h2d_B_per_s, latency_us, duplex), arena
-        ("auto"/"jemalloc"/"pool"), policy_trusted, fast_keep.
+        ("auto"/"jemalloc"/"pool"), policy_trusted, fast_keep,
+        release_when_copied (True: a forward-stash buffer is released at the
+        first pack after its copy to the host completed; default
+        $FERRY_RELEASE_COPIED, else False), prefetch_at_backward_begin
+        (True: the policy's first reloads start when backward begins;
+        default $FERRY_PREFETCH_AT_BACKWARD, else False).
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None,
