@@ -18,7 +18,8 @@ Counted (multiply-adds as 2 FLOPs, the convention of
 output projections and both attention products). Backward: for a linear,
 matmul or convolution the forward's FLOPs once per operand that requires a
 gradient (the input's gradient, the weight's); for attention twice the
-forward. Not counted: elementwise ops, norms, softmax, losses, the
+forward (the four products of its gradients; torch.utils.flop_counter counts
+2.5x, the fused kernels' recompute of the scores included). Not counted: elementwise ops, norms, softmax, losses, the
 optimizer, bias gradients, ``einsum``, and what runs outside the context
 (activation-checkpointing recomputes in backward). Only calls made at the
 top level are seen: a counted function's own inner calls are not counted
