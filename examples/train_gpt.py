@@ -62,7 +62,8 @@ def run(steps, policy, trace, seed=0):
     for step in range(steps):
         idx, target = data[step, :, :-1], data[step, :, 1:]
         if policy:
-            with ferry.torch.offload(model, policy=policy, record_trace=trace):
+            # optimizer=: the trace declares its states as resident memory
+            with ferry.torch.offload(model, policy=policy, record_trace=trace, optimizer=opt):
                 logits = model(idx)
         else:
             logits = model(idx)

@@ -142,6 +142,7 @@
   X(sim_recorded_trace_flops_and_resident)                                 \
   X(sim_compute_roofline_hand_computed)                                    \
   X(sim_synth_compute_follows_the_simulated_gpu)                           \
+  X(sim_recorded_trace_flops_all)                                          \
   X(sim_prefetch_starts_at_backward_begin)                                 \
   X(sim_optimizer_fraction_zero_is_no_offload)                             \
   X(sim_optimizer_offload_frees_exactly_the_share)                         \

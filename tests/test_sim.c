@@ -1781,6 +1781,86 @@ TEST(sim_synth_compute_follows_the_simulated_gpu) {
   return 0;
 }
 
+/* ferry_trace_flops_all: the trainer counts all its compute, so every event
+ * carries "flops" (0 where none were added) and a replay times the whole
+ * step from FLOPs: exactly the FLOPs / rate, whatever the recording
+ * machine's gaps (here made long with sleeps), and the note says so. Off,
+ * the events without FLOPs keep their recorded gaps. */
+TEST(sim_recorded_trace_flops_all) {
+  for (int all = 0; all <= 1; all++) {
+    test_device_stats st = {0};
+    ferry_config c = test_engine_config(&st);
+    c.decide = NULL;
+    char path[] = "/tmp/ferry-flops-all-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    close(fd);
+    c.trace_path = path;
+    ferry_engine *e = NULL;
+    char err[512];
+    CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+    CHECK_OK(ferry_trace_flops_all(e, all));
+    CHECK_OK(ferry_trace_resident(e, "parameters", 1000));
+    enum { M = 3 };
+    test_buffer *bufs[M];
+    ferry_handle hs[M];
+    CHECK_OK(ferry_step_begin(e));
+    for (int i = 0; i < M; i++) {
+      usleep(2000); /* recorded compute nobody counted */
+      if (i) CHECK_OK(ferry_trace_flops(e, 4e11)); /* before the 2nd and 3rd packs */
+      bufs[i] = test_buffer_new(4096);
+      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+      d.bytes = 4096;
+      d.dtype = FERRY_DTYPE_U8;
+      d.ndim = 1;
+      d.shape[0] = 4096;
+      d.layer = i;
+      d.layer_count = M;
+      CHECK_OK(ferry_pack(e, &d, bufs[i]->ptr, bufs[i], NULL, &hs[i]));
+    }
+    CHECK_OK(ferry_backward_begin(e));
+    for (int i = M - 1; i >= 0; i--) {
+      void *dev = NULL, *owner = NULL;
+      usleep(2000);
+      CHECK_OK(ferry_unpack(e, hs[i], NULL, &dev, &owner));
+      if (owner) test_buffer_unref(owner);
+      CHECK_OK(ferry_trace_flops(e, 8e11)); /* after each unpack: its backward */
+    }
+    CHECK_OK(ferry_backward_end(e));
+    CHECK_OK(ferry_step_end(e));
+    ferry_engine_destroy(e);
+
+    sim_trace *t = NULL;
+    int rc = sim_trace_load(path, &t, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    /* on: every event of the step (begin, 3 packs, backward begin, 3
+     * unpacks, backward end, end); off: the 2 packs and 3 events after a
+     * ferry_trace_flops */
+    CHECK_EQ(t->n_flops, all ? 10 : 5);
+    sim_config sc = {0};
+    sc.link = sim_hw_preset("h100")->link;
+    sc.tflops = 400;
+    sim_result r;
+    CHECK_OK(sim_replay(t, &sc, &r, err, sizeof err));
+    double flops_us = (2 * 4e11 + 3 * 8e11) / (400 * 1e6); /* 8 ms */
+    if (all) {
+      CHECK_NEAR(r.step_us, flops_us, 1e-6);
+      CHECK_EQ(r.gaps_as_recorded, 0);
+      CHECK(strstr(r.compute_note, "compute timed from the trace's FLOPs at 400 TFLOP/s") != NULL);
+    } else {
+      /* the sleeps before the first pack and the first unpack have no FLOPs */
+      CHECK(r.step_us >= flops_us + 2 * 2000);
+      CHECK(r.gaps_as_recorded >= 2);
+      CHECK(strstr(r.compute_note, "as recorded") != NULL);
+    }
+    sim_result_free(&r);
+    sim_trace_free(t);
+    unlink(path);
+  }
+  return 0;
+}
+
 /* prefetch_at_backward_begin: with compute between ferry_backward_begin and
  * the first unpack (the loss's backward), the policy's prefetch of the last
  * offloaded tensor starts at backward_begin and hides behind that compute;

@@ -61,6 +61,15 @@ static void usage(FILE *to) {
           "  -c, --cap BYTES|PCT%%  pinned host memory cap, e.g. 16G,  FERRY_HOST_CAP\n"
           "                        1073741824 or 40%% of MemTotal\n"
           "  -b, --backend NAME    host, cuda or auto                 FERRY_BACKEND\n"
+          "      --release-copied  free a forward-stash buffer once   FERRY_RELEASE_COPIED=1\n"
+          "                        its copy to the host is done, not\n"
+          "                        only when the stash bound pushes\n"
+          "                        it out (release_when_copied)\n"
+          "      --prefetch-at-backward\n"
+          "                        start the policy's first reloads   FERRY_PREFETCH_AT_BACKWARD=1\n"
+          "                        when backward begins, not at the\n"
+          "                        first unpack\n"
+          "                        (prefetch_at_backward_begin)\n"
           "  -n, --dry-run         print the environment and command, run nothing\n"
           "  -q, --quiet           the trainer's ferry messages: errors only\n"
           "                        (FERRY_LOG_LEVEL=error)\n"
@@ -373,13 +382,15 @@ int ferry_cli_run(int argc, char **argv) {
                                        {"trace-out", required_argument, 0, 'T'},
                                        {"cap", required_argument, 0, 'c'},
                                        {"backend", required_argument, 0, 'b'},
+                                       {"release-copied", no_argument, 0, 'R'},
+                                       {"prefetch-at-backward", no_argument, 0, 'B'},
                                        {"dry-run", no_argument, 0, 'n'},
                                        {"quiet", no_argument, 0, 'q'},
                                        {"verbose", no_argument, 0, 'v'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   const char *policy = NULL, *trace = NULL, *chrome = NULL, *cap = NULL, *backend = NULL;
-  int dry_run = 0, c;
+  int dry_run = 0, release_copied = 0, prefetch_bwd = 0, c;
   opterr = 0; /* our own messages name "ferry run" */
   optind = 1;
   /* '+': stop at the first non-option, so the trainer's own options stay
@@ -391,6 +402,8 @@ int ferry_cli_run(int argc, char **argv) {
     case 'T': chrome = optarg; break;
     case 'c': cap = optarg; break;
     case 'b': backend = optarg; break;
+    case 'R': release_copied = 1; break;
+    case 'B': prefetch_bwd = 1; break;
     case 'n': dry_run = 1; break;
     case 'q': cli_verbosity = -1; break;
     case 'v': cli_verbosity = 1; break;
@@ -438,6 +451,8 @@ int ferry_cli_run(int argc, char **argv) {
              {"FERRY_CHROME_TRACE", chrome ? chrome_abs : NULL},
              {"FERRY_HOST_CAP", cap ? cap_value : NULL},
              {"FERRY_BACKEND", backend},
+             {"FERRY_RELEASE_COPIED", release_copied ? "1" : NULL},
+             {"FERRY_PREFETCH_AT_BACKWARD", prefetch_bwd ? "1" : NULL},
              {"FERRY_LOG_LEVEL", cli_verbosity < 0 ? "error" : NULL}};
   FILE *show = dry_run ? stdout : cli_verbosity > 0 ? stderr : NULL;
   for (size_t i = 0; i < sizeof env / sizeof env[0]; i++) {

@@ -441,6 +441,14 @@ FERRY_API int ferry_backward_end(ferry_engine *e);
  * replay can time that compute on another GPU (docs/trace-format.md). */
 FERRY_API int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
 FERRY_API int ferry_trace_flops(ferry_engine *e, double flops);
+/* ferry_trace_flops_all(e, 1): the trainer counts the FLOPs of all its
+ * compute, so from the next event on every traced event carries "flops", 0
+ * where ferry_trace_flops added none: a replay times every gap from FLOPs,
+ * and work the trainer does not count (elementwise ops, the optimizer) has
+ * no time of its own (it is inside the achieved rate, ferry sim --mfu).
+ * 0 (the default): only the events after ferry_trace_flops calls carry
+ * "flops"; the others keep their recorded gaps. A no-op without a trace. */
+FERRY_API int ferry_trace_flops_all(ferry_engine *e, int on);
 
 /* ---- policies ----------------------------------------------------------- */
 /* Load a Lua policy (file, or source text when path is NULL) and make it the

@@ -287,6 +287,29 @@ def case_dry_run():
     return 0
 
 
+def case_engine_switches():
+    """--release-copied and --prefetch-at-backward set FERRY_RELEASE_COPIED=1
+    and FERRY_PREFETCH_AT_BACKWARD=1, which ferry.torch.offload takes as the
+    defaults of release_when_copied and prefetch_at_backward_begin; without
+    them neither variable is set."""
+    proc = run([FERRY, "run", "-n", "--release-copied", "--prefetch-at-backward", "--", "true"])
+    expect(proc.returncode == 0, "dry run failed", proc)
+    lines = proc.stdout.splitlines()
+    expect("FERRY_RELEASE_COPIED=1" in lines, "--release-copied should set FERRY_RELEASE_COPIED=1",
+           proc)
+    expect("FERRY_PREFETCH_AT_BACKWARD=1" in lines,
+           "--prefetch-at-backward should set FERRY_PREFETCH_AT_BACKWARD=1", proc)
+    proc = run([FERRY, "run", "-n", "--", "true"])
+    expect(proc.returncode == 0 and "FERRY_RELEASE_COPIED" not in proc.stdout
+           and "FERRY_PREFETCH_AT_BACKWARD" not in proc.stdout,
+           "without the flags neither variable should be set", proc)
+    proc = run([FERRY, "run", "--release-copied", "--", "sh", "-c",
+                'echo "[$FERRY_RELEASE_COPIED][$FERRY_PREFETCH_AT_BACKWARD]"'])
+    expect(proc.returncode == 0 and proc.stdout.strip() == "[1][]",
+           "the trainer should see FERRY_RELEASE_COPIED=1 only", proc)
+    return 0
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -162,7 +162,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                            "max_fwd_stash", "prefetch_distance", "link", "arena",
                            "device", "policy_trusted", "node_cap", "fast_keep",
                            "max_fwd_stash_bytes", "knobs_fixed", "chrome_trace_path",
-                           "count_reasons", NULL};
+                           "count_reasons", "release_when_copied", "prefetch_at_backward_begin",
+                           NULL};
   const char *backend = "host", *policy_path = NULL, *policy_source = NULL, *trace_path = NULL,
              *arena = "auto", *chrome_trace_path = NULL;
   unsigned long long cap_bytes = 0, min_bytes = 1024, stash_bytes = 0;
@@ -170,16 +171,18 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   double cap_pct = 0;
   unsigned int max_stash = 4, prefetch = 2;
   PyObject *link = Py_None, *node_cap = Py_None;
-  int device = -1, trusted = 0, fast_keep = 1, count_reasons = 0;
+  int device = -1, trusted = 0, fast_keep = 1, count_reasons = 0, release_copied = 0,
+      prefetch_bwd = 0;
   if (self->e) {
     PyErr_SetString(PyExc_RuntimeError, "Engine already initialised");
     return -1;
   }
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOpKIzp", kwlist, &backend,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|szzzKdKIIOsipOpKIzppp", kwlist, &backend,
                                    &policy_path, &policy_source, &trace_path, &cap_bytes, &cap_pct,
                                    &min_bytes, &max_stash, &prefetch, &link, &arena, &device,
                                    &trusted, &node_cap, &fast_keep, &stash_bytes, &knobs_fixed,
-                                   &chrome_trace_path, &count_reasons))
+                                   &chrome_trace_path, &count_reasons, &release_copied,
+                                   &prefetch_bwd))
     return -1;
   ferry_config cfg;
   ferry_config_init(&cfg);
@@ -192,6 +195,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.prefetch_distance = prefetch;
   cfg.max_fwd_stash_bytes = stash_bytes;
   cfg.knobs_fixed = knobs_fixed;
+  cfg.release_when_copied = release_copied;
+  cfg.prefetch_at_backward_begin = prefetch_bwd;
   cfg.device_alloc = cb_device_alloc;
   cfg.release = cb_release;
   cfg.retain = cb_retain;
@@ -217,6 +222,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   self->min_bytes = effective_min_bytes(e);
   /* a trace or a breakdown counts every tensor: none may pass the engine by */
   self->fast_keep = fast_keep && !trace_path && !count_reasons;
+  self->release_when_copied = release_copied;
+  self->prefetch_at_backward_begin = prefetch_bwd;
   self->pack_hook = make_hook(&PackHookType, self);
   self->unpack_hook = make_hook(&UnpackHookType, self);
   if (!self->pack_hook || !self->unpack_hook) return -1;
@@ -338,6 +345,31 @@ static PyObject *engine_breakdown(EngineObject *self, PyObject *unused) {
   }
   if (PyErr_Occurred()) Py_CLEAR(rows);
   return rows;
+}
+
+/* trace_resident(what, nbytes): ferry_trace_resident, between steps. */
+static PyObject *engine_trace_resident(EngineObject *self, PyObject *args) {
+  const char *what;
+  unsigned long long bytes;
+  if (!PyArg_ParseTuple(args, "sK:trace_resident", &what, &bytes)) return NULL;
+  if (!engine_live(self)) return NULL;
+  return check_rc(self, ferry_trace_resident(self->e, what, bytes));
+}
+
+/* trace_flops(n): ferry_trace_flops; the next traced event carries the sum. */
+static PyObject *engine_trace_flops(EngineObject *self, PyObject *arg) {
+  double flops = PyFloat_AsDouble(arg);
+  if (flops == -1.0 && PyErr_Occurred()) return NULL;
+  if (!engine_live(self)) return NULL;
+  return check_rc(self, ferry_trace_flops(self->e, flops));
+}
+
+/* trace_flops_all(on): ferry_trace_flops_all. */
+static PyObject *engine_trace_flops_all(EngineObject *self, PyObject *arg) {
+  int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  if (!engine_live(self)) return NULL;
+  return check_rc(self, ferry_trace_flops_all(self->e, on));
 }
 
 static PyObject *engine_stats(EngineObject *self, PyObject *unused) {
@@ -491,9 +523,12 @@ static PyObject *engine_hooks(EngineObject *self, PyObject *unused) {
 
 static PyObject *engine_info(EngineObject *self, PyObject *unused) {
   if (!engine_live(self)) return NULL;
-  return Py_BuildValue("{sssssKsi}", "backend", ferry_backend_name(self->e), "arena",
+  return Py_BuildValue("{sssssKsisNsN}", "backend", ferry_backend_name(self->e), "arena",
                        ferry_arena_name(self->e), "min_offload_bytes",
-                       (unsigned long long)self->min_bytes, "fast_keep", self->fast_keep);
+                       (unsigned long long)self->min_bytes, "fast_keep", self->fast_keep,
+                       "release_when_copied", PyBool_FromLong(self->release_when_copied),
+                       "prefetch_at_backward_begin",
+                       PyBool_FromLong(self->prefetch_at_backward_begin));
 }
 
 /* The knobs in force, and the names of those a policy set but the caller's
@@ -599,6 +634,15 @@ static PyMethodDef engine_methods[] = {
     {"info", (PyCFunction)engine_info, METH_NOARGS, NULL},
     {"knobs", (PyCFunction)engine_knobs, METH_NOARGS,
      "The knobs in force, with 'overruled': those the policy lost to knobs_fixed."},
+    {"trace_resident", (PyCFunction)engine_trace_resident, METH_VARARGS,
+     "trace_resident(what, nbytes): record device memory held for the whole step "
+     "(ferry_trace_resident; between steps; a no-op without a trace)."},
+    {"trace_flops", (PyCFunction)engine_trace_flops, METH_O,
+     "trace_flops(n): add n floating-point operations of the compute since the last "
+     "traced event; the next event carries the sum (ferry_trace_flops)."},
+    {"trace_flops_all", (PyCFunction)engine_trace_flops_all, METH_O,
+     "trace_flops_all(on): every traced event carries flops, 0 where none were added "
+     "(ferry_trace_flops_all)."},
     {"resident", (PyCFunction)engine_resident, METH_O,
      "resident(nbytes) -> Resident: a buffer of the pinned arena living on the host "
      "(ferry_resident_create; FerryError FERRY_ECAP past the host cap)."},

@@ -117,6 +117,7 @@ struct EngineObject {
   PyObject *alloc_kw; /* {"dtype": torch.uint8, "device": ...} for device_alloc */
   uint64_t min_bytes; /* fast keep threshold */
   int fast_keep;      /* off while recording a trace: every tensor is traced */
+  int release_when_copied, prefetch_at_backward_begin; /* the config's, for info() */
   int in_backward;    /* an unpack happened in this step */
   /* torch's profiler was on when the step's offload context was entered:
    * pack and unpack calls are record_function ranges (hooks.c) */

@@ -13,7 +13,14 @@ from . import _ferry
 from ._ferry import FerryError
 
 ENGINE_KNOBS = {"min_offload_bytes", "max_fwd_stash", "max_fwd_stash_bytes", "prefetch_distance",
-                "link", "arena", "policy_trusted", "fast_keep"}
+                "link", "arena", "policy_trusted", "fast_keep", "release_when_copied",
+                "prefetch_at_backward_begin"}
+# The on/off knobs of the engine's config that `ferry run` can set too: the
+# environment variable each takes its default from (docs/pytorch.md).
+SWITCH_KNOBS = {"release_when_copied": "FERRY_RELEASE_COPIED",
+                "prefetch_at_backward_begin": "FERRY_PREFETCH_AT_BACKWARD"}
+_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False}
 # The knobs a policy can set too (ferry_knobs): given as keywords they win
 # over the policy's (config.knobs_fixed), with one warning on a conflict.
 POLICY_KNOB_BITS = {"max_fwd_stash": 0x1, "prefetch_distance": 0x2, "min_offload_bytes": 0x4,
@@ -72,9 +79,37 @@ NUMERIC_KNOBS = {
 }
 
 
+def switch_from_env(name):
+    """The default of an on/off knob from its environment variable (set by
+    `ferry run`): None when unset or empty; a bad value raises, naming it."""
+    var = SWITCH_KNOBS[name]
+    text = os.environ.get(var, "").strip()
+    if not text:
+        return None
+    value = _SWITCH_WORDS.get(text.lower())
+    if value is None:
+        raise ValueError(f"ferry: {var}={text!r} is not 1 or 0 (also true/false, yes/no, on/off); "
+                         f"it sets {name}")
+    return value
+
+
 def parse_knobs(knobs):
-    """knobs with the numeric ones checked and made ints."""
+    """knobs with the numeric ones checked and made ints, the on/off ones
+    checked (True/False, or 1/0) and made bools, and those of the latter not
+    given taken from their environment variable."""
     out = dict(knobs)
+    for name in SWITCH_KNOBS:
+        value = out.get(name)
+        if value is None:
+            value = switch_from_env(name)
+            if value is None:
+                out.pop(name, None)
+                continue
+        elif isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            value = bool(value)
+        else:
+            raise TypeError(f"ferry: {name} must be True or False, got {value!r}")
+        out[name] = value
     for name, (kind, lo, hi) in NUMERIC_KNOBS.items():
         value = out.get(name)
         if value is None:
@@ -99,6 +134,11 @@ class Session:
         self.warned_policy = False
         self.warned_live = False
         self.warned_knobs = set()
+        # while recording a trace: the FLOP counter (ferry/_flops.py) and the
+        # resident memory declared last, {what: bytes}
+        self.recording = bool(cfg.get("trace_path"))
+        self.flops = None
+        self.declared = {}
         self.check_knobs()
 
     def set_policy(self, policy_path):
@@ -121,14 +161,24 @@ class Session:
                           f" overrule policy {self.policy_path}'s own value (keyword arguments "
                           "win over a policy's knobs)", UserWarning, stacklevel=4)
 
-    def begin_step(self):
+    def begin_step(self, resident=None):
+        """End the step in progress and begin one; resident: {what: bytes}
+        of device memory to declare in the trace between the two (only what
+        changed since the last declaration is written)."""
         if self.engine.in_step:
             self.end_step()
+        if resident and self.recording:
+            for what, nbytes in resident.items():
+                if self.declared.get(what) != nbytes:
+                    self.engine.trace_resident(what, nbytes)
+                    self.declared[what] = nbytes
         self.engine.step_begin()
 
     def end_step(self):
         if not self.engine.in_step:
             return 0
+        if self.flops is not None:
+            self.flops.flush()  # the last backward's FLOPs, before backward_end
         live = self.engine.step_end()
         self.check_policy()
         if live and not self.warned_live:

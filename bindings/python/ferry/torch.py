@@ -20,8 +20,13 @@ across steps; the policy can change between steps (hot swap). Each entry
 of the context starts a step (steps="auto"), ending the previous one.
 
 Defaults come from the environment `ferry run` sets: FERRY_POLICY,
-FERRY_TRACE, FERRY_CHROME_TRACE, FERRY_HOST_CAP, FERRY_BACKEND (arguments
-win).
+FERRY_TRACE, FERRY_CHROME_TRACE, FERRY_HOST_CAP, FERRY_BACKEND,
+FERRY_RELEASE_COPIED, FERRY_PREFETCH_AT_BACKWARD (arguments win).
+
+While recording a trace (record_trace=), and only then, the context also
+writes what the simulator needs to replay the run on another machine: the
+FLOPs of the matrix products (ferry/_flops.py) and the device memory held
+for the whole step (parameters, gradients, optimizer states).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from . import _flops
 from . import _inplace
 from ._model import _compiled_in_place, _find_blocks, _is_compiled, _named_sites, _uncompiled  # noqa: F401
 from ._policy import PolicyLike
@@ -164,7 +170,16 @@ class offload:
         "cuda"; default $FERRY_BACKEND or "auto".
     record_trace: write the engine's JSONL trace there (docs/trace-format.md);
         default $FERRY_TRACE. While tracing, every saved tensor reaches the
-        engine (the small-tensor fast path is off) so the trace is complete.
+        engine (the small-tensor fast path is off) so the trace is complete,
+        the FLOPs of linear layers, matmuls, convolutions and attention are
+        counted (a TorchFunctionMode inside the context, gradient hooks on
+        their outputs) so that `ferry sim` times compute at the simulated
+        GPU's rate, and the device memory held for the whole step is
+        declared at each step's beginning: the model's parameters,
+        gradients and buffers, and the optimizer's states.
+    optimizer: the model's torch optimizer (also one patched by
+        offload_optimizer), whose states the trace declares; used only while
+        recording a trace.
     chrome_trace: write a Chrome trace (Perfetto, chrome://tracing) of the
         run there: a lane per calling thread and per copy stream, each copy
         with its observed start and end, offload -> reload arrows, counters
@@ -184,7 +199,12 @@ class offload:
         "manual" — call ferry.torch.step() yourself.
     knobs: min_offload_bytes, max_fwd_stash, prefetch_distance,
         link=(d2h_B_per_s, h2d_B_per_s, latency_us, duplex), arena
-        ("auto"/"jemalloc"/"pool"), policy_trusted, fast_keep.
+        ("auto"/"jemalloc"/"pool"), policy_trusted, fast_keep,
+        release_when_copied (True: a forward-stash buffer is released at the
+        first pack after its copy to the host completed; default
+        $FERRY_RELEASE_COPIED, else False), prefetch_at_backward_begin
+        (True: the policy's first reloads start when backward begins;
+        default $FERRY_PREFETCH_AT_BACKWARD, else False).
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None,
@@ -193,6 +213,7 @@ class offload:
                  reasons: bool = False, host_cap: Optional[Union[int, str]] = None,
                  node_host_cap: Optional[Union[int, str]] = None,
                  node_cap_name: Optional[str] = None, steps: Union[str, bool] = "auto",
+                 optimizer: Optional[torch.optim.Optimizer] = None,
                  **knobs: Any) -> None:
         unknown = set(knobs) - _ENGINE_KNOBS
         if unknown:
@@ -208,7 +229,13 @@ class offload:
                 "reach ferry without a module path or layer (layer -1) and layer rules cannot apply; "
                 "compile each block instead (for block in model.layers: block.compile()), as "
                 "torchtitan does, to keep per-layer decisions", stacklevel=2)
+        if isinstance(optimizer, OptimizerOffload):
+            optimizer = optimizer.opt
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("ferry.torch.offload: optimizer must be a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
         self.model = model
+        self.optimizer = optimizer
         self.steps = steps
         # No policy named: the session's (ferry.torch.set_policy's) stays in
         # force; a new session starts with $FERRY_POLICY or "default".
@@ -246,6 +273,7 @@ class offload:
         self.session = _session_for(initial, cfg, node_spec)
         self._ctx = None
         self._handles = ()
+        self._flop_mode = None
 
     @property
     def engine(self) -> _pkg.Engine:
@@ -255,10 +283,21 @@ class offload:
         s = self.session
         if self.policy_path:
             s.set_policy(self.policy_path)
-        if self.steps == "auto":
-            s.begin_step()
-        elif not s.engine.in_step:
-            s.engine.step_begin()
+        resident = None
+        count_flops = False
+        if s.recording:
+            if s.flops is None:
+                s.flops = _flops.Counter(s.engine)
+            # A Python mode inside compiled code would break its graphs: a
+            # compiled model's trace keeps the recorded compute times.
+            count_flops = self.model is None or not any(
+                _is_compiled(m) or _compiled_in_place(m) for m in self.model.modules())
+            if count_flops and _flops.has_counted_modules(self.model):
+                s.flops.count_all()  # from this step's beginning (else: at the first count)
+            if self.model is not None or self.optimizer is not None:
+                resident = _flops.resident(self.model, self.optimizer)
+        if self.steps == "auto" or not s.engine.in_step:
+            s.begin_step(resident)
         if self.model is not None:
             s.engine.set_param_ranges(_param_ranges(self.model))
             self._handles = s.hooks_for(self.model, _ModelHooks).install()
@@ -266,11 +305,17 @@ class offload:
         s.engine.profile_ranges = _profiler_enabled()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(*s.engine.hooks())
         self._ctx.__enter__()
+        if count_flops:
+            self._flop_mode = _flops.FlopMode(s.flops)
+            self._flop_mode.__enter__()
         _sessmod.current = s
         return self
 
     def __exit__(self, *exc):
         try:
+            if self._flop_mode is not None:
+                mode, self._flop_mode = self._flop_mode, None
+                mode.__exit__(*exc)
             self._ctx.__exit__(*exc)
         finally:
             for h in self._handles:

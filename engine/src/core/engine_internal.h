@@ -125,6 +125,7 @@ struct ferry_engine {
   double trace_t0_us;
   uint64_t trace_seq;
   double trace_flops; /* FLOPs since the last traced event (ferry_trace_flops) */
+  int trace_flops_all; /* every traced event carries "flops" (ferry_trace_flops_all) */
   /* Chrome trace of the run (chrome_recorder.c), NULL when not recording */
   struct ct_recorder *ct;
   int number_packs; /* a trace (JSONL, Chrome) is recorded: packs get trace_id */

@@ -25,18 +25,25 @@ static void emit(ferry_engine *e, cJSON *o) {
   cJSON_Delete(o);
 }
 
-static cJSON *event_object(ferry_engine *e, const char *ev) {
+/* An event object with its time; with_flops: it also carries the FLOPs
+ * added since the last event that did ("flops"), when there are some or
+ * the trainer counts all its compute (ferry_trace_flops_all). */
+static cJSON *event_object_of(ferry_engine *e, const char *ev, int with_flops) {
   cJSON *o = cJSON_CreateObject();
   if (!o) return NULL;
   cJSON_AddStringToObject(o, "ev", ev);
   /* microseconds since the trace opened, 0.1 us resolution */
   double t = util_now_us() - e->trace_t0_us;
   cJSON_AddNumberToObject(o, "t_us", (double)(long long)(t * 10.0) / 10.0);
-  if (e->trace_flops > 0) {
+  if (with_flops && (e->trace_flops > 0 || e->trace_flops_all)) {
     cJSON_AddNumberToObject(o, "flops", e->trace_flops);
     e->trace_flops = 0;
   }
   return o;
+}
+
+static cJSON *event_object(ferry_engine *e, const char *ev) {
+  return event_object_of(e, ev, 1);
 }
 
 int trace_open(ferry_engine *e, const char *path) {
@@ -111,7 +118,8 @@ int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes) {
     return engine_fail(e, FERRY_ESTATE, "ferry_trace_resident: inside a step (declare resident "
                                         "memory before the first step)");
   }
-  cJSON *o = e->trace ? event_object(e, "resident") : NULL;
+  /* between steps: no compute of its own, the FLOPs wait for the next event */
+  cJSON *o = e->trace ? event_object_of(e, "resident", 0) : NULL;
   if (o) {
     cJSON_AddNumberToObject(o, "bytes", (double)bytes);
     cJSON_AddStringToObject(o, "what", what);
@@ -128,6 +136,15 @@ int ferry_trace_flops(ferry_engine *e, double flops) {
     return engine_fail(e, FERRY_EINVAL, "ferry_trace_flops: %g is not within [0, 1e21]", flops);
   pthread_mutex_lock(&e->lock);
   if (e->trace) e->trace_flops += flops;
+  pthread_mutex_unlock(&e->lock);
+  return FERRY_OK;
+}
+
+int ferry_trace_flops_all(ferry_engine *e, int on) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  pthread_mutex_lock(&e->lock);
+  e->trace_flops_all = on != 0;
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }
