@@ -121,6 +121,7 @@
   X(sim_trace_errors_full_text_after_blank_lines)                       \
   X(sim_trace_reader_fast_and_cjson_paths_agree)                        \
   X(sim_trace_load_streams_what_parse_reads)                            \
+  X(sim_trace_transient_alloc_and_free)                                 \
   X(sim_synth_matches_korthikanti_formula)                              \
   X(sim_synth_llama_shapes_and_sizes)                                   \
   X(sim_synth_checkpoint_modes_save_what_the_formulas_say)              \

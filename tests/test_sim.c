@@ -319,6 +319,65 @@ TEST(sim_trace_reader_names_line_and_problem) {
   return 0;
 }
 
+/* Transient device memory ("alloc" .. "free", docs/trace-format.md): the
+ * reader's errors, and on replay the bytes count on the device for exactly
+ * their lifetime while no policy can offload them. */
+#define ALLOC(id, bytes) "{\"ev\":\"alloc\",\"t_us\":0,\"id\":" #id ",\"bytes\":" #bytes ",\"what\":\"logits\"}\n"
+#define FREE(id) "{\"ev\":\"free\",\"t_us\":0,\"id\":" #id "}\n"
+TEST(sim_trace_transient_alloc_and_free) {
+  BAD(HDR ALLOC(1, 64) BEGIN END, "bad.jsonl:2: alloc outside a step");
+  BAD(HDR BEGIN FREE(3) END, "bad.jsonl:3: free of id 3 before its alloc");
+  BAD(HDR BEGIN ALLOC(3, 64) FREE(3) FREE(3) END, "bad.jsonl:5: free of id 3, which was already freed (line 3");
+  BAD(HDR BEGIN ALLOC(3, 64) ALLOC(3, 64) END, "bad.jsonl:4: alloc id 3 given twice (first at line 3)");
+  BAD(HDR BEGIN ALLOC(3, 64) END, "bad.jsonl:4: step 1 ends with 1 alloc(s) not freed (first: id 3 at line 3)");
+  BAD(HDR BEGIN ALLOC(3, 0) END, "bad.jsonl:3: \"bytes\" = 0 is too small");
+  BAD(HDR BEGIN "{\"ev\":\"alloc\",\"t_us\":1,\"id\":1,\"bytes\":8}\n" END,
+      "bad.jsonl:3: missing member \"what\"");
+  /* a 100000-byte pack (offloaded) beside a 300000-byte transient (alloc
+   * ids are apart from pack ids: 1 is both) */
+  const char *text = HDR "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":1000,\"what\":\"parameters\"}\n" BEGIN
+      "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
+      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
+      "\"layers\":1,\"decision\":\"offload\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":100}\n" ALLOC(1, 300000)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":100}\n" FREE(1)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":100}\n{\"ev\":\"backward_begin\",\"t_us\":0}\n"
+      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":1}\n{\"ev\":\"backward_end\",\"t_us\":0}\n" END;
+  sim_trace *t = NULL;
+  char err[512];
+  int prc = sim_trace_parse("transient", text, strlen(text), &t, err, sizeof err);
+  if (prc) fprintf(stderr, "%s\n", err);
+  CHECK_OK(prc);
+  CHECK_EQ(t->n_allocs, 1);
+  CHECK_EQ(t->allocs[0].bytes, 300000);
+  CHECK_STR_CONTAINS(t->allocs[0].what, "logits");
+  CHECK_EQ(t->n_tensors, 1);
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 1;
+  c.timeline = 1;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err)); /* no offload */
+  CHECK_EQ(r.peak_saved_bytes, 400000);
+  CHECK_EQ(r.peak_device_bytes, 401000);
+  /* the memory curve: the transient's bytes from 100 us to 200 us */
+  uint64_t at150 = 0, last = 1;
+  for (size_t i = 0; i < r.tl.n_mem; i++) {
+    if (r.tl.mem[i].t - r.tl.t_begin <= 150) at150 = r.tl.mem[i].bytes;
+    last = r.tl.mem[i].bytes;
+  }
+  CHECK_EQ(at150, 401000);
+  CHECK_EQ(last, 1000);
+  sim_result_free(&r);
+  c.replay_decisions = 1; /* the pack offloaded; the transient never crosses */
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  CHECK_NEAR(r.bytes_d2h, 100000, 0);
+  CHECK_EQ(r.tensors_offloaded, 1);
+  sim_result_free(&r);
+  sim_trace_free(t);
+  return 0;
+}
+
 /* simdjson reads the lines it accepts and cJSON the rest (json_line.h):
  * what only cJSON can hold must still be read or refused the same way. */
 TEST(sim_trace_reader_fast_and_cjson_paths_agree) {

@@ -363,13 +363,16 @@ typedef enum trace_ev_type {
   TEV_DISCARD,
   TEV_BACKWARD_BEGIN,
   TEV_BACKWARD_END,
-  TEV_COMPUTE
+  TEV_COMPUTE,
+  TEV_ALLOC, /* transient device memory: allocated... */
+  TEV_FREE   /* ...and freed (docs/trace-format.md, "alloc") */
 } trace_ev_type;
 
 typedef struct trace_ev {
   uint8_t type;    /* trace_ev_type */
   int32_t layer;   /* compute: its optional "layer", else -1 */
-  uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors */
+  uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors;
+                      alloc/free: index into sim_trace.allocs */
   const char *op;  /* compute: its optional "op" name (owned by the trace) */
   double gap_us;   /* compute time before this event */
   double flops;    /* floating-point operations of that compute, -1 unknown */
@@ -394,6 +397,16 @@ typedef struct trace_resident {
   uint64_t bytes;
 } trace_resident;
 
+/* Transient device memory of a step (an "alloc" event to its "free"):
+ * counted in the device's bytes in use, never packed, so no policy can
+ * offload it. */
+typedef struct trace_alloc {
+  uint64_t id;
+  uint64_t bytes;
+  const char *what; /* owned by the trace */
+  uint32_t line;
+} trace_alloc;
+
 typedef struct sim_trace {
   char *name;
   trace_ev *events;
@@ -405,6 +418,8 @@ typedef struct sim_trace {
   trace_resident *resident;
   uint32_t n_resident;
   uint64_t resident_bytes;
+  trace_alloc *allocs;
+  uint32_t n_allocs;
   int has_compute; /* synthesized: time comes from compute events */
   char backend[16]; /* the header's "backend": where it was recorded */
   uint32_t n_flops; /* events that carry "flops" */
