@@ -129,6 +129,7 @@
   X(sim_synth_selective_with_flash_is_refused)                          \
   X(sim_synth_presets_match_published_parameter_counts)                 \
   X(sim_synth_moe_router_and_experts)                                   \
+  X(sim_synth_loss_working_set_full_and_chunked)                        \
   X(sim_replay_matches_hand_computed_times)                             \
   X(sim_replay_policies_on_synthesized_llama)                           \
   X(sim_link_presets_and_syntax)                                        \

@@ -1001,6 +1001,107 @@ TEST(sim_synth_moe_router_and_experts) {
   return 0;
 }
 
+/* ---- the loss working set ------------------------------------------------------ */
+/* Bytes of the trace's allocs whose what is `what` (first step). */
+static uint64_t alloc_bytes(const sim_trace *t, const char *what) {
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < t->n_allocs; i++)
+    if (!strcmp(t->allocs[i].what, what)) n += t->allocs[i].bytes;
+  return n;
+}
+
+/* Bytes of the activation packs (not aliases) outside the blocks of module
+ * mod, or of every activation pack but those of `lm_head` and `loss` (mod
+ * NULL: what the rest of the model holds at the loss). */
+static uint64_t outer_pack_bytes(const sim_trace *t, const char *mod) {
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < t->n_tensors; i++) {
+    const trace_tensor *x = &t->tensors[i];
+    if (x->alias_of >= 0 || x->desc.kind != FERRY_KIND_ACTIVATION) continue;
+    const char *p = x->desc.module_path ? x->desc.module_path : "";
+    int head = !strcmp(p, "lm_head") || !strcmp(p, "loss");
+    if (mod ? !strcmp(p, mod) : !head) n += x->desc.bytes;
+  }
+  return n;
+}
+
+static int replay_no_offload(const sim_trace *t, sim_result *r) {
+  sim_config c = {0};
+  char err[512];
+  c.link = sim_hw_preset("h100")->link;
+  c.steps = 1;
+  int rc = sim_replay(t, &c, r, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  return rc;
+}
+
+/* Hugging Face's loss (full) on a small model (T = sb = 256 tokens, V =
+ * 1000, h = 256, bf16), by hand: lm_head saves its input 2Th; the logits
+ * (2TV) and their fp32 copy (4TV) are transient until the end of forward;
+ * log_softmax saves 4TV (nll_loss the same buffer again, an alias) and the
+ * labels 8T. Backward: nll_loss's gradient 4TV, log_softmax's 4TV while
+ * the log-probabilities are held, the copy back 2TV. The peak is at
+ * log_softmax's backward: the rest of the model (A) + 2Th + 3 x 4TV.
+ * Chunked (Liger, chunk c = next_pow2(ceil(T / ceil(V / h))) = 64): during
+ * its forward grad_input 2Th, grad_weight 2Vh, per-token losses 4T and a
+ * chunk's logits 2cV; then it saves the two gradients. Its peak: A + 2Th +
+ * 2Vh + 4T + 2cV, below full's by 12TV - 2Vh - 4T - 2cV. */
+TEST(sim_synth_loss_working_set_full_and_chunked) {
+  synth_model m;
+  CHECK_EQ(synth_preset("tiny", &m), 0);
+  m.vocab = 1000, m.seq = 128, m.micro_batch = 2, m.layers = 2;
+  const uint64_t T = 256, V = 1000, h = 256, c = 64;
+  sim_trace *full = NULL, *chunked = NULL;
+  CHECK_OK(synth_to_trace(&m, &full));
+  CHECK_EQ(outer_pack_bytes(full, "lm_head"), 2 * T * h);
+  CHECK_EQ(outer_pack_bytes(full, "loss"), 4 * T * V + 8 * T);
+  CHECK_EQ(alloc_bytes(full, "lm_head: logits"), 2 * T * V);
+  CHECK_EQ(alloc_bytes(full, "loss: logits.float()"), 4 * T * V);
+  CHECK_EQ(alloc_bytes(full, "loss: grad of the log-probabilities (nll_loss backward)"), 4 * T * V);
+  CHECK_EQ(alloc_bytes(full, "loss: grad of the fp32 logits (log_softmax backward)"), 4 * T * V);
+  CHECK_EQ(alloc_bytes(full, "loss: grad of the logits (model dtype)"), 2 * T * V);
+  CHECK_EQ(full->n_allocs, 5);
+  int aliases = 0;
+  for (uint32_t i = 0; i < full->n_tensors; i++)
+    aliases += full->tensors[i].alias_of >= 0 && !strcmp(full->tensors[i].desc.module_path, "loss");
+  CHECK_EQ(aliases, 1);
+  m.loss = SYNTH_LOSS_CHUNKED;
+  CHECK_EQ(synth_loss_chunk(&m), (int64_t)c);
+  CHECK_OK(synth_to_trace(&m, &chunked));
+  CHECK_EQ(outer_pack_bytes(chunked, "lm_head"), 0);
+  CHECK_EQ(outer_pack_bytes(chunked, "loss"), 2 * T * h + 2 * V * h);
+  CHECK_EQ(alloc_bytes(chunked, "loss: logits of one chunk of tokens"), 2 * c * V);
+  CHECK_EQ(alloc_bytes(chunked, "loss: per-token losses (fp32)"), 4 * T);
+  /* the rest of the model is the same in both */
+  const uint64_t A = outer_pack_bytes(full, NULL);
+  CHECK_EQ(outer_pack_bytes(chunked, NULL), A);
+  sim_result rf, rc;
+  CHECK_OK(replay_no_offload(full, &rf));
+  CHECK_OK(replay_no_offload(chunked, &rc));
+  CHECK_EQ(rf.peak_saved_bytes, A + 2 * T * h + 12 * T * V);
+  CHECK_EQ(rc.peak_saved_bytes, A + 2 * T * h + 2 * V * h + 4 * T + 2 * c * V);
+  CHECK_EQ(rf.peak_saved_bytes - rc.peak_saved_bytes, 12 * T * V - 2 * V * h - 4 * T - 2 * c * V);
+  CHECK(rf.peak_saved_bytes - rc.peak_saved_bytes > 2 * T * V); /* at least the logits */
+  sim_result_free(&rf);
+  sim_result_free(&rc);
+  sim_trace_free(full);
+  sim_trace_free(chunked);
+  /* a chunk size of one's own, at most the tokens; only for chunked */
+  m.loss_chunk = 100;
+  CHECK_EQ(synth_loss_chunk(&m), 100);
+  char err[256];
+  m.loss_chunk = 257;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "1..tokens");
+  m.loss = SYNTH_LOSS_FULL, m.loss_chunk = 8;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  /* Liger's rule on Llama 3 8B at 8192 tokens: ceil(128256 / 4096) = 32, 256 tokens */
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  m.loss = SYNTH_LOSS_CHUNKED;
+  CHECK_EQ(synth_loss_chunk(&m), 256);
+  return 0;
+}
+
 /* ---- replays ------------------------------------------------------------------- */
 /* Six 100000-byte tensors, all offloaded (recorded decisions), link 1000
  * B/us, no latency. D2H copies run back to back: [0,100] .. [500,600]. The

@@ -45,6 +45,12 @@ static void synth_usage(FILE *f) {
           "                       selective[:attn_core+mlp_act]: Megatron-LM's: recomputes\n"
           "                         the attention core (the s^2 tensors; needs --flash\n"
           "                         off) and/or the MLP activation\n"
+          "  --loss MODE          the loss after lm_head (docs/simulator.md):\n"
+          "                       full (default): Hugging Face's: bf16 logits, their fp32\n"
+          "                         copy and log-softmax, the gradients in backward\n"
+          "                       chunked[:N]: a fused linear cross-entropy (Liger's):\n"
+          "                         logits N tokens at a time (default: Liger's chunk),\n"
+          "                         gradients computed in forward and saved\n"
           "  --shard N            data-parallel sharding degree, FSDP/ZeRO-3 (default 8)\n"
           "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
           "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
@@ -59,7 +65,8 @@ static void synth_usage(FILE *f) {
           "  ferry trace synth --preset tiny --steps 2 -o - | ferry sim --policy default --trace -\n"
           "  ferry trace synth --layers 48 --hidden 6144 --seq 4096 --checkpoint full -o big.jsonl\n"
           "  ferry trace synth --preset qwen3-8b --checkpoint selective-op -o qwen3-8b.jsonl\n"
-          "  ferry trace synth --preset mixtral-8x7b --checkpoint full:4 -o mixtral.jsonl\n",
+          "  ferry trace synth --preset mixtral-8x7b --checkpoint full:4 -o mixtral.jsonl\n"
+          "  ferry trace synth --preset llama3-8b --loss chunked -o llama3-8b-liger.jsonl\n",
           synth_preset_names());
 }
 
@@ -126,6 +133,29 @@ static int parse_checkpoint(const char *v, synth_model *m) {
   return 0;
 }
 
+/* --loss full | chunked | chunked:N */
+static int parse_loss(const char *v, synth_model *m) {
+  m->loss_chunk = 0;
+  if (!strcmp(v, "full")) m->loss = SYNTH_LOSS_FULL;
+  else if (!strcmp(v, "chunked")) m->loss = SYNTH_LOSS_CHUNKED;
+  else if (!strncmp(v, "chunked:", 8)) {
+    long n;
+    if (cli_int("trace synth", "--loss chunked:N", v + 8, 1, 1L << 30, &n)) return -1;
+    m->loss = SYNTH_LOSS_CHUNKED;
+    m->loss_chunk = (int)n;
+  } else {
+    fprintf(stderr, "ferry trace synth: --loss %s: full, chunked or chunked:N\n", v);
+    return -1;
+  }
+  return 0;
+}
+
+static const char *loss_name(const synth_model *m, char *buf, size_t n) {
+  if (m->loss == SYNTH_LOSS_CHUNKED) snprintf(buf, n, "chunked:%lld", (long long)synth_loss_chunk(m));
+  else snprintf(buf, n, "full");
+  return buf;
+}
+
 static int trace_synth_main(int argc, char **argv) {
   synth_model m;
   synth_preset("llama3-8b", &m);
@@ -151,6 +181,7 @@ static int trace_synth_main(int argc, char **argv) {
       {"head-dim", required_argument, 0, 'D'}, {"qk-norm", required_argument, 0, 'Q'},
       {"experts", required_argument, 0, 'E'}, {"top-k", required_argument, 0, 'K'},
       {"expert-ffn", required_argument, 0, 'X'}, {"tie-embeddings", required_argument, 0, 'T'},
+      {"loss", required_argument, 0, 'l'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *out = NULL;
@@ -195,6 +226,7 @@ static int trace_synth_main(int argc, char **argv) {
     case 'K': bad |= int_arg("--top-k", optarg, &m.top_k) != 0; break;
     case 'X': bad |= int_arg("--expert-ffn", optarg, &m.expert_ffn) != 0; break;
     case 'c': bad |= parse_checkpoint(optarg, &m) != 0; break;
+    case 'l': bad |= parse_loss(optarg, &m) != 0; break;
     case 'o': out = optarg; break;
     case 'q': cli_verbosity = -1; break;
     case 'v': cli_verbosity = 1; break;
@@ -238,7 +270,7 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr, "ferry trace synth: %s: %s\n", out, err);
     return 1;
   }
-  char ckpt[32];
+  char ckpt[32], loss[32];
   if (m.checkpoint == SYNTH_CKPT_FULL && m.ckpt_every > 1) snprintf(ckpt, sizeof ckpt, "full:%d", m.ckpt_every);
   else snprintf(ckpt, sizeof ckpt, "%s", m.checkpoint == SYNTH_CKPT_FULL           ? "full"
                                          : m.checkpoint == SYNTH_CKPT_SELECTIVE    ? "selective"
@@ -248,13 +280,13 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr,
             "ferry trace synth: arch %s, layers %d, hidden %d, heads %d, kv-heads %d, head-dim %d, "
             "qk-norm %s, ffn %d, experts %d, top-k %d, expert-ffn %d, vocab %d, seq %d, "
-            "micro-batch %d, dtype %s, flash %s, checkpoint %s, shard %d, "
+            "micro-batch %d, dtype %s, flash %s, checkpoint %s, loss %s, shard %d, "
             "tflops %g, hbm %g GB/s, steps %d\n",
             m.arch == SYNTH_GPT ? "gpt" : "llama", m.layers, m.hidden, m.heads, m.kv_heads,
             m.head_dim ? m.head_dim : m.hidden / m.heads, m.qk_norm ? "on" : "off", m.ffn,
             m.experts, m.top_k, m.experts ? (m.expert_ffn ? m.expert_ffn : m.ffn) : 0, m.vocab,
             m.seq, m.micro_batch, ferry_dtype_name(m.dtype), m.flash ? "on" : "off", ckpt,
-            m.shard, m.tflops, m.hbm_gbps, m.steps);
+            loss_name(&m, loss, sizeof loss), m.shard, m.tflops, m.hbm_gbps, m.steps);
   if (cli_verbosity >= 0) {
     char params[64], saved[160];
     if (m.experts)

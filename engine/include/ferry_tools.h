@@ -631,6 +631,11 @@ enum {
   SYNTH_CKPT_SELECTIVE = 2,
   SYNTH_CKPT_SELECTIVE_OP = 3
 };
+/* The loss (docs/simulator.md, "The loss working set"): full is Hugging
+ * Face's (lm_head's bf16 logits, their fp32 copy, log-softmax + NLL);
+ * chunked a fused linear cross-entropy (Liger's): the logits exist a chunk
+ * of tokens at a time and the gradients are computed in forward. */
+enum { SYNTH_LOSS_FULL = 0, SYNTH_LOSS_CHUNKED = 1 };
 /* What selective checkpointing recomputes (bit mask). */
 enum {
   SYNTH_RECOMPUTE_ATTN_CORE = 1u << 0, /* softmax & co: the s^2 tensors */
@@ -655,6 +660,8 @@ typedef struct synth_model {
   int qk_norm;     /* Qwen3: RMSNorm over head_dim on q and k */
   int experts, top_k, expert_ffn; /* MoE (llama arch): 0 = dense; expert_ffn 0 = ffn */
   int tie_embeddings; /* the head shares the embedding's weight */
+  int loss;           /* SYNTH_LOSS_* */
+  int loss_chunk;     /* chunked: tokens per chunk; 0 = Liger's rule (synth_loss_chunk) */
 } synth_model;
 
 /* Fill *m with a preset (synth_preset_names()) and the defaults (seq 8192,
@@ -676,6 +683,9 @@ FERRY_API uint64_t synth_layer_activation_bytes(const synth_model *m);
 /* What layer `layer` keeps from its forward pass to its backward under
  * m's checkpointing (the trace's forward-phase activation packs). */
 FERRY_API uint64_t synth_layer_saved_bytes(const synth_model *m, int layer);
+/* Tokens per chunk of the chunked loss: m->loss_chunk, or Liger's rule
+ * next_pow2(ceil(tokens / ceil(vocab / hidden))); at most the tokens. */
+FERRY_API int64_t synth_loss_chunk(const synth_model *m);
 /* The layers m's checkpointing applies to (full:K: layers / K). */
 FERRY_API int synth_checkpointed_layers(const synth_model *m);
 /* Parameters of the model (MoE: all experts; active: the router and top_k

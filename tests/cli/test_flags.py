@@ -61,7 +61,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--recorded", "--no-layers", "--demo", "--help", "--fit-out",
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
-               "--qk-norm", "--tie-embeddings",
+               "--qk-norm", "--tie-embeddings", "--loss",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
                "--optimizer-overlap", "--why", "--verbose"}
 

@@ -13,6 +13,7 @@
 
 #define MAX_SAVES 6
 #define MAX_OUTS 2
+#define MAX_TMPS 4
 #define SYNTH_MIN_OP_US 4.0
 
 typedef struct saved {
@@ -34,10 +35,29 @@ enum {
   SAC_FORCE_RECOMP  /* the MoE router's gate: forced to recompute, not counted */
 };
 
+/* Device memory an op allocates that autograd does not save (an `alloc`
+ * event to its `free`), by when it lives. */
+enum {
+  TMP_WORK = 1, /* during its forward compute (a workspace, or a tensor it saves after) */
+  TMP_OUT,      /* its output, from its forward to the end of forward (the loss returns) */
+  TMP_GRAD      /* backward: the gradient of its input, until the op below consumed it */
+};
+
+typedef struct transient {
+  int life; /* TMP_* */
+  uint64_t bytes;
+  const char *what;
+} transient;
+
 typedef struct op {
   char suffix[96];    /* module path below the layer ("self_attn.q_proj") */
   const char *cls;
+  const char *label;  /* its compute events' name, if not the suffix */
   double flops, bytes; /* forward */
+  int own_bwd;        /* backward costs bwd_flops/bwd_bytes, not twice the forward */
+  double bwd_flops, bwd_bytes;
+  int n_tmps;
+  transient tmps[MAX_TMPS];
   unsigned rgroup;    /* SYNTH_RECOMPUTE_* region it belongs to (Megatron selective) */
   int sac;            /* SAC_* */
   int n_outs;
@@ -142,6 +162,19 @@ static int64_t head_dim_of(const synth_model *m) {
   return m->head_dim > 0 ? m->head_dim : (m->heads > 0 ? m->hidden / m->heads : 0);
 }
 
+int64_t synth_loss_chunk(const synth_model *m) {
+  const int64_t tokens = (int64_t)m->micro_batch * m->seq;
+  if (m->loss_chunk > 0) return m->loss_chunk < tokens ? m->loss_chunk : tokens;
+  /* Liger's fused_linear_cross_entropy_forward: inc_factor = cdiv(V, H),
+   * chunk_size = next_power_of_2(cdiv(BT, inc_factor)): a chunk's logits
+   * about the size of the hidden states */
+  const int64_t inc = ((int64_t)m->vocab + m->hidden - 1) / (m->hidden > 0 ? m->hidden : 1);
+  const int64_t want = (tokens + inc - 1) / (inc > 0 ? inc : 1);
+  int64_t p = 1;
+  while (p < want) p <<= 1;
+  return p < tokens ? p : tokens;
+}
+
 static int64_t expert_ffn_of(const synth_model *m) { return m->expert_ffn > 0 ? m->expert_ffn : m->ffn; }
 
 static int layer_ops(const synth_model *m, op_list *l);
@@ -199,6 +232,11 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
         m->layers);
   if (m->checkpoint != SYNTH_CKPT_FULL && m->ckpt_every != 1)
     BAD("a checkpointing frequency (full:K) needs full checkpointing");
+  if (m->loss != SYNTH_LOSS_FULL && m->loss != SYNTH_LOSS_CHUNKED) BAD("loss must be full or chunked");
+  if (m->loss_chunk && m->loss != SYNTH_LOSS_CHUNKED) BAD("a chunk size (chunked:N) needs the chunked loss");
+  if (m->loss_chunk < 0 || (int64_t)m->loss_chunk > (int64_t)m->micro_batch * m->seq)
+    BAD("chunked:%d: N must be within 1..tokens (micro-batch x seq = %lld)", m->loss_chunk,
+        (long long)m->micro_batch * m->seq);
   if (m->shard < 1 || m->shard > 1 << 20) BAD("shard %d must be >= 1", m->shard);
   if (!(m->tflops > 0 && m->tflops < 1e6)) BAD("tflops must be > 0");
   if (!(m->hbm_gbps > 0 && m->hbm_gbps < 1e7)) BAD("hbm bandwidth must be > 0");
@@ -574,25 +612,78 @@ static int pre_ops(const synth_model *m, op_list *l) {
   return 0;
 }
 
-static int post_ops(const synth_model *m, op_list *l) {
+static void tmp(op *o, int life, uint64_t bytes, const char *what) {
+  o->tmps[o->n_tmps++] = (transient){life, bytes, what};
+}
+
+/* Hugging Face's causal-LM loss (transformers' LlamaForCausalLM.forward and
+ * loss_utils.ForCausalLMLoss): logits = lm_head(h) in the model dtype;
+ * logits.float(); cross_entropy = log_softmax + nll_loss. Autograd saves
+ * lm_head's input and weight, log_softmax's output (fp32) and nll_loss's
+ * input (the same buffer) and labels; the logits and their fp32 copy are
+ * not saved but live until the loss returns (end of forward). Backward:
+ * nll_loss's gradient (fp32, dense), log_softmax's (fp32) while the saved
+ * log-probabilities are still held, then the copy back to the model dtype. */
+static void loss_full_ops(const synth_model *m, op_list *l) {
   const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = m->vocab;
+  const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
+  const uint64_t logits = (uint64_t)(tokens * (double)V);
+  const int dt = m->dtype;
+  op *o = add_op(l, "lm_head", "Linear", 2 * tokens * h * V, (tokens * h + h * V + tokens * V) * e);
+  save(o, sv(3, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, V, h, 0, 0));
+  tmp(o, TMP_OUT, logits * (uint64_t)e, "lm_head: logits");
+  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * (e + 4));
+  o->label = "loss.float";
+  tmp(o, TMP_OUT, logits * 4, "loss: logits.float()");
+  tmp(o, TMP_GRAD, logits * (uint64_t)e, "loss: grad of the logits (model dtype)");
+  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * 8);
+  o->label = "loss.log_softmax";
+  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0));
+  tmp(o, TMP_GRAD, logits * 4, "loss: grad of the fp32 logits (log_softmax backward)");
+  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * 12);
+  o->label = "loss.nll_loss";
+  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0)); /* nll_loss saves its input: an alias */
+  save(o, sv(5, I64, ACT, 0, 2, b, s, 0, 0));
+  tmp(o, TMP_GRAD, logits * 4, "loss: grad of the log-probabilities (nll_loss backward)");
+}
+
+/* A fused linear cross-entropy as Liger's LigerFusedLinearCrossEntropyLoss
+ * runs it: grad_input and grad_weight are allocated (zeros), then per chunk
+ * of tokens the logits chunk (model dtype) is computed, the cross-entropy
+ * kernel turns it into its gradient in place, and the chunk's share of both
+ * gradients is accumulated; ctx.save_for_backward keeps the two gradients.
+ * Backward only scales them by the loss's gradient (skipped when it is 1). */
+static void loss_chunked_ops(const synth_model *m, op_list *l) {
+  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = m->vocab;
+  const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
+  const uint64_t chunk = (uint64_t)synth_loss_chunk(m), ue = (uint64_t)e;
+  const int dt = m->dtype;
+  op *o = add_op(l, "loss", "LigerFusedLinearCrossEntropyLoss", 6 * tokens * h * V,
+                 (3 * h * V + 2 * tokens * h + 3 * tokens * V) * e);
+  o->own_bwd = 1, o->bwd_flops = 0, o->bwd_bytes = 0;
+  tmp(o, TMP_WORK, (uint64_t)(tokens * (double)h) * ue, "loss: grad_input (until saved)");
+  tmp(o, TMP_WORK, (uint64_t)V * (uint64_t)h * ue, "loss: grad_weight (until saved)");
+  tmp(o, TMP_WORK, (uint64_t)tokens * 4, "loss: per-token losses (fp32)");
+  tmp(o, TMP_WORK, chunk * (uint64_t)V * ue, "loss: logits of one chunk of tokens");
+  save(o, sv(6, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(7, dt, ACT, 0, 2, V, h, 0, 0));
+}
+
+static int post_ops(const synth_model *m, op_list *l) {
+  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   const int dt = m->dtype;
   int llama = m->arch == SYNTH_LLAMA;
   const char *ncls = !llama ? "LayerNorm" : m->qk_norm ? "Qwen3RMSNorm" : m->experts ? "MixtralRMSNorm" : "LlamaRMSNorm";
-  l->n = 0, l->cap = 3, l->n_bufs = 6;
-  if (!(l->ops = malloc(3 * sizeof *l->ops))) return -1;
+  l->n = 0, l->cap = 5, l->n_bufs = 8;
+  if (!(l->ops = malloc((size_t)l->cap * sizeof *l->ops))) return -1;
   op *o = add_op(l, "model.norm", ncls, 0, 2 * tokens * h * e);
   save(o, sv(1, dt, ACT, 0, 3, b, s, h, 0));
   save(o, sv(2, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
   save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
-  o = add_op(l, "lm_head", "Linear", 2 * tokens * h * V, (tokens * h + h * V + tokens * V) * e);
-  save(o, sv(3, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, V, h, 0, 0));
-  /* logits upcast to fp32; log-softmax saves its fp32 output, NLL the labels */
-  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * (e + 4 + 4));
-  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0));
-  save(o, sv(5, I64, ACT, 0, 2, b, s, 0, 0));
+  if (m->loss == SYNTH_LOSS_CHUNKED) loss_chunked_ops(m, l);
+  else loss_full_ops(m, l);
   return 0;
 }
 
@@ -754,6 +845,15 @@ static double op_us(const synth_model *m, const op *o) {
   return us > SYNTH_MIN_OP_US ? us : SYNTH_MIN_OP_US;
 }
 
+/* An op's backward: twice its forward, or its own cost. */
+static double bwd_us(const synth_model *m, const op *o) {
+  if (!o->own_bwd) return 2 * op_us(m, o);
+  op b = {.flops = o->bwd_flops, .bytes = o->bwd_bytes};
+  return op_us(m, &b);
+}
+
+static const char *op_label(const op *o) { return o->label ? o->label : o->suffix; }
+
 static void w_compute(writer *w, double us, int layer, const char *opname) {
   if (us <= 0) return;
   fprintf(w->f, "{\"ev\":\"compute\",\"t_us\":0,\"us\":%.3f,\"layer\":%d,\"op\":\"%s\"}\n", us, layer,
@@ -787,6 +887,26 @@ static uint64_t w_pack(writer *w, const saved *x, int layer, int phase, const ch
 
 static void w_unpack(writer *w, uint64_t id) {
   if (id) fprintf(w->f, "{\"ev\":\"unpack\",\"t_us\":0,\"id\":%llu}\n", (unsigned long long)id);
+}
+
+/* Transient device memory (docs/trace-format.md): an alloc line; its id. */
+static uint64_t w_alloc(writer *w, uint64_t bytes, const char *what) {
+  uint64_t id = ++w->next_id;
+  fprintf(w->f, "{\"ev\":\"alloc\",\"t_us\":0,\"id\":%llu,\"bytes\":%llu,\"what\":\"%s\"}\n",
+          (unsigned long long)id, (unsigned long long)bytes, what);
+  return id;
+}
+
+static void w_free(writer *w, uint64_t id) {
+  if (id) fprintf(w->f, "{\"ev\":\"free\",\"t_us\":0,\"id\":%llu}\n", (unsigned long long)id);
+}
+
+/* Allocates op o's transients of the given life into ids[MAX_TMPS] (0 for
+ * the others). */
+static void w_alloc_tmps(writer *w, const op *o, int life, uint64_t *ids) {
+  memset(ids, 0, MAX_TMPS * sizeof *ids);
+  for (int k = 0; k < o->n_tmps; k++)
+    if (o->tmps[k].life == life) ids[k] = w_alloc(w, o->tmps[k].bytes, o->tmps[k].what);
 }
 
 /* Which of an op's saves to pack. */
@@ -925,6 +1045,42 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
   }
 }
 
+/* The ops after the blocks (final norm, head, loss), forward: an op's
+ * workspaces live around its compute and are freed before it saves; its
+ * transient output lives until the loss returns, the end of forward.
+ * out[] gets the outputs' alloc ids ([op][MAX_TMPS]). */
+static void w_head_forward(writer *w, const op_list *l, block_ids *bi, uint64_t *bufid,
+                           uint64_t *out) {
+  for (int i = 0; i < l->n; i++) {
+    const op *o = &l->ops[i];
+    uint64_t work[MAX_TMPS];
+    w_alloc_tmps(w, o, TMP_WORK, work);
+    w_compute(w, op_us(w->m, o), -1, op_label(o));
+    for (int k = MAX_TMPS; k-- > 0;) w_free(w, work[k]);
+    w_pack_op(w, o, -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(bi, i), bufid);
+    w_alloc_tmps(w, o, TMP_OUT, &out[(size_t)i * MAX_TMPS]);
+  }
+  for (size_t j = (size_t)l->n * MAX_TMPS; j-- > 0;) w_free(w, out[j]);
+}
+
+/* Their backward, last op first: the gradient of an op's input is
+ * allocated before the op takes its saved tensors back (autograd allocates
+ * the output of a backward kernel while its inputs live), and the gradient
+ * it consumed is freed once it ran. */
+static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
+  uint64_t incoming[MAX_TMPS] = {0};
+  for (int i = l->n; i-- > 0;) {
+    const op *o = &l->ops[i];
+    uint64_t grad[MAX_TMPS];
+    w_alloc_tmps(w, o, TMP_GRAD, grad);
+    w_unpack_op(w, o, IDS(bi, i));
+    w_compute(w, bwd_us(w->m, o), -1, op_label(o));
+    for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
+    memcpy(incoming, grad, sizeof grad);
+  }
+  for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
+}
+
 static const char *checkpoint_name(const synth_model *m, char *buf, size_t n) {
   switch (m->checkpoint) {
   case SYNTH_CKPT_FULL:
@@ -947,7 +1103,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   writer w = {.m = m, .f = f};
   op_list layer = {0}, pre = {0}, post = {0};
   block_ids *blocks = calloc((size_t)m->layers, sizeof *blocks);
-  uint64_t pre_store[MAX_SAVES], post_store[3 * MAX_SAVES];
+  uint64_t pre_store[MAX_SAVES], post_store[8 * MAX_SAVES], post_out[8 * MAX_TMPS];
   block_ids pre_ids = {.ids = pre_store}, post_ids = {.ids = post_store};
   uint64_t *bufid = NULL;
   unsigned char *keep = NULL;
@@ -988,6 +1144,8 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
           checkpoint_name(m, ckpt, sizeof ckpt));
   if (m->checkpoint != SYNTH_CKPT_OFF)
     fprintf(f, "\"checkpointed_layers\":%d,", synth_checkpointed_layers(m));
+  if (m->loss == SYNTH_LOSS_CHUNKED) fprintf(f, "\"loss\":\"chunked:%lld\",", (long long)synth_loss_chunk(m));
+  else fprintf(f, "\"loss\":\"full\",");
   fprintf(f, "\"shard\":%d,\"tflops\":%g,\"hbm_gbps\":%g}\n", m->shard, m->tflops, m->hbm_gbps);
   uint64_t part[4];
   resident_parts(m, part);
@@ -1010,15 +1168,9 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     }
     for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
     memset(small_bufid, 0, sizeof small_bufid);
-    for (int i = 0; i < post.n; i++) {
-      w_compute(&w, op_us(m, &post.ops[i]), -1, post.ops[i].suffix);
-      w_pack_op(&w, &post.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&post_ids, i), small_bufid);
-    }
+    w_head_forward(&w, &post, &post_ids, small_bufid, post_out);
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
-    for (int i = post.n; i-- > 0;) {
-      w_unpack_op(&w, &post.ops[i], IDS(&post_ids, i));
-      w_compute(&w, 2 * op_us(m, &post.ops[i]), -1, post.ops[i].suffix);
-    }
+    w_head_backward(&w, &post, &post_ids);
     for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
     for (int i = pre.n; i-- > 0;) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
