@@ -1102,6 +1102,182 @@ TEST(sim_synth_loss_working_set_full_and_chunked) {
   return 0;
 }
 
+/* ---- resident memory from the training knobs --------------------------------------- */
+/* The trace's resident bytes named what (0 if none). */
+static uint64_t resident_of(const sim_trace *t, const char *what) {
+  for (uint32_t i = 0; i < t->n_resident; i++)
+    if (!strcmp(t->resident[i].what, what)) return t->resident[i].bytes;
+  return 0;
+}
+
+/* Whether the trace's first step has a compute event named op. */
+static int has_compute_op(const sim_trace *t, const char *op) {
+  for (uint32_t k = t->steps[0].first; k < t->steps[0].end; k++)
+    if (t->events[k].type == TEV_COMPUTE && t->events[k].op && !strcmp(t->events[k].op, op)) return 1;
+  return 0;
+}
+
+/* One knob combination's parts against hand arithmetic (bytes per
+ * parameter p, g, master, states of the trained share T; shard 1). */
+static int check_parts(const synth_model *m, uint64_t P, uint64_t T, uint64_t p, uint64_t g,
+                       uint64_t master, uint64_t states) {
+  synth_resident r;
+  synth_resident_parts(m, &r);
+  CHECK_EQ(r.local_params, P);
+  CHECK_EQ(r.trainable, T);
+  CHECK_EQ(r.params, P * p);
+  CHECK_EQ(r.grads, T * g);
+  CHECK_EQ(r.master, T * master);
+  CHECK_EQ(r.states, states);
+  CHECK_EQ(r.gathered, 0);
+  CHECK_EQ(r.total, P * p + T * (g + master) + states);
+  CHECK_EQ(synth_resident_bytes(m), r.total);
+  return 0;
+}
+
+/* Llama 3 8B (P = 8.03e9), shard 1, by hand:
+ *  - bf16 parameters and gradients, fp32 master weights, AdamW: 2+2+4+8 = 16
+ *    bytes per parameter (the ZeRO paper's mixed-precision Adam);
+ *  - adamw8bit: 2+2+4+2, plus two fp32 absmax per 256 values (bitsandbytes'
+ *    blockwise states): 8 ceil(P / 256) bytes;
+ *  - sgd: 2+2+4; sgd-momentum 2+2+4+4; none 2+2+4 and no optimizer step;
+ *  - master weights off: AdamW's states in bf16, 2+2+4;
+ *  - fp32 parameters: no master copy (auto), 4+4+8; bf16 gradients 4+2+8;
+ *  - LoRA 1%: T = round(0.01 P) trained: 2P + (2+4+8) T;
+ *  - tp 2: the blocks' linears, the embedding and the head halved, the
+ *    norms (2h per layer and the final 2h) kept: P/2 + the norms/2;
+ *  - shard 8: every part / 8, plus two gathered blocks of bf16 linears. */
+TEST(sim_synth_resident_knobs_match_hand_arithmetic) {
+  synth_model m;
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  m.shard = 1;
+  const uint64_t P = synth_param_count(&m);
+  CHECK_EQ(check_parts(&m, P, P, 2, 2, 4, 8 * P), 0);
+  CHECK_EQ(synth_resident_bytes(&m), 16 * P);
+  m.optimizer = SYNTH_OPT_ADAMW_8BIT;
+  CHECK_EQ(check_parts(&m, P, P, 2, 2, 4, 2 * P + 8 * ((P + 255) / 256)), 0);
+  m.optimizer = SYNTH_OPT_SGD;
+  CHECK_EQ(check_parts(&m, P, P, 2, 2, 4, 0), 0);
+  m.optimizer = SYNTH_OPT_SGD_MOMENTUM;
+  CHECK_EQ(check_parts(&m, P, P, 2, 2, 4, 4 * P), 0);
+  m.optimizer = SYNTH_OPT_NONE;
+  CHECK_EQ(check_parts(&m, P, P, 2, 2, 4, 0), 0);
+  m.optimizer = SYNTH_OPT_ADAMW;
+  m.master_weights = SYNTH_MASTER_OFF;
+  CHECK_EQ(check_parts(&m, P, P, 2, 2, 0, 4 * P), 0);
+  m.master_weights = SYNTH_MASTER_AUTO;
+  m.param_dtype = FERRY_DTYPE_F32;
+  CHECK_EQ(check_parts(&m, P, P, 4, 4, 0, 8 * P), 0);
+  m.grad_dtype = FERRY_DTYPE_BF16;
+  CHECK_EQ(check_parts(&m, P, P, 4, 2, 0, 8 * P), 0);
+  char err[256];
+  m.master_weights = SYNTH_MASTER_ON; /* fp32 parameters are their own master copy */
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "master weights on");
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  m.shard = 1;
+  m.lora = 0.01;
+  const uint64_t T = (uint64_t)llround(0.01 * (double)P);
+  CHECK_EQ(check_parts(&m, P, T, 2, 2, 4, 8 * T), 0);
+  m.lora = 0;
+  m.tp = 2;
+  const uint64_t norms = (uint64_t)m.layers * 2 * (uint64_t)m.hidden + 2 * (uint64_t)m.hidden;
+  const uint64_t P2 = (P - norms) / 2 + norms;
+  CHECK_EQ(check_parts(&m, P2, P2, 2, 2, 4, 8 * P2), 0);
+  /* sharded: each part over 8, and two gathered blocks (tp 2: half of one) */
+  m.shard = 8;
+  synth_resident r;
+  synth_resident_parts(&m, &r);
+  const uint64_t h = (uint64_t)m.hidden, kvd = 1024, f = (uint64_t)m.ffn;
+  const uint64_t block = 2 * h * h + 2 * h * kvd + 3 * h * f;
+  CHECK_EQ(r.params, P2 * 2 / 8);
+  CHECK_EQ(r.states, P2 * 8 / 8);
+  CHECK_EQ(r.gathered, 2 * (block / 2) * 2);
+  /* the trace declares the parts, master weights apart from the states,
+   * and skips the optimizer step without an optimizer */
+  CHECK_EQ(synth_preset("tiny", &m), 0);
+  m.optimizer = SYNTH_OPT_ADAMW_8BIT;
+  m.lora = 0.25;
+  sim_trace *t = NULL;
+  CHECK_OK(synth_to_trace(&m, &t));
+  synth_resident_parts(&m, &r);
+  CHECK_EQ(resident_of(t, "parameters"), r.params);
+  CHECK_EQ(resident_of(t, "gradients"), r.grads);
+  CHECK_EQ(resident_of(t, "master weights"), r.master);
+  CHECK_EQ(resident_of(t, "optimizer states"), r.states);
+  CHECK_EQ(t->resident_bytes, r.total);
+  CHECK(has_compute_op(t, "optimizer"));
+  sim_trace_free(t);
+  m.optimizer = SYNTH_OPT_NONE;
+  CHECK_OK(synth_to_trace(&m, &t));
+  CHECK(!has_compute_op(t, "optimizer"));
+  sim_trace_free(t);
+  m.lora = 1.5;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  return 0;
+}
+
+/* Korthikanti et al. 2022 with tensor parallelism t (section 4.2, Table
+ * 2): a GPT layer stores sbh (10 + 24/t + 5as/(ht)) bytes: the layer
+ * norms' inputs (4sbh), the QKV and first MLP linear's inputs (4sbh) and
+ * the two dropout masks (2sbh) are outside the tensor-parallel region, the
+ * rest split t ways. With sequence parallelism (4.2.2, Table 2) the 10sbh
+ * are split along the sequence too: sbh/t (34 + 5as/h). Plus the synthesizer's extras: the
+ * norms' statistics (16sb, split with sequence parallelism) and, with
+ * FlashAttention, the log-sum-exp (4asb/t). Llama: every saved tensor is
+ * split with tp and sp, so a layer keeps exactly 1/t. */
+TEST(sim_synth_tensor_parallel_matches_korthikanti) {
+  synth_model m;
+  CHECK_EQ(synth_preset("gpt3-1.3b", &m), 0);
+  m.seq = 512, m.micro_batch = 2, m.layers = 2, m.tp = 4;
+  const double s = m.seq, b = m.micro_batch, h = m.hidden, a = m.heads, t = 4;
+  for (int sp = 0; sp <= 1; sp++)
+    for (int flash = 0; flash <= 1; flash++) {
+      m.sp = sp, m.flash = flash;
+      double eq = sp ? s * b * h / t * (34 + (flash ? 0 : 5 * a * s / h))
+                     : s * b * h * (10 + 24 / t + (flash ? 0 : 5 * a * s / (h * t)));
+      double extras = 16 * s * b / (sp ? t : 1) + (flash ? 4 * a * s * b / t : 0);
+      CHECK_EQ(synth_layer_activation_bytes(&m), (uint64_t)(eq + extras));
+      sim_trace *tr = NULL;
+      CHECK_OK(synth_to_trace(&m, &tr));
+      CHECK_EQ(trace_layer_bytes(tr, 1), (uint64_t)(eq + extras));
+      sim_trace_free(tr);
+    }
+  /* full checkpointing keeps the block's input: its sequence share with sp */
+  m.checkpoint = SYNTH_CKPT_FULL;
+  CHECK_EQ(synth_layer_saved_bytes(&m, 0), (uint64_t)(2 * s * b * h / t));
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  const uint64_t whole = synth_layer_activation_bytes(&m);
+  m.tp = 8, m.sp = 1;
+  CHECK_EQ(synth_layer_activation_bytes(&m) * 8, whole);
+  /* the head is vocab-parallel: the logits and the saved log-probabilities
+   * are V/t per rank */
+  CHECK_EQ(synth_preset("tiny", &m), 0);
+  m.tp = 2;
+  sim_trace *tr = NULL;
+  CHECK_OK(synth_to_trace(&m, &tr));
+  const uint64_t T = (uint64_t)m.seq, Vt = (uint64_t)m.vocab / 2;
+  CHECK_EQ(alloc_bytes(tr, "lm_head: logits"), 2 * T * Vt);
+  CHECK_EQ(outer_pack_bytes(tr, "loss"), 4 * T * Vt + 8 * T);
+  sim_trace_free(tr);
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  char err[256];
+  m.tp = 3; /* 32 heads */
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "must divide heads");
+  m.tp = 1, m.sp = 1;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "needs tp > 1");
+  m.tp = 2, m.sp = 0, m.loss = SYNTH_LOSS_CHUNKED;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "chunked loss");
+  CHECK_EQ(synth_preset("mixtral-8x7b", &m), 0);
+  m.tp = 2;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "experts");
+  return 0;
+}
+
 /* ---- replays ------------------------------------------------------------------- */
 /* Six 100000-byte tensors, all offloaded (recorded decisions), link 1000
  * B/us, no latency. D2H copies run back to back: [0,100] .. [500,600]. The
@@ -1938,7 +2114,11 @@ TEST(sim_optimizer_offload_frees_exactly_the_share) {
   for (uint32_t i = 0; i < t->n_resident; i++) {
     if (!strcmp(t->resident[i].what, "parameters")) params = t->resident[i].bytes;
     if (!strcmp(t->resident[i].what, "gradients")) grads = t->resident[i].bytes;
-    if (!strcmp(t->resident[i].what, "optimizer states")) states = t->resident[i].bytes;
+    /* the fp32 master weights (4 bytes per parameter) are declared apart
+     * from the states (AdamW's 8) and go to the host with them */
+    if (!strcmp(t->resident[i].what, "optimizer states") ||
+        !strcmp(t->resident[i].what, "master weights"))
+      states += t->resident[i].bytes;
   }
   CHECK(params > 0 && grads > 0 && states == params / 2 * 12); /* bf16: 12 bytes per parameter */
   char err[512], path[1100];

@@ -395,6 +395,7 @@ typedef struct trace_step {
 typedef struct trace_resident {
   char *what;
   uint64_t bytes;
+  int dtype; /* its optional "dtype": the element type; FERRY_DTYPE_UNKNOWN if not given */
 } trace_resident;
 
 /* Transient device memory of a step (an "alloc" event to its "free"):
@@ -636,6 +637,17 @@ enum {
  * chunked a fused linear cross-entropy (Liger's): the logits exist a chunk
  * of tokens at a time and the gradients are computed in forward. */
 enum { SYNTH_LOSS_FULL = 0, SYNTH_LOSS_CHUNKED = 1 };
+/* Training state on the device (docs/simulator.md, "Resident memory"):
+ * the optimizer's state bytes per trainable parameter and whether an fp32
+ * master copy is kept (auto: when the parameters are 16-bit). */
+enum {
+  SYNTH_OPT_ADAMW = 0,    /* two states in the stepped copy's dtype: 8 B with fp32 */
+  SYNTH_OPT_ADAMW_8BIT,   /* bitsandbytes: two uint8 states + fp32 absmax per 256 */
+  SYNTH_OPT_SGD,          /* none */
+  SYNTH_OPT_SGD_MOMENTUM, /* one, in the stepped copy's dtype */
+  SYNTH_OPT_NONE          /* no optimizer step at all */
+};
+enum { SYNTH_MASTER_AUTO = 0, SYNTH_MASTER_ON = 1, SYNTH_MASTER_OFF = 2 };
 /* What selective checkpointing recomputes (bit mask). */
 enum {
   SYNTH_RECOMPUTE_ATTN_CORE = 1u << 0, /* softmax & co: the s^2 tensors */
@@ -662,7 +674,22 @@ typedef struct synth_model {
   int tie_embeddings; /* the head shares the embedding's weight */
   int loss;           /* SYNTH_LOSS_* */
   int loss_chunk;     /* chunked: tokens per chunk; 0 = Liger's rule (synth_loss_chunk) */
+  int param_dtype;    /* stored parameters; FERRY_DTYPE_UNKNOWN (0) = dtype */
+  int grad_dtype;     /* gradients; 0 = the parameters' */
+  int master_weights; /* SYNTH_MASTER_* */
+  int optimizer;      /* SYNTH_OPT_* */
+  double lora;        /* trainable share of the parameters (LoRA); 0 = all */
+  int tp;             /* Megatron tensor parallelism degree; 0 or 1 = none */
+  int sp;             /* sequence parallelism (needs tp > 1) */
 } synth_model;
+
+/* The resident bytes per GPU, by part (synth_resident_parts). */
+typedef struct synth_resident {
+  uint64_t local_params; /* parameters per tensor-parallel rank, before sharding */
+  uint64_t trainable;    /* of them, trained (LoRA: the share) */
+  uint64_t params, grads, master, states, gathered; /* bytes per GPU */
+  uint64_t total;
+} synth_resident;
 
 /* Fill *m with a preset (synth_preset_names()) and the defaults (seq 8192,
  * micro-batch 1, bf16, flash on, no checkpointing, shard 8, 400 TFLOP/s,
@@ -694,6 +721,16 @@ FERRY_API int synth_checkpointed_layers(const synth_model *m);
 FERRY_API uint64_t synth_param_count(const synth_model *m);
 FERRY_API uint64_t synth_active_param_count(const synth_model *m);
 FERRY_API uint64_t synth_resident_bytes(const synth_model *m);
+/* The same by part: stored parameters (all, sharded), gradients, fp32
+ * master weights and optimizer states (the trainable ones), the gathered
+ * blocks of sharded training; per tensor-parallel rank. */
+FERRY_API void synth_resident_parts(const synth_model *m, synth_resident *out);
+/* Bytes an optimizer keeps per trainable parameter (the 8-bit states'
+ * block scales apart: synth_resident_parts counts them). */
+FERRY_API double synth_optimizer_state_bytes(const synth_model *m);
+/* "adamw", "adamw8bit", "sgd", "sgd-momentum", "none"; parse: -1 if unknown. */
+FERRY_API const char *synth_optimizer_name(int optimizer);
+FERRY_API int synth_optimizer_parse(const char *name);
 
 
 /* ---- "what fits?" (sim_fit.c): a policy template's knobs searched for the

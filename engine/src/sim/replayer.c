@@ -814,14 +814,13 @@ static int opt_open(replay *r) {
   if (!o) return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
   r->opt = o;
   o->fraction = f;
-  /* the parameters' element size: the trace's parameter packs', else bf16 */
-  int elem = 2;
-  for (uint32_t i = 0; i < t->n_tensors; i++)
-    if (t->tensors[i].desc.kind == FERRY_KIND_PARAMETER &&
-        ferry_dtype_size(t->tensors[i].desc.dtype) > 0) {
+  /* the parameters' element size: their resident line's dtype, else the
+   * trace's parameter packs', else bf16 */
+  int elem = params->dtype ? ferry_dtype_size(params->dtype) : 0;
+  for (uint32_t i = 0; i < t->n_tensors && !elem; i++)
+    if (t->tensors[i].desc.kind == FERRY_KIND_PARAMETER)
       elem = ferry_dtype_size(t->tensors[i].desc.dtype);
-      break;
-    }
+  if (elem <= 0) elem = 2;
   double rate = c->cpu_adam_params_per_s > 0 ? c->cpu_adam_params_per_s : SIM_DEFAULT_CPU_ADAM;
   out->opt_fraction = f;
   out->opt_params = f * (double)params->bytes / elem;

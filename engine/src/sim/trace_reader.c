@@ -489,16 +489,20 @@ static int parse_compute(reader *r, const json_line *o) {
   return 0;
 }
 
-/* {"ev":"resident","bytes":N,"what":S}: device memory held outside the
- * saved tensors, before the first step; a second line for S replaces it. */
+/* {"ev":"resident","bytes":N,"what":S[,"dtype":D]}: device memory held
+ * outside the saved tensors, before the first step; a second line for S
+ * replaces it. */
 static int parse_resident(reader *r, const json_line *o) {
   sim_trace *t = r->t;
   int64_t bytes;
-  const char *what;
+  const char *what, *dtype = NULL;
   int rc;
   if ((rc = get_int(r, o, JK_BYTES, 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||
       (rc = get_str(r, o, JK_WHAT, 1, &what)))
     return rc;
+  if ((rc = get_str(r, o, JK_DTYPE, 0, &dtype)) < 0) return rc;
+  int dt = dtype ? ferry_dtype_from_name(dtype) : FERRY_DTYPE_UNKNOWN;
+  if (dt < 0) return reader_fail(r, "unknown dtype \"%s\"", dtype);
   if (r->in_step)
     return reader_fail(r, "resident inside a step: resident memory is declared before the first step");
   uint32_t k = 0;
@@ -513,6 +517,7 @@ static int parse_resident(reader *r, const json_line *o) {
   }
   t->resident_bytes -= t->resident[k].bytes;
   t->resident[k].bytes = (uint64_t)bytes;
+  t->resident[k].dtype = dt;
   t->resident_bytes += (uint64_t)bytes;
   return 0;
 }
