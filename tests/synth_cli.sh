@@ -3,7 +3,9 @@
 # end to end: Megatron's selective with FlashAttention refused with the
 # reason and the alternative, full:K and selective-op named in the header,
 # bad modes refused, the Qwen3 and MoE presets' parameter counts in the
-# summary, and a selective-op MoE trace that ferry sim replays.
+# summary, --loss full and chunked (the chunked peak below the full one),
+# the resident breakdown per training knob and tensor parallelism's flags,
+# and a selective-op MoE trace that ferry sim replays.
 set -eu
 FERRY=$1
 D=$(mktemp -d)
@@ -35,6 +37,42 @@ grep -q 'mixtral-8x7b, 46.70B parameters (12.88B active)' "$D/m.txt"
 grep -q 'kept by 8 checkpointed layer(s) (full:4)' "$D/m.txt"
 "$FERRY" trace synth --help | grep -q 'selective-op'
 "$FERRY" trace synth --help | grep -q 'qwen3-30b-a3b'
+# --loss: Hugging Face's by default, Liger's fused chunked loss on request
+head -1 "$D/n.jsonl" | grep -q '"loss":"full",'
+grep -q '"what":"loss: logits.float()"' "$D/n.jsonl"
+"$FERRY" trace synth --preset tiny --loss chunked -q -o "$D/c.jsonl"
+head -1 "$D/c.jsonl" | grep -q '"loss":"chunked:64",'
+grep -q '"class":"LigerFusedLinearCrossEntropyLoss"' "$D/c.jsonl"
+if grep -q '"module":"lm_head"' "$D/c.jsonl"; then echo "chunked: lm_head packed"; exit 1; fi
+"$FERRY" trace synth --preset tiny --loss chunked:32 -q -o "$D/c.jsonl"
+head -1 "$D/c.jsonl" | grep -q '"loss":"chunked:32",'
+for bad in chunked:0 chunked:257 partial; do
+  rc=0
+  "$FERRY" trace synth --preset tiny --loss "$bad" -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
+  [ "$rc" = 2 ] || { echo "--loss $bad: exit $rc"; exit 1; }
+done
+"$FERRY" sim --policy default --trace "$D/n.jsonl" --no-layers --json "$D/full.json" > /dev/null
+"$FERRY" sim --policy default --trace "$D/c.jsonl" --no-layers --json "$D/chunked.json" > /dev/null
+baseline() { tr -d ' \t' < "$1" | grep -o '"peak_device_bytes_baseline":[0-9]*' | head -1 | cut -d: -f2; }
+[ "$(baseline "$D/chunked.json")" -lt "$(baseline "$D/full.json")" ]
+"$FERRY" trace synth --help | grep -q -- '--loss MODE'
+# resident memory from the training knobs, by part in the summary
+"$FERRY" trace synth --preset llama3-8b --seq 1024 -o /dev/null 2> "$D/r.txt"
+grep -q 'resident per GPU: parameters 1.87 GiB + gradients 1.87 GiB + master weights 3.74 GiB + optimizer states 7.48 GiB (adamw) + gathered blocks 0.81 GiB = 15.77 GiB' "$D/r.txt"
+"$FERRY" trace synth --preset llama3-8b --seq 1024 --shard 1 --lora 0.01 --optimizer adamw8bit -o /dev/null 2> "$D/r.txt"
+grep -q 'parameters 14.96 GiB + gradients 0.15 GiB + master weights 0.30 GiB + optimizer states 0.15 GiB (adamw8bit)' "$D/r.txt"
+"$FERRY" trace synth --preset llama3-8b --seq 1024 --shard 1 --param-dtype fp32 --grad-dtype bf16 --optimizer sgd -o /dev/null 2> "$D/r.txt"
+grep -q 'parameters 29.92 GiB + gradients 14.96 GiB + master weights 0.00 GiB + optimizer states 0.00 GiB (sgd)' "$D/r.txt"
+"$FERRY" trace synth --preset tiny --tp 2 --sp on -q -o "$D/tp.jsonl"
+head -1 "$D/tp.jsonl" | grep -q '"tp":2,"sp":true,'
+grep -q '"what":"master weights","dtype":"f32"' "$D/tp.jsonl"
+for bad in "--optimizer adam" "--sp on" "--tp 3" "--param-dtype fp32 --master-weights on" "--lora 0" "--tp 2 --loss chunked" "--grad-dtype i8"; do
+  rc=0
+  # shellcheck disable=SC2086
+  "$FERRY" trace synth --preset tiny $bad -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
+  [ "$rc" = 2 ] || { echo "$bad: exit $rc"; exit 1; }
+done
+"$FERRY" trace synth --help | grep -q -- '--tp N'
 # a small MoE with QK-norm under torchtitan's policy replays
 "$FERRY" trace synth --preset tiny --experts 4 --top-k 2 --expert-ffn 128 --qk-norm on \
   --head-dim 32 --checkpoint selective-op -q -o "$D/moe.jsonl"

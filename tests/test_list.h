@@ -122,6 +122,7 @@
   X(sim_trace_errors_full_text_after_blank_lines)                       \
   X(sim_trace_reader_fast_and_cjson_paths_agree)                        \
   X(sim_trace_load_streams_what_parse_reads)                            \
+  X(sim_trace_transient_alloc_and_free)                                 \
   X(sim_synth_matches_korthikanti_formula)                              \
   X(sim_synth_llama_shapes_and_sizes)                                   \
   X(sim_synth_checkpoint_modes_save_what_the_formulas_say)              \
@@ -129,6 +130,9 @@
   X(sim_synth_selective_with_flash_is_refused)                          \
   X(sim_synth_presets_match_published_parameter_counts)                 \
   X(sim_synth_moe_router_and_experts)                                   \
+  X(sim_synth_loss_working_set_full_and_chunked)                        \
+  X(sim_synth_resident_knobs_match_hand_arithmetic)                     \
+  X(sim_synth_tensor_parallel_matches_korthikanti)                      \
   X(sim_replay_matches_hand_computed_times)                             \
   X(sim_replay_policies_on_synthesized_llama)                           \
   X(sim_link_presets_and_syntax)                                        \

@@ -45,7 +45,25 @@ static void synth_usage(FILE *f) {
           "                       selective[:attn_core+mlp_act]: Megatron-LM's: recomputes\n"
           "                         the attention core (the s^2 tensors; needs --flash\n"
           "                         off) and/or the MLP activation\n"
+          "  --loss MODE          the loss after lm_head (docs/simulator.md):\n"
+          "                       full (default): Hugging Face's: bf16 logits, their fp32\n"
+          "                         copy and log-softmax, the gradients in backward\n"
+          "                       chunked[:N]: a fused linear cross-entropy (Liger's):\n"
+          "                         logits N tokens at a time (default: Liger's chunk),\n"
+          "                         gradients computed in forward and saved\n"
           "  --shard N            data-parallel sharding degree, FSDP/ZeRO-3 (default 8)\n"
+          "  --param-dtype T      stored parameters: bf16, f16, fp32 (default --dtype)\n"
+          "  --grad-dtype T       gradients: bf16, f16, fp32 (default the parameters')\n"
+          "  --master-weights on|off  an fp32 copy of the trained parameters (default on\n"
+          "                       with 16-bit parameters)\n"
+          "  --optimizer NAME     adamw (default), adamw8bit, sgd, sgd-momentum, none\n"
+          "  --lora FRACTION      the trained share of the parameters (LoRA): gradients,\n"
+          "                       master weights and optimizer states for it only\n"
+          "  --tp N               Megatron tensor parallelism: the blocks' linears, the\n"
+          "                       embedding and head split N ways, so are the activations\n"
+          "                       inside the tensor-parallel region (default 1)\n"
+          "  --sp on|off          sequence parallelism with --tp: the norms', dropouts' and\n"
+          "                       the region's inputs' activations split N ways too\n"
           "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
           "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
           "  --steps N            steps in the trace (default 1)\n"
@@ -59,7 +77,10 @@ static void synth_usage(FILE *f) {
           "  ferry trace synth --preset tiny --steps 2 -o - | ferry sim --policy default --trace -\n"
           "  ferry trace synth --layers 48 --hidden 6144 --seq 4096 --checkpoint full -o big.jsonl\n"
           "  ferry trace synth --preset qwen3-8b --checkpoint selective-op -o qwen3-8b.jsonl\n"
-          "  ferry trace synth --preset mixtral-8x7b --checkpoint full:4 -o mixtral.jsonl\n",
+          "  ferry trace synth --preset mixtral-8x7b --checkpoint full:4 -o mixtral.jsonl\n"
+          "  ferry trace synth --preset llama3-8b --loss chunked -o llama3-8b-liger.jsonl\n"
+          "  ferry trace synth --preset llama3-70b --tp 8 --sp on --shard 4 -o llama3-70b.jsonl\n"
+          "  ferry trace synth --preset llama3-8b --lora 0.01 --optimizer adamw8bit -o lora.jsonl\n",
           synth_preset_names());
 }
 
@@ -126,6 +147,67 @@ static int parse_checkpoint(const char *v, synth_model *m) {
   return 0;
 }
 
+/* A stored dtype (--param-dtype, --grad-dtype): bf16, f16 or fp32 (f32). */
+static int parse_dtype(const char *opt, const char *v, int *out) {
+  int d = !strcmp(v, "fp32") ? FERRY_DTYPE_F32 : !strcmp(v, "fp16") ? FERRY_DTYPE_F16 : ferry_dtype_from_name(v);
+  if (d != FERRY_DTYPE_BF16 && d != FERRY_DTYPE_F16 && d != FERRY_DTYPE_F32) {
+    fprintf(stderr, "ferry trace synth: %s %s: bf16, f16 or fp32\n", opt, v);
+    return -1;
+  }
+  *out = d;
+  return 0;
+}
+
+static int parse_optimizer(const char *v, int *out) {
+  int o = synth_optimizer_parse(v);
+  if (o < 0) {
+    fprintf(stderr, "ferry trace synth: --optimizer %s: adamw, adamw8bit, sgd, sgd-momentum or none\n", v);
+    return -1;
+  }
+  *out = o;
+  return 0;
+}
+
+/* --loss full | chunked | chunked:N */
+static int parse_loss(const char *v, synth_model *m) {
+  m->loss_chunk = 0;
+  if (!strcmp(v, "full")) m->loss = SYNTH_LOSS_FULL;
+  else if (!strcmp(v, "chunked")) m->loss = SYNTH_LOSS_CHUNKED;
+  else if (!strncmp(v, "chunked:", 8)) {
+    long n;
+    if (cli_int("trace synth", "--loss chunked:N", v + 8, 1, 1L << 30, &n)) return -1;
+    m->loss = SYNTH_LOSS_CHUNKED;
+    m->loss_chunk = (int)n;
+  } else {
+    fprintf(stderr, "ferry trace synth: --loss %s: full, chunked or chunked:N\n", v);
+    return -1;
+  }
+  return 0;
+}
+
+/* The resident memory per GPU by part, and the knobs behind it. */
+static void print_resident(const synth_model *m) {
+  const double GiB = 1073741824.0;
+  synth_resident r;
+  synth_resident_parts(m, &r);
+  char lora[48] = "", tp[48] = "";
+  if (m->lora > 0) snprintf(lora, sizeof lora, ", %.4g of them trained (LoRA)", m->lora);
+  if (m->tp > 1) snprintf(tp, sizeof tp, ", tp %d%s", m->tp, m->sp ? " with sp" : "");
+  fprintf(stderr,
+          "ferry trace synth: resident per GPU: parameters %.2f GiB + gradients %.2f GiB + master "
+          "weights %.2f GiB + optimizer states %.2f GiB (%s) + gathered blocks %.2f GiB = %.2f GiB "
+          "(%.3gB parameters per rank%s%s, shard %d)\n",
+          (double)r.params / GiB, (double)r.grads / GiB, (double)r.master / GiB,
+          (double)r.states / GiB, synth_optimizer_name(m->optimizer), (double)r.gathered / GiB,
+          (double)r.total / GiB, (double)r.local_params / 1e9, lora, tp, m->shard);
+}
+
+static const char *loss_name(const synth_model *m, char *buf, size_t n) {
+  if (m->loss == SYNTH_LOSS_CHUNKED) snprintf(buf, n, "chunked:%lld", (long long)synth_loss_chunk(m));
+  else snprintf(buf, n, "full");
+  return buf;
+}
+
 static int trace_synth_main(int argc, char **argv) {
   synth_model m;
   synth_preset("llama3-8b", &m);
@@ -151,6 +233,11 @@ static int trace_synth_main(int argc, char **argv) {
       {"head-dim", required_argument, 0, 'D'}, {"qk-norm", required_argument, 0, 'Q'},
       {"experts", required_argument, 0, 'E'}, {"top-k", required_argument, 0, 'K'},
       {"expert-ffn", required_argument, 0, 'X'}, {"tie-embeddings", required_argument, 0, 'T'},
+      {"loss", required_argument, 0, 'l'},
+      {"param-dtype", required_argument, 0, 'p'}, {"grad-dtype", required_argument, 0, 'g'},
+      {"master-weights", required_argument, 0, 'M'}, {"optimizer", required_argument, 0, 'O'},
+      {"lora", required_argument, 0, 'R'}, {"tp", required_argument, 0, 'x'},
+      {"sp", required_argument, 0, 'y'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *out = NULL;
@@ -195,6 +282,19 @@ static int trace_synth_main(int argc, char **argv) {
     case 'K': bad |= int_arg("--top-k", optarg, &m.top_k) != 0; break;
     case 'X': bad |= int_arg("--expert-ffn", optarg, &m.expert_ffn) != 0; break;
     case 'c': bad |= parse_checkpoint(optarg, &m) != 0; break;
+    case 'l': bad |= parse_loss(optarg, &m) != 0; break;
+    case 'p': bad |= parse_dtype("--param-dtype", optarg, &m.param_dtype) != 0; break;
+    case 'g': bad |= parse_dtype("--grad-dtype", optarg, &m.grad_dtype) != 0; break;
+    case 'M': {
+      int on = 0;
+      bad |= on_off("--master-weights", optarg, &on) != 0;
+      m.master_weights = on ? SYNTH_MASTER_ON : SYNTH_MASTER_OFF;
+      break;
+    }
+    case 'O': bad |= parse_optimizer(optarg, &m.optimizer) != 0; break;
+    case 'R': bad |= cli_number("trace synth", "--lora", optarg, FERRY_NUMBER_REAL, 0, 1, 1, &m.lora) != 0; break;
+    case 'x': bad |= int_arg("--tp", optarg, &m.tp) != 0; break;
+    case 'y': bad |= on_off("--sp", optarg, &m.sp) != 0; break;
     case 'o': out = optarg; break;
     case 'q': cli_verbosity = -1; break;
     case 'v': cli_verbosity = 1; break;
@@ -238,7 +338,7 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr, "ferry trace synth: %s: %s\n", out, err);
     return 1;
   }
-  char ckpt[32];
+  char ckpt[32], loss[32];
   if (m.checkpoint == SYNTH_CKPT_FULL && m.ckpt_every > 1) snprintf(ckpt, sizeof ckpt, "full:%d", m.ckpt_every);
   else snprintf(ckpt, sizeof ckpt, "%s", m.checkpoint == SYNTH_CKPT_FULL           ? "full"
                                          : m.checkpoint == SYNTH_CKPT_SELECTIVE    ? "selective"
@@ -248,13 +348,13 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr,
             "ferry trace synth: arch %s, layers %d, hidden %d, heads %d, kv-heads %d, head-dim %d, "
             "qk-norm %s, ffn %d, experts %d, top-k %d, expert-ffn %d, vocab %d, seq %d, "
-            "micro-batch %d, dtype %s, flash %s, checkpoint %s, shard %d, "
+            "micro-batch %d, dtype %s, flash %s, checkpoint %s, loss %s, shard %d, "
             "tflops %g, hbm %g GB/s, steps %d\n",
             m.arch == SYNTH_GPT ? "gpt" : "llama", m.layers, m.hidden, m.heads, m.kv_heads,
             m.head_dim ? m.head_dim : m.hidden / m.heads, m.qk_norm ? "on" : "off", m.ffn,
             m.experts, m.top_k, m.experts ? (m.expert_ffn ? m.expert_ffn : m.ffn) : 0, m.vocab,
             m.seq, m.micro_batch, ferry_dtype_name(m.dtype), m.flash ? "on" : "off", ckpt,
-            m.shard, m.tflops, m.hbm_gbps, m.steps);
+            loss_name(&m, loss, sizeof loss), m.shard, m.tflops, m.hbm_gbps, m.steps);
   if (cli_verbosity >= 0) {
     char params[64], saved[160];
     if (m.experts)
@@ -273,6 +373,7 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr, "ferry trace synth: %s: %s, %s, %.2f GiB resident per GPU (shard %d), %s, %d step(s)\n",
             out, m.name[0] ? m.name : "custom", params, (double)synth_resident_bytes(&m) / GiB,
             m.shard, saved, m.steps);
+    print_resident(&m);
   }
   return 0;
 }

@@ -402,13 +402,16 @@ typedef enum trace_ev_type {
   TEV_DISCARD,
   TEV_BACKWARD_BEGIN,
   TEV_BACKWARD_END,
-  TEV_COMPUTE
+  TEV_COMPUTE,
+  TEV_ALLOC, /* transient device memory: allocated... */
+  TEV_FREE   /* ...and freed (docs/trace-format.md, "alloc") */
 } trace_ev_type;
 
 typedef struct trace_ev {
   uint8_t type;    /* trace_ev_type */
   int32_t layer;   /* compute: its optional "layer", else -1 */
-  uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors */
+  uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors;
+                      alloc/free: index into sim_trace.allocs */
   const char *op;  /* compute: its optional "op" name (owned by the trace) */
   double gap_us;   /* compute time before this event */
   double flops;    /* floating-point operations of that compute, -1 unknown */
@@ -433,7 +436,18 @@ typedef struct trace_step {
 typedef struct trace_resident {
   char *what;
   uint64_t bytes;
+  int dtype; /* its optional "dtype": the element type; FERRY_DTYPE_UNKNOWN if not given */
 } trace_resident;
+
+/* Transient device memory of a step (an "alloc" event to its "free"):
+ * counted in the device's bytes in use, never packed, so no policy can
+ * offload it. */
+typedef struct trace_alloc {
+  uint64_t id;
+  uint64_t bytes;
+  const char *what; /* owned by the trace */
+  uint32_t line;
+} trace_alloc;
 
 typedef struct sim_trace {
   char *name;
@@ -446,6 +460,8 @@ typedef struct sim_trace {
   trace_resident *resident;
   uint32_t n_resident;
   uint64_t resident_bytes;
+  trace_alloc *allocs;
+  uint32_t n_allocs;
   int has_compute; /* synthesized: time comes from compute events */
   char backend[16]; /* the header's "backend": where it was recorded */
   uint32_t n_flops; /* events that carry "flops" */
@@ -664,6 +680,22 @@ enum {
   SYNTH_CKPT_SELECTIVE = 2,
   SYNTH_CKPT_SELECTIVE_OP = 3
 };
+/* The loss (docs/simulator.md, "The loss working set"): full is Hugging
+ * Face's (lm_head's bf16 logits, their fp32 copy, log-softmax + NLL);
+ * chunked a fused linear cross-entropy (Liger's): the logits exist a chunk
+ * of tokens at a time and the gradients are computed in forward. */
+enum { SYNTH_LOSS_FULL = 0, SYNTH_LOSS_CHUNKED = 1 };
+/* Training state on the device (docs/simulator.md, "Resident memory"):
+ * the optimizer's state bytes per trainable parameter and whether an fp32
+ * master copy is kept (auto: when the parameters are 16-bit). */
+enum {
+  SYNTH_OPT_ADAMW = 0,    /* two states in the stepped copy's dtype: 8 B with fp32 */
+  SYNTH_OPT_ADAMW_8BIT,   /* bitsandbytes: two uint8 states + fp32 absmax per 256 */
+  SYNTH_OPT_SGD,          /* none */
+  SYNTH_OPT_SGD_MOMENTUM, /* one, in the stepped copy's dtype */
+  SYNTH_OPT_NONE          /* no optimizer step at all */
+};
+enum { SYNTH_MASTER_AUTO = 0, SYNTH_MASTER_ON = 1, SYNTH_MASTER_OFF = 2 };
 /* What selective checkpointing recomputes (bit mask). */
 enum {
   SYNTH_RECOMPUTE_ATTN_CORE = 1u << 0, /* softmax & co: the s^2 tensors */
@@ -688,7 +720,24 @@ typedef struct synth_model {
   int qk_norm;     /* Qwen3: RMSNorm over head_dim on q and k */
   int experts, top_k, expert_ffn; /* MoE (llama arch): 0 = dense; expert_ffn 0 = ffn */
   int tie_embeddings; /* the head shares the embedding's weight */
+  int loss;           /* SYNTH_LOSS_* */
+  int loss_chunk;     /* chunked: tokens per chunk; 0 = Liger's rule (synth_loss_chunk) */
+  int param_dtype;    /* stored parameters; FERRY_DTYPE_UNKNOWN (0) = dtype */
+  int grad_dtype;     /* gradients; 0 = the parameters' */
+  int master_weights; /* SYNTH_MASTER_* */
+  int optimizer;      /* SYNTH_OPT_* */
+  double lora;        /* trainable share of the parameters (LoRA); 0 = all */
+  int tp;             /* Megatron tensor parallelism degree; 0 or 1 = none */
+  int sp;             /* sequence parallelism (needs tp > 1) */
 } synth_model;
+
+/* The resident bytes per GPU, by part (synth_resident_parts). */
+typedef struct synth_resident {
+  uint64_t local_params; /* parameters per tensor-parallel rank, before sharding */
+  uint64_t trainable;    /* of them, trained (LoRA: the share) */
+  uint64_t params, grads, master, states, gathered; /* bytes per GPU */
+  uint64_t total;
+} synth_resident;
 
 /* Fill *m with a preset (synth_preset_names()) and the defaults (seq 8192,
  * micro-batch 1, bf16, flash on, no checkpointing, shard 8, 400 TFLOP/s,
@@ -709,6 +758,9 @@ FERRY_API uint64_t synth_layer_activation_bytes(const synth_model *m);
 /* What layer `layer` keeps from its forward pass to its backward under
  * m's checkpointing (the trace's forward-phase activation packs). */
 FERRY_API uint64_t synth_layer_saved_bytes(const synth_model *m, int layer);
+/* Tokens per chunk of the chunked loss: m->loss_chunk, or Liger's rule
+ * next_pow2(ceil(tokens / ceil(vocab / hidden))); at most the tokens. */
+FERRY_API int64_t synth_loss_chunk(const synth_model *m);
 /* The layers m's checkpointing applies to (full:K: layers / K). */
 FERRY_API int synth_checkpointed_layers(const synth_model *m);
 /* Parameters of the model (MoE: all experts; active: the router and top_k
@@ -717,6 +769,16 @@ FERRY_API int synth_checkpointed_layers(const synth_model *m);
 FERRY_API uint64_t synth_param_count(const synth_model *m);
 FERRY_API uint64_t synth_active_param_count(const synth_model *m);
 FERRY_API uint64_t synth_resident_bytes(const synth_model *m);
+/* The same by part: stored parameters (all, sharded), gradients, fp32
+ * master weights and optimizer states (the trainable ones), the gathered
+ * blocks of sharded training; per tensor-parallel rank. */
+FERRY_API void synth_resident_parts(const synth_model *m, synth_resident *out);
+/* Bytes an optimizer keeps per trainable parameter (the 8-bit states'
+ * block scales apart: synth_resident_parts counts them). */
+FERRY_API double synth_optimizer_state_bytes(const synth_model *m);
+/* "adamw", "adamw8bit", "sgd", "sgd-momentum", "none"; parse: -1 if unknown. */
+FERRY_API const char *synth_optimizer_name(int optimizer);
+FERRY_API int synth_optimizer_parse(const char *name);
 
 
 /* ---- "what fits?" (sim_fit.c): a policy template's knobs searched for the

@@ -55,6 +55,8 @@ TABLE = [
     ("trace synth", "--experts", ["1.5"], None),
     ("trace synth", "--top-k", ["1.5"], None),
     ("trace synth", "--expert-ffn", ["1.5"], None),
+    ("trace synth", "--lora", ["0", "1.5"], "0.01"),
+    ("trace synth", "--tp", ["1.5"], "2"),
 ]
 # flags that take no number
 NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg", "--html",
@@ -62,7 +64,8 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--recorded", "--no-layers", "--demo", "--help", "--fit-out",
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
-               "--qk-norm", "--tie-embeddings",
+               "--qk-norm", "--tie-embeddings", "--loss", "--param-dtype", "--grad-dtype",
+               "--master-weights", "--optimizer", "--sp",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
                "--optimizer-overlap", "--why", "--verbose"}
 

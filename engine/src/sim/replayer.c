@@ -250,6 +250,21 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
   timeline_push(tl, iv);
 }
 
+/* Device bytes in use besides resident memory (saved tensors and transient
+ * allocations) grow by bytes: the peaks follow. */
+static void live_add(replay *r, uint64_t bytes) {
+  r->live_bytes += bytes;
+  if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
+  if (r->steady && r->live_bytes > r->peak_steady) r->peak_steady = r->live_bytes;
+  if (r->first && r->live_bytes > r->peak_first) r->peak_first = r->live_bytes;
+  mem_sample(r);
+}
+
+static void live_sub(replay *r, uint64_t bytes) {
+  r->live_bytes -= bytes;
+  mem_sample(r);
+}
+
 /* A trainer buffer (from a slab; real bytes on host), counted or not. */
 static sim_buf *buf_new(replay *r, uint64_t bytes, int counted) {
   if (!r->free_bufs) {
@@ -275,23 +290,14 @@ static sim_buf *buf_new(replay *r, uint64_t bytes, int counted) {
   b->bytes = bytes;
   b->refs = 1;
   b->counted = (uint8_t)counted;
-  if (counted) {
-    r->live_bytes += bytes;
-    if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
-    if (r->steady && r->live_bytes > r->peak_steady) r->peak_steady = r->live_bytes;
-    if (r->first && r->live_bytes > r->peak_first) r->peak_first = r->live_bytes;
-    mem_sample(r);
-  }
+  if (counted) live_add(r, bytes);
   return b;
 }
 
 /* Drops a reference; the last returns the buffer to the free list. */
 static void buf_unref(replay *r, sim_buf *b) {
   if (--b->refs) return;
-  if (b->counted) {
-    r->live_bytes -= b->bytes;
-    mem_sample(r);
-  }
+  if (b->counted) live_sub(r, b->bytes);
   free(b->mem);
   b->mem = NULL;
   b->next_free = r->free_bufs;
@@ -665,6 +671,10 @@ static int replay_event_call(replay *r, const trace_ev *ev, double *t0) {
     return ferry_backward_begin(r->e);
   case TEV_BACKWARD_END: return ferry_backward_end(r->e);
   case TEV_STEP_END: return replay_step_end(r);
+  /* transient memory: counted on the device, never seen by the engine (no
+   * pack: the trainer frees it itself), so no buffer either */
+  case TEV_ALLOC: live_add(r, r->t->allocs[ev->tensor].bytes); return 0;
+  case TEV_FREE: live_sub(r, r->t->allocs[ev->tensor].bytes); return 0;
   default: return 0;
   }
 }
@@ -824,14 +834,13 @@ static int opt_open(replay *r) {
   if (!o) return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
   r->opt = o;
   o->fraction = f;
-  /* the parameters' element size: the trace's parameter packs', else bf16 */
-  int elem = 2;
-  for (uint32_t i = 0; i < t->n_tensors; i++)
-    if (t->tensors[i].desc.kind == FERRY_KIND_PARAMETER &&
-        ferry_dtype_size(t->tensors[i].desc.dtype) > 0) {
+  /* the parameters' element size: their resident line's dtype, else the
+   * trace's parameter packs', else bf16 */
+  int elem = params->dtype ? ferry_dtype_size(params->dtype) : 0;
+  for (uint32_t i = 0; i < t->n_tensors && !elem; i++)
+    if (t->tensors[i].desc.kind == FERRY_KIND_PARAMETER)
       elem = ferry_dtype_size(t->tensors[i].desc.dtype);
-      break;
-    }
+  if (elem <= 0) elem = 2;
   double rate = c->cpu_adam_params_per_s > 0 ? c->cpu_adam_params_per_s : SIM_DEFAULT_CPU_ADAM;
   out->opt_fraction = f;
   out->opt_params = f * (double)params->bytes / elem;
@@ -1073,6 +1082,10 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       int counted = t->tensors[ev->tensor].alias_of < 0 && d->kind != FERRY_KIND_PARAMETER &&
                     d->kind != FERRY_KIND_BUFFER;
       floor_tensor(&fl, ev->type, r->went[ev->tensor], counted, (double)d->bytes);
+    } else if (ev->type == TEV_ALLOC || ev->type == TEV_FREE) {
+      /* transient bytes count as kept ones: on device, never copied */
+      floor_tensor(&fl, ev->type == TEV_ALLOC ? TEV_PACK : TEV_DISCARD, 0, 1,
+                   (double)t->allocs[ev->tensor].bytes);
     }
   }
   double step_us = replay_now(r) - t0;

@@ -40,7 +40,10 @@ typedef struct reader {
   size_t cap_by_id;
   intern_table strs; /* owned strings, deduplicated */
   uint8_t *state; /* per tensor: TS_* */
-  uint32_t cap_events, cap_tensors, cap_steps, cap_resident;
+  u64map alloc_ids;    /* alloc id -> index into t->allocs */
+  uint8_t *alloc_live; /* per alloc: not freed yet */
+  uint32_t cap_events, cap_tensors, cap_steps, cap_resident, cap_allocs;
+  uint32_t live_allocs; /* allocs of the open step not freed yet */
   int seen_header;
   double flops; /* the current line's "flops", -1 if none */
   int in_step, in_backward;
@@ -355,7 +358,70 @@ static int parse_step_begin(reader *r, const json_line *o, double gap) {
   r->step_number = (uint64_t)step;
   r->step_first = r->t->n_events;
   r->live_in_step = 0;
+  r->live_allocs = 0;
   return add_event(r, TEV_STEP_BEGIN, 0, gap);
+}
+
+/* The error for a step that ends with transient memory not freed: names
+ * the first such alloc. */
+static int fail_allocs_at_step_end(reader *r, int64_t step) {
+  const sim_trace *t = r->t;
+  uint32_t k = 0;
+  while (k + 1 < t->n_allocs && !r->alloc_live[k]) k++;
+  return reader_fail(r, "step %llu ends with %u alloc(s) not freed (first: id %llu at line %u)",
+                     (unsigned long long)step, r->live_allocs,
+                     (unsigned long long)t->allocs[k].id, t->allocs[k].line);
+}
+
+/* {"ev":"alloc","id":N,"bytes":B,"what":S}: transient device memory (a
+ * tensor autograd does not save: logits, their fp32 copy, a gradient) from
+ * here to its free; ids are the trace's own, apart from the packs'. */
+static int parse_alloc(reader *r, const json_line *o, double gap) {
+  sim_trace *t = r->t;
+  int64_t id, bytes;
+  const char *what;
+  int rc;
+  if ((rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id)) ||
+      (rc = get_int(r, o, JK_BYTES, 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||
+      (rc = get_str(r, o, JK_WHAT, 1, &what)))
+    return rc;
+  if (!r->in_step) return reader_fail(r, "alloc outside a step");
+  uint32_t dup;
+  if (u64map_find(&r->alloc_ids, (uint64_t)id, &dup))
+    return reader_fail(r, "alloc id %lld given twice (first at line %u)", (long long)id,
+                       t->allocs[dup].line);
+  uint32_t idx = t->n_allocs, old_cap = r->cap_allocs;
+  if (util_grow((void **)&t->allocs, &r->cap_allocs, sizeof *t->allocs, idx + 1, 64))
+    return reader_fail(r, "out of memory");
+  if (r->cap_allocs != old_cap) {
+    uint8_t *live = realloc(r->alloc_live, r->cap_allocs);
+    if (!live) return reader_fail(r, "out of memory");
+    r->alloc_live = live;
+  }
+  const char *owned = str_own(r, what);
+  if (!owned || u64map_insert(&r->alloc_ids, (uint64_t)id, idx)) return reader_fail(r, "out of memory");
+  t->allocs[idx] = (trace_alloc){(uint64_t)id, (uint64_t)bytes, owned, r->line};
+  r->alloc_live[idx] = 1;
+  t->n_allocs++;
+  r->live_allocs++;
+  return add_event(r, TEV_ALLOC, idx, gap);
+}
+
+/* {"ev":"free","id":N}: the end of a live alloc of this step. */
+static int parse_free(reader *r, const json_line *o, double gap) {
+  int64_t id;
+  int rc;
+  if ((rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id))) return rc;
+  if (!r->in_step) return reader_fail(r, "free outside a step");
+  uint32_t idx;
+  if (!u64map_find(&r->alloc_ids, (uint64_t)id, &idx))
+    return reader_fail(r, "free of id %lld before its alloc", (long long)id);
+  if (!r->alloc_live[idx])
+    return reader_fail(r, "free of id %lld, which was already freed (line %u allocated it)",
+                       (long long)id, r->t->allocs[idx].line);
+  r->alloc_live[idx] = 0;
+  r->live_allocs--;
+  return add_event(r, TEV_FREE, idx, gap);
 }
 
 /* The error for a step that ends with live tensors: names the first one. */
@@ -384,6 +450,7 @@ static int parse_step_end(reader *r, const json_line *o, double gap) {
     return reader_fail(r, "step_end of step %lld inside step %llu", (long long)step,
                        (unsigned long long)r->step_number);
   if (r->live_in_step) return fail_live_at_step_end(r, step);
+  if (r->live_allocs) return fail_allocs_at_step_end(r, step);
   if ((rc = add_event(r, TEV_STEP_END, 0, gap))) return rc;
   if (util_grow((void **)&t->steps, &r->cap_steps, sizeof *t->steps, t->n_steps + 1, 256))
     return reader_fail(r, "out of memory");
@@ -436,16 +503,20 @@ static int parse_compute(reader *r, const json_line *o) {
   return 0;
 }
 
-/* {"ev":"resident","bytes":N,"what":S}: device memory held outside the
- * saved tensors, before the first step; a second line for S replaces it. */
+/* {"ev":"resident","bytes":N,"what":S[,"dtype":D]}: device memory held
+ * outside the saved tensors, before the first step; a second line for S
+ * replaces it. */
 static int parse_resident(reader *r, const json_line *o) {
   sim_trace *t = r->t;
   int64_t bytes;
-  const char *what;
+  const char *what, *dtype = NULL;
   int rc;
   if ((rc = get_int(r, o, JK_BYTES, 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||
       (rc = get_str(r, o, JK_WHAT, 1, &what)))
     return rc;
+  if ((rc = get_str(r, o, JK_DTYPE, 0, &dtype)) < 0) return rc;
+  int dt = dtype ? ferry_dtype_from_name(dtype) : FERRY_DTYPE_UNKNOWN;
+  if (dt < 0) return reader_fail(r, "unknown dtype \"%s\"", dtype);
   if (r->in_step)
     return reader_fail(r, "resident inside a step: resident memory is declared before the first step");
   uint32_t k = 0;
@@ -460,6 +531,7 @@ static int parse_resident(reader *r, const json_line *o) {
   }
   t->resident_bytes -= t->resident[k].bytes;
   t->resident[k].bytes = (uint64_t)bytes;
+  t->resident[k].dtype = dt;
   t->resident_bytes += (uint64_t)bytes;
   return 0;
 }
@@ -491,6 +563,8 @@ static int parse_event(reader *r, const json_line *o, const char *ev, double gap
   if (!strcmp(ev, "backward_begin") || !strcmp(ev, "backward_end")) return parse_backward(r, ev, gap);
   if (!strcmp(ev, "compute")) return parse_compute(r, o);
   if (!strcmp(ev, "resident")) return parse_resident(r, o);
+  if (!strcmp(ev, "alloc")) return parse_alloc(r, o, gap);
+  if (!strcmp(ev, "free")) return parse_free(r, o, gap);
   if (!strcmp(ev, "header")) return reader_fail(r, "a second header");
   return reader_fail(r, "unknown event \"%s\"", ev);
 }
@@ -581,6 +655,7 @@ void sim_trace_free(sim_trace *t) {
   free(t->steps);
   for (uint32_t i = 0; i < t->n_resident; i++) free(t->resident[i].what);
   free(t->resident);
+  free(t->allocs);
   for (size_t i = 0; i < t->n_strings; i++) free(t->strings[i]);
   free(t->strings);
   free(t);
@@ -625,6 +700,8 @@ static int parse_end(reader *r) {
 static int reader_finish(reader *r, int rc) {
   sim_trace *t = r->t;
   u64map_free(&r->ids);
+  u64map_free(&r->alloc_ids);
+  free(r->alloc_live);
   free(r->by_id);
   free(r->state);
   json_simd_free(r->simd);

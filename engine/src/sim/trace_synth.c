@@ -13,6 +13,7 @@
 
 #define MAX_SAVES 6
 #define MAX_OUTS 2
+#define MAX_TMPS 4
 #define SYNTH_MIN_OP_US 4.0
 
 typedef struct saved {
@@ -34,10 +35,29 @@ enum {
   SAC_FORCE_RECOMP  /* the MoE router's gate: forced to recompute, not counted */
 };
 
+/* Device memory an op allocates that autograd does not save (an `alloc`
+ * event to its `free`), by when it lives. */
+enum {
+  TMP_WORK = 1, /* during its forward compute (a workspace, or a tensor it saves after) */
+  TMP_OUT,      /* its output, from its forward to the end of forward (the loss returns) */
+  TMP_GRAD      /* backward: the gradient of its input, until the op below consumed it */
+};
+
+typedef struct transient {
+  int life; /* TMP_* */
+  uint64_t bytes;
+  const char *what;
+} transient;
+
 typedef struct op {
   char suffix[96];    /* module path below the layer ("self_attn.q_proj") */
   const char *cls;
+  const char *label;  /* its compute events' name, if not the suffix */
   double flops, bytes; /* forward */
+  int own_bwd;        /* backward costs bwd_flops/bwd_bytes, not twice the forward */
+  double bwd_flops, bwd_bytes;
+  int n_tmps;
+  transient tmps[MAX_TMPS];
   unsigned rgroup;    /* SYNTH_RECOMPUTE_* region it belongs to (Megatron selective) */
   int sac;            /* SAC_* */
   int n_outs;
@@ -66,6 +86,7 @@ static void defaults(synth_model *m) {
   m->tflops = 400;
   m->hbm_gbps = 2000;
   m->steps = 1;
+  m->tp = 1;
 }
 
 int synth_preset(const char *name, synth_model *m) {
@@ -142,7 +163,35 @@ static int64_t head_dim_of(const synth_model *m) {
   return m->head_dim > 0 ? m->head_dim : (m->heads > 0 ? m->hidden / m->heads : 0);
 }
 
+int64_t synth_loss_chunk(const synth_model *m) {
+  const int64_t tokens = (int64_t)m->micro_batch * m->seq;
+  if (m->loss_chunk > 0) return m->loss_chunk < tokens ? m->loss_chunk : tokens;
+  /* Liger's fused_linear_cross_entropy_forward: inc_factor = cdiv(V, H),
+   * chunk_size = next_power_of_2(cdiv(BT, inc_factor)): a chunk's logits
+   * about the size of the hidden states */
+  const int64_t inc = ((int64_t)m->vocab + m->hidden - 1) / (m->hidden > 0 ? m->hidden : 1);
+  const int64_t want = (tokens + inc - 1) / (inc > 0 ? inc : 1);
+  int64_t p = 1;
+  while (p < want) p <<= 1;
+  return p < tokens ? p : tokens;
+}
+
 static int64_t expert_ffn_of(const synth_model *m) { return m->expert_ffn > 0 ? m->expert_ffn : m->ffn; }
+
+static int64_t tp_of(const synth_model *m) { return m->tp > 1 ? m->tp : 1; }
+static int param_dtype_of(const synth_model *m) { return m->param_dtype ? m->param_dtype : m->dtype; }
+static int grad_dtype_of(const synth_model *m) { return m->grad_dtype ? m->grad_dtype : param_dtype_of(m); }
+/* An fp32 master copy: asked for, or by default when the parameters are 16-bit
+ * (fp32 parameters are their own master copy). */
+static int master_of(const synth_model *m) {
+  if (m->master_weights == SYNTH_MASTER_AUTO) return ferry_dtype_size(param_dtype_of(m)) < 4;
+  return m->master_weights == SYNTH_MASTER_ON;
+}
+
+/* Tokens per rank outside the tensor-parallel region (norms, dropouts, the
+ * region's inputs): all of them, or 1/t with sequence parallelism. */
+static int64_t seq_region_of(const synth_model *m) { return m->sp ? m->seq / tp_of(m) : m->seq; }
+static int64_t vocab_local_of(const synth_model *m) { return (m->vocab + tp_of(m) - 1) / tp_of(m); }
 
 static int layer_ops(const synth_model *m, op_list *l);
 static void op_list_free(op_list *l) {
@@ -160,12 +209,46 @@ static int group_drops_something(const op_list *l, unsigned g) {
   return 0;
 }
 
-int synth_validate(const synth_model *m, char *err, size_t errlen) {
 #define BAD(...) \
   do { \
     if (err && errlen) snprintf(err, errlen, __VA_ARGS__); \
     return -1; \
   } while (0)
+
+static int is_float_dtype(int dt) {
+  return dt == FERRY_DTYPE_BF16 || dt == FERRY_DTYPE_F16 || dt == FERRY_DTYPE_F32;
+}
+
+/* The resident knobs: dtypes, master weights, optimizer, LoRA share. */
+static int validate_training(const synth_model *m, char *err, size_t errlen) {
+  if (m->param_dtype && !is_float_dtype(m->param_dtype)) BAD("param dtype must be bf16, f16 or f32");
+  if (m->grad_dtype && !is_float_dtype(m->grad_dtype)) BAD("grad dtype must be bf16, f16 or f32");
+  if (m->master_weights < SYNTH_MASTER_AUTO || m->master_weights > SYNTH_MASTER_OFF) BAD("bad master weights");
+  if (m->master_weights == SYNTH_MASTER_ON && ferry_dtype_size(param_dtype_of(m)) >= 4)
+    BAD("master weights on: the parameters are fp32 already (they are the master copy)");
+  if (m->optimizer < SYNTH_OPT_ADAMW || m->optimizer > SYNTH_OPT_NONE) BAD("bad optimizer");
+  if (!(m->lora >= 0 && m->lora <= 1)) BAD("lora %g must be a share within 0..1 (0: all trained)", m->lora);
+  return 0;
+}
+
+/* Megatron tensor (and sequence) parallelism: heads, KV heads and the FFN
+ * split evenly; MoE and the fused chunked loss are not modeled with it. */
+static int validate_tp(const synth_model *m, char *err, size_t errlen) {
+  const int t = m->tp;
+  if (t < 0 || t > 1 << 16) BAD("tp %d must be within 1..65536", t);
+  if (t > 1 && (m->heads % t || m->kv_heads % t))
+    BAD("tp %d must divide heads %d and kv heads %d (Megatron splits attention by head; "
+        "replicated KV heads are not modeled)", t, m->heads, m->kv_heads);
+  if (t > 1 && m->ffn % t) BAD("tp %d must divide ffn %d", t, m->ffn);
+  if (t > 1 && m->experts) BAD("tp with experts is not modeled (expert or tensor parallel MoE)");
+  if (t > 1 && m->loss == SYNTH_LOSS_CHUNKED)
+    BAD("tp with the chunked loss is not modeled (Megatron's loss is vocab-parallel: use --loss full)");
+  if (m->sp && t < 2) BAD("sequence parallelism needs tp > 1");
+  if (m->sp && m->seq % t) BAD("sp: tp %d must divide seq %d", t, m->seq);
+  return 0;
+}
+
+int synth_validate(const synth_model *m, char *err, size_t errlen) {
   if (m->arch != SYNTH_LLAMA && m->arch != SYNTH_GPT) BAD("arch must be llama or gpt");
   if (m->layers < 1 || m->layers > 10000) BAD("layers %d must be within 1..10000", m->layers);
   if (m->hidden < 1 || m->hidden > 1 << 20) BAD("hidden %d must be within 1..1048576", m->hidden);
@@ -199,10 +282,16 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
         m->layers);
   if (m->checkpoint != SYNTH_CKPT_FULL && m->ckpt_every != 1)
     BAD("a checkpointing frequency (full:K) needs full checkpointing");
+  if (m->loss != SYNTH_LOSS_FULL && m->loss != SYNTH_LOSS_CHUNKED) BAD("loss must be full or chunked");
+  if (m->loss_chunk && m->loss != SYNTH_LOSS_CHUNKED) BAD("a chunk size (chunked:N) needs the chunked loss");
+  if (m->loss_chunk < 0 || (int64_t)m->loss_chunk > (int64_t)m->micro_batch * m->seq)
+    BAD("chunked:%d: N must be within 1..tokens (micro-batch x seq = %lld)", m->loss_chunk,
+        (long long)m->micro_batch * m->seq);
   if (m->shard < 1 || m->shard > 1 << 20) BAD("shard %d must be >= 1", m->shard);
   if (!(m->tflops > 0 && m->tflops < 1e6)) BAD("tflops must be > 0");
   if (!(m->hbm_gbps > 0 && m->hbm_gbps < 1e7)) BAD("hbm bandwidth must be > 0");
   if (m->steps < 1 || m->steps > 1000000) BAD("steps %d must be within 1..1000000", m->steps);
+  if (validate_training(m, err, errlen) || validate_tp(m, err, errlen)) return -1;
   double widest = m->ffn > m->vocab ? m->ffn : m->vocab;
   if ((double)m->heads * (double)head_dim_of(m) > widest) widest = (double)m->heads * (double)head_dim_of(m);
   double per_tensor = (double)m->micro_batch * m->seq * widest * 4;
@@ -268,7 +357,8 @@ typedef struct layer_shape {
   int64_t b, s, h, a, d, kv, qd, kvd, f; /* batch, sequence, hidden, heads, head dim, kv heads,
                                             q width (a d), kv width, ffn */
   int64_t E, k, fe;                      /* experts, top-k, expert ffn */
-  double tokens, e;                      /* b * s; bytes per element */
+  int64_t ss;                            /* sequence outside the TP region (sp: s / t) */
+  double tokens, stokens, e;             /* b * s; b * ss; bytes per element */
   int dt, llama, qwen, mixtral;          /* the model's dtype; Llama (else GPT-2); Hugging
                                             Face's Qwen3 or Mixtral class and module names */
 } layer_shape;
@@ -285,26 +375,28 @@ static const char *norm_cls(const layer_shape *ls) {
 /* The input norm and the q/k/v (Llama) or fused qkv (GPT-2) projections;
  * Qwen3's QK-norm: an RMSNorm over head_dim on q and on k. */
 static void attention_in_ops(layer_shape *ls, op_list *l) {
-  const int64_t b = ls->b, s = ls->s, h = ls->h, qd = ls->qd, kvd = ls->kvd;
+  const int64_t b = ls->b, s = ls->s, h = ls->h, qd = ls->qd, kvd = ls->kvd, ss = ls->ss;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   op *o;
-  /* norm: input, statistics (rstd; LayerNorm also the mean), weight */
-  o = add_op(l, "input_layernorm", norm_cls(ls), 0, 2 * tokens * h * e);
-  save(o, sv(B_X, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, s, ls->llama ? 1 : 2, 0));
+  /* norm: input, statistics (rstd; LayerNorm also the mean), weight; the
+   * projections' input is the TP region's (sequence parallel: saved as
+   * this rank's sequence share, gathered again in backward) */
+  o = add_op(l, "input_layernorm", norm_cls(ls), 0, 2 * ls->stokens * h * e);
+  save(o, sv(B_X, dt, ACT, 0, 3, b, ss, h, 0));
+  save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, ss, ls->llama ? 1 : 2, 0));
   save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
   if (ls->llama) {
     o = add_op(l, "self_attn.q_proj", "Linear", 2 * tokens * h * qd, (tokens * h + h * qd + tokens * qd) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 2, qd, h, 0, 0));
     out(o, SAC_MM, sv(B_QP, dt, ACT, 0, 3, b, s, qd, 0));
     o = add_op(l, "self_attn.k_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 2, kvd, h, 0, 0));
     out(o, SAC_MM, sv(B_KP, dt, ACT, 0, 3, b, s, kvd, 0));
     o = add_op(l, "self_attn.v_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 2, kvd, h, 0, 0));
     out(o, SAC_MM, sv(B_V, dt, ACT, 0, 3, b, s, kvd, 0));
     if (ls->qwen) {
@@ -323,10 +415,12 @@ static void attention_in_ops(layer_shape *ls, op_list *l) {
            ls->qwen ? "Qwen3RotaryEmbedding" : ls->mixtral ? "MixtralRotaryEmbedding" : "LlamaRotaryEmbedding", 0,
            4 * tokens * (qd + kvd) * e);
   } else {
-    o = add_op(l, "self_attn.qkv_proj", "Linear", 2 * tokens * h * 3 * h, (4 * tokens * h + 3 * h * h) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, s, h, 0));
-    save(o, sv(B_PARAM, dt, PARAM, 0, 2, 3 * h, h, 0, 0));
-    out(o, SAC_MM, sv(B_QKV, dt, ACT, 0, 3, b, s, 3 * h, 0));
+    /* fused q, k, v (GPT: kv width = q width, qd per tensor-parallel rank) */
+    o = add_op(l, "self_attn.qkv_proj", "Linear", 2 * tokens * h * 3 * qd,
+               (tokens * h + 3 * tokens * qd + 3 * h * qd) * e);
+    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 2, 3 * qd, h, 0, 0));
+    out(o, SAC_MM, sv(B_QKV, dt, ACT, 0, 3, b, s, 3 * qd, 0));
   }
 }
 
@@ -383,7 +477,7 @@ static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
 
 /* The output projection, its dropout (GPT-2) and the post-attention norm. */
 static void attention_out_ops(layer_shape *ls, op_list *l) {
-  const int64_t b = ls->b, s = ls->s, h = ls->h, qd = ls->qd;
+  const int64_t b = ls->b, s = ls->s, h = ls->h, qd = ls->qd, ss = ls->ss;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   op *o;
@@ -392,12 +486,12 @@ static void attention_out_ops(layer_shape *ls, op_list *l) {
   save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, qd, 0, 0));
   out(o, SAC_MM, sv(B_OP, dt, ACT, 0, 3, b, s, h, 0));
   if (!ls->llama) {
-    o = add_op(l, "self_attn.resid_dropout", "Dropout", 0, 3 * tokens * h * e);
-    save(o, sv(B_AMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, s, h, 0));
+    o = add_op(l, "self_attn.resid_dropout", "Dropout", 0, 3 * ls->stokens * h * e);
+    save(o, sv(B_AMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, ss, h, 0));
   }
-  o = add_op(l, "post_attention_layernorm", norm_cls(ls), 0, 3 * tokens * h * e);
-  save(o, sv(B_H1, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, s, ls->llama ? 1 : 2, 0));
+  o = add_op(l, "post_attention_layernorm", norm_cls(ls), 0, 3 * ls->stokens * h * e);
+  save(o, sv(B_H1, dt, ACT, 0, 3, b, ss, h, 0));
+  save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, ss, ls->llama ? 1 : 2, 0));
   save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
 }
 
@@ -408,22 +502,26 @@ static const char *const LLAMA_LINEARS[3] = {"gate_proj", "up_proj", "down_proj"
 static const char *const MIXTRAL_LINEARS[3] = {"w1", "w3", "w2"};
 static void gated_mlp_ops(layer_shape *ls, op_list *l, const char *prefix, const int buf[6],
                           const char *const lin[3], double tokens, int64_t f, int ndim, int64_t d0,
-                          int64_t d1) {
+                          int64_t d1, int64_t d1_in) {
   const int64_t h = ls->h;
   const double e = ls->e;
   const int dt = ls->dt;
   char name[96];
   op *o;
   /* a row shape: (b, s, n) for the dense MLP, (rows, n) for an expert */
-#define ROWS(buf_, n_, grp_) sv(buf_, dt, ACT, grp_, ndim, d0, ndim == 3 ? d1 : (n_), ndim == 3 ? (n_) : 0, 0)
+#define ROWS_OF(d1_, buf_, n_, grp_) \
+  sv(buf_, dt, ACT, grp_, ndim, d0, ndim == 3 ? (d1_) : (n_), ndim == 3 ? (n_) : 0, 0)
+#define ROWS(buf_, n_, grp_) ROWS_OF(d1, buf_, n_, grp_)
+  /* the input is the TP region's (sequence parallel: this rank's share) */
+#define IN_ROWS(buf_) ROWS_OF(d1_in, buf_, h, 0)
   snprintf(name, sizeof name, "%s%s", prefix, lin[0]);
   o = add_op(l, name, "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
-  save(o, ROWS(buf[0], h, 0));
+  save(o, IN_ROWS(buf[0]));
   save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
   out(o, SAC_MM, ROWS(buf[1], f, 0));
   snprintf(name, sizeof name, "%s%s", prefix, lin[1]);
   o = add_op(l, name, "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
-  save(o, ROWS(buf[0], h, 0));
+  save(o, IN_ROWS(buf[0]));
   save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
   out(o, SAC_MM, ROWS(buf[3], f, 0));
   snprintf(name, sizeof name, "%sact_fn", prefix);
@@ -439,13 +537,15 @@ static void gated_mlp_ops(layer_shape *ls, op_list *l, const char *prefix, const
   save(o, ROWS(buf[4], f, 0));
   save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, f, 0, 0));
   out(o, SAC_MM, ROWS(buf[5], h, 0));
+#undef IN_ROWS
 #undef ROWS
+#undef ROWS_OF
 }
 
 /* Llama's gated MLP: gate, up, SiLU, product, down. */
 static void mlp_llama_ops(layer_shape *ls, op_list *l) {
   static const int buf[6] = {B_XN2, B_GATE, B_ACT, B_UP, B_PROD, B_DOWN};
-  gated_mlp_ops(ls, l, "mlp.", buf, LLAMA_LINEARS, ls->tokens, ls->f, 3, ls->b, ls->s);
+  gated_mlp_ops(ls, l, "mlp.", buf, LLAMA_LINEARS, ls->tokens, ls->f, 3, ls->b, ls->s, ls->ss);
 }
 
 /* A sparse MoE block as Hugging Face's Qwen3MoeSparseMoeBlock (transformers
@@ -491,7 +591,7 @@ static void mlp_moe_ops(layer_shape *ls, op_list *l) {
     save(o, sv(base + EB_IDX, I64, ACT, 0, 1, t, 0, 0, 0));
     const int buf[6] = {base + EB_IN, base + EB_GATE, base + EB_ACT, base + EB_UP, base + EB_PROD,
                         base + EB_DOWN};
-    gated_mlp_ops(ls, l, prefix, buf, ls->mixtral ? MIXTRAL_LINEARS : LLAMA_LINEARS, rows, fe, 2, t, 0);
+    gated_mlp_ops(ls, l, prefix, buf, ls->mixtral ? MIXTRAL_LINEARS : LLAMA_LINEARS, rows, fe, 2, t, 0, 0);
     /* * routing_weights[top_x, idx, None] (indices and the bf16 weights kept),
      * then final.index_add_(0, top_x, ...) (top_x kept) */
     snprintf(name, sizeof name, "%s.experts.%lld.scale", moe, (long long)x);
@@ -508,13 +608,13 @@ static void mlp_moe_ops(layer_shape *ls, op_list *l) {
 
 /* GPT-2's MLP: fc1, GELU, fc2, dropout. */
 static void mlp_gpt_ops(layer_shape *ls, op_list *l) {
-  const int64_t b = ls->b, s = ls->s, h = ls->h;
+  const int64_t b = ls->b, s = ls->s, h = ls->h, ss = ls->ss;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   op *o;
   const int64_t f = ls->f;
   o = add_op(l, "mlp.fc1", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
-  save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(B_XN2, dt, ACT, 0, 3, b, ss, h, 0));
   save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
   out(o, SAC_MM, sv(B_FC1, dt, ACT, 0, 3, b, s, f, 0));
   o = add_op(l, "mlp.act", "GELU", 0, 2 * tokens * f * e);
@@ -524,26 +624,31 @@ static void mlp_gpt_ops(layer_shape *ls, op_list *l) {
   save(o, sv(B_GELU, dt, ACT, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
   save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, f, 0, 0));
   out(o, SAC_MM, sv(B_FC2, dt, ACT, 0, 3, b, s, h, 0));
-  o = add_op(l, "mlp.dropout", "Dropout", 0, 3 * tokens * h * e);
-  save(o, sv(B_MMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, s, h, 0));
+  o = add_op(l, "mlp.dropout", "Dropout", 0, 3 * ls->stokens * h * e);
+  save(o, sv(B_MMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, ss, h, 0));
 }
 
 /* One repeated block (-1 out of memory). */
 static int layer_ops(const synth_model *m, op_list *l) {
   layer_shape ls;
+  const int64_t t = tp_of(m);
+  /* one tensor-parallel rank's share (Megatron: heads and the FFN split by
+   * t; with sequence parallelism the rest of the sequence too) */
   ls.b = m->micro_batch;
   ls.s = m->seq;
+  ls.ss = seq_region_of(m);
   ls.h = m->hidden;
-  ls.a = m->heads;
+  ls.a = m->heads / t;
   ls.d = head_dim_of(m);
-  ls.kv = m->kv_heads;
+  ls.kv = m->kv_heads / t;
   ls.qd = ls.a * ls.d;
   ls.kvd = ls.kv * ls.d;
-  ls.f = m->ffn;
+  ls.f = m->ffn / t;
   ls.E = m->experts;
   ls.k = m->top_k;
   ls.fe = expert_ffn_of(m);
   ls.tokens = (double)ls.b * (double)ls.s;
+  ls.stokens = (double)ls.b * (double)ls.ss;
   ls.e = ferry_dtype_size(m->dtype);
   ls.dt = m->dtype;
   ls.llama = m->arch == SYNTH_LLAMA;
@@ -574,25 +679,81 @@ static int pre_ops(const synth_model *m, op_list *l) {
   return 0;
 }
 
-static int post_ops(const synth_model *m, op_list *l) {
+static void tmp(op *o, int life, uint64_t bytes, const char *what) {
+  o->tmps[o->n_tmps++] = (transient){life, bytes, what};
+}
+
+/* Hugging Face's causal-LM loss (transformers' LlamaForCausalLM.forward and
+ * loss_utils.ForCausalLMLoss): logits = lm_head(h) in the model dtype;
+ * logits.float(); cross_entropy = log_softmax + nll_loss. Autograd saves
+ * lm_head's input and weight, log_softmax's output (fp32) and nll_loss's
+ * input (the same buffer) and labels; the logits and their fp32 copy are
+ * not saved but live until the loss returns (end of forward). Backward:
+ * nll_loss's gradient (fp32, dense), log_softmax's (fp32) while the saved
+ * log-probabilities are still held, then the copy back to the model dtype.
+ * With tensor parallelism each rank holds V / t of the vocabulary
+ * (Megatron's column-parallel head and vocab-parallel cross-entropy, whose
+ * saved softmax and labels have these sizes too). */
+static void loss_full_ops(const synth_model *m, op_list *l) {
+  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = vocab_local_of(m);
+  const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
+  const uint64_t logits = (uint64_t)(tokens * (double)V);
+  const int dt = m->dtype;
+  op *o = add_op(l, "lm_head", "Linear", 2 * tokens * h * V, (tokens * h + h * V + tokens * V) * e);
+  save(o, sv(3, dt, ACT, 0, 3, b, seq_region_of(m), h, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, V, h, 0, 0));
+  tmp(o, TMP_OUT, logits * (uint64_t)e, "lm_head: logits");
+  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * (e + 4));
+  o->label = "loss.float";
+  tmp(o, TMP_OUT, logits * 4, "loss: logits.float()");
+  tmp(o, TMP_GRAD, logits * (uint64_t)e, "loss: grad of the logits (model dtype)");
+  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * 8);
+  o->label = "loss.log_softmax";
+  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0));
+  tmp(o, TMP_GRAD, logits * 4, "loss: grad of the fp32 logits (log_softmax backward)");
+  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * 12);
+  o->label = "loss.nll_loss";
+  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0)); /* nll_loss saves its input: an alias */
+  save(o, sv(5, I64, ACT, 0, 2, b, s, 0, 0));
+  tmp(o, TMP_GRAD, logits * 4, "loss: grad of the log-probabilities (nll_loss backward)");
+}
+
+/* A fused linear cross-entropy as Liger's LigerFusedLinearCrossEntropyLoss
+ * runs it: grad_input and grad_weight are allocated (zeros), then per chunk
+ * of tokens the logits chunk (model dtype) is computed, the cross-entropy
+ * kernel turns it into its gradient in place, and the chunk's share of both
+ * gradients is accumulated; ctx.save_for_backward keeps the two gradients.
+ * Backward only scales them by the loss's gradient (skipped when it is 1). */
+static void loss_chunked_ops(const synth_model *m, op_list *l) {
   const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = m->vocab;
+  const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
+  const uint64_t chunk = (uint64_t)synth_loss_chunk(m), ue = (uint64_t)e;
+  const int dt = m->dtype;
+  op *o = add_op(l, "loss", "LigerFusedLinearCrossEntropyLoss", 6 * tokens * h * V,
+                 (3 * h * V + 2 * tokens * h + 3 * tokens * V) * e);
+  o->own_bwd = 1, o->bwd_flops = 0, o->bwd_bytes = 0;
+  tmp(o, TMP_WORK, (uint64_t)(tokens * (double)h) * ue, "loss: grad_input (until saved)");
+  tmp(o, TMP_WORK, (uint64_t)V * (uint64_t)h * ue, "loss: grad_weight (until saved)");
+  tmp(o, TMP_WORK, (uint64_t)tokens * 4, "loss: per-token losses (fp32)");
+  tmp(o, TMP_WORK, chunk * (uint64_t)V * ue, "loss: logits of one chunk of tokens");
+  save(o, sv(6, dt, ACT, 0, 3, b, s, h, 0));
+  save(o, sv(7, dt, ACT, 0, 2, V, h, 0, 0));
+}
+
+static int post_ops(const synth_model *m, op_list *l) {
+  const int64_t b = m->micro_batch, s = seq_region_of(m), h = m->hidden;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   const int dt = m->dtype;
   int llama = m->arch == SYNTH_LLAMA;
   const char *ncls = !llama ? "LayerNorm" : m->qk_norm ? "Qwen3RMSNorm" : m->experts ? "MixtralRMSNorm" : "LlamaRMSNorm";
-  l->n = 0, l->cap = 3, l->n_bufs = 6;
-  if (!(l->ops = malloc(3 * sizeof *l->ops))) return -1;
+  l->n = 0, l->cap = 5, l->n_bufs = 8;
+  if (!(l->ops = malloc((size_t)l->cap * sizeof *l->ops))) return -1;
   op *o = add_op(l, "model.norm", ncls, 0, 2 * tokens * h * e);
   save(o, sv(1, dt, ACT, 0, 3, b, s, h, 0));
   save(o, sv(2, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
   save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
-  o = add_op(l, "lm_head", "Linear", 2 * tokens * h * V, (tokens * h + h * V + tokens * V) * e);
-  save(o, sv(3, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, V, h, 0, 0));
-  /* logits upcast to fp32; log-softmax saves its fp32 output, NLL the labels */
-  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * (e + 4 + 4));
-  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0));
-  save(o, sv(5, I64, ACT, 0, 2, b, s, 0, 0));
+  if (m->loss == SYNTH_LOSS_CHUNKED) loss_chunked_ops(m, l);
+  else loss_full_ops(m, l);
   return 0;
 }
 
@@ -667,8 +828,8 @@ uint64_t synth_layer_saved_bytes(const synth_model *m, int layer) {
   op_list l = {0};
   if (layer < 0 || layer >= m->layers || layer_ops(m, &l)) return 0;
   uint64_t total = 0;
-  const uint64_t input = (uint64_t)m->micro_batch * (uint64_t)m->seq * (uint64_t)m->hidden *
-                         (uint64_t)ferry_dtype_size(m->dtype);
+  const uint64_t input = (uint64_t)m->micro_batch * (uint64_t)seq_region_of(m) *
+                         (uint64_t)m->hidden * (uint64_t)ferry_dtype_size(m->dtype);
   switch (layer_mode(m, layer)) {
   case SYNTH_CKPT_FULL: total = input; break;
   case SYNTH_CKPT_SELECTIVE: total = distinct_bytes(&l, m->recompute); break;
@@ -701,13 +862,17 @@ static uint64_t layer_matrices(const synth_model *m, int active) {
   return attn + h * (uint64_t)m->experts + n * 3 * h * (uint64_t)expert_ffn_of(m);
 }
 
-/* Per block: matrices and norms (two; QK-norm: two of head_dim; LayerNorm:
- * weight and bias). */
-static uint64_t layer_params(const synth_model *m, int active) {
+/* Per block, the norms' weights (two; QK-norm: two of head_dim; LayerNorm:
+ * weight and bias); tensor parallelism replicates them. */
+static uint64_t layer_norms(const synth_model *m) {
   const uint64_t h = (uint64_t)m->hidden;
   uint64_t norms = m->arch == SYNTH_LLAMA ? 2 * h : 4 * h;
   if (m->qk_norm) norms += 2 * (uint64_t)head_dim_of(m);
-  return layer_matrices(m, active) + norms;
+  return norms;
+}
+
+static uint64_t layer_params(const synth_model *m, int active) {
+  return layer_matrices(m, active) + layer_norms(m);
 }
 
 static uint64_t params(const synth_model *m, int active) {
@@ -719,23 +884,82 @@ static uint64_t params(const synth_model *m, int active) {
 uint64_t synth_param_count(const synth_model *m) { return params(m, 0); }
 uint64_t synth_active_param_count(const synth_model *m) { return params(m, 1); }
 
-/* Mixed-precision Adam (ZeRO paper): 16-bit parameters and gradients, fp32
- * master weights, momentum and variance: 2 + 2 + 12 bytes per parameter,
- * divided by the sharding degree. Sharded training also holds the gathered
- * parameters of two blocks (the one computing, the one prefetched). */
-static void resident_parts(const synth_model *m, uint64_t part[4]) {
-  uint64_t P = synth_param_count(m), e = (uint64_t)ferry_dtype_size(m->dtype);
-  uint64_t sh = (uint64_t)m->shard;
-  part[0] = P * e / sh;
-  part[1] = P * e / sh;
-  part[2] = P * 12 / sh;
-  part[3] = sh > 1 ? 2 * layer_matrices(m, 0) * e : 0;
+/* What one tensor-parallel rank holds (Megatron): the blocks' linears split
+ * t ways (column- and row-parallel), the embedding and the head by
+ * vocabulary (V / t rows, rounded up), the norms replicated. */
+static uint64_t local_params(const synth_model *m) {
+  const uint64_t h = (uint64_t)m->hidden, t = (uint64_t)tp_of(m), V = (uint64_t)vocab_local_of(m);
+  return V * h + (uint64_t)m->layers * (layer_matrices(m, 0) / t + layer_norms(m)) + 2 * h +
+         (m->tie_embeddings ? 0 : V * h);
+}
+
+/* Optimizer state bytes per trainable parameter, whole bytes: the states
+ * are in the dtype of the copy stepped (torch's AdamW and SGD keep
+ * exp_avg, exp_avg_sq and momentum_buffer like their parameter): fp32 with
+ * master weights, else the parameters'. 8-bit AdamW (bitsandbytes) keeps
+ * two uint8 states whatever the copy; its block scales are apart. */
+static uint64_t state_bytes(const synth_model *m) {
+  const uint64_t el = master_of(m) ? 4 : (uint64_t)ferry_dtype_size(param_dtype_of(m));
+  switch (m->optimizer) {
+  case SYNTH_OPT_ADAMW: return 2 * el;
+  case SYNTH_OPT_ADAMW_8BIT: return 2;
+  case SYNTH_OPT_SGD_MOMENTUM: return el;
+  default: return 0; /* sgd, none */
+  }
+}
+
+double synth_optimizer_state_bytes(const synth_model *m) { return (double)state_bytes(m); }
+
+const char *synth_optimizer_name(int optimizer) {
+  static const char *const names[] = {"adamw", "adamw8bit", "sgd", "sgd-momentum", "none"};
+  return optimizer >= 0 && optimizer <= SYNTH_OPT_NONE ? names[optimizer] : "unknown";
+}
+
+int synth_optimizer_parse(const char *name) {
+  for (int i = 0; i <= SYNTH_OPT_NONE; i++)
+    if (!strcmp(name, synth_optimizer_name(i))) return i;
+  return -1;
+}
+
+/* bitsandbytes' blockwise 8-bit states: an fp32 absmax per block of 256
+ * values, for each of the two states. */
+#define BNB_BLOCK 256
+
+/* Per GPU: the stored parameters (all of them), and for the trainable
+ * share the gradients, the fp32 master weights and the optimizer states,
+ * each divided by the sharding degree (FSDP / ZeRO-3); sharded training
+ * also holds the gathered compute copies of two blocks (the one computing,
+ * the one prefetched). Mixed-precision AdamW by default: 2 + 2 + 4 + 8 =
+ * 16 bytes per parameter (the ZeRO paper's 16). */
+void synth_resident_parts(const synth_model *m, synth_resident *r) {
+  const uint64_t sh = (uint64_t)m->shard, P = local_params(m);
+  const uint64_t T = m->lora > 0 ? (uint64_t)llround(m->lora * (double)P) : P;
+  memset(r, 0, sizeof *r);
+  r->local_params = P;
+  r->trainable = T;
+  r->params = P * (uint64_t)ferry_dtype_size(param_dtype_of(m)) / sh;
+  r->grads = T * (uint64_t)ferry_dtype_size(grad_dtype_of(m)) / sh;
+  r->master = master_of(m) ? T * 4 / sh : 0;
+  uint64_t scales = m->optimizer == SYNTH_OPT_ADAMW_8BIT ? 2 * 4 * ((T + BNB_BLOCK - 1) / BNB_BLOCK) : 0;
+  r->states = (T * state_bytes(m) + scales) / sh;
+  r->gathered = sh > 1 ? 2 * (layer_matrices(m, 0) / (uint64_t)tp_of(m)) *
+                             (uint64_t)ferry_dtype_size(m->dtype) : 0;
+  r->total = r->params + r->grads + r->master + r->states + r->gathered;
 }
 
 uint64_t synth_resident_bytes(const synth_model *m) {
-  uint64_t p[4];
-  resident_parts(m, p);
-  return p[0] + p[1] + p[2] + p[3];
+  synth_resident r;
+  synth_resident_parts(m, &r);
+  return r.total;
+}
+
+/* The optimizer step reads and writes every byte the trainable share keeps
+ * (parameters, gradients, master weights, states): 2 x 16 bytes per
+ * parameter for mixed-precision AdamW; none without an optimizer. */
+static double optimizer_step_bytes(const synth_model *m, const synth_resident *r) {
+  if (m->optimizer == SYNTH_OPT_NONE) return 0;
+  const double own = (double)r->trainable * ferry_dtype_size(param_dtype_of(m)) / (double)m->shard;
+  return 2 * (own + (double)(r->grads + r->master + r->states));
 }
 
 /* ---- writing -------------------------------------------------------------------- */
@@ -753,6 +977,15 @@ static double op_us(const synth_model *m, const op *o) {
   /* an eager op is at least a kernel launch or two */
   return us > SYNTH_MIN_OP_US ? us : SYNTH_MIN_OP_US;
 }
+
+/* An op's backward: twice its forward, or its own cost. */
+static double bwd_us(const synth_model *m, const op *o) {
+  if (!o->own_bwd) return 2 * op_us(m, o);
+  op b = {.flops = o->bwd_flops, .bytes = o->bwd_bytes};
+  return op_us(m, &b);
+}
+
+static const char *op_label(const op *o) { return o->label ? o->label : o->suffix; }
 
 /* A compute event: us at the synthesizer's rates, and the work it stands
  * for (FLOPs, bytes through device memory, the least time: kernel
@@ -802,6 +1035,26 @@ static void w_unpack(writer *w, uint64_t id) {
   if (id) fprintf(w->f, "{\"ev\":\"unpack\",\"t_us\":0,\"id\":%llu}\n", (unsigned long long)id);
 }
 
+/* Transient device memory (docs/trace-format.md): an alloc line; its id. */
+static uint64_t w_alloc(writer *w, uint64_t bytes, const char *what) {
+  uint64_t id = ++w->next_id;
+  fprintf(w->f, "{\"ev\":\"alloc\",\"t_us\":0,\"id\":%llu,\"bytes\":%llu,\"what\":\"%s\"}\n",
+          (unsigned long long)id, (unsigned long long)bytes, what);
+  return id;
+}
+
+static void w_free(writer *w, uint64_t id) {
+  if (id) fprintf(w->f, "{\"ev\":\"free\",\"t_us\":0,\"id\":%llu}\n", (unsigned long long)id);
+}
+
+/* Allocates op o's transients of the given life into ids[MAX_TMPS] (0 for
+ * the others). */
+static void w_alloc_tmps(writer *w, const op *o, int life, uint64_t *ids) {
+  memset(ids, 0, MAX_TMPS * sizeof *ids);
+  for (int k = 0; k < o->n_tmps; k++)
+    if (o->tmps[k].life == life) ids[k] = w_alloc(w, o->tmps[k].bytes, o->tmps[k].what);
+}
+
 /* Which of an op's saves to pack. */
 enum { P_ALL = 0, P_KEPT = 1 /* not dropped by drop */, P_DROPPED = 2 /* dropped, of group g */ };
 
@@ -845,7 +1098,7 @@ typedef struct layer_ctx {
 /* What a checkpoint keeps of a block: its input. */
 static void w_pack_block_input(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
-  saved in = sv(B_X, m->dtype, ACT, 0, 3, m->micro_batch, m->seq, m->hidden, 0);
+  saved in = sv(B_X, m->dtype, ACT, 0, 3, m->micro_batch, seq_region_of(m), m->hidden, 0);
   char path[64];
   module_path(layer, "", path, sizeof path);
   bi->ckpt = w_pack(w, &in, layer, FERRY_PHASE_FORWARD, path, c->block_cls, 0);
@@ -935,6 +1188,44 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
   }
 }
 
+/* The ops after the blocks (final norm, head, loss), forward: an op's
+ * workspaces live around its compute and are freed before it saves; its
+ * transient output lives until the loss returns, the end of forward.
+ * out[] gets the outputs' alloc ids ([op][MAX_TMPS]). */
+static void w_head_forward(writer *w, const op_list *l, block_ids *bi, uint64_t *bufid,
+                           uint64_t *out) {
+  for (int i = 0; i < l->n; i++) {
+    const op *o = &l->ops[i];
+    uint64_t work[MAX_TMPS];
+    w_alloc_tmps(w, o, TMP_WORK, work);
+    w_compute(w, op_us(w->m, o), -1, op_label(o), o->flops, o->bytes, SYNTH_MIN_OP_US);
+    for (int k = MAX_TMPS; k-- > 0;) w_free(w, work[k]);
+    w_pack_op(w, o, -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(bi, i), bufid);
+    w_alloc_tmps(w, o, TMP_OUT, &out[(size_t)i * MAX_TMPS]);
+  }
+  for (size_t j = (size_t)l->n * MAX_TMPS; j-- > 0;) w_free(w, out[j]);
+}
+
+/* Their backward, last op first: the gradient of an op's input is
+ * allocated before the op takes its saved tensors back (autograd allocates
+ * the output of a backward kernel while its inputs live), and the gradient
+ * it consumed is freed once it ran. */
+static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
+  uint64_t incoming[MAX_TMPS] = {0};
+  for (int i = l->n; i-- > 0;) {
+    const op *o = &l->ops[i];
+    uint64_t grad[MAX_TMPS];
+    w_alloc_tmps(w, o, TMP_GRAD, grad);
+    w_unpack_op(w, o, IDS(bi, i));
+    w_compute(w, bwd_us(w->m, o), -1, op_label(o), o->own_bwd ? o->bwd_flops : 2 * o->flops,
+              o->own_bwd ? o->bwd_bytes : 2 * o->bytes,
+              o->own_bwd ? SYNTH_MIN_OP_US : 2 * SYNTH_MIN_OP_US);
+    for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
+    memcpy(incoming, grad, sizeof grad);
+  }
+  for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
+}
+
 static const char *checkpoint_name(const synth_model *m, char *buf, size_t n) {
   switch (m->checkpoint) {
   case SYNTH_CKPT_FULL:
@@ -952,12 +1243,21 @@ static const char *checkpoint_name(const synth_model *m, char *buf, size_t n) {
   return buf;
 }
 
+/* A resident line; dtype (optional, 0: none) is the element type, which
+ * lets a replayer count the parameters from their bytes. */
+static void w_resident(FILE *f, uint64_t bytes, const char *what, int dtype) {
+  fprintf(f, "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":%llu,\"what\":\"%s\"",
+          (unsigned long long)bytes, what);
+  if (dtype) fprintf(f, ",\"dtype\":\"%s\"", ferry_dtype_name(dtype));
+  fputs("}\n", f);
+}
+
 int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   if (synth_validate(m, err, errlen)) return -1;
   writer w = {.m = m, .f = f};
   op_list layer = {0}, pre = {0}, post = {0};
   block_ids *blocks = calloc((size_t)m->layers, sizeof *blocks);
-  uint64_t pre_store[MAX_SAVES], post_store[3 * MAX_SAVES];
+  uint64_t pre_store[MAX_SAVES], post_store[8 * MAX_SAVES], post_out[8 * MAX_TMPS];
   block_ids pre_ids = {.ids = pre_store}, post_ids = {.ids = post_store};
   uint64_t *bufid = NULL;
   unsigned char *keep = NULL;
@@ -998,16 +1298,24 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
           checkpoint_name(m, ckpt, sizeof ckpt));
   if (m->checkpoint != SYNTH_CKPT_OFF)
     fprintf(f, "\"checkpointed_layers\":%d,", synth_checkpointed_layers(m));
+  if (m->loss == SYNTH_LOSS_CHUNKED) fprintf(f, "\"loss\":\"chunked:%lld\",", (long long)synth_loss_chunk(m));
+  else fprintf(f, "\"loss\":\"full\",");
+  fprintf(f,
+          "\"param_dtype\":\"%s\",\"grad_dtype\":\"%s\",\"master_weights\":%s,"
+          "\"optimizer\":\"%s\",",
+          ferry_dtype_name(param_dtype_of(m)), ferry_dtype_name(grad_dtype_of(m)),
+          master_of(m) ? "true" : "false", synth_optimizer_name(m->optimizer));
+  if (m->lora > 0) fprintf(f, "\"lora\":%g,", m->lora);
+  if (tp_of(m) > 1) fprintf(f, "\"tp\":%d,\"sp\":%s,", m->tp, m->sp ? "true" : "false");
   fprintf(f, "\"shard\":%d,\"tflops\":%g,\"hbm_gbps\":%g}\n", m->shard, m->tflops, m->hbm_gbps);
-  uint64_t part[4];
-  resident_parts(m, part);
-  static const char *const what[4] = {"parameters", "gradients", "optimizer states",
-                                      "gathered parameters"};
-  for (int i = 0; i < 4; i++)
-    if (part[i] || i < 3)
-      fprintf(f, "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":%llu,\"what\":\"%s\"}\n",
-              (unsigned long long)part[i], what[i]);
-  uint64_t adam_bytes = synth_param_count(m) * 32 / (uint64_t)m->shard;
+  synth_resident res;
+  synth_resident_parts(m, &res);
+  w_resident(f, res.params, "parameters", param_dtype_of(m));
+  w_resident(f, res.grads, "gradients", grad_dtype_of(m));
+  if (res.master) w_resident(f, res.master, "master weights", F32);
+  w_resident(f, res.states, "optimizer states", 0);
+  if (res.gathered) w_resident(f, res.gathered, "gathered parameters", m->dtype);
+  const double opt_bytes = optimizer_step_bytes(m, &res);
   for (int st = 1; st <= m->steps; st++) {
     w.step = (uint64_t)st;
     fprintf(f, "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":%d}\n", st);
@@ -1020,23 +1328,16 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     }
     for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
     memset(small_bufid, 0, sizeof small_bufid);
-    for (int i = 0; i < post.n; i++) {
-      w_op(&w, &post.ops[i], 1, -1, NULL);
-      w_pack_op(&w, &post.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&post_ids, i), small_bufid);
-    }
+    w_head_forward(&w, &post, &post_ids, small_bufid, post_out);
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
-    for (int i = post.n; i-- > 0;) {
-      w_unpack_op(&w, &post.ops[i], IDS(&post_ids, i));
-      w_op(&w, &post.ops[i], 2, -1, NULL);
-    }
+    w_head_backward(&w, &post, &post_ids);
     for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
     for (int i = pre.n; i-- > 0;) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
       w_op(&w, &pre.ops[i], 2, -1, NULL);
     }
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
-    w_compute(&w, (double)adam_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer", 0,
-              (double)adam_bytes, 0);
+    w_compute(&w, opt_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer", 0, opt_bytes, 0);
     fprintf(f, "{\"ev\":\"step_end\",\"t_us\":0,\"step\":%d}\n", st);
   }
   rc = 0;
