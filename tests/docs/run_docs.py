@@ -614,7 +614,7 @@ class Runner:
             f.write(prelude + "\n# ---- the doc block ----\n" + b.body + "\n")
         self.check_run([py, "doc_block.py"], wd, self.envfor(wd), what="python")
         self.check_creates(wd, opts)
-        return os.path.basename(py) if py != self.a.torch_python else ""
+        return f"torch 2.x: {py}" if py != self.a.torch_python else ""
 
     # -- lua --
     @staticmethod
