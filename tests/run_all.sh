@@ -17,6 +17,12 @@ skip() { [[ " ${FERRY_SKIP:-} " == *" $1 "* ]]; }
 stage() { printf '\n==== %s ====\n' "$*"; }
 summary=()
 
+# ctest docs/examples runs the docs' torch 2.x blocks (Lightning, DCP) with the
+# venv tests/python/run.sh uses; without one they are skipped (failed under CI).
+if [ -z "${FERRY_DOCS_TORCH2:-}" ] && [ "${FERRY_SKIP_VENV:-0}" != 1 ]; then
+  if FERRY_DOCS_TORCH2=$(.ci/python-env | tail -1); then export FERRY_DOCS_TORCH2; fi
+fi
+
 stage "ctest ($BUILD)"
 ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS"
 summary+=("ctest: ok")
