@@ -167,6 +167,16 @@ TEST(meminfo_reader_parses_and_refuses) {
   fputs("MemTotal:       16384000 kB\n", f); /* no MemAvailable */
   fclose(f);
   CHECK_RC(ferry_host_ram_proc(path, &total, &avail), FERRY_EPARSE);
+  f = fopen(path, "w"); /* fields in another order, one without its unit */
+  fputs("MemAvailable:    4096000 kB\nMemTotal:       16384000\n", f);
+  fclose(f);
+  CHECK_RC(ferry_host_ram_proc(path, &total, &avail), FERRY_EPARSE);
+  f = fopen(path, "w");
+  fputs("MemAvailable:    4096000 kB\nMemTotal:       16384000 kB\n", f);
+  fclose(f);
+  CHECK_OK(ferry_host_ram_proc(path, &total, &avail));
+  CHECK_EQ(total, 16384000ull * 1024);
+  CHECK_EQ(avail, 4096000ull * 1024);
   unlink(path);
   CHECK_RC(ferry_host_ram_proc(path, &total, &avail), FERRY_EIO);
   CHECK_OK(ferry_host_ram_proc(NULL, &total, &avail)); /* this machine */

@@ -44,7 +44,9 @@ FERRY_API int ferry_parse_number(const char *what, const char *text, int kind, d
                                  size_t errlen);
 
 /* ---- host RAM from a meminfo file (ud: its path, NULL = /proc/meminfo):
- * the default ferry_host_ram_fn. */
+ * the default ferry_host_ram_fn. A /proc/meminfo reading is reused for
+ * 10 ms (it is asked at every step begin); a file named by ud is read at
+ * every call. */
 FERRY_API int ferry_host_ram_proc(void *ud, uint64_t *total_bytes, uint64_t *available_bytes);
 
 /* ---- "did you mean": the name in names[0..n) within a typo's distance of

@@ -407,6 +407,16 @@ static PyObject *engine_stats(EngineObject *self, PyObject *unused) {
   return d;
 }
 
+/* policy_errors() -> int: stats()["policy_errors"] without the dict (checked
+ * at every step end) */
+static PyObject *engine_policy_errors(EngineObject *self, PyObject *unused) {
+  if (!engine_live(self)) return NULL;
+  ferry_stats s;
+  int rc = ferry_get_stats(self->e, &s, sizeof s);
+  if (rc) return raise_ferry(rc, ferry_last_error(self->e));
+  return PyLong_FromUnsignedLongLong(s.policy_errors);
+}
+
 static PyObject *engine_reset_counters(EngineObject *self, PyObject *unused) {
   memset(self->kept, 0, sizeof self->kept);
   self->recompute_packs = self->rebuilds = self->pack_errors = self->unpacks_repeated = 0;
@@ -615,6 +625,8 @@ static PyMethodDef engine_methods[] = {
     {"set_policy", (PyCFunction)(void (*)(void))engine_set_policy, METH_VARARGS | METH_KEYWORDS,
      "set_policy(path=None, source=None, trusted=False), between steps."},
     {"stats", (PyCFunction)engine_stats, METH_NOARGS, "Engine stats and binding counters."},
+    {"policy_errors", (PyCFunction)engine_policy_errors, METH_NOARGS,
+     "stats()['policy_errors'], cheaply."},
     {"breakdown", (PyCFunction)engine_breakdown, METH_NOARGS,
      "Saved tensors by rule and layer (ferry_get_breakdown): a list of dicts with rule, where, "
      "layer, tensors_offloaded, bytes_offloaded, tensors_kept, bytes_kept. Needs "

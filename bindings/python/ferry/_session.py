@@ -189,9 +189,9 @@ class Session:
         return live
 
     def check_policy(self):
-        s = self.engine.stats()
-        if s["policy_errors"] > self.policy_errors_seen:
-            self.policy_errors_seen = s["policy_errors"]
+        errors = self.engine.policy_errors()
+        if errors > self.policy_errors_seen:
+            self.policy_errors_seen = errors
             if not self.warned_policy:
                 self.warned_policy = True
                 warnings.warn(f"ferry: policy {self.policy_path} failed at run time: "
