@@ -23,6 +23,11 @@ there with torch's own CPU kernels, as Megatron's ``HybridDeviceOptimizer``
 * The wrapped optimizer is patched in place and returned, so an LR scheduler,
   ``state_dict()``/``load_state_dict()`` (the wrapped optimizer's own format,
   with every parameter's state) and ``torch.save`` work unchanged.
+* Sharded parameters (FSDP2 ``fully_shard``: DTensors): the host copies are
+  plain tensors of this rank's local shard, and the host optimizer steps
+  them (elementwise optimizers only: Adam, AdamW, SGD ... step a shard as
+  they would the whole); ``state_dict()`` gives their state back as DTensors
+  laid out like the parameter, as the plain optimizer's.
 
 ``policy`` may instead be a Lua policy (a name, a path, a ``ferry.Policy``)
 whose ``resident(r)`` chooses the host share (``optimizer = R.host_fraction(0.5)``
@@ -32,6 +37,7 @@ and the other selectors of the rules library; docs/optimizer-offload.md):
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import types
 from typing import Any, Callable, Dict, Optional
@@ -49,6 +55,37 @@ def _pin(t):
     if torch.cuda.is_available():
         return t.pin_memory()
     return t
+
+
+def _dtensor_class():
+    """DTensor's class once torch.distributed.tensor is imported (no DTensor
+    exists before that; torch 1.13 has none), else None."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        cls = getattr(sys.modules.get(name), "DTensor", None)
+        if cls is not None:
+            return cls
+    return None
+
+
+def _local(t):
+    """The plain tensor holding this rank's share of t: a DTensor's local
+    shard (its storage: copies into it change the parameter), else t."""
+    cls = _dtensor_class()
+    if cls is not None and isinstance(t, cls):
+        return t._local_tensor
+    return t
+
+
+def _like_param(key, v, p, hp):
+    """A host state tensor as the plain optimizer would hold it: for a
+    DTensor parameter, a parameter-shaped state (exp_avg ..., not step)
+    becomes a DTensor with the parameter's mesh and placements."""
+    cls = _dtensor_class()
+    if (cls is None or not isinstance(p, cls) or not torch.is_tensor(v) or key == "step"
+            or v.shape != hp.shape):
+        return v
+    return cls.from_local(v, p.device_mesh, p.placements, run_check=False,
+                          shape=p.shape, stride=p.stride())
 
 
 def _choose(params, fraction, policy, model):
@@ -106,7 +143,7 @@ class OptimizerOffload:
             hps = []
             for p in g["params"]:
                 if k in idx:
-                    hp = _pin(p.detach().to("cpu", copy=True))
+                    hp = _pin(_local(p.detach()).to("cpu", copy=True))
                     hg = _pin(torch.zeros_like(hp))
                     self.pairs.append((gi, p, hp, hg))
                     hps.append(hp)
@@ -151,7 +188,7 @@ class OptimizerOffload:
 
     def _grad_hook(self, n, hg):
         def hook(p):
-            hg.copy_(p.grad, non_blocking=True)
+            hg.copy_(_local(p.grad), non_blocking=True)
             # Which gradient, at which version: clip_grad_norm_, an unscale or
             # DDP may change it in place before step(), which then copies again.
             self._fresh[n] = (p.grad, p.grad._version)
@@ -183,9 +220,9 @@ class OptimizerOffload:
                     continue
                 fresh = self._fresh.get(n)
                 if fresh is None or fresh[0] is not p.grad or fresh[1] != p.grad._version:
-                    hg.copy_(p.grad, non_blocking=True)
+                    hg.copy_(_local(p.grad), non_blocking=True)
                 hp.grad = hg
-                hp.detach().copy_(p.detach(), non_blocking=True)  # the model is the truth
+                hp.detach().copy_(_local(p.detach()), non_blocking=True)  # the model is the truth
                 p.grad = None  # the device step skips the host share
             if torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()  # host buffers are filled
@@ -210,7 +247,7 @@ class OptimizerOffload:
                 self._orig_step()
             for _, p, hp, _ in self.pairs:
                 if hp.grad is not None:
-                    p.detach().copy_(hp, non_blocking=True)
+                    _local(p.detach()).copy_(hp, non_blocking=True)
             self.host_steps += 1
         finally:
             for (_, p, hp, _), g in zip(self.pairs, saved):
@@ -228,7 +265,7 @@ class OptimizerOffload:
         put = []
         for _, p, hp, _ in self.pairs:
             if hp in self.host_opt.state:
-                st[p] = self.host_opt.state[hp]
+                st[p] = {k: _like_param(k, v, p, hp) for k, v in self.host_opt.state[hp].items()}
                 put.append(p)
         try:
             return self._orig_state_dict()
@@ -246,7 +283,7 @@ class OptimizerOffload:
             self.host_opt.state.pop(hp, None)
             if s is not None:
                 self.host_opt.state[hp] = {
-                    k: (_pin(v.detach().to("cpu", copy=True)) if torch.is_tensor(v) else v)
+                    k: (_pin(_local(v.detach()).to("cpu", copy=True)) if torch.is_tensor(v) else v)
                     for k, v in s.items()}
 
     def remove(self) -> None:
