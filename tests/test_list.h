@@ -151,6 +151,7 @@
   X(sim_optimizer_fraction_zero_is_no_offload)                             \
   X(sim_optimizer_offload_frees_exactly_the_share)                         \
   X(sim_optimizer_offload_hand_computed_steps)                             \
+  X(sim_trace_resident_layer_bytes)                                        \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

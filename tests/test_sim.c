@@ -2458,3 +2458,53 @@ TEST(sim_optimizer_offload_hand_computed_steps) {
   sim_trace_free(t);
   return 0;
 }
+
+/* ---- weight offload (sim_config.weight_first, weight_count) ------------------------- */
+
+/* The "parameters" line's optional "layer_bytes" (each repeated block's
+ * weights): read, 0 when absent, refused when it is not an integer within
+ * the line's bytes; the synthesizer writes a block's linears and norms per
+ * GPU (Llama 3 8B under FSDP over 8: (2 x 4096^2 + 2 x 4096 x 1024 + 3 x
+ * 4096 x 14336 + 2 x 4096) x 2 bytes / 8 = 54528000). */
+TEST(sim_trace_resident_layer_bytes) {
+#define RES(extra) "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":5000,\"what\":\"parameters\"" extra "}\n"
+  const char *text = HDR RES(",\"dtype\":\"bf16\",\"layer_bytes\":1200") BEGIN END;
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("lb", text, strlen(text), &t, err, sizeof err));
+  CHECK_EQ(t->n_resident, 1);
+  CHECK_EQ(t->resident[0].bytes, 5000);
+  CHECK_EQ(t->resident[0].layer_bytes, 1200);
+  CHECK_EQ(t->resident[0].dtype, FERRY_DTYPE_BF16);
+  sim_trace_free(t);
+  text = HDR RES("") BEGIN END;
+  CHECK_OK(sim_trace_parse("lb", text, strlen(text), &t, err, sizeof err));
+  CHECK_EQ(t->resident[0].layer_bytes, 0);
+  sim_trace_free(t);
+  BAD(HDR RES(",\"layer_bytes\":5001") BEGIN END, "bad.jsonl:2: \"layer_bytes\" = 5001 is absurd");
+  BAD(HDR RES(",\"layer_bytes\":-1") BEGIN END, "bad.jsonl:2: \"layer_bytes\" = -1 is negative");
+  BAD(HDR RES(",\"layer_bytes\":1.5") BEGIN END, "\"layer_bytes\" must be an integer");
+  BAD(HDR RES(",\"layer_bytes\":\"1\"") BEGIN END, "\"layer_bytes\" must be a number");
+#undef RES
+  synth_model m;
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  synth_resident parts;
+  synth_resident_parts(&m, &parts);
+  CHECK_EQ(parts.layer_params, 54528000);
+  m.steps = 1;
+  m.seq = 256;
+  CHECK_OK(synth_to_trace(&m, &t));
+  int found = 0;
+  for (uint32_t i = 0; i < t->n_resident; i++) {
+    if (strcmp(t->resident[i].what, "parameters")) {
+      CHECK_EQ(t->resident[i].layer_bytes, 0);
+      continue;
+    }
+    found = 1;
+    CHECK_EQ(t->resident[i].layer_bytes, 54528000);
+    CHECK(32 * t->resident[i].layer_bytes < t->resident[i].bytes); /* embeddings and head */
+  }
+  CHECK(found);
+  sim_trace_free(t);
+  return 0;
+}

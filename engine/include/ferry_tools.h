@@ -439,6 +439,10 @@ typedef struct trace_resident {
   char *what;
   uint64_t bytes;
   int dtype; /* its optional "dtype": the element type; FERRY_DTYPE_UNKNOWN if not given */
+  /* its optional "layer_bytes": of these bytes, what each repeated block
+   * holds (the "parameters" line: a block's weights, what weight offload
+   * moves per layer); 0 if not given */
+  uint64_t layer_bytes;
 } trace_resident;
 
 /* Transient device memory of a step (an "alloc" event to its "free"):
@@ -739,6 +743,9 @@ typedef struct synth_resident {
   uint64_t trainable;    /* of them, trained (LoRA: the share) */
   uint64_t params, grads, master, states, gathered; /* bytes per GPU */
   uint64_t total;
+  /* of params, one repeated block's (its linears and norms; the trace's
+   * "layer_bytes", what weight offload moves per layer) */
+  uint64_t layer_params;
 } synth_resident;
 
 /* Fill *m with a preset (synth_preset_names()) and the defaults (seq 8192,
