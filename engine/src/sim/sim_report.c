@@ -397,7 +397,8 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
 /* Written through util/chrome_trace.h, the writer real runs use too
  * (core/chrome_recorder.c). A process per run (the baseline, then each
  * policy), a thread per lane: compute slices named by layer, copies by the
- * tensor's module path with its bytes, layer and trace index, a flow arrow
+ * tensor's module path with its bytes, layer and trace index (resident
+ * buffers' copies, category "other", by what they move), a flow arrow
  * from each offload to its reload, the device-memory counter, and instants
  * at backward's start and the step's end. Times: the last step, in µs from
  * its start. */
@@ -426,8 +427,11 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
                : iv->lane == 1                      ? "offload"
                                                     : "reload";
       }
-      cJSON *e = ct_slice(what, iv->lane == 0 ? "compute" : iv->lane == 1 ? "offload" : "reload",
-                          pid, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0);
+      /* a copy of no trace tensor is a resident buffer's (weights, the
+       * optimizer's): category "other", as in a real run's trace */
+      const char *cat = iv->lane == 0 ? "compute" : !iv->tensor ? "other"
+                        : iv->lane == 1 ? "offload" : "reload";
+      cJSON *e = ct_slice(what, cat, pid, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0);
       cJSON *args = ct_args(e);
       if (iv->layer >= 0) cJSON_AddNumberToObject(args, "layer", iv->layer);
       if (iv->lane != 0) {
