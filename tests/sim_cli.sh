@@ -83,4 +83,29 @@ grep -q 'optimizer-overlap maybe: expected on or off' "$D/err.txt"
 rc=0
 "$FERRY" sim --fit 50M --trace "$D/t.jsonl" --optimizer-fraction 0.5 2> "$D/err.txt" || rc=$?
 [ "$rc" = 2 ]
+# weight offload: one run per item without --policy, each policy per item
+# with it; the report's weights line and the JSON's weights object; bad
+# values refused
+"$FERRY" sim --trace "$D/t.jsonl" --weight-layers 0,2,1..3 --no-layers --json "$D/w.json" \
+  > "$D/wl.txt"
+grep -q '^weights 0 ' "$D/wl.txt"
+grep -q '^weights 1..3 ' "$D/wl.txt"
+grep -q 'weights 2 .*blocks 0..1 (2 x .*double-buffered: .*on the host (pinned); D2H ' "$D/wl.txt"
+grep -q '"layer_bytes_from":	"trace"' "$D/w.json"
+grep -q '"double_buffer":	true' "$D/w.json"
+"$FERRY" sim --trace "$D/t.jsonl" --policy default --weight-layers 2 --optimizer-fraction 0.5 \
+  --weight-double-buffer off --no-layers > "$D/wl2.txt"
+grep -q '^default opt=0.5 w=2 ' "$D/wl2.txt"
+grep -q 'default opt=0.5 w=2 .*single-buffered' "$D/wl2.txt"
+rc=0
+"$FERRY" sim --trace "$D/t.jsonl" --weight-double-buffer maybe 2> "$D/err.txt" || rc=$?
+[ "$rc" = 2 ]
+grep -q 'weight-double-buffer maybe: expected on or off' "$D/err.txt"
+rc=0
+"$FERRY" sim --trace "$D/t.jsonl" --weight-layers 0..99 2> "$D/err.txt" || rc=$?
+[ "$rc" = 1 ]
+grep -q 'weight layers 0..99: the trace has' "$D/err.txt"
+rc=0
+"$FERRY" sim --fit 50M --trace "$D/t.jsonl" --weight-layers 2 2> "$D/err.txt" || rc=$?
+[ "$rc" = 2 ]
 echo ok

@@ -151,6 +151,10 @@
   X(sim_optimizer_fraction_zero_is_no_offload)                             \
   X(sim_optimizer_offload_frees_exactly_the_share)                         \
   X(sim_optimizer_offload_hand_computed_steps)                             \
+  X(sim_trace_resident_layer_bytes)                                        \
+  X(sim_weight_offload_hand_computed_steps)                                \
+  X(sim_weight_offload_composes_with_activations)                          \
+  X(sim_weight_offload_refusals_and_estimate)                              \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -61,6 +61,13 @@ static void sim_usage(FILE *f) {
           "                      DeepSpeed's CPU-Adam on a node shared by 8 GPUs)\n"
           "  --optimizer-overlap on|off  on (default): the host step overlaps the device\n"
           "                      share's, the parameters' copies the next forward; off: serial\n"
+          "  --weight-layers L[,L2...]  also offload the weights of repeated blocks\n"
+          "                      (ferry.torch.offload_weights): N = the first N blocks,\n"
+          "                      A..B = blocks A to B; D2H after each one's forward, H2D\n"
+          "                      before its backward. One run per policy and item\n"
+          "                      (without --policy: no activation offload)\n"
+          "  --weight-double-buffer on|off  on (default): a block's reload issues its\n"
+          "                      neighbour's behind it (double_buffer=True)\n"
           "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          memory over the last step: device (baseline and each\n"
@@ -157,10 +164,20 @@ typedef struct sim_opts {
   int release_copied, prefetch_bwd;
   double cpu_adam;     /* params/s per rank, 0 = the default */
   int opt_serial;      /* --optimizer-overlap off */
+  int w_single;        /* --weight-double-buffer off */
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0}
 #define MAX_FRACTIONS 16
+#define MAX_WEIGHT_ITEMS 16
+#define MAX_BLOCK 1000000 /* a block index or count no trace reaches */
+
+/* One item of --weight-layers: blocks first .. first + count - 1, and how
+ * the item was written (N or A..B) for the run's label. */
+typedef struct weight_item {
+  int32_t first, count;
+  char text[32];
+} weight_item;
 
 /* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
 static int parse_pinned(const char *spec, sim_opts *o) {
@@ -223,12 +240,65 @@ static int parse_fractions(const char *spec, double *out) {
   }
 }
 
+/* "0,8,0..7": items of --weight-layers, each N (the first N blocks) or A..B
+ * (blocks A to B, A <= B). The count, or -1 after a message naming the flag
+ * and the value. */
+static int parse_weight_layers(const char *spec, weight_item *out) {
+  const char *flag = "--weight-layers";
+  int n = 0;
+  const char *p = spec;
+  for (;;) {
+    size_t len = strcspn(p, ",");
+    char elem[64];
+    if (len >= sizeof elem) {
+      fprintf(stderr, "ferry sim: %s %s: an item is too long\n", flag, spec);
+      return -1;
+    }
+    snprintf(elem, sizeof elem, "%.*s", (int)len, p);
+    if (n == MAX_WEIGHT_ITEMS) {
+      fprintf(stderr, "ferry sim: %s %s: at most %d items\n", flag, spec, MAX_WEIGHT_ITEMS);
+      return -1;
+    }
+    char *dots = strstr(elem, "..");
+    long a, b;
+    if (dots) {
+      char why[256];
+      double x, y;
+      *dots = 0;
+      if (ferry_parse_number(flag, elem, FERRY_NUMBER_COUNT, 0, MAX_BLOCK, 0, &x, why, sizeof why) ||
+          ferry_parse_number(flag, dots + 2, FERRY_NUMBER_COUNT, 0, MAX_BLOCK, 0, &y, why,
+                             sizeof why)) {
+        fprintf(stderr, "ferry sim: %s %s..%s: in the range, %s\n", flag, elem, dots + 2, why);
+        return -1;
+      }
+      a = (long)x;
+      b = (long)y;
+      if (b < a) {
+        fprintf(stderr, "ferry sim: %s %s..%s: expected A..B with A <= B\n", flag, elem, dots + 2);
+        return -1;
+      }
+      out[n].first = (int32_t)a;
+      out[n].count = (int32_t)(b - a + 1);
+      snprintf(out[n].text, sizeof out[n].text, "%ld..%ld", a, b);
+    } else {
+      if (cli_int("sim", flag, elem, 0, MAX_BLOCK, &a)) return -1;
+      out[n].first = 0;
+      out[n].count = (int32_t)a;
+      snprintf(out[n].text, sizeof out[n].text, "%ld", a);
+    }
+    n++;
+    if (!p[len]) return n;
+    p += len + 1;
+  }
+}
+
 typedef struct sim_job {
   char label[128];
   char path[PATH_MAX]; /* "" with no source: no policy (keep everything) */
   char *source; /* sweep: the substituted source */
   int recorded;
   double opt_fraction; /* --optimizer-fraction: the share stepped on the host */
+  int32_t w_first, w_count; /* --weight-layers: the blocks whose weights are offloaded */
 } sim_job;
 
 /* What the trace reader takes (--max-line). */
@@ -253,6 +323,7 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.hbm_bytes_per_s = o->hbm > 0 ? o->hbm : hw->hbm_bytes_per_s * SIM_DEFAULT_HBM_FRACTION;
   c.cpu_adam_params_per_s = o->cpu_adam;
   c.optimizer_serial = o->opt_serial;
+  c.weight_single_buffer = o->w_single;
   return c;
 }
 
@@ -289,6 +360,8 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
       else if (j->source) c.policy_source = j->source;
       else if (j->path[0]) c.policy_path = j->path;
       c.optimizer_fraction = j->opt_fraction;
+      c.weight_first = j->w_first;
+      c.weight_count = j->w_count;
     }
     ps.label = i ? jobs[i - 1].label : "no offload";
     ps.run = i + 1;
@@ -559,6 +632,8 @@ int ferry_cli_sim(int argc, char **argv) {
       {"max-line", required_argument, 0, 'Y'}, {"quiet", no_argument, 0, 'q'},
       {"optimizer-fraction", required_argument, 0, 'o'}, {"cpu-adam", required_argument, 0, 'A'},
       {"optimizer-overlap", required_argument, 0, 'V'}, {"verbose", no_argument, 0, 'v'},
+      {"weight-layers", required_argument, 0, 'K'},
+      {"weight-double-buffer", required_argument, 0, 'U'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -571,6 +646,8 @@ int ferry_cli_sim(int argc, char **argv) {
   const char *fit_out = "fit.lua";
   double fractions[MAX_FRACTIONS];
   int n_fractions = 0;
+  weight_item witems[MAX_WEIGHT_ITEMS];
+  int n_witems = 0;
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
   while ((c = getopt_long(argc, argv, ":hqv", opts, NULL)) != -1) {
@@ -641,6 +718,16 @@ int ferry_cli_sim(int argc, char **argv) {
       }
       o.opt_serial = !strcmp(optarg, "off");
       break;
+    case 'K':
+      if ((n_witems = parse_weight_layers(optarg, witems)) < 0) return 2;
+      break;
+    case 'U':
+      if (strcmp(optarg, "on") && strcmp(optarg, "off")) {
+        fprintf(stderr, "ferry sim: --weight-double-buffer %s: expected on or off\n", optarg);
+        return 2;
+      }
+      o.w_single = !strcmp(optarg, "off");
+      break;
     case 'L': layers_table = 0; break;
     case 'Y':
       if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
@@ -696,10 +783,15 @@ int ferry_cli_sim(int argc, char **argv) {
                     "then check its policy with --optimizer-fraction\n");
     return 2;
   }
+  if (fit && n_witems) {
+    fprintf(stderr, "ferry sim: --fit does not search --weight-layers (yet): run --fit, "
+                    "then check its policy with --weight-layers\n");
+    return 2;
+  }
   if (fit)
     return run_fit(trace, link ? "custom" : hw_name, &hw, &o, fit, fit_device, fit_host, fit_out,
                    NULL);
-  if (!policies && !recorded && !n_fractions) {
+  if (!policies && !recorded && !n_fractions && !n_witems) {
     fprintf(stderr, "ferry sim: --policy is required (e.g. --policy default,budget)\n");
     return 2;
   }
@@ -817,6 +909,28 @@ int ferry_cli_sim(int argc, char **argv) {
           else snprintf(dst->label, sizeof dst->label, "optimizer %g", fractions[k]);
         }
       n *= n_fractions;
+    }
+  }
+  if (!rc && n_witems) { /* every run once per item; no policy: keep every tensor */
+    if (n == 0) n = 1;
+    if ((long)n * n_witems > MAX_RUNS) {
+      fprintf(stderr, "ferry sim: %d runs x %d weight-layer items is over %d runs\n", n,
+              n_witems, MAX_RUNS);
+      rc = 2;
+    } else {
+      for (int i = n - 1; i >= 0; i--)
+        for (int k = n_witems - 1; k >= 0; k--) {
+          sim_job *dst = &jobs[i * n_witems + k];
+          sim_job base = jobs[i];
+          if (k) base.source = base.source ? strdup(base.source) : NULL;
+          *dst = base;
+          dst->w_first = witems[k].first;
+          dst->w_count = witems[k].count;
+          if (base.label[0])
+            snprintf(dst->label, sizeof dst->label, "%.100s w=%s", base.label, witems[k].text);
+          else snprintf(dst->label, sizeof dst->label, "weights %s", witems[k].text);
+        }
+      n *= n_witems;
     }
   }
   if (!rc) rc = run_sim(trace, hw, jobs, n, &o, json, chrome, svg, html, layers_table, NULL);

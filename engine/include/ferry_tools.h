@@ -439,6 +439,10 @@ typedef struct trace_resident {
   char *what;
   uint64_t bytes;
   int dtype; /* its optional "dtype": the element type; FERRY_DTYPE_UNKNOWN if not given */
+  /* its optional "layer_bytes": of these bytes, what each repeated block
+   * holds (the "parameters" line: a block's weights, what weight offload
+   * moves per layer); 0 if not given */
+  uint64_t layer_bytes;
 } trace_resident;
 
 /* Transient device memory of a step (an "alloc" event to its "free"):
@@ -549,6 +553,14 @@ typedef struct sim_config {
   double optimizer_fraction;
   double cpu_adam_params_per_s;
   int optimizer_serial;
+  /* sim: weight offload (docs/simulator.md, "Weight offload"), as
+   * ferry.torch.offload_weights does it: the weights of the repeated blocks
+   * weight_first .. weight_first + weight_count - 1 (weight_count 0 = none)
+   * go to the host after each forward and come back before their backward,
+   * the next forward keeping them; weight_single_buffer: no reload of the
+   * neighbour ahead (double_buffer=False), else double-buffered */
+  int32_t weight_first, weight_count;
+  int weight_single_buffer;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -658,6 +670,18 @@ typedef struct sim_result {
   uint64_t opt_device_bytes, opt_host_bytes;
   int opt_serial;
   double opt_bytes_d2h, opt_bytes_h2d, opt_cpu_us, opt_stall_us;
+  /* weight offload (all 0 when off): the blocks (first, count), each one's
+   * weight bytes (the trace's "layer_bytes", or estimated: w_estimated 1,
+   * the "parameters" bytes over the layers), double-buffered or not, the
+   * device bytes taken out of resident_bytes (w_count x w_layer_bytes; on
+   * the device they count in peak_saved_bytes while there), the pinned host
+   * bytes (in peak_host_bytes too); per steady step the bytes each way and
+   * the exposed wait for them (all three also in bytes_d2h, bytes_h2d and
+   * stall_us) */
+  int32_t w_first, w_count;
+  int w_double_buffer, w_estimated;
+  uint64_t w_layer_bytes, w_device_bytes, w_host_bytes;
+  double w_bytes_d2h, w_bytes_h2d, w_stall_us;
 } sim_result;
 
 /* Replay t under c. On failure err names the problem. */
@@ -739,6 +763,9 @@ typedef struct synth_resident {
   uint64_t trainable;    /* of them, trained (LoRA: the share) */
   uint64_t params, grads, master, states, gathered; /* bytes per GPU */
   uint64_t total;
+  /* of params, one repeated block's (its linears and norms; the trace's
+   * "layer_bytes", what weight offload moves per layer) */
+  uint64_t layer_params;
 } synth_resident;
 
 /* Fill *m with a preset (synth_preset_names()) and the defaults (seq 8192,

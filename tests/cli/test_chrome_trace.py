@@ -87,9 +87,15 @@ def check(events, real=False):
                 packed.add((e["pid"], a["tensor"]))
             elif e["name"] == "unpack" and (e["pid"], a["tensor"]) not in packed:
                 problems.append(f"unpack of tensor {a['tensor']} before its pack: {e}")
-        elif real and e["cat"] == "other":  # a resident buffer's or checkpoint's copy
-            if e["name"] != "other copy":
+        elif e["cat"] == "other":  # a resident buffer's or checkpoint's copy
+            if real and e["name"] != "other copy":
                 problems.append(f"other copy named {e['name']!r}")
+            # the simulator names what it moves: a block's weights, the optimizer's share
+            if not real and (e["name"] != "weights" or "layer" not in a) and \
+                    e["name"] not in ("optimizer: gradients", "optimizer: parameters"):
+                problems.append(f"other copy named {e['name']!r}: {e}")
+            if lane not in COPY_LANES or a.get("bytes", 0) <= 0:
+                problems.append(f"other copy off the copy lanes or without bytes: {e}")
         else:
             if e["cat"] != ("offload" if lane == "D2H copies" else "reload"):
                 problems.append(f"copy category: {e}")
@@ -179,6 +185,17 @@ def sim_trace(ferry, d):
     if nflows == 0:
         problems.append("no flow arrows: the policies offload on this trace")
     report(problems, events, nflows, "ferry sim --chrome-trace")
+    # weights' and the optimizer's copies beside the activations'
+    subprocess.run([ferry, "sim", "--trace", trace, "--policy", "default", "--weight-layers", "2",
+                    "--optimizer-fraction", "0.5", "--no-layers", "--chrome-trace", out],
+                   check=True, capture_output=True)
+    events = load(out)
+    problems, nflows = check(events)
+    names = collections.Counter(e["name"] for e in events if e.get("cat") == "other")
+    # blocks 0 and 1, each way, in the last step; a chunk of the optimizer's a layer and one more
+    if names["weights"] != 4 or names["optimizer: gradients"] == 0:
+        problems.append(f"resident copies of the weights and the optimizer: {dict(names)}")
+    report(problems, events, nflows, "ferry sim --chrome-trace --weight-layers --optimizer-fraction")
 
 
 def run_trace(ferry, d):

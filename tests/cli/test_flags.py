@@ -35,6 +35,7 @@ TABLE = [
     ("sim", "--pinned touch=", ["1e-9GB/s"], "2.5GB/s"),
     ("sim", "--optimizer-fraction", ["1.5", "1.0001"], "0.5"),
     ("sim", "--cpu-adam", ["0", "1", "1e14"], "2e8"),
+    ("sim", "--weight-layers", ["1.5", "2..1", "1..x", "..3"], "2"),
     ("check", "--layers", ["0", "2000"], "2"),
     ("check", "--steps", ["0", "101"], "1"),
     ("check", "--ram-pct", ["101"], "50"),
@@ -67,7 +68,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--qk-norm", "--tie-embeddings", "--loss", "--param-dtype", "--grad-dtype",
                "--master-weights", "--optimizer", "--sp",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
-               "--optimizer-overlap", "--why", "--verbose"}
+               "--optimizer-overlap", "--why", "--verbose", "--weight-double-buffer"}
 
 
 def argv(sub, flag, value, d):

@@ -18,14 +18,14 @@ const char *const json_key_names[JK_COUNT] = {
     [JK_ALIAS] = "alias",   [JK_ALIAS_OF] = "alias_of", [JK_FLOPS] = "flops",
     [JK_US] = "us",         [JK_OP] = "op",           [JK_FORMAT] = "format",
     [JK_VERSION] = "version", [JK_BACKEND] = "backend", [JK_WHAT] = "what",
-    [JK_HBM_BYTES] = "hbm_bytes", [JK_MIN_US] = "min_us",
+    [JK_HBM_BYTES] = "hbm_bytes", [JK_MIN_US] = "min_us", [JK_LAYER_BYTES] = "layer_bytes",
 };
 
 /* By length and first letter, then one comparison: a pack line has fourteen
  * members, so this runs a few million times a second. */
 int json_key_find(const char *k, size_t n) {
   int key = -1;
-  if (n == 0 || n > 9) return -1;
+  if (n == 0 || n > 11) return -1;
   switch (k[0]) {
   case 'a': key = n == 5 ? JK_ALIAS : JK_ALIAS_OF; break;
   case 'b': key = n == 5 ? JK_BYTES : JK_BACKEND; break;
@@ -36,7 +36,7 @@ int json_key_find(const char *k, size_t n) {
   case 'h': key = JK_HBM_BYTES; break;
   case 'i': key = JK_ID; break;
   case 'k': key = JK_KIND; break;
-  case 'l': key = n == 5 ? JK_LAYER : JK_LAYERS; break;
+  case 'l': key = n == 5 ? JK_LAYER : n == 6 ? JK_LAYERS : JK_LAYER_BYTES; break;
   case 'm': key = k[1] == 'i' ? JK_MIN_US : JK_MODULE; break;
   case 'o': key = JK_OP; break;
   case 'p': key = JK_PHASE; break;

@@ -125,6 +125,30 @@ static void sim_print_optimizer(FILE *f, const sim_result *rs, int n) {
   fputc('\n', f);
 }
 
+/* Runs with weight offload: which blocks, what moves and what it costs. */
+static void sim_print_weights(FILE *f, const sim_result *rs, int n) {
+  int any = 0;
+  for (int i = 0; i < n; i++) any |= rs[i].w_count > 0;
+  if (!any) return;
+  fprintf(f, "\nweights (docs/simulator.md, \"Weight offload\"): blocks' weights D2H after their "
+             "forward, H2D before their backward; per steady step, in D2H/H2D and stall above:");
+  for (int i = 0; i < n; i++) {
+    const sim_result *r = &rs[i];
+    if (!(r->w_count > 0)) continue;
+    char each[32], dev[32], d2h[32], h2d[32], ex[32];
+    fmt_bytes(each, sizeof each, (double)r->w_layer_bytes);
+    fmt_bytes(dev, sizeof dev, (double)r->w_device_bytes);
+    fmt_bytes(d2h, sizeof d2h, r->w_bytes_d2h);
+    fmt_bytes(h2d, sizeof h2d, r->w_bytes_h2d);
+    fmt_us(ex, sizeof ex, r->w_stall_us);
+    fprintf(f, "\n  %-22.22s blocks %d..%d (%d x %s%s), %s: %s on the host (pinned); D2H %s, "
+               "H2D %s, exposed %s", r->label, r->w_first, r->w_first + r->w_count - 1,
+            r->w_count, each, r->w_estimated ? ", estimated: parameters / layers" : "",
+            r->w_double_buffer ? "double-buffered" : "single-buffered", dev, d2h, h2d, ex);
+  }
+  fputc('\n', f);
+}
+
 void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_trace *t = info->trace;
   const sim_hw *hw = info->hw;
@@ -176,6 +200,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   }
   fputc('\n', f);
   sim_print_optimizer(f, rs, n);
+  sim_print_weights(f, rs, n);
   if (n > 1 && !strcmp(rs[0].backend, "sim")) {
     fprintf(f, "\nstall floor (the least stall any schedule of the same copies could expose "
                "at the same peak, the link at full speed; docs/simulator.md):");
@@ -282,6 +307,20 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
     cJSON_AddNumberToObject(o, "optimizer_cpu_us", r->opt_cpu_us);
     cJSON_AddNumberToObject(o, "optimizer_stall_us", r->opt_stall_us);
   }
+  if (r->w_count > 0) {
+    cJSON *w = cJSON_AddObjectToObject(o, "weights");
+    cJSON_AddNumberToObject(w, "first_layer", r->w_first);
+    cJSON_AddNumberToObject(w, "layers", r->w_count);
+    cJSON_AddNumberToObject(w, "layer_bytes", (double)r->w_layer_bytes);
+    cJSON_AddStringToObject(w, "layer_bytes_from",
+                            r->w_estimated ? "estimated: parameters / layers" : "trace");
+    cJSON_AddBoolToObject(w, "double_buffer", r->w_double_buffer);
+    cJSON_AddNumberToObject(w, "device_bytes", (double)r->w_device_bytes);
+    cJSON_AddNumberToObject(w, "host_bytes", (double)r->w_host_bytes);
+    cJSON_AddNumberToObject(w, "bytes_d2h", r->w_bytes_d2h);
+    cJSON_AddNumberToObject(w, "bytes_h2d", r->w_bytes_h2d);
+    cJSON_AddNumberToObject(w, "stall_us", r->w_stall_us);
+  }
   cJSON *layers = cJSON_AddArrayToObject(o, "layers");
   for (uint32_t k = 0; layers && k < r->n_layers; k++) {
     const sim_layer_row *l = &r->layers[k];
@@ -358,7 +397,8 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
 /* Written through util/chrome_trace.h, the writer real runs use too
  * (core/chrome_recorder.c). A process per run (the baseline, then each
  * policy), a thread per lane: compute slices named by layer, copies by the
- * tensor's module path with its bytes, layer and trace index, a flow arrow
+ * tensor's module path with its bytes, layer and trace index (resident
+ * buffers' copies, category "other", by what they move), a flow arrow
  * from each offload to its reload, the device-memory counter, and instants
  * at backward's start and the step's end. Times: the last step, in µs from
  * its start. */
@@ -387,8 +427,11 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
                : iv->lane == 1                      ? "offload"
                                                     : "reload";
       }
-      cJSON *e = ct_slice(what, iv->lane == 0 ? "compute" : iv->lane == 1 ? "offload" : "reload",
-                          pid, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0);
+      /* a copy of no trace tensor is a resident buffer's (weights, the
+       * optimizer's): category "other", as in a real run's trace */
+      const char *cat = iv->lane == 0 ? "compute" : !iv->tensor ? "other"
+                        : iv->lane == 1 ? "offload" : "reload";
+      cJSON *e = ct_slice(what, cat, pid, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0);
       cJSON *args = ct_args(e);
       if (iv->layer >= 0) cJSON_AddNumberToObject(args, "layer", iv->layer);
       if (iv->lane != 0) {

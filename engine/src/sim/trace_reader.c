@@ -503,17 +503,19 @@ static int parse_compute(reader *r, const json_line *o) {
   return 0;
 }
 
-/* {"ev":"resident","bytes":N,"what":S[,"dtype":D]}: device memory held
- * outside the saved tensors, before the first step; a second line for S
+/* {"ev":"resident","bytes":N,"what":S[,"dtype":D][,"layer_bytes":B]}:
+ * device memory held outside the saved tensors, before the first step (B:
+ * each repeated block's part of it, at most N); a second line for S
  * replaces it. */
 static int parse_resident(reader *r, const json_line *o) {
   sim_trace *t = r->t;
-  int64_t bytes;
+  int64_t bytes, layer_bytes = 0;
   const char *what, *dtype = NULL;
   int rc;
   if ((rc = get_int(r, o, JK_BYTES, 1, 0, (double)MAX_TENSOR_BYTES, &bytes)) ||
       (rc = get_str(r, o, JK_WHAT, 1, &what)))
     return rc;
+  if ((rc = get_int(r, o, JK_LAYER_BYTES, 0, 0, (double)bytes, &layer_bytes)) < 0) return rc;
   if ((rc = get_str(r, o, JK_DTYPE, 0, &dtype)) < 0) return rc;
   int dt = dtype ? ferry_dtype_from_name(dtype) : FERRY_DTYPE_UNKNOWN;
   if (dt < 0) return reader_fail(r, "unknown dtype \"%s\"", dtype);
@@ -532,6 +534,7 @@ static int parse_resident(reader *r, const json_line *o) {
   t->resident_bytes -= t->resident[k].bytes;
   t->resident[k].bytes = (uint64_t)bytes;
   t->resident[k].dtype = dt;
+  t->resident[k].layer_bytes = (uint64_t)layer_bytes; /* 0 when not given */
   t->resident_bytes += (uint64_t)bytes;
   return 0;
 }

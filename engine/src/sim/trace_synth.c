@@ -945,6 +945,8 @@ void synth_resident_parts(const synth_model *m, synth_resident *r) {
   r->gathered = sh > 1 ? 2 * (layer_matrices(m, 0) / (uint64_t)tp_of(m)) *
                              (uint64_t)ferry_dtype_size(m->dtype) : 0;
   r->total = r->params + r->grads + r->master + r->states + r->gathered;
+  r->layer_params = (layer_matrices(m, 0) / (uint64_t)tp_of(m) + layer_norms(m)) *
+                    (uint64_t)ferry_dtype_size(param_dtype_of(m)) / sh;
 }
 
 uint64_t synth_resident_bytes(const synth_model *m) {
@@ -1244,11 +1246,14 @@ static const char *checkpoint_name(const synth_model *m, char *buf, size_t n) {
 }
 
 /* A resident line; dtype (optional, 0: none) is the element type, which
- * lets a replayer count the parameters from their bytes. */
-static void w_resident(FILE *f, uint64_t bytes, const char *what, int dtype) {
+ * lets a replayer count the parameters from their bytes; layer_bytes
+ * (optional, 0: none) each repeated block's part, which weight offload
+ * moves. */
+static void w_resident(FILE *f, uint64_t bytes, const char *what, int dtype, uint64_t layer_bytes) {
   fprintf(f, "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":%llu,\"what\":\"%s\"",
           (unsigned long long)bytes, what);
   if (dtype) fprintf(f, ",\"dtype\":\"%s\"", ferry_dtype_name(dtype));
+  if (layer_bytes) fprintf(f, ",\"layer_bytes\":%llu", (unsigned long long)layer_bytes);
   fputs("}\n", f);
 }
 
@@ -1310,11 +1315,11 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   fprintf(f, "\"shard\":%d,\"tflops\":%g,\"hbm_gbps\":%g}\n", m->shard, m->tflops, m->hbm_gbps);
   synth_resident res;
   synth_resident_parts(m, &res);
-  w_resident(f, res.params, "parameters", param_dtype_of(m));
-  w_resident(f, res.grads, "gradients", grad_dtype_of(m));
-  if (res.master) w_resident(f, res.master, "master weights", F32);
-  w_resident(f, res.states, "optimizer states", 0);
-  if (res.gathered) w_resident(f, res.gathered, "gathered parameters", m->dtype);
+  w_resident(f, res.params, "parameters", param_dtype_of(m), res.layer_params);
+  w_resident(f, res.grads, "gradients", grad_dtype_of(m), 0);
+  if (res.master) w_resident(f, res.master, "master weights", F32, 0);
+  w_resident(f, res.states, "optimizer states", 0, 0);
+  if (res.gathered) w_resident(f, res.gathered, "gathered parameters", m->dtype, 0);
   const double opt_bytes = optimizer_step_bytes(m, &res);
   for (int st = 1; st <= m->steps; st++) {
     w.step = (uint64_t)st;
