@@ -7,14 +7,15 @@ FERRY=$1
 D=$(mktemp -d)
 trap 'rm -rf "$D"' EXIT
 "$FERRY" trace synth --preset tiny -o "$D/t.jsonl" >/dev/null
-"$FERRY" sim --fit 50M --fit-host 8M --trace "$D/t.jsonl" --fit-out "$D/fit.lua" > "$D/fit.txt"
+"$FERRY" sim --fit 51M --fit-host 8M --trace "$D/t.jsonl" --fit-out "$D/fit.lua" > "$D/fit.txt"
 grep -q '^best: HOST_BYTES = ' "$D/fit.txt"
 grep -q '^local HOST_BYTES = ' "$D/fit.lua"
 "$FERRY" sim --policy "$D/fit.lua" --trace "$D/t.jsonl" --steps 4 --warmup 2 --no-layers \
   --json "$D/r.json" > "$D/check.txt"
-# the replayed policy's steady peak is within the 50M target
+# the replayed policy's steady peak is within the 51M target (the tiny model at
+# 0.05 GiB without offload: a target that only some settings reach)
 peak=$(tr ',' '\n' < "$D/r.json" | grep -m1 '"peak_device_bytes":' | sed 's/.*://')
-[ "${peak%.*}" -le 52428800 ]
+[ "${peak%.*}" -le 53477376 ]
 # --fit device: the preset's memory less 5% (80e9 x 0.95 B = 70.78 GiB on h100)
 "$FERRY" sim --fit device --hw h100 --trace "$D/t.jsonl" --fit-out "$D/dev.lua" > "$D/dev.txt"
 grep -q "target: device 70.78 GiB (h100's 80 GB less 5% headroom)" "$D/dev.txt"

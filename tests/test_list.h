@@ -125,6 +125,7 @@
   X(sim_trace_transient_alloc_and_free)                                 \
   X(sim_synth_matches_korthikanti_formula)                              \
   X(sim_synth_llama_shapes_and_sizes)                                   \
+  X(sim_synth_saved_tensors_per_op_fused_and_eager)                     \
   X(sim_synth_checkpoint_modes_save_what_the_formulas_say)              \
   X(sim_synth_recompute_time_goes_to_backward)                          \
   X(sim_synth_selective_with_flash_is_refused)                          \

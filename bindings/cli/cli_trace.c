@@ -32,7 +32,12 @@ static void synth_usage(FILE *f) {
           "  --seq N              sequence length (default 8192)\n"
           "  --micro-batch N      sequences per micro-batch (default 1)\n"
           "  --dtype T            bf16 (default), f16, f32\n"
-          "  --flash on|off       FlashAttention (default on): no s^2 tensors\n"
+          "  --flash on|off       FlashAttention (default on): no s^2 tensors; off: Hugging\n"
+          "                       Face's eager attention (bmm, softmax in fp32)\n"
+          "  --norm fused|eager   what an RMSNorm saves (llama arch): fused (default), one\n"
+          "                       kernel: input, rstd; eager: Hugging Face's LlamaRMSNorm op\n"
+          "                       by op: the fp32 input, rstd, the normalized tensor (a CPU\n"
+          "                       run, or a GPU run without fused kernels)\n"
           "  --checkpoint MODE    activation checkpointing (docs/simulator.md):\n"
           "                       none (default; also off)\n"
           "                       full: every block keeps only its input, recomputed\n"
@@ -237,7 +242,7 @@ static int trace_synth_main(int argc, char **argv) {
       {"param-dtype", required_argument, 0, 'p'}, {"grad-dtype", required_argument, 0, 'g'},
       {"master-weights", required_argument, 0, 'M'}, {"optimizer", required_argument, 0, 'O'},
       {"lora", required_argument, 0, 'R'}, {"tp", required_argument, 0, 'x'},
-      {"sp", required_argument, 0, 'y'},
+      {"sp", required_argument, 0, 'y'},     {"norm", required_argument, 0, 'r'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *out = NULL;
@@ -295,6 +300,14 @@ static int trace_synth_main(int argc, char **argv) {
     case 'R': bad |= cli_number("trace synth", "--lora", optarg, FERRY_NUMBER_REAL, 0, 1, 1, &m.lora) != 0; break;
     case 'x': bad |= int_arg("--tp", optarg, &m.tp) != 0; break;
     case 'y': bad |= on_off("--sp", optarg, &m.sp) != 0; break;
+    case 'r':
+      if (!strcmp(optarg, "fused")) m.norm = SYNTH_NORM_FUSED;
+      else if (!strcmp(optarg, "eager")) m.norm = SYNTH_NORM_EAGER;
+      else {
+        fprintf(stderr, "ferry trace synth: --norm %s: fused or eager\n", optarg);
+        bad = 1;
+      }
+      break;
     case 'o': out = optarg; break;
     case 'q': cli_verbosity = -1; break;
     case 'v': cli_verbosity = 1; break;
@@ -348,12 +361,13 @@ static int trace_synth_main(int argc, char **argv) {
     fprintf(stderr,
             "ferry trace synth: arch %s, layers %d, hidden %d, heads %d, kv-heads %d, head-dim %d, "
             "qk-norm %s, ffn %d, experts %d, top-k %d, expert-ffn %d, vocab %d, seq %d, "
-            "micro-batch %d, dtype %s, flash %s, checkpoint %s, loss %s, shard %d, "
+            "micro-batch %d, dtype %s, flash %s, norm %s, checkpoint %s, loss %s, shard %d, "
             "tflops %g, hbm %g GB/s, steps %d\n",
             m.arch == SYNTH_GPT ? "gpt" : "llama", m.layers, m.hidden, m.heads, m.kv_heads,
             m.head_dim ? m.head_dim : m.hidden / m.heads, m.qk_norm ? "on" : "off", m.ffn,
             m.experts, m.top_k, m.experts ? (m.expert_ffn ? m.expert_ffn : m.ffn) : 0, m.vocab,
-            m.seq, m.micro_batch, ferry_dtype_name(m.dtype), m.flash ? "on" : "off", ckpt,
+            m.seq, m.micro_batch, ferry_dtype_name(m.dtype), m.flash ? "on" : "off",
+            m.norm == SYNTH_NORM_EAGER ? "eager" : "fused", ckpt,
             loss_name(&m, loss, sizeof loss), m.shard, m.tflops, m.hbm_gbps, m.steps);
   if (cli_verbosity >= 0) {
     char params[64], saved[160];

@@ -722,6 +722,12 @@ enum {
   SYNTH_OPT_NONE          /* no optimizer step at all */
 };
 enum { SYNTH_MASTER_AUTO = 0, SYNTH_MASTER_ON = 1, SYNTH_MASTER_OFF = 2 };
+/* What an RMSNorm saves (docs/simulator.md, "Saved tensors per op"): fused,
+ * one kernel (torch's _fused_rms_norm, Liger's RMSNorm: the input, its rstd
+ * and the weight); eager, Hugging Face's LlamaRMSNorm as written, op by op
+ * (the fp32 input, rstd, the normalized tensor: what a CPU run or a GPU run
+ * without fused kernels saves). */
+enum { SYNTH_NORM_FUSED = 0, SYNTH_NORM_EAGER = 1 };
 /* What selective checkpointing recomputes (bit mask). */
 enum {
   SYNTH_RECOMPUTE_ATTN_CORE = 1u << 0, /* softmax & co: the s^2 tensors */
@@ -755,6 +761,7 @@ typedef struct synth_model {
   double lora;        /* trainable share of the parameters (LoRA); 0 = all */
   int tp;             /* Megatron tensor parallelism degree; 0 or 1 = none */
   int sp;             /* sequence parallelism (needs tp > 1) */
+  int norm;           /* SYNTH_NORM_*: the RMSNorms' kernels (llama arch) */
 } synth_model;
 
 /* The resident bytes per GPU, by part (synth_resident_parts). */
@@ -780,9 +787,10 @@ FERRY_API int synth_validate(const synth_model *m, char *err, size_t errlen);
 /* Write the trace; 0, or -1 with a message (I/O error). */
 FERRY_API int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen);
 
-/* Bytes of the distinct activation buffers one layer saves in the forward
- * pass without checkpointing (no parameters; a buffer saved by several ops
- * counts once). */
+/* Bytes of the distinct activation buffers one layer's ops save in the
+ * forward pass without checkpointing (no parameters; a buffer saved by
+ * several ops counts once; the model-wide rotary tables included, which
+ * only the first layer that saves packs: synth_layer_saved_bytes). */
 FERRY_API uint64_t synth_layer_activation_bytes(const synth_model *m);
 /* What layer `layer` keeps from its forward pass to its backward under
  * m's checkpointing (the trace's forward-phase activation packs). */

@@ -66,7 +66,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
                "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
                "--qk-norm", "--tie-embeddings", "--loss", "--param-dtype", "--grad-dtype",
-               "--master-weights", "--optimizer", "--sp",
+               "--master-weights", "--optimizer", "--sp", "--norm",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
                "--optimizer-overlap", "--why", "--verbose", "--weight-double-buffer"}
 

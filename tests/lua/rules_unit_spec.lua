@@ -334,13 +334,18 @@ describe("ferry.rules", function()
       [[return R.policy { reload = R.prefetch_bytes(0) }]])))
   end)
 
-  it("R.LOSS matches the loss module outside the blocks, by name or class", function()
+  it("R.LOSS matches the loss outside the blocks: its module by name or class, or the root", function()
     local p = policy [[return R.policy { R.exclude_modules(R.LOSS) }]]
     assert.equal(KEEP, (run(p, { path = "loss" })))
     assert.equal(KEEP, (run(p, { path = "model.loss_fn" })))
     assert.equal(KEEP, (run(p, { path = "x", class = "CrossEntropyLoss" })))
     assert.equal(OFFLOAD, (run(p, { path = "model.layers.0.loss" })))
     assert.equal(OFFLOAD, (run(p, { path = "lm_head" })))
+    -- Hugging Face's loss, in the CausalLM's own forward, and a loss
+    -- computed outside the model: the root path
+    assert.equal(KEEP, (run(p, { path = "", class = "LlamaForCausalLM" })))
+    assert.equal(KEEP, (run(p, { path = "" })))
+    assert.equal(OFFLOAD, (run(p, { path = "model.embed_tokens", class = "Embedding" })))
   end)
 
   it("selectors and guards make offloads uncached; cache = false disables caching", function()

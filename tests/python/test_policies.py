@@ -96,10 +96,14 @@ def test_fraction_policy_only_selected_modules(tmp_path):
 def test_budget_policy_offloads_eligible_and_prefetches(tmp_path):
     # budget.lua's default budget is 0 bytes kept (docs/simulator.md, "Policy
     # quality"): every eligible activation goes, the head's inputs included,
-    # parameters never, and reloads are prefetched.
+    # parameters never, and reloads are prefetched. The loss (cross_entropy,
+    # called outside the model: no module) is kept (R.LOSS).
     _, s, packs = run_policy("budget", str(tmp_path / "t.jsonl"))
     step3 = [p for p in packs if p["step"] == 3]
-    eligible = [p for p in step3 if p["kind"] == "activation" and p["bytes"] >= 1024]
+    loss = [p for p in step3 if not p.get("module")]
+    assert loss and all(p["decision"] == "keep" for p in loss)
+    eligible = [p for p in step3 if p["kind"] == "activation" and p["bytes"] >= 1024
+                and p.get("module")]
     assert eligible and all(p["decision"] == "offload" for p in eligible)
     assert any(p.get("module", "").startswith("lm_head") for p in eligible)
     assert all(p["decision"] == "keep" for p in step3 if p["kind"] in ("parameter", "buffer"))

@@ -290,7 +290,9 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
   if (iv.tensor) { /* the trace's own desc: its strings outlive the engine */
     const ferry_tensor_desc *d = &r->t->tensors[iv.tensor - 1].desc;
     iv.layer = d->layer;
-    iv.module_path = d->module_path;
+    /* named by its module path; at the model's root (""), such as Hugging
+     * Face's loss, by the root module's class */
+    iv.module_path = d->module_path && *d->module_path ? d->module_path : d->module_class;
   } else if (r->opt && (const char *)dev >= r->opt->dev &&
              (const char *)dev < r->opt->dev + 2 * r->opt->k) {
     iv.module_path = (const char *)dev < r->opt->dev + r->opt->k ? "optimizer: gradients"

@@ -23,6 +23,8 @@ typedef struct saved {
   int dtype;
   int kind;
   unsigned group; /* SYNTH_RECOMPUTE_* that drops it under selective */
+  int model_wide; /* one tensor of the whole model (the rotary tables): packed by the first
+                     layer that saves it, an alias in the later ones */
 } saved;
 
 /* How torchtitan's per-op selective checkpointing treats an op's output
@@ -50,7 +52,11 @@ typedef struct transient {
 } transient;
 
 typedef struct op {
-  char suffix[96];    /* module path below the layer ("self_attn.q_proj") */
+  char suffix[96];    /* its name: its compute events' ("self_attn.q_proj") */
+  char mod[96];       /* the module path below the layer its packs carry (has_mod; else
+                         the suffix): an op that runs in its module's own forward, such as
+                         attention in "self_attn" or the MLP's product in "mlp" */
+  int has_mod;
   const char *cls;
   const char *label;  /* its compute events' name, if not the suffix */
   double flops, bytes; /* forward */
@@ -291,6 +297,10 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
   if (!(m->tflops > 0 && m->tflops < 1e6)) BAD("tflops must be > 0");
   if (!(m->hbm_gbps > 0 && m->hbm_gbps < 1e7)) BAD("hbm bandwidth must be > 0");
   if (m->steps < 1 || m->steps > 1000000) BAD("steps %d must be within 1..1000000", m->steps);
+  if (m->norm != SYNTH_NORM_FUSED && m->norm != SYNTH_NORM_EAGER) BAD("norm must be fused or eager");
+  if (m->arch == SYNTH_GPT && m->norm == SYNTH_NORM_EAGER)
+    BAD("--norm eager is for RMSNorm (llama arch); gpt's LayerNorm is one native op "
+        "(native_layer_norm) on every device");
   if (validate_training(m, err, errlen) || validate_tp(m, err, errlen)) return -1;
   double widest = m->ffn > m->vocab ? m->ffn : m->vocab;
   if ((double)m->heads * (double)head_dim_of(m) > widest) widest = (double)m->heads * (double)head_dim_of(m);
@@ -326,6 +336,13 @@ static saved sv(int buf, int dtype, int kind, unsigned group, int ndim, int64_t 
   return s;
 }
 
+/* A saved tensor of nd (<= 4) dimensions given as an array. */
+static saved svd(int buf, int dtype, int kind, unsigned group, int nd, const int64_t *dims) {
+  saved s = {.buf = buf, .ndim = nd, .dtype = dtype, .kind = kind, .group = group};
+  for (int i = 0; i < nd; i++) s.shape[i] = dims[i];
+  return s;
+}
+
 static op *add_op(op_list *l, const char *suffix, const char *cls, double flops, double bytes) {
   op *o = &l->ops[l->n++]; /* layer_ops sized the list for the model */
   memset(o, 0, sizeof *o);
@@ -335,6 +352,16 @@ static op *add_op(op_list *l, const char *suffix, const char *cls, double flops,
   o->bytes = bytes;
   return o;
 }
+
+/* The op runs in module `mod`'s own forward (its packs carry that path,
+ * class cls); its compute events keep the op's name. */
+static void in_module(op *o, const char *mod, const char *cls) {
+  snprintf(o->mod, sizeof o->mod, "%s", mod);
+  o->has_mod = 1;
+  o->cls = cls;
+}
+
+static const char *op_module(const op *o) { return o->has_mod ? o->mod : o->suffix; }
 
 static void save(op *o, saved s) { o->saves[o->n_saves++] = s; }
 static void out(op *o, int sac, saved s) {
@@ -346,7 +373,8 @@ enum { /* layer-local activation buffers */
   B_X, B_XN1, B_Q, B_K, B_V, B_KREP, B_VREP, B_ATTN, B_H1, B_XN2, B_GATE, B_ACT, B_UP, B_PROD,
   B_QKV, B_SOFT32, B_PROBS, B_DMASK, B_DOUT, B_AMASK, B_FC1, B_GELU, B_MMASK, B_LSE, B_RSTD1,
   B_RSTD2, B_QP, B_KP, B_QRSTD, B_KRSTD, B_OP, B_DOWN, B_FC2, B_SCORES, B_RLOGITS, B_RPROBS,
-  B_RIDX, B_RW, B_RDEN, B_DENSE_END,
+  B_RIDX, B_RW, B_RDEN, B_COS, B_SIN, B_X32_1, B_NRM1, B_X32_2, B_NRM2, B_QX32, B_QNRM, B_KX32,
+  B_KNRM, B_DENSE_END,
   /* expert e's buffers: B_DENSE_END + e * EB_N + EB_* */
   EB_IDX = 0, EB_SLOT, EB_IN, EB_GATE, EB_ACT, EB_UP, EB_PROD, EB_DOWN, EB_RW, EB_N
 };
@@ -361,6 +389,7 @@ typedef struct layer_shape {
   double tokens, stokens, e;             /* b * s; b * ss; bytes per element */
   int dt, llama, qwen, mixtral;          /* the model's dtype; Llama (else GPT-2); Hugging
                                             Face's Qwen3 or Mixtral class and module names */
+  int moe, norm;                         /* experts; SYNTH_NORM_* */
 } layer_shape;
 
 #define ACT FERRY_KIND_ACTIVATION
@@ -368,58 +397,148 @@ typedef struct layer_shape {
 #define F32 FERRY_DTYPE_F32
 #define I64 FERRY_DTYPE_I64
 
-static const char *norm_cls(const layer_shape *ls) {
-  return !ls->llama ? "LayerNorm" : ls->qwen ? "Qwen3RMSNorm" : ls->mixtral ? "MixtralRMSNorm" : "LlamaRMSNorm";
+/* Hugging Face's class names of the llama architecture's families: Llama,
+ * Qwen3 (QK-norm), Qwen3Moe (QK-norm and experts), Mixtral (experts). */
+enum { CLS_NORM, CLS_ATTN, CLS_MLP, CLS_EXPERT, CLS_MOE, CLS_LM };
+static const char *hf_class(int arch, int qk_norm, int experts, int what) {
+  static const char *const names[4][6] = {
+      {"LlamaRMSNorm", "LlamaAttention", "LlamaMLP", "LlamaMLP", "LlamaMLP", "LlamaForCausalLM"},
+      {"Qwen3RMSNorm", "Qwen3Attention", "Qwen3MLP", "Qwen3MLP", "Qwen3MLP", "Qwen3ForCausalLM"},
+      {"Qwen3MoeRMSNorm", "Qwen3MoeAttention", "Qwen3MoeMLP", "Qwen3MoeMLP",
+       "Qwen3MoeSparseMoeBlock", "Qwen3MoeForCausalLM"},
+      {"MixtralRMSNorm", "MixtralAttention", "MixtralBlockSparseTop2MLP",
+       "MixtralBlockSparseTop2MLP", "MixtralSparseMoeBlock", "MixtralForCausalLM"}};
+  if (arch != SYNTH_LLAMA) return what == CLS_NORM ? "LayerNorm" : what == CLS_LM ? "GPTModel" : "GPTBlock";
+  return names[qk_norm ? (experts ? 2 : 1) : (experts ? 3 : 0)][what];
+}
+static const char *ls_class(const layer_shape *ls, int what) {
+  return hf_class(ls->llama ? SYNTH_LLAMA : SYNTH_GPT, ls->qwen, (int)ls->moe, what);
+}
+static const char *norm_cls(const layer_shape *ls) { return ls_class(ls, CLS_NORM); }
+
+/* Bytes per element an eager RMSNorm moves beyond a fused one's read and
+ * write (2e): the casts to fp32 and back (none in fp32), pow, mean, x * rstd,
+ * weight * that. */
+static double eager_norm_extra(double e) {
+  const double casts = e < 4 ? 2 * (e + 4) : 0; /* to fp32 and back: read one, write the other */
+  return casts + 8 /* pow */ + 4 /* mean */ + 8 /* x * rstd */;
+}
+
+/* What an RMSNorm over the last dimension of x (nd dims, model dtype dt)
+ * saves. Fused, one kernel (torch's _fused_rms_norm, derivatives.yaml: input,
+ * weight and result1, the rstd; Liger's LigerRMSNormFunction:
+ * save_for_backward(X, W, RSTD)): x, its rstd (fp32, the last dim 1), the
+ * weight. Eager, Hugging Face's LlamaRMSNorm.forward as written
+ * (x.to(float32); pow(2) saves its input; mean saves nothing; rsqrt saves
+ * its result; x * rstd saves both; .to(dtype) saves nothing; weight * that
+ * saves both): the fp32 x (x itself when the model is fp32, else a copy),
+ * rstd, the two again (aliases), the normalized tensor in the model dtype,
+ * the weight. */
+static void rms_norm_saves(op *o, int norm, int dt, int x, int x32, int nrm, int rstd, int nd,
+                           const int64_t *dims) {
+  int64_t sd[4];
+  memcpy(sd, dims, (size_t)nd * sizeof *sd);
+  sd[nd - 1] = 1;
+  if (norm == SYNTH_NORM_EAGER) {
+    const int xb = dt == F32 ? x : x32;
+    save(o, svd(xb, F32, ACT, 0, nd, dims));    /* pow */
+    save(o, svd(rstd, F32, ACT, 0, nd, sd));    /* rsqrt's result */
+    save(o, svd(rstd, F32, ACT, 0, nd, sd));    /* x * rstd: both */
+    save(o, svd(xb, F32, ACT, 0, nd, dims));
+    save(o, svd(nrm, dt, ACT, 0, nd, dims));    /* weight * normalized: both */
+    save(o, sv(B_PARAM, dt, PARAM, 0, 1, dims[nd - 1], 0, 0, 0));
+    return;
+  }
+  save(o, svd(x, dt, ACT, 0, nd, dims));
+  save(o, svd(rstd, F32, ACT, 0, nd, sd));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 1, dims[nd - 1], 0, 0, 0));
+}
+
+/* An RMSNorm op's forward bytes: fused, read x and write y (2e per
+ * element, plus what the caller adds); eager, its six kernels. */
+static double rms_norm_bytes(int norm, double elements, double e, double fused) {
+  return fused + (norm == SYNTH_NORM_EAGER ? elements * eager_norm_extra(e) : 0);
+}
+
+/* A Linear (no bias: mm; with one: addmm, the same saves) on rows of x:
+ * F.linear folds the batch into the rows, so autograd saves the input as the
+ * 2-D matrix mm multiplies (tokens x in) and the weight as its transpose
+ * (in x out, a view of the parameter): derivatives.yaml's mm saves self and
+ * mat2. */
+static void linear_saves(op *o, int dt, int in_buf, int64_t rows, int64_t in, int64_t out_w) {
+  save(o, sv(in_buf, dt, ACT, 0, 2, rows, in, 0, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, in, out_w, 0, 0));
+}
+
+/* Hugging Face's apply_rotary_pos_emb in the attention's forward:
+ * q * cos + rotate_half(q) * sin, the same for k. mul saves the other
+ * operand only where the gradient needs it: cos and sin (1, 1, s, d, model
+ * dtype: LlamaRotaryEmbedding's tables, made once per forward by the model),
+ * for q and again for k. One tensor for the whole model: the first layer
+ * packs it, the others alias it. */
+static void rotary_saves(op *o, const layer_shape *ls) {
+  for (int k = 0; k < 2; k++) {
+    saved c = sv(B_COS, ls->dt, ACT, 0, 4, 1, 1, ls->s, ls->d), n = c;
+    n.buf = B_SIN;
+    c.model_wide = n.model_wide = 1;
+    save(o, c);
+    save(o, n);
+  }
 }
 
 /* The input norm and the q/k/v (Llama) or fused qkv (GPT-2) projections;
- * Qwen3's QK-norm: an RMSNorm over head_dim on q and on k. */
+ * Qwen3's QK-norm: an RMSNorm over head_dim on q (after q_proj) and on k
+ * (after k_proj), as Qwen3Attention.forward runs them. */
 static void attention_in_ops(layer_shape *ls, op_list *l) {
   const int64_t b = ls->b, s = ls->s, h = ls->h, qd = ls->qd, kvd = ls->kvd, ss = ls->ss;
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
+  const int64_t rows = b * ss; /* the TP region's input (sp: this rank's share, gathered in
+                                  backward) */
   op *o;
-  /* norm: input, statistics (rstd; LayerNorm also the mean), weight; the
-   * projections' input is the TP region's (sequence parallel: saved as
-   * this rank's sequence share, gathered again in backward) */
-  o = add_op(l, "input_layernorm", norm_cls(ls), 0, 2 * ls->stokens * h * e);
-  save(o, sv(B_X, dt, ACT, 0, 3, b, ss, h, 0));
-  save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, ss, ls->llama ? 1 : 2, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+  /* norm: input, statistics (rstd; LayerNorm also the mean), weight */
+  o = add_op(l, "input_layernorm", norm_cls(ls), 0,
+             rms_norm_bytes(ls->norm, ls->stokens * h, e, 2 * ls->stokens * h * e));
   if (ls->llama) {
+    const int64_t dims[3] = {b, ss, h};
+    rms_norm_saves(o, ls->norm, dt, B_X, B_X32_1, B_NRM1, B_RSTD1, 3, dims);
+  } else {
+    save(o, sv(B_X, dt, ACT, 0, 3, b, ss, h, 0));
+    save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, ss, 2, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+  }
+  if (ls->llama) {
+    const int64_t qdims[4] = {b, s, ls->a, ls->d}, kdims[4] = {b, s, ls->kv, ls->d};
     o = add_op(l, "self_attn.q_proj", "Linear", 2 * tokens * h * qd, (tokens * h + h * qd + tokens * qd) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
-    save(o, sv(B_PARAM, dt, PARAM, 0, 2, qd, h, 0, 0));
+    linear_saves(o, dt, B_XN1, rows, h, qd);
     out(o, SAC_MM, sv(B_QP, dt, ACT, 0, 3, b, s, qd, 0));
-    o = add_op(l, "self_attn.k_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
-    save(o, sv(B_PARAM, dt, PARAM, 0, 2, kvd, h, 0, 0));
-    out(o, SAC_MM, sv(B_KP, dt, ACT, 0, 3, b, s, kvd, 0));
-    o = add_op(l, "self_attn.v_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
-    save(o, sv(B_PARAM, dt, PARAM, 0, 2, kvd, h, 0, 0));
-    out(o, SAC_MM, sv(B_V, dt, ACT, 0, 3, b, s, kvd, 0));
     if (ls->qwen) {
-      /* q_norm / k_norm over head_dim: input, rstd per head, weight (head_dim) */
-      o = add_op(l, "self_attn.q_norm", "Qwen3RMSNorm", 0, 2 * tokens * qd * e);
-      save(o, sv(B_QP, dt, ACT, 0, 4, b, s, ls->a, ls->d));
-      save(o, sv(B_QRSTD, F32, ACT, 0, 3, b, s, ls->a, 0));
-      save(o, sv(B_PARAM, dt, PARAM, 0, 1, ls->d, 0, 0, 0));
-      o = add_op(l, "self_attn.k_norm", "Qwen3RMSNorm", 0, 2 * tokens * kvd * e);
-      save(o, sv(B_KP, dt, ACT, 0, 4, b, s, ls->kv, ls->d));
-      save(o, sv(B_KRSTD, F32, ACT, 0, 3, b, s, ls->kv, 0));
-      save(o, sv(B_PARAM, dt, PARAM, 0, 1, ls->d, 0, 0, 0));
+      /* q_norm over head_dim on q_proj's output seen as (b, s, heads, head_dim) */
+      o = add_op(l, "self_attn.q_norm", norm_cls(ls), 0,
+                 rms_norm_bytes(ls->norm, tokens * qd, e, 2 * tokens * qd * e));
+      rms_norm_saves(o, ls->norm, dt, B_QP, B_QX32, B_QNRM, B_QRSTD, 4, qdims);
     }
-    /* rotary embedding: element-wise, saves only the cos/sin constants */
-    add_op(l, "self_attn.rotary_emb",
-           ls->qwen ? "Qwen3RotaryEmbedding" : ls->mixtral ? "MixtralRotaryEmbedding" : "LlamaRotaryEmbedding", 0,
-           4 * tokens * (qd + kvd) * e);
+    o = add_op(l, "self_attn.k_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
+    linear_saves(o, dt, B_XN1, rows, h, kvd);
+    out(o, SAC_MM, sv(B_KP, dt, ACT, 0, 3, b, s, kvd, 0));
+    if (ls->qwen) {
+      o = add_op(l, "self_attn.k_norm", norm_cls(ls), 0,
+                 rms_norm_bytes(ls->norm, tokens * kvd, e, 2 * tokens * kvd * e));
+      rms_norm_saves(o, ls->norm, dt, B_KP, B_KX32, B_KNRM, B_KRSTD, 4, kdims);
+    }
+    o = add_op(l, "self_attn.v_proj", "Linear", 2 * tokens * h * kvd, (tokens * h + h * kvd + tokens * kvd) * e);
+    linear_saves(o, dt, B_XN1, rows, h, kvd);
+    out(o, SAC_MM, sv(B_V, dt, ACT, 0, 3, b, s, kvd, 0));
+    /* rotary embedding: element-wise in the attention's forward; saves the
+     * cos/sin tables */
+    o = add_op(l, "self_attn.rotary_emb", "", 0, 4 * tokens * (qd + kvd) * e);
+    in_module(o, "self_attn", ls_class(ls, CLS_ATTN));
+    rotary_saves(o, ls);
   } else {
     /* fused q, k, v (GPT: kv width = q width, qd per tensor-parallel rank) */
     o = add_op(l, "self_attn.qkv_proj", "Linear", 2 * tokens * h * 3 * qd,
                (tokens * h + 3 * tokens * qd + 3 * h * qd) * e);
-    save(o, sv(B_XN1, dt, ACT, 0, 3, b, ss, h, 0));
-    save(o, sv(B_PARAM, dt, PARAM, 0, 2, 3 * qd, h, 0, 0));
+    linear_saves(o, dt, B_XN1, rows, h, 3 * qd);
     out(o, SAC_MM, sv(B_QKV, dt, ACT, 0, 3, b, s, 3 * qd, 0));
   }
 }
@@ -436,8 +555,13 @@ static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
   const int64_t a = ls->a, d = ls->d, kvd = ls->kvd;
   const unsigned CORE = SYNTH_RECOMPUTE_ATTN_CORE;
   if (flash) {
-    /* SDPA flash: q, k, v, output and the log-sum-exp; recomputes the rest */
+    /* SDPA flash: q, k, v, output and the log-sum-exp; recomputes the rest
+     * (derivatives.yaml: _scaled_dot_product_flash_attention, and
+     * _scaled_dot_product_flash_attention_for_cpu, which torch 2.x's SDPA
+     * runs on the CPU; GQA's k and v keep their kv heads). The CUDA kernel
+     * also keeps its rng state, a few bytes, not counted. */
     o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * s * qd, (2 * tokens * qd + 2 * tokens * kvd) * e);
+    if (llama) in_module(o, "self_attn", ls_class(ls, CLS_ATTN));
     save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
     save(o, sv(B_K, dt, ACT, 0, 4, b, kvd / d, s, d));
     save(o, sv(B_V, dt, ACT, 0, 4, b, kvd / d, s, d));
@@ -445,33 +569,45 @@ static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
     save(o, sv(B_LSE, F32, ACT, 0, 3, b, a, s, 0));
     out(o, SAC_SAVE, sv(B_ATTN, dt, ACT, 0, 4, b, a, s, d));
     out(o, SAC_SAVE, sv(B_LSE, F32, ACT, 0, 3, b, a, s, 0));
+  } else if (llama) {
+    /* Hugging Face's eager_attention_forward: repeat_kv copies k and v to
+     * every head (GQA; itself when kv heads = heads), matmul(q, k^T) runs as
+     * bmm on (b a) batches and saves both (q, s x d; k^T, d x s), the scaling
+     * and the mask save nothing, softmax in fp32 saves its result, .to(dtype)
+     * copies it (none in fp32: the same tensor), dropout with p = 0 saves
+     * nothing, matmul(probs, v) saves both. */
+    const char *acls = ls_class(ls, CLS_ATTN);
+    const int kbuf = kvd == qd ? B_K : B_KREP, vbuf = kvd == qd ? B_V : B_VREP;
+    const int64_t ba = b * a;
+    o = add_op(l, "self_attn.scores", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
+    in_module(o, "self_attn", acls);
+    o->rgroup = CORE;
+    save(o, sv(B_Q, dt, ACT, 0, 3, ba, s, d, 0));
+    save(o, sv(kbuf, dt, ACT, 0, 3, ba, d, s, 0));
+    o = add_op(l, "self_attn.softmax", "Softmax", 0, (double)b * a * s * s * (e + 4 + 4 + e));
+    in_module(o, "self_attn", acls);
+    o->rgroup = CORE;
+    save(o, sv(B_SOFT32, F32, ACT, CORE, 4, b, a, s, s));
+    o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
+    in_module(o, "self_attn", acls);
+    o->rgroup = CORE;
+    save(o, sv(dt == F32 ? B_SOFT32 : B_PROBS, dt, ACT, CORE, 3, ba, s, s, 0));
+    save(o, sv(vbuf, dt, ACT, 0, 3, ba, s, d, 0));
   } else {
-    int kbuf = kvd == qd ? B_K : B_KREP, vbuf = kvd == qd ? B_V : B_VREP;
     o = add_op(l, "self_attn.scores", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
     o->rgroup = CORE;
     save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
-    save(o, sv(kbuf, dt, ACT, 0, 4, b, a, s, d));
-    if (llama) {
-      /* HF eager attention: softmax in fp32, then a copy to the model dtype */
-      o = add_op(l, "self_attn.softmax", "Softmax", 0, (double)b * a * s * s * (e + 4 + 4 + e));
-      o->rgroup = CORE;
-      save(o, sv(B_SOFT32, F32, ACT, CORE, 4, b, a, s, s));
-      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
-      o->rgroup = CORE;
-      save(o, sv(B_PROBS, dt, ACT, CORE, 4, b, a, s, s));
-      save(o, sv(vbuf, dt, ACT, 0, 4, b, a, s, d));
-    } else {
-      o = add_op(l, "self_attn.softmax", "Softmax", 0, 2.0 * b * a * s * s * e);
-      o->rgroup = CORE;
-      save(o, sv(B_PROBS, dt, ACT, CORE, 4, b, a, s, s));
-      o = add_op(l, "self_attn.attention_dropout", "Dropout", 0, 3.0 * b * a * s * s * e);
-      o->rgroup = CORE;
-      save(o, sv(B_DMASK, FERRY_DTYPE_BOOL, ACT, CORE, 4, b, a, s, s));
-      o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
-      o->rgroup = CORE;
-      save(o, sv(B_DOUT, dt, ACT, CORE, 4, b, a, s, s));
-      save(o, sv(B_V, dt, ACT, 0, 4, b, a, s, d));
-    }
+    save(o, sv(B_K, dt, ACT, 0, 4, b, a, s, d));
+    o = add_op(l, "self_attn.softmax", "Softmax", 0, 2.0 * b * a * s * s * e);
+    o->rgroup = CORE;
+    save(o, sv(B_PROBS, dt, ACT, CORE, 4, b, a, s, s));
+    o = add_op(l, "self_attn.attention_dropout", "Dropout", 0, 3.0 * b * a * s * s * e);
+    o->rgroup = CORE;
+    save(o, sv(B_DMASK, FERRY_DTYPE_BOOL, ACT, CORE, 4, b, a, s, s));
+    o = add_op(l, "self_attn.context", "MatMul", 2 * tokens * s * qd, (2 * tokens * qd + b * a * s * s) * e);
+    o->rgroup = CORE;
+    save(o, sv(B_DOUT, dt, ACT, CORE, 4, b, a, s, s));
+    save(o, sv(B_V, dt, ACT, 0, 4, b, a, s, d));
   }
 }
 
@@ -481,63 +617,75 @@ static void attention_out_ops(layer_shape *ls, op_list *l) {
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   op *o;
+  /* its input: the attention's output, (b, s, heads, d) to (b s, heads d);
+   * flash's output is laid out so already (the same buffer), eager's is
+   * copied (.transpose(1, 2).contiguous()), a buffer of its own */
   o = add_op(l, "self_attn.o_proj", "Linear", 2 * tokens * qd * h, (tokens * qd + qd * h + tokens * h) * e);
-  save(o, sv(B_ATTN, dt, ACT, 0, 3, b, s, qd, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, qd, 0, 0));
+  linear_saves(o, dt, B_ATTN, b * s, qd, h);
   out(o, SAC_MM, sv(B_OP, dt, ACT, 0, 3, b, s, h, 0));
   if (!ls->llama) {
     o = add_op(l, "self_attn.resid_dropout", "Dropout", 0, 3 * ls->stokens * h * e);
     save(o, sv(B_AMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, ss, h, 0));
   }
-  o = add_op(l, "post_attention_layernorm", norm_cls(ls), 0, 3 * ls->stokens * h * e);
-  save(o, sv(B_H1, dt, ACT, 0, 3, b, ss, h, 0));
-  save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, ss, ls->llama ? 1 : 2, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+  o = add_op(l, "post_attention_layernorm", norm_cls(ls), 0,
+             rms_norm_bytes(ls->llama ? ls->norm : SYNTH_NORM_FUSED, ls->stokens * h, e,
+                            3 * ls->stokens * h * e));
+  if (ls->llama) {
+    const int64_t dims[3] = {b, ss, h};
+    rms_norm_saves(o, ls->norm, dt, B_H1, B_X32_2, B_NRM2, B_RSTD2, 3, dims);
+  } else {
+    save(o, sv(B_H1, dt, ACT, 0, 3, b, ss, h, 0));
+    save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, ss, 2, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+  }
 }
 
-/* A gated MLP (gate, up, SiLU, product, down) on `tokens` rows: Llama's, or
- * one expert's. buf[] names its buffers: input, gate, act, up, product, down;
- * lin[] its Linear modules: gate, up, down (Mixtral's experts: w1, w3, w2). */
+/* A gated MLP on `tokens` rows, as Hugging Face's LlamaMLP.forward runs it:
+ * down_proj(act_fn(gate_proj(x)) * up_proj(x)), so gate, SiLU, up, the
+ * product (in the MLP module's own forward: its packs carry its path), down.
+ * Llama's, or one expert's. buf[] names its buffers: input, gate, act, up,
+ * product, down; lin[] its Linear modules: gate, up, down (Mixtral's
+ * experts: w1, w3, w2); prefix is the MLP module's path with a dot, cls its
+ * class. */
 static const char *const LLAMA_LINEARS[3] = {"gate_proj", "up_proj", "down_proj"};
 static const char *const MIXTRAL_LINEARS[3] = {"w1", "w3", "w2"};
-static void gated_mlp_ops(layer_shape *ls, op_list *l, const char *prefix, const int buf[6],
-                          const char *const lin[3], double tokens, int64_t f, int ndim, int64_t d0,
-                          int64_t d1, int64_t d1_in) {
+static void gated_mlp_ops(layer_shape *ls, op_list *l, const char *prefix, const char *cls,
+                          const int buf[6], const char *const lin[3], double tokens, int64_t f,
+                          int ndim, int64_t d0, int64_t d1, int64_t d1_in) {
   const int64_t h = ls->h;
   const double e = ls->e;
   const int dt = ls->dt;
-  char name[96];
+  char name[96], mod[96];
   op *o;
   /* a row shape: (b, s, n) for the dense MLP, (rows, n) for an expert */
 #define ROWS_OF(d1_, buf_, n_, grp_) \
   sv(buf_, dt, ACT, grp_, ndim, d0, ndim == 3 ? (d1_) : (n_), ndim == 3 ? (n_) : 0, 0)
 #define ROWS(buf_, n_, grp_) ROWS_OF(d1, buf_, n_, grp_)
-  /* the input is the TP region's (sequence parallel: this rank's share) */
-#define IN_ROWS(buf_) ROWS_OF(d1_in, buf_, h, 0)
+  /* the Linears' inputs as mm sees them: (rows, n); the dense MLP's input
+   * is the TP region's (sequence parallel: this rank's share) */
+  const int64_t in_rows = ndim == 3 ? d0 * d1_in : d0, rows = ndim == 3 ? d0 * d1 : d0;
   snprintf(name, sizeof name, "%s%s", prefix, lin[0]);
   o = add_op(l, name, "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
-  save(o, IN_ROWS(buf[0]));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
+  linear_saves(o, dt, buf[0], in_rows, h, f);
   out(o, SAC_MM, ROWS(buf[1], f, 0));
-  snprintf(name, sizeof name, "%s%s", prefix, lin[1]);
-  o = add_op(l, name, "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
-  save(o, IN_ROWS(buf[0]));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
-  out(o, SAC_MM, ROWS(buf[3], f, 0));
   snprintf(name, sizeof name, "%sact_fn", prefix);
   o = add_op(l, name, "SiLU", 0, 2 * tokens * f * e);
   o->rgroup = SYNTH_RECOMPUTE_MLP_ACT;
   save(o, ROWS(buf[1], f, 0));
+  snprintf(name, sizeof name, "%s%s", prefix, lin[1]);
+  o = add_op(l, name, "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
+  linear_saves(o, dt, buf[0], in_rows, h, f);
+  out(o, SAC_MM, ROWS(buf[3], f, 0));
   snprintf(name, sizeof name, "%smul", prefix);
+  snprintf(mod, sizeof mod, "%.*s", (int)strlen(prefix) - 1, prefix);
   o = add_op(l, name, "Mul", 0, 3 * tokens * f * e);
+  in_module(o, mod, cls);
   save(o, ROWS(buf[2], f, SYNTH_RECOMPUTE_MLP_ACT));
   save(o, ROWS(buf[3], f, 0));
   snprintf(name, sizeof name, "%s%s", prefix, lin[2]);
   o = add_op(l, name, "Linear", 2 * tokens * f * h, (tokens * f + f * h + tokens * h) * e);
-  save(o, ROWS(buf[4], f, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, f, 0, 0));
+  linear_saves(o, dt, buf[4], rows, f, h);
   out(o, SAC_MM, ROWS(buf[5], h, 0));
-#undef IN_ROWS
 #undef ROWS
 #undef ROWS_OF
 }
@@ -545,7 +693,8 @@ static void gated_mlp_ops(layer_shape *ls, op_list *l, const char *prefix, const
 /* Llama's gated MLP: gate, up, SiLU, product, down. */
 static void mlp_llama_ops(layer_shape *ls, op_list *l) {
   static const int buf[6] = {B_XN2, B_GATE, B_ACT, B_UP, B_PROD, B_DOWN};
-  gated_mlp_ops(ls, l, "mlp.", buf, LLAMA_LINEARS, ls->tokens, ls->f, 3, ls->b, ls->s, ls->ss);
+  gated_mlp_ops(ls, l, "mlp.", ls_class(ls, CLS_MLP), buf, LLAMA_LINEARS, ls->tokens, ls->f, 3, ls->b,
+                ls->s, ls->ss);
 }
 
 /* A sparse MoE block as Hugging Face's Qwen3MoeSparseMoeBlock (transformers
@@ -561,21 +710,26 @@ static void mlp_moe_ops(layer_shape *ls, op_list *l) {
   const double tokens = ls->tokens, e = ls->e;
   const int dt = ls->dt;
   const char *moe = ls->mixtral ? "block_sparse_moe" : "mlp";
+  /* the router's element-wise ops, the gathers, the scaling and index_add
+   * run in the sparse block's own forward: its packs carry its path */
+  const char *bcls = ls_class(ls, CLS_MOE), *ecls = ls_class(ls, CLS_EXPERT);
   char name[96];
   op *o;
   snprintf(name, sizeof name, "%s.gate", moe);
   o = add_op(l, name, "Linear", 2 * tokens * h * E, (tokens * h + h * E + tokens * E) * e);
-  save(o, sv(B_XN2, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, E, h, 0, 0));
+  linear_saves(o, dt, B_XN2, T, h, E);
   out(o, SAC_FORCE_RECOMP, sv(B_RLOGITS, dt, ACT, 0, 2, T, E, 0, 0));
   snprintf(name, sizeof name, "%s.softmax", moe);
   o = add_op(l, name, "Softmax", 0, tokens * E * (e + 4));
+  in_module(o, moe, bcls);
   save(o, sv(B_RPROBS, F32, ACT, 0, 2, T, E, 0, 0));
   snprintf(name, sizeof name, "%s.topk", moe);
   o = add_op(l, name, "TopK", 0, tokens * E * 4 + tokens * k * 12);
+  in_module(o, moe, bcls);
   save(o, sv(B_RIDX, I64, ACT, 0, 2, T, k, 0, 0));
   snprintf(name, sizeof name, "%s.norm_topk", moe);
   o = add_op(l, name, "Div", 0, tokens * k * 12 + tokens * 4);
+  in_module(o, moe, bcls);
   save(o, sv(B_RW, F32, ACT, 0, 2, T, k, 0, 0));
   save(o, sv(B_RDEN, F32, ACT, 0, 2, T, 1, 0, 0));
   const int64_t per = T * k / E, extra = T * k % E;
@@ -588,20 +742,24 @@ static void mlp_moe_ops(layer_shape *ls, op_list *l) {
     /* current_state = hidden_states[top_x]: the index op keeps top_x */
     snprintf(name, sizeof name, "%s.experts.%lld", moe, (long long)x);
     o = add_op(l, name, "Index", 0, 2 * rows * h * e + 8 * rows);
+    in_module(o, moe, bcls);
     save(o, sv(base + EB_IDX, I64, ACT, 0, 1, t, 0, 0, 0));
     const int buf[6] = {base + EB_IN, base + EB_GATE, base + EB_ACT, base + EB_UP, base + EB_PROD,
                         base + EB_DOWN};
-    gated_mlp_ops(ls, l, prefix, buf, ls->mixtral ? MIXTRAL_LINEARS : LLAMA_LINEARS, rows, fe, 2, t, 0, 0);
+    gated_mlp_ops(ls, l, prefix, ecls, buf, ls->mixtral ? MIXTRAL_LINEARS : LLAMA_LINEARS, rows, fe, 2,
+                  t, 0, 0);
     /* * routing_weights[top_x, idx, None] (indices and the bf16 weights kept),
      * then final.index_add_(0, top_x, ...) (top_x kept) */
     snprintf(name, sizeof name, "%s.experts.%lld.scale", moe, (long long)x);
     o = add_op(l, name, "Mul", 0, 3 * rows * h * e + 16 * rows);
+    in_module(o, moe, bcls);
     save(o, sv(base + EB_DOWN, dt, ACT, 0, 2, t, h, 0, 0));
     save(o, sv(base + EB_RW, dt, ACT, 0, 2, t, 1, 0, 0));
     save(o, sv(base + EB_IDX, I64, ACT, 0, 1, t, 0, 0, 0));
     save(o, sv(base + EB_SLOT, I64, ACT, 0, 1, t, 0, 0, 0));
     snprintf(name, sizeof name, "%s.experts.%lld.index_add", moe, (long long)x);
     o = add_op(l, name, "IndexAdd", 0, 3 * rows * h * e);
+    in_module(o, moe, bcls);
     save(o, sv(base + EB_IDX, I64, ACT, 0, 1, t, 0, 0, 0));
   }
 }
@@ -614,15 +772,14 @@ static void mlp_gpt_ops(layer_shape *ls, op_list *l) {
   op *o;
   const int64_t f = ls->f;
   o = add_op(l, "mlp.fc1", "Linear", 2 * tokens * h * f, (tokens * h + h * f + tokens * f) * e);
-  save(o, sv(B_XN2, dt, ACT, 0, 3, b, ss, h, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
+  linear_saves(o, dt, B_XN2, b * ss, h, f);
   out(o, SAC_MM, sv(B_FC1, dt, ACT, 0, 3, b, s, f, 0));
   o = add_op(l, "mlp.act", "GELU", 0, 2 * tokens * f * e);
   o->rgroup = SYNTH_RECOMPUTE_MLP_ACT;
   save(o, sv(B_FC1, dt, ACT, 0, 3, b, s, f, 0));
   o = add_op(l, "mlp.fc2", "Linear", 2 * tokens * f * h, (tokens * f + f * h + tokens * h) * e);
-  save(o, sv(B_GELU, dt, ACT, SYNTH_RECOMPUTE_MLP_ACT, 3, b, s, f, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, h, f, 0, 0));
+  save(o, sv(B_GELU, dt, ACT, SYNTH_RECOMPUTE_MLP_ACT, 2, b * s, f, 0, 0));
+  save(o, sv(B_PARAM, dt, PARAM, 0, 2, f, h, 0, 0));
   out(o, SAC_MM, sv(B_FC2, dt, ACT, 0, 3, b, s, h, 0));
   o = add_op(l, "mlp.dropout", "Dropout", 0, 3 * ls->stokens * h * e);
   save(o, sv(B_MMASK, FERRY_DTYPE_BOOL, ACT, 0, 3, b, ss, h, 0));
@@ -654,6 +811,8 @@ static int layer_ops(const synth_model *m, op_list *l) {
   ls.llama = m->arch == SYNTH_LLAMA;
   ls.qwen = ls.llama && m->qk_norm;
   ls.mixtral = ls.llama && !m->qk_norm && m->experts;
+  ls.moe = m->experts > 0;
+  ls.norm = m->norm;
   l->n = 0;
   l->cap = 24 + (m->experts > 0 ? 4 + 8 * m->experts : 0);
   l->n_bufs = B_DENSE_END + (m->experts > 0 ? m->experts : 0) * EB_N;
@@ -693,28 +852,42 @@ static void tmp(op *o, int life, uint64_t bytes, const char *what) {
  * log-probabilities are still held, then the copy back to the model dtype.
  * With tensor parallelism each rank holds V / t of the vocabulary
  * (Megatron's column-parallel head and vocab-parallel cross-entropy, whose
- * saved softmax and labels have these sizes too). */
+ * saved softmax and labels have these sizes too).
+ *
+ * The loss runs in the model's own forward (LlamaForCausalLM.forward calls
+ * self.loss_function), so its packs carry the model's root path "" and its
+ * class. The labels are padded by one and shifted (loss_utils:
+ * nn.functional.pad(labels, (0, 1)), labels[..., 1:]), then everything is
+ * flattened: the log-probabilities are (T, V), the labels (T), and
+ * nll_loss also saves its total_weight, an fp32 scalar (derivatives.yaml:
+ * nll_loss_forward's backward takes self, target and total_weight). */
 static void loss_full_ops(const synth_model *m, op_list *l) {
-  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = vocab_local_of(m);
+  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = vocab_local_of(m), T = b * s;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   const uint64_t logits = (uint64_t)(tokens * (double)V);
   const int dt = m->dtype;
+  const char *root = hf_class(m->arch, m->qk_norm, m->experts, CLS_LM);
   op *o = add_op(l, "lm_head", "Linear", 2 * tokens * h * V, (tokens * h + h * V + tokens * V) * e);
-  save(o, sv(3, dt, ACT, 0, 3, b, seq_region_of(m), h, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 2, V, h, 0, 0));
+  linear_saves(o, dt, 3, b * seq_region_of(m), h, V);
   tmp(o, TMP_OUT, logits * (uint64_t)e, "lm_head: logits");
-  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * (e + 4));
+  o = add_op(l, "loss", "", 0, tokens * V * (e + 4));
+  in_module(o, "", root);
   o->label = "loss.float";
-  tmp(o, TMP_OUT, logits * 4, "loss: logits.float()");
-  tmp(o, TMP_GRAD, logits * (uint64_t)e, "loss: grad of the logits (model dtype)");
-  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * V * 8);
+  if (dt != F32) { /* in fp32, .float() returns the logits: no copy either way */
+    tmp(o, TMP_OUT, logits * 4, "loss: logits.float()");
+    tmp(o, TMP_GRAD, logits * (uint64_t)e, "loss: grad of the logits (model dtype)");
+  }
+  o = add_op(l, "loss", "", 0, tokens * V * 8);
+  in_module(o, "", root);
   o->label = "loss.log_softmax";
-  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0));
+  save(o, sv(4, F32, ACT, 0, 2, T, V, 0, 0));
   tmp(o, TMP_GRAD, logits * 4, "loss: grad of the fp32 logits (log_softmax backward)");
-  o = add_op(l, "loss", "CrossEntropyLoss", 0, tokens * 12);
+  o = add_op(l, "loss", "", 0, tokens * 12);
+  in_module(o, "", root);
   o->label = "loss.nll_loss";
-  save(o, sv(4, F32, ACT, 0, 3, b, s, V, 0)); /* nll_loss saves its input: an alias */
-  save(o, sv(5, I64, ACT, 0, 2, b, s, 0, 0));
+  save(o, sv(4, F32, ACT, 0, 2, T, V, 0, 0)); /* nll_loss saves its input: an alias */
+  save(o, sv(5, I64, ACT, 0, 1, T, 0, 0, 0));
+  if (tp_of(m) == 1) save(o, sv(9, F32, ACT, 0, 0, 0, 0, 0, 0)); /* total_weight */
   tmp(o, TMP_GRAD, logits * 4, "loss: grad of the log-probabilities (nll_loss backward)");
 }
 
@@ -740,18 +913,28 @@ static void loss_chunked_ops(const synth_model *m, op_list *l) {
   save(o, sv(7, dt, ACT, 0, 2, V, h, 0, 0));
 }
 
+/* Buffer ids of the ops after the blocks (model.norm, head, loss). */
+#define POST_BUFS 16
+
 static int post_ops(const synth_model *m, op_list *l) {
   const int64_t b = m->micro_batch, s = seq_region_of(m), h = m->hidden;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   const int dt = m->dtype;
   int llama = m->arch == SYNTH_LLAMA;
-  const char *ncls = !llama ? "LayerNorm" : m->qk_norm ? "Qwen3RMSNorm" : m->experts ? "MixtralRMSNorm" : "LlamaRMSNorm";
-  l->n = 0, l->cap = 5, l->n_bufs = 8;
+  const char *ncls = hf_class(m->arch, m->qk_norm, m->experts, CLS_NORM);
+  l->n = 0, l->cap = 5, l->n_bufs = POST_BUFS;
   if (!(l->ops = malloc((size_t)l->cap * sizeof *l->ops))) return -1;
-  op *o = add_op(l, "model.norm", ncls, 0, 2 * tokens * h * e);
-  save(o, sv(1, dt, ACT, 0, 3, b, s, h, 0));
-  save(o, sv(2, F32, ACT, 0, 3, b, s, llama ? 1 : 2, 0));
-  save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+  op *o = add_op(l, "model.norm", ncls, 0,
+                 rms_norm_bytes(llama ? m->norm : SYNTH_NORM_FUSED, tokens * h, e, 2 * tokens * h * e));
+  if (llama) {
+    /* buffers: 1 its input, 2 rstd, 8 the fp32 input, 10 the normalized tensor */
+    const int64_t dims[3] = {b, s, h};
+    rms_norm_saves(o, m->norm, dt, 1, 8, 10, 2, 3, dims);
+  } else {
+    save(o, sv(1, dt, ACT, 0, 3, b, s, h, 0));
+    save(o, sv(2, F32, ACT, 0, 3, b, s, 2, 0));
+    save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+  }
   if (m->loss == SYNTH_LOSS_CHUNKED) loss_chunked_ops(m, l);
   else loss_full_ops(m, l);
   return 0;
@@ -800,8 +983,10 @@ static void sac_keep(const op_list *l, unsigned char *keep) {
 }
 
 /* Bytes of distinct activation buffers among l's saves; with drop, those
- * whose group is in drop are left out. */
-static uint64_t distinct_bytes(const op_list *l, unsigned drop) {
+ * whose group is in drop are left out; without model_wide, the model-wide
+ * ones (the rotary tables: a layer that is not the first to save them
+ * aliases them). */
+static uint64_t distinct_bytes(const op_list *l, unsigned drop, int model_wide) {
   unsigned char *seen = calloc((size_t)l->n_bufs, 1);
   if (!seen) return 0;
   uint64_t total = 0;
@@ -809,6 +994,7 @@ static uint64_t distinct_bytes(const op_list *l, unsigned drop) {
     for (int k = 0; k < l->ops[i].n_saves; k++) {
       const saved *x = &l->ops[i].saves[k];
       if (x->kind != ACT || x->buf < 0 || seen[x->buf] || (x->group & drop)) continue;
+      if (x->model_wide && !model_wide) continue;
       seen[x->buf] = 1;
       total += saved_bytes(x);
     }
@@ -819,9 +1005,19 @@ static uint64_t distinct_bytes(const op_list *l, unsigned drop) {
 uint64_t synth_layer_activation_bytes(const synth_model *m) {
   op_list l = {0};
   if (layer_ops(m, &l)) return 0;
-  uint64_t total = distinct_bytes(&l, 0);
+  uint64_t total = distinct_bytes(&l, 0, 1);
   op_list_free(&l);
   return total;
+}
+
+/* The first layer whose forward packs its ops' saves (not a checkpointed
+ * one): it packs the model-wide tensors, the later layers alias them. */
+static int first_saving_layer(const synth_model *m) {
+  for (int L = 0; L < m->layers; L++) {
+    int mode = layer_mode(m, L);
+    if (mode == SYNTH_CKPT_OFF || mode == SYNTH_CKPT_SELECTIVE) return L;
+  }
+  return -1;
 }
 
 uint64_t synth_layer_saved_bytes(const synth_model *m, int layer) {
@@ -832,7 +1028,7 @@ uint64_t synth_layer_saved_bytes(const synth_model *m, int layer) {
                          (uint64_t)m->hidden * (uint64_t)ferry_dtype_size(m->dtype);
   switch (layer_mode(m, layer)) {
   case SYNTH_CKPT_FULL: total = input; break;
-  case SYNTH_CKPT_SELECTIVE: total = distinct_bytes(&l, m->recompute); break;
+  case SYNTH_CKPT_SELECTIVE: total = distinct_bytes(&l, m->recompute, layer == first_saving_layer(m)); break;
   case SYNTH_CKPT_SELECTIVE_OP: {
     unsigned char *keep = malloc((size_t)l.n);
     if (!keep) break;
@@ -843,7 +1039,7 @@ uint64_t synth_layer_saved_bytes(const synth_model *m, int layer) {
     free(keep);
     break;
   }
-  default: total = distinct_bytes(&l, 0);
+  default: total = distinct_bytes(&l, 0, layer == first_saving_layer(m));
   }
   op_list_free(&l);
   return total;
@@ -970,6 +1166,7 @@ typedef struct writer {
   FILE *f;
   uint64_t next_id;
   uint64_t step;
+  uint64_t model_bufid[2]; /* this step's first forward packs of the rotary tables (B_COS, B_SIN) */
 } writer;
 
 static double op_us(const synth_model *m, const op *o) {
@@ -1065,14 +1262,17 @@ enum { P_ALL = 0, P_KEPT = 1 /* not dropped by drop */, P_DROPPED = 2 /* dropped
 static void w_pack_op(writer *w, const op *o, int layer, int phase, int which, unsigned drop,
                       uint64_t *ids, uint64_t *bufid) {
   char path[160];
-  module_path(layer, o->suffix, path, sizeof path);
+  module_path(layer, op_module(o), path, sizeof path);
   for (int k = 0; k < o->n_saves; k++) {
     const saved *x = &o->saves[k];
     int dropped = (x->group & drop) != 0;
     if ((which == P_KEPT && dropped) || (which == P_DROPPED && !dropped)) continue;
-    int shared = x->buf >= 0 && x->kind != PARAM;
-    ids[k] = w_pack(w, x, layer, phase, path, o->cls, shared ? bufid[x->buf] : 0);
-    if (shared && !bufid[x->buf]) bufid[x->buf] = ids[k];
+    /* a buffer saved again is an alias of its first pack: within the layer,
+     * or (a model-wide tensor in the forward pass) of the step's first */
+    uint64_t *first = x->buf >= 0 && x->kind != PARAM ? &bufid[x->buf] : NULL;
+    if (first && x->model_wide && phase == FERRY_PHASE_FORWARD) first = &w->model_bufid[x->buf - B_COS];
+    ids[k] = w_pack(w, x, layer, phase, path, o->cls, first ? *first : 0);
+    if (first && !*first) *first = ids[k];
   }
 }
 
@@ -1129,7 +1329,7 @@ static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids 
       w_op(w, o, 1, layer, NULL);
       if (!c->keep[i]) continue;
       char path[160];
-      module_path(layer, o->suffix, path, sizeof path);
+      module_path(layer, op_module(o), path, sizeof path);
       for (int k = 0; k < o->n_outs; k++)
         OUTS(bi, i)[k] = w_pack(w, &o->outs[k], layer, FERRY_PHASE_FORWARD, path, o->cls, 0);
     }
@@ -1296,11 +1496,10 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   if (m->experts)
     fprintf(f, "\"experts\":%d,\"top_k\":%d,\"expert_ffn\":%d,", m->experts, m->top_k,
             (int)expert_ffn_of(m));
-  fprintf(f,
-          "\"vocab\":%d,\"seq\":%d,\"micro_batch\":%d,\"dtype\":\"%s\",\"flash\":%s,"
-          "\"checkpoint\":\"%s\",",
-          m->vocab, m->seq, m->micro_batch, ferry_dtype_name(m->dtype), m->flash ? "true" : "false",
-          checkpoint_name(m, ckpt, sizeof ckpt));
+  fprintf(f, "\"vocab\":%d,\"seq\":%d,\"micro_batch\":%d,\"dtype\":\"%s\",\"flash\":%s,", m->vocab,
+          m->seq, m->micro_batch, ferry_dtype_name(m->dtype), m->flash ? "true" : "false");
+  if (m->arch == SYNTH_LLAMA) fprintf(f, "\"norm\":\"%s\",", m->norm == SYNTH_NORM_EAGER ? "eager" : "fused");
+  fprintf(f, "\"checkpoint\":\"%s\",", checkpoint_name(m, ckpt, sizeof ckpt));
   if (m->checkpoint != SYNTH_CKPT_OFF)
     fprintf(f, "\"checkpointed_layers\":%d,", synth_checkpointed_layers(m));
   if (m->loss == SYNTH_LOSS_CHUNKED) fprintf(f, "\"loss\":\"chunked:%lld\",", (long long)synth_loss_chunk(m));
@@ -1323,8 +1522,9 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   const double opt_bytes = optimizer_step_bytes(m, &res);
   for (int st = 1; st <= m->steps; st++) {
     w.step = (uint64_t)st;
+    memset(w.model_bufid, 0, sizeof w.model_bufid);
     fprintf(f, "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":%d}\n", st);
-    uint64_t small_bufid[8] = {0};
+    uint64_t small_bufid[POST_BUFS] = {0};
     memset(pre_store, 0, sizeof pre_store);
     memset(post_store, 0, sizeof post_store);
     for (int i = 0; i < pre.n; i++) {

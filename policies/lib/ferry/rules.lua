@@ -287,9 +287,12 @@ R.LIGER = { contains = { "liger" } }
 -- 8192 tokens, 3.9 GiB, the largest saved tensor of the step); they are
 -- created at the very end of the forward pass, when memory peaks anyway, and
 -- backward needs them first: an offload cannot lower the peak, it only adds
--- two copies (and a stall) for the biggest tensor.
+-- two copies (and a stall) for the biggest tensor. Where there is no loss
+-- module the loss is saved at the model's root (path ""): Hugging Face's
+-- *ForCausalLM computes it in its own forward (class LlamaForCausalLM, ...),
+-- torchtune and torchtitan call it outside the model.
 R.LOSS = { top = { "loss", "loss_fn", "criterion" },
-  class = { "CrossEntropyLoss", "NLLLoss" } }
+  class = { "CrossEntropyLoss", "NLLLoss" }, pattern = { "^$" } }
 
 -- Module kinds inside a transformer block (Megatron's --offload-modules
 -- choices and their usual names in HF, torchtune, Megatron and GPT-2 code).
