@@ -809,15 +809,6 @@ static void svg_write(FILE *f, const sim_run_info *info, const sim_result *rs, i
   free(p);
 }
 
-static int close_checked(FILE *f, const char *path, char *err, size_t errlen) {
-  int bad = ferror(f);
-  if (fclose(f) || bad) {
-    snprintf(err, errlen, "write error on %s", path);
-    return -1;
-  }
-  return 0;
-}
-
 int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
                   char *err, size_t errlen) {
   FILE *f = fopen(path, "w");

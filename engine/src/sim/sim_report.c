@@ -343,12 +343,7 @@ static int write_text(const char *path, const char *text, char *err, size_t errl
     return -1;
   }
   fputs(text, f);
-  int bad = ferror(f);
-  if (fclose(f) || bad) {
-    snprintf(err, errlen, "write error on %s", path);
-    return -1;
-  }
-  return 0;
+  return close_checked(f, path, err, errlen);
 }
 
 int sim_write_json(const char *path, const sim_run_info *info, const sim_result *rs, int n,
