@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdio.h>
 
+#include "ferry_tools.h" /* sim_result */
+
 #define GIB 1073741824.0
 
 static inline void fmt_bytes(char *b, size_t n, double v) {
@@ -23,6 +25,21 @@ static inline void fmt_us(char *b, size_t n, double us) {
   if (us >= 1e6) snprintf(b, n, "%.3f s", us / 1e6);
   else if (us >= 1e3) snprintf(b, n, "%.1f ms", us / 1e3);
   else snprintf(b, n, "%.1f us", us);
+}
+
+/* One run's figures as the comparison tables print them (text and HTML). */
+typedef struct sim_row_cells {
+  char peak[32], step[32], stall[32], d2h[32], h2d[32], host_peak[32], host_reserved[32];
+} sim_row_cells;
+
+static inline void sim_row_format(const sim_result *r, sim_row_cells *c) {
+  fmt_bytes(c->peak, sizeof c->peak, (double)r->peak_device_bytes);
+  fmt_us(c->step, sizeof c->step, r->step_us);
+  fmt_us(c->stall, sizeof c->stall, r->stall_us + r->host_wait_us);
+  fmt_bytes(c->d2h, sizeof c->d2h, r->bytes_d2h);
+  fmt_bytes(c->h2d, sizeof c->h2d, r->bytes_h2d);
+  fmt_bytes(c->host_peak, sizeof c->host_peak, (double)r->peak_host_bytes);
+  fmt_bytes(c->host_reserved, sizeof c->host_reserved, (double)r->host_reserved_bytes);
 }
 
 /* Closes a report file: 0, or -1 with "write error on PATH" when a write

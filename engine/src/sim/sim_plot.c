@@ -848,14 +848,9 @@ static void html_table(FILE *f, const sim_run_info *info, const sim_result *rs, 
   fputs("</tr></thead>\n<tbody>\n", f);
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
-    char pk[32], st[32], sl[32], d2h[32], h2d[32], hp[32], hr[32], red[16], ovh[16];
-    fmt_bytes(pk, sizeof pk, (double)r->peak_device_bytes);
-    fmt_us(st, sizeof st, r->step_us);
-    fmt_us(sl, sizeof sl, r->stall_us + r->host_wait_us);
-    fmt_bytes(d2h, sizeof d2h, r->bytes_d2h);
-    fmt_bytes(h2d, sizeof h2d, r->bytes_h2d);
-    fmt_bytes(hp, sizeof hp, (double)r->peak_host_bytes);
-    fmt_bytes(hr, sizeof hr, (double)r->host_reserved_bytes);
+    sim_row_cells c;
+    sim_row_format(r, &c);
+    char red[16], ovh[16];
     double b0 = (double)rs[0].peak_device_bytes;
     if (i == 0 || b0 <= 0) snprintf(red, sizeof red, "-");
     else snprintf(red, sizeof red, "%.1f%%", 100.0 * (b0 - (double)r->peak_device_bytes) / b0);
@@ -871,7 +866,8 @@ static void html_table(FILE *f, const sim_run_info *info, const sim_result *rs, 
     fprintf(f, "</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td>"
                "<td>%s</td><td>%s</td><td>%s</td><td>%.0f</td><td>%.0f</td><td%s>%llu</td>"
                "<td%s>%s</td></tr>\n",
-            pk, red, st, ovh, sl, d2h, h2d, hp, hr, r->tensors_offloaded, r->tensors_kept,
+            c.peak, red, c.step, ovh, c.stall, c.d2h, c.h2d, c.host_peak, c.host_reserved,
+            r->tensors_offloaded, r->tensors_kept,
             r->policy_errors ? " class=\"bad\"" : "", (unsigned long long)r->policy_errors,
             fits == 0 ? " class=\"bad\"" : "", fits < 0 ? "?" : fits ? "yes" : "no");
   }

@@ -168,14 +168,9 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
           "host peak", "host rsv", "offload", "kept", "errors");
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
-    char pk[32], st[32], sl[32], d2h[32], h2d[32], hp[32], hr[32], red[16], ovh[16];
-    fmt_bytes(pk, sizeof pk, (double)r->peak_device_bytes);
-    fmt_us(st, sizeof st, r->step_us);
-    fmt_us(sl, sizeof sl, r->stall_us + r->host_wait_us);
-    fmt_bytes(d2h, sizeof d2h, r->bytes_d2h);
-    fmt_bytes(h2d, sizeof h2d, r->bytes_h2d);
-    fmt_bytes(hp, sizeof hp, (double)r->peak_host_bytes);
-    fmt_bytes(hr, sizeof hr, (double)r->host_reserved_bytes);
+    sim_row_cells c;
+    sim_row_format(r, &c);
+    char red[16], ovh[16];
     if (i == 0) {
       snprintf(red, sizeof red, "-");
       snprintf(ovh, sizeof ovh, "-");
@@ -185,7 +180,8 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
       snprintf(ovh, sizeof ovh, "%+.1f%%", pct(r->step_us, rs[0].step_us));
     }
     fprintf(f, "%-22.22s %11s %7s %11s %8s %10s %10s %10s %10s %10s %8.0f %7.0f %6llu\n", r->label,
-            pk, red, st, ovh, sl, d2h, h2d, hp, hr, r->tensors_offloaded, r->tensors_kept,
+            c.peak, red, c.step, ovh, c.stall, c.d2h, c.h2d, c.host_peak, c.host_reserved,
+            r->tensors_offloaded, r->tensors_kept,
             (unsigned long long)r->policy_errors);
   }
   fprintf(f, "\nfirst step (warm-up: caches, learning policies, the pinned arena growing):");
