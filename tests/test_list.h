@@ -73,6 +73,7 @@
   X(stash_fwd_bound_in_bytes)                                              \
   X(stash_fixed_knobs_win_over_the_policy)                                 \
   X(stash_breakdown_by_rule_and_layer)                                     \
+  X(stash_cached_keep_without_handle)                                      \
   /* @@stash */                                                            \
   /* trace recorder (test_trace.c) */                                      \
   X(trace_records_every_event)                                             \

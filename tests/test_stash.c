@@ -1278,6 +1278,7 @@ TEST(stash_fixed_knobs_win_over_the_policy) {
 }
 
 /* ---- config.count_reasons: saved tensors by rule and layer -------------- */
+
 typedef struct bd_rows {
   int n;
   char rule[8][64], where[8][64];
@@ -1395,6 +1396,101 @@ TEST(stash_breakdown_by_rule_and_layer) {
   CHECK_OK(fixture_open(&f, &c));
   CHECK_EQ(ferry_get_breakdown(f.e, collect_row, &b), FERRY_ESTATE);
   CHECK_STR_CONTAINS(ferry_last_error(f.e), "config.count_reasons");
+  ferry_engine_destroy(f.e);
+  return 0;
+}
+
+/* ---- ferry_pack_cached_keep: a kept answer without a handle -------------- */
+/* A test buffer of `bytes`, for a pack the engine does not take: freed by the caller. */
+static int cached_keep(fixture *f, size_t bytes, int layer, const test_buffer *b) {
+  ferry_tensor_desc d = desc_in_layer(bytes, layer);
+  return ferry_pack_cached_keep(f->e, &d, b->ptr);
+}
+
+TEST(stash_cached_keep_without_handle) {
+  enum { BIG = 8192, SMALL = 3000, TINY = 32 };
+  fixture f;
+  ferry_config c = fixture_config(&f, 1);
+  c.decide = NULL;
+  c.policy_source = "return { api = 1, name = 'by-layer', decide = function(t, ctx)\n"
+                    "  if t.layer == 3 then return ferry.KEEP end -- not cacheable\n"
+                    "  if t.layer == 1 then return ferry.OFFLOAD, ferry.ON_USE, nil, true end\n"
+                    "  return ferry.KEEP, ferry.ON_USE, nil, true end }\n";
+  c.min_offload_bytes = 64;
+  c.max_fwd_stash = 0;
+  CHECK_OK(fixture_open(&f, &c));
+  CHECK_OK(ferry_step_begin(f.e));
+  test_buffer *probe = test_buffer_new(BIG);
+  /* nothing decided yet: the caller must pack */
+  CHECK_EQ(cached_keep(&f, SMALL, 0, probe), 0);
+  /* layer 0 kept, cacheable: the same site is answered without a handle */
+  test_buffer *k = test_buffer_new(SMALL);
+  fill(k, 1);
+  uint64_t ksum = dev_checksum(k->ptr, SMALL);
+  ferry_tensor_desc d = desc_in_layer(SMALL, 0);
+  ferry_handle hk, hx, ha, h3;
+  CHECK_OK(ferry_pack(f.e, &d, k->ptr, k, NULL, &hk));
+  CHECK_EQ(cached_keep(&f, SMALL, 0, probe), 1);
+  CHECK_EQ(cached_keep(&f, SMALL + 8, 0, probe), 0); /* another shape: another site */
+  /* layer 1 offloaded, cacheable: never a cached keep */
+  test_buffer *x = test_buffer_new(BIG);
+  fill(x, 2);
+  uint64_t xsum = dev_checksum(x->ptr, BIG);
+  d = desc_in_layer(BIG, 1);
+  CHECK_OK(ferry_pack(f.e, &d, x->ptr, x, NULL, &hx));
+  CHECK_EQ(cached_keep(&f, BIG, 1, probe), 0);
+  /* a keeping site, but the buffer is stored: ferry_pack aliases it */
+  d = desc_in_layer(BIG, 0);
+  test_buffer *y = test_buffer_new(BIG);
+  ferry_handle hy;
+  CHECK_OK(ferry_pack(f.e, &d, y->ptr, y, NULL, &hy)); /* caches (layer 0, BIG): keep */
+  CHECK_EQ(cached_keep(&f, BIG, 0, probe), 1);
+  CHECK_EQ(cached_keep(&f, BIG, 0, x), 0);
+  test_device_retain_cb(&f.dev, x);
+  CHECK_OK(ferry_pack(f.e, &d, x->ptr, x, NULL, &ha));
+  /* a keep the policy did not let the engine cache */
+  test_buffer *z = test_buffer_new(SMALL);
+  d = desc_in_layer(SMALL, 3);
+  CHECK_OK(ferry_pack(f.e, &d, z->ptr, z, NULL, &h3));
+  CHECK_EQ(cached_keep(&f, SMALL, 3, probe), 0);
+  /* under min_offload_bytes: the engine's own answer, the policy not asked */
+  CHECK_EQ(cached_keep(&f, TINY, 1, probe), 1);
+
+  ferry_stats s;
+  CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+  CHECK_EQ(s.tensors_kept_unheld, 3);
+  CHECK_EQ(s.tensors_packed, 8);   /* 5 packs + 3 cached keeps */
+  CHECK_EQ(s.tensors_aliased, 1);
+  CHECK_EQ(s.tensors_kept, 3 + 3); /* k, y, z and the cached keeps */
+  CHECK_EQ(s.live_handles, 5);
+  CHECK_EQ(s.policy_calls, 4);
+  CHECK_OK(ferry_backward_begin(f.e));
+  CHECK_OK(ferry_discard(f.e, h3));
+  if (unpack_check(&f, ha, BIG, xsum) || unpack_check(&f, hy, BIG, dev_checksum(y->ptr, BIG)) ||
+      unpack_check(&f, hx, BIG, xsum) || unpack_check(&f, hk, SMALL, ksum))
+    return 1;
+  CHECK_OK(ferry_backward_end(f.e));
+  CHECK_OK(ferry_step_end(f.e));
+  test_device_release_cb(&f.dev, probe);
+  if (check_quiescent(&f)) return 1;
+  ferry_engine_destroy(f.e);
+
+  /* while reasons are counted every pack must reach the engine */
+  c = fixture_config(&f, 1);
+  c.decide = NULL;
+  c.policy_source = "return { api = 1, name = 'keep', decide = function(t, ctx)\n"
+                    "  return ferry.KEEP, ferry.ON_USE, nil, true end }\n";
+  c.count_reasons = 1;
+  CHECK_OK(fixture_open(&f, &c));
+  probe = test_buffer_new(SMALL);
+  d = desc_in_layer(SMALL, 0);
+  test_buffer *w = test_buffer_new(SMALL);
+  CHECK_OK(ferry_pack(f.e, &d, w->ptr, w, NULL, &hk));
+  CHECK_EQ(cached_keep(&f, SMALL, 0, probe), 0);
+  CHECK_OK(ferry_discard(f.e, hk));
+  CHECK_OK(ferry_step_end(f.e));
+  test_device_release_cb(&f.dev, probe);
+  if (check_quiescent(&f)) return 1;
   ferry_engine_destroy(f.e);
   return 0;
 }

@@ -143,6 +143,7 @@ const char *ferry_backend_name(ferry_engine *e);
 const char *ferry_arena_name(ferry_engine *e);
 const char *ferry_intern(ferry_engine *e, const char *s);
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner, void *compute_stream, ferry_handle *out);
+int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc, const void *device_ptr);
 int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **device_ptr, void **owner);
 int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream);
 int ferry_discard(ferry_engine *e, ferry_handle h);
@@ -210,6 +211,7 @@ uint64_t resident_to_host;
 uint64_t resident_to_device;
 uint64_t resident_bytes_d2h;
 uint64_t resident_bytes_h2d;
+uint64_t tensors_kept_unheld;
 }ferry_stats;
 int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
 typedef struct ferry_breakdown_row {

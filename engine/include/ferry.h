@@ -411,6 +411,16 @@ FERRY_API const char *ferry_intern(ferry_engine *e, const char *s);
 FERRY_API int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc,
                          void *device_ptr, void *owner, void *compute_stream,
                          ferry_handle *out);
+/* A pack the policy has answered before, decided without a handle: when the
+ * policy's site cache keeps desc's site on device (FERRY_KEEP, cacheable),
+ * or desc is under min_offload_bytes, and the engine does not already store
+ * the buffer at device_ptr, the tensor is counted as packed and kept
+ * (tensors_kept_unheld) and 1 is returned: the caller keeps the tensor
+ * itself; there is nothing to unpack or discard. 0: call ferry_pack(). Always
+ * 0 while a trace, a Chrome trace or reasons are recorded (they see every
+ * pack) and for an engine without a policy. Never runs the policy. */
+FERRY_API int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
+                                     const void *device_ptr);
 /* Get a saved tensor back for use on compute_stream. Consumes the handle.
  * device_ptr and owner receive a buffer with the same bytes as packed and one
  * reference the caller now owns. The compute stream is ordered after any
@@ -559,6 +569,9 @@ typedef struct ferry_stats {
   uint64_t resident_to_device; /* H2D copies out of them */
   uint64_t resident_bytes_d2h;
   uint64_t resident_bytes_h2d;
+  /* Appended: packs kept by ferry_pack_cached_keep (also in tensors_packed
+   * and tensors_kept), never held by the engine. */
+  uint64_t tensors_kept_unheld;
 } ferry_stats;
 
 /* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). */

@@ -95,6 +95,11 @@ FERRY_API void ferry_policy_get_knobs(const ferry_policy *p, ferry_policy_knobs 
 /* Decide for one tensor. Never fails: any fault gives FERRY_KEEP. */
 FERRY_API void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc,
                          const ferry_context *ctx, ferry_decision *out);
+/* The answer the site cache holds for desc (a cacheable decision made
+ * before for the same site), without running the policy: 1 and *out, or 0
+ * when the policy would have to be asked. Counts a cache hit. */
+FERRY_API int ferry_policy_cached(ferry_policy *p, const ferry_tensor_desc *desc,
+                                  ferry_decision *out);
 /* Called by the engine at each step begin, ctx->step being the new step and
  * ctx->host_ram_used_pct sampled: runs the policy's step(ctx), if any. */
 FERRY_API void ferry_policy_step_begin(ferry_policy *p, const ferry_context *ctx);

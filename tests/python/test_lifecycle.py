@@ -117,6 +117,52 @@ def test_forward_without_backward_frees_everything():
     assert all(r() is None for r in refs)
 
 
+KEEP_CACHED = ("return { api = 1, name = 'keep-cached', decide = function(t, ctx)\n"
+               "  return ferry.KEEP, ferry.ON_USE, nil, true end }\n")
+
+
+def test_cached_keeps_hold_no_handle_and_keep_every_promise(tmp_path):
+    """A site the policy answered 'keep' before (cacheable) is kept without
+    an engine handle (ferry_pack_cached_keep). Such tensors still come back
+    bit-identical, an in-place change is still torch's error, a graph
+    dropped without backward still frees them, and the engine counts them."""
+    policy = tmp_path / "keep_cached.lua"
+    policy.write_text(KEEP_CACHED)
+    torch.manual_seed(0)
+    model, ref = GPT(layers=2), GPT(layers=2)
+    ref.load_state_dict(model.state_dict())
+    batch = gpt_batch()
+    for _ in range(2):  # the second step's sites are all answered from the cache
+        with ft.offload(model, policy=str(policy), backend="host"):
+            loss = gpt_loss(model, batch)
+        loss.backward()
+        gpt_loss(ref, batch).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    ft.step()
+    s = ft.stats()
+    assert s["tensors_kept_unheld"] > s["tensors_packed"] // 3, s
+    assert s["live_handles"] == 0 and s["device_bytes_held"] == 0
+
+    # the same site twice: the second save takes the cached path
+    x = torch.randn(4096, requires_grad=True)
+    with ft.offload(None, policy=str(policy), backend="host"):
+        x.exp().sum().backward()
+        before = ft.stats()["tensors_kept_unheld"]
+        y = x.exp()  # exp saves its output: a grad_fn that must not own it
+        assert ft.stats()["tensors_kept_unheld"] == before + 1
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+        refs = [weakref.ref(y)]
+        z = x.exp()
+        refs.append(weakref.ref(z))
+    del y, z
+    gc.collect()
+    assert all(r() is None for r in refs), "a graph dropped without backward kept its tensors"
+    assert ft.step() == 0
+
+
 def test_close_with_live_graph_then_gc():
     model = GPT(layers=2)
     with ft.offload(model, policy="default"):

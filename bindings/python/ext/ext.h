@@ -51,6 +51,38 @@ extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_la
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
     *s_device, *s_version, *s_detach, *s_is_cpu;
 
+/* ---- tensor attributes on the hot path (tensor.c) ----------------------------
+ * PyObject_GetAttr on a tensor walks torch.Tensor's type dictionaries (and,
+ * for a method, builds a bound method) before torch's own getter runs: a
+ * third of an attribute read. These slots hold what the lookup finds on
+ * torch.Tensor -- a getset descriptor's getter, a method descriptor -- so a
+ * read calls it directly. Only for exact torch.Tensor / nn.Parameter
+ * objects, and only where Parameter resolves the name to the same
+ * descriptor; anything else takes the generic lookup. */
+enum tensor_attr {
+  TA_DTYPE, TA_SHAPE, TA_LAYOUT, TA_VERSION, TA_REQUIRES_GRAD, TA_IS_LEAF, TA_IS_NESTED,
+  TA_IS_CPU, TA_BASE, /* attributes */
+  TA_DATA_PTR, TA_STRIDE, TA_DETACH, /* methods, called without arguments */
+  TA_COUNT_
+};
+typedef struct tensor_attr_slot {
+  PyObject *name;   /* interned */
+  getter get;       /* a getset descriptor's getter, or NULL */
+  void *closure;
+  PyObject *method; /* a method descriptor (vectorcall with the tensor), or NULL */
+  int is_method;
+} tensor_attr_slot;
+extern tensor_attr_slot TA[TA_COUNT_];
+
+static inline PyObject *tensor_attr(PyObject *t, int a) {
+  const tensor_attr_slot *s = &TA[a];
+  if (Py_TYPE(t) == T.tensor || Py_TYPE(t) == T.param) {
+    if (s->get) return s->get(t, s->closure);
+    if (s->method) return PyObject_Vectorcall(s->method, &t, 1, NULL);
+  }
+  return s->is_method ? PyObject_CallMethodNoArgs(t, s->name) : PyObject_GetAttr(t, s->name);
+}
+
 /* ---- dtypes ------------------------------------------------------------------
  * torch.dtype objects are singletons: a short table keyed by identity. */
 typedef struct dtype_info {

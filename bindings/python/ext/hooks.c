@@ -93,23 +93,23 @@ static void hook_dealloc(HookObject *self) {
  * Python's gc cannot see, leaking the graph when backward never runs. A
  * detached alias breaks it and still shares the tensor's version counter. */
 static PyObject *keep_object(PyObject *t) {
-  PyObject *rg = PyObject_GetAttr(t, s_requires_grad);
+  PyObject *rg = tensor_attr(t, TA_REQUIRES_GRAD);
   if (!rg) return NULL;
   int needs_alias = rg == Py_True;
   Py_DECREF(rg);
   if (needs_alias) {
-    PyObject *leaf = PyObject_GetAttr(t, s_is_leaf);
+    PyObject *leaf = tensor_attr(t, TA_IS_LEAF);
     if (!leaf) return NULL;
     needs_alias = leaf == Py_False;
     Py_DECREF(leaf);
   }
-  if (needs_alias) return PyObject_CallMethodNoArgs(t, s_detach);
+  if (needs_alias) return tensor_attr(t, TA_DETACH);
   Py_INCREF(t);
   return t;
 }
 
 static int read_version(PyObject *t, int64_t *v) {
-  PyObject *o = PyObject_GetAttr(t, s_version);
+  PyObject *o = tensor_attr(t, TA_VERSION);
   if (!o) return -1;
   *v = PyLong_AsLongLong(o);
   Py_DECREF(o);
@@ -212,7 +212,7 @@ static int pack_check_device(EngineObject *eng, PyObject *t) {
   if (eng->backend != FERRY_BACKEND_CUDA && T.has_is_cpu) {
     /* host memory or not, in one attribute read (t.device.type costs a
      * device object and a string: several times as much) */
-    v = PyObject_GetAttr(t, s_is_cpu);
+    v = tensor_attr(t, TA_IS_CPU);
     if (!v) return -1;
     int cpu = v == Py_True;
     Py_DECREF(v);
@@ -241,16 +241,20 @@ static int pack_check_device(EngineObject *eng, PyObject *t) {
   return cpu ? PACK_ON : KEEP_DEVICE;
 }
 
-/* Strided, dense, on the right device, a small enough ndim: PACK_ON. */
-static int pack_check(EngineObject *eng, PyObject *t) {
-  PyObject *v = PyObject_GetAttr(t, s_layout);
+/* A strided layout (not sparse): PACK_ON. */
+static int pack_check_strided(PyObject *t) {
+  PyObject *v = tensor_attr(t, TA_LAYOUT);
   if (!v) return -1;
   int strided = v == T.strided;
   Py_DECREF(v);
-  if (!strided) return KEEP_SPARSE;
+  return strided ? PACK_ON : KEEP_SPARSE;
+}
+
+/* Not nested, on the right device: PACK_ON. */
+static int pack_check(EngineObject *eng, PyObject *t) {
   if (!eng->e) return KEEP_ERROR;
   if (T.has_is_nested) {
-    v = PyObject_GetAttr(t, s_is_nested);
+    PyObject *v = tensor_attr(t, TA_IS_NESTED);
     if (!v) return -1;
     int nested = v == Py_True;
     Py_DECREF(v);
@@ -259,27 +263,26 @@ static int pack_check(EngineObject *eng, PyObject *t) {
   return pack_check_device(eng, t);
 }
 
-/* Shape, strides, data pointer and view flag of t into d, strides, *ptr. */
-static int pack_layout(PyObject *t, ferry_tensor_desc *d, int64_t *strides, void **ptr) {
-  int32_t nstrides = 0;
-  PyObject *v = PyObject_GetAttr(t, s_shape);
-  if (!v) return -1;
-  int r = read_int_tuple(v, d->shape, &d->ndim);
+/* The data pointer of t; NULL with an exception set on error. */
+static void *pack_data_ptr(PyObject *t) {
+  PyObject *v = tensor_attr(t, TA_DATA_PTR);
+  if (!v) return NULL;
+  void *ptr = PyLong_AsVoidPtr(v);
   Py_DECREF(v);
-  if (r) return r < 0 ? -1 : KEEP_NDIM;
-  v = PyObject_CallMethodNoArgs(t, s_stride);
+  return ptr;
+}
+
+/* Strides and view flag of t (its shape already in d) into d and strides. */
+static int pack_layout(PyObject *t, ferry_tensor_desc *d, int64_t *strides) {
+  int32_t nstrides = 0;
+  PyObject *v = tensor_attr(t, TA_STRIDE);
   if (!v) return -1;
-  r = read_int_tuple(v, strides, &nstrides);
+  int r = read_int_tuple(v, strides, &nstrides);
   Py_DECREF(v);
   if (r) return r < 0 ? -1 : KEEP_NDIM;
   int contig;
   if (!dense_span(d->ndim, d->shape, strides, &contig)) return KEEP_NON_DENSE;
-  v = PyObject_CallMethodNoArgs(t, s_data_ptr);
-  if (!v) return -1;
-  *ptr = PyLong_AsVoidPtr(v);
-  Py_DECREF(v);
-  if (!*ptr) return PyErr_Occurred() ? -1 : KEEP_ERROR;
-  v = PyObject_GetAttr(t, s_base);
+  v = tensor_attr(t, TA_BASE);
   if (!v) return -1;
   int is_view = v != Py_None;
   Py_DECREF(v);
@@ -374,7 +377,7 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
   if (!owner || !(hd->sharers[0] = PyWeakref_NewRef(t, NULL)) ||
       (owner != t && !(hd->sharers[1] = PyWeakref_NewRef(owner, NULL))) ||
       ((d->flags & FERRY_FLAG_VIEW) &&
-       (!(base = PyObject_GetAttr(t, s_base)) || !(hd->sharers[2] = PyWeakref_NewRef(base, NULL))))) {
+       (!(base = tensor_attr(t, TA_BASE)) || !(hd->sharers[2] = PyWeakref_NewRef(base, NULL))))) {
     Py_XDECREF(base);
     Py_XDECREF(owner);
     Py_DECREF(hd);
@@ -405,20 +408,64 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
   return (PyObject *)hd;
 }
 
-/* Bytes of t from numel and dtype only (the fast path's test); 0 with
- * *di NULL on error. */
-static uint64_t pack_bytes(PyObject *t, const dtype_info **di) {
-  *di = NULL;
-  PyObject *v = PyObject_CallMethodNoArgs(t, s_numel);
-  if (!v) return 0;
-  long long numel = PyLong_AsLongLong(v);
+/* Shape (its first FERRY_MAX_DIMS sizes; ndim may be more) and bytes of t
+ * into d. -1 with an exception set; KEEP_NESTED for a nested tensor, which
+ * has no shape. */
+static int pack_shape(PyObject *t, const dtype_info *di, ferry_tensor_desc *d) {
+  PyObject *v = tensor_attr(t, TA_SHAPE);
+  if (!v) {
+    if (!T.has_is_nested || !PyErr_ExceptionMatches(PyExc_RuntimeError)) return -1;
+    PyObject *exc_type, *exc, *tb; /* torch's error stays if t is not nested */
+    PyErr_Fetch(&exc_type, &exc, &tb);
+    PyObject *nested = tensor_attr(t, TA_IS_NESTED);
+    int is_nested = nested == Py_True;
+    Py_XDECREF(nested);
+    if (is_nested) {
+      Py_XDECREF(exc_type);
+      Py_XDECREF(exc);
+      Py_XDECREF(tb);
+      return KEEP_NESTED;
+    }
+    PyErr_Restore(exc_type, exc, tb);
+    return -1;
+  }
+  if (!PyTuple_Check(v)) {
+    Py_DECREF(v);
+    PyErr_SetString(PyExc_TypeError, "ferry pack hook: tensor.shape is not a tuple");
+    return -1;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(v);
+  uint64_t numel = 1;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    long long x = PyLong_AsLongLong(PyTuple_GET_ITEM(v, i));
+    if (x == -1 && PyErr_Occurred()) {
+      Py_DECREF(v);
+      return -1;
+    }
+    if (i < FERRY_MAX_DIMS) d->shape[i] = x;
+    numel *= (uint64_t)x;
+  }
   Py_DECREF(v);
-  if (numel < 0) return 0;
-  v = PyObject_GetAttr(t, s_dtype);
-  if (!v) return 0;
-  *di = dtype_lookup(v);
-  Py_DECREF(v);
-  return *di ? (uint64_t)numel * (*di)->itemsize : 0;
+  d->ndim = (int32_t)n;
+  d->bytes = numel * di->itemsize;
+  d->dtype = di->ferry;
+  return PACK_ON;
+}
+
+/* Kept as the policy answered before (ferry_pack_cached_keep): 1 and the
+ * Kept in *out (NULL on error), or 0 when the engine must be asked. */
+static int pack_cached_keep(EngineObject *eng, PyObject *t, ferry_tensor_desc *d,
+                            PyObject **out) {
+  void *ptr = pack_data_ptr(t);
+  if (!ptr) { /* no storage (a fake or meta tensor): the full path says why */
+    PyErr_Clear();
+    return 0;
+  }
+  pack_describe(eng, d, ptr);
+  if (!ferry_pack_cached_keep(eng->e, d, ptr)) return 0;
+  if (eng->in_backward) eng->recompute_packs++;
+  *out = make_kept(eng, t);
+  return 1;
 }
 
 static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
@@ -429,20 +476,28 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
                           tp->tp_name);
     return keep_with(eng, t, KEEP_SUBCLASS);
   }
-  const dtype_info *di;
-  uint64_t bytes = pack_bytes(t, &di);
+  PyObject *v = tensor_attr(t, TA_DTYPE);
+  if (!v) return NULL;
+  const dtype_info *di = dtype_lookup(v);
+  Py_DECREF(v);
   if (!di) return NULL;
-  if (bytes == 0 || (eng->fast_keep && bytes < eng->min_bytes))
-    return keep_with(eng, t, KEEP_SMALL);
-  int r = pack_check(eng, t);
-  if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-  int64_t strides[FERRY_MAX_DIMS];
-  void *ptr = NULL;
-  r = pack_layout(t, &d, strides, &ptr);
+  int r = pack_shape(t, di, &d);
   if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
-  d.bytes = bytes;
-  d.dtype = di->ferry;
+  if (d.bytes == 0 || (eng->fast_keep && d.bytes < eng->min_bytes))
+    return keep_with(eng, t, KEEP_SMALL);
+  /* before the layout check: a sparse tensor has no data pointer, and any
+   * tensor the policy keeps is kept whatever its layout */
+  PyObject *kept;
+  if (eng->fast_keep && eng->e && d.ndim <= FERRY_MAX_DIMS && pack_cached_keep(eng, t, &d, &kept))
+    return kept;
+  if ((r = pack_check_strided(t)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
+  if ((r = pack_check(eng, t)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
+  if (d.ndim > FERRY_MAX_DIMS) return keep_with(eng, t, KEEP_NDIM);
+  int64_t strides[FERRY_MAX_DIMS];
+  if ((r = pack_layout(t, &d, strides)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
+  void *ptr = pack_data_ptr(t);
+  if (!ptr) return PyErr_Occurred() ? NULL : keep_with(eng, t, KEEP_ERROR);
   pack_describe(eng, &d, ptr);
   if (eng->in_backward) eng->recompute_packs++;
   return pack_to_engine(eng, t, &d, strides, di->dtype, ptr);
@@ -458,26 +513,26 @@ static PyObject *pack_vectorcall(PyObject *callable, PyObject *const *args, size
 }
 
 static int same_layout(PyObject *t, HandleObject *hd, void *ptr) {
-  PyObject *v = PyObject_GetAttr(t, s_dtype);
+  PyObject *v = tensor_attr(t, TA_DTYPE);
   if (!v) return -1;
   int same = v == hd->dtype;
   Py_DECREF(v);
   if (!same) return 0;
   int64_t buf[FERRY_MAX_DIMS];
   int32_t n = 0;
-  v = PyObject_GetAttr(t, s_shape);
+  v = tensor_attr(t, TA_SHAPE);
   if (!v) return -1;
   int r = read_int_tuple(v, buf, &n);
   Py_DECREF(v);
   if (r) return r < 0 ? -1 : 0;
   if (n != hd->ndim || memcmp(buf, hd->shape, sizeof(int64_t) * (size_t)n)) return 0;
-  v = PyObject_CallMethodNoArgs(t, s_stride);
+  v = tensor_attr(t, TA_STRIDE);
   if (!v) return -1;
   r = read_int_tuple(v, buf, &n);
   Py_DECREF(v);
   if (r) return r < 0 ? -1 : 0;
   if (n != hd->ndim || memcmp(buf, hd->strides, sizeof(int64_t) * (size_t)n)) return 0;
-  v = PyObject_CallMethodNoArgs(t, s_data_ptr);
+  v = tensor_attr(t, TA_DATA_PTR);
   if (!v) return -1;
   same = PyLong_AsVoidPtr(v) == ptr;
   Py_DECREF(v);

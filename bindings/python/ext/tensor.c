@@ -27,6 +27,46 @@ int intern_names(void) {
   return 0;
 }
 
+tensor_attr_slot TA[TA_COUNT_];
+
+/* The slot of attribute (or method) name: its descriptor on torch.Tensor,
+ * used directly when Parameter has the same one. */
+static int tensor_attr_init(int a, PyObject *name, int is_method) {
+  tensor_attr_slot *s = &TA[a];
+  *s = (tensor_attr_slot){.name = name, .is_method = is_method};
+  PyObject *d = PyObject_GetAttr((PyObject *)T.tensor, name); /* the descriptor itself */
+  PyObject *dp = d ? PyObject_GetAttr((PyObject *)T.param, name) : NULL;
+  if (!d || !dp) {
+    PyErr_Clear(); /* an attribute this torch lacks: the generic path raises */
+  } else if (d == dp && !is_method && Py_IS_TYPE(d, &PyGetSetDescr_Type)) {
+    PyGetSetDef *g = ((PyGetSetDescrObject *)d)->d_getset;
+    s->get = g->get;
+    s->closure = g->closure;
+  } else if (d == dp && is_method && Py_IS_TYPE(d, &PyMethodDescr_Type) &&
+             PyVectorcall_Function(d)) {
+    s->method = d; /* kept for the process's life, as torch.Tensor is */
+    Py_INCREF(d);
+  }
+  Py_XDECREF(d);
+  Py_XDECREF(dp);
+  return 0;
+}
+
+static void tensor_attrs_init(void) {
+  tensor_attr_init(TA_DTYPE, s_dtype, 0);
+  tensor_attr_init(TA_SHAPE, s_shape, 0);
+  tensor_attr_init(TA_LAYOUT, s_layout, 0);
+  tensor_attr_init(TA_VERSION, s_version, 0);
+  tensor_attr_init(TA_REQUIRES_GRAD, s_requires_grad, 0);
+  tensor_attr_init(TA_IS_LEAF, s_is_leaf, 0);
+  tensor_attr_init(TA_IS_NESTED, s_is_nested, 0);
+  tensor_attr_init(TA_IS_CPU, s_is_cpu, 0);
+  tensor_attr_init(TA_BASE, s_base, 0);
+  tensor_attr_init(TA_DATA_PTR, s_data_ptr, 1);
+  tensor_attr_init(TA_STRIDE, s_stride, 1);
+  tensor_attr_init(TA_DETACH, s_detach, 1);
+}
+
 int torch_init(void) {
   if (T.ready) return 0;
   PyObject *torch = PyImport_ImportModule("torch");
@@ -61,6 +101,7 @@ int torch_init(void) {
   T.empty_strided = empty_strided;
   T.has_is_nested = PyObject_HasAttr(tensor, s_is_nested);
   T.has_is_cpu = PyObject_HasAttr(tensor, s_is_cpu);
+  tensor_attrs_init();
   T.ready = 1;
   return 0;
 }

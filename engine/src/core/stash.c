@@ -616,6 +616,30 @@ unlock:
 
 
 
+int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
+                           const void *device_ptr) {
+  /* a recorder counts every pack, and a policy-less engine has no cache */
+  if (!desc || !device_ptr || e->number_packs || e->bd || !e->policy || desc->bytes == 0 ||
+      desc->bytes > MAX_TENSOR_BYTES || desc->ndim < 0 || desc->ndim > FERRY_MAX_DIMS ||
+      engine_check(e))
+    return 0;
+  pthread_mutex_lock(&e->lock);
+  ferry_decision d;
+  uint32_t pidx;
+  int keep = (!e->cfg.retain || !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx)) &&
+             (desc->bytes < e->min_offload_bytes ||
+              (ferry_policy_cached(e->policy, desc, &d) && d.action == FERRY_KEEP));
+  if (keep) {
+    if (!e->in_step) step_begin_locked(e);
+    e->stats.tensors_packed++;
+    e->stats.tensors_kept++;
+    e->stats.tensors_kept_unheld++;
+    e->ctx.packed_this_step++;
+  }
+  pthread_mutex_unlock(&e->lock);
+  return keep;
+}
+
 /* ---- reload -------------------------------------------------------------------- */
 /* Bring an OFFLOADED entry back to a fresh device buffer, ordered after
  * compute_stream. Called and returns with the lock held; drops it around the

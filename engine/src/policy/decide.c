@@ -294,6 +294,18 @@ static void forget_sites(ferry_policy *p) {
   p->n_sites = 0;
 }
 
+/* The site-cache key of desc; whether its strings could be interned (else
+ * the answer cannot be cached). */
+static int site_key_of(ferry_policy *p, const ferry_tensor_desc *desc, site_key *key) {
+  key->path_id = intern(p, desc->module_path, STR_SCRATCH_PATH);
+  key->class_id = intern(p, desc->module_class, STR_SCRATCH_CLASS);
+  key->dtype = desc->dtype;
+  key->kind = desc->kind;
+  key->ndim = desc->ndim < 0 ? 0 : desc->ndim > FERRY_MAX_DIMS ? FERRY_MAX_DIMS : desc->ndim;
+  for (int i = 0; i < key->ndim; i++) key->shape[i] = desc->shape[i];
+  return key->path_id != STR_SCRATCH_PATH && key->class_id != STR_SCRATCH_CLASS;
+}
+
 /* decide and explain in one body. why is NULL for the engine's decide: the
  * function is inlined into ferry_policy_decide with why a constant NULL, so
  * every reason branch below folds away and decide pays nothing for them. */
@@ -309,13 +321,7 @@ decide_or_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_co
   if (!p || !desc || p->stats.disabled) return;
 
   site_key key;
-  key.path_id = intern(p, desc->module_path, STR_SCRATCH_PATH);
-  key.class_id = intern(p, desc->module_class, STR_SCRATCH_CLASS);
-  key.dtype = desc->dtype;
-  key.kind = desc->kind;
-  key.ndim = desc->ndim < 0 ? 0 : desc->ndim > FERRY_MAX_DIMS ? FERRY_MAX_DIMS : desc->ndim;
-  for (int i = 0; i < key.ndim; i++) key.shape[i] = desc->shape[i];
-  int site_cacheable = key.path_id != STR_SCRATCH_PATH && key.class_id != STR_SCRATCH_CLASS;
+  int site_cacheable = site_key_of(p, desc, &key);
   uint64_t h = 0;
   if (site_cacheable && p->n_sites) {
     h = site_hash(&key);
@@ -406,6 +412,17 @@ decide_or_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_co
 void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
                          ferry_decision *out) {
   decide_or_explain(p, desc, ctx, out, NULL);
+}
+
+int ferry_policy_cached(ferry_policy *p, const ferry_tensor_desc *desc, ferry_decision *out) {
+  if (!p || !desc || p->stats.disabled || !p->n_sites) return 0;
+  site_key key;
+  if (!site_key_of(p, desc, &key)) return 0;
+  const site_entry *e = site_find(p, &key, site_hash(&key));
+  if (!e) return 0;
+  *out = e->decision;
+  p->stats.cache_hits++;
+  return 1;
 }
 
 void ferry_policy_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_context *ctx,
