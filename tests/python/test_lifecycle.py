@@ -163,6 +163,28 @@ def test_cached_keeps_hold_no_handle_and_keep_every_promise(tmp_path):
     assert ft.step() == 0
 
 
+def test_offload_made_every_step_follows_arguments_environment_and_cwd(tmp_path, monkeypatch):
+    """offload() derives its configuration once per (arguments, environment,
+    working directory): the same call every step reuses it; a changed
+    variable or directory is seen at the next call."""
+    m = torch.nn.Linear(4, 4)
+    monkeypatch.delenv("FERRY_RELEASE_COPIED", raising=False)
+    a, b = ft.offload(m, backend="host"), ft.offload(m, backend="host")
+    assert a.session is b.session and not a.engine.info()["release_when_copied"]
+    monkeypatch.setenv("FERRY_RELEASE_COPIED", "1")
+    c = ft.offload(m, backend="host")
+    assert c.session is not a.session and c.engine.info()["release_when_copied"]
+    for d in ("one", "two"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "p.lua").write_text(KEEP_CACHED)
+    monkeypatch.chdir(tmp_path / "one")
+    assert ft.offload(m, policy="p.lua", backend="host").policy_path == str(tmp_path / "one" / "p.lua")
+    monkeypatch.chdir(tmp_path / "two")
+    assert ft.offload(m, policy="p.lua", backend="host").policy_path == str(tmp_path / "two" / "p.lua")
+    with pytest.raises(TypeError, match="max_stash"):  # still checked on every call
+        ft.offload(m, max_stash=3)
+
+
 def test_close_with_live_graph_then_gc():
     model = GPT(layers=2)
     with ft.offload(model, policy="default"):

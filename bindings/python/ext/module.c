@@ -75,6 +75,23 @@ static PyObject *mod_parse_number(PyObject *mod, PyObject *args) {
   return PyFloat_FromDouble(v);
 }
 
+/* getenv_many(names) -> tuple of str or None: the process environment
+ * (which os.environ's changes reach through putenv) read in one call, the
+ * key of ferry.torch.offload's memo of what it derives from it. */
+static PyObject *mod_getenv_many(PyObject *mod, PyObject *names) {
+  if (!PyTuple_Check(names)) return PyErr_Format(PyExc_TypeError, "getenv_many: expected a tuple");
+  Py_ssize_t n = PyTuple_GET_SIZE(names);
+  PyObject *out = PyTuple_New(n);
+  for (Py_ssize_t i = 0; out && i < n; i++) {
+    const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(names, i));
+    const char *v = name ? getenv(name) : NULL;
+    PyObject *o = !name ? NULL : v ? PyUnicode_DecodeFSDefault(v) : Py_NewRef(Py_None);
+    if (!o) Py_CLEAR(out);
+    else PyTuple_SET_ITEM(out, i, o);
+  }
+  return out;
+}
+
 static PyObject *mod_strerror(PyObject *mod, PyObject *arg) {
   long code = PyLong_AsLong(arg);
   if (code == -1 && PyErr_Occurred()) return NULL;
@@ -85,6 +102,9 @@ static PyMethodDef module_methods[] = {
     {"info", mod_info, METH_NOARGS,
      "info() -> dict: version, which arena an engine gets here, backend availability."},
     {"strerror", mod_strerror, METH_O, "Message of a FERRY_E* code."},
+    {"getenv_many", mod_getenv_many, METH_O,
+     "getenv_many(names: tuple) -> tuple: each variable's value in the process environment, "
+     "or None."},
     {"parse_number", mod_parse_number, METH_VARARGS,
      "parse_number(what, text, kind, min, max, min_open=False) -> float: the strict parser of "
      "every ferry flag (NUMBER_* kinds); ValueError naming what, the text and what was expected."},

@@ -207,8 +207,13 @@ class Session:
         return h
 
 
-def session_for(policy_path, cfg, node_cap_spec):
-    key = tuple(sorted((k, v) for k, v in cfg.items())) + (node_cap_spec,)
+def session_key(cfg, node_cap_spec):
+    return tuple(sorted((k, v) for k, v in cfg.items())) + (node_cap_spec,)
+
+
+def session_for(policy_path, cfg, node_cap_spec, key=None):
+    if key is None:
+        key = session_key(cfg, node_cap_spec)
     s = sessions.get(key)
     if s is None or s.engine.closed:
         node_cap = None

@@ -46,6 +46,7 @@ from ._policy import PolicyLike
 import ferry as _pkg
 from . import _session as _sessmod
 from ._ferry import FerryError
+from ._ferry import getenv_many as _getenv_many
 from ._session import ENGINE_KNOBS as _ENGINE_KNOBS
 from ._session import Session as _Session  # noqa: F401 (old name)
 from ._session import parse_cap as _parse_cap
@@ -156,6 +157,57 @@ class _ModelHooks:
         return handles
 
 
+# The environment variables offload() derives its configuration from
+# (directly, or through the policy search path, the on/off knobs and the
+# node cap's name and share).
+_ENV_READ = ("FERRY_POLICY", "FERRY_POLICY_DIR", "FERRY_TRACE", "FERRY_CHROME_TRACE",
+             "FERRY_HOST_CAP", "FERRY_NODE_HOST_CAP", "FERRY_NODE_CAP_NAME",
+             "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+             *_sessmod.SWITCH_KNOBS.values())
+# (arguments, those variables) -> _derive's result
+_derived: Dict[Any, Any] = {}
+
+
+def _derive(policy, backend, device, record_trace, chrome_trace, reasons, host_cap, node_host_cap,
+            node_cap_name, _items, knobs):
+    """offload()'s policy path, the policy a new session starts with, the
+    engine configuration, the node cap and the session's key:
+    (policy_path, initial, cfg, node_spec, session key)."""
+    # No policy named: the session's (ferry.torch.set_policy's) stays in
+    # force; a new session starts with $FERRY_POLICY or "default".
+    policy_path = _pkg.policy_path(policy) if policy else None
+    initial = policy_path or _pkg.policy_path(os.environ.get("FERRY_POLICY") or "default")
+    if record_trace is None:
+        record_trace = os.environ.get("FERRY_TRACE") or None
+    if chrome_trace is None:
+        chrome_trace = os.environ.get("FERRY_CHROME_TRACE") or None
+    cap_bytes, cap_pct = _parse_cap(host_cap if host_cap is not None
+                                    else os.environ.get("FERRY_HOST_CAP") or None, "host_cap")
+    cfg = dict(_sessmod.parse_knobs(knobs), backend=backend, device=device,
+               host_cap_bytes=cap_bytes, host_cap_pct=cap_pct)
+    if _sessmod.fixed_knobs(knobs):
+        cfg["knobs_fixed"] = _sessmod.fixed_knobs(knobs)
+    if record_trace:
+        cfg["trace_path"] = os.path.abspath(os.fspath(record_trace))
+    if chrome_trace:
+        cfg["chrome_trace_path"] = os.path.abspath(os.fspath(chrome_trace))
+    if reasons:
+        cfg["count_reasons"] = True
+    if "link" in cfg and cfg["link"] is not None:
+        cfg["link"] = tuple(float(x) for x in cfg["link"])
+    node_spec = None
+    if node_host_cap is not None or os.environ.get("FERRY_NODE_HOST_CAP"):
+        nb, npct = _parse_cap(node_host_cap if node_host_cap is not None
+                              else os.environ["FERRY_NODE_HOST_CAP"], "node_host_cap")
+        if npct:
+            with open("/proc/meminfo") as f:
+                total = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemTotal:"))
+            nb = int(total * npct / 100)
+        node_spec = (node_cap_name or os.environ.get("FERRY_NODE_CAP_NAME")
+                     or _default_node_cap_name(), nb)
+    return policy_path, initial, cfg, node_spec, _sessmod.session_key(cfg, node_spec)
+
+
 class offload:
     """Context manager offloading what `model` saves for backward.
 
@@ -237,40 +289,22 @@ class offload:
         self.model = model
         self.optimizer = optimizer
         self.steps = steps
-        # No policy named: the session's (ferry.torch.set_policy's) stays in
-        # force; a new session starts with $FERRY_POLICY or "default".
-        self.policy_path = _pkg.policy_path(policy) if policy else None
-        initial = self.policy_path or _pkg.policy_path(os.environ.get("FERRY_POLICY") or "default")
         backend, device = _resolve_backend(backend, model)
-        if record_trace is None:
-            record_trace = os.environ.get("FERRY_TRACE") or None
-        if chrome_trace is None:
-            chrome_trace = os.environ.get("FERRY_CHROME_TRACE") or None
-        cap_bytes, cap_pct = _parse_cap(host_cap if host_cap is not None
-                                        else os.environ.get("FERRY_HOST_CAP") or None, "host_cap")
-        cfg = dict(_sessmod.parse_knobs(knobs), backend=backend, device=device,
-                   host_cap_bytes=cap_bytes, host_cap_pct=cap_pct)
-        if _sessmod.fixed_knobs(knobs):
-            cfg["knobs_fixed"] = _sessmod.fixed_knobs(knobs)
-        if record_trace:
-            cfg["trace_path"] = os.path.abspath(os.fspath(record_trace))
-        if chrome_trace:
-            cfg["chrome_trace_path"] = os.path.abspath(os.fspath(chrome_trace))
-        if reasons:
-            cfg["count_reasons"] = True
-        if "link" in cfg and cfg["link"] is not None:
-            cfg["link"] = tuple(float(x) for x in cfg["link"])
-        node_spec = None
-        if node_host_cap is not None or os.environ.get("FERRY_NODE_HOST_CAP"):
-            nb, npct = _parse_cap(node_host_cap if node_host_cap is not None
-                                  else os.environ["FERRY_NODE_HOST_CAP"], "node_host_cap")
-            if npct:
-                with open("/proc/meminfo") as f:
-                    total = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemTotal:"))
-                nb = int(total * npct / 100)
-            node_spec = (node_cap_name or os.environ.get("FERRY_NODE_CAP_NAME")
-                         or _default_node_cap_name(), nb)
-        self.session = _session_for(initial, cfg, node_spec)
+        args = (policy, backend, device, record_trace, chrome_trace, reasons, host_cap,
+                node_host_cap, node_cap_name, tuple(sorted(knobs.items())))
+        try:  # a training loop makes the same context every step: derive it once
+            key = (args, _getenv_many(_ENV_READ), os.getcwd())  # relative paths
+            derived = _derived.get(key)
+        except TypeError:  # an unhashable argument (a list): derived every time
+            key = derived = None
+        if derived is None:
+            derived = _derive(*args, knobs)
+            if key is not None:
+                if len(_derived) >= 64:
+                    _derived.clear()
+                _derived[key] = derived
+        self.policy_path, initial, cfg, node_spec, skey = derived
+        self.session = _session_for(initial, cfg, node_spec, skey)
         self._ctx = None
         self._handles = ()
         self._flop_mode = None
