@@ -125,7 +125,8 @@ def test_cached_keeps_hold_no_handle_and_keep_every_promise(tmp_path):
     """A site the policy answered 'keep' before (cacheable) is kept without
     an engine handle (ferry_pack_cached_keep). Such tensors still come back
     bit-identical, an in-place change is still torch's error, a graph
-    dropped without backward still frees them, and the engine counts them."""
+    dropped without backward is freed when the step ends, and the engine
+    counts them."""
     policy = tmp_path / "keep_cached.lua"
     policy.write_text(KEEP_CACHED)
     torch.manual_seed(0)
@@ -159,8 +160,23 @@ def test_cached_keeps_hold_no_handle_and_keep_every_promise(tmp_path):
         refs.append(weakref.ref(z))
     del y, z
     gc.collect()
-    assert all(r() is None for r in refs), "a graph dropped without backward kept its tensors"
+    # kept tensors are stored as themselves until the step ends; then those
+    # still saved hold a detached alias, and a dropped graph goes
     assert ft.step() == 0
+    gc.collect()
+    assert all(r() is None for r in refs), "a graph dropped without backward kept its tensors"
+
+    # a graph alive across the step's end: its kept tensors hold aliases by
+    # then, which still give the same values and still see in-place changes
+    x.grad = None
+    with ft.offload(None, policy=str(policy), backend="host"):
+        y, w = x.exp(), x.exp()
+    assert ft.step() == 0
+    y.sum().backward()
+    assert torch.equal(x.grad, x.exp())
+    w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        w.sum().backward()
 
 
 def test_offload_made_every_step_follows_arguments_environment_and_cwd(tmp_path, monkeypatch):

@@ -231,6 +231,7 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
 }
 
 static void engine_close_impl(EngineObject *self) {
+  if (kept_end_step(self) < 0) PyErr_WriteUnraisable((PyObject *)self);
   if (!self->e) return;
   ferry_engine *e = self->e;
   /* Handles still alive become invalid: they hold a reference to this
@@ -292,6 +293,7 @@ static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
   self->in_backward = 0;
   self->depth = 0;
   self->in_step = 0;
+  if (kept_end_step(self) < 0) return NULL;
   int rc = ferry_step_end(self->e);
   if (rc == FERRY_ELEAK) {
     ferry_stats s;

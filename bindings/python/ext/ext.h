@@ -136,6 +136,7 @@ enum keep_reason {
 extern const char *keep_reason_names[KEEP_REASONS_];
 
 typedef struct EngineObject EngineObject;
+typedef struct KeptObject KeptObject;
 
 typedef struct {
   PyObject_HEAD vectorcallfunc vectorcall;
@@ -168,6 +169,7 @@ struct EngineObject {
   PyObject *last_pack_error; /* str or NULL */
   struct HandleObject *unpacking; /* the handle in ferry_unpack, for device_alloc */
   PyObject *node_cap;        /* NodeCap kept alive while the engine uses it */
+  KeptObject *kept_live;     /* this step's kept tensors still alive (hooks.c) */
   PyObject *weakreflist;
 };
 
@@ -218,6 +220,9 @@ PyObject *raise_ferry(int code, const char *msg);
 int engine_live(EngineObject *self);
 /* hooks.c */
 PyObject *make_hook(PyTypeObject *type, EngineObject *eng);
+/* at step end and close: the step's live kept tensors stop being tracked;
+ * -1 with an exception set if an alias could not be made */
+int kept_end_step(EngineObject *eng);
 PyObject *empty_like_handle(EngineObject *self, uint64_t bytes);
 PyObject *int_tuple(const int64_t *v, int32_t n);
 /* torch.cuda.current_stream() of a cuda engine, else NULL */

@@ -33,15 +33,37 @@ PyTypeObject HandleType = {
     .tp_repr = (reprfunc)handle_repr,
 };
 
-/* ---- Kept --------------------------------------------------------------------- */
-typedef struct {
+/* ---- Kept ---------------------------------------------------------------------
+ * A kept tensor is stored as itself: torch gets back the very tensor it
+ * packed, as from a no-op hook pair. A tensor with a grad_fn may be an output
+ * of the node saving it; then grad_fn -> saved variable -> Kept -> tensor ->
+ * grad_fn is a C++ reference cycle that Python's gc cannot see, and a graph
+ * dropped without backward would never be freed. Backward breaks it (the
+ * node releases its saved variables), so the step's Kepts are listed in
+ * their engine, and those still alive when the step ends, or the engine
+ * closes, swap their tensor for a detached alias (same storage, same version
+ * counter, no grad_fn): a dropped graph is freed then, and only such Kepts
+ * pay for an alias. */
+struct KeptObject {
   PyObject_HEAD PyObject *tensor; /* the tensor, or a detached alias sharing its version counter */
   PyObject *origin;               /* weakref to the tensor when `tensor` is an alias */
   int64_t version;
   int32_t site;
-} KeptObject;
+  EngineObject *eng;              /* listed in eng->kept_live while eng is set */
+  KeptObject *prev, *next;
+};
+
+static void kept_unlist(KeptObject *k) {
+  if (!k->eng) return;
+  if (k->prev) k->prev->next = k->next;
+  else k->eng->kept_live = k->next;
+  if (k->next) k->next->prev = k->prev;
+  k->prev = k->next = NULL;
+  Py_CLEAR(k->eng);
+}
 
 static void kept_dealloc(KeptObject *self) {
+  kept_unlist(self);
   Py_XDECREF(self->tensor);
   Py_XDECREF(self->origin);
   PyObject_Free(self);
@@ -125,13 +147,50 @@ static PyObject *make_kept(EngineObject *eng, PyObject *t) {
   KeptObject *k = PyObject_New(KeptObject, &KeptType);
   if (!k) return NULL;
   k->tensor = k->origin = NULL;
+  k->eng = NULL;
+  k->prev = k->next = NULL;
   k->site = current_site(eng);
-  if (read_version(t, &k->version) < 0 || !(k->tensor = keep_object(t)) ||
-      (k->tensor != t && !(k->origin = PyWeakref_NewRef(t, NULL)))) {
+  if (read_version(t, &k->version) < 0) {
     Py_DECREF(k);
     return NULL;
   }
+  Py_INCREF(t);
+  k->tensor = t;
+  Py_INCREF(eng);
+  k->eng = eng;
+  k->next = eng->kept_live;
+  if (k->next) k->next->prev = k;
+  eng->kept_live = k;
   return (PyObject *)k;
+}
+
+/* The step's live Kepts leave the list; those holding a tensor that may own
+ * them through its grad_fn hold a detached alias instead (see Kept). */
+int kept_end_step(EngineObject *eng) {
+  int rc = 0;
+  while (eng->kept_live) {
+    KeptObject *k = eng->kept_live;
+    Py_INCREF(k);
+    kept_unlist(k);
+    PyObject *t = k->tensor, *alias = rc ? NULL : keep_object(t);
+    if (!alias) {
+      rc = -1; /* the rest are still unlisted: the engine may be going away */
+    } else if (alias != t) {
+      PyObject *origin = PyWeakref_NewRef(t, NULL);
+      if (!origin) {
+        Py_DECREF(alias);
+        rc = -1;
+      } else {
+        k->origin = origin;
+        k->tensor = alias;
+        Py_DECREF(t);
+      }
+    } else {
+      Py_DECREF(alias);
+    }
+    Py_DECREF(k);
+  }
+  return rc;
 }
 
 static PyObject *keep_with(EngineObject *eng, PyObject *t, int reason) {
