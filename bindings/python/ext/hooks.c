@@ -109,11 +109,12 @@ static void hook_dealloc(HookObject *self) {
   PyObject_GC_Del(self);
 }
 
-/* The object a kept tensor is stored as. A tensor with a grad_fn (an output
- * the saving node produced) must not be stored as is: its grad_fn owns the
- * saved variable, which would own the tensor — a C++ reference cycle that
- * Python's gc cannot see, leaking the graph when backward never runs. A
- * detached alias breaks it and still shares the tensor's version counter. */
+/* t, or a detached alias of it when t has a grad_fn (requires grad, not a
+ * leaf): what may be held beyond backward without owning the graph. The
+ * grad_fn may own the saved variable holding t (t an output of the node
+ * saving it): a C++ reference cycle Python's gc cannot see. The alias shares
+ * t's storage and version counter. For the owner the engine holds, and for
+ * Kepts alive at the step's end (kept_end_step). */
 static PyObject *keep_object(PyObject *t) {
   PyObject *rg = tensor_attr(t, TA_REQUIRES_GRAD);
   if (!rg) return NULL;
@@ -174,7 +175,7 @@ int kept_end_step(EngineObject *eng) {
     kept_unlist(k);
     PyObject *t = k->tensor, *alias = rc ? NULL : keep_object(t);
     if (!alias) {
-      rc = -1; /* the rest are still unlisted: the engine may be going away */
+      rc = -1; /* the rest are only unlisted: the list must end empty */
     } else if (alias != t) {
       PyObject *origin = PyWeakref_NewRef(t, NULL);
       if (!origin) {

@@ -169,7 +169,7 @@ _derived: Dict[Any, Any] = {}
 
 
 def _derive(policy, backend, device, record_trace, chrome_trace, reasons, host_cap, node_host_cap,
-            node_cap_name, _items, knobs):
+            node_cap_name, knobs):
     """offload()'s policy path, the policy a new session starts with, the
     engine configuration, the node cap and the session's key:
     (policy_path, initial, cfg, node_spec, session key)."""
@@ -298,7 +298,7 @@ class offload:
         except TypeError:  # an unhashable argument (a list): derived every time
             key = derived = None
         if derived is None:
-            derived = _derive(*args, knobs)
+            derived = _derive(*args[:-1], knobs)  # args[-1]: the knobs as a key
             if key is not None:
                 if len(_derived) >= 64:
                     _derived.clear()
