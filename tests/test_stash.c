@@ -1498,3 +1498,84 @@ TEST(stash_cached_keep_without_handle) {
   ferry_engine_destroy(f.e);
   return 0;
 }
+
+/* ---- ferry_set_policy: a policy swapped back without a reload ------------- */
+/* One step packing one tensor; 1 if it was offloaded. */
+static int step_offloads(fixture *f) {
+  ferry_stats s0, s1;
+  uint64_t sum;
+  CHECK_OK(ferry_get_stats(f->e, &s0, sizeof s0));
+  CHECK_OK(ferry_step_begin(f->e));
+  ferry_handle h = pack_new(f, 4096, 1, &sum);
+  CHECK(h != 0);
+  CHECK_OK(ferry_backward_begin(f->e));
+  if (unpack_check(f, h, 4096, sum)) return -1;
+  CHECK_OK(ferry_backward_end(f->e));
+  CHECK_OK(ferry_step_end(f->e));
+  CHECK_OK(ferry_get_stats(f->e, &s1, sizeof s1));
+  return (int)(s1.tensors_offloaded - s0.tensors_offloaded);
+}
+
+static void write_policy_file(const char *path, const char *text) {
+  FILE *fp = fopen(path, "w");
+  if (fp) {
+    fputs(text, fp);
+    fclose(fp);
+  }
+}
+
+TEST(stash_policy_swapped_back_without_reload) {
+  /* offloads at its second decision: its counter tells a reload apart */
+  static const char *second =
+      "local n = 0\n"
+      "return { api = 1, name = 'second', decide = function(t, ctx)\n"
+      "  n = n + 1\n"
+      "  if n == 2 then return ferry.OFFLOAD end\n"
+      "  return ferry.KEEP end }\n";
+  char a[] = "/tmp/ferry-policy-XXXXXX.lua";
+  int fd = mkstemps(a, 4);
+  CHECK(fd >= 0);
+  close(fd);
+  write_policy_file(a, second);
+  fixture f;
+  ferry_config c = fixture_config(&f, 0);
+  c.decide = NULL;
+  c.policy_path = a;
+  c.max_fwd_stash = 0;
+  CHECK_OK(fixture_open(&f, &c));
+  const char *keep = "return { api = 1, name = 'keep', decide = function() return ferry.KEEP end }\n";
+  CHECK_EQ(step_offloads(&f), 0); /* n = 1 */
+  CHECK_OK(ferry_set_policy(f.e, NULL, keep, 0));
+  CHECK_EQ(step_offloads(&f), 0);
+  CHECK_OK(ferry_set_policy(f.e, a, NULL, 0)); /* swapped back: n goes on */
+  CHECK_EQ(step_offloads(&f), 1);              /* n = 2 */
+  /* the file edited: loaded again, from n = 0 */
+  CHECK_OK(ferry_set_policy(f.e, NULL, keep, 0));
+  write_policy_file(a, "-- edited\n" "local n = 0\n"
+                       "return { api = 1, name = 'second', decide = function(t, ctx)\n"
+                       "  n = n + 1\n"
+                       "  if n == 2 then return ferry.OFFLOAD end\n"
+                       "  return ferry.KEEP end }\n");
+  CHECK_OK(ferry_set_policy(f.e, a, NULL, 0));
+  CHECK_EQ(step_offloads(&f), 0); /* n = 1 */
+  CHECK_EQ(step_offloads(&f), 1); /* n = 2 */
+  /* four other policies since: the oldest parked one is loaded again */
+  char src[4][160];
+  for (int i = 0; i < 4; i++) {
+    snprintf(src[i], sizeof src[i],
+             "return { api = 1, name = 'k%d', decide = function() return ferry.KEEP end }\n", i);
+    CHECK_OK(ferry_set_policy(f.e, NULL, src[i], 0));
+  }
+  CHECK_OK(ferry_set_policy(f.e, NULL, keep, 0)); /* 'second' is pushed out */
+  CHECK_OK(ferry_set_policy(f.e, a, NULL, 0));
+  CHECK_EQ(step_offloads(&f), 0); /* n = 1 again */
+  /* set during a step: refused, parked or not */
+  CHECK_OK(ferry_step_begin(f.e));
+  CHECK_EQ(ferry_set_policy(f.e, NULL, src[3], 0), FERRY_ESTATE);
+  CHECK_EQ(ferry_set_policy(f.e, NULL, "return {", 0), FERRY_ESTATE); /* not even loaded */
+  CHECK_OK(ferry_step_end(f.e));
+  if (check_quiescent(&f)) return 1;
+  ferry_engine_destroy(f.e);
+  unlink(a);
+  return 0;
+}

@@ -463,8 +463,13 @@ FERRY_API int ferry_trace_flops_all(ferry_engine *e, int on);
 /* ---- policies ----------------------------------------------------------- */
 /* Load a Lua policy (file, or source text when path is NULL) and make it the
  * engine's decision maker, replacing any decide callback. Call between
- * steps. On failure the previous policy stays in force and the message,
- * with file:line, is in ferry_last_error(). */
+ * steps (FERRY_ESTATE during one, before anything is loaded). On failure
+ * the previous policy stays in force and the message, with file:line, is in
+ * ferry_last_error(). The policy replaced is kept (the last four): setting
+ * one of them again, from the same unchanged file (same inode, size and
+ * modification time) or the same source, brings it back as it was, its
+ * Lua state and site cache included, without a reload; setting the policy
+ * in force again reloads it. */
 FERRY_API int ferry_set_policy(ferry_engine *e, const char *path,
                                const char *source, int trusted);
 /* The file of a policy given by name ("default": a shipped policy, found in

@@ -192,6 +192,14 @@ MUTANTS = [
       "      f->count[i]++;\n      break;",
       "cli:tests/cli/test_check_faults.py"),
 
+    # ---- policy swaps
+    m("parked-policy-blind-to-edits", "policy cache", "engine/src/core/engine.c",
+      "a->size == b->size && a->mtime_ns == b->mtime_ns;",
+      "1;"),
+    m("policy-never-parked", "policy cache", "engine/src/core/engine.c",
+      "    if (!e->parked[i].p || !policy_key_equal(&e->parked[i].key, &k)) continue;",
+      "    if (!e->parked[i].p || !policy_key_equal(&e->parked[i].key, &k) || 1) continue;"),
+
     # ---- torch's in-place check
     m("version-not-compared", "pack/unpack", HOOKS,
       "  if (cur == saved) return 0;",

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "util/errbuf.h"
@@ -173,16 +174,47 @@ static void apply_policy_knobs(ferry_engine *e) {
 #undef KNOB
 }
 
-/* A policy by file or by shipped name ("default", ferry_policy_find). */
-static int load_policy(const char *path, const char *source, int trusted, ferry_policy **out,
-                       char *msg, size_t msglen) {
-  char found[PATH_MAX];
+/* The key of a policy by file or by shipped name ("default",
+ * ferry_policy_find), or by source text. */
+static int policy_key_make(const char *path, const char *source, int trusted, policy_key *k,
+                           char *msg, size_t msglen) {
+  memset(k, 0, sizeof *k);
+  k->trusted = trusted;
   if (path) {
+    char found[PATH_MAX];
     int rc = ferry_policy_find(path, found, sizeof found, msg, msglen);
     if (rc) return rc;
-    path = found;
+    struct stat st; /* a file that cannot be stat'ed fails to load, saying why */
+    if (stat(found, &st) == 0) {
+      k->dev = (uint64_t)st.st_dev;
+      k->ino = (uint64_t)st.st_ino;
+      k->size = (uint64_t)st.st_size;
+      k->mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    }
+    k->path = strdup(found);
+  } else {
+    k->source = strdup(source);
   }
-  return ferry_policy_create(path, source, trusted, out, msg, msglen);
+  if (!k->path && !k->source)
+    return ferry_errbuf(msg, msglen, FERRY_ENOMEM, "out of memory loading a policy");
+  return FERRY_OK;
+}
+
+static int policy_key_equal(const policy_key *a, const policy_key *b) {
+  if (a->trusted != b->trusted || !a->path != !b->path || !a->source != !b->source) return 0;
+  if (a->source) return !strcmp(a->source, b->source);
+  return a->path && !strcmp(a->path, b->path) && a->dev == b->dev && a->ino == b->ino &&
+         a->size == b->size && a->mtime_ns == b->mtime_ns;
+}
+
+static void policy_key_free(policy_key *k) {
+  free(k->path);
+  free(k->source);
+  memset(k, 0, sizeof *k);
+}
+
+static int load_policy(const policy_key *k, ferry_policy **out, char *msg, size_t msglen) {
+  return ferry_policy_create(k->path, k->source, k->trusted, out, msg, msglen);
 }
 
 /* Constructors by ferry_backend_kind (config_load checked the range). */
@@ -255,8 +287,9 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     goto fail;
   }
   if (cfg->policy_path || cfg->policy_source) {
-    if ((rc = load_policy(cfg->policy_path, cfg->policy_source, cfg->policy_trusted, &e->policy,
-                          msg, sizeof msg))) {
+    if ((rc = policy_key_make(cfg->policy_path, cfg->policy_source, cfg->policy_trusted,
+                              &e->policy_from, msg, sizeof msg)) ||
+        (rc = load_policy(&e->policy_from, &e->policy, msg, sizeof msg))) {
       ferry_errbuf(errbuf, errlen, rc, "%s", msg);
       goto fail;
     }
@@ -300,6 +333,11 @@ void ferry_engine_destroy(ferry_engine *e) {
   trace_close(e);
   breakdown_close(e);
   if (e->policy) ferry_policy_destroy(e->policy);
+  policy_key_free(&e->policy_from);
+  for (int i = 0; i < PARKED_POLICIES; i++) {
+    if (e->parked[i].p) ferry_policy_destroy(e->parked[i].p);
+    policy_key_free(&e->parked[i].key);
+  }
   if (e->arena) ferry_arena_destroy(e->arena);
   if (e->bk) {
     for (uint32_t i = 0; i < e->n_event_pool; i++)
@@ -395,31 +433,87 @@ const char *ferry_intern(ferry_engine *e, const char *s) {
 }
 
 /* ---- policies ---------------------------------------------------------------- */
+/* Makes p (loaded from k, taken) the engine's policy; the one in force is
+ * parked, and what parking pushes out is returned to be destroyed unlocked.
+ * Called locked. */
+static ferry_policy *policy_swap_in(ferry_engine *e, ferry_policy *p, policy_key *k) {
+  ferry_policy *out = NULL;
+  if (e->policy) {
+    int slot = 0; /* a free slot, else the one parked longest ago */
+    for (int i = 0; i < PARKED_POLICIES; i++) {
+      if (!e->parked[i].p) {
+        slot = i;
+        break;
+      }
+      if (e->parked[i].parked_at < e->parked[slot].parked_at) slot = i;
+    }
+    out = e->parked[slot].p;
+    policy_key_free(&e->parked[slot].key);
+    e->parked[slot] = (struct parked_policy){e->policy, e->policy_from, ++e->park_clock};
+  } else {
+    policy_key_free(&e->policy_from);
+  }
+  e->policy = p;
+  e->policy_from = *k;
+  memset(k, 0, sizeof *k);
+  apply_policy_knobs(e);
+  return out;
+}
+
+static int set_policy_in_step(ferry_engine *e) {
+  return engine_fail(e, FERRY_ESTATE,
+                     "ferry_set_policy during step %llu: swap policies between steps",
+                     (unsigned long long)e->step);
+}
+
 int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted) {
   int rc = engine_check(e);
   if (rc) return rc;
   if (!path && !source) return engine_fail(e, FERRY_EINVAL, "ferry_set_policy: no path or source");
   char msg[512];
-  ferry_policy *p = NULL;
-  /* Load outside the lock: a slow or broken file must not stall training. */
-  rc = load_policy(path, source, trusted, &p, msg, sizeof msg);
+  policy_key k;
+  if ((rc = policy_key_make(path, source, trusted, &k, msg, sizeof msg))) {
+    policy_key_free(&k);
+    return engine_fail(e, rc, "%s (the previous policy stays in force)", msg);
+  }
+  /* A policy swapped out before, from the same unchanged file or source,
+   * comes back as it was (its state and site cache too): alternating
+   * contexts do not reload Lua at every entry. */
   pthread_mutex_lock(&e->lock);
-  if (rc) {
-    rc = engine_fail(e, rc, "%s (the previous policy stays in force)", msg);
-  } else if (e->in_step) {
-    ferry_policy_destroy(p);
-    rc = engine_fail(e, FERRY_ESTATE,
-                     "ferry_set_policy during step %llu: swap policies between steps",
-                     (unsigned long long)e->step);
-  } else {
-    ferry_policy *old = e->policy;
-    e->policy = p;
-    apply_policy_knobs(e);
+  if (e->in_step) {
+    rc = set_policy_in_step(e);
     pthread_mutex_unlock(&e->lock);
-    if (old) ferry_policy_destroy(old);
+    policy_key_free(&k);
+    return rc;
+  }
+  for (int i = 0; i < PARKED_POLICIES; i++) {
+    if (!e->parked[i].p || !policy_key_equal(&e->parked[i].key, &k)) continue;
+    ferry_policy *p = e->parked[i].p;
+    policy_key pk = e->parked[i].key;
+    e->parked[i] = (struct parked_policy){0};
+    ferry_policy *out = policy_swap_in(e, p, &pk);
+    pthread_mutex_unlock(&e->lock);
+    policy_key_free(&k);
+    if (out) ferry_policy_destroy(out);
     return FERRY_OK;
   }
   pthread_mutex_unlock(&e->lock);
+  /* Load outside the lock: a slow or broken file must not stall training. */
+  ferry_policy *p = NULL;
+  rc = load_policy(&k, &p, msg, sizeof msg);
+  pthread_mutex_lock(&e->lock);
+  ferry_policy *out = NULL;
+  if (rc) {
+    rc = engine_fail(e, rc, "%s (the previous policy stays in force)", msg);
+  } else if (e->in_step) {
+    out = p;
+    rc = set_policy_in_step(e);
+  } else {
+    out = policy_swap_in(e, p, &k);
+  }
+  pthread_mutex_unlock(&e->lock);
+  policy_key_free(&k);
+  if (out) ferry_policy_destroy(out);
   return rc;
 }
 

@@ -61,6 +61,17 @@ typedef struct pending_free {
 
 
 
+/* What a loaded policy came from: its file (the path ferry_policy_find
+ * resolved, with the file's identity and modification time, so an edited
+ * file is loaded again) or its source text; and whether it is trusted. */
+typedef struct policy_key {
+  char *path, *source; /* owned; one of them NULL */
+  int trusted;
+  uint64_t dev, ino, size;
+  int64_t mtime_ns;
+} policy_key;
+#define PARKED_POLICIES 4
+
 struct ferry_engine {
   ferry_config cfg; /* the caller's config, strings not retained */
   ferry_backend *bk;
@@ -74,6 +85,15 @@ struct ferry_engine {
 
   /* decisions */
   ferry_policy *policy;
+  policy_key policy_from; /* what the policy was loaded from */
+  /* policies swapped out by ferry_set_policy, kept to swap back without a
+   * reload while their file (or source) is unchanged; oldest out first */
+  struct parked_policy {
+    ferry_policy *p;
+    policy_key key;
+    uint64_t parked_at;
+  } parked[PARKED_POLICIES];
+  uint64_t park_clock;
   ferry_decide_fn decide;
   void *decide_ud;
   uint32_t max_fwd_stash;
