@@ -201,6 +201,34 @@ def test_offload_made_every_step_follows_arguments_environment_and_cwd(tmp_path,
         ft.offload(m, max_stash=3)
 
 
+def test_alternating_policies_swap_back_without_reload(tmp_path):
+    """Two contexts on one engine configuration, each with its own policy,
+    entered in turn: each policy comes back with its Lua state (a counter
+    here), not reloaded, until its file changes."""
+    second = ("local n = 0\n"
+              "return { api = 1, name = 'second', decide = function(t, ctx)\n"
+              "  n = n + 1\n"
+              "  if n == 2 then return ferry.OFFLOAD end\n"
+              "  return ferry.KEEP end }\n")
+    a, b = tmp_path / "a.lua", tmp_path / "b.lua"
+    a.write_text(second)
+    b.write_text(KEEP_CACHED)
+    x = torch.randn(4096, requires_grad=True)
+
+    def run(policy):  # one step saving one 16 KiB tensor; the engine's offload count after it
+        with ft.offload(None, policy=str(policy), backend="host", max_fwd_stash=0):
+            y = x.exp()
+        y.sum().backward()
+        ft.step()
+        return ft.stats()["tensors_offloaded"]
+
+    counts = [run(p) for p in (a, b, a)]
+    assert counts[2] - counts[0] == 1, counts  # a's second decision, after b's turn
+    a.write_text("-- edited\n" + second)
+    counts = [run(p) for p in (b, a)]
+    assert counts[1] == counts[0], counts  # reloaded: its first decision again
+
+
 def test_close_with_live_graph_then_gc():
     model = GPT(layers=2)
     with ft.offload(model, policy="default"):
