@@ -50,6 +50,12 @@ Two measures:
     they do not rank the modes. ferry constructing its context every step
     (the README's `with ferry.torch.offload(...)` idiom) is measured by the
     replay too: step_overhead_vs_torchtune_new_ctx.
+  context entry (reported): entering and leaving an offload context with
+    nothing in it, median of 400, with one policy
+    (offload_entry_us_same_policy) and with two contexts of the same engine
+    configuration and different policies entered in turn
+    (offload_entry_us_alternating_policies: the engine swaps the parked
+    policy back instead of loading Lua again).
 Metrics are suffixed _torch1 under torch 1.x (the unsuffixed names are the
 torch 2.x run's).
 
@@ -284,6 +290,23 @@ def main():
     step_ms = statistics.median(times["none"]) * 1e3
     spread_us = (statistics.quantiles(times["none"], n=4)[2] -
                  statistics.quantiles(times["none"], n=4)[0]) * 1e6
+
+    # ---- entering contexts of two policies in turn (one engine configuration) ----
+    keep_b = write_policy(tmp, "keep_all_b.lua", KEEP_ALL.replace('"keep-all"', '"keep-all-b"'))
+    pair = (ft.offload(None, policy=keep_all, backend="host", max_fwd_stash=5),
+            ft.offload(None, policy=keep_b, backend="host", max_fwd_stash=5))
+
+    def entry_us(seq, n=400):
+        ts = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            with seq[i % len(seq)]:
+                pass
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    entry_us(pair, 20)
+    entry = {"same": entry_us(pair[:1]), "alternating": entry_us(pair)}
     ft.close()
 
     out = {
@@ -297,6 +320,8 @@ def main():
         f"step_overhead_e2e_us_ferry_model{sfx}": round(e2e_us["ferry_model"], 1),
         f"step_overhead_e2e_us_torchtune{sfx}": round(e2e_us["torchtune"], 1),
         f"step_none_ms{sfx}": round(step_ms, 3),
+        f"offload_entry_us_same_policy{sfx}": round(entry["same"], 2),
+        f"offload_entry_us_alternating_policies{sfx}": round(entry["alternating"], 2),
     }
     print(f"torch {torch.__version__}: GPT-like, {args.blocks} blocks, batch {B}, seq {S}, width {WIDTH}; "
           f"{len(saved)} saved tensors per step ({sum(big) / 2**20:.0f} MiB; largest {big[0] / 2**20:.1f} MiB, "
@@ -310,6 +335,8 @@ def main():
           f"interquartile spread {spread_us:.0f} us): ferry {e2e_us['ferry']:.0f} us, ferry with model= "
           f"{e2e_us['ferry_model']:.0f} us, ferry new context {e2e_us['ferry_new_ctx']:.0f} us, "
           f"torchtune {e2e_us['torchtune']:.0f} us")
+    print(f"  context entry+exit, median of 400: {entry['same']:.1f} us with one policy, "
+          f"{entry['alternating']:.1f} us alternating two policies on one engine configuration")
     print(f"target: step_overhead_vs_torchtune{sfx} = {out[f'step_overhead_vs_torchtune{sfx}']:.3f} "
           f"(replay; <= 1.0 wanted); end-to-end cross-check {out[f'step_overhead_vs_torchtune_e2e{sfx}']:.3f}")
     if args.json:
