@@ -31,7 +31,7 @@ tensor_attr_slot TA[TA_COUNT_];
 
 /* The slot of attribute (or method) name: its descriptor on torch.Tensor,
  * used directly when Parameter has the same one. */
-static int tensor_attr_init(int a, PyObject *name, int is_method) {
+static void tensor_attr_init(int a, PyObject *name, int is_method) {
   tensor_attr_slot *s = &TA[a];
   *s = (tensor_attr_slot){.name = name, .is_method = is_method};
   PyObject *d = PyObject_GetAttr((PyObject *)T.tensor, name); /* the descriptor itself */
@@ -49,22 +49,24 @@ static int tensor_attr_init(int a, PyObject *name, int is_method) {
   }
   Py_XDECREF(d);
   Py_XDECREF(dp);
-  return 0;
 }
 
 static void tensor_attrs_init(void) {
-  tensor_attr_init(TA_DTYPE, s_dtype, 0);
-  tensor_attr_init(TA_SHAPE, s_shape, 0);
-  tensor_attr_init(TA_LAYOUT, s_layout, 0);
-  tensor_attr_init(TA_VERSION, s_version, 0);
-  tensor_attr_init(TA_REQUIRES_GRAD, s_requires_grad, 0);
-  tensor_attr_init(TA_IS_LEAF, s_is_leaf, 0);
-  tensor_attr_init(TA_IS_NESTED, s_is_nested, 0);
-  tensor_attr_init(TA_IS_CPU, s_is_cpu, 0);
-  tensor_attr_init(TA_BASE, s_base, 0);
-  tensor_attr_init(TA_DATA_PTR, s_data_ptr, 1);
-  tensor_attr_init(TA_STRIDE, s_stride, 1);
-  tensor_attr_init(TA_DETACH, s_detach, 1);
+  const struct {
+    int attr;
+    PyObject *name;
+    int is_method;
+  } table[] = {
+      {TA_DTYPE, s_dtype, 0},     {TA_SHAPE, s_shape, 0},
+      {TA_LAYOUT, s_layout, 0},   {TA_VERSION, s_version, 0},
+      {TA_REQUIRES_GRAD, s_requires_grad, 0}, {TA_IS_LEAF, s_is_leaf, 0},
+      {TA_IS_NESTED, s_is_nested, 0}, {TA_IS_CPU, s_is_cpu, 0},
+      {TA_BASE, s_base, 0},       {TA_DATA_PTR, s_data_ptr, 1},
+      {TA_STRIDE, s_stride, 1},   {TA_DETACH, s_detach, 1},
+  };
+  _Static_assert(sizeof table / sizeof *table == TA_COUNT_, "a slot for every tensor_attr");
+  for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+    tensor_attr_init(table[i].attr, table[i].name, table[i].is_method);
 }
 
 int torch_init(void) {
