@@ -618,15 +618,16 @@ unlock:
 
 int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
                            const void *device_ptr) {
-  /* a recorder counts every pack, and a policy-less engine has no cache */
-  if (!desc || !device_ptr || e->number_packs || e->bd || !e->policy || desc->bytes == 0 ||
-      desc->bytes > MAX_TENSOR_BYTES || desc->ndim < 0 || desc->ndim > FERRY_MAX_DIMS ||
-      engine_check(e))
+  /* a recorder (fixed for the engine's life) counts every pack */
+  if (engine_check(e) || !desc || !device_ptr || e->number_packs || e->bd || desc->bytes == 0 ||
+      desc->bytes > MAX_TENSOR_BYTES || desc->ndim < 0 || desc->ndim > FERRY_MAX_DIMS)
     return 0;
   pthread_mutex_lock(&e->lock);
   ferry_decision d;
   uint32_t pidx;
-  int keep = (!e->cfg.retain || !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx)) &&
+  /* a policy-less engine has no cache */
+  int keep = e->policy &&
+             (!e->cfg.retain || !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx)) &&
              (desc->bytes < e->min_offload_bytes ||
               (ferry_policy_cached(e->policy, desc, &d) && d.action == FERRY_KEEP));
   if (keep) {
