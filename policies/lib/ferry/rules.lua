@@ -649,14 +649,15 @@ function R.host_budget(opts)
   if opts.bytes == nil then fail("host_budget", "bytes is required") end
   local cap = check_number("host_budget", "bytes", opts.bytes, 0, MAX_BYTES)
   local keep_last = check_number("host_budget", "keep_last", opts.keep_last or 0, 0, 1e6, true)
-  -- learning: per site, first pack position, tensor size, tensor count
-  local learning, sites, nsites, pos = true, {}, 0, 0
+  -- learning: per site key, first pack position, tensor size, tensor count
+  -- (three tables, so a new site allocates no table of its own)
+  local learning, first, size, packs, nsites, pos = true, {}, {}, {}, 0, 0
   local chosen = nil -- site key -> true (offload) / false (keep), after learning
   local used, stepno = 0, nil -- bytes offloaded this step (learning and new sites)
   local key_of = site_keys() -- a site's key: a number, no string built per call
   local function finish()
     local list = {}
-    for k, s in pairs(sites) do list[#list + 1] = { key = k, first = s[1], size = s[2], n = s[3] } end
+    for k, f in pairs(first) do list[#list + 1] = { key = k, first = f, size = size[k], n = packs[k] } end
     table.sort(list, function(a, b)
       if a.size ~= b.size then return a.size > b.size end
       return a.first < b.first
@@ -672,7 +673,7 @@ function R.host_budget(opts)
         chosen[s.key] = false
       end
     end
-    sites, learning, used = nil, false, cap - left
+    first, size, packs, learning, used = nil, nil, nil, false, cap - left
   end
   local r = rule {
     name = "host_budget(bytes=" .. format("%.0f", cap) .. ", keep_last=" .. keep_last .. ")",
@@ -688,12 +689,12 @@ function R.host_budget(opts)
       local b = tonumber(t.bytes)
       local key = key_of(t)
       if learning then
-        local s = sites[key]
-        if not s then
+        local n = packs[key]
+        if not n then
           nsites, pos = nsites + 1, pos + 1
-          sites[key] = { pos, b, 1 }
+          first[key], size[key], packs[key] = pos, b, 1
         else
-          s[3] = s[3] + 1
+          packs[key] = n + 1
         end
         if used + b <= cap then used = used + b; return true end
         return false
