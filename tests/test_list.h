@@ -74,6 +74,7 @@
   X(stash_fixed_knobs_win_over_the_policy)                                 \
   X(stash_breakdown_by_rule_and_layer)                                     \
   X(stash_cached_keep_without_handle)                                      \
+  X(stash_cached_keep_on_two_threads)                                      \
   X(stash_policy_swapped_back_without_reload)                              \
   /* @@stash */                                                            \
   /* trace recorder (test_trace.c) */                                      \

@@ -1579,3 +1579,53 @@ TEST(stash_policy_swapped_back_without_reload) {
   unlink(a);
   return 0;
 }
+
+/* ferry_pack_cached_keep on one thread while another packs and unpacks
+ * through the same engine (run under TSan by the test command). */
+typedef struct cached_keep_ctx {
+  fixture *f;
+  test_buffer *probe;
+  long kept;
+} cached_keep_ctx;
+
+static void *cached_keep_thread(void *arg) {
+  cached_keep_ctx *c = arg;
+  for (int i = 0; i < 2000; i++) c->kept += cached_keep(c->f, 4096, 0, c->probe);
+  return NULL;
+}
+
+TEST(stash_cached_keep_on_two_threads) {
+  fixture f;
+  ferry_config c = fixture_config(&f, 0);
+  c.decide = NULL;
+  c.policy_source = "return { api = 1, name = 'keep', decide = function(t, ctx)\n"
+                    "  return ferry.KEEP, ferry.ON_USE, nil, true end }\n";
+  CHECK_OK(fixture_open(&f, &c));
+  CHECK_OK(ferry_step_begin(f.e));
+  test_buffer *first = test_buffer_new(4096);
+  ferry_tensor_desc d = desc_in_layer(4096, 0);
+  ferry_handle h;
+  CHECK_OK(ferry_pack(f.e, &d, first->ptr, first, NULL, &h)); /* the site's answer, cached */
+  cached_keep_ctx ck = {&f, test_buffer_new(4096), 0};
+  pthread_t t;
+  pthread_create(&t, NULL, cached_keep_thread, &ck);
+  int failures = 0;
+  for (int i = 0; i < 500; i++) { /* another site: the policy is asked */
+    uint64_t sum;
+    ferry_handle x = pack_new(&f, 3000 + (size_t)i, (uint64_t)i, &sum);
+    if (!x || unpack_check(&f, x, 3000 + (size_t)i, sum)) failures++;
+  }
+  pthread_join(t, NULL);
+  CHECK_EQ(failures, 0);
+  CHECK_EQ(ck.kept, 2000);
+  CHECK_OK(ferry_discard(f.e, h));
+  CHECK_OK(ferry_step_end(f.e));
+  ferry_stats s;
+  CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+  CHECK_EQ(s.tensors_kept_unheld, 2000);
+  CHECK_EQ(s.tensors_packed, 1 + 500 + 2000);
+  test_device_release_cb(&f.dev, ck.probe);
+  if (check_quiescent(&f)) return 1;
+  ferry_engine_destroy(f.e);
+  return 0;
+}
