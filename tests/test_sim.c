@@ -323,6 +323,15 @@ TEST(sim_trace_reader_names_line_and_problem) {
   return 0;
 }
 
+/* The hand-computed runs' link: 1 GB/s each way (1000 us per MB), no
+ * latency, no duplex slowdown; `steps` steps. */
+static sim_config hand_config(int steps) {
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = steps;
+  return c;
+}
+
 /* Transient device memory ("alloc" .. "free", docs/trace-format.md): the
  * reader's errors, and on replay the bytes count on the device for exactly
  * their lifetime while no policy can offload them. */
@@ -356,9 +365,7 @@ TEST(sim_trace_transient_alloc_and_free) {
   CHECK_EQ(t->allocs[0].bytes, 300000);
   CHECK_STR_CONTAINS(t->allocs[0].what, "logits");
   CHECK_EQ(t->n_tensors, 1);
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-  c.steps = 1;
+  sim_config c = hand_config(1);
   c.timeline = 1;
   sim_result r;
   CHECK_OK(sim_replay(t, &c, &r, err, sizeof err)); /* no offload */
@@ -1556,12 +1563,10 @@ TEST(sim_replay_matches_hand_computed_times) {
   sim_trace *t = NULL;
   char err[512];
   CHECK_OK(sim_trace_parse("six", text, strlen(text), &t, err, sizeof err));
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
   /* one step: from the second on, the engine's forward-stash ring still holds
    * the previous step's unpacked slots (reported to the lead), which adds
    * host waits */
-  c.steps = 1;
+  sim_config c = hand_config(1);
   c.replay_decisions = 1;
   c.timeline = 1;
   c.record_decisions = 1;
@@ -2470,9 +2475,7 @@ TEST(sim_prefetch_starts_at_backward_begin) {
   int rc = sim_trace_parse("bwd", text, strlen(text), &t, err, sizeof err);
   if (rc) fprintf(stderr, "%s\n", err);
   CHECK_OK(rc);
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0}; /* 100 us per copy */
-  c.steps = 2;
+  sim_config c = hand_config(2); /* 100 us per copy */
   c.policy_source = policy;
   sim_result on_use, early;
   rc = sim_replay(t, &c, &on_use, err, sizeof err);
@@ -2529,9 +2532,7 @@ static const char *opt_trace(void) {
 /* The settings of the hand-computed runs: 1 GB/s each way, no latency,
  * 3 steps (2 and 3 steady: each waits for the previous step's parameters). */
 static sim_config opt_config(double fraction, double rate, int serial) {
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-  c.steps = 3;
+  sim_config c = hand_config(3);
   c.optimizer_fraction = fraction;
   c.cpu_adam_params_per_s = rate;
   c.optimizer_serial = serial;
@@ -2790,9 +2791,7 @@ static const char *w_trace(void) {
 /* 1 GB/s each way, no latency, no duplex slowdown: 1000 us per block's
  * weights, 3000 per activation; 3 steps, 2 and 3 steady. */
 static sim_config w_config(int32_t first, int32_t count, int single) {
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-  c.steps = 3;
+  sim_config c = hand_config(3);
   c.weight_first = first;
   c.weight_count = count;
   c.weight_single_buffer = single;
