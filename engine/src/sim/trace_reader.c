@@ -253,19 +253,25 @@ static int get_alias(reader *r, const json_line *o, uint64_t bytes, int32_t *ali
   return 0;
 }
 
+/* Room for need tensors and their states; -1 out of memory (the room is
+ * then what it was). */
+static int tensor_room(reader *r, uint32_t need) {
+  if (need <= r->cap_tensors) return 0;
+  uint32_t cap = r->cap_tensors;
+  if (util_grow((void **)&r->t->tensors, &cap, sizeof *r->t->tensors, need, 256)) return -1;
+  uint8_t *s = realloc(r->state, cap);
+  if (!s) return -1;
+  r->state = s;
+  r->cap_tensors = cap;
+  return 0;
+}
+
 /* Appends a packed tensor (its id not seen before) and its pack event. */
 static int add_tensor(reader *r, uint64_t id, const ferry_tensor_desc *d, uint8_t dec,
                       int32_t alias_of, double gap) {
   sim_trace *t = r->t;
   uint32_t idx = t->n_tensors;
-  uint32_t old_cap = r->cap_tensors;
-  if (util_grow((void **)&t->tensors, &r->cap_tensors, sizeof *t->tensors, idx + 1, 256))
-    return reader_fail(r, "out of memory");
-  if (r->cap_tensors != old_cap) {
-    uint8_t *s = realloc(r->state, r->cap_tensors);
-    if (!s) return reader_fail(r, "out of memory");
-    r->state = s;
-  }
+  if (tensor_room(r, idx + 1)) return reader_fail(r, "out of memory");
   if (id_insert(r, id, idx)) return reader_fail(r, "out of memory");
   trace_tensor *tt = &t->tensors[idx];
   tt->desc = *d;
@@ -746,6 +752,33 @@ static int reader_start(reader *r, const char *name, const sim_trace_limits *lim
   return FERRY_OK;
 }
 
+/* Room for len bytes of trace, as trace files run (138 bytes a line in a
+ * synthesized one, one tensor in three lines): reserved before the first
+ * line, the arrays are not copied as they grow (that copying, and the page
+ * faults of each new copy, were a quarter of the reading). Untouched
+ * reserved pages cost no memory; reader_done gives back the rest. A hint:
+ * without it the arrays grow as needed. */
+static void reader_reserve(reader *r, uint64_t len) {
+  uint64_t events = len / 64 + 256, tensors = len / 160 + 256;
+  if (events > (1u << 24)) events = 1u << 24;
+  if (tensors > (1u << 23)) tensors = 1u << 23;
+  if (!util_grow((void **)&r->t->events, &r->cap_events, sizeof *r->t->events,
+                 (uint32_t)events, 256))
+    tensor_room(r, (uint32_t)tensors);
+}
+
+/* Gives back what reader_reserve reserved and the trace does not use. */
+static void trace_shrink(sim_trace *t) {
+  if (t->n_events) {
+    trace_ev *e = realloc(t->events, (size_t)t->n_events * sizeof *e);
+    if (e) t->events = e;
+  }
+  if (t->n_tensors) {
+    trace_tensor *x = realloc(t->tensors, (size_t)t->n_tensors * sizeof *x);
+    if (x) t->tensors = x;
+  }
+}
+
 /* Ends the reader: the trace in *out on success (rc 0), else freed. */
 static int reader_done(reader *r, int rc, sim_trace **out) {
   sim_trace *t = r->t;
@@ -759,6 +792,7 @@ static int reader_done(reader *r, int rc, sim_trace **out) {
     sim_trace_free(t);
     return rc;
   }
+  trace_shrink(t);
   *out = t;
   return FERRY_OK;
 }
@@ -771,7 +805,10 @@ int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **
   int rc = reader_start(&r, name, &lim, err, errlen);
   if (rc) return rc;
   if (!data || len == 0) rc = reader_fail(&r, "empty trace (no header line)");
-  else rc = parse_lines(&r, data, len, data + len);
+  else {
+    reader_reserve(&r, len);
+    rc = parse_lines(&r, data, len, data + len);
+  }
   return reader_done(&r, rc, out);
 }
 
@@ -868,6 +905,8 @@ int sim_trace_load_limited(const char *path, const sim_trace_limits *limits, sim
   if (fd < 0) return FERRY_EIO;
   reader r;
   int rc = reader_start(&r, path, &lim, err, errlen);
+  struct stat st;
+  if (!rc && fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) reader_reserve(&r, (uint64_t)st.st_size);
   if (!rc) rc = reader_done(&r, load_lines(&r, fd, &lim), out);
   close(fd);
   return rc;
