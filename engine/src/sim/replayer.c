@@ -113,7 +113,6 @@ typedef struct replay {
   ferry_backend *sim; /* NULL on the host backend */
   double host_t0_us, host_scale;
   double host_excluded_us; /* wall time spent filling and checking buffers */
-  ferry_tensor_desc *descs;
   ferry_handle *handles;
   sim_buf **bufs;       /* per tensor, while packed */
   sim_buf **slabs;
@@ -380,12 +379,14 @@ static void cb_retain(void *ud, void *owner) {
   ((sim_buf *)owner)->refs++;
 }
 
+_Static_assert(offsetof(trace_tensor, desc) == 0, "cb_recorded: a desc's address is its tensor's");
+
 /* ferry_config.decide with recorded decisions: the trace's own. */
 static int cb_recorded(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
                        ferry_decision *out) {
   replay *r = ud;
   (void)ctx;
-  size_t i = (size_t)(d - r->descs);
+  size_t i = (size_t)((const trace_tensor *)(const void *)d - r->t->tensors);
   out->action = i < r->t->n_tensors ? r->t->tensors[i].decision : FERRY_KEEP;
   out->reload = FERRY_RELOAD_ON_USE;
   out->prefetch_distance = -1;
@@ -512,24 +513,21 @@ static int replay_open_engine(replay *r) {
   return 0;
 }
 
-/* Per-tensor tables (descriptions with interned names) and layer rows. */
+/* Per-tensor tables and layer rows. The engine is handed the trace's own
+ * descriptions: their strings are the trace's, deduplicated and alive for
+ * the whole replay, as an engine needs (cb_recorded finds a tensor's index
+ * from its description's address). */
 static int replay_tables(replay *r) {
   const sim_trace *t = r->t;
   sim_result *out = r->res;
   int32_t max_layer = -1;
-  r->descs = malloc((size_t)(t->n_tensors ? t->n_tensors : 1) * sizeof *r->descs);
   r->handles = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r->handles);
   r->bufs = calloc(t->n_tensors ? t->n_tensors : 1, sizeof *r->bufs);
   r->went = calloc(t->n_tensors ? t->n_tensors : 1, 1);
-  if (!r->descs || !r->handles || !r->bufs || !r->went)
+  if (!r->handles || !r->bufs || !r->went)
     return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
-  for (uint32_t i = 0; i < t->n_tensors; i++) {
-    ferry_tensor_desc *d = &r->descs[i];
-    *d = t->tensors[i].desc;
-    if (d->module_path) d->module_path = ferry_intern(r->e, d->module_path);
-    if (d->module_class) d->module_class = ferry_intern(r->e, d->module_class);
-    if (d->layer > max_layer) max_layer = d->layer;
-  }
+  for (uint32_t i = 0; i < t->n_tensors; i++)
+    if (t->tensors[i].desc.layer > max_layer) max_layer = t->tensors[i].desc.layer;
   out->n_layers = (uint32_t)(max_layer + 2);
   out->layers = calloc(out->n_layers, sizeof *out->layers);
   if (!out->layers) return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "out of memory");
@@ -591,7 +589,7 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
  * one (filled with the tensor's pattern on host); NULL out of memory. */
 static sim_buf *pack_buffer(replay *r, uint32_t ti) {
   const trace_tensor *tt = &r->t->tensors[ti];
-  const ferry_tensor_desc *d = &r->descs[ti];
+  const ferry_tensor_desc *d = &r->t->tensors[ti].desc;
   if (tt->alias_of >= 0) {
     sim_buf *b = r->bufs[tt->alias_of];
     b->refs++;
@@ -633,7 +631,7 @@ static void count_pack(replay *r, const ferry_tensor_desc *d, int offloaded) {
 static int replay_pack(replay *r, uint32_t ti) {
   const sim_trace *t = r->t;
   const trace_tensor *tt = &t->tensors[ti];
-  const ferry_tensor_desc *d = &r->descs[ti];
+  const ferry_tensor_desc *d = &r->t->tensors[ti].desc;
   r->cur_layer = d->layer;
   sim_buf *b = pack_buffer(r, ti);
   if (!b) return FERRY_ENOMEM;
@@ -661,7 +659,7 @@ static int replay_pack(replay *r, uint32_t ti) {
 static int replay_unpack(replay *r, uint32_t ti) {
   const sim_trace *t = r->t;
   int host = r->host;
-  r->cur_layer = r->descs[ti].layer;
+  r->cur_layer = r->t->tensors[ti].desc.layer;
   void *dev = NULL, *owner = NULL;
   double w, s_before = sim_stall(r, &w);
   ferry_stats st;
@@ -1412,7 +1410,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     if (o && ev->type == TEV_STEP_END && (rc = opt_after_step(r))) return rc;
     if (ev->type == TEV_BACKWARD_BEGIN) fl.in_backward = 1;
     if (ev->type == TEV_PACK || ev->type == TEV_UNPACK || ev->type == TEV_DISCARD) {
-      const ferry_tensor_desc *d = &r->descs[ev->tensor];
+      const ferry_tensor_desc *d = &r->t->tensors[ev->tensor].desc;
       int counted = t->tensors[ev->tensor].alias_of < 0 && d->kind != FERRY_KIND_PARAMETER &&
                     d->kind != FERRY_KIND_BUFFER;
       floor_tensor(&fl, ev->type, r->went[ev->tensor], counted, (double)d->bytes);
@@ -1539,7 +1537,6 @@ static void replay_close(replay *r) {
     free(r->slabs[i]);
   }
   free(r->slabs);
-  free(r->descs);
   free(r->handles);
   free(r->bufs);
   free(r->went);
