@@ -21,6 +21,20 @@ const char *const json_key_names[JK_COUNT] = {
     [JK_HBM_BYTES] = "hbm_bytes", [JK_MIN_US] = "min_us", [JK_LAYER_BYTES] = "layer_bytes",
 };
 
+#define LEN(s) (sizeof s - 1)
+static const uint8_t key_len[JK_COUNT] = {
+    [JK_EV] = LEN("ev"),         [JK_T_US] = LEN("t_us"),         [JK_ID] = LEN("id"),
+    [JK_STEP] = LEN("step"),     [JK_BYTES] = LEN("bytes"),       [JK_DTYPE] = LEN("dtype"),
+    [JK_SHAPE] = LEN("shape"),   [JK_KIND] = LEN("kind"),         [JK_PHASE] = LEN("phase"),
+    [JK_LAYER] = LEN("layer"),   [JK_LAYERS] = LEN("layers"),     [JK_FLAGS] = LEN("flags"),
+    [JK_MODULE] = LEN("module"), [JK_CLASS] = LEN("class"),       [JK_DECISION] = LEN("decision"),
+    [JK_ALIAS] = LEN("alias"),   [JK_ALIAS_OF] = LEN("alias_of"), [JK_FLOPS] = LEN("flops"),
+    [JK_US] = LEN("us"),         [JK_OP] = LEN("op"),             [JK_FORMAT] = LEN("format"),
+    [JK_VERSION] = LEN("version"), [JK_BACKEND] = LEN("backend"), [JK_WHAT] = LEN("what"),
+    [JK_HBM_BYTES] = LEN("hbm_bytes"), [JK_MIN_US] = LEN("min_us"),
+    [JK_LAYER_BYTES] = LEN("layer_bytes"),
+};
+
 /* By length and first letter, then one comparison: a pack line has fourteen
  * members, so this runs a few million times a second. */
 int json_key_find(const char *k, size_t n) {
@@ -49,8 +63,7 @@ int json_key_find(const char *k, size_t n) {
   }
   /* "flags" and "flops" share length and letter: the comparison settles it */
   if (key == JK_FLAGS && n == 5 && k[2] == 'o') key = JK_FLOPS;
-  const char *name = json_key_names[key];
-  return strlen(name) == n && !memcmp(name, k, n) ? key : -1;
+  return key_len[key] == n && !memcmp(json_key_names[key], k, n) ? key : -1;
 }
 
 static void from_cjson(json_value *v, const cJSON *x) {

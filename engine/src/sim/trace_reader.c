@@ -565,16 +565,24 @@ static int get_time(reader *r, const json_line *o, double *gap) {
 
 /* One event (after the header) to its parser by its "ev". */
 static int parse_event(reader *r, const json_line *o, const char *ev, double gap) {
-  if (!strcmp(ev, "pack")) return parse_pack(r, o, gap);
-  if (!strcmp(ev, "unpack") || !strcmp(ev, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
-  if (!strcmp(ev, "step_begin")) return parse_step_begin(r, o, gap);
-  if (!strcmp(ev, "step_end")) return parse_step_end(r, o, gap);
-  if (!strcmp(ev, "backward_begin") || !strcmp(ev, "backward_end")) return parse_backward(r, ev, gap);
-  if (!strcmp(ev, "compute")) return parse_compute(r, o);
-  if (!strcmp(ev, "resident")) return parse_resident(r, o);
-  if (!strcmp(ev, "alloc")) return parse_alloc(r, o, gap);
-  if (!strcmp(ev, "free")) return parse_free(r, o, gap);
-  if (!strcmp(ev, "header")) return reader_fail(r, "a second header");
+  switch (ev[0]) { /* by first letter: one comparison per line */
+  case 'p': if (!strcmp(ev, "pack")) return parse_pack(r, o, gap); break;
+  case 'u': case 'd':
+    if (!strcmp(ev, "unpack") || !strcmp(ev, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
+    break;
+  case 'c': if (!strcmp(ev, "compute")) return parse_compute(r, o); break;
+  case 's':
+    if (!strcmp(ev, "step_begin")) return parse_step_begin(r, o, gap);
+    if (!strcmp(ev, "step_end")) return parse_step_end(r, o, gap);
+    break;
+  case 'b':
+    if (!strcmp(ev, "backward_begin") || !strcmp(ev, "backward_end")) return parse_backward(r, ev, gap);
+    break;
+  case 'r': if (!strcmp(ev, "resident")) return parse_resident(r, o); break;
+  case 'a': if (!strcmp(ev, "alloc")) return parse_alloc(r, o, gap); break;
+  case 'f': if (!strcmp(ev, "free")) return parse_free(r, o, gap); break;
+  case 'h': if (!strcmp(ev, "header")) return reader_fail(r, "a second header"); break;
+  }
   return reader_fail(r, "unknown event \"%s\"", ev);
 }
 
