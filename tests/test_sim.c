@@ -278,6 +278,12 @@ TEST(sim_trace_reader_names_line_and_problem) {
   BAD("\n\n", "bad.jsonl: empty trace");
   BAD(HDR BEGIN "{\"ev\":\"pack\",\n", "bad.jsonl:3: malformed JSON");
   BAD(HDR BEGIN "{\"ev\":\"fly\",\"t_us\":1}\n" END, "bad.jsonl:3: unknown event \"fly\"");
+  /* events are told apart by first letter first: near misses and the empty name */
+  BAD(HDR BEGIN "{\"ev\":\"packs\",\"t_us\":1}\n" END, "bad.jsonl:3: unknown event \"packs\"");
+  BAD(HDR BEGIN "{\"ev\":\"step_middle\",\"t_us\":1}\n" END,
+      "bad.jsonl:3: unknown event \"step_middle\"");
+  BAD(HDR BEGIN "{\"ev\":\"\",\"t_us\":1}\n" END, "bad.jsonl:3: unknown event \"\"");
+  BAD(HDR BEGIN HDR END, "bad.jsonl:3: a second header");
   BAD(HDR BEGIN UNPACK(7) END, "bad.jsonl:3: unpack of id 7 before its pack");
   BAD(HDR BEGIN PACK(1, 16) UNPACK(1) UNPACK(1) END, "bad.jsonl:5: unpack of id 1, which was already");
   BAD(HDR BEGIN PACK(1, -16) END, "bad.jsonl:3: \"bytes\" = -16 is negative");
