@@ -263,23 +263,39 @@ static int read_answer(ferry_policy *p, const char *fn, const char *where, int f
 }
 
 /* The `ctx` Lua sees: the engine's context, or only the step without one. */
-static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
-  policy_ctx_view *c = p->ctx;
-  if (ctx) {
-    c->step = (double)ctx->step;
-    c->phase = ctx->phase;
-    c->host_ram_used_pct = ctx->host_ram_used_pct;
-    c->arena_in_use = (double)ctx->arena_in_use;
-    c->arena_cap = (double)ctx->arena_cap;
-    c->stash_depth = (double)ctx->stash_depth;
-    c->bytes_in_flight = (double)ctx->bytes_in_flight;
-    c->packed_this_step = (double)ctx->packed_this_step;
-    c->offloaded_this_step = (double)ctx->offloaded_this_step;
-    c->bytes_offloaded_this_step = (double)ctx->bytes_offloaded_this_step;
-  } else {
-    memset(c, 0, sizeof *c);
-    c->step = (double)p->step;
+/* Writes the numbers t or ctx show (names[i] = v[i]) into its fields table
+ * at slot, those that changed since the last call: most stay the same from
+ * one tensor to the next, and a table write costs more than the check. */
+static void show(lua_State *L, int slot, const char *const *names, const double *v, double *shown,
+                 int n) {
+  for (int i = 0; i < n; i++) {
+    if (v[i] == shown[i]) continue;
+    shown[i] = v[i];
+    lua_pushnumber(L, v[i]);
+    lua_setfield(L, slot, names[i]);
   }
+}
+
+/* sandbox.lua's field names, in the order of tensor_shown and ctx_shown */
+static const char *const TENSOR_NAMES[TENSOR_FIELDS] = {
+    "bytes", "kind", "dtype", "ndim", "flags", "layer", "layer_count", "phase", "step"};
+static const char *const CTX_NAMES[CTX_FIELDS] = {
+    "step",           "phase",           "host_ram_used_pct",   "arena_in_use",
+    "arena_cap",      "stash_depth",     "bytes_in_flight",     "packed_this_step",
+    "offloaded_this_step", "bytes_offloaded_this_step"};
+
+static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
+  double v[CTX_FIELDS] = {(double)p->step};
+  if (ctx) {
+    double c[CTX_FIELDS] = {(double)ctx->step,          ctx->phase,
+                            ctx->host_ram_used_pct,     (double)ctx->arena_in_use,
+                            (double)ctx->arena_cap,     (double)ctx->stash_depth,
+                            (double)ctx->bytes_in_flight, (double)ctx->packed_this_step,
+                            (double)ctx->offloaded_this_step,
+                            (double)ctx->bytes_offloaded_this_step};
+    memcpy(v, c, sizeof v);
+  }
+  show(p->L, SLOT_CTX_FIELDS, CTX_NAMES, v, p->ctx_shown, CTX_FIELDS);
 }
 
 /* ferry.forget_cached() asked for it: later decisions run Lua again. */
@@ -338,16 +354,11 @@ decide_or_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_co
   }
 
   lua_State *L = p->L;
-  policy_tensor_view *t = p->tensor;
-  t->bytes = (double)desc->bytes;
-  t->kind = desc->kind;
-  t->dtype = desc->dtype;
-  t->ndim = key.ndim;
-  t->flags = (int32_t)desc->flags;
-  t->layer = desc->layer;
-  t->layer_count = desc->layer_count;
-  t->phase = desc->phase;
-  t->step = (double)(ctx ? ctx->step : p->step);
+  const double t[TENSOR_FIELDS] = {(double)desc->bytes, desc->kind,  desc->dtype,
+                                   key.ndim,             (double)(int32_t)desc->flags,
+                                   desc->layer,          desc->layer_count,
+                                   desc->phase,          (double)(ctx ? ctx->step : p->step)};
+  show(L, SLOT_TENSOR_FIELDS, TENSOR_NAMES, t, p->tensor_shown, TENSOR_FIELDS);
   set_ctx_view(p, ctx);
   p->cur_ctx = ctx;
   p->cur_path_id = key.path_id;

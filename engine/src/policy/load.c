@@ -394,6 +394,8 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
   lua_remove(L, 2);
   lua_getfield(L, LUA_REGISTRYINDEX, "ferry.tensor");
   lua_getfield(L, LUA_REGISTRYINDEX, "ferry.ctx");
+  lua_getfield(L, LUA_REGISTRYINDEX, "ferry.tensor_fields");
+  lua_getfield(L, LUA_REGISTRYINDEX, "ferry.ctx_fields");
   lua_getfield(L, LUA_REGISTRYINDEX, "ferry.shape");
   lua_getfield(L, LUA_REGISTRYINDEX, "ferry.strings");
   if (lua_gettop(L) != SLOT_COUNT_) {

@@ -56,6 +56,8 @@ enum {
   SLOT_DECIDE,
   SLOT_TENSOR,
   SLOT_CTX,
+  SLOT_TENSOR_FIELDS, /* what t reads (sandbox.lua) */
+  SLOT_CTX_FIELDS,    /* what ctx reads */
   SLOT_SHAPE,
   SLOT_STRINGS,
   SLOT_COUNT_ = SLOT_STRINGS
@@ -63,22 +65,10 @@ enum {
 
 enum interrupt_kind { INTERRUPT_NONE = 0, INTERRUPT_BUDGET, INTERRUPT_MEMORY };
 
-/* What Lua reads as `t` (cdef'd in sandbox.lua with the same layout; the
- * bootstrap checks each offset). Fields read most often come first: FFI
- * finds a field by a linear scan. */
-typedef struct policy_tensor_view {
-  double bytes;
-  int32_t kind, dtype, ndim, flags, layer, layer_count, phase;
-  double step;
-} policy_tensor_view;
-
-typedef struct policy_ctx_view {
-  double step;
-  double host_ram_used_pct;
-  double arena_in_use, arena_cap, stash_depth, bytes_in_flight;
-  double packed_this_step, offloaded_this_step, bytes_offloaded_this_step;
-  int32_t phase;
-} policy_ctx_view;
+/* The numbers t and ctx show, in the order of decide.c's field names: the
+ * values last written into their Lua tables, so that only those that
+ * changed are written again (NaN at first: all are). */
+enum { TENSOR_FIELDS = 9, CTX_FIELDS = 10 };
 
 typedef struct interned {
   char *str;
@@ -147,8 +137,8 @@ struct ferry_policy {
   unsigned log_lines;
 
   /* the call in progress */
-  policy_tensor_view *tensor; /* payload of the `t` cdata */
-  policy_ctx_view *ctx;       /* payload of the `ctx` cdata */
+  double tensor_shown[TENSOR_FIELDS];
+  double ctx_shown[CTX_FIELDS];
   const ferry_context *cur_ctx;
   uint32_t cur_path_id, cur_class_id;
   int shape_len; /* entries of the shape table currently set */

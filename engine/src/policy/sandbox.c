@@ -459,11 +459,6 @@ static void set_cfunc(lua_State *L, int table, const char *name, lua_CFunction f
   lua_setfield(L, table, name);
 }
 
-static void set_offset(lua_State *L, int table, const char *name, size_t off) {
-  lua_pushnumber(L, (lua_Number)off);
-  lua_setfield(L, table, name);
-}
-
 /* Pushes the ffi library (luaL_openlibs only preloads it); kept in
  * _LOADED.ffi for trusted policies' require. */
 static void push_ffi(lua_State *L) {
@@ -527,24 +522,9 @@ static void push_c_functions(lua_State *L, ferry_policy *p) {
   set_cfunc(L, C, "require", sandbox_require, 2);
 }
 
-/* Pushes the struct offsets sandbox.lua checks its cdefs against. */
-static void push_offsets(lua_State *L) {
-  lua_newtable(L); /* arg offsets */
-  int O = lua_gettop(L);
-  set_offset(L, O, "ferry_policy_tensor.sizeof", sizeof(policy_tensor_view));
-  set_offset(L, O, "ferry_policy_tensor.bytes", offsetof(policy_tensor_view, bytes));
-  set_offset(L, O, "ferry_policy_tensor.kind", offsetof(policy_tensor_view, kind));
-  set_offset(L, O, "ferry_policy_tensor.phase", offsetof(policy_tensor_view, phase));
-  set_offset(L, O, "ferry_policy_tensor.step", offsetof(policy_tensor_view, step));
-  set_offset(L, O, "ferry_policy_ctx.sizeof", sizeof(policy_ctx_view));
-  set_offset(L, O, "ferry_policy_ctx.host_ram_used_pct", offsetof(policy_ctx_view, host_ram_used_pct));
-  set_offset(L, O, "ferry_policy_ctx.bytes_offloaded_this_step",
-             offsetof(policy_ctx_view, bytes_offloaded_this_step));
-  set_offset(L, O, "ferry_policy_ctx.phase", offsetof(policy_ctx_view, phase));
-}
-
 /* lua_cpcall body: open the libraries, build the sandbox. Leaves in the
- * registry: ferry.msgh, ferry.env, ferry.tensor, ferry.ctx, ferry.shape,
+ * registry: ferry.msgh, ferry.env, ferry.tensor, ferry.tensor_fields, ferry.ctx,
+ * ferry.ctx_fields, ferry.shape,
  * ferry.strings. */
 int setup_state(lua_State *L) {
   ferry_policy *p = lua_touserdata(L, 1);
@@ -567,14 +547,16 @@ int setup_state(lua_State *L) {
   lua_pushvalue(L, 2); /* arg env */
   push_constants(L);
   push_c_functions(L, p);
-  push_offsets(L);
   lua_pushboolean(L, p->trusted);
-  lua_call(L, 6, 3); /* stack: strings, env, loaded, tensor, ctx, shape */
+  /* stack: strings, env, loaded, tensor, its fields, ctx, its fields, shape */
+  lua_call(L, 5, 5);
 
-  p->tensor = (policy_tensor_view *)lua_topointer(L, 4);
-  p->ctx = (policy_ctx_view *)lua_topointer(L, 5);
+  for (int i = 0; i < TENSOR_FIELDS; i++) p->tensor_shown[i] = NAN;
+  for (int i = 0; i < CTX_FIELDS; i++) p->ctx_shown[i] = NAN;
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.shape");
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.ctx_fields");
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.ctx");
+  lua_setfield(L, LUA_REGISTRYINDEX, "ferry.tensor_fields");
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.tensor");
   lua_pop(L, 1); /* loaded lives on as an upvalue of require */
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.env");

@@ -1,30 +1,29 @@
 -- sandbox.lua: runs once per policy state with the full standard library,
 -- before any policy code, in a private environment; fills the sandbox env.
-local ffi, env, F, C, offsets, trusted = ...
-ffi.cdef[[
-typedef struct ferry_policy_tensor {
-  const double bytes;
-  const int32_t kind, dtype, ndim, flags, layer, layer_count, phase;
-  const double step;
-} ferry_policy_tensor;
-typedef struct ferry_policy_ctx {
-  const double step;
-  const double host_ram_used_pct;
-  const double arena_in_use, arena_cap, stash_depth, bytes_in_flight;
-  const double packed_this_step, offloaded_this_step, bytes_offloaded_this_step;
-  const int32_t phase;
-} ferry_policy_ctx;
-]]
-for field, off in pairs(offsets) do
-  local ct, f = field:match('^(.-)%.(.*)$')
-  if f == 'sizeof' then assert(ffi.sizeof(ct) == off, field)
-  else assert(ffi.offsetof(ct, f) == off, field) end
+local ffi, env, F, C, trusted = ...
+-- t and ctx: empty tables whose fields the host writes, before each call,
+-- into tables the policy cannot reach (the index hop from t). So writing
+-- t.bytes is an error, and so is reading a field that does not exist.
+-- Plain tables because policies run in the interpreter (see load.c), where
+-- a table field costs a tenth of an FFI cdata field.
+local function view(what, fields)
+  setmetatable(fields, { __index = function(_, k)
+    error(what .. " has no field '" .. tostring(k) .. "'", 2)
+  end })
+  return setmetatable({}, { __index = fields, __metatable = "ferry." .. what,
+    __newindex = function(_, k)
+      error("cannot assign " .. what .. "." .. tostring(k) .. ": " .. what .. " is read-only", 2)
+    end }), fields
 end
 local shape = {}
-ffi.metatype('ferry_policy_tensor', { __index = { path = C.path, class = C.class,
-  shape = shape } })
-ffi.metatype('ferry_policy_ctx', { __index = {
-  offloaded_in_layer = C.offloaded_in_layer } })
+-- the host's field names (decide.c); every field exists from the start
+local tensor, tensor_fields = view("t", { bytes = 0, kind = 0, dtype = 0, ndim = 0,
+  flags = 0, layer = 0, layer_count = 0, phase = 0, step = 0, shape = shape,
+  path = C.path, class = C.class })
+local ctx, ctx_fields = view("ctx", { step = 0, phase = 0, host_ram_used_pct = 0,
+  arena_in_use = 0, arena_cap = 0, stash_depth = 0, bytes_in_flight = 0,
+  packed_this_step = 0, offloaded_this_step = 0, bytes_offloaded_this_step = 0,
+  offloaded_in_layer = C.offloaded_in_layer })
 local function copy(src, skip)
   local t = {}
   for k, v in pairs(src) do if not (skip and skip[k]) then t[k] = v end end
@@ -58,4 +57,4 @@ local function unknown(_, k)
   error("unknown global '" .. tostring(k) .. "'", 2)
 end
 setmetatable(env, { __index = unknown, __newindex = unknown, __metatable = false })
-return ffi.new('ferry_policy_tensor'), ffi.new('ferry_policy_ctx'), shape
+return tensor, tensor_fields, ctx, ctx_fields, shape
