@@ -663,7 +663,9 @@ static int replay_unpack(replay *r, uint32_t ti) {
   void *dev = NULL, *owner = NULL;
   double w, s_before = sim_stall(r, &w);
   ferry_stats st;
-  uint64_t hits0 = ferry_get_stats(r->e, &st, sizeof st) ? 0 : st.stash_hits;
+  /* a stash hit brings nothing back over the link: only asked of tensors
+   * that went out (the stats are a copy of every counter under the lock) */
+  uint64_t hits0 = r->went[ti] && !ferry_get_stats(r->e, &st, sizeof st) ? st.stash_hits : 0;
   double a = host ? util_now_us() : 0;
   int rc = ferry_unpack(r->e, r->handles[ti], NULL, &dev, &owner);
   double dt = host ? util_now_us() - a : 0;
