@@ -262,7 +262,6 @@ static int read_answer(ferry_policy *p, const char *fn, const char *where, int f
   return 0;
 }
 
-/* The `ctx` Lua sees: the engine's context, or only the step without one. */
 /* Writes the numbers t or ctx show (names[i] = v[i]) into its fields table
  * at slot, those that changed since the last call: most stay the same from
  * one tensor to the next, and a table write costs more than the check. */
@@ -284,17 +283,16 @@ static const char *const CTX_NAMES[CTX_FIELDS] = {
     "arena_cap",      "stash_depth",     "bytes_in_flight",     "packed_this_step",
     "offloaded_this_step", "bytes_offloaded_this_step"};
 
+/* The `ctx` Lua sees: the engine's context, or only the step without one. */
 static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
-  double v[CTX_FIELDS] = {(double)p->step};
-  if (ctx) {
-    double c[CTX_FIELDS] = {(double)ctx->step,          ctx->phase,
-                            ctx->host_ram_used_pct,     (double)ctx->arena_in_use,
-                            (double)ctx->arena_cap,     (double)ctx->stash_depth,
-                            (double)ctx->bytes_in_flight, (double)ctx->packed_this_step,
-                            (double)ctx->offloaded_this_step,
-                            (double)ctx->bytes_offloaded_this_step};
-    memcpy(v, c, sizeof v);
-  }
+  const ferry_context none = {.step = p->step};
+  if (!ctx) ctx = &none;
+  const double v[CTX_FIELDS] = {(double)ctx->step,          ctx->phase,
+                                ctx->host_ram_used_pct,     (double)ctx->arena_in_use,
+                                (double)ctx->arena_cap,     (double)ctx->stash_depth,
+                                (double)ctx->bytes_in_flight, (double)ctx->packed_this_step,
+                                (double)ctx->offloaded_this_step,
+                                (double)ctx->bytes_offloaded_this_step};
   show(p->L, SLOT_CTX_FIELDS, CTX_NAMES, v, p->ctx_shown, CTX_FIELDS);
 }
 

@@ -523,9 +523,8 @@ static void push_c_functions(lua_State *L, ferry_policy *p) {
 }
 
 /* lua_cpcall body: open the libraries, build the sandbox. Leaves in the
- * registry: ferry.msgh, ferry.env, ferry.tensor, ferry.tensor_fields, ferry.ctx,
- * ferry.ctx_fields, ferry.shape,
- * ferry.strings. */
+ * registry: ferry.msgh, ferry.env, ferry.tensor, ferry.tensor_fields,
+ * ferry.ctx, ferry.ctx_fields, ferry.shape, ferry.strings. */
 int setup_state(lua_State *L) {
   ferry_policy *p = lua_touserdata(L, 1);
   lua_settop(L, 0);

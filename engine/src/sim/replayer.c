@@ -589,7 +589,7 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
  * one (filled with the tensor's pattern on host); NULL out of memory. */
 static sim_buf *pack_buffer(replay *r, uint32_t ti) {
   const trace_tensor *tt = &r->t->tensors[ti];
-  const ferry_tensor_desc *d = &r->t->tensors[ti].desc;
+  const ferry_tensor_desc *d = &tt->desc;
   if (tt->alias_of >= 0) {
     sim_buf *b = r->bufs[tt->alias_of];
     b->refs++;
@@ -631,7 +631,7 @@ static void count_pack(replay *r, const ferry_tensor_desc *d, int offloaded) {
 static int replay_pack(replay *r, uint32_t ti) {
   const sim_trace *t = r->t;
   const trace_tensor *tt = &t->tensors[ti];
-  const ferry_tensor_desc *d = &r->t->tensors[ti].desc;
+  const ferry_tensor_desc *d = &tt->desc;
   r->cur_layer = d->layer;
   sim_buf *b = pack_buffer(r, ti);
   if (!b) return FERRY_ENOMEM;
@@ -659,7 +659,7 @@ static int replay_pack(replay *r, uint32_t ti) {
 static int replay_unpack(replay *r, uint32_t ti) {
   const sim_trace *t = r->t;
   int host = r->host;
-  r->cur_layer = r->t->tensors[ti].desc.layer;
+  r->cur_layer = t->tensors[ti].desc.layer;
   void *dev = NULL, *owner = NULL;
   double w, s_before = sim_stall(r, &w);
   ferry_stats st;
@@ -1412,7 +1412,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     if (o && ev->type == TEV_STEP_END && (rc = opt_after_step(r))) return rc;
     if (ev->type == TEV_BACKWARD_BEGIN) fl.in_backward = 1;
     if (ev->type == TEV_PACK || ev->type == TEV_UNPACK || ev->type == TEV_DISCARD) {
-      const ferry_tensor_desc *d = &r->t->tensors[ev->tensor].desc;
+      const ferry_tensor_desc *d = &t->tensors[ev->tensor].desc;
       int counted = t->tensors[ev->tensor].alias_of < 0 && d->kind != FERRY_KIND_PARAMETER &&
                     d->kind != FERRY_KIND_BUFFER;
       floor_tensor(&fl, ev->type, r->went[ev->tensor], counted, (double)d->bytes);
