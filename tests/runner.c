@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "test.h"
+#include "test_device.h"
 #include "test_list.h"
 
 #define DECLARE_(name) int test_##name(void);
@@ -66,12 +67,20 @@ static int run_one(const test_entry *t) {
   return rc != 0;
 }
 
+/* ctest's SKIP_RETURN_CODE for a suite whose device is absent here. */
+#define EXIT_SKIPPED 77
+
 int main(int argc, char **argv) {
   size_t failed = 0, ran = 0;
   policy_env_save();
   if (argc > 1 && strcmp(argv[1], "--list") == 0) {
     for (size_t i = 0; i < n_tests; i++) printf("%s\n", tests[i].name);
     return 0;
+  }
+  char why[256] = "";
+  if (!test_device_ready(why, sizeof why)) {
+    printf("skipped: this suite needs a device and %s\n", why);
+    return EXIT_SKIPPED;
   }
   if (argc == 1) {
     for (size_t i = 0; i < n_tests; i++, ran++) failed += run_one(&tests[i]);

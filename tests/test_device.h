@@ -1,6 +1,6 @@
 /* test_device.h — "device" memory for the engine tests, whichever backend
  * they run over: plain host memory for the host backend; for the cuda backend
- * (built against the CUDA test double) memory from its cudaMalloc. The
+ * memory from cudaMalloc (the CUDA test double's, or a real GPU's). The
  * allocator/release callbacks the tests give the engine use these. */
 #ifndef FERRY_TEST_DEVICE_H
 #define FERRY_TEST_DEVICE_H
@@ -11,6 +11,9 @@
 
 #include "ferry.h"
 
+/* 1 when this build's device memory can be had; else 0 and why (the GPU
+ * build on a machine without a CUDA device: the runner skips the suite). */
+int test_device_ready(char *why, size_t len);
 void *test_dev_malloc(size_t bytes);
 void test_dev_free(void *p);
 /* Copy between device memory and ordinary host memory, synchronously. */
