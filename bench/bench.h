@@ -29,6 +29,7 @@ extern const size_t bench_table_len;
 
 void bench_engine(bench_report *r);
 void bench_host_copy(bench_report *r);
+void bench_cuda_copy(bench_report *r);
 void bench_arena(bench_report *r);
 void bench_policy(bench_report *r);
 void bench_sim(bench_report *r);

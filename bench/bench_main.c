@@ -67,7 +67,7 @@ int main(int argc, char **argv) {
     case 'o': only = optarg; break;
     case 'i': return bench_engine_instr(optarg, optind < argc ? atol(argv[optind]) : 10000);
     default:
-      fprintf(stderr, "usage: ferry_bench [--json FILE] [--only engine|host_copy|arena|policy|sim|snapshot|prefetch|stress]\n");
+      fprintf(stderr, "usage: ferry_bench [--json FILE] [--only engine|host_copy|cuda_copy|arena|policy|sim|snapshot|prefetch|stress]\n");
       return c == 'h' ? 0 : 2;
     }
   }

@@ -4,6 +4,7 @@
 const bench_entry bench_table[] = {
     {"engine", bench_engine},
     {"host_copy", bench_host_copy},
+    {"cuda_copy", bench_cuda_copy},
     {"arena", bench_arena},
     {"policy", bench_policy},
     {"sim", bench_sim},
