@@ -1,0 +1,218 @@
+"""ferry.torch on a real GPU: the cuda backend under torch's own CUDA tensors,
+streams and caching allocator.
+
+Skipped where torch sees no GPU (CI). On a GPU machine:
+    PYTHONPATH=<build>/python python -m pytest tests/python/test_cuda.py
+(a build whose extension was made for that interpreter, with the CUDA
+toolkit found at configure time).
+
+Every comparison is bit for bit against the same run without ferry, with
+torch's deterministic algorithms on (cuBLAS workspace fixed, embedding
+backward without atomics) so that two plain runs agree with each other."""
+import contextlib
+import os
+
+# Before the first cuBLAS call: deterministic cuBLAS needs a fixed workspace.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: these tests run on a GPU machine", allow_module_level=True)
+
+import ferry  # noqa: E402
+import ferry.torch as ft  # noqa: E402
+from conftest import assert_bit_identical  # noqa: E402
+
+DEV = torch.device("cuda", 0)
+
+# Every activation out, reloaded on use; parameters and buffers kept.
+OFFLOAD_ALL = """
+return { api = 1, name = "offload-all",
+  decide = function(t, ctx)
+    if t.kind ~= ferry.ACTIVATION then return ferry.KEEP, ferry.ON_USE, nil, true end
+    return ferry.OFFLOAD, ferry.ON_USE, nil, true
+  end }
+"""
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def offload_all(tmp_path):
+    p = tmp_path / "offload_all.lua"
+    p.write_text(OFFLOAD_ALL)
+    return str(p)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln_1 = torch.nn.LayerNorm(d)
+        self.c_attn = torch.nn.Linear(d, 3 * d)
+        self.c_proj = torch.nn.Linear(d, d)
+        self.ln_2 = torch.nn.LayerNorm(d)
+        self.c_fc = torch.nn.Linear(d, 4 * d)
+        self.c_out = torch.nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        x = x + self.c_proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.c_out(torch.nn.functional.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab=256, d=256, heads=4, layers=4, ctx=256):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.wpe = torch.nn.Embedding(ctx, d)
+        self.h = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def train(steps=3, ctx=None, dtype=torch.float32, b=8, t=256, stream=None):
+    """AdamW steps on the GPU; [(loss, grads)] per step, the model and the
+    peak of torch.cuda.max_memory_allocated over the steps' forward+backward."""
+    torch.manual_seed(0)
+    model = GPT().to(DEV, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    history, peak = [], 0
+    s = stream or torch.cuda.current_stream()
+    for i in range(steps):
+        g = torch.Generator(device="cpu").manual_seed(100 + i)
+        batch = torch.randint(0, 256, (b, t + 1), generator=g).to(DEV)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.cuda.stream(s):
+            with ctx(model) if ctx else contextlib.nullcontext():
+                logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                     batch[:, 1:].reshape(-1))
+            loss.backward()
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        peak = max(peak, torch.cuda.max_memory_allocated())
+        history.append((loss.detach().clone(), grads))
+        del logits, loss
+    return history, model, peak
+
+
+def assert_same(a, b):
+    (ha, ma, _), (hb, mb, _) = a, b
+    for step, ((la, ga), (lb, gb)) in enumerate(zip(ha, hb)):
+        assert_bit_identical(la, lb, f"step {step} loss")
+        for (n, _), x, y in zip(ma.named_parameters(), ga, gb):
+            assert_bit_identical(x, y, f"step {step} grad {n}")
+    for (n, p), q in zip(ma.named_parameters(), mb.parameters()):
+        assert_bit_identical(p, q, f"final parameter {n}")
+
+
+def test_plain_runs_agree():
+    """The reference itself is deterministic on this GPU (else nothing below
+    could be compared bit for bit)."""
+    assert_same(train(), train())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_offloaded_bit_identical_and_lighter(offload_all, dtype):
+    """Every saved activation goes to pinned host memory and back through the
+    cuda backend: losses, gradients and weights bit-identical to plain
+    autograd, and the device peak drops."""
+    plain = train(dtype=dtype)
+    off = train(dtype=dtype, ctx=lambda m: ft.offload(m, policy=offload_all))
+    assert_same(plain, off)
+    s = ft.stats()
+    assert s["backend"] == "cuda", s
+    assert s["tensors_offloaded"] > 0 and s["bytes_d2h"] > 0, s
+    # (a tensor unpacked while its device buffer is still in the forward
+    # stash comes back without a copy)
+    assert 0 < s["bytes_h2d"] <= s["bytes_d2h"], s
+    # The peak falls by at least half of what one step sends out (the
+    # forward stash and the reloads in flight hold the rest at times).
+    per_step = s["bytes_d2h"] / 3
+    assert off[2] < plain[2] - per_step / 2, (plain[2], off[2], per_step)
+
+
+def test_default_policy_matches_plain():
+    """The shipped default (torchtune's behaviour: head kept, stash of 5)."""
+    assert_same(train(), train(ctx=lambda m: ft.offload(m, policy="default")))
+    assert ft.stats()["bytes_d2h"] > 0
+
+
+def test_side_stream(offload_all):
+    """Forward and backward on a stream of the user's own: ferry orders its
+    copies after that stream's work, and that stream after the reloads."""
+    side = torch.cuda.Stream()
+    assert_same(train(), train(ctx=lambda m: ft.offload(m, policy=offload_all), stream=side))
+
+
+def test_saved_tensor_layouts_round_trip(offload_all):
+    """Views, transposes, storage offsets and dtypes come back with their
+    exact bytes, strides and offsets (the saved tensor is what backward
+    reads; a wrong stride or offset gives a wrong gradient)."""
+    torch.manual_seed(0)
+    base = torch.randn(64, 96, device=DEV)
+    cases = {
+        "contiguous": base.clone(),
+        "transposed": base.clone().t(),
+        "offset view": base.clone()[3:40],
+        "strided slice": base.clone()[3:40, 5:70],  # not dense: kept, as torch holds it
+        "bf16": base.to(torch.bfloat16),
+        "f16 channels_last": torch.randn(2, 8, 16, 16, device=DEV, dtype=torch.float16)
+        .to(memory_format=torch.channels_last),
+    }
+    for name, x in cases.items():
+        before = ft.stats()["tensors_offloaded"] if name != "contiguous" else 0
+        x = x.detach().requires_grad_()
+        w = torch.randn_like(x).requires_grad_()
+        ref_x, ref_w = torch.autograd.grad((x * w).sum(), (x, w))
+        with ft.offload(None, policy=offload_all):
+            y = (x * w).sum()  # saves x and w
+        gx, gw = torch.autograd.grad(y, (x, w))
+        assert_bit_identical(gx, ref_x, f"{name}: grad of x")
+        assert_bit_identical(gw, ref_w, f"{name}: grad of w")
+        went = ft.stats()["tensors_offloaded"] - before
+        assert went == (1 if name == "strided slice" else 2), (name, went)
+
+
+def test_in_place_change_after_save_is_torchs_error(offload_all):
+    x = torch.randn(256, 256, device=DEV, requires_grad=True)
+    with ft.offload(None, policy=offload_all):
+        y = x.exp()  # saves its output
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_host_cap_keeps_what_does_not_fit(offload_all):
+    """A host cap smaller than the activations: what does not fit stays on
+    the device, training is unchanged, the arena never exceeds the cap."""
+    cap = 8 << 20
+    plain = train(steps=2)
+    off = train(steps=2, ctx=lambda m: ft.offload(m, policy=offload_all, host_cap=cap))
+    assert_same(plain, off)
+    s = ft.stats()
+    assert s["tensors_offloaded"] > 0 and s["tensors_kept"] > 0, s
+    assert s["arena_peak"] <= cap, s
