@@ -121,10 +121,13 @@ def main():
           f"{params / 1e6:.0f}M parameters, {a.batch}x{a.seq} tokens, bf16")
 
     def step(ctx):
+        # The loss inside the context, as a Hugging Face model computes it in
+        # its forward: its saved tensors are in the recorded trace too.
         with ctx():
             logits = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
-                                                 batch[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
+                                                     batch[:, 1:].reshape(-1))
+        del logits
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -175,13 +178,7 @@ def main():
     if a.trace:
         # Two steps recorded: the replay's --warmup 1 drops the first.
         for _ in range(2):
-            with ft.offload(model, policy="default", record_trace=a.trace, optimizer=opt):
-                logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
-                                                     batch[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            step(lambda: ft.offload(model, policy="default", record_trace=a.trace, optimizer=opt))
             ft.step()
         ft.close()
         print(f"  trace: {a.trace}")
