@@ -4,7 +4,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?=
 PYTHON_TORCH ?= /usr/bin/python3
 
-.PHONY: all deps build demo test bench soak mutate install clean
+.PHONY: all deps build demo test bench gpu-check soak mutate install clean
 
 all: build
 
@@ -48,6 +48,13 @@ bench: build
 	    PYTHONPATH=$(BUILD)/python $$py bench/bench_step.py --json $(BUILD)/bench.json; \
 	  else echo "[torch 1.x] skipped: $$py has no torch 1.x (the *_torch1 metrics stay missing)"; fi
 	@python3 bench/targets.py $(BUILD)/bench.json
+
+# On a machine with a GPU (CI has none): the cuda backend's copies against
+# cudaMemcpyAsync, ferry.torch on the GPU, training steps against no offload
+# and torch's save_on_cpu, the engine suite over the real CUDA runtime
+# (tests/gpu/run.sh; logs, bench.json and a trace in $(BUILD)/gpu).
+gpu-check: build
+	tests/gpu/run.sh $(BUILD) $(BUILD)/gpu
 
 # Longer runs than make test affords: fault injection over 200,000 seeded
 # rounds (make test runs 1,500) and the concurrency stress for 20,000 steps
