@@ -291,7 +291,8 @@ static int add_tensor(reader *r, uint64_t id, const ferry_tensor_desc *d, uint8_
 static int parse_pack(reader *r, const json_line *o, double gap) {
   sim_trace *t = r->t;
   if (!r->in_step) return reader_fail(r, "pack outside a step (no step_begin before it)");
-  int64_t id, step, bytes, layer, layers, flags = 0;
+  /* (zeroed: set by get_int when it returns 0, which gcc -O2 cannot see) */
+  int64_t id = 0, step = 0, bytes = 0, layer = 0, layers = 0, flags = 0;
   int rc;
   if ((rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id)) ||
       (rc = get_int(r, o, JK_STEP, 1, 0, MAX_ID, &step)) ||
