@@ -146,11 +146,13 @@ typedef struct replay {
 
 /* The least exposed stall any schedule of a step's copies could have with
  * the link at full speed, the engine's way: reloads start when backward
- * begins (reloading earlier would raise the peak the offloads lowered), and
- * forward and backward stalls add up.
+ * begins (reloading earlier would raise the peak the offloads lowered).
  *  - forward: at each pack the saved bytes on device, kept (K) plus
  *    offloaded (D) less those copied, are at most the step's peak P, so
  *    D + K - P bytes were copied within the compute since the first offload;
+ *  - the same holds at backward's packs and transient allocations (the loss's
+ *    gradients, where a step with offloading peaks): offloads still in flight
+ *    when backward begins are on the device there, reloads not counted;
  *  - backward: the reloads a prefix of backward's unpacks needs (stash hits
  *    need none) arrive within the backward compute before the last of them.
  * A real schedule adds queueing, latency per copy, the duplex slowdown and
@@ -162,6 +164,8 @@ typedef struct link_floor {
   double offloaded, kept;          /* forward bytes: offloaded; kept and still held */
   double fwd_bound;                /* max over forward packs of (D + K) / link - compute */
   double h2d_bytes, h2d_bound;     /* reloaded so far; max over unpacks */
+  double late_bound;               /* max over backward's packs and allocations of
+                                    * (D + K) / link - compute since the first offload */
 } link_floor;
 
 static void floor_compute(link_floor *f, double us) {
@@ -170,28 +174,35 @@ static void floor_compute(link_floor *f, double us) {
 }
 
 /* After a pack, unpack or discard of a tensor of bytes: counted (it takes
- * device memory of its own), moved (offloaded when packed; reloaded when
- * unpacked). */
-static void floor_tensor(link_floor *f, int type, int moved, int counted, double bytes) {
-  if (!f->in_backward) {
-    if (type == TEV_PACK && moved) f->offloaded += bytes;
-    else if (counted && !moved) f->kept += type == TEV_PACK ? bytes : -bytes;
-    if (type == TEV_PACK && f->offloaded > 0 && f->d2h_per_us > 0) {
-      double b = (f->offloaded + f->kept) / f->d2h_per_us - f->fwd_compute;
-      if (b > f->fwd_bound) f->fwd_bound = b;
-    }
-    return;
+ * device memory of its own), out (offloaded when it was packed), reloaded
+ * (an unpack that copied it back; a stash hit does not). */
+static void floor_tensor(link_floor *f, int type, int out, int reloaded, int counted,
+                         double bytes) {
+  if (type == TEV_PACK && out) {
+    if (!f->in_backward) f->offloaded += bytes; /* (backward's own offloads: not counted) */
+  } else if (counted && !out) {
+    f->kept += type == TEV_PACK ? bytes : -bytes;
   }
-  if (type == TEV_UNPACK && moved && f->h2d_per_us > 0) {
+  if (type == TEV_PACK && f->offloaded > 0 && f->d2h_per_us > 0) {
+    double b = (f->offloaded + f->kept) / f->d2h_per_us - f->fwd_compute - f->bwd_compute;
+    double *bound = f->in_backward ? &f->late_bound : &f->fwd_bound;
+    if (b > *bound) *bound = b;
+  }
+  if (f->in_backward && type == TEV_UNPACK && reloaded && f->h2d_per_us > 0) {
     f->h2d_bytes += bytes;
     double b = f->h2d_bytes / f->h2d_per_us - f->bwd_compute;
     if (b > f->h2d_bound) f->h2d_bound = b;
   }
 }
 
+/* Forward's stall and backward's reload stall happen at different times and
+ * add up; the offloads' shortfall at a backward instant is covered by any
+ * stall before it, either of those two included, so it bounds the total. */
 static double floor_us(const link_floor *f, double peak) {
   double fwd = f->d2h_per_us > 0 ? f->fwd_bound - peak / f->d2h_per_us : 0;
-  return (fwd > 0 ? fwd : 0) + (f->h2d_bound > 0 ? f->h2d_bound : 0);
+  double late = f->d2h_per_us > 0 ? f->late_bound - peak / f->d2h_per_us : 0;
+  double sum = (fwd > 0 ? fwd : 0) + (f->h2d_bound > 0 ? f->h2d_bound : 0);
+  return sum > late ? sum : late;
 }
 
 /* Per-step sums over the steady steps (all but the first, unless one). */
@@ -1402,6 +1413,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     if (w && (rc = w_before_event(r, k, phase))) return rc;
     if (o && ev->type == TEV_BACKWARD_BEGIN && (rc = opt_params_all(r))) return rc;
     if (o && ev->type == TEV_STEP_END && (rc = opt_step_end(r))) return rc;
+    int out = ev->type == TEV_UNPACK || ev->type == TEV_DISCARD ? r->went[ev->tensor] : 0;
     if ((rc = replay_event(r, ev, &t0))) return rc;
     if (w && phase == 0 && (rc = w_after_event(r, k, phase))) return rc;
     if (ev->type == TEV_BACKWARD_BEGIN || ev->type == TEV_BACKWARD_END) {
@@ -1415,10 +1427,12 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       const ferry_tensor_desc *d = &t->tensors[ev->tensor].desc;
       int counted = t->tensors[ev->tensor].alias_of < 0 && d->kind != FERRY_KIND_PARAMETER &&
                     d->kind != FERRY_KIND_BUFFER;
-      floor_tensor(&fl, ev->type, r->went[ev->tensor], counted, (double)d->bytes);
+      if (ev->type == TEV_PACK) out = r->went[ev->tensor];
+      floor_tensor(&fl, ev->type, out, ev->type == TEV_UNPACK && r->went[ev->tensor], counted,
+                   (double)d->bytes);
     } else if (ev->type == TEV_ALLOC || ev->type == TEV_FREE) {
       /* transient bytes count as kept ones: on device, never copied */
-      floor_tensor(&fl, ev->type == TEV_ALLOC ? TEV_PACK : TEV_DISCARD, 0, 1,
+      floor_tensor(&fl, ev->type == TEV_ALLOC ? TEV_PACK : TEV_DISCARD, 0, 0, 1,
                    (double)t->allocs[ev->tensor].bytes);
     }
   }
