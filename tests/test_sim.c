@@ -1567,16 +1567,21 @@ static const char *six_tensors(void) {
 /* The floor at the peak a step with offloading reaches in backward
  * (docs/simulator.md, "Stall floor"). Four 100000-byte offloads with 50 us
  * of compute after each, a forward stash of one buffer; backward begins
- * with a 300000-byte transient (the loss's gradients) for 400 us before the
- * unpacks. Link 1000 B/us, no latency. The engine: copies [0,100] ..
- * [300,400]; packs 2..4 wait 50 us each for the copy ahead of them (150 us
- * of host wait), forward ends at 350 with copy 4 in flight, so the peak is
- * 100000 + 300000 at the transient. Any schedule at that peak must have
- * copied D + T - P = 400000 + 300000 - 400000 B (300 us) by the transient,
- * with 200 us of compute since the first offload to hide it: a floor of
- * 100 us. Forward's packs alone (the peak is above D there) and the reloads
- * (hidden by backward's 400 us) say 0. */
-static const char *loss_at_backward(void) {
+ * with a 300000-byte transient (the loss's gradients) for bwd_us of compute
+ * before the unpacks. Link 1000 B/us, no latency. The engine: copies
+ * [0,100] .. [300,400]; packs 2..4 wait 50 us each for the copy ahead of
+ * them (150 us of host wait), forward ends at 350 with copy 4 in flight, so
+ * the peak is 100000 + 300000 at the transient; backward unpacks 4 from
+ * the stash and reloads 3, 2 and 1 on use, after the compute (300 us).
+ * Any schedule at that peak must have copied D + T - P = 400000 + 300000 -
+ * 400000 B (300 us) by the transient, with 200 us of compute since the
+ * first offload to hide it: 100 us of stall before it. After it, the three
+ * reloads (300 us) have bwd_us of compute to hide behind, and whatever was
+ * reloaded before the transient took room that uncopied bytes would
+ * otherwise have had: 100 + max(0, 300 - bwd_us). Forward's packs alone
+ * (the peak is above D there) say 0, and reloads from backward's start,
+ * ignoring the transient, max(0, 300 - bwd_us). */
+static const char *loss_at_backward(int bwd_us) {
   static char buf[4096];
   int n = snprintf(buf, sizeof buf, "%s", HDR BEGIN);
   for (int i = 1; i <= 4; i++)
@@ -1587,7 +1592,7 @@ static const char *loss_at_backward(void) {
                   i, i - 1);
   n += snprintf(buf + n, sizeof buf - (size_t)n,
                 "{\"ev\":\"backward_begin\",\"t_us\":0}\n" ALLOC(9, 300000)
-                "{\"ev\":\"compute\",\"t_us\":0,\"us\":400}\n" FREE(9));
+                "{\"ev\":\"compute\",\"t_us\":0,\"us\":%d}\n" FREE(9), bwd_us);
   for (int i = 4; i >= 1; i--)
     n += snprintf(buf + n, sizeof buf - (size_t)n, "{\"ev\":\"unpack\",\"t_us\":0,\"id\":%d}\n", i);
   snprintf(buf + n, sizeof buf - (size_t)n, "{\"ev\":\"backward_end\",\"t_us\":0}\n" END);
@@ -1595,24 +1600,26 @@ static const char *loss_at_backward(void) {
 }
 
 TEST(sim_floor_holds_at_backwards_transients) {
-  const char *text = loss_at_backward();
-  sim_trace *t = NULL;
-  char err[512];
-  CHECK_OK(sim_trace_parse("loss", text, strlen(text), &t, err, sizeof err));
-  sim_config c = hand_config(1);
-  c.policy_source = "return { api = 1, name = 'stash1', knobs = { max_fwd_stash = 1 },\n"
-                    "  decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
-  sim_result r;
-  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-  CHECK_EQ(r.peak_saved_bytes, 400000);
-  CHECK_NEAR(r.host_wait_us, 150.0, 1e-6);
-  CHECK_NEAR(r.stall_floor_us, 100.0, 1e-6);
-  CHECK(r.stall_us + r.host_wait_us >= r.stall_floor_us);
-  /* (the reloads of 3, 2 and 1 on use, after backward's compute: 300 us) */
-  CHECK_NEAR(r.stall_us, 300.0, 1e-6);
-  CHECK_NEAR(r.bytes_h2d, 300000, 0);
-  sim_result_free(&r);
-  sim_trace_free(t);
+  static const struct { int bwd_us; double floor; } cases[] = {{400, 100.0}, {100, 300.0}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    const char *text = loss_at_backward(cases[k].bwd_us);
+    sim_trace *t = NULL;
+    char err[512];
+    CHECK_OK(sim_trace_parse("loss", text, strlen(text), &t, err, sizeof err));
+    sim_config c = hand_config(1);
+    c.policy_source = "return { api = 1, name = 'stash1', knobs = { max_fwd_stash = 1 },\n"
+                      "  decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
+    sim_result r;
+    CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+    CHECK_EQ(r.peak_saved_bytes, 400000);
+    CHECK_NEAR(r.host_wait_us, 150.0, 1e-6);
+    CHECK_NEAR(r.stall_us, 300.0, 1e-6);
+    CHECK_NEAR(r.bytes_h2d, 300000, 0);
+    CHECK_NEAR(r.stall_floor_us, cases[k].floor, 1e-6);
+    CHECK(r.stall_us + r.host_wait_us >= r.stall_floor_us);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
   return 0;
 }
 

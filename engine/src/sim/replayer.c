@@ -166,6 +166,12 @@ typedef struct link_floor {
   double h2d_bytes, h2d_bound;     /* reloaded so far; max over unpacks */
   double late_bound;               /* max over backward's packs and allocations of
                                     * (D + K) / link - compute since the first offload */
+  /* the same instants x with the reloads after them (floor_us): the max over
+   * x of bound + backward compute by x + reloads by x / the faster link, and
+   * the max over unpacks u after the first x of that + reloads by u / the
+   * faster link - backward compute by u */
+  int have_anchor;
+  double late_anchor, late_reload;
 } link_floor;
 
 static void floor_compute(link_floor *f, double us) {
@@ -183,25 +189,43 @@ static void floor_tensor(link_floor *f, int type, int out, int reloaded, int cou
   } else if (counted && !out) {
     f->kept += type == TEV_PACK ? bytes : -bytes;
   }
+  double fast = f->d2h_per_us > f->h2d_per_us ? f->d2h_per_us : f->h2d_per_us;
   if (type == TEV_PACK && f->offloaded > 0 && f->d2h_per_us > 0) {
     double b = (f->offloaded + f->kept) / f->d2h_per_us - f->fwd_compute - f->bwd_compute;
     double *bound = f->in_backward ? &f->late_bound : &f->fwd_bound;
     if (b > *bound) *bound = b;
+    double a = b + f->bwd_compute + f->h2d_bytes / fast;
+    if (f->in_backward && (!f->have_anchor || a > f->late_anchor)) {
+      f->late_anchor = a;
+      f->have_anchor = 1;
+    }
   }
   if (f->in_backward && type == TEV_UNPACK && reloaded && f->h2d_per_us > 0) {
     f->h2d_bytes += bytes;
     double b = f->h2d_bytes / f->h2d_per_us - f->bwd_compute;
     if (b > f->h2d_bound) f->h2d_bound = b;
+    if (f->have_anchor) {
+      double c = f->late_anchor + f->h2d_bytes / fast - f->bwd_compute;
+      if (c > f->late_reload) f->late_reload = c;
+    }
   }
 }
 
 /* Forward's stall and backward's reload stall happen at different times and
- * add up; the offloads' shortfall at a backward instant is covered by any
- * stall before it, either of those two included, so it bounds the total. */
+ * add up. At a backward instant x the offloads not yet copied plus the
+ * reloads already made (R) fit under the peak, so the stall before x is at
+ * least late(x) + R / d2h link; the reloads after x up to an unpack u, what
+ * u needs less R, take the stall after x beyond the compute between them.
+ * Added, R drops out with both links at the faster one's speed: late(x) +
+ * (reloads between x and u) / faster link - compute between them bounds
+ * the total too. */
 static double floor_us(const link_floor *f, double peak) {
-  double fwd = f->d2h_per_us > 0 ? f->fwd_bound - peak / f->d2h_per_us : 0;
-  double late = f->d2h_per_us > 0 ? f->late_bound - peak / f->d2h_per_us : 0;
+  if (f->d2h_per_us <= 0) return f->h2d_bound > 0 ? f->h2d_bound : 0;
+  double fwd = f->fwd_bound - peak / f->d2h_per_us;
+  double late = f->late_bound - peak / f->d2h_per_us;
+  double late_r = f->late_reload - peak / f->d2h_per_us;
   double sum = (fwd > 0 ? fwd : 0) + (f->h2d_bound > 0 ? f->h2d_bound : 0);
+  if (late_r > late) late = late_r;
   return sum > late ? sum : late;
 }
 
