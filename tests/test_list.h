@@ -138,6 +138,7 @@
   X(sim_synth_resident_knobs_match_hand_arithmetic)                     \
   X(sim_synth_tensor_parallel_matches_korthikanti)                      \
   X(sim_floor_holds_at_backwards_transients)                            \
+  X(sim_untracked_from_device_peak)                                     \
   X(sim_replay_matches_hand_computed_times)                             \
   X(sim_replay_policies_on_synthesized_llama)                           \
   X(sim_link_presets_and_syntax)                                        \

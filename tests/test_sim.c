@@ -395,6 +395,93 @@ TEST(sim_trace_transient_alloc_and_free) {
   return 0;
 }
 
+/* "device_peak" (ferry_trace_device_peak): the trainer's own peak of a
+ * step, after it. The writer refuses it inside a step; the reader keeps the
+ * largest and refuses one inside a step or for another step than the last
+ * ended. sim_untracked_bytes: that peak less the peak of the recorded
+ * decisions replayed (resident 1000 B + a kept 100000 B tensor = 101000 B),
+ * which sim_config.untracked_bytes then adds to every peak. */
+#define DPEAK(step, bytes) "{\"ev\":\"device_peak\",\"t_us\":9,\"step\":" #step ",\"bytes\":" #bytes "}\n"
+TEST(sim_untracked_from_device_peak) {
+  BAD(HDR BEGIN DPEAK(1, 5) END, "bad.jsonl:3: device_peak inside a step");
+  BAD(HDR BEGIN END DPEAK(2, 5), "bad.jsonl:4: device_peak of step 2: not the step that ended last");
+  BAD(HDR DPEAK(1, 5), "bad.jsonl:2: device_peak of step 1: not the step that ended last");
+  BAD(HDR BEGIN END "{\"ev\":\"device_peak\",\"t_us\":9,\"step\":1}\n",
+      "bad.jsonl:4: missing member \"bytes\"");
+
+  /* the writer */
+  test_device_stats st = {0};
+  ferry_config ec = test_engine_config(&st);
+  ec.decide = NULL;
+  char path[] = "/tmp/ferry-dpeak-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+  ec.trace_path = path;
+  ferry_engine *e = NULL;
+  char err[512];
+  CHECK_OK(ferry_engine_create(&ec, &e, err, sizeof err));
+  CHECK_OK(ferry_step_begin(e));
+  CHECK_EQ(ferry_trace_device_peak(e, 7), FERRY_ESTATE);
+  CHECK_STR_CONTAINS(ferry_last_error(e), "inside a step");
+  CHECK_OK(ferry_step_end(e));
+  CHECK_EQ(ferry_trace_device_peak(e, (1ull << 50) + 1), FERRY_EINVAL);
+  CHECK_OK(ferry_trace_device_peak(e, 5000));
+  CHECK_OK(ferry_step_begin(e));
+  CHECK_OK(ferry_step_end(e));
+  CHECK_OK(ferry_trace_device_peak(e, 7000));
+  ferry_engine_destroy(e);
+  sim_trace *t = NULL;
+  int rc = sim_trace_load(path, &t, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  unlink(path);
+  CHECK_OK(rc);
+  CHECK_EQ(t->n_device_peaks, 2);
+  CHECK_EQ(t->device_peak, 7000);
+  sim_trace_free(t);
+
+  /* what the replay does with it */
+  static const char *const peaks[] = {DPEAK(1, 600000), DPEAK(1, 50000)};
+  static const uint64_t want[] = {499000, 0};
+  for (int k = 0; k < 2; k++) {
+    char text[2048];
+    snprintf(text, sizeof text, "%s%s%s%s%s%s", HDR,
+             "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":1000,\"what\":\"parameters\"}\n", BEGIN,
+             "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
+             "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
+             "\"layers\":1,\"decision\":\"keep\"}\n{\"ev\":\"compute\",\"t_us\":0,\"us\":100}\n"
+             "{\"ev\":\"backward_begin\",\"t_us\":0}\n{\"ev\":\"unpack\",\"t_us\":0,\"id\":1}\n"
+             "{\"ev\":\"backward_end\",\"t_us\":0}\n",
+             END, peaks[k]);
+    CHECK_OK(sim_trace_parse("peak", text, strlen(text), &t, err, sizeof err));
+    sim_config c = hand_config(1);
+    uint64_t u = 1, replayed = 0;
+    CHECK_OK(sim_untracked_bytes(t, &c, &u, &replayed, err, sizeof err));
+    CHECK_EQ(replayed, 101000);
+    CHECK_EQ(u, want[k]);
+    c.untracked_bytes = u;
+    c.policy_source = "return { api = 1, name = 'all', knobs = { min_offload_bytes = 1 },\n"
+                      "  decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
+    sim_result r;
+    CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+    CHECK_EQ(r.untracked_bytes, u);
+    CHECK_EQ(r.resident_bytes, 1000 + u);
+    CHECK_EQ(r.peak_device_bytes, 1000 + u + r.peak_saved_bytes);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
+  /* a trace without device_peak: nothing learned, nothing replayed */
+  const char *plain = HDR BEGIN END;
+  CHECK_OK(sim_trace_parse("plain", plain, strlen(plain), &t, err, sizeof err));
+  sim_config c = hand_config(1);
+  uint64_t u = 1, replayed = 1;
+  CHECK_OK(sim_untracked_bytes(t, &c, &u, &replayed, err, sizeof err));
+  CHECK_EQ(u, 0);
+  CHECK_EQ(replayed, 0);
+  sim_trace_free(t);
+  return 0;
+}
+
 /* simdjson reads the lines it accepts and cJSON the rest (json_line.h):
  * what only cJSON can hold must still be read or refused the same way. */
 TEST(sim_trace_reader_fast_and_cjson_paths_agree) {
@@ -1781,7 +1868,7 @@ TEST(sim_replay_policies_on_synthesized_llama) {
   snprintf(chrome, sizeof chrome, "%s/c.json", dir);
   snprintf(svg, sizeof svg, "%s/m.svg", dir);
   snprintf(html, sizeof html, "%s/r.html", dir);
-  sim_run_info info = {"tiny.jsonl", t, hw};
+  sim_run_info info = {.trace_path = "tiny.jsonl", .trace = t, .hw = hw};
   CHECK_EQ(sim_write_json(json, &info, rs, 4, err, sizeof err), 0);
   CHECK_EQ(sim_write_chrome_trace(chrome, rs, 4, err, sizeof err), 0);
   CHECK_EQ(sim_write_svg(svg, &info, rs, 4, err, sizeof err), 0);

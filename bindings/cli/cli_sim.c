@@ -49,6 +49,10 @@ static void sim_usage(FILE *f) {
           "  --prefetch-at-backward  start the policy's first reloads at backward_begin\n"
           "                      (config.prefetch_at_backward_begin), not the first unpack\n"
           "  --warmup N          steps left out of the steady figures (default 1)\n"
+          "  --untracked auto|off|BYTES  device memory the trace does not hold (never saved\n"
+          "                      for backward: the loss's transients, workspaces), added to\n"
+          "                      every peak; auto (default): the peak a trace recorded on a\n"
+          "                      GPU measured (device_peak) less its own decisions' peak here\n"
           "  --pinned SPEC       pinned allocation cost: pool=on|off,alloc=3ms,touch=2.5GB/s\n"
           "                      (pool=on: the engine's arena pays once, when it grows; off:\n"
           "                      every offload pays a fresh allocation; alloc=0 touch=0: free)\n"
@@ -165,9 +169,13 @@ typedef struct sim_opts {
   double cpu_adam;     /* params/s per rank, 0 = the default */
   int opt_serial;      /* --optimizer-overlap off */
   int w_single;        /* --weight-double-buffer off */
+  /* --untracked: auto (0, learned from a recorded run's device_peak), off
+   * (1) or a size given (2, bytes in untracked) */
+  int untracked_mode;
+  uint64_t untracked;
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 #define MAX_FRACTIONS 16
 #define MAX_WEIGHT_ITEMS 16
 #define MAX_BLOCK 1000000 /* a block index or count no trace reaches */
@@ -327,6 +335,22 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   return c;
 }
 
+/* --untracked for trace t into info (and so into every run's config): 0, or
+ * 1 with a message in err. */
+static int resolve_untracked(const sim_trace *t, const sim_opts *o, const sim_hw *hw,
+                             sim_run_info *info, char *err, size_t errlen) {
+  info->untracked_observed = t->device_peak;
+  if (o->untracked_mode == 1) return 0;
+  if (o->untracked_mode == 2) {
+    info->untracked_bytes = o->untracked;
+    info->untracked_given = 1;
+    return 0;
+  }
+  sim_config c = opts_config(o, hw);
+  return sim_untracked_bytes(t, &c, &info->untracked_bytes, &info->untracked_replayed, err,
+                             errlen) != 0;
+}
+
 /* Replays the trace without offload, then once per job, and reports. runs,
  * when not NULL, gets each run's peak and step (n_jobs + 1: the baseline
  * first). */
@@ -345,11 +369,18 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     return 1;
   }
   int want_tl = chrome || svg || html;
+  sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = &hw};
+  if (resolve_untracked(t, o, &hw, &info, err, sizeof err)) {
+    fprintf(stderr, "ferry sim: %s\n", err);
+    sim_trace_free(t);
+    return 1;
+  }
   sim_result *rs = calloc((size_t)n_jobs + 1, sizeof *rs);
   progress_state ps = {.runs = n_jobs + 1};
   int rc = 0;
   for (int i = 0; i <= n_jobs && !rc; i++) {
     sim_config c = opts_config(o, &hw);
+    c.untracked_bytes = info.untracked_bytes;
     c.timeline = want_tl;
     c.progress = on_progress;
     c.progress_ud = &ps;
@@ -378,7 +409,6 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   }
   cli_progress_end();
   if (!rc) {
-    sim_run_info info = {trace_path, t, &hw};
     sim_print_table(stdout, &info, rs, n_jobs + 1);
     if (layers_table && n_jobs <= 4) sim_print_layers(stdout, rs, n_jobs + 1);
     /* an output "-" is written to a temporary file, then to stdout */
@@ -426,9 +456,17 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
     free(tmpl);
     return 1;
   }
+  sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = hw};
+  if (resolve_untracked(t, o, hw, &info, err, sizeof err)) {
+    fprintf(stderr, "ferry sim --fit: %s\n", err);
+    free(tmpl);
+    sim_trace_free(t);
+    return 1;
+  }
   sim_fit_config fc = {0};
   fc.policy_template = tmpl;
   fc.replay = opts_config(o, hw);
+  fc.replay.untracked_bytes = info.untracked_bytes;
   progress_state ps = {0};
   fc.replay.progress = on_progress;
   fc.replay.progress_ud = &ps;
@@ -439,6 +477,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
   cli_progress_end();
   if (rc) fprintf(stderr, "ferry sim --fit: %s\n", err);
   sim_config bc = opts_config(o, hw);
+  bc.untracked_bytes = info.untracked_bytes;
   sim_result base;
   memset(&base, 0, sizeof base);
   if (!rc && (rc = sim_replay(t, &bc, &base, err, sizeof err)))
@@ -634,6 +673,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"optimizer-overlap", required_argument, 0, 'V'}, {"verbose", no_argument, 0, 'v'},
       {"weight-layers", required_argument, 0, 'K'},
       {"weight-double-buffer", required_argument, 0, 'U'},
+      {"untracked", required_argument, 0, 'u'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -727,6 +767,12 @@ int ferry_cli_sim(int argc, char **argv) {
         return 2;
       }
       o.w_single = !strcmp(optarg, "off");
+      break;
+    case 'u': /* auto, off or a size */
+      if (!strcmp(optarg, "auto")) o.untracked_mode = 0;
+      else if (!strcmp(optarg, "off")) o.untracked_mode = 1;
+      else if (cli_bytes("sim", "--untracked", optarg, 0, &o.untracked)) return 2;
+      else o.untracked_mode = 2;
       break;
     case 'L': layers_table = 0; break;
     case 'Y':

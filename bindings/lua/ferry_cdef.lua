@@ -153,6 +153,7 @@ int ferry_backward_begin(ferry_engine *e);
 int ferry_backward_end(ferry_engine *e);
 int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
 int ferry_trace_flops(ferry_engine *e, double flops);
+int ferry_trace_device_peak(ferry_engine *e, uint64_t bytes);
 int ferry_trace_flops_all(ferry_engine *e, int on);
 int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted);
 int ferry_policy_find(const char *name, char *path, size_t pathlen, char *err, size_t errlen);

@@ -451,6 +451,13 @@ FERRY_API int ferry_backward_end(ferry_engine *e);
  * replay can time that compute on another GPU (docs/trace-format.md). */
 FERRY_API int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
 FERRY_API int ferry_trace_flops(ferry_engine *e, double flops);
+/* ferry_trace_device_peak: the most device memory the trainer's allocator
+ * had in use during the step just ended (PyTorch's max_memory_allocated),
+ * between steps. A replay compares it with its own peak under the recorded
+ * decisions to learn the memory a trace does not hold (what autograd never
+ * saves: the loss's transients, workspaces) and adds it to every peak
+ * (docs/trace-format.md, docs/simulator.md). */
+FERRY_API int ferry_trace_device_peak(ferry_engine *e, uint64_t bytes);
 /* ferry_trace_flops_all(e, 1): the trainer counts the FLOPs of all its
  * compute, so from the next event on every traced event carries "flops", 0
  * where ferry_trace_flops added none: a replay times every gap from FLOPs,

@@ -478,6 +478,9 @@ typedef struct sim_trace {
   uint32_t n_flops; /* events that carry "flops" */
   uint32_t n_hbm;   /* compute events that carry "hbm_bytes" */
   int32_t layers;  /* largest `layers` seen, 0 if none */
+  /* "device_peak" events (recorded on a GPU): how many, and the largest */
+  uint32_t n_device_peaks;
+  uint64_t device_peak;
   char **strings;  /* owned strings (module paths, classes) */
   size_t n_strings, cap_strings;
 } sim_trace;
@@ -566,6 +569,10 @@ typedef struct sim_config {
    * neighbour ahead (double_buffer=False), else double-buffered */
   int32_t weight_first, weight_count;
   int weight_single_buffer;
+  /* device memory the trace does not hold (never saved for backward: the
+   * loss's transients, workspaces), counted in every peak as resident
+   * memory is; sim_untracked_bytes learns it from a recorded run */
+  uint64_t untracked_bytes;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -628,7 +635,8 @@ typedef struct sim_result {
   uint32_t steps;
   /* peaks over all steps */
   uint64_t peak_device_bytes;  /* resident + saved tensors on device */
-  uint64_t resident_bytes;
+  uint64_t resident_bytes;     /* untracked_bytes included */
+  uint64_t untracked_bytes;    /* sim_config.untracked_bytes */
   uint64_t peak_saved_bytes;   /* saved tensors alone */
   uint64_t peak_host_bytes;    /* pinned arena in use */
   uint64_t host_reserved_bytes;
@@ -692,6 +700,12 @@ typedef struct sim_result {
 /* Replay t under c. On failure err names the problem. */
 FERRY_API int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
                size_t errlen);
+/* The device memory a recorded trace does not hold: its "device_peak" (the
+ * trainer's own peak) less the peak of a replay of its recorded decisions
+ * under c, 0 if that is larger or the trace has no device_peak. *replayed
+ * (may be NULL) gets that replay's peak. */
+FERRY_API int sim_untracked_bytes(const sim_trace *t, const sim_config *c, uint64_t *out,
+                                  uint64_t *replayed, char *err, size_t errlen);
 FERRY_API void sim_result_free(sim_result *r);
 
 
@@ -906,6 +920,12 @@ typedef struct sim_run_info {
   const char *trace_path;
   const sim_trace *trace;
   const sim_hw *hw;
+  /* device memory the trace does not hold, in every run's peak
+   * (sim_config.untracked_bytes): given (ferry sim --untracked BYTES), or
+   * the trace's device_peak (observed) less its recorded decisions'
+   * replayed peak */
+  uint64_t untracked_bytes, untracked_observed, untracked_replayed;
+  int untracked_given;
 } sim_run_info;
 
 /* rs[0] is the baseline (no offload), rs[1..n-1] the policies. */

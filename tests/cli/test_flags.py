@@ -36,6 +36,7 @@ TABLE = [
     ("sim", "--optimizer-fraction", ["1.5", "1.0001"], "0.5"),
     ("sim", "--cpu-adam", ["0", "1", "1e14"], "2e8"),
     ("sim", "--weight-layers", ["1.5", "2..1", "1..x", "..3"], "2"),
+    ("sim", "--untracked", ["1.5", "auto2"], "2G"),
     ("check", "--layers", ["0", "2000"], "2"),
     ("check", "--steps", ["0", "101"], "1"),
     ("check", "--ram-pct", ["101"], "50"),

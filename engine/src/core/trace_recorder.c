@@ -129,6 +129,28 @@ int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes) {
   return FERRY_OK;
 }
 
+int ferry_trace_device_peak(ferry_engine *e, uint64_t bytes) {
+  int rc = engine_check(e);
+  if (rc) return rc;
+  if (bytes > (1ull << 50)) /* the bound of a tensor's bytes (stash.c) */
+    return engine_fail(e, FERRY_EINVAL, "ferry_trace_device_peak: %llu bytes is absurd (max 2^50)",
+                       (unsigned long long)bytes);
+  pthread_mutex_lock(&e->lock);
+  if (e->trace && e->in_step) {
+    pthread_mutex_unlock(&e->lock);
+    return engine_fail(e, FERRY_ESTATE, "ferry_trace_device_peak: inside a step (give the "
+                                        "step's peak after ferry_step_end)");
+  }
+  cJSON *o = e->trace ? event_object_of(e, "device_peak", 0) : NULL;
+  if (o) {
+    cJSON_AddNumberToObject(o, "step", (double)e->step);
+    cJSON_AddNumberToObject(o, "bytes", (double)bytes);
+    emit(e, o);
+  }
+  pthread_mutex_unlock(&e->lock);
+  return FERRY_OK;
+}
+
 int ferry_trace_flops(ferry_engine *e, double flops) {
   int rc = engine_check(e);
   if (rc) return rc;

@@ -895,7 +895,7 @@ static int opt_open(replay *r) {
   const sim_trace *t = r->t;
   sim_result *out = r->res;
   double f = c->optimizer_fraction;
-  r->resident = t->resident_bytes;
+  r->resident = t->resident_bytes + c->untracked_bytes;
   r->gap_scale = 1;
   if (!(f >= 0 && f <= 1))
     return ferry_errbuf(r->err, r->errlen, FERRY_EINVAL,
@@ -1624,7 +1624,6 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   r.warmup = c->warmup < 0 ? 0 : c->warmup == 0 ? 1 : (uint32_t)c->warmup;
   set_label(out, c);
   snprintf(out->backend, sizeof out->backend, "%s", r.host ? "host" : "sim");
-  r.resident = t->resident_bytes;
   r.gap_scale = 1;
   int rc = replay_open_engine(&r);
   if (!rc) rc = replay_tables(&r);
@@ -1632,10 +1631,39 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   if (!rc) rc = w_open(&r);
   if (!rc) {
     out->resident_bytes = r.resident;
+    out->untracked_bytes = c->untracked_bytes;
     out->steps = c->steps ? c->steps : t->n_steps;
     rc = replay_steps(&r, out->steps);
   }
   replay_close(&r);
   if (rc && rc != FERRY_EBACKEND) sim_result_free(out);
   return rc;
+}
+
+int sim_untracked_bytes(const sim_trace *t, const sim_config *c, uint64_t *out,
+                        uint64_t *replayed, char *err, size_t errlen) {
+  *out = 0;
+  if (replayed) *replayed = 0;
+  if (!t || !c) return ferry_errbuf(err, errlen, FERRY_EINVAL, "sim_untracked_bytes: NULL argument");
+  if (!t->n_device_peaks) return 0;
+  /* the recorded run itself: its decisions, its steps, every step's peak,
+   * no policy's knobs, nothing added */
+  sim_config rc = *c;
+  rc.replay_decisions = 1;
+  rc.policy_path = rc.policy_source = NULL;
+  rc.label = "recorded";
+  rc.steps = 0;
+  rc.warmup = -1;
+  rc.untracked_bytes = 0;
+  rc.timeline = rc.record_decisions = 0;
+  rc.progress = NULL;
+  sim_result r;
+  int e = sim_replay(t, &rc, &r, err, errlen);
+  if (e) return e;
+  uint64_t peak = r.peak_device_bytes > r.first_step_peak_device_bytes
+                      ? r.peak_device_bytes : r.first_step_peak_device_bytes;
+  sim_result_free(&r);
+  if (replayed) *replayed = peak;
+  *out = t->device_peak > peak ? t->device_peak - peak : 0;
+  return 0;
 }

@@ -149,6 +149,23 @@ static void sim_print_weights(FILE *f, const sim_result *rs, int n) {
   fputc('\n', f);
 }
 
+/* Where the untracked device memory in every peak comes from. */
+static void print_untracked(FILE *f, const sim_run_info *info) {
+  char u[32], seen[32], rep[32];
+  fmt_bytes(u, sizeof u, (double)info->untracked_bytes);
+  fmt_bytes(seen, sizeof seen, (double)info->untracked_observed);
+  fmt_bytes(rep, sizeof rep, (double)info->untracked_replayed);
+  if (info->untracked_given)
+    fprintf(f, "untracked device memory: %s (--untracked), counted in every peak\n", u);
+  else if (info->untracked_bytes)
+    fprintf(f, "untracked device memory: %s, counted in every peak: the recorded run peaked at "
+               "%s, its own decisions replayed here at %s (memory never saved for backward: "
+               "the loss's transients, workspaces)\n", u, seen, rep);
+  else if (info->untracked_replayed)
+    fprintf(f, "untracked device memory: none: the recorded run peaked at %s, its own decisions "
+               "replayed here at %s\n", seen, rep);
+}
+
 void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_trace *t = info->trace;
   const sim_hw *hw = info->hw;
@@ -156,6 +173,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   fmt_bytes(res, sizeof res, (double)t->resident_bytes);
   fprintf(f, "trace %s: %d layers, %u step(s) in the trace, %s resident\n", info->trace_path,
           t->layers, t->n_steps, res);
+  print_untracked(f, info);
   uint32_t w = rs[0].warmup < rs[0].steps ? rs[0].warmup : 0;
   fprintf(f, "link %s: H2D %.1f GB/s, D2H %.1f GB/s, %.1f us per copy, duplex H2D %.2f D2H %.2f; "
              "host RAM %.0f GB; %u steps replayed, per-step figures and peaks are the steady "
@@ -259,6 +277,7 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
                           -pct((double)r->peak_device_bytes, (double)base->peak_device_bytes));
   cJSON_AddNumberToObject(o, "peak_saved_bytes", (double)r->peak_saved_bytes);
   cJSON_AddNumberToObject(o, "resident_bytes", (double)r->resident_bytes);
+  cJSON_AddNumberToObject(o, "untracked_bytes", (double)r->untracked_bytes);
   cJSON_AddNumberToObject(o, "step_us", r->step_us);
   cJSON_AddNumberToObject(o, "step_us_baseline", base->step_us);
   cJSON_AddNumberToObject(o, "step_overhead_pct", pct(r->step_us, base->step_us));

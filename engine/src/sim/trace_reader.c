@@ -546,6 +546,25 @@ static int parse_resident(reader *r, const json_line *o) {
   return 0;
 }
 
+/* {"ev":"device_peak","step":S,"bytes":N}: the most device memory the
+ * trainer's allocator had in use during step S, which has ended (written
+ * between steps); the trace keeps the largest. */
+static int parse_device_peak(reader *r, const json_line *o) {
+  sim_trace *t = r->t;
+  int64_t step = 0, bytes = 0;
+  int rc;
+  if ((rc = get_int(r, o, JK_STEP, 1, 0, MAX_ID, &step)) ||
+      (rc = get_int(r, o, JK_BYTES, 1, 0, (double)MAX_TENSOR_BYTES, &bytes)))
+    return rc;
+  if (r->in_step)
+    return reader_fail(r, "device_peak inside a step: it is written after the step it measured");
+  if (!t->n_steps || (uint64_t)step != t->steps[t->n_steps - 1].number)
+    return reader_fail(r, "device_peak of step %lld: not the step that ended last", (long long)step);
+  if ((uint64_t)bytes > t->device_peak) t->device_peak = (uint64_t)bytes;
+  t->n_device_peaks++;
+  return 0;
+}
+
 /* ---- lines ---------------------------------------------------------------------- */
 
 /* A line's "t_us": never back in time; *gap is the time since the last line. */
@@ -570,6 +589,7 @@ static int parse_event(reader *r, const json_line *o, const char *ev, double gap
   case 'p': if (!strcmp(ev, "pack")) return parse_pack(r, o, gap); break;
   case 'u': case 'd':
     if (!strcmp(ev, "unpack") || !strcmp(ev, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
+    if (!strcmp(ev, "device_peak")) return parse_device_peak(r, o);
     break;
   case 'c': if (!strcmp(ev, "compute")) return parse_compute(r, o); break;
   case 's':
