@@ -10,6 +10,7 @@ Every comparison is bit for bit against the same run without ferry, with
 torch's deterministic algorithms on (cuBLAS workspace fixed, embedding
 backward without atomics) so that two plain runs agree with each other."""
 import contextlib
+import json
 import os
 
 # Before the first cuBLAS call: deterministic cuBLAS needs a fixed workspace.
@@ -89,9 +90,10 @@ class GPT(torch.nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def train(steps=3, ctx=None, dtype=torch.float32, b=8, t=256, stream=None):
+def train(steps=3, ctx=None, dtype=torch.float32, b=8, t=256, stream=None, peaks=True):
     """AdamW steps on the GPU; [(loss, grads)] per step, the model and the
-    peak of torch.cuda.max_memory_allocated over the steps' forward+backward."""
+    peak of torch.cuda.max_memory_allocated over the steps' forward+backward
+    (peaks=False: the allocator's peak statistics left alone, 0)."""
     torch.manual_seed(0)
     model = GPT().to(DEV, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -101,7 +103,8 @@ def train(steps=3, ctx=None, dtype=torch.float32, b=8, t=256, stream=None):
         g = torch.Generator(device="cpu").manual_seed(100 + i)
         batch = torch.randint(0, 256, (b, t + 1), generator=g).to(DEV)
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if peaks:
+            torch.cuda.reset_peak_memory_stats()
         with torch.cuda.stream(s):
             with ctx(model) if ctx else contextlib.nullcontext():
                 logits = model(batch[:, :-1])
@@ -112,7 +115,8 @@ def train(steps=3, ctx=None, dtype=torch.float32, b=8, t=256, stream=None):
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        peak = max(peak, torch.cuda.max_memory_allocated())
+        if peaks:
+            peak = max(peak, torch.cuda.max_memory_allocated())
         history.append((loss.detach().clone(), grads))
         del logits, loss
     return history, model, peak
@@ -217,3 +221,26 @@ def test_host_cap_keeps_what_does_not_fit(offload_all):
     s = ft.stats()
     assert s["tensors_offloaded"] > 0 and s["tensors_kept"] > 0, s
     assert s["arena_peak"] <= cap, s
+
+
+def test_recorded_trace_carries_the_steps_device_peak(offload_all, tmp_path):
+    """On the GPU the recorder writes each step's own allocator peak
+    (device_peak) after the step, when it grew in that step; the
+    allocator's peak statistics are read, never reset."""
+    trace = tmp_path / "gpu.jsonl"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.max_memory_allocated()
+    train(steps=2, ctx=lambda m: ft.offload(m, policy=offload_all, record_trace=str(trace)),
+          peaks=False)
+    ft.step()
+    peak = torch.cuda.max_memory_allocated()
+    assert peak > before
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    peaks = [e for e in events if e["ev"] == "device_peak"]
+    assert peaks, "no device_peak in the trace"
+    assert max(e["bytes"] for e in peaks) == peak
+    ends = {e["step"] for e in events if e["ev"] == "step_end"}
+    assert all(e["step"] in ends for e in peaks)
+    # the trainer's own reading is untouched (nothing reset it)
+    assert torch.cuda.max_memory_allocated() == peak

@@ -358,6 +358,14 @@ static PyObject *engine_trace_resident(EngineObject *self, PyObject *args) {
   return check_rc(self, ferry_trace_resident(self->e, what, bytes));
 }
 
+/* trace_device_peak(nbytes): ferry_trace_device_peak, after a step. */
+static PyObject *engine_trace_device_peak(EngineObject *self, PyObject *arg) {
+  unsigned long long bytes = PyLong_AsUnsignedLongLong(arg);
+  if (bytes == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+  if (!engine_live(self)) return NULL;
+  return check_rc(self, ferry_trace_device_peak(self->e, bytes));
+}
+
 /* trace_flops(n): ferry_trace_flops; the next traced event carries the sum. */
 static PyObject *engine_trace_flops(EngineObject *self, PyObject *arg) {
   double flops = PyFloat_AsDouble(arg);
@@ -648,6 +656,10 @@ static PyMethodDef engine_methods[] = {
     {"info", (PyCFunction)engine_info, METH_NOARGS, NULL},
     {"knobs", (PyCFunction)engine_knobs, METH_NOARGS,
      "The knobs in force, with 'overruled': those the policy lost to knobs_fixed."},
+    {"trace_device_peak", (PyCFunction)engine_trace_device_peak, METH_O,
+     "trace_device_peak(nbytes): record the most device memory the trainer's allocator "
+     "had in use during the step just ended (ferry_trace_device_peak; a no-op without a "
+     "trace)."},
     {"trace_resident", (PyCFunction)engine_trace_resident, METH_VARARGS,
      "trace_resident(what, nbytes): record device memory held for the whole step "
      "(ferry_trace_resident; between steps; a no-op without a trace)."},

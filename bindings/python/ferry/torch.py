@@ -322,6 +322,11 @@ class offload:
         if s.recording:
             if s.flops is None:
                 s.flops = _flops.Counter(s.engine)
+            if s.device_peak is None and s.cfg.get("backend") == "cuda":
+                # the step's own peak goes into the trace: what a replay
+                # cannot see of device memory (docs/trace-format.md)
+                dev = s.cfg["device"]
+                s.device_peak = lambda: torch.cuda.max_memory_allocated(dev)
             # A Python mode inside compiled code would break its graphs: a
             # compiled model's trace keeps the recorded compute times.
             count_flops = self.model is None or not any(
