@@ -139,11 +139,10 @@ class Session:
         self.recording = bool(cfg.get("trace_path"))
         self.flops = None
         self.declared = {}
-        # while recording on a GPU: a function giving the allocator's peak
-        # so far (torch.cuda.max_memory_allocated), set by ferry.torch, and
-        # its value when the step began
+        # while recording on a GPU (set by ferry.torch): (reset, read) of the
+        # allocator's peak statistic, reset as each step begins and read as
+        # it ends into the trace's device_peak
         self.device_peak = None
-        self.peak_at_begin = None
         self.check_knobs()
 
     def set_policy(self, policy_path):
@@ -179,7 +178,7 @@ class Session:
                     self.declared[what] = nbytes
         self.engine.step_begin()
         if self.device_peak is not None:
-            self.peak_at_begin = self.device_peak()
+            self.device_peak[0]()
 
     def end_step(self):
         if not self.engine.in_step:
@@ -187,13 +186,8 @@ class Session:
         if self.flops is not None:
             self.flops.flush()  # the last backward's FLOPs, before backward_end
         live = self.engine.step_end()
-        if self.device_peak is not None and self.peak_at_begin is not None:
-            # the allocator's running peak grew during the step: that is the
-            # step's own peak (else it was set before, and is not the step's)
-            begin, self.peak_at_begin = self.peak_at_begin, None
-            peak = self.device_peak()
-            if peak > begin:
-                self.engine.trace_device_peak(peak)
+        if self.device_peak is not None:
+            self.engine.trace_device_peak(self.device_peak[1]())
         self.check_policy()
         if live and not self.warned_live:
             self.warned_live = True

@@ -323,10 +323,12 @@ class offload:
             if s.flops is None:
                 s.flops = _flops.Counter(s.engine)
             if s.device_peak is None and s.cfg.get("backend") == "cuda":
-                # the step's own peak goes into the trace: what a replay
-                # cannot see of device memory (docs/trace-format.md)
+                # each step's own peak goes into the trace: a replay learns
+                # from it what it cannot see of device memory (the allocator's
+                # peak is reset as each recorded step begins; docs/pytorch.md)
                 dev = s.cfg["device"]
-                s.device_peak = lambda: torch.cuda.max_memory_allocated(dev)
+                s.device_peak = (lambda: torch.cuda.reset_peak_memory_stats(dev),
+                                 lambda: torch.cuda.max_memory_allocated(dev))
             # A Python mode inside compiled code would break its graphs: a
             # compiled model's trace keeps the recorded compute times.
             count_flops = self.model is None or not any(
