@@ -16,6 +16,7 @@
   /* host RAM readings (test_ram.c) */                                     \
   X(ram_rules_see_the_host_ram_reading)                                    \
   X(ram_cap_cached_until_the_reading_crosses)                                    \
+  X(ram_read_only_for_policies_that_read_it)                               \
   X(ram_percent_cap_is_of_the_reading)                                     \
   X(meminfo_reader_parses_and_refuses)                                     \
   /* stream ordering (test_ordering.c) */                                  \

@@ -12,10 +12,12 @@
 
 typedef struct fake_ram {
   uint64_t total, avail;
+  int reads; /* how often the engine or a policy asked */
 } fake_ram;
 
 static int fake_host_ram(void *ud, uint64_t *total, uint64_t *avail) {
-  const fake_ram *r = ud;
+  fake_ram *r = ud;
+  r->reads++;
   *total = r->total;
   *avail = r->avail;
   return FERRY_OK;
@@ -72,6 +74,56 @@ TEST(ram_rules_see_the_host_ram_reading) {
                        "return R.policy { R.min_bytes(0), R.ram_cap(37) }\n",
                        &ram, &n) == 0);
   CHECK_EQ(n, 4);
+  return 0;
+}
+
+/* Host RAM is read (/proc/meminfo, tens of microseconds on a VM) only for
+ * whom reads it: never for a policy that does not look at
+ * ctx.host_ram_used_pct, once per step for one that does (its first read
+ * samples it; from then on the engine samples it at each step's begin). */
+static int ram_reads_over_steps(const char *src, fake_ram *ram, int steps) {
+  ferry_config c = test_engine_config(NULL);
+  c.min_offload_bytes = 0;
+  c.policy_source = src;
+  c.host_ram = fake_host_ram;
+  c.host_ram_ud = ram;
+  ferry_engine *e = NULL;
+  char err[512];
+  if (ferry_engine_create(&c, &e, err, sizeof err)) return -1;
+  ram->reads = 0;
+  for (int s = 0; s < steps; s++) {
+    if (ferry_step_begin(e)) return -1;
+    for (int i = 0; i < 3; i++) {
+      test_buffer *b = test_buffer_new(4096);
+      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+      d.bytes = 4096;
+      d.dtype = FERRY_DTYPE_U8;
+      d.ndim = 1;
+      d.shape[0] = 4096;
+      ferry_handle h;
+      void *p, *owner;
+      if (ferry_pack(e, &d, b->ptr, b, NULL, &h) || ferry_unpack(e, h, NULL, &p, &owner)) return -1;
+      test_buffer_unref(owner);
+      test_buffer_unref(b);
+    }
+    if (ferry_step_end(e)) return -1;
+  }
+  ferry_engine_destroy(e);
+  return ram->reads;
+}
+
+TEST(ram_read_only_for_policies_that_read_it) {
+  fake_ram ram = {.total = 64ull << 30, .avail = 40ull << 30};
+  CHECK_EQ(ram_reads_over_steps("local R = require 'ferry.rules'\n"
+                                "return R.policy { R.min_bytes(0) }\n", &ram, 4), 0);
+  CHECK_EQ(ram_reads_over_steps("return { api = 1, decide = function(t, ctx)\n"
+                                "  return ferry.KEEP, ferry.ON_USE, nil, true end }\n", &ram, 4), 0);
+  CHECK_EQ(ram_reads_over_steps("local R = require 'ferry.rules'\n"
+                                "return R.policy { R.min_bytes(0), R.ram_cap(90) }\n", &ram, 4), 4);
+  /* a policy reading it per tensor, uncached: still once per step */
+  CHECK_EQ(ram_reads_over_steps("return { api = 1, decide = function(t, ctx)\n"
+                                "  if ctx.host_ram_used_pct < 90 then return ferry.OFFLOAD end\n"
+                                "  return ferry.KEEP end }\n", &ram, 4), 4);
   return 0;
 }
 

@@ -180,7 +180,10 @@ typedef struct ferry_context {
   uint64_t step;
   int32_t phase;            /* ferry_phase of the engine */
   int32_t reserved0;
-  double host_ram_used_pct; /* sampled, not read per tensor */
+  /* host RAM in use, %, sampled once per step; NaN: not sampled (the
+   * engine samples it only for a C decide callback or a policy that has
+   * read it, which samples it itself at its first read in the step) */
+  double host_ram_used_pct;
   uint64_t arena_in_use;
   uint64_t arena_cap;       /* 0 = no cap */
   uint64_t stash_depth;     /* device buffers held in the forward stash */

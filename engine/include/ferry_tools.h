@@ -100,9 +100,14 @@ FERRY_API void ferry_policy_decide(ferry_policy *p, const ferry_tensor_desc *des
  * when the policy would have to be asked. Counts a cache hit. */
 FERRY_API int ferry_policy_cached(ferry_policy *p, const ferry_tensor_desc *desc,
                                   ferry_decision *out);
-/* Called by the engine at each step begin, ctx->step being the new step and
- * ctx->host_ram_used_pct sampled: runs the policy's step(ctx), if any. */
+/* Called by the engine at each step begin, ctx->step being the new step:
+ * runs the policy's step(ctx), if any. */
 FERRY_API void ferry_policy_step_begin(ferry_policy *p, const ferry_context *ctx);
+/* Where the policy samples host RAM when its ctx says NaN (the engine
+ * gives its config's host_ram); and whether it has read
+ * ctx.host_ram_used_pct so far (then the engine samples it each step). */
+FERRY_API void ferry_policy_set_host_ram(ferry_policy *p, ferry_host_ram_fn fn, void *ud);
+FERRY_API int ferry_policy_reads_host_ram(const ferry_policy *p);
 
 /* Why a policy decided what it did (ferry_policy_explain): the rule that
  * made the decision and where the policy wrote it. */

@@ -293,6 +293,7 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
       ferry_errbuf(errbuf, errlen, rc, "%s", msg);
       goto fail;
     }
+    ferry_policy_set_host_ram(e->policy, e->cfg.host_ram, e->cfg.host_ram_ud);
   }
   apply_policy_knobs(e);
   if (cfg->trace_path && (rc = trace_open(e, cfg->trace_path))) {
@@ -454,6 +455,7 @@ static ferry_policy *policy_swap_in(ferry_engine *e, ferry_policy *p, policy_key
     policy_key_free(&e->policy_from);
   }
   e->policy = p;
+  ferry_policy_set_host_ram(p, e->cfg.host_ram, e->cfg.host_ram_ud);
   e->policy_from = *k;
   memset(k, 0, sizeof *k);
   apply_policy_knobs(e);

@@ -3,6 +3,7 @@
  * boundaries.
  * How it works: docs/internals.md#stashc.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -242,7 +243,10 @@ static void step_begin_locked(ferry_engine *e) {
   e->ctx.packed_this_step = 0;
   e->ctx.offloaded_this_step = 0;
   e->ctx.bytes_offloaded_this_step = 0;
-  e->ctx.host_ram_used_pct = host_ram_used_pct(e);
+  /* read only for whom reads it: a C decide callback, or a policy that has
+   * read it before (a policy's first read samples it itself) */
+  e->ctx.host_ram_used_pct =
+      e->cfg.decide || ferry_policy_reads_host_ram(e->policy) ? host_ram_used_pct(e) : NAN;
   if (e->layer_counts) memset(e->layer_counts, 0, e->cap_layers * sizeof *e->layer_counts);
   e->n_offloads = 0;
   e->prefetch_lo = e->prefetch_hi = 0;

@@ -279,16 +279,17 @@ static void show(lua_State *L, int slot, const char *const *names, const double 
 static const char *const TENSOR_NAMES[TENSOR_FIELDS] = {
     "bytes", "kind", "dtype", "ndim", "flags", "layer", "layer_count", "phase", "step"};
 static const char *const CTX_NAMES[CTX_FIELDS] = {
-    "step",           "phase",           "host_ram_used_pct",   "arena_in_use",
+    "step",           "phase",           "arena_in_use",
     "arena_cap",      "stash_depth",     "bytes_in_flight",     "packed_this_step",
     "offloaded_this_step", "bytes_offloaded_this_step"};
+/* (ctx.host_ram_used_pct is read through sandbox_host_ram, sandbox.c) */
 
 /* The `ctx` Lua sees: the engine's context, or only the step without one. */
 static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
   const ferry_context none = {.step = p->step};
   if (!ctx) ctx = &none;
   const double v[CTX_FIELDS] = {(double)ctx->step,          ctx->phase,
-                                ctx->host_ram_used_pct,     (double)ctx->arena_in_use,
+                                (double)ctx->arena_in_use,
                                 (double)ctx->arena_cap,     (double)ctx->stash_depth,
                                 (double)ctx->bytes_in_flight, (double)ctx->packed_this_step,
                                 (double)ctx->offloaded_this_step,

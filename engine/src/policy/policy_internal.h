@@ -68,7 +68,7 @@ enum interrupt_kind { INTERRUPT_NONE = 0, INTERRUPT_BUDGET, INTERRUPT_MEMORY };
 /* The numbers t and ctx show, in the order of decide.c's field names: the
  * values last written into their Lua tables, so that only those that
  * changed are written again (NaN at first: all are). */
-enum { TENSOR_FIELDS = 9, CTX_FIELDS = 10 };
+enum { TENSOR_FIELDS = 9, CTX_FIELDS = 9 };
 
 typedef struct interned {
   char *str;
@@ -140,6 +140,13 @@ struct ferry_policy {
   double tensor_shown[TENSOR_FIELDS];
   double ctx_shown[CTX_FIELDS];
   const ferry_context *cur_ctx;
+  /* ctx.host_ram_used_pct read lazily: where to sample it, the step it was
+   * last sampled for and its value, and whether the policy ever read it */
+  ferry_host_ram_fn host_ram;
+  void *host_ram_ud;
+  uint64_t ram_step;
+  double ram_pct;
+  int reads_ram;
   uint32_t cur_path_id, cur_class_id;
   int shape_len; /* entries of the shape table currently set */
 

@@ -327,6 +327,38 @@ static int tensor_class(lua_State *L) {
   return 1;
 }
 
+/* ctx.host_ram_used_pct: the value the caller's ctx carries, else (NaN: the
+ * engine did not sample it) sampled here once per step. */
+static int ctx_host_ram_used_pct(lua_State *L) {
+  ferry_policy *p = lua_touserdata(L, lua_upvalueindex(1));
+  const ferry_context *c = p->cur_ctx;
+  double v = c ? c->host_ram_used_pct : 0;
+  p->reads_ram = 1;
+  if (isnan(v)) {
+    uint64_t step = c ? c->step : p->step;
+    if (p->ram_step != step || isnan(p->ram_pct)) {
+      uint64_t total = 0, avail = 0;
+      p->ram_pct = p->host_ram && !p->host_ram(p->host_ram_ud, &total, &avail) && total &&
+                           avail <= total
+                       ? 100.0 * (double)(total - avail) / (double)total
+                       : 0;
+      p->ram_step = step;
+    }
+    v = p->ram_pct;
+  }
+  lua_pushnumber(L, v);
+  return 1;
+}
+
+void ferry_policy_set_host_ram(ferry_policy *p, ferry_host_ram_fn fn, void *ud) {
+  if (!p) return;
+  p->host_ram = fn;
+  p->host_ram_ud = ud;
+  p->ram_pct = NAN;
+}
+
+int ferry_policy_reads_host_ram(const ferry_policy *p) { return p && p->reads_ram; }
+
 static int ctx_offloaded_in_layer(lua_State *L) {
   ferry_policy *p = lua_touserdata(L, lua_upvalueindex(1));
   lua_Number i = luaL_checknumber(L, 2);
@@ -502,6 +534,8 @@ static void push_c_functions(lua_State *L, ferry_policy *p) {
   set_cfunc(L, C, "class", tensor_class, 2);
   lua_pushlightuserdata(L, p);
   set_cfunc(L, C, "offloaded_in_layer", ctx_offloaded_in_layer, 1);
+  lua_pushlightuserdata(L, p);
+  set_cfunc(L, C, "host_ram_used_pct", ctx_host_ram_used_pct, 1);
   set_cfunc(L, C, "pcall", sandbox_pcall, 0);
   set_cfunc(L, C, "xpcall", sandbox_xpcall, 0);
   set_cfunc(L, C, "log", sandbox_log, 0);
@@ -552,6 +586,7 @@ int setup_state(lua_State *L) {
 
   for (int i = 0; i < TENSOR_FIELDS; i++) p->tensor_shown[i] = NAN;
   for (int i = 0; i < CTX_FIELDS; i++) p->ctx_shown[i] = NAN;
+  p->ram_pct = NAN;
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.shape");
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.ctx_fields");
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.ctx");

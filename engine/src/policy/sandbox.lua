@@ -6,8 +6,11 @@ local ffi, env, F, C, trusted = ...
 -- t.bytes is an error, and so is reading a field that does not exist.
 -- Plain tables because policies run in the interpreter (see load.c), where
 -- a table field costs a tenth of an FFI cdata field.
-local function view(what, fields)
+-- lazy: fields computed when read (a C function each), not written per call
+local function view(what, fields, lazy)
   setmetatable(fields, { __index = function(_, k)
+    local f = lazy and lazy[k]
+    if f then return f() end
     error(what .. " has no field '" .. tostring(k) .. "'", 2)
   end })
   return setmetatable({}, { __index = fields, __metatable = "ferry." .. what,
@@ -20,10 +23,12 @@ local shape = {}
 local tensor, tensor_fields = view("t", { bytes = 0, kind = 0, dtype = 0, ndim = 0,
   flags = 0, layer = 0, layer_count = 0, phase = 0, step = 0, shape = shape,
   path = C.path, class = C.class })
-local ctx, ctx_fields = view("ctx", { step = 0, phase = 0, host_ram_used_pct = 0,
+-- host_ram_used_pct is sampled (/proc/meminfo) only for a policy that reads
+-- it, once per step: default.lua and the like never pay for it
+local ctx, ctx_fields = view("ctx", { step = 0, phase = 0,
   arena_in_use = 0, arena_cap = 0, stash_depth = 0, bytes_in_flight = 0,
   packed_this_step = 0, offloaded_this_step = 0, bytes_offloaded_this_step = 0,
-  offloaded_in_layer = C.offloaded_in_layer })
+  offloaded_in_layer = C.offloaded_in_layer }, { host_ram_used_pct = C.host_ram_used_pct })
 local function copy(src, skip)
   local t = {}
   for k, v in pairs(src) do if not (skip and skip[k]) then t[k] = v end end
