@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "ferry.h"
+#include "torch_facts.h"
 
 /* Internal linkage in all but name: the module exports PyInit__ferry only,
  * and hidden declarations keep cross-part accesses as direct as static ones. */
@@ -96,6 +97,16 @@ extern int n_dtypes;
 
 
 const dtype_info *dtype_add(PyObject *dtype);
+
+/* ---- tensor facts from the running torch's own headers (tensor.c) -----------
+ * NULL unless ferry.torch loaded the _torchfacts module built for this torch
+ * (torch_facts.h); then the hooks read a plain tensor's dtype, shape, data
+ * pointer and version with one call, and fall back to the getters when it
+ * declines. dtype_by_scalar caches each c10::ScalarType's dtype_info. */
+extern const ferry_facts_api *FACTS;
+#define MAX_SCALAR_TYPES 64
+const dtype_info *dtype_of_scalar(PyObject *t, int32_t scalar_type);
+PyObject *mod_set_tensor_facts(PyObject *self, PyObject *arg);
 
 /* The entry for dtype, added on first sight; NULL with an exception set on
  * failure. Inline: the pack hook calls it for every saved tensor. */

@@ -132,6 +132,8 @@ static PyObject *keep_object(PyObject *t) {
 }
 
 static int read_version(PyObject *t, int64_t *v) {
+  if (FACTS && (Py_TYPE(t) == T.tensor || Py_TYPE(t) == T.param) && FACTS->version(t, v) == 0)
+    return 0;
   PyObject *o = tensor_attr(t, TA_VERSION);
   if (!o) return -1;
   *v = PyLong_AsLongLong(o);
@@ -144,14 +146,17 @@ static int32_t current_site(EngineObject *eng) {
              ? eng->stack[eng->depth - 1] : -1;
 }
 
-static PyObject *make_kept(EngineObject *eng, PyObject *t) {
+/* A Kept of t at version *version (NULL: read it). */
+static PyObject *make_kept_at(EngineObject *eng, PyObject *t, const int64_t *version) {
   KeptObject *k = PyObject_New(KeptObject, &KeptType);
   if (!k) return NULL;
   k->tensor = k->origin = NULL;
   k->eng = NULL;
   k->prev = k->next = NULL;
   k->site = current_site(eng);
-  if (read_version(t, &k->version) < 0) {
+  if (version) {
+    k->version = *version;
+  } else if (read_version(t, &k->version) < 0) {
     Py_DECREF(k);
     return NULL;
   }
@@ -164,6 +169,8 @@ static PyObject *make_kept(EngineObject *eng, PyObject *t) {
   eng->kept_live = k;
   return (PyObject *)k;
 }
+
+static PyObject *make_kept(EngineObject *eng, PyObject *t) { return make_kept_at(eng, t, NULL); }
 
 /* The step's live Kepts leave the list; those holding a tensor that may own
  * them through its grad_fn hold a detached alias instead (see Kept). */
@@ -528,6 +535,39 @@ static int pack_cached_keep(EngineObject *eng, PyObject *t, ferry_tensor_desc *d
   return 1;
 }
 
+/* The keep paths of pack_impl with the tensor read in one call through the
+ * torch-facts module: 1 and the Kept in *out (NULL on error), or 0 when the
+ * full path must run (the module declined, or the engine must decide). */
+static int pack_from_facts(EngineObject *eng, PyObject *t, PyObject **out) {
+  ferry_tensor_facts f;
+  if (FACTS->read(t, &f) != 0) return 0;
+  const dtype_info *di = dtype_of_scalar(t, f.scalar_type);
+  if (!di) {
+    PyErr_Clear(); /* the full path reads the dtype again and says why */
+    return 0;
+  }
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  uint64_t numel = 1;
+  for (int32_t i = 0; i < f.ndim; i++) {
+    d.shape[i] = f.sizes[i];
+    numel *= (uint64_t)f.sizes[i];
+  }
+  d.ndim = f.ndim;
+  d.bytes = numel * di->itemsize;
+  d.dtype = di->ferry;
+  if (d.bytes == 0 || (eng->fast_keep && d.bytes < eng->min_bytes)) {
+    eng->kept[KEEP_SMALL]++;
+    *out = make_kept_at(eng, t, &f.version);
+    return 1;
+  }
+  if (!eng->fast_keep || !eng->e || !f.data) return 0;
+  pack_describe(eng, &d, f.data);
+  if (!ferry_pack_cached_keep(eng->e, &d, f.data)) return 0;
+  if (eng->in_backward) eng->recompute_packs++;
+  *out = make_kept_at(eng, t, &f.version);
+  return 1;
+}
+
 static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
   PyTypeObject *tp = Py_TYPE(t);
   if (tp != T.tensor && tp != T.param) {
@@ -536,6 +576,8 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
                           tp->tp_name);
     return keep_with(eng, t, KEEP_SUBCLASS);
   }
+  PyObject *fast;
+  if (FACTS && pack_from_facts(eng, t, &fast)) return fast;
   PyObject *v = tensor_attr(t, TA_DTYPE);
   if (!v) return NULL;
   const dtype_info *di = dtype_lookup(v);

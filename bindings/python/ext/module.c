@@ -98,7 +98,34 @@ static PyObject *mod_strerror(PyObject *mod, PyObject *arg) {
   return PyUnicode_FromString(ferry_strerror((int)code));
 }
 
+static PyObject *mod_tensor_facts_active(PyObject *self, PyObject *unused) {
+  (void)self, (void)unused;
+  return PyBool_FromLong(FACTS != NULL);
+}
+
+/* tensor_facts(t): what the facts module reads of t, for tests: (scalar
+ * type, sizes, data pointer, version), or None (no module, or it declined). */
+static PyObject *mod_tensor_facts(PyObject *self, PyObject *t) {
+  (void)self;
+  ferry_tensor_facts f;
+  if (!FACTS || (Py_TYPE(t) != T.tensor && Py_TYPE(t) != T.param) || FACTS->read(t, &f) != 0)
+    Py_RETURN_NONE;
+  PyObject *sizes = PyTuple_New(f.ndim);
+  if (!sizes) return NULL;
+  for (int32_t i = 0; i < f.ndim; i++) PyTuple_SET_ITEM(sizes, i, PyLong_FromLongLong(f.sizes[i]));
+  return Py_BuildValue("(iNKL)", f.scalar_type, sizes, (unsigned long long)(uintptr_t)f.data,
+                       (long long)f.version);
+}
+
 static PyMethodDef module_methods[] = {
+    {"tensor_facts", mod_tensor_facts, METH_O,
+     "tensor_facts(t): (scalar type, sizes, data pointer, version) as the facts module reads "
+     "them, or None (tests)."},
+    {"set_tensor_facts", mod_set_tensor_facts, METH_O,
+     "set_tensor_facts(capsule or None): the _torchfacts module's reader for the running "
+     "torch (ferry.torch calls it), or None for torch's getters only."},
+    {"tensor_facts_active", mod_tensor_facts_active, METH_NOARGS,
+     "Whether the hooks read tensors through a _torchfacts module."},
     {"info", mod_info, METH_NOARGS,
      "info() -> dict: version, which arena an engine gets here, backend availability."},
     {"strerror", mod_strerror, METH_O, "Message of a FERRY_E* code."},

@@ -159,3 +159,41 @@ const dtype_info *dtype_add(PyObject *dtype) {
   return &dtypes[n_dtypes++];
 }
 
+
+/* ---- tensor facts (ext.h) ------------------------------------------------ */
+const ferry_facts_api *FACTS;
+static const dtype_info *dtype_by_scalar[MAX_SCALAR_TYPES];
+
+/* The dtype_info of scalar type st, learned from t's dtype the first time
+ * (NULL with an exception set on failure). */
+const dtype_info *dtype_of_scalar(PyObject *t, int32_t st) {
+  if (st >= 0 && st < MAX_SCALAR_TYPES && dtype_by_scalar[st]) return dtype_by_scalar[st];
+  PyObject *v = tensor_attr(t, TA_DTYPE);
+  if (!v) return NULL;
+  const dtype_info *di = dtype_lookup(v);
+  if (di && st >= 0 && st < MAX_SCALAR_TYPES && FACTS->scalar_type(v) == st)
+    dtype_by_scalar[st] = di;
+  Py_DECREF(v);
+  return di;
+}
+
+/* _ferry.set_tensor_facts(capsule or None): ferry.torch hands over the
+ * _torchfacts module's API for the running torch (None: the getters only). */
+PyObject *mod_set_tensor_facts(PyObject *self, PyObject *arg) {
+  (void)self;
+  if (arg == Py_None) {
+    FACTS = NULL;
+    Py_RETURN_NONE;
+  }
+  const ferry_facts_api *api = PyCapsule_GetPointer(arg, FERRY_FACTS_CAPSULE);
+  if (!api) return NULL;
+  if (api->abi != FERRY_FACTS_ABI || api->size != sizeof *api)
+    return PyErr_Format(PyExc_ImportError,
+                        "ferry: the tensor-facts module speaks ABI %u (%u bytes), this _ferry %u "
+                        "(%u bytes): rebuild ferry", api->abi, api->size, FERRY_FACTS_ABI,
+                        (unsigned)sizeof *api);
+  if (torch_init() < 0) return NULL;
+  memset(dtype_by_scalar, 0, sizeof dtype_by_scalar);
+  FACTS = api;
+  Py_RETURN_NONE;
+}

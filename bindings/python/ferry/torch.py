@@ -31,6 +31,7 @@ for the whole step (parameters, gradients, optimizer states).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import tempfile
 import warnings
@@ -58,6 +59,26 @@ from .checkpoint import CheckpointError, Snapshot, snapshot
 __all__ = ["offload", "step", "set_policy", "stats", "close", "engine", "model_sites", "snapshot",
            "Snapshot", "CheckpointError", "offload_optimizer", "OptimizerOffload",
            "offload_weights", "WeightOffload", "OffloadActivations", "NoOffload"]
+
+def _load_tensor_facts():
+    """The hooks' one-call tensor reader, when ferry was built against this
+    very torch (ext/torch_facts.h): the module _torchfacts_<torch version>,
+    else torch's getters. $FERRY_TORCH_FACTS=0 keeps the getters."""
+    if os.environ.get("FERRY_TORCH_FACTS", "1") == "0":
+        return None
+    name = "_torchfacts_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    try:
+        mod = importlib.import_module("." + name, __package__)
+    except ImportError:
+        return None
+    if mod.torch_version != torch.__version__:
+        return None
+    _pkg._ferry.set_tensor_facts(mod.api)
+    return mod
+
+
+_tensor_facts = _load_tensor_facts()
+
 
 def _profiler_enabled():
     """Whether torch's profiler is recording (checked once per offload
