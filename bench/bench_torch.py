@@ -35,6 +35,10 @@ under both and neither overwrites the other.
      (wrapping the tensor, storing the packed object), in both terms: that
      is the floor the no-op pair stands for.
      hook_e2e_overhead_ns_{keep,noop}_1mib_<sfx>: the two ns figures.
+     tensor_facts_<sfx>: 1 when the hooks read tensors through the
+     _torchfacts module built for this torch (bindings/python/ext/
+     torch_facts.h), 0 through torch's getters (FERRY_TORCH_FACTS=0, or no
+     module for this torch).
    Direct call (reported, not the target): per rep, inside the context (a
    step), pack all 256, then unpack them in reverse order (backward's
    order), timed with perf_counter; the no-op pair on the same tensors in
@@ -300,7 +304,7 @@ def main():
     ap.add_argument("--json", help="merge the metrics into this flat JSON object file")
     ap.add_argument("--reps", type=int, default=15, help="64-byte chain runs per mode (median)")
     ap.add_argument("--direct-reps", type=int, default=300, help="1 MiB direct-call reps (min)")
-    ap.add_argument("--e2e-reps", type=int, default=61, help="1 MiB end-to-end runs per mode (median)")
+    ap.add_argument("--e2e-reps", type=int, default=201, help="1 MiB end-to-end runs per mode (median)")
     args = ap.parse_args()
     ferry = import_ferry(args.json)
     import torch
@@ -320,6 +324,7 @@ def main():
 
     out = {
         f"hook_keep_vs_noop_pair_{sfx}": round(e2e_ns["keep"] / e2e_ns["noop"], 4),
+        f"tensor_facts_{sfx}": int(ferry._ferry.tensor_facts_active()),
         f"hook_keep_direct_vs_noop_pair_{sfx}": round(direct_ns["keep"] / direct_ns["noop"], 4),
         f"hook_keep_uncached_direct_vs_noop_pair_{sfx}": round(direct_ns["keep_uncached"] / direct_ns["noop"], 4),
         f"hook_call_ns_keep_1mib_{sfx}": round(direct_ns["keep"], 1),
@@ -340,6 +345,8 @@ def main():
     if sfx == "torch2":  # the names docs/pytorch.md gives, from the default interpreter
         out.update(small)
 
+    print("tensor facts: " + ("the _torchfacts module of this torch" if out[f"tensor_facts_{sfx}"]
+                              else "none (torch's getters)"))
     print(f"target: hook_keep_vs_noop_pair_{sfx} = {out[f'hook_keep_vs_noop_pair_{sfx}']:.3f} "
           f"(per saved 1 MiB tensor over no hooks, keep-all; <= 1.1 wanted); direct calls "
           f"{out[f'hook_keep_direct_vs_noop_pair_{sfx}']:.3f}; 64-byte fast path "
