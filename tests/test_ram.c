@@ -93,20 +93,26 @@ static int ram_reads_over_steps(const char *src, fake_ram *ram, int steps) {
   ram->reads = 0;
   for (int s = 0; s < steps; s++) {
     if (ferry_step_begin(e)) return -1;
+    test_buffer *bufs[3];
+    void *owners[3];
     for (int i = 0; i < 3; i++) {
-      test_buffer *b = test_buffer_new(4096);
+      bufs[i] = test_buffer_new(4096);
       ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
       d.bytes = 4096;
       d.dtype = FERRY_DTYPE_U8;
       d.ndim = 1;
       d.shape[0] = 4096;
       ferry_handle h;
-      void *p, *owner;
-      if (ferry_pack(e, &d, b->ptr, b, NULL, &h) || ferry_unpack(e, h, NULL, &p, &owner)) return -1;
-      test_buffer_unref(owner);
-      test_buffer_unref(b);
+      void *p;
+      if (ferry_pack(e, &d, bufs[i]->ptr, bufs[i], NULL, &h) ||
+          ferry_unpack(e, h, NULL, &p, &owners[i]))
+        return -1;
     }
-    if (ferry_step_end(e)) return -1;
+    if (ferry_step_end(e)) return -1; /* the copies are over: the buffers may go */
+    for (int i = 0; i < 3; i++) {
+      test_buffer_unref(owners[i]);
+      test_buffer_unref(bufs[i]);
+    }
   }
   ferry_engine_destroy(e);
   return ram->reads;
