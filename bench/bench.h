@@ -13,6 +13,8 @@ typedef struct bench_report bench_report;
 void bench_metric(bench_report *r, const char *name, double value, const char *unit, const char *note);
 /* CLOCK_MONOTONIC in nanoseconds. */
 double bench_now_ns(void);
+/* The median of v[0..n) (sorts v; the mean of the middle two for even n). */
+double bench_median(double *v, int n);
 /* A report that keeps the metrics json_path already holds (other runs,
  * e.g. Python's, write there too); NULL out of memory. */
 bench_report *bench_report_open(const char *json_path);

@@ -28,16 +28,6 @@ void bench_cuda_copy(bench_report *r) {
 #else
 #include <cuda_runtime_api.h>
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 #define CU(call)                                                                    \
   do {                                                                              \
     cudaError_t e_ = (call);                                                        \
@@ -98,7 +88,7 @@ static void compare(bench_report *r, rig *g, int dir, size_t bytes, int reps, co
       tr[i] = i % 2 == 0 ? y : x;
     }
   }
-  double gb_b = (double)bytes / median(tb, reps), gb_r = (double)bytes / median(tr, reps);
+  double gb_b = (double)bytes / bench_median(tb, reps), gb_r = (double)bytes / bench_median(tr, reps);
   const char *d = dir ? "h2d" : "d2h";
   char name[96], note[200];
   snprintf(name, sizeof name, "cuda_%s_vs_cudamemcpy_%s", d, tag);
@@ -132,7 +122,7 @@ static void duplex(bench_report *r, rig *g, int reps) {
     if (i >= 0) t[i] = bench_now_ns() - t0;
   }
   {
-    double both = 2.0 * (double)g->bytes / median(t, reps);
+    double both = 2.0 * (double)g->bytes / bench_median(t, reps);
     double d2h = (double)g->bytes / time_one(g, 0, 1, g->bytes);
     double h2d = (double)g->bytes / time_one(g, 1, 1, g->bytes);
     char note[200];
@@ -236,7 +226,7 @@ void bench_cuda_copy(bench_report *r) {
       if (x < 0) goto out;
       if (i >= 0) t[i] = x;
     }
-    bench_metric(r, "cuda_copy_latency_us", median(t, REPS) / 1e3, "us",
+    bench_metric(r, "cuda_copy_latency_us", bench_median(t, REPS) / 1e3, "us",
                  "4 KiB D2H through the backend, enqueue to event synchronized, median");
   }
   duplex(r, &g, 11);

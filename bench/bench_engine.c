@@ -115,16 +115,6 @@ static double run_malloc_baseline(long iters, int batch) {
   return ns;
 }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median_of(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return v[n / 2];
-}
-
 int bench_engine_instr(const char *which, long iters) {
   int offload = !strcmp(which, "offload");
   ferry_engine *e = open_engine(offload ? decide_offload : decide_keep, 4);
@@ -147,7 +137,7 @@ void bench_engine(bench_report *r) {
     offl[i] = run_pairs(eo, iters / 10, BATCH, 0);
     base[i] = run_malloc_baseline(iters, BATCH);
   }
-  double k = median_of(keep, REPS), off = median_of(offl, REPS), b = median_of(base, REPS);
+  double k = bench_median(keep, REPS), off = bench_median(offl, REPS), b = bench_median(base, REPS);
   char note[128];
   snprintf(note, sizeof note, "median of %d; %.1fx a malloc+free pair (%.1f ns)", REPS, k / b, b);
   bench_metric(r, "pack_unpack_keep_ns", k, "ns", note);

@@ -15,16 +15,6 @@
 #include "ferry_tools.h"
 #include "bench.h"
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* Keep the compiler from dropping or moving a memcpy whose result it
  * cannot see being read. */
 static void clobber(void *p) { __asm__ __volatile__("" : : "r"(p) : "memory"); }
@@ -92,8 +82,8 @@ static void measure(bench_report *r, ferry_backend *b, bk_stream s, bk_event *ev
   {
     /* bytes per ns = GB/s */
     double total = (double)bytes * batch;
-    double host_gbs = total / median(t_host, reps);
-    double memcpy_gbs = total / median(t_memcpy, reps);
+    double host_gbs = total / bench_median(t_host, reps);
+    double memcpy_gbs = total / bench_median(t_memcpy, reps);
     char metric[96], note[200];
     snprintf(note, sizeof note, "%s; median of %d, memcpy %.1f GB/s, host backend %.1f GB/s",
              what, reps, memcpy_gbs, host_gbs);

@@ -30,15 +30,6 @@ static int no_device_alloc(void *ud, uint64_t bytes, void *stream, void **dev, v
 }
 static void no_release(void *ud, void *owner) { (void)ud, (void)owner; }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static void clobber(void *p) { __asm__ __volatile__("" : : "r"(p) : "memory"); }
 
 /* Forward + backward stand-in: arithmetic over the activation memory. */
@@ -154,11 +145,11 @@ void bench_snapshot(bench_report *r) {
     if ((raw_ms[round] = raw_write_ms(raw_path, state)) < 0) goto out;
   }
   double gb = (double)STATE_BYTES / 1e9;
-  double staging_ms = median(stage_ms, ROUNDS);
+  double staging_ms = bench_median(stage_ms, ROUNDS);
   double stage_gbps = gb / (staging_ms / 1e3);
-  double memcpy_gbps = gb / (median(memcpy_ms, ROUNDS) / 1e3);
-  double write_gbps = gb / (median(write_ms, ROUNDS) / 1e3);
-  double disk_gbps = gb / (median(raw_ms, ROUNDS) / 1e3);
+  double memcpy_gbps = gb / (bench_median(memcpy_ms, ROUNDS) / 1e3);
+  double write_gbps = gb / (bench_median(write_ms, ROUNDS) / 1e3);
+  double disk_gbps = gb / (bench_median(raw_ms, ROUNDS) / 1e3);
   bench_metric(r, "engine_snapshot_state_MiB", (double)STATE_BYTES / (1 << 20), "MiB",
                "16 tensors, host backend");
   bench_metric(r, "engine_snapshot_staging_GBps", stage_gbps, "GB/s", "start to last copy done");
@@ -236,19 +227,19 @@ void bench_snapshot(bench_report *r) {
       /* this round's overlapped steps / its plain steps: load from outside
        * the process drifts, and hits both halves of a round alike */
       memcpy(tmp, during + during0, (size_t)(n_during - during0) * sizeof *tmp);
-      double d = median(tmp, n_during - during0), sum = 0;
+      double d = bench_median(tmp, n_during - during0), sum = 0;
       for (int i = during0; i < n_during; i++) sum += during[i];
       memcpy(tmp, plain + plain0, (size_t)(n_plain - plain0) * sizeof *tmp);
-      double p = median(tmp, n_plain - plain0);
+      double p = bench_median(tmp, n_plain - plain0);
       ratio[round] = d / p;
       lost[round] = sum - (n_during - during0) * p; /* the steps' extra time, summed */
       double t0 = bench_now_ns();
       sync_copy(state, sync_dst);
       sync_ms[round] = (bench_now_ns() - t0) / 1e6;
     }
-    double blocked_med = median(blocked, ROUNDS_LOOP), sync_med = median(sync_ms, ROUNDS_LOOP);
-    double plain_med = median(plain, n_plain), during_med = median(during, n_during);
-    double compute_med = median(compute_ms, n_plain);
+    double blocked_med = bench_median(blocked, ROUNDS_LOOP), sync_med = bench_median(sync_ms, ROUNDS_LOOP);
+    double plain_med = bench_median(plain, n_plain), during_med = bench_median(during, n_during);
+    double compute_med = bench_median(compute_ms, n_plain);
     char name[96];
     const char *sfx = scenarios[k].suffix;
 #define METRIC(base, value, unit, note)                \
@@ -260,8 +251,8 @@ void bench_snapshot(bench_report *r) {
            k == 0 ? "8 passes over 64 MiB" : "1 pass over 64 MiB");
     METRIC("engine_snapshot_compute_vs_staging", compute_med / staging_ms, "ratio",
            "the compute that can hide the copies / staging alone");
-    METRIC("engine_snapshot_start_ms", median(t_start, ROUNDS_LOOP), "ms", NULL);
-    METRIC("engine_snapshot_fence_ms", median(t_fence, ROUNDS_LOOP), "ms",
+    METRIC("engine_snapshot_start_ms", bench_median(t_start, ROUNDS_LOOP), "ms", NULL);
+    METRIC("engine_snapshot_fence_ms", bench_median(t_fence, ROUNDS_LOOP), "ms",
            "host backend: waits for copies");
     METRIC("engine_snapshot_blocked_ms", blocked_med, "ms", "start + fence, median");
     METRIC("engine_sync_memcpy_ms", sync_med, "ms", "memcpy of the state, warm destination");
@@ -272,9 +263,9 @@ void bench_snapshot(bench_report *r) {
     METRIC("engine_overlapped_steps", (double)n_during, "steps", "pooled over the rounds");
     METRIC("engine_snapshot_drain_steps_max", (double)drain_max, "steps",
            "most steps one snapshot overlapped");
-    METRIC("engine_snapshot_step_time_lost_ms", median(lost, ROUNDS_LOOP), "ms",
+    METRIC("engine_snapshot_step_time_lost_ms", bench_median(lost, ROUNDS_LOOP), "ms",
            "per snapshot: sum over its steps of (step - plain step)");
-    METRIC("engine_snapshot_step_slowdown", median(ratio, ROUNDS_LOOP), "ratio",
+    METRIC("engine_snapshot_step_slowdown", bench_median(ratio, ROUNDS_LOOP), "ratio",
            "per round overlapped / plain step, median of rounds");
 #undef METRIC
   }
