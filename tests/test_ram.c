@@ -23,8 +23,10 @@ static int fake_host_ram(void *ud, uint64_t *total, uint64_t *avail) {
   return FERRY_OK;
 }
 
-/* Tensors offloaded in one step of 4 packs under policy source src. */
-static int offloads_under(const char *src, fake_ram *ram, uint64_t *offloaded) {
+/* `steps` steps of 4 packs under policy source src: the tensors offloaded,
+ * and how often host RAM was read (from the engine's creation on). */
+static int steps_under(const char *src, fake_ram *ram, int steps, uint64_t *offloaded,
+                       int *reads) {
   ferry_config c = test_engine_config(NULL);
   c.min_offload_bytes = 0;
   c.policy_source = src;
@@ -33,29 +35,37 @@ static int offloads_under(const char *src, fake_ram *ram, uint64_t *offloaded) {
   ferry_engine *e = NULL;
   char err[512];
   CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
-  CHECK_OK(ferry_step_begin(e));
-  ferry_handle h[4];
-  for (int i = 0; i < 4; i++) {
-    test_buffer *b = test_buffer_new(4096);
-    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-    d.bytes = 4096;
-    d.dtype = FERRY_DTYPE_U8;
-    d.ndim = 1;
-    d.shape[0] = 4096;
-    CHECK_OK(ferry_pack(e, &d, b->ptr, b, NULL, &h[i]));
+  ram->reads = 0;
+  for (int s = 0; s < steps; s++) {
+    CHECK_OK(ferry_step_begin(e));
+    ferry_handle h[4];
+    for (int i = 0; i < 4; i++) {
+      test_buffer *b = test_buffer_new(4096);
+      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+      d.bytes = 4096;
+      d.dtype = FERRY_DTYPE_U8;
+      d.ndim = 1;
+      d.shape[0] = 4096;
+      CHECK_OK(ferry_pack(e, &d, b->ptr, b, NULL, &h[i]));
+    }
+    void *owners[4];
+    for (int i = 3; i >= 0; i--) {
+      void *p;
+      CHECK_OK(ferry_unpack(e, h[i], NULL, &p, &owners[i]));
+    }
+    CHECK_OK(ferry_step_end(e)); /* the copies are over: the buffers may go */
+    for (int i = 0; i < 4; i++) test_buffer_unref(owners[i]);
   }
-  void *owners[4];
-  for (int i = 3; i >= 0; i--) {
-    void *p;
-    CHECK_OK(ferry_unpack(e, h[i], NULL, &p, &owners[i]));
-  }
-  CHECK_OK(ferry_step_end(e)); /* the copies are over: the buffers may go */
-  for (int i = 0; i < 4; i++) test_buffer_unref(owners[i]);
   ferry_stats st;
   CHECK_OK(ferry_get_stats(e, &st, sizeof st));
-  *offloaded = st.tensors_offloaded;
+  if (offloaded) *offloaded = st.tensors_offloaded;
+  if (reads) *reads = ram->reads;
   ferry_engine_destroy(e);
   return 0;
+}
+
+static int offloads_under(const char *src, fake_ram *ram, uint64_t *offloaded) {
+  return steps_under(src, ram, 1, offloaded, NULL);
 }
 
 TEST(ram_rules_see_the_host_ram_reading) {
@@ -82,37 +92,8 @@ TEST(ram_rules_see_the_host_ram_reading) {
  * ctx.host_ram_used_pct, once per step for one that does (its first read
  * samples it; from then on the engine samples it at each step's begin). */
 static int ram_reads_over_steps(const char *src, fake_ram *ram, int steps) {
-  ferry_config c = test_engine_config(NULL);
-  c.min_offload_bytes = 0;
-  c.policy_source = src;
-  c.host_ram = fake_host_ram;
-  c.host_ram_ud = ram;
-  ferry_engine *e = NULL;
-  char err[512];
-  if (ferry_engine_create(&c, &e, err, sizeof err)) return -1;
-  ram->reads = 0;
-  for (int s = 0; s < steps; s++) {
-    if (ferry_step_begin(e)) return -1;
-    test_buffer *bufs[3];
-    void *owners[3];
-    for (int i = 0; i < 3; i++) {
-      bufs[i] = test_buffer_new(4096);
-      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-      d.bytes = 4096;
-      d.dtype = FERRY_DTYPE_U8;
-      d.ndim = 1;
-      d.shape[0] = 4096;
-      ferry_handle h;
-      void *p;
-      if (ferry_pack(e, &d, bufs[i]->ptr, bufs[i], NULL, &h) ||
-          ferry_unpack(e, h, NULL, &p, &owners[i]))
-        return -1;
-    }
-    if (ferry_step_end(e)) return -1; /* the copies are over: the buffers may go */
-    for (int i = 0; i < 3; i++) test_buffer_unref(owners[i]); /* the pack's reference, back */
-  }
-  ferry_engine_destroy(e);
-  return ram->reads;
+  int reads = -1;
+  return steps_under(src, ram, steps, NULL, &reads) ? -1 : reads;
 }
 
 TEST(ram_read_only_for_policies_that_read_it) {
