@@ -142,7 +142,7 @@ class Attention(torch.nn.Module):
         k = k.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         return self.c_proj(y)
@@ -171,7 +171,7 @@ class GPT(torch.nn.Module):
 
     def forward(self, idx):
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for block in self.h:
             if self.checkpoint:
                 import torch.utils.checkpoint as cp

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 import ferry  # noqa: E402
 import ferry.torch as ft  # noqa: E402
-from conftest import assert_bit_identical  # noqa: E402
+from conftest import GPT, assert_bit_identical  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 
@@ -52,50 +52,12 @@ def offload_all(tmp_path):
     return str(p)
 
 
-class Block(torch.nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm(d)
-        self.c_attn = torch.nn.Linear(d, 3 * d)
-        self.c_proj = torch.nn.Linear(d, d)
-        self.ln_2 = torch.nn.LayerNorm(d)
-        self.c_fc = torch.nn.Linear(d, 4 * d)
-        self.c_out = torch.nn.Linear(4 * d, d)
-        self.heads = heads
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        x = x + self.c_proj((att @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.c_out(torch.nn.functional.gelu(self.c_fc(self.ln_2(x))))
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, vocab=256, d=256, heads=4, layers=4, ctx=256):
-        super().__init__()
-        self.wte = torch.nn.Embedding(vocab, d)
-        self.wpe = torch.nn.Embedding(ctx, d)
-        self.h = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = torch.nn.LayerNorm(d)
-        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
 def train(steps=3, ctx=None, dtype=torch.float32, b=8, t=256, stream=None, peaks=True):
     """AdamW steps on the GPU; [(loss, grads)] per step, the model and the
     peak of torch.cuda.max_memory_allocated over the steps' forward+backward
     (peaks=False: the allocator's peak statistics left alone, 0)."""
     torch.manual_seed(0)
-    model = GPT().to(DEV, dtype)
+    model = GPT(vocab=256, d=256, heads=4, layers=4, ctx=256).to(DEV, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     history, peak = [], 0
     s = stream or torch.cuda.current_stream()
