@@ -395,6 +395,22 @@ TEST(sim_trace_transient_alloc_and_free) {
   return 0;
 }
 
+/* An engine with no policy recording its trace into a fresh temporary file,
+ * whose name goes to path (at least 32 bytes): 0, or 1 (a test failure). */
+static int recording_engine(test_device_stats *st, char *path, ferry_engine **e) {
+  ferry_config c = test_engine_config(st);
+  c.decide = NULL;
+  snprintf(path, 32, "/tmp/ferry-trace-XXXXXX");
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+  c.trace_path = path;
+  char err[512];
+  *e = NULL;
+  CHECK_OK(ferry_engine_create(&c, e, err, sizeof err));
+  return 0;
+}
+
 /* "device_peak" (ferry_trace_device_peak): the trainer's own peak of a
  * step, after it. The writer refuses it inside a step; the reader keeps the
  * largest and refuses one inside a step or for another step than the last
@@ -411,16 +427,9 @@ TEST(sim_untracked_from_device_peak) {
 
   /* the writer */
   test_device_stats st = {0};
-  ferry_config ec = test_engine_config(&st);
-  ec.decide = NULL;
-  char path[] = "/tmp/ferry-dpeak-XXXXXX";
-  int fd = mkstemp(path);
-  CHECK(fd >= 0);
-  close(fd);
-  ec.trace_path = path;
-  ferry_engine *e = NULL;
-  char err[512];
-  CHECK_OK(ferry_engine_create(&ec, &e, err, sizeof err));
+  char path[32], err[512];
+  ferry_engine *e;
+  CHECK_OK(recording_engine(&st, path, &e));
   CHECK_OK(ferry_step_begin(e));
   CHECK_EQ(ferry_trace_device_peak(e, 7), FERRY_ESTATE);
   CHECK_STR_CONTAINS(ferry_last_error(e), "inside a step");
@@ -2304,16 +2313,9 @@ TEST(sim_fit_picks_the_cheapest_setting_that_fits) {
  * the report says the times are the recording machine's. */
 TEST(sim_recorded_trace_flops_and_resident) {
   test_device_stats st = {0};
-  ferry_config c = test_engine_config(&st);
-  c.decide = NULL;
-  char path[] = "/tmp/ferry-flops-XXXXXX";
-  int fd = mkstemp(path);
-  CHECK(fd >= 0);
-  close(fd);
-  c.trace_path = path;
-  ferry_engine *e = NULL;
-  char err[512];
-  CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+  char path[32], err[512];
+  ferry_engine *e;
+  CHECK_OK(recording_engine(&st, path, &e));
   CHECK_OK(ferry_trace_resident(e, "parameters", 1000000));
   CHECK_OK(ferry_trace_resident(e, "optimizer states", 2000000));
   CHECK_EQ(ferry_trace_flops(e, -1), FERRY_EINVAL);
@@ -2529,16 +2531,9 @@ TEST(sim_synth_compute_follows_the_simulated_gpu) {
 TEST(sim_recorded_trace_flops_all) {
   for (int all = 0; all <= 1; all++) {
     test_device_stats st = {0};
-    ferry_config c = test_engine_config(&st);
-    c.decide = NULL;
-    char path[] = "/tmp/ferry-flops-all-XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0);
-    close(fd);
-    c.trace_path = path;
-    ferry_engine *e = NULL;
-    char err[512];
-    CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+    char path[32], err[512];
+    ferry_engine *e;
+    CHECK_OK(recording_engine(&st, path, &e));
     CHECK_OK(ferry_trace_flops_all(e, all));
     CHECK_OK(ferry_trace_resident(e, "parameters", 1000));
     enum { M = 3 };
