@@ -519,25 +519,33 @@ static int pack_shape(PyObject *t, const dtype_info *di, ferry_tensor_desc *d) {
   return PACK_ON;
 }
 
-/* Kept as the policy answered before (ferry_pack_cached_keep): 1 and the
- * Kept in *out (NULL on error), or 0 when the engine must be asked. */
-static int pack_cached_keep(EngineObject *eng, PyObject *t, ferry_tensor_desc *d,
-                            PyObject **out) {
-  void *ptr = pack_data_ptr(t);
-  if (!ptr) { /* no storage (a fake or meta tensor): the full path says why */
-    PyErr_Clear();
+/* The keep paths a saved tensor tries once its dtype and shape are in d,
+ * before any layout check (a sparse tensor has no data pointer, and any
+ * tensor the policy keeps is kept whatever its layout): small, kept by the
+ * binding; or kept as the policy answered before (ferry_pack_cached_keep).
+ * ptr and version: what the caller read already, else NULL to read them.
+ * 1 and the Kept in *out (NULL on error), or 0 when the full path must run. */
+static int pack_try_keep(EngineObject *eng, PyObject *t, ferry_tensor_desc *d, void *ptr,
+                         const int64_t *version, PyObject **out) {
+  if (d->bytes == 0 || (eng->fast_keep && d->bytes < eng->min_bytes)) {
+    eng->kept[KEEP_SMALL]++;
+    *out = make_kept_at(eng, t, version);
+    return 1;
+  }
+  if (!eng->fast_keep || !eng->e || d->ndim > FERRY_MAX_DIMS) return 0;
+  if (!ptr && !(ptr = pack_data_ptr(t))) { /* no storage (a fake or meta tensor): */
+    PyErr_Clear();                          /* the full path says why */
     return 0;
   }
   pack_describe(eng, d, ptr);
   if (!ferry_pack_cached_keep(eng->e, d, ptr)) return 0;
   if (eng->in_backward) eng->recompute_packs++;
-  *out = make_kept(eng, t);
+  *out = make_kept_at(eng, t, version);
   return 1;
 }
 
-/* The keep paths of pack_impl with the tensor read in one call through the
- * torch-facts module: 1 and the Kept in *out (NULL on error), or 0 when the
- * full path must run (the module declined, or the engine must decide). */
+/* pack_try_keep with the tensor read in one call through the torch-facts
+ * module: as it, and 0 also when the module declines. */
 static int pack_from_facts(EngineObject *eng, PyObject *t, PyObject **out) {
   ferry_tensor_facts f;
   if (FACTS->read(t, &f) != 0) return 0;
@@ -555,17 +563,7 @@ static int pack_from_facts(EngineObject *eng, PyObject *t, PyObject **out) {
   d.ndim = f.ndim;
   d.bytes = numel * di->itemsize;
   d.dtype = di->ferry;
-  if (d.bytes == 0 || (eng->fast_keep && d.bytes < eng->min_bytes)) {
-    eng->kept[KEEP_SMALL]++;
-    *out = make_kept_at(eng, t, &f.version);
-    return 1;
-  }
-  if (!eng->fast_keep || !eng->e || !f.data) return 0;
-  pack_describe(eng, &d, f.data);
-  if (!ferry_pack_cached_keep(eng->e, &d, f.data)) return 0;
-  if (eng->in_backward) eng->recompute_packs++;
-  *out = make_kept_at(eng, t, &f.version);
-  return 1;
+  return pack_try_keep(eng, t, &d, f.data, &f.version, out);
 }
 
 static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
@@ -586,13 +584,8 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
   ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
   int r = pack_shape(t, di, &d);
   if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
-  if (d.bytes == 0 || (eng->fast_keep && d.bytes < eng->min_bytes))
-    return keep_with(eng, t, KEEP_SMALL);
-  /* before the layout check: a sparse tensor has no data pointer, and any
-   * tensor the policy keeps is kept whatever its layout */
   PyObject *kept;
-  if (eng->fast_keep && eng->e && d.ndim <= FERRY_MAX_DIMS && pack_cached_keep(eng, t, &d, &kept))
-    return kept;
+  if (pack_try_keep(eng, t, &d, NULL, NULL, &kept)) return kept;
   if ((r = pack_check_strided(t)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   if ((r = pack_check(eng, t)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   if (d.ndim > FERRY_MAX_DIMS) return keep_with(eng, t, KEEP_NDIM);
