@@ -167,10 +167,9 @@ typedef struct link_floor {
   double late_bound;               /* max over backward's packs and allocations of
                                     * (D + K) / link - compute since the first offload */
   /* the same instants x with the reloads after them (floor_us): the max over
-   * x of bound + backward compute by x + reloads by x / the faster link, and
-   * the max over unpacks u after the first x of that + reloads by u / the
-   * faster link - backward compute by u */
-  int have_anchor;
+   * x of bound + backward compute by x + reloads by x / the faster link
+   * (-inf before the first x), and the max over unpacks u of that + reloads
+   * by u / the faster link - backward compute by u */
   double late_anchor, late_reload;
 } link_floor;
 
@@ -195,19 +194,14 @@ static void floor_tensor(link_floor *f, int type, int out, int reloaded, int cou
     double *bound = f->in_backward ? &f->late_bound : &f->fwd_bound;
     if (b > *bound) *bound = b;
     double a = b + f->bwd_compute + f->h2d_bytes / fast;
-    if (f->in_backward && (!f->have_anchor || a > f->late_anchor)) {
-      f->late_anchor = a;
-      f->have_anchor = 1;
-    }
+    if (f->in_backward && a > f->late_anchor) f->late_anchor = a;
   }
   if (f->in_backward && type == TEV_UNPACK && reloaded && f->h2d_per_us > 0) {
     f->h2d_bytes += bytes;
     double b = f->h2d_bytes / f->h2d_per_us - f->bwd_compute;
     if (b > f->h2d_bound) f->h2d_bound = b;
-    if (f->have_anchor) {
-      double c = f->late_anchor + f->h2d_bytes / fast - f->bwd_compute;
-      if (c > f->late_reload) f->late_reload = c;
-    }
+    double c = f->late_anchor + f->h2d_bytes / fast - f->bwd_compute;
+    if (c > f->late_reload) f->late_reload = c;
   }
 }
 
@@ -1403,7 +1397,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   double t0 = 0;
   int rc;
   r->cur_layer = -1;
-  link_floor fl = {0};
+  link_floor fl = {.late_anchor = -INFINITY};
   fl.h2d_per_us = r->c->link.h2d_bytes_per_s / 1e6;
   fl.d2h_per_us = r->c->link.d2h_bytes_per_s / 1e6;
   opt_model *o = r->opt;
@@ -1437,6 +1431,8 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     if (w && (rc = w_before_event(r, k, phase))) return rc;
     if (o && ev->type == TEV_BACKWARD_BEGIN && (rc = opt_params_all(r))) return rc;
     if (o && ev->type == TEV_STEP_END && (rc = opt_step_end(r))) return rc;
+    /* whether the tensor went out when packed: read before an unpack, which
+     * rewrites it (reloaded or not), and after a pack, which sets it */
     int out = ev->type == TEV_UNPACK || ev->type == TEV_DISCARD ? r->went[ev->tensor] : 0;
     if ((rc = replay_event(r, ev, &t0))) return rc;
     if (w && phase == 0 && (rc = w_after_event(r, k, phase))) return rc;
