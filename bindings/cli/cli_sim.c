@@ -169,9 +169,9 @@ typedef struct sim_opts {
   double cpu_adam;     /* params/s per rank, 0 = the default */
   int opt_serial;      /* --optimizer-overlap off */
   int w_single;        /* --weight-double-buffer off */
-  /* --untracked: auto (0, learned from a recorded run's device_peak), off
-   * (1) or a size given (2, bytes in untracked) */
-  int untracked_mode;
+  /* --untracked: learned from a recorded run's device_peak, off, or the
+   * bytes given in untracked */
+  enum { UNTRACKED_AUTO = 0, UNTRACKED_OFF, UNTRACKED_GIVEN } untracked_mode;
   uint64_t untracked;
 } sim_opts;
 
@@ -340,8 +340,8 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
 static int resolve_untracked(const sim_trace *t, const sim_opts *o, const sim_hw *hw,
                              sim_run_info *info, char *err, size_t errlen) {
   info->untracked_observed = t->device_peak;
-  if (o->untracked_mode == 1) return 0;
-  if (o->untracked_mode == 2) {
+  if (o->untracked_mode == UNTRACKED_OFF) return 0;
+  if (o->untracked_mode == UNTRACKED_GIVEN) {
     info->untracked_bytes = o->untracked;
     info->untracked_given = 1;
     return 0;
@@ -769,10 +769,10 @@ int ferry_cli_sim(int argc, char **argv) {
       o.w_single = !strcmp(optarg, "off");
       break;
     case 'u': /* auto, off or a size */
-      if (!strcmp(optarg, "auto")) o.untracked_mode = 0;
-      else if (!strcmp(optarg, "off")) o.untracked_mode = 1;
+      if (!strcmp(optarg, "auto")) o.untracked_mode = UNTRACKED_AUTO;
+      else if (!strcmp(optarg, "off")) o.untracked_mode = UNTRACKED_OFF;
       else if (cli_bytes("sim", "--untracked", optarg, 0, &o.untracked)) return 2;
-      else o.untracked_mode = 2;
+      else o.untracked_mode = UNTRACKED_GIVEN;
       break;
     case 'L': layers_table = 0; break;
     case 'Y':
