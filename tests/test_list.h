@@ -60,6 +60,7 @@
   X(stash_roundtrip_any_order)                                             \
   X(stash_fwd_bound_and_release_after_event)                               \
   X(stash_released_when_copy_completes)                                    \
+  X(stash_policy_knobs_release_and_tail_prefetch)                         \
   X(stash_prefetch_explicit_and_ahead)                                     \
   X(stash_alias_stored_once)                                               \
   X(stash_context_thresholds_and_alias_sizes)                              \

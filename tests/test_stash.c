@@ -384,6 +384,58 @@ TEST(stash_prefetch_explicit_and_ahead) {
   return 0;
 }
 
+/* The policy's knobs release_when_copied and max_tail_prefetch. A buffer
+ * goes once its copy is done (1 MiB at 100 MB/s: ~10 ms) with the first, as
+ * with config.release_when_copied, else it stays until the bound (100)
+ * pushes it out and is a stash hit. The unpack of a tensor packed after the
+ * step's last offload (the loss, kept) starts the distance's 3 reloads, or
+ * max_tail_prefetch (1) of them; the first unpack of an offloaded tensor
+ * then opens the whole window. variant: 0 no knob, 1 release, 2 both. */
+TEST(stash_policy_knobs_release_and_tail_prefetch) {
+  static const char *const knobs[3] = {
+      "", ", release_when_copied = 1", ", release_when_copied = 1, max_tail_prefetch = 1"};
+  for (int v = 0; v < 3; v++) {
+    char src[512];
+    snprintf(src, sizeof src,
+             "return { api = 1, knobs = { max_fwd_stash = 100%s },"
+             " decide = function(t, ctx)"
+             "   if t.bytes >= 65536 then return ferry.OFFLOAD, ferry.PREFETCH, 3 end"
+             "   return ferry.KEEP end }",
+             knobs[v]);
+    fixture f;
+    ferry_config c = fixture_config(&f, 1);
+    c.decide = NULL;
+    c.policy_source = src;
+    c.link.d2h_bytes_per_s = 100e6;
+    c.link.h2d_bytes_per_s = 100e6;
+    CHECK_OK(fixture_open(&f, &c));
+    enum { M = 6, SZ = 1 << 20 };
+    ferry_handle hs[M + 1];
+    uint64_t sums[M + 1];
+    for (int i = 0; i < M; i++) CHECK((hs[i] = pack_new(&f, SZ, (uint64_t)i, &sums[i])));
+    usleep(100000); /* the copies end (~63 ms) */
+    CHECK((hs[M] = pack_new(&f, 4096, 99, &sums[M]))); /* the loss, kept */
+    ferry_stats s;
+    CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+    CHECK_EQ(s.tensors_offloaded, M);
+    CHECK_EQ(s.device_bytes_held, v ? 4096u : (uint64_t)M * SZ + 4096u);
+    CHECK_OK(ferry_backward_begin(f.e));
+    if (unpack_check(&f, hs[M], 4096, sums[M])) return 1;
+    CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+    CHECK_EQ(s.prefetches, v == 0 ? 0u : v == 1 ? 3u : 1u);
+    if (unpack_check(&f, hs[M - 1], SZ, sums[M - 1])) return 1;
+    CHECK_OK(ferry_get_stats(f.e, &s, sizeof s));
+    CHECK_EQ(s.prefetches, v == 0 ? 0u : 4u);
+    for (int i = M - 2; i >= 0; i--)
+      if (unpack_check(&f, hs[i], SZ, sums[i])) return 1;
+    CHECK_OK(ferry_backward_end(f.e));
+    CHECK_OK(ferry_step_end(f.e));
+    if (check_quiescent(&f)) return 1;
+    ferry_engine_destroy(f.e);
+  }
+  return 0;
+}
+
 /* ---- aliasing --------------------------------------------------------------------- */
 TEST(stash_alias_stored_once) {
   for (int mode = 0; mode <= 1; mode++) {

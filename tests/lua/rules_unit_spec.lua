@@ -324,12 +324,15 @@ describe("ferry.rules", function()
           assert.same({ { 1, false }, { 1, false }, { 1, false }, { 1, false } }, out)
         end
       end
-      return out
+      return out, q
     end
-    -- 550 bytes: 300 + 200 fit, + 100 does not; the last offload gets one tensor
-    assert.same({ { 1, true }, { 2, true }, { 2, true }, { 1, true } }, step(550))
-    -- a window past the loss's 1000 bytes is cut to them: 300 + 200 + 100
-    assert.same({ { 1, true }, { 2, true }, { 3, true }, { 1, true } }, step(5000))
+    -- 550 bytes: 300 + 200 fit, + 100 does not; 50 + 300 + 200 do
+    local out, q = step(550)
+    assert.same({ { 1, true }, { 2, true }, { 2, true }, { 3, true } }, out)
+    -- the loss's unpacks (the tail) start one reload: the engine caps them
+    assert.equal(1, q.knobs.max_tail_prefetch)
+    -- a window past the loss's 1000 bytes is cut to them: all 650
+    assert.same({ { 1, true }, { 2, true }, { 3, true }, { 4, true } }, (step(5000)))
     assert.matches("prefetch_bytes: bytes must be within", select(2, pcall(policy,
       [[return R.policy { reload = R.prefetch_bytes(0) }]])))
   end)

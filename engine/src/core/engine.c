@@ -158,10 +158,14 @@ static void apply_policy_knobs(ferry_engine *e) {
   e->prefetch_distance = e->cfg.prefetch_distance;
   e->min_offload_bytes = e->cfg.min_offload_bytes;
   e->max_fwd_stash_bytes = e->cfg.max_fwd_stash_bytes;
+  e->release_when_copied = e->cfg.release_when_copied != 0;
+  e->max_tail_prefetch = UINT32_MAX;
   e->knobs_overruled = 0;
   if (!e->policy) return;
   ferry_policy_knobs k;
   ferry_policy_get_knobs(e->policy, &k);
+  if (k.has_release_when_copied && k.release_when_copied) e->release_when_copied = 1;
+  if (k.has_max_tail_prefetch) e->max_tail_prefetch = k.max_tail_prefetch;
 #define KNOB(bit, name)                                          \
   if (k.has_##name) {                                            \
     if (!(fixed & (bit))) e->name = k.name;                      \

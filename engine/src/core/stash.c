@@ -205,7 +205,7 @@ static int fwd_head_done(ferry_engine *e) {
 static uint32_t fwd_enforce_bound(ferry_engine *e, void **owners, uint32_t max_owners) {
   uint32_t n = 0;
   while (e->fwd_count && n < max_owners &&
-         (fwd_over_bound(e) || (e->cfg.release_when_copied && fwd_head_done(e)))) {
+         (fwd_over_bound(e) || (e->release_when_copied && fwd_head_done(e)))) {
     uint64_t slot = e->fwd[e->fwd_head];
     uint32_t idx = (uint32_t)slot;
     e->fwd_head = (e->fwd_head + 1) % e->fwd_cap;
@@ -742,14 +742,19 @@ static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uin
  * after `mark` offloads is unpacked, the next offloaded tensor needed is the
  * one at position mark - 1. If the policy asked for it to be prefetched,
  * start it and the ones before it, up to its prefetch distance. Kept tensors
- * carry a mark too, so a run of kept layers at the end of the forward pass
- * (unpacked first) already starts the reloads of the offloaded ones. */
+ * (with a handle) carry a mark too, so an unpack of a kept one starts the
+ * reloads of the offloaded ones packed before it. */
 static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream) {
   if (step != e->step || mark == 0 || mark > e->n_offloads) return;
   const stash_entry *next = &e->entries[e->offload_order[mark - 1]];
   if (next->step != step || next->offload_index != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
     return;
-  prefetch_ahead(e, mark, next->prefetch_distance, step, compute_stream);
+  /* Tensors packed after the step's last offload (the tail: the loss) are
+   * unpacked first; while the loss's backward holds the step's peak a
+   * reload adds to it: the policy's max_tail_prefetch caps those. */
+  uint32_t distance = next->prefetch_distance;
+  if (mark == e->n_offloads && distance > e->max_tail_prefetch) distance = e->max_tail_prefetch;
+  prefetch_ahead(e, mark, distance, step, compute_stream);
 }
 
 static void wait_while_reloading(ferry_engine *e, uint32_t idx) {

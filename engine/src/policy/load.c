@@ -89,6 +89,8 @@ static const knob_spec KNOBS[] = {
     {"prefetch_distance", KNOB_MAX_PREFETCH_DISTANCE},
     {"min_offload_bytes", (double)KNOB_MAX_MIN_OFFLOAD_BYTES},
     {"max_fwd_stash_bytes", (double)KNOB_MAX_MIN_OFFLOAD_BYTES},
+    {"release_when_copied", 1},
+    {"max_tail_prefetch", KNOB_MAX_PREFETCH_DISTANCE},
 };
 
 /* "file:line" of the function at the top of the stack into where (MSG_LEN
@@ -211,7 +213,8 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
       if (which == sizeof KNOBS / sizeof KNOBS[0])
         return load_fail(p, src, k, errbuf, errlen,
                          "unknown knob '%s' (known: max_fwd_stash, prefetch_distance, "
-                         "min_offload_bytes, max_fwd_stash_bytes)", k);
+                         "min_offload_bytes, max_fwd_stash_bytes, release_when_copied, "
+                         "max_tail_prefetch)", k);
       double v = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : NAN;
       if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v))
         return load_fail(p, src, k, errbuf, errlen, "knob '%s' must be an integer, got %s", k,
@@ -228,9 +231,15 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
       } else if (which == 2) {
         p->knobs.has_min_offload_bytes = 1;
         p->knobs.min_offload_bytes = (uint64_t)v;
-      } else {
+      } else if (which == 3) {
         p->knobs.has_max_fwd_stash_bytes = 1;
         p->knobs.max_fwd_stash_bytes = (uint64_t)v;
+      } else if (which == 4) {
+        p->knobs.has_release_when_copied = 1;
+        p->knobs.release_when_copied = (uint32_t)v;
+      } else {
+        p->knobs.has_max_tail_prefetch = 1;
+        p->knobs.max_tail_prefetch = (uint32_t)v;
       }
       lua_pop(L, 1);
     }

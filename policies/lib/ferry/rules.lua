@@ -923,8 +923,10 @@ end
 -- The window never takes device memory above the forward pass's peak: it is
 -- at most the bytes kept after the last offloaded tensor (the loss's
 -- log-probabilities, a kept tail), which backward frees before the second
--- reload starts; the first reload, started while they are still on device,
--- is one tensor. Those bytes are learned in the first step, which uses
+-- reload starts; while the tail is unpacked, with the loss still on device,
+-- the engine starts one reload (it sets the knob max_tail_prefetch = 1: the
+-- engine knows which unpacks are the tail, whatever this step's count of
+-- offloads). Those bytes are learned in the first step, which uses
 -- one-tensor windows and caches nothing.
 function R.prefetch_bytes(bytes)
   check_number("prefetch_bytes", "bytes", bytes, 1, MAX_BYTES)
@@ -940,6 +942,8 @@ local KNOB_LIMITS = {
   prefetch_distance = { 0, 4096 },
   min_offload_bytes = { 0, MAX_BYTES },
   max_fwd_stash_bytes = { 0, MAX_BYTES },
+  release_when_copied = { 0, 1 },
+  max_tail_prefetch = { 0, 4096 },
 }
 
 local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
@@ -949,9 +953,10 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
   spec.reload  R.on_use() (default), R.prefetch(d), R.prefetch_layers(k) or
                R.prefetch_bytes(n)
   spec.knobs   engine knobs { max_fwd_stash, prefetch_distance,
-               min_offload_bytes, max_fwd_stash_bytes }; rules may set some (min_bytes sets
-               min_offload_bytes); giving one twice with different values
-               is an error
+               min_offload_bytes, max_fwd_stash_bytes, release_when_copied,
+               max_tail_prefetch }; rules may set some (min_bytes sets
+               min_offload_bytes, prefetch_bytes sets max_tail_prefetch = 1);
+               giving one twice with different values is an error
   spec.cache   false to never let the engine cache a decision
   spec.snapshot  the checkpoint snapshot function, e.g. R.snapshot { ... }
   spec.optimizer which parameters' optimizer states live and step on the
@@ -1002,7 +1007,7 @@ function R.policy(spec)
     if not lim then
       fail("policy", "unknown knob '" .. tostring(k) ..
         "' (known: max_fwd_stash, prefetch_distance, min_offload_bytes, " ..
-        "max_fwd_stash_bytes)", 3)
+        "max_fwd_stash_bytes, release_when_copied, max_tail_prefetch)", 3)
     end
     if type(v) ~= "number" or v ~= floor(v) or v < lim[1] or v > lim[2] then
       fail("policy", format("knob %s must be an integer within [%d, %.0f], got %s",
@@ -1035,6 +1040,8 @@ function R.policy(spec)
       list[#list + 1] = r
     end
   end
+  -- a byte window opens once backward has passed the loss (the tail)
+  if reload.bytes then set_knob("max_tail_prefetch", 1, reload.name) end
   if spec.knobs ~= nil then
     if type(spec.knobs) ~= "table" then fail("policy", "knobs must be a table") end
     for k, v in pairs(spec.knobs) do set_knob(k, v, "knobs") end
@@ -1134,15 +1141,13 @@ function R.policy(spec)
   -- tensors by engine position (ctx.offloaded_this_step), reused every step
   local window = reload.bytes
   local win_sum, win_stamp, win_first, win_step = {}, {}, 0, 0
-  local win_count, win_prev_count = 0, nil -- offloads this step, last step
+  local win_count = 0 -- offloads this step
   local tail, freed = 0, nil -- kept bytes since the last offload; learned
   local function window_distance(pos, b)
     win_count = pos + 1
     tail = 0
     local limit = 0 -- one tensor
-    if freed and pos < win_prev_count - 1 then
-      limit = freed < window and freed or window
-    end
+    if freed then limit = freed < window and freed or window end
     local before = 0
     if pos > 0 and win_stamp[pos - 1] == win_step then
       before = win_sum[pos - 1]
@@ -1164,10 +1169,7 @@ function R.policy(spec)
   if window then
     discards[#discards + 1] = function() win_count = 0 end
     on_steps[#on_steps + 1] = function()
-      if win_count > 0 then
-        win_prev_count = win_count
-        if not freed then freed = tail end
-      end
+      if win_count > 0 and not freed then freed = tail end
       win_count, tail, win_step = 0, 0, win_step + 1
     end
     nstep = #on_steps
