@@ -409,6 +409,10 @@ TEST(stash_policy_knobs_release_and_tail_prefetch) {
     c.link.d2h_bytes_per_s = 100e6;
     c.link.h2d_bytes_per_s = 100e6;
     CHECK_OK(fixture_open(&f, &c));
+    ferry_knobs k;
+    CHECK_OK(ferry_get_knobs(f.e, &k, sizeof k));
+    CHECK_EQ(k.release_when_copied, v > 0);
+    CHECK_EQ(k.max_tail_prefetch, v == 2 ? 1u : UINT32_MAX);
     enum { M = 6, SZ = 1 << 20 };
     ferry_handle hs[M + 1];
     uint64_t sums[M + 1];

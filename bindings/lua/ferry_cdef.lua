@@ -164,6 +164,8 @@ uint32_t prefetch_distance;
 uint64_t min_offload_bytes;
 uint64_t max_fwd_stash_bytes;
 uint32_t overruled;
+uint32_t release_when_copied;
+uint32_t max_tail_prefetch;
 uint32_t reserved;
 }ferry_knobs;
 int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size);

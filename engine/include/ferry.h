@@ -506,6 +506,10 @@ typedef struct ferry_knobs {
   uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
   uint32_t overruled; /* FERRY_KNOB_* the policy sets to another value than
                          the config's fixed one (the config's won) */
+  /* Appended: set by the policy's knobs of the same names (no config field
+   * but config.release_when_copied, which either one turns on). */
+  uint32_t release_when_copied; /* 0 or 1 */
+  uint32_t max_tail_prefetch;   /* UINT32_MAX: no cap */
   uint32_t reserved;
 } ferry_knobs;
 /* The first ferry_knobs (without max_fwd_stash_bytes); a smaller size is refused. */

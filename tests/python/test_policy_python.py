@@ -122,3 +122,14 @@ def test_set_policy_stays_in_force_for_blocks_that_name_none():
     with ft.offload(model, policy="budget"):
         gpt_loss(model, gpt_batch()).backward()
     assert ft.stats()["policy"].endswith("budget.lua")
+
+
+def test_budget_policy_knobs_are_in_force():
+    # budget.lua's own knobs: copied buffers go at once, one reload at the tail
+    model = GPT(layers=2)
+    for policy, release, tail in (("budget", True, 1), ("default", False, None)):
+        with ft.offload(model, policy=policy) as o:
+            gpt_loss(model, gpt_batch()).backward()
+            knobs = o.engine.knobs()
+        assert (knobs["release_when_copied"], knobs["max_tail_prefetch"]) == (release, tail)
+        ft.close()

@@ -571,10 +571,18 @@ static PyObject *engine_knobs(EngineObject *self, PyObject *unused) {
     Py_XDECREF(n);
   }
   if (!over) return NULL;
-  return Py_BuildValue("{sIsIsKsKsN}", "max_fwd_stash", k.max_fwd_stash, "prefetch_distance",
+  PyObject *tail = k.max_tail_prefetch == UINT32_MAX ? (Py_INCREF(Py_None), Py_None)
+                                                    : PyLong_FromUnsignedLong(k.max_tail_prefetch);
+  if (!tail) {
+    Py_DECREF(over);
+    return NULL;
+  }
+  return Py_BuildValue("{sIsIsKsKsNsNsN}", "max_fwd_stash", k.max_fwd_stash, "prefetch_distance",
                        k.prefetch_distance, "min_offload_bytes",
                        (unsigned long long)k.min_offload_bytes, "max_fwd_stash_bytes",
-                       (unsigned long long)k.max_fwd_stash_bytes, "overruled", over);
+                       (unsigned long long)k.max_fwd_stash_bytes, "release_when_copied",
+                       PyBool_FromLong(k.release_when_copied), "max_tail_prefetch", tail,
+                       "overruled", over);
 }
 
 static PyObject *engine_get_closed(EngineObject *self, void *unused) {

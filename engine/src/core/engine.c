@@ -546,6 +546,8 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
   k.min_offload_bytes = e->min_offload_bytes;
   k.max_fwd_stash_bytes = e->max_fwd_stash_bytes;
   k.overruled = e->knobs_overruled;
+  k.release_when_copied = (uint32_t)e->release_when_copied;
+  k.max_tail_prefetch = e->max_tail_prefetch;
   k.reserved = 0;
   pthread_mutex_unlock(&e->lock);
   memcpy(out, &k, size < sizeof k ? size : sizeof k);
