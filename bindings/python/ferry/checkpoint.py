@@ -299,10 +299,17 @@ def _serialization_id():
 
 # ---- policies ------------------------------------------------------------------
 _policies = {}
+_policy_paths = {}  # (policy, $FERRY_POLICY, $FERRY_POLICY_DIR) -> its file
 
 
 def _snapshot_policy(policy):
-    path = _pkg.policy_path(policy or os.environ.get("FERRY_POLICY") or "default")
+    # resolving a name looks in every policy directory (60 us a snapshot)
+    key = (policy, os.environ.get("FERRY_POLICY"), os.environ.get("FERRY_POLICY_DIR"))
+    path = _policy_paths.get(key) if isinstance(policy, (str, type(None))) else None
+    if path is None or not os.path.isfile(path):
+        path = _pkg.policy_path(policy or key[1] or "default")
+        if isinstance(policy, (str, type(None))):
+            _policy_paths[key] = path
     p = _policies.get(path)
     if p is None:
         p = _policies[path] = [_ferry.PolicyInstance(path=path), 0]
