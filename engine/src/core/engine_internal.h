@@ -100,10 +100,8 @@ struct ferry_engine {
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
   uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
-  /* policy knobs with no config field: the config's release_when_copied or
-   * the policy's; reloads an unpack of the tail starts (UINT32_MAX: any) */
-  int release_when_copied;
-  uint32_t max_tail_prefetch;
+  int release_when_copied;    /* the config's, or turned on by the policy's knob */
+  uint32_t max_tail_prefetch; /* the policy's knob only (UINT32_MAX: no cap) */
   uint32_t knobs_overruled;      /* FERRY_KNOB_* the policy lost to config.knobs_fixed */
   uint64_t fwd_bytes;           /* bytes of the STASHED entries */
 

@@ -193,7 +193,7 @@ static int fwd_head_done(ferry_engine *e) {
 }
 
 /* Pop the oldest stashed entries until the bounds (count, bytes) hold, and
- * with config.release_when_copied then those whose copies have completed:
+ * with release_when_copied (config or policy knob) then those whose copies have completed:
  * in the forward pass a device buffer goes at the first pack after its
  * bytes are on the host, not only when the bound pushes it out, so it is
  * off the device at the peak (the end of forward); the price is that the
