@@ -28,8 +28,9 @@ there whatever a policy does. So:
     PREFETCH_BYTES of the tensors it needs next are coming back, whatever
     their sizes; size it above link bandwidth x one layer's backward. The
     library caps the window at what backward frees first (the loss's bytes,
-    learned in the first step) and starts with one tensor while the loss is
-    still on device, so prefetching never raises the peak.
+    learned in the first step), and the engine starts one reload while the
+    loss is unpacked (knob max_tail_prefetch = 1, which the library sets),
+    so prefetching never raises the peak.
 
 Knobs: edit the lines below. ]]
 local BUDGET_BYTES = 0 -- kept of the eligible tensors at the peak
