@@ -156,6 +156,7 @@
   X(sim_synth_compute_follows_the_simulated_gpu)                           \
   X(sim_recorded_trace_flops_all)                                          \
   X(sim_prefetch_starts_at_backward_begin)                                 \
+  X(sim_cached_keep_starts_no_reload)                                      \
   X(sim_optimizer_fraction_zero_is_no_offload)                             \
   X(sim_optimizer_offload_frees_exactly_the_share)                         \
   X(sim_optimizer_offload_hand_computed_steps)                             \

@@ -2644,6 +2644,61 @@ TEST(sim_prefetch_starts_at_backward_begin) {
   return 0;
 }
 
+/* The replay packs as ferry.torch does: a site the policy keeps from its
+ * cache (ferry_pack_cached_keep) gets no handle, so its unpack starts no
+ * reload. Two offloaded tensors, then a kept one (the loss) whose answer is
+ * cacheable; prefetch distance 2, no stash. Step 1 (nothing cached yet)
+ * reloads both at the kept tensor's unpack; in step 2 that unpack starts
+ * nothing, the first offloaded one is reloaded when unpacked and starts the
+ * second's: one prefetch, not two. */
+TEST(sim_cached_keep_starts_no_reload) {
+  static const char text[] =
+      "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
+      "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
+      "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
+      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
+      "\"layers\":1,\"module\":\"m.a\",\"decision\":\"offload\"}\n"
+      "{\"ev\":\"pack\",\"t_us\":0,\"id\":2,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
+      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
+      "\"layers\":1,\"module\":\"m.b\",\"decision\":\"offload\"}\n"
+      "{\"ev\":\"pack\",\"t_us\":0,\"id\":3,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
+      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":-1,"
+      "\"layers\":1,\"module\":\"loss\",\"decision\":\"keep\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":200}\n"
+      "{\"ev\":\"backward_begin\",\"t_us\":0}\n"
+      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":3}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
+      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":2}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
+      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":1}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
+      "{\"ev\":\"backward_end\",\"t_us\":0}\n"
+      "{\"ev\":\"step_end\",\"t_us\":0,\"step\":1}\n";
+  static const char policy[] =
+      "return { api = 1, knobs = { max_fwd_stash = 0 }, decide = function(t, ctx)\n"
+      "  if t:path() == 'loss' then return ferry.KEEP, ferry.ON_USE, nil, true end\n"
+      "  return ferry.OFFLOAD, ferry.PREFETCH, 2 end }\n";
+  sim_trace *t = NULL;
+  char err[512];
+  int rc = sim_trace_parse("cached", text, strlen(text), &t, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  CHECK_OK(rc);
+  for (int steps = 1; steps <= 2; steps++) {
+    sim_config c = hand_config(steps);
+    c.warmup = steps - 1; /* the figures of the last step */
+    c.policy_source = policy;
+    sim_result r;
+    rc = sim_replay(t, &c, &r, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_NEAR(r.bytes_h2d, 200000, 0);
+    CHECK_NEAR(r.prefetches, steps == 1 ? 2 : 1, 0);
+    sim_result_free(&r);
+  }
+  sim_trace_free(t);
+  return 0;
+}
+
 /* ---- optimizer-state offload (sim_config.optimizer_fraction) ------------------------ */
 
 /* A step whose times are easy to follow: 2 MB of parameters (1e6 bf16: no

@@ -669,7 +669,12 @@ static int replay_pack(replay *r, uint32_t ti) {
     map_set(&r->dev_tensor, buf_ptr(b), ti + 1);
   uint64_t off0 = engine_offloaded(r->e);
   double a = r->host ? util_now_us() : 0;
-  int rc = ferry_pack(r->e, d, buf_ptr(b), b, NULL, &r->handles[ti]);
+  /* As ferry.torch packs: a site the policy keeps from its cache gets no
+   * handle (the trainer holds the tensor), so its unpack starts no reload */
+  int rc = 0;
+  r->handles[ti] = 0;
+  if (!ferry_pack_cached_keep(r->e, d, buf_ptr(b)))
+    rc = ferry_pack(r->e, d, buf_ptr(b), b, NULL, &r->handles[ti]);
   if (r->host) r->host_wait += util_now_us() - a;
   if (rc) {
     buf_unref(r, b);
@@ -696,7 +701,13 @@ static int replay_unpack(replay *r, uint32_t ti) {
    * that went out (the stats are a copy of every counter under the lock) */
   uint64_t hits0 = r->went[ti] && !ferry_get_stats(r->e, &st, sizeof st) ? st.stash_hits : 0;
   double a = host ? util_now_us() : 0;
-  int rc = ferry_unpack(r->e, r->handles[ti], NULL, &dev, &owner);
+  int rc = 0;
+  if (r->handles[ti]) {
+    rc = ferry_unpack(r->e, r->handles[ti], NULL, &dev, &owner);
+  } else { /* kept by ferry_pack_cached_keep: the trainer's own reference */
+    owner = r->bufs[ti];
+    dev = buf_ptr(owner);
+  }
   double dt = host ? util_now_us() - a : 0;
   if (rc) return rc;
   r->host_stall += dt;
@@ -746,7 +757,8 @@ static int replay_event_call(replay *r, const trace_ev *ev, double *t0) {
   case TEV_PACK: return replay_pack(r, ev->tensor);
   case TEV_UNPACK: return replay_unpack(r, ev->tensor);
   case TEV_DISCARD:
-    if ((rc = ferry_discard(r->e, r->handles[ev->tensor]))) return rc;
+    if (!r->handles[ev->tensor]) buf_unref(r, r->bufs[ev->tensor]);
+    else if ((rc = ferry_discard(r->e, r->handles[ev->tensor]))) return rc;
     r->bufs[ev->tensor] = NULL;
     return 0;
   case TEV_BACKWARD_BEGIN:
