@@ -22,7 +22,7 @@ there whatever a policy does. So:
     because an attention block packs many small tensors between large ones;
   - a buffer goes as soon as its copy is done (knob release_when_copied), not
     when the bound pushes it out: no copied buffer is held at the loss, where
-    the step peaks (0.72 GiB less there on Llama-3-8B at 8192 tokens), and
+    the step peaks (0.43 GiB less there on Llama-3-8B at 8192 tokens), and
     the stash bounds only the copies in flight;
   - reloads are prefetched by bytes (R.prefetch_bytes): while backward runs,
     PREFETCH_BYTES of the tensors it needs next are coming back, whatever
