@@ -2596,24 +2596,24 @@ TEST(sim_recorded_trace_flops_all) {
   return 0;
 }
 
+/* Hand traces of 100 kB tensors on a zero clock (t_us 0: compute events
+ * only), for the prefetch tests below. */
+#define PACK100K(id, layer, module, decision)                                              \
+  "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","   \
+  "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":" #layer       \
+  ",\"layers\":1,\"module\":\"" module "\",\"decision\":\"" decision "\"}\n"
+#define UNPACK0(id) "{\"ev\":\"unpack\",\"t_us\":0,\"id\":" #id "}\n"
+#define WORK(us) "{\"ev\":\"compute\",\"t_us\":0,\"us\":" #us "}\n"
+#define EV0(name) "{\"ev\":\"" name "\",\"t_us\":0}\n"
+#define END0 "{\"ev\":\"step_end\",\"t_us\":0,\"step\":1}\n"
+
 /* prefetch_at_backward_begin: with compute between ferry_backward_begin and
  * the first unpack (the loss's backward), the policy's prefetch of the last
  * offloaded tensor starts at backward_begin and hides behind that compute;
  * without it the reload starts at the unpack and is a 100 us stall. */
 TEST(sim_prefetch_starts_at_backward_begin) {
-  static const char text[] =
-      "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
-      "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
-      "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
-      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
-      "\"layers\":1,\"module\":\"m.l0\",\"decision\":\"offload\"}\n"
-      "{\"ev\":\"compute\",\"t_us\":0,\"us\":200}\n"
-      "{\"ev\":\"backward_begin\",\"t_us\":0}\n"
-      "{\"ev\":\"compute\",\"t_us\":0,\"us\":150}\n"
-      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":1}\n"
-      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
-      "{\"ev\":\"backward_end\",\"t_us\":0}\n"
-      "{\"ev\":\"step_end\",\"t_us\":0,\"step\":1}\n";
+  static const char text[] = HDR BEGIN PACK100K(1, 0, "m.l0", "offload") WORK(200)
+      EV0("backward_begin") WORK(150) UNPACK0(1) WORK(50) EV0("backward_end") END0;
   static const char policy[] =
       "return { api = 1, knobs = { max_fwd_stash = 0 }, decide = function(t, ctx)\n"
       "  return ferry.OFFLOAD, ferry.PREFETCH, 1 end }\n";
@@ -2652,28 +2652,10 @@ TEST(sim_prefetch_starts_at_backward_begin) {
  * nothing, the first offloaded one is reloaded when unpacked and starts the
  * second's: one prefetch, not two. */
 TEST(sim_cached_keep_starts_no_reload) {
-  static const char text[] =
-      "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
-      "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
-      "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
-      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
-      "\"layers\":1,\"module\":\"m.a\",\"decision\":\"offload\"}\n"
-      "{\"ev\":\"pack\",\"t_us\":0,\"id\":2,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
-      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"
-      "\"layers\":1,\"module\":\"m.b\",\"decision\":\"offload\"}\n"
-      "{\"ev\":\"pack\",\"t_us\":0,\"id\":3,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
-      "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":-1,"
-      "\"layers\":1,\"module\":\"loss\",\"decision\":\"keep\"}\n"
-      "{\"ev\":\"compute\",\"t_us\":0,\"us\":200}\n"
-      "{\"ev\":\"backward_begin\",\"t_us\":0}\n"
-      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":3}\n"
-      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
-      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":2}\n"
-      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
-      "{\"ev\":\"unpack\",\"t_us\":0,\"id\":1}\n"
-      "{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n"
-      "{\"ev\":\"backward_end\",\"t_us\":0}\n"
-      "{\"ev\":\"step_end\",\"t_us\":0,\"step\":1}\n";
+  static const char text[] = HDR BEGIN PACK100K(1, 0, "m.a", "offload")
+      PACK100K(2, 0, "m.b", "offload") PACK100K(3, -1, "loss", "keep") WORK(200)
+      EV0("backward_begin") UNPACK0(3) WORK(50) UNPACK0(2) WORK(50) UNPACK0(1) WORK(50)
+      EV0("backward_end") END0;
   static const char policy[] =
       "return { api = 1, knobs = { max_fwd_stash = 0 }, decide = function(t, ctx)\n"
       "  if t:path() == 'loss' then return ferry.KEEP, ferry.ON_USE, nil, true end\n"
@@ -2698,6 +2680,11 @@ TEST(sim_cached_keep_starts_no_reload) {
   sim_trace_free(t);
   return 0;
 }
+#undef PACK100K
+#undef UNPACK0
+#undef WORK
+#undef EV0
+#undef END0
 
 /* ---- optimizer-state offload (sim_config.optimizer_fraction) ------------------------ */
 
