@@ -304,11 +304,13 @@ _policy_paths = {}  # (policy, $FERRY_POLICY, $FERRY_POLICY_DIR) -> its file
 
 def _snapshot_policy(policy):
     # resolving a name looks in every policy directory (60 us a snapshot)
+    # (a ferry.Policy is its own file: not looked up)
+    named = policy is None or isinstance(policy, str)
     key = (policy, os.environ.get("FERRY_POLICY"), os.environ.get("FERRY_POLICY_DIR"))
-    path = _policy_paths.get(key) if isinstance(policy, (str, type(None))) else None
+    path = _policy_paths.get(key) if named else None
     if path is None or not os.path.isfile(path):
         path = _pkg.policy_path(policy or key[1] or "default")
-        if isinstance(policy, (str, type(None))):
+        if named:
             _policy_paths[key] = path
     p = _policies.get(path)
     if p is None:
