@@ -149,6 +149,43 @@ def test_file_is_what_torch_save_writes(tmp_path):
         assert b"FB" in extra_ids(raw_theirs, their), their.filename
 
 
+def _serialization_id_of(path):
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith(".data/serialization_id")))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_serialization_id_is_fresh_per_file_and_per_forked_process(tmp_path):
+    """torch >= 2.x names each file with a 40-digit id: ferry draws a new one
+    per snapshot, and a forked child (a DataLoader worker, a launcher's
+    rank) does not repeat its parent's sequence."""
+    state = {"w": torch.ones(4)}
+    h = ft.snapshot(state, tmp_path / "probe.pt").wait()
+    if not any(n.endswith(".data/serialization_id") for n in zipfile.ZipFile(h.path).namelist()):
+        pytest.skip("this torch writes no serialization_id")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, to the parent through the pipe
+        code = 1
+        try:
+            ft.snapshot(state, tmp_path / "child.pt").wait()
+            os.write(w, _serialization_id_of(tmp_path / "child.pt"))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    child = os.read(r, 64)
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0
+    ids = []
+    for name in ("a.pt", "b.pt"):
+        ft.snapshot(state, tmp_path / name).wait()
+        ids.append(_serialization_id_of(tmp_path / name))
+    for i in ids + [child]:
+        assert len(i) == 40 and i.isdigit(), i
+    assert ids[0] != ids[1] and child not in ids
+
+
 def test_non_tensor_objects_pass_through_and_are_counted(tmp_path):
     state = rich_state()
     h = ft.snapshot(state, tmp_path / "ck.pt").wait()

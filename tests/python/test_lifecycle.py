@@ -357,3 +357,52 @@ def test_host_cap_falls_back_to_keep():
     assert s["cap_fallbacks"] > 0 and s["arena_reserved"] <= 4096
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_makes_its_own_engines_and_exits(tmp_path):
+    """After fork() the parent's engines have no copy threads in the child
+    (nor its snapshots a writer): a call into them is a clear error, not a
+    wait forever; offload() and snapshot() make new engines there (a
+    snapshot in the child used to wait forever on the parent's engine); and
+    the child exits normally (atexit, engine deallocation) while the
+    parent's snapshot is still draining."""
+    code = f"""
+import os, sys, torch, ferry, ferry.torch as ft
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+x = torch.randn(64, 256)
+def step():
+    with ft.offload(m, backend="host") as ctx:
+        m(x).sum().backward()
+    return ctx
+parent_engine = step().engine
+# 8 MiB over an emulated 20 MB/s link: still draining at the fork
+h = ft.snapshot({{"w": torch.randn(1 << 21)}}, {str(tmp_path / "parent.pt")!r},
+                link=(20e6, 20e6, 0, 1))
+pid = os.fork()
+if pid == 0:
+    try:
+        parent_engine.stats()
+        print("no error from the parent's engine"); os._exit(3)
+    except ferry.FerryError as e:
+        assert "forked" in str(e) and e.args[1] == "FERRY_ESTATE", e.args
+    try:
+        h.done()
+        print("no error from the parent's snapshot"); os._exit(4)
+    except Exception as e:
+        assert "forked" in str(e), e
+    # (no backward here: torch's own thread pools do not survive a fork)
+    child_engine = ft.offload(m, backend="host").engine
+    assert child_engine is not parent_engine and child_engine.stats() is not None
+    ft.snapshot({{"w": torch.ones(8)}}, {str(tmp_path / "child.pt")!r}).wait()
+    assert torch.load({str(tmp_path / "child.pt")!r})["w"].sum() == 8
+    sys.exit(0)  # a normal exit: atexit handlers, engines deallocated
+_, status = os.waitpid(pid, 0)
+h.wait()
+assert not ft.snapshot({{"w": torch.ones(1)}}, {str(tmp_path / "again.pt")!r}).wait().error()
+print("child", os.waitstatus_to_exitcode(status))
+"""
+    r = run_py(code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["child", "0"], r.stdout + r.stderr

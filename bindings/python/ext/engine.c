@@ -6,6 +6,8 @@
  */
 #include "ext.h"
 
+#include <pthread.h>
+
 const char *keep_reason_names[KEEP_REASONS_] = {
     "kept_small", "kept_subclass", "kept_sparse", "kept_nested",
     "kept_device", "kept_non_dense", "kept_ndim", "kept_pack_error"};
@@ -20,10 +22,61 @@ PyObject *raise_ferry(int code, const char *msg) {
   return NULL;
 }
 
+PyObject *raise_forked(void) {
+  return raise_ferry(FERRY_ESTATE,
+                     "ferry: this engine belongs to the parent of this forked process: its copy "
+                     "threads did not fork; make a new engine here (ferry.torch.offload() and "
+                     "ferry.torch.snapshot() do so by themselves)");
+}
+
 int engine_live(EngineObject *self) {
   if (self->e) return 1;
-  PyErr_SetString(FerryError, "ferry: this engine was closed");
+  if (self->forked)
+    raise_forked();
+  else
+    PyErr_SetString(FerryError, "ferry: this engine was closed");
   return 0;
+}
+
+/* ---- engines across fork() ----------------------------------------------------
+ * The list changes under the GIL only; the child handler runs inside
+ * fork(), in the one thread the child has, which held the GIL (os.fork) or
+ * is the only thread that could touch the list. */
+static EngineObject *live_engines;
+
+static void live_add(EngineObject *self) {
+  if (self->on_live_list) return;
+  self->live_prev = NULL;
+  self->live_next = live_engines;
+  if (live_engines) live_engines->live_prev = self;
+  live_engines = self;
+  self->on_live_list = 1;
+}
+
+static void live_remove(EngineObject *self) {
+  if (!self->on_live_list) return;
+  if (self->live_prev)
+    self->live_prev->live_next = self->live_next;
+  else
+    live_engines = self->live_next;
+  if (self->live_next) self->live_next->live_prev = self->live_prev;
+  self->on_live_list = 0;
+}
+
+/* The engine's memory stays as the child's copy: destroying it would join
+ * threads this process does not have. */
+static void engines_after_fork_child(void) {
+  for (EngineObject *o = live_engines; o; o = o->live_next)
+    if (o->e) {
+      o->e = NULL;
+      o->forked = 1;
+    }
+}
+
+int engines_watch_fork(void) {
+  int rc = pthread_atfork(NULL, NULL, engines_after_fork_child);
+  if (rc) PyErr_Format(PyExc_OSError, "ferry: pthread_atfork failed: %s", strerror(rc));
+  return rc ? -1 : 0;
 }
 
 /* Engine callbacks. All run with the GIL held (see the file comment); the
@@ -219,6 +272,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     return -1;
   }
   self->e = e;
+  self->forked = 0;
+  live_add(self);
   self->min_bytes = effective_min_bytes(e);
   /* a trace or a breakdown counts every tensor: none may pass the engine by */
   self->fast_keep = fast_keep && !trace_path && !count_reasons;
@@ -257,6 +312,7 @@ static void engine_dealloc(EngineObject *self) {
   if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
   engine_clear(self);
   engine_close_impl(self);
+  live_remove(self);
   Py_CLEAR(self->alloc_kw);
   Py_CLEAR(self->last_pack_error);
   Py_CLEAR(self->node_cap);

@@ -182,6 +182,12 @@ struct EngineObject {
   PyObject *node_cap;        /* NodeCap kept alive while the engine uses it */
   KeptObject *kept_live;     /* this step's kept tensors still alive (hooks.c) */
   PyObject *weakreflist;
+  /* Every initialised engine is on one list, so that a forked child can
+   * mark its parent's engines unusable: their copy threads (and snapshot
+   * writers) did not fork, and a call into them would wait forever. */
+  EngineObject *live_prev, *live_next;
+  int on_live_list;
+  int forked; /* the parent's engine, seen from a forked child */
 };
 
 /* What a pack returns for a tensor given to the engine (hooks.c). */
@@ -229,6 +235,11 @@ extern PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
 /* engine.c */
 PyObject *raise_ferry(int code, const char *msg);
 int engine_live(EngineObject *self);
+/* Once, at module init: after a fork(), the child's engines are its
+ * parent's and are marked (forked = 1, e = NULL; never destroyed there). */
+int engines_watch_fork(void);
+/* The error for a call into a forked child's inherited engine. */
+PyObject *raise_forked(void);
 /* hooks.c */
 PyObject *make_hook(PyTypeObject *type, EngineObject *eng);
 /* at step end and close: the step's live kept tensors stop being tracked;

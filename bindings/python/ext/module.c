@@ -148,7 +148,7 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__ferry(void) {
-  if (intern_names()) return NULL;
+  if (intern_names() || engines_watch_fork()) return NULL;
   PyTypeObject *types[] = {&EngineType,   &HandleType,   &KeptType,     &PackHookType,
                            &UnpackHookType, &SiteHookType, &NodeCapType,
                            &SnapshotType, &PolicyInstanceType, &ResidentType};

@@ -20,6 +20,10 @@ static PyObject *resident_raise(ResidentObject *self, int rc) {
 }
 
 static int resident_live(ResidentObject *self) {
+  if (self->eng->forked) {
+    raise_forked();
+    return 0;
+  }
   if (self->r) return 1;
   raise_ferry(FERRY_ESTATE, "ferry: this resident buffer was closed");
   return 0;
@@ -67,7 +71,7 @@ static int resident_free(ResidentObject *self) {
   ferry_resident *r = self->r;
   self->r = NULL;
   int rc = 0;
-  if (r) {
+  if (r && !self->eng->forked) { /* a parent's buffer stays: its copies' threads did not fork */
     Py_BEGIN_ALLOW_THREADS rc = ferry_resident_destroy(r); /* waits for its copies */
     Py_END_ALLOW_THREADS
   }

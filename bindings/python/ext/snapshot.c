@@ -25,8 +25,20 @@ static PyObject *snapshot_raise(SnapshotObject *self, int rc) {
   return raise_ferry(rc, msg);
 }
 
+/* 1 when the snapshot can be asked; else 0 with the error set. A forked
+ * child's snapshots are its parent's: their writer thread did not fork. */
+static int snapshot_live(SnapshotObject *self) {
+  if (self->eng->forked) {
+    raise_forked();
+    return 0;
+  }
+  if (self->s) return 1;
+  raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
+  return 0;
+}
+
 static PyObject *snapshot_fence(SnapshotObject *self, PyObject *unused) {
-  if (!self->s) return raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
+  if (!snapshot_live(self)) return NULL;
   if (!self->owners) Py_RETURN_NONE;
   void *stream = NULL;
   if (self->eng->backend == FERRY_BACKEND_CUDA) {
@@ -43,7 +55,7 @@ static PyObject *snapshot_fence(SnapshotObject *self, PyObject *unused) {
 
 /* poll() -> True once durable, False while in progress; raises on failure. */
 static PyObject *snapshot_poll(SnapshotObject *self, PyObject *unused) {
-  if (!self->s) return raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
+  if (!snapshot_live(self)) return NULL;
   int rc = ferry_snapshot_poll(self->s);
   if (rc == 1) Py_RETURN_FALSE;
   if (rc) return snapshot_raise(self, rc);
@@ -52,7 +64,7 @@ static PyObject *snapshot_poll(SnapshotObject *self, PyObject *unused) {
 }
 
 static PyObject *snapshot_wait(SnapshotObject *self, PyObject *unused) {
-  if (!self->s) return raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
+  if (!snapshot_live(self)) return NULL;
   int rc;
   Py_BEGIN_ALLOW_THREADS rc = ferry_snapshot_wait(self->s);
   Py_END_ALLOW_THREADS
@@ -62,11 +74,11 @@ static PyObject *snapshot_wait(SnapshotObject *self, PyObject *unused) {
 }
 
 static PyObject *snapshot_error(SnapshotObject *self, PyObject *unused) {
-  return PyUnicode_FromString(self->s ? ferry_snapshot_error(self->s) : "");
+  return PyUnicode_FromString(self->s && !self->eng->forked ? ferry_snapshot_error(self->s) : "");
 }
 
 static void snapshot_dealloc(SnapshotObject *self) {
-  if (self->s) {
+  if (self->s && !self->eng->forked) { /* a parent's snapshot stays (its writer did not fork) */
     ferry_snapshot *s = self->s;
     self->s = NULL;
     Py_BEGIN_ALLOW_THREADS ferry_snapshot_free(s); /* waits for the writer */

@@ -292,9 +292,16 @@ def _container_records():
     return _container
 
 
+# torch >= 2.x writes a 40-digit id per file; a fresh one per snapshot from a
+# generator seeded from the OS once per process (and again in a forked
+# child), not an os.urandom read per snapshot (25 us of the blocked time)
+_ids = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ids.seed)
+
+
 def _serialization_id():
-    # torch >= 2.x writes a 40-digit id per file; a fresh one per snapshot
-    return ("%040d" % random.SystemRandom().randrange(10 ** 40)).encode()
+    return ("%040d" % _ids.randrange(10 ** 40)).encode()
 
 
 # ---- policies ------------------------------------------------------------------
@@ -356,6 +363,18 @@ def _engine_for(backend, device, policy_path, host_cap, knobs):
 # ---- handles ---------------------------------------------------------------------
 _pending = set()
 _pending_lock = threading.Lock()
+
+
+def _after_fork_in_child():
+    # the pending snapshots are the parent's to finish (their writers did not
+    # fork), and the lock may have been held by a thread that did not either
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Snapshot:
