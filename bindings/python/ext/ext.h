@@ -229,7 +229,7 @@ static inline int32_t kind_of_ptr(const EngineObject *self, uintptr_t p) {
 }
 
 extern PyTypeObject EngineType, HandleType, KeptType, PackHookType, UnpackHookType, SiteHookType,
-    NodeCapType, SnapshotType, PolicyInstanceType, ResidentType;
+    NodeCapType, SnapshotType, PolicyInstanceType, ResidentType, StorageFilterType;
 extern PyObject *FerryError; /* ferry.FerryError(RuntimeError) */
 
 /* engine.c */

@@ -151,7 +151,7 @@ PyMODINIT_FUNC PyInit__ferry(void) {
   if (intern_names() || engines_watch_fork()) return NULL;
   PyTypeObject *types[] = {&EngineType,   &HandleType,   &KeptType,     &PackHookType,
                            &UnpackHookType, &SiteHookType, &NodeCapType,
-                           &SnapshotType, &PolicyInstanceType, &ResidentType};
+                           &SnapshotType, &PolicyInstanceType, &ResidentType, &StorageFilterType};
   for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
     if (PyType_Ready(types[i]) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);
@@ -164,6 +164,7 @@ PyMODINIT_FUNC PyInit__ferry(void) {
       PyModule_AddObjectRef(m, "Handle", (PyObject *)&HandleType) ||
       PyModule_AddObjectRef(m, "NodeCap", (PyObject *)&NodeCapType) ||
       PyModule_AddObjectRef(m, "Snapshot", (PyObject *)&SnapshotType) ||
+      PyModule_AddObjectRef(m, "StorageFilter", (PyObject *)&StorageFilterType) ||
       PyModule_AddObjectRef(m, "PolicyInstance", (PyObject *)&PolicyInstanceType) ||
       PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) ||
       PyModule_AddStringConstant(m, "__version__", ferry_version_string()) ||

@@ -221,3 +221,101 @@ done:
   Py_DECREF(path_obj);
   return (PyObject *)out;
 }
+
+/* ---- StorageFilter: torch's persistent_id, asked only about storages --------
+ * The pickler asks persistent_id about every object it writes (about 700
+ * for an MLP's state and its AdamW moments); torch's answers None for all
+ * but the storages after two Python calls. StorageFilter(pid, known,
+ * is_storage) answers None itself, from a dict of verdicts per type
+ * (is_storage(obj) asked once per new type), and passes storages (all its
+ * arguments, a bound method's self included) to pid. As a class attribute
+ * it binds like a function, so it can stand for a persistent_id method. */
+typedef struct {
+  PyObject_HEAD vectorcallfunc vectorcall;
+  PyObject *pid, *known, *is_storage;
+} StorageFilterObject;
+
+static PyObject *storage_filter_call(StorageFilterObject *self, PyObject *const *args,
+                                     size_t nargsf, PyObject *kwnames) {
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  if (n < 1 || kwnames) {
+    PyErr_SetString(PyExc_TypeError, "ferry: StorageFilter takes positional arguments, the "
+                                     "object last");
+    return NULL;
+  }
+  PyObject *obj = args[n - 1], *type = (PyObject *)Py_TYPE(obj);
+  PyObject *yes = PyDict_GetItemWithError(self->known, type); /* borrowed */
+  if (!yes) {
+    if (PyErr_Occurred()) return NULL;
+    PyObject *v = PyObject_CallOneArg(self->is_storage, obj);
+    if (!v) return NULL;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (t < 0) return NULL;
+    yes = t ? Py_True : Py_False;
+    if (PyDict_SetItem(self->known, type, yes)) return NULL;
+  }
+  if (yes == Py_False) Py_RETURN_NONE;
+  return PyObject_Vectorcall(self->pid, args, nargsf, kwnames);
+}
+
+static PyObject *storage_filter_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  PyObject *pid, *known, *is_storage;
+  static char *kwlist[] = {"pid", "known", "is_storage", NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O:StorageFilter", kwlist, &pid, &PyDict_Type,
+                                   &known, &is_storage))
+    return NULL;
+  if (!PyCallable_Check(pid) || !PyCallable_Check(is_storage)) {
+    PyErr_SetString(PyExc_TypeError, "ferry: StorageFilter: pid and is_storage must be callable");
+    return NULL;
+  }
+  StorageFilterObject *self = (StorageFilterObject *)type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  self->vectorcall = (vectorcallfunc)storage_filter_call;
+  self->pid = Py_NewRef(pid);
+  self->known = Py_NewRef(known);
+  self->is_storage = Py_NewRef(is_storage);
+  return (PyObject *)self;
+}
+
+static int storage_filter_traverse(StorageFilterObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->pid);
+  Py_VISIT(self->known);
+  Py_VISIT(self->is_storage);
+  return 0;
+}
+
+static int storage_filter_clear(StorageFilterObject *self) {
+  Py_CLEAR(self->pid);
+  Py_CLEAR(self->known);
+  Py_CLEAR(self->is_storage);
+  return 0;
+}
+
+static void storage_filter_dealloc(StorageFilterObject *self) {
+  PyObject_GC_UnTrack(self);
+  storage_filter_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Bound to an instance as a function is: a method whose self is passed on. */
+static PyObject *storage_filter_get(PyObject *self, PyObject *obj, PyObject *type) {
+  if (!obj || obj == Py_None) return Py_NewRef(self);
+  return PyMethod_New(self, obj);
+}
+
+PyTypeObject StorageFilterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ferry._ferry.StorageFilter",
+    .tp_basicsize = sizeof(StorageFilterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "StorageFilter(pid, known, is_storage): a persistent_id that returns None for "
+              "objects whose type is not a storage (verdicts cached in known by type) and "
+              "calls pid(*args) for the others.",
+    .tp_new = storage_filter_new,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(StorageFilterObject, vectorcall),
+    .tp_descr_get = storage_filter_get,
+    .tp_traverse = (traverseproc)storage_filter_traverse,
+    .tp_clear = (inquiry)storage_filter_clear,
+    .tp_dealloc = (destructor)storage_filter_dealloc,
+};

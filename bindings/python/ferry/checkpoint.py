@@ -185,23 +185,19 @@ class _Recorder:
 _is_storage_type = {}
 
 
+def _is_storage(obj):
+    return isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)
+
+
 def _storages_only(pid):
     """torch's persistent_id pid, asked only about storages. The pickler asks
     persistent_id about every object it writes (about 700 for an MLP and its
     AdamW state); torch's answers None for all but the storages after two
-    Python calls, this one after a dict lookup (torch's pass over that state:
-    0.82 -> 0.76 ms). The answers are the same, so is the pickle
+    Python calls, _ferry.StorageFilter after a dict lookup in C (torch's pass
+    over that state: 0.82 -> 0.76 ms with the same filter in Python, 0.72 ms
+    in C). The answers are the same, so is the pickle
     (test_file_is_what_torch_save_writes compares data.pkl with torch.save's)."""
-    known = _is_storage_type
-
-    def persistent_id(*args):
-        obj = args[-1]
-        yes = known.get(type(obj))
-        if yes is None:
-            yes = known[type(obj)] = (isinstance(obj, torch.storage.TypedStorage)
-                                      or torch.is_storage(obj))
-        return pid(*args) if yes else None
-    return persistent_id
+    return _ferry.StorageFilter(pid, _is_storage_type, _is_storage)
 
 
 class _Pickler(pickle.Pickler):
