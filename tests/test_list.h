@@ -101,6 +101,7 @@
   X(snapshot_error_write_fails_midway)                                     \
   X(snapshot_crash_keeps_previous)                                         \
   X(snapshot_engine_destroy_waits)                                         \
+  X(snapshot_writer_threads_are_reused)                                    \
   X(snapshot_concurrent_pack_unpack)                                       \
   X(snapshot_zip64)                                                        \
   X(snapshot_torch_load)                                                   \

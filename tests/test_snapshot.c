@@ -745,6 +745,102 @@ TEST(snapshot_engine_destroy_waits) {
   return 0;
 }
 
+/* The threads of this process named "ferry-snapshot"; *idle: how many of
+ * them run at SCHED_IDLE. -1 where /proc/self/task cannot be read. */
+static int writer_threads(int *idle) {
+  *idle = 0;
+  DIR *d = opendir("/proc/self/task");
+  if (!d) return -1;
+  int n = 0;
+  struct dirent *de;
+  while ((de = readdir(d))) {
+    if (de->d_name[0] == '.') continue;
+    char p[300], comm[32] = "";
+    snprintf(p, sizeof p, "/proc/self/task/%s/comm", de->d_name);
+    FILE *f = fopen(p, "r");
+    if (!f) continue;
+    if (!fgets(comm, sizeof comm, f)) comm[0] = 0;
+    fclose(f);
+    if (strcmp(comm, "ferry-snapshot\n") != 0) continue;
+    n++;
+#if defined(__linux__) && defined(SCHED_IDLE)
+    if (sched_getscheduler((pid_t)atoi(de->d_name)) == SCHED_IDLE) (*idle)++;
+#endif
+  }
+  closedir(d);
+  return n;
+}
+
+static int snapshot_and_check(fixture *f, const char *dir, const char *path, state *st) {
+  ferry_snapshot *s = NULL;
+  int rc = ferry_snapshot_start(f->e, path, st->rec, st->n, NULL, &s);
+  if (!rc) rc = ferry_snapshot_fence(s, NULL);
+  if (!rc) rc = ferry_snapshot_wait(s);
+  ferry_snapshot_free(s);
+  return rc ? rc : check_archive(dir, path, st);
+}
+
+/* Writer threads outlive their snapshot and take the engine's next one
+ * (creating a thread was most of ferry_snapshot_start's time): one thread
+ * for snapshots one after another, one per snapshot running at once, a
+ * normal-priority one for a chunked snapshot once the first went to
+ * SCHED_IDLE (it cannot come back), none after the engine is destroyed. */
+TEST(snapshot_writer_threads_are_reused) {
+  int idle;
+  if (writer_threads(&idle) < 0) {
+    printf("  skipped: /proc/self/task cannot be read\n");
+    return 0;
+  }
+  CHECK_EQ(writer_threads(&idle), 0);
+  fixture f;
+  ferry_config c = fixture_config(&f);
+  c.link.d2h_bytes_per_s = 200e6; /* 4 MiB: ~20 ms, long enough to overlap */
+  c.host_cap_bytes = 6u << 20;
+  CHECK_OK(fixture_open(&f, &c));
+  char dir[64], path[4][128];
+  CHECK(make_dir(dir, sizeof dir) == 0);
+  for (int i = 0; i < 4; i++) snprintf(path[i], sizeof path[i], "%s/ckpt%d.pt", dir, i);
+  state small, big;
+  CHECK(state_make(&small, 4, size_1m, 2, 5) == 0); /* 2 MiB staged: fits, all issued */
+  CHECK(state_make(&big, 12, size_1m, 0, 6) == 0);  /* 12 MiB past a 6 MiB cap: chunked */
+
+  for (int round = 0; round < 3; round++) { /* one after another: one thread */
+    CHECK_OK(snapshot_and_check(&f, dir, path[0], &small));
+    CHECK_EQ(writer_threads(&idle), 1);
+  }
+  int can_idle = idle == 1; /* SCHED_IDLE is best effort */
+  printf("  writer at SCHED_IDLE: %s\n", can_idle ? "yes" : "no (refused here)");
+
+  ferry_snapshot *a = NULL, *b = NULL; /* at once: a second thread */
+  CHECK_OK(ferry_snapshot_start(f.e, path[1], small.rec, small.n, NULL, &a));
+  CHECK_OK(ferry_snapshot_start(f.e, path[2], small.rec, small.n, NULL, &b));
+  CHECK_EQ(ferry_snapshot_poll(a), 1); /* still staging over the slow link */
+  CHECK_OK(ferry_snapshot_wait(a));
+  CHECK_OK(ferry_snapshot_wait(b));
+  ferry_snapshot_free(a);
+  ferry_snapshot_free(b);
+  CHECK_EQ(writer_threads(&idle), 2);
+  CHECK(check_archive(dir, path[1], &small) == 0);
+  CHECK(check_archive(dir, path[2], &small) == 0);
+
+  /* chunked: every parked thread is at SCHED_IDLE (where it could go), so
+   * a third one at normal priority; it is reused the next time */
+  for (int round = 0; round < 2; round++) {
+    CHECK_OK(snapshot_and_check(&f, dir, path[3], &big));
+    CHECK_EQ(writer_threads(&idle), can_idle ? 3 : 2);
+    if (can_idle) CHECK_EQ(idle, 2);
+  }
+  CHECK_OK(snapshot_and_check(&f, dir, path[0], &small)); /* a parked thread, any */
+  CHECK_EQ(writer_threads(&idle), can_idle ? 3 : 2);
+
+  ferry_engine_destroy(f.e);
+  CHECK_EQ(writer_threads(&idle), 0);
+  state_free(&small);
+  state_free(&big);
+  remove_dir(dir);
+  return 0;
+}
+
 typedef struct packer {
   ferry_engine *e;
   atomic_int stop;

@@ -300,6 +300,16 @@ def _serialization_id():
     return ("%040d" % _ids.randrange(10 ** 40)).encode()
 
 
+_dtype_names = {None: str(torch.uint8)}  # a storage no tensor named: its bytes
+
+
+def _dtype_name(dtype):
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype)
+    return name
+
+
 # ---- policies ------------------------------------------------------------------
 _policies = {}
 _policy_paths = {}  # (policy, $FERRY_POLICY, $FERRY_POLICY_DIR) -> its file
@@ -880,18 +890,23 @@ def snapshot(
     desc = describe(obj)
     torch_records, storages = _torch_records(obj)
 
+    # each storage's device once (torch.device objects are built per read)
+    on_device = [st.device for st in storages]
+    for i, dv in enumerate(on_device):
+        on_device[i] = dv if dv.type != "cpu" else None
     # backend and device: cuda when a storage lives on a GPU
-    devices = {st.device for st in storages if st.device.type != "cpu"}
+    devices = {dv for dv in on_device if dv is not None}
     backend, device = _backend_device(backend, devices, f"ferry.torch.snapshot({path!r})", path)
     policy_path, pol = _snapshot_policy(policy)
     engine = _engine_for(backend, device, policy_path, host_cap, knobs)
 
     # the policy's plan, per storage (key order)
     entries = []
+    paths, dtypes = desc["paths"], desc["dtypes"]
     for index, st in enumerate(storages):
-        top, spath = desc["paths"].get(st._cdata, ("", ""))
-        dtype = desc["dtypes"].get(st._cdata, torch.uint8)
-        entries.append((top, spath, st.nbytes(), index, str(dtype), st.device.type != "cpu"))
+        top, spath = paths.get(st._cdata, ("", ""))
+        entries.append((top, spath, st.nbytes(), index, _dtype_name(dtypes.get(st._cdata)),
+                        on_device[index] is not None))
     plan = pol[0].plan(entries) if entries else []
     if pol[0].errors > pol[1]:
         pol[1] = pol[0].errors
@@ -910,9 +925,9 @@ def snapshot(
     keepalive = []
     for i in sorted(range(len(entries)), key=lambda i: (plan[i][1], i)):
         st = storages[i]
-        nbytes = st.nbytes()
+        nbytes = entries[i][2]
         stage = plan[i][0] and (key_set is None or entries[i][0] in key_set)
-        on_gpu = st.device.type != "cpu"
+        on_gpu = entries[i][5]
         name = prefix + data_names[i]
         if nbytes == 0:
             records.append((name, b""))

@@ -63,16 +63,16 @@ struct ferry_snapshot {
   uint64_t issue_off;
   bk_event *last_issued_ev;
 
-  pthread_t thread;
-  int thread_started;
+  struct snapshot_list *list; /* the engine's, for its writer threads */
+  int to_idle;        /* every copy was issued at start: the writer runs at SCHED_IDLE */
+  int thread_started; /* handed to a writer thread */
 
   pthread_mutex_t mu; /* guards what follows */
   pthread_cond_t cv;
   int issue_done;    /* no copy will be issued any more */
   bk_event *last_ev; /* event after the last copy, once issue_done */
-  int done;
+  int done; /* the writer thread touches the snapshot no more */
   int rc;
-  int joined;
   char msg[SNAP_MSG]; /* written once, before done is set */
 };
 
@@ -389,23 +389,15 @@ static int create_tmp(ferry_snapshot *s) {
  * waits for this thread to free staging buffers. The cost: while every
  * core is busy the file takes longer to appear, and its staging memory is
  * held until then. */
-static void writer_priority(ferry_snapshot *s) {
-  pthread_mutex_lock(&s->mu);
-  int all_issued = s->issue_done;
-  pthread_mutex_unlock(&s->mu);
+static void writer_to_idle(void) {
 #if defined(__linux__) && defined(SCHED_IDLE)
-  if (all_issued) {
-    struct sched_param sp = {0};
-    pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp); /* best effort */
-  }
-#else
-  (void)all_issued;
+  struct sched_param sp = {0};
+  pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp); /* best effort */
 #endif
 }
 
-static void *writer_main(void *arg) {
-  ferry_snapshot *s = arg;
-  writer_priority(s);
+/* One snapshot, start to end; the caller's thread then leaves it alone. */
+static void write_snapshot(ferry_snapshot *s) {
   int rc = create_tmp(s), err;
   if (rc == FERRY_OK) {
     zip_writer z;
@@ -437,7 +429,118 @@ static void *writer_main(void *arg) {
   s->done = 1;
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- writer threads -------------------------------------------------------- */
+/* Writer threads outlive their snapshot: each then waits, parked, for the
+ * engine's next one, and all are joined when the engine is destroyed.
+ * Creating a thread took 50-100 us of ferry_snapshot_start on a 2-core VM
+ * (docs/checkpoints.md), time the training loop is blocked; handing a
+ * snapshot to a parked thread is a condition signal. A thread that went to
+ * SCHED_IDLE cannot come back unprivileged (sched(7)): it only takes
+ * snapshots that run there too; a chunked one gets a normal-priority
+ * thread, parked or new. There are as many threads as snapshots that ever
+ * ran at once (of each priority). */
+typedef struct writer {
+  pthread_t thread;
+  struct writer *next;
+  pthread_cond_t cv; /* a job, or the engine closing */
+  ferry_snapshot *job;
+  int idle; /* at SCHED_IDLE */
+} writer;
+
+typedef struct snapshot_list {
+  ferry_snapshot *head; /* under the engine lock */
+  pthread_mutex_t mu;   /* guards what follows */
+  writer *writers;      /* every thread, parked or not */
+  int closing;
+} snapshot_list;
+
+typedef struct writer_arg {
+  snapshot_list *l;
+  writer *w;
+} writer_arg;
+
+static void *writer_main(void *arg) {
+  writer_arg a = *(writer_arg *)arg;
+  free(arg);
+  snapshot_list *l = a.l;
+  writer *w = a.w;
+  pthread_mutex_lock(&l->mu);
+  for (;;) {
+    while (!w->job && !l->closing) pthread_cond_wait(&w->cv, &l->mu);
+    ferry_snapshot *s = w->job;
+    if (!s) break;
+    int lower = s->to_idle && !w->idle;
+    w->idle |= lower;
+    pthread_mutex_unlock(&l->mu);
+    if (lower) writer_to_idle();
+    write_snapshot(s); /* s is its owner's again */
+    pthread_mutex_lock(&l->mu);
+    w->job = NULL;
+  }
+  pthread_mutex_unlock(&l->mu);
   return NULL;
+}
+
+/* Give s to a parked writer of a suitable priority, else to a new one. */
+static int hand_to_writer(ferry_snapshot *s) {
+  snapshot_list *l = s->list;
+  pthread_mutex_lock(&l->mu);
+  writer *pick = NULL;
+  for (writer *w = l->writers; w; w = w->next)
+    if (!w->job && (s->to_idle || !w->idle) && (!pick || w->idle > pick->idle)) pick = w;
+  if (pick) {
+    pick->job = s;
+    s->thread_started = 1;
+    pthread_cond_signal(&pick->cv);
+    pthread_mutex_unlock(&l->mu);
+    return 0;
+  }
+  writer *w = calloc(1, sizeof *w);
+  writer_arg *a = malloc(sizeof *a);
+  int prc = ENOMEM;
+  if (w && a) {
+    pthread_cond_init(&w->cv, NULL);
+    w->job = s;
+    *a = (writer_arg){l, w};
+    /* The writer must not take the embedder's signals (as the streams). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    prc = pthread_create(&w->thread, NULL, writer_main, a);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+  }
+  if (prc) {
+    if (w) pthread_cond_destroy(&w->cv);
+    free(w);
+    free(a);
+    pthread_mutex_unlock(&l->mu);
+    return prc;
+  }
+#if defined(__GLIBC__)
+  pthread_setname_np(w->thread, "ferry-snapshot");
+#endif
+  w->next = l->writers;
+  l->writers = w;
+  s->thread_started = 1;
+  pthread_mutex_unlock(&l->mu);
+  return 0;
+}
+
+/* Engine teardown, once no snapshot is left running: the parked writers end. */
+static void writers_join(snapshot_list *l) {
+  pthread_mutex_lock(&l->mu);
+  l->closing = 1;
+  for (writer *w = l->writers; w; w = w->next) pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&l->mu);
+  while (l->writers) {
+    writer *w = l->writers;
+    l->writers = w->next;
+    pthread_join(w->thread, NULL);
+    pthread_cond_destroy(&w->cv);
+    free(w);
+  }
 }
 
 /* ---- start ---------------------------------------------------------------- */
@@ -526,12 +629,9 @@ oom:
   return NULL;
 }
 
-/* The engine's snapshots not yet freed: registered with the engine as the
- * data of its shutdown hook (core.h), under the engine lock. */
-typedef struct snapshot_list {
-  ferry_snapshot *head;
-} snapshot_list;
-
+/* The engine's snapshots not yet freed (snapshot_list, above): registered
+ * with the engine as the data of its shutdown hook (core.h), under the
+ * engine lock. */
 static void snapshot_engine_shutdown(ferry_engine *e, void *ud);
 
 /* Add s to the engine's list unless a snapshot to the same path is still
@@ -545,6 +645,7 @@ static int register_snapshot(ferry_engine *e, ferry_snapshot *s) {
       engine_unlock(e);
       return FERRY_ENOMEM;
     }
+    pthread_mutex_init(&l->mu, NULL);
   }
   for (ferry_snapshot *o = l->head; o; o = o->next) {
     pthread_mutex_lock(&o->mu);
@@ -562,6 +663,7 @@ static int register_snapshot(ferry_engine *e, ferry_snapshot *s) {
   s->next = l->head;
   if (l->head) l->head->prev = s;
   l->head = s;
+  s->list = l;
   engine_unlock(e);
   return FERRY_OK;
 }
@@ -688,20 +790,14 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
     return rc;
   }
 
-  /* The writer must not take the embedder's signals (as the streams). */
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int prc = pthread_create(&s->thread, NULL, writer_main, s);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  pthread_mutex_lock(&s->mu);
+  s->to_idle = s->issue_done;
+  pthread_mutex_unlock(&s->mu);
+  int prc = hand_to_writer(s);
   if (prc) {
     abandon(e, s);
     return start_fail(e, FERRY_ENOMEM, "cannot start the writer thread: %s", strerror(prc));
   }
-  s->thread_started = 1;
-#if defined(__GLIBC__)
-  pthread_setname_np(s->thread, "ferry-snapshot");
-#endif
   *out = s;
   return FERRY_OK;
 }
@@ -747,17 +843,16 @@ const char *ferry_snapshot_error(ferry_snapshot *s) {
   return m;
 }
 
-static void join_writer(ferry_snapshot *s) {
+/* Until the writer thread leaves s alone (it goes on to the next snapshot). */
+static void wait_writer(ferry_snapshot *s) {
   pthread_mutex_lock(&s->mu);
-  int join = s->thread_started && !s->joined;
-  s->joined = 1;
+  while (s->thread_started && !s->done) pthread_cond_wait(&s->cv, &s->mu);
   pthread_mutex_unlock(&s->mu);
-  if (join) pthread_join(s->thread, NULL);
 }
 
 void ferry_snapshot_free(ferry_snapshot *s) {
   if (!s) return;
-  join_writer(s);
+  wait_writer(s);
   pthread_mutex_lock(&s->mu);
   ferry_engine *e = s->e;
   pthread_mutex_unlock(&s->mu);
@@ -780,13 +875,16 @@ static void snapshot_engine_shutdown(ferry_engine *e, void *ud) {
     if (s) unlink_snapshot_locked(e, s);
     engine_unlock(e);
     if (!s) break;
-    join_writer(s);
+    wait_writer(s);
     engine_lock(e);
     put_events_locked(e, s);
     engine_unlock(e);
     pthread_mutex_lock(&s->mu);
     s->e = NULL;
+    s->list = NULL;
     pthread_mutex_unlock(&s->mu);
   }
+  writers_join(l);
+  pthread_mutex_destroy(&l->mu);
   free(l);
 }
