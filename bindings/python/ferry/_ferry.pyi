@@ -1,6 +1,6 @@
 # Type stub of the C extension ferry._ferry (bindings/python/ext/): what the
 # Python package builds on. Documented in docs/pytorch.md.
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 __version__: str
 MAX_DIMS: int
@@ -49,6 +49,11 @@ class Snapshot:
     def poll(self) -> bool: ...
     def wait(self) -> None: ...
     def error(self) -> str: ...
+
+class StorageFilter:
+    def __init__(self, pid: Callable[..., Any], known: Dict[type, bool],
+                 is_storage: Callable[[Any], Any]) -> None: ...
+    def __call__(self, *args: Any) -> Any: ...
 
 class PolicyInstance:
     has_snapshot: bool
