@@ -36,6 +36,13 @@ typedef struct shared_counts {
   atomic_long mismatches;
   atomic_long steps;
   atomic_int holding; /* the child has packed tensors in a step */
+  /* The parent asks the child's workers to wait inside a step, between
+   * ferry calls, before it stops the child: a worker stopped inside
+   * ferry_pack could hold the node budget's lock, which a stopped (not
+   * dead) process never gives back, and the parent's reading of the
+   * shares would wait for it forever. */
+  atomic_int stop_request;
+  atomic_int parked;
 } shared_counts;
 
 typedef struct worker {
@@ -132,7 +139,13 @@ static void *run_worker(void *arg) {
         w->pack_errors++;
       }
     }
-    if (w->counts) atomic_store(&w->counts->holding, 1);
+    if (w->counts) {
+      atomic_store(&w->counts->holding, 1);
+      if (atomic_load(&w->counts->stop_request)) { /* holding this step's tensors */
+        atomic_fetch_add(&w->counts->parked, 1);
+        for (;;) pause(); /* until SIGSTOP and SIGKILL */
+      }
+    }
     ferry_backward_begin(e);
     for (int i = TENSORS_PER_STEP - 1; i >= 0; i--) {
       void *ptr = NULL, *owner = NULL;
@@ -241,6 +254,8 @@ void bench_stress(bench_report *r) {
    * its share, kill it */
   long total_steps = steps * PARENT_THREADS;
   while (atomic_load(&progress) < total_steps / 4 || !atomic_load(&counts->holding)) usleep(1000);
+  atomic_store(&counts->stop_request, 1);
+  for (int ms = 0; ms < 10000 && atomic_load(&counts->parked) < CHILD_THREADS; ms++) usleep(1000);
   kill(kid, SIGSTOP);
   waitpid(kid, NULL, WUNTRACED);
   ferry_node_budget_stats before;
