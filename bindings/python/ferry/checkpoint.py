@@ -100,15 +100,13 @@ def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:
     seen, dtypes, skipped = {}, {}, []
     counts = [0, 0, 0, 0]  # tensors, tensor_bytes, primitives, objects
     prims = _PRIMITIVE_TYPES
-    # (snapshot() runs this on the training thread: the common containers
-    # and primitives are told by their exact type, 32 -> 22 us for an MLP's
-    # state and its AdamW moments)
+    # (snapshot() runs this on the training thread: containers first, and a
+    # primitive child counted by its exact type without a call, 32 -> 25 us
+    # for an MLP's state and its AdamW moments)
 
     def walk(x, key, path):
-        t = type(x)
-        if t is dict or t is list or t is tuple or t is collections.OrderedDict:
-            for k, v in (x.items() if t is dict or t is collections.OrderedDict
-                         else enumerate(x)):
+        if isinstance(x, (dict, list, tuple)):
+            for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
                 if type(v) in prims:
                     counts[2] += 1
                 else:
@@ -124,16 +122,11 @@ def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:
                     counts[1] += st.nbytes()
             except (RuntimeError, NotImplementedError, AttributeError):
                 pass  # sparse/nested/subclass tensors: the pickler finds their storages
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, key if path else str(k), f"{path}.{k}" if path else str(k))
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                walk(v, key if path else str(i), f"{path}.{i}" if path else str(i))
         elif isinstance(x, _PRIMITIVES):
             counts[2] += 1
         else:
             counts[3] += 1
+            t = type(x)
             skipped.append(f"{path or '<top>'}: {t.__module__}.{t.__qualname__}")
 
     if keys is not None and isinstance(obj, dict):
