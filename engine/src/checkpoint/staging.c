@@ -443,6 +443,7 @@ static void write_snapshot(ferry_snapshot *s) {
  * ran at once (of each priority). */
 typedef struct writer {
   pthread_t thread;
+  struct snapshot_list *l;
   struct writer *next;
   pthread_cond_t cv; /* a job, or the engine closing */
   ferry_snapshot *job;
@@ -456,16 +457,9 @@ typedef struct snapshot_list {
   int closing;
 } snapshot_list;
 
-typedef struct writer_arg {
-  snapshot_list *l;
-  writer *w;
-} writer_arg;
-
 static void *writer_main(void *arg) {
-  writer_arg a = *(writer_arg *)arg;
-  free(arg);
-  snapshot_list *l = a.l;
-  writer *w = a.w;
+  writer *w = arg;
+  snapshot_list *l = w->l;
   pthread_mutex_lock(&l->mu);
   for (;;) {
     while (!w->job && !l->closing) pthread_cond_wait(&w->cv, &l->mu);
@@ -498,23 +492,21 @@ static int hand_to_writer(ferry_snapshot *s) {
     return 0;
   }
   writer *w = calloc(1, sizeof *w);
-  writer_arg *a = malloc(sizeof *a);
   int prc = ENOMEM;
-  if (w && a) {
+  if (w) {
     pthread_cond_init(&w->cv, NULL);
+    w->l = l;
     w->job = s;
-    *a = (writer_arg){l, w};
     /* The writer must not take the embedder's signals (as the streams). */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    prc = pthread_create(&w->thread, NULL, writer_main, a);
+    prc = pthread_create(&w->thread, NULL, writer_main, w);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
   }
   if (prc) {
     if (w) pthread_cond_destroy(&w->cv);
     free(w);
-    free(a);
     pthread_mutex_unlock(&l->mu);
     return prc;
   }
