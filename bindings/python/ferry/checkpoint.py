@@ -322,12 +322,16 @@ _policy_paths = {}  # (policy, $FERRY_POLICY, $FERRY_POLICY_DIR) -> its file
 
 
 def _snapshot_policy(policy):
-    # resolving a name looks in every policy directory (60 us a snapshot)
-    # (a ferry.Policy is its own file: not looked up)
+    # A name is resolved once per (name, environment): resolving looks in
+    # every policy directory (60 us a snapshot), and even a stat of the file
+    # found costs 30-35 us right after a training step (the kernel's path
+    # walk runs cache-cold; docs/checkpoints.md). The file is read once
+    # either way (its instance is kept per path below). A ferry.Policy is
+    # its own file: not looked up.
     named = policy is None or isinstance(policy, str)
     key = (policy, os.environ.get("FERRY_POLICY"), os.environ.get("FERRY_POLICY_DIR"))
     path = _policy_paths.get(key) if named else None
-    if path is None or not os.path.isfile(path):
+    if path is None:
         path = _pkg.policy_path(policy or key[1] or "default")
         if named:
             _policy_paths[key] = path
