@@ -1100,8 +1100,10 @@ TEST(snapshot_rejects_bad_input) {
   return 0;
 }
 
-/* A target that exists and is not a regular file is refused and left as it
- * is; a symbolic link is followed to the regular file it names. */
+/* A target that exists and is not a regular file is refused (the handle's
+ * error: the writer thread resolves the target) and left as it is, with no
+ * temporary file beside it; a symbolic link is followed to the regular file
+ * it names. */
 TEST(snapshot_target_must_be_regular) {
   fixture f;
   ferry_config c = fixture_config(&f);
@@ -1129,15 +1131,21 @@ TEST(snapshot_target_must_be_regular) {
     snprintf(p, sizeof p, "%s/%s", dir, refused[i].name);
     struct stat before, after;
     CHECK(lstat(p, &before) == 0);
-    CHECK_RC(ferry_snapshot_start(f.e, p, st.rec, st.n, NULL, &s), FERRY_EINVAL);
-    CHECK(s == NULL);
-    CHECK_STR_CONTAINS(ferry_last_error(f.e), refused[i].message);
+    CHECK_OK(ferry_snapshot_start(f.e, p, st.rec, st.n, NULL, &s));
+    CHECK_RC(ferry_snapshot_wait(s), FERRY_EINVAL);
+    CHECK_STR_CONTAINS(ferry_snapshot_error(s), refused[i].message);
+    ferry_snapshot_free(s);
     CHECK(lstat(p, &after) == 0 && after.st_ino == before.st_ino &&
           after.st_mode == before.st_mode);
+    CHECK_EQ(temp_files(dir, NULL), 0);
   }
   /* a character device outside dir: never replaced (as root it could be) */
-  CHECK_RC(ferry_snapshot_start(f.e, "/dev/full", st.rec, st.n, NULL, &s), FERRY_EINVAL);
-  CHECK_STR_CONTAINS(ferry_last_error(f.e), "/dev/full exists and is a character device");
+  CHECK_OK(ferry_snapshot_start(f.e, "/dev/full", st.rec, st.n, NULL, &s));
+  CHECK_RC(ferry_snapshot_wait(s), FERRY_EINVAL);
+  CHECK_STR_CONTAINS(ferry_snapshot_error(s), "/dev/full exists and is a character device");
+  ferry_snapshot_free(s);
+  struct stat full;
+  CHECK(stat("/dev/full", &full) == 0 && S_ISCHR(full.st_mode));
   /* a link to a regular file: the file gets the snapshot, the link stays */
   snprintf(p, sizeof p, "%s/real.pt", dir);
   snprintf(q, sizeof q, "%s/link.pt", dir);

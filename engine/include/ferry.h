@@ -523,8 +523,11 @@ FERRY_API int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size);
  * it to disk on a writer thread while training goes on. The file is a zip
  * archive (stored, ZIP64) of named records in the given order — the layout
  * torch.save uses, so a caller that supplies the pickle record gets a file
- * torch.load reads. Written to "<path>.tmp", fsynced, then renamed: a crash
- * leaves any previous file at path intact. */
+ * torch.load reads. Written to a temporary file beside path, fsynced, then
+ * renamed: a crash leaves any previous file at path intact. The writer
+ * thread resolves path first: a symbolic link to a regular file is followed;
+ * anything else that exists and is not a regular file is refused
+ * (FERRY_EINVAL), the snapshot's error like every I/O error. */
 typedef struct ferry_snapshot ferry_snapshot;
 
 typedef struct ferry_snapshot_record {

@@ -46,7 +46,9 @@ typedef struct snap_batch {
 struct ferry_snapshot {
   ferry_engine *e; /* NULL once the engine was destroyed */
   ferry_snapshot *prev, *next; /* the engine's list, under the engine lock */
-  char *path, *tmp_path;
+  char *path;   /* as given: what messages name, and busy snapshots are told by */
+  char *target; /* the file replaced (path, or the file its link names) and */
+  char *tmp_path; /* the temporary file beside it: both the writer thread's */
   snap_record *rec;
   size_t n;
   uint64_t dev_total; /* bytes of all device records */
@@ -127,6 +129,7 @@ static void snapshot_free_memory(ferry_snapshot *s) {
   free(s->slots);
   free(s->queue);
   free(s->path);
+  free(s->target);
   free(s->tmp_path);
   pthread_cond_destroy(&s->cv);
   pthread_mutex_destroy(&s->mu);
@@ -359,10 +362,59 @@ static mode_t process_umask(void) {
   return (mode_t)mask;
 }
 
-/* The temporary file, created on the writer thread rather than in start:
- * creating a file (a journal update on most file systems) and reading the
- * umask took 0.1-0.6 ms of the caller's time on the development VM. Errors
- * are the handle's, as every I/O error. */
+static const char *file_type(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+/* The file a snapshot to path replaces: path itself when it does not exist
+ * or is a regular file; the regular file a symbolic link names (the link
+ * stays). Anything else that exists is refused, never replaced. */
+static int resolve_target(ferry_snapshot *s) {
+  const char *path = s->path;
+  struct stat st;
+  char real[PATH_MAX];
+  if (lstat(path, &st) != 0) {
+    /* not there, or not reachable: creating the temporary file beside it
+     * fails the same way, and reports it */
+  } else if (S_ISLNK(st.st_mode)) {
+    if (!realpath(path, real) || stat(real, &st) != 0)
+      return snap_fail(s, FERRY_EINVAL,
+                       "%s is a symbolic link to a missing file; refusing to write through it",
+                       path);
+    if (!S_ISREG(st.st_mode))
+      return snap_fail(s, FERRY_EINVAL,
+                       "%s is a symbolic link to %s, %s; refusing to replace it", path, real,
+                       file_type(st.st_mode));
+    if (strlen(real) + 24 > PATH_MAX)
+      return snap_fail(s, FERRY_EINVAL, "%s: its target's path is too long", path);
+    path = real;
+  } else if (!S_ISREG(st.st_mode)) {
+    return snap_fail(s, FERRY_EINVAL, "%s exists and is %s; refusing to replace it", path,
+                     file_type(st.st_mode));
+  }
+  size_t len = strlen(path);
+  if (!(s->target = malloc(len + 1)) || !(s->tmp_path = malloc(len + 24)))
+    return snap_fail(s, FERRY_ENOMEM, "snapshot %s: out of memory for its file names", s->path);
+  memcpy(s->target, path, len + 1);
+  /* "<dir>/.<name>.ferry-XXXXXX": hidden, beside the target (same file
+   * system for the rename), unique per writer (mkostemp) */
+  const char *slash = strrchr(path, '/');
+  size_t dir_len = slash ? (size_t)(slash - path) + 1 : 0;
+  snprintf(s->tmp_path, len + 24, "%.*s.%s.ferry-XXXXXX", (int)dir_len, path, path + dir_len);
+  return FERRY_OK;
+}
+
+/* The target and the temporary file, on the writer thread rather than in
+ * start: creating a file (a journal update on most file systems) and
+ * reading the umask took 0.1-0.6 ms of the caller's time on the development
+ * VM, and even the lstat of the target 35 us right after a training step
+ * (the kernel's path walk runs cache-cold; docs/checkpoints.md). Errors,
+ * a refused target included, are the handle's, as every I/O error. */
 static int create_tmp(ferry_snapshot *s) {
   size_t len = strlen(s->tmp_path);
   char *template_path = malloc(len + 1);
@@ -398,7 +450,8 @@ static void writer_to_idle(void) {
 
 /* One snapshot, start to end; the caller's thread then leaves it alone. */
 static void write_snapshot(ferry_snapshot *s) {
-  int rc = create_tmp(s), err;
+  int rc = resolve_target(s), err;
+  if (rc == FERRY_OK) rc = create_tmp(s);
   if (rc == FERRY_OK) {
     zip_writer z;
     err = zipw_init(&z, s->fd);
@@ -414,12 +467,12 @@ static void write_snapshot(ferry_snapshot *s) {
     if (close(s->fd) != 0 && rc == FERRY_OK) rc = io_fail(s, "close of", errno);
     s->fd = -1;
   }
-  if (rc == FERRY_OK && rename(s->tmp_path, s->path) != 0)
+  if (rc == FERRY_OK && rename(s->tmp_path, s->target) != 0)
     rc = snap_fail(s, FERRY_EIO, "snapshot %s: rename of %s to %s failed: %s", s->path,
-                   s->tmp_path, s->path, strerror(errno));
+                   s->tmp_path, s->target, strerror(errno));
   if (rc != FERRY_OK) {
     if (created) unlink(s->tmp_path);
-  } else if ((err = fsync_parent_dir(s->path))) {
+  } else if ((err = fsync_parent_dir(s->target))) {
     snap_fail(s, FERRY_EIO,
               "snapshot %s: the file is complete and renamed into place, but the fsync of "
               "its directory failed: %s; the rename may not survive a crash",
@@ -589,15 +642,9 @@ static ferry_snapshot *snapshot_new(ferry_engine *e, const char *path,
   pthread_cond_init(&s->cv, NULL);
   size_t plen = strlen(path);
   s->path = malloc(plen + 1);
-  s->tmp_path = malloc(plen + 24);
   s->rec = calloc(n ? n : 1, sizeof *s->rec);
-  if (!s->path || !s->tmp_path || !s->rec) goto oom;
+  if (!s->path || !s->rec) goto oom;
   memcpy(s->path, path, plen + 1);
-  /* "<dir>/.<name>.ferry-XXXXXX": hidden, beside the target (same file
-   * system for the rename), unique per writer (mkostemp) */
-  const char *slash = strrchr(path, '/');
-  size_t dir_len = slash ? (size_t)(slash - path) + 1 : 0;
-  snprintf(s->tmp_path, plen + 24, "%.*s.%s.ferry-XXXXXX", (int)dir_len, path, path + dir_len);
   s->n = n;
   for (size_t i = 0; i < n; i++) {
     const ferry_snapshot_record *in = &records[i];
@@ -626,8 +673,10 @@ oom:
  * engine lock. */
 static void snapshot_engine_shutdown(ferry_engine *e, void *ud);
 
-/* Add s to the engine's list unless a snapshot to the same path is still
- * running there: both would write the same temporary file. */
+/* Add s to the engine's list unless a snapshot to the same path (as given)
+ * is still running there: two renames racing to one path leave the file of
+ * whichever came last. (A path and a symbolic link to it are not told apart:
+ * the target is resolved later, on the writer thread.) */
 static int register_snapshot(ferry_engine *e, ferry_snapshot *s) {
   engine_lock(e);
   snapshot_list *l = engine_shutdown_data(e, snapshot_engine_shutdown);
@@ -677,13 +726,10 @@ static void put_events_locked(ferry_engine *e, ferry_snapshot *s) {
   }
 }
 
-/* Undo a start that failed after the snapshot was registered. */
+/* Undo a start that failed after the snapshot was registered (before the
+ * writer thread, which creates the file). */
 static void abandon(ferry_engine *e, ferry_snapshot *s) {
   release_slots(s);
-  if (s->fd >= 0) {
-    close(s->fd);
-    unlink(s->tmp_path);
-  }
   engine_lock(e);
   put_events_locked(e, s);
   unlink_snapshot_locked(e, s);
@@ -691,63 +737,20 @@ static void abandon(ferry_engine *e, ferry_snapshot *s) {
   snapshot_free_memory(s);
 }
 
-static const char *file_type(mode_t m) {
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISFIFO(m)) return "a FIFO";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a regular file";
-}
-
-/* The file a snapshot to path replaces: path itself when it does not exist
- * or is a regular file; the regular file a symbolic link names (the link
- * stays). Anything else that exists is refused, never replaced. */
-static int resolve_target(ferry_engine *e, const char *path, char *out, size_t outlen) {
-  struct stat st;
-  if (lstat(path, &st) != 0) {
-    /* not there, or not reachable: creating the temporary file beside it
-     * fails the same way, and I/O errors are the handle's to report */
-    snprintf(out, outlen, "%s", path);
-    return FERRY_OK;
-  }
-  if (S_ISLNK(st.st_mode)) {
-    char real[PATH_MAX];
-    if (!realpath(path, real) || stat(real, &st) != 0)
-      return start_fail(e, FERRY_EINVAL,
-                        "%s is a symbolic link to a missing file; refusing to write through it",
-                        path);
-    if (!S_ISREG(st.st_mode))
-      return start_fail(e, FERRY_EINVAL,
-                        "%s is a symbolic link to %s, %s; refusing to replace it", path, real,
-                        file_type(st.st_mode));
-    if (strlen(real) + 24 > outlen)
-      return start_fail(e, FERRY_EINVAL, "%s: its target's path is too long", path);
-    snprintf(out, outlen, "%s", real);
-    return FERRY_OK;
-  }
-  if (!S_ISREG(st.st_mode))
-    return start_fail(e, FERRY_EINVAL, "%s exists and is %s; refusing to replace it", path,
-                      file_type(st.st_mode));
-  snprintf(out, outlen, "%s", path);
-  return FERRY_OK;
-}
-
 int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot_record *records,
                          size_t n, void *compute_stream, ferry_snapshot **out) {
   int rc = engine_check(e);
   if (rc) return rc;
   if ((rc = validate(e, path, records, n, out))) return rc;
-  char target[PATH_MAX];
-  if ((rc = resolve_target(e, path, target, sizeof target))) return rc;
-  ferry_snapshot *s = snapshot_new(e, target, records, n);
+  ferry_snapshot *s = snapshot_new(e, path, records, n);
   if (!s) return start_fail(e, FERRY_ENOMEM, "out of host memory copying the records");
   if ((rc = register_snapshot(e, s))) {
     snapshot_free_memory(s);
     return rc;
   }
 
-  /* The temporary file is created by the writer thread (create_tmp). */
+  /* The target is resolved and the temporary file created by the writer
+   * thread (create_tmp). */
   if ((rc = take_slots(s))) {
     abandon(e, s);
     return start_fail(e, rc, "out of host memory for the staging list");
