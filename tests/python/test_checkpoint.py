@@ -198,6 +198,50 @@ def test_non_tensor_objects_pass_through_and_are_counted(tmp_path):
     assert d["tensors"] == 6 and d["objects"] == 0
 
 
+
+def test_describe_walks_what_the_pickler_walks():
+    """describe()'s walk (in C): containers through their own iteration
+    (an OrderedDict's order decides which path a shared storage gets),
+    primitive subclasses as primitives, other objects named by path,
+    tensors without a storage counted, and a cycle is a RecursionError."""
+    import collections
+    import enum
+
+    class Flag(enum.IntEnum):
+        ON = 1
+
+    class Name(str):
+        pass
+
+    class Seq(list):
+        pass
+
+    Pair = collections.namedtuple("Pair", "a b")
+    base = torch.arange(16.0)
+    od = collections.OrderedDict(first=base[:4], second=base)
+    od.move_to_end("first")  # iteration: second, then first
+    sparse = torch.eye(3).to_sparse()
+    state = {"od": od, "seq": Seq([Flag.ON, Name("n"), (None, 2)]),
+             "pair": Pair(torch.ones(2, dtype=torch.float16), {3: Tag("t")}),
+             "sparse": sparse, 7: [[base[8:]]]}
+    d = describe(state)
+    assert d["tensors"] == 5 and d["objects"] == 1 and d["primitives"] == 4
+    assert d["skipped"] == [f"pair.1.3: {__name__}.Tag"]
+    from ferry.checkpoint import _untyped
+    st = _untyped(base)
+    assert d["paths"][st._cdata] == ("od", "od.second")
+    half = _untyped(state["pair"].a)
+    assert d["paths"][half._cdata] == ("pair", "pair.0") and d["dtypes"][half._cdata] == torch.float16
+    assert len(d["paths"]) == 2 and d["tensor_bytes"] == 16 * 4 + 2 * 2  # sparse: no storage
+    assert describe(Tag("x"))["skipped"] == [f"<top>: {__name__}.Tag"]
+    k = describe(state, keys=[7, "missing"])
+    assert (k["tensors"], list(k["paths"].values())) == (1, [("7", "7.0.0")])
+    cycle = {"a": 1}
+    cycle["self"] = [cycle]
+    with pytest.raises(RecursionError):
+        describe(cycle)
+
+
 # ---- consistency ----------------------------------------------------------------
 def test_checkpoint_holds_state_at_snapshot_time_while_training_continues(tmp_path):
     model = make_model(512)

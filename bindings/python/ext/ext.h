@@ -50,7 +50,8 @@ extern torch_objects T;
 extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_layout,
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
-    *s_device, *s_version, *s_detach, *s_is_cpu;
+    *s_device, *s_version, *s_detach, *s_is_cpu, *s_cdata, *s_nbytes, *s_items, *s_module,
+    *s_qualname;
 
 /* ---- tensor attributes on the hot path (tensor.c) ----------------------------
  * PyObject_GetAttr on a tensor walks torch.Tensor's type dictionaries (and,
@@ -253,6 +254,7 @@ void *compute_stream(EngineObject *eng);
 PyObject *engine_site_hooks(EngineObject *self, PyObject *arg);
 /* snapshot.c */
 PyObject *engine_snapshot(EngineObject *self, PyObject *args);
+PyObject *describe_walk(PyObject *unused, PyObject *args);
 /* resident.c */
 PyObject *engine_resident(EngineObject *self, PyObject *arg);
 /* nodecap.c */

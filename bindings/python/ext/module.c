@@ -135,6 +135,10 @@ static PyMethodDef module_methods[] = {
     {"parse_number", mod_parse_number, METH_VARARGS,
      "parse_number(what, text, kind, min, max, min_open=False) -> float: the strict parser of "
      "every ferry flag (NUMBER_* kinds); ValueError naming what, the text and what was expected."},
+    {"describe_walk", describe_walk, METH_VARARGS,
+     "describe_walk(roots, tensor_type, untyped) -> (tensors, tensor_bytes, primitives, "
+     "objects, skipped, paths, dtypes): ferry.checkpoint.describe's walk from each (value, "
+     "top-level key, path) of roots."},
     {"unlink_node_cap", nodecap_unlink, METH_O,
      "unlink_node_cap(name): remove a NodeCap's shared-memory segment."},
     {NULL}};

@@ -11,7 +11,8 @@ torch_objects T;
 PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_layout,
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
-    *s_device, *s_version, *s_detach, *s_is_cpu;
+    *s_device, *s_version, *s_detach, *s_is_cpu, *s_cdata, *s_nbytes, *s_items, *s_module,
+    *s_qualname;
 
 int intern_names(void) {
 #define I(var, str) \
@@ -22,7 +23,9 @@ int intern_names(void) {
   I(s_is_cuda, "is_cuda") I(s_get_device, "get_device") I(s_as_strided, "as_strided")
   I(s_view, "view") I(s_storage_offset, "storage_offset") I(s_cuda_stream, "cuda_stream")
   I(s_itemsize, "itemsize") I(s_element_size, "element_size") I(s_device, "device")
-  I(s_version, "_version") I(s_detach, "detach") I(s_is_cpu, "is_cpu")
+  I(s_version, "_version") I(s_detach, "detach") I(s_is_cpu, "is_cpu") I(s_cdata, "_cdata")
+  I(s_nbytes, "nbytes") I(s_items, "items") I(s_module, "__module__")
+  I(s_qualname, "__qualname__")
 #undef I
   return 0;
 }
