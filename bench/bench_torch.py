@@ -27,14 +27,20 @@ under both and neither overwrites the other.
    entered every run, as a training loop enters it every step (the cost of
    making a new one each step is bench_step.py's _new_ctx figure). Modes
    none / noop / ferry keep-all in a rotating order within each round, gc
-   collected between rounds and off within them, median of --e2e-reps runs.
-     hook_keep_vs_noop_pair_<sfx> =
+   collected between rounds and off within them, median of --e2e-reps runs;
+   --e2e-trials such trials (9 of 41 runs), each with 256 freshly allocated
+   tensors: the ratio of one trial moved by +-0.05 to 0.1 from one set of
+   tensors (or one stretch of time) to the next, more runs of one set did
+   not narrow it, more trials do.
+     hook_keep_vs_noop_pair_<sfx> = the median over the trials of
          (median(ferry keep-all) - median(no hooks)) per saved tensor
        / (median(no-op pair) - median(no hooks)) per saved tensor
+     hook_keep_vs_noop_pair_{min,max}_<sfx>: the lowest and highest trial.
      The difference includes torch's own cost of calling any hook pair
      (wrapping the tensor, storing the packed object), in both terms: that
      is the floor the no-op pair stands for.
-     hook_e2e_overhead_ns_{keep,noop}_1mib_<sfx>: the two ns figures.
+     hook_e2e_overhead_ns_{keep,noop}_1mib_<sfx>: the two ns figures of the
+     median trial.
      tensor_facts_<sfx>: 1 when the hooks read tensors through the
      _torchfacts module built for this torch (bindings/python/ext/
      torch_facts.h), 0 through torch's getters (FERRY_TORCH_FACTS=0, or no
@@ -76,7 +82,7 @@ under both and neither overwrites the other.
    torch_chain_none_ms, torch_hook_call_ns_{ferry_keep,noop}.
 
 Usage: python bench/bench_torch.py [--json build/bench.json] [--reps 15]
-         [--direct-reps 300] [--e2e-reps 61]
+         [--direct-reps 300] [--e2e-reps 41] [--e2e-trials 9]
 """
 import argparse
 import contextlib
@@ -194,7 +200,7 @@ def small_tensors(torch, ft, noop, reps, tmp):
     return per, med, hook_ns
 
 
-def big_tensors(torch, ft, noop, reps, direct_reps, tmp):
+def big_tensors(torch, ft, noop, reps, trials, direct_reps, tmp):
     """Part 1: 1 MiB tensors through the engine and a keep-all policy."""
     keep_all = write_policy(tmp, "keep_all.lua", KEEP_ALL)
     keep_unc = write_policy(tmp, "keep_all_uncached.lua", KEEP_ALL_UNCACHED)
@@ -205,10 +211,14 @@ def big_tensors(torch, ft, noop, reps, direct_reps, tmp):
     keep_ctx = lambda: keep_obj  # noqa: E731
     unc_ctx = lambda: unc_obj  # noqa: E731
 
-    leaves = [torch.randn(MIB_ELEMS, requires_grad=True) for _ in range(N_BIG)]
-    outputs = [leaf * 1.0 for leaf in leaves]  # non-leaves with a grad_fn
+    def big():
+        leaves = [torch.randn(MIB_ELEMS, requires_grad=True) for _ in range(N_BIG)]
+        outputs = [leaf * 1.0 for leaf in leaves]  # non-leaves with a grad_fn
+        assert all(t.numel() * t.element_size() == 1 << 20 for t in leaves + outputs)
+        return leaves, outputs
+
+    leaves, outputs = big()
     tensors = [t for pair in zip(leaves, outputs) for t in pair]
-    assert all(t.numel() * t.element_size() == 1 << 20 for t in tensors)
 
     # ---- direct calls ----
     def hooks_of(ctx_fn):
@@ -243,9 +253,9 @@ def big_tensors(torch, ft, noop, reps, direct_reps, tmp):
     # ---- end to end ----
     class SaveBig(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, i):
+        def forward(ctx, x, pair):
             # saved without being inputs: no graph edges to them
-            ctx.save_for_backward(leaves[i], outputs[i])
+            ctx.save_for_backward(*pair)
             return x * 2
 
         @staticmethod
@@ -255,19 +265,32 @@ def big_tensors(torch, ft, noop, reps, direct_reps, tmp):
 
     x0 = torch.randn(16, requires_grad=True)
     chain_len = N_BIG
-
-    def chain():
-        y = x0
-        for i in range(chain_len):
-            y = SaveBig.apply(y, i)
-        y.sum().backward()
-
     saved_per_run = 2 * chain_len
     modes = {"none": contextlib.nullcontext, "noop": noop, "keep": keep_ctx}
-    times = timed_reps(modes, chain, reps)
-    ft.step()
-    med = {m: statistics.median(v) for m, v in times.items()}
-    e2e_ns = {m: (med[m] - med["none"]) / saved_per_run * 1e9 for m in ("noop", "keep")}
+    # Each trial with tensors of its own (fresh allocations): one set's
+    # placement in memory moved the ratio by +-0.05 from trial to trial,
+    # more than more runs of one set could average out.
+    trial_ns, trial_med = [], []
+    for trial in range(trials):
+        if trial:
+            leaves, outputs = big()
+        pairs = list(zip(leaves, outputs))
+
+        def chain():
+            y = x0
+            for i in range(chain_len):
+                y = SaveBig.apply(y, pairs[i])
+            y.sum().backward()
+
+        times = timed_reps(modes, chain, reps)
+        ft.step()
+        med = {m: statistics.median(v) for m, v in times.items()}
+        trial_med.append(med)
+        trial_ns.append({m: (med[m] - med["none"]) / saved_per_run * 1e9 for m in ("noop", "keep")})
+        del pairs, chain
+    ratios = [t["keep"] / t["noop"] for t in trial_ns]
+    at = sorted(range(trials), key=lambda i: ratios[i])[trials // 2]  # the median trial
+    e2e_ns, med = trial_ns[at], trial_med[at]
 
     # The whole path was taken: every tensor packed by the engine and kept,
     # none on the binding's fast path, the policy consulted for each.
@@ -276,7 +299,8 @@ def big_tensors(torch, ft, noop, reps, direct_reps, tmp):
         d = {key: after[key] - before[m][key] for key in
              ("tensors_packed", "tensors_kept", "tensors_offloaded", "kept_small",
               "policy_calls", "policy_cache_hits", "tensors_kept_unheld")}
-        expect = direct_reps * len(tensors) + ((reps + 1) * saved_per_run if m == "keep" else 0)
+        expect = direct_reps * len(tensors) + (trials * (reps + 1) * saved_per_run
+                                               if m == "keep" else 0)
         if not (d["tensors_packed"] == d["tensors_kept"] == expect and d["kept_small"] == 0
                 and d["tensors_offloaded"] == 0
                 and d["policy_calls"] + d["policy_cache_hits"] == expect):
@@ -293,10 +317,12 @@ def big_tensors(torch, ft, noop, reps, direct_reps, tmp):
     print(f"  direct pack+unpack, min of {direct_reps} reps, per tensor: ferry keep-all "
           f"{direct_ns['keep']:.0f} ns (uncached Lua {direct_ns['keep_uncached']:.0f} ns), "
           f"no-op pair {direct_ns['noop']:.0f} ns")
-    print(f"  end to end ({chain_len} ops saving 2 x 1 MiB each, median of {reps}, no hooks "
-          f"{med['none'] * 1e3:.2f} ms/run), overhead per saved tensor: ferry keep-all "
-          f"{e2e_ns['keep']:.0f} ns, no-op pair {e2e_ns['noop']:.0f} ns")
-    return direct_ns, e2e_ns, med
+    print(f"  end to end ({chain_len} ops saving 2 x 1 MiB each, {trials} trials with fresh "
+          f"tensors, median of {reps} runs each), keep-all / no-op pair per trial: "
+          + " ".join(f"{r:.3f}" for r in ratios))
+    print(f"  the median trial: no hooks {med['none'] * 1e3:.2f} ms/run, overhead per saved "
+          f"tensor: ferry keep-all {e2e_ns['keep']:.0f} ns, no-op pair {e2e_ns['noop']:.0f} ns")
+    return direct_ns, e2e_ns, med, ratios
 
 
 def main():
@@ -304,7 +330,10 @@ def main():
     ap.add_argument("--json", help="merge the metrics into this flat JSON object file")
     ap.add_argument("--reps", type=int, default=15, help="64-byte chain runs per mode (median)")
     ap.add_argument("--direct-reps", type=int, default=300, help="1 MiB direct-call reps (min)")
-    ap.add_argument("--e2e-reps", type=int, default=201, help="1 MiB end-to-end runs per mode (median)")
+    ap.add_argument("--e2e-reps", type=int, default=41,
+                    help="1 MiB end-to-end runs per mode and trial (median)")
+    ap.add_argument("--e2e-trials", type=int, default=9,
+                    help="1 MiB end-to-end trials, each with fresh tensors (median of their ratios)")
     args = ap.parse_args()
     ferry = import_ferry(args.json)
     import torch
@@ -318,12 +347,15 @@ def main():
 
     print(f"torch {torch.__version__} ({sfx}), {sys.executable}")
     with tempfile.TemporaryDirectory(prefix="ferry-bench-torch-") as tmp:
-        direct_ns, e2e_ns, big_med = big_tensors(torch, ft, noop, args.e2e_reps, args.direct_reps, tmp)
+        direct_ns, e2e_ns, big_med, ratios = big_tensors(torch, ft, noop, args.e2e_reps,
+                                                         args.e2e_trials, args.direct_reps, tmp)
         per, med, hook_ns = small_tensors(torch, ft, noop, args.reps, tmp)
         ft.close()
 
     out = {
         f"hook_keep_vs_noop_pair_{sfx}": round(e2e_ns["keep"] / e2e_ns["noop"], 4),
+        f"hook_keep_vs_noop_pair_min_{sfx}": round(min(ratios), 4),
+        f"hook_keep_vs_noop_pair_max_{sfx}": round(max(ratios), 4),
         f"tensor_facts_{sfx}": int(ferry._ferry.tensor_facts_active()),
         f"hook_keep_direct_vs_noop_pair_{sfx}": round(direct_ns["keep"] / direct_ns["noop"], 4),
         f"hook_keep_uncached_direct_vs_noop_pair_{sfx}": round(direct_ns["keep_uncached"] / direct_ns["noop"], 4),
