@@ -138,7 +138,8 @@ static PyMethodDef module_methods[] = {
     {"describe_walk", describe_walk, METH_VARARGS,
      "describe_walk(roots, tensor_type, untyped) -> (tensors, tensor_bytes, primitives, "
      "objects, skipped, paths, dtypes): ferry.checkpoint.describe's walk from each (value, "
-     "top-level key, path) of roots."},
+     "top-level key, path) of roots; untyped: the tensor method's name, or a function, "
+     "that gives a tensor's untyped storage."},
     {"unlink_node_cap", nodecap_unlink, METH_O,
      "unlink_node_cap(name): remove a NodeCap's shared-memory segment."},
     {NULL}};

@@ -331,7 +331,8 @@ PyTypeObject StorageFilterType = {
  * interpreter's frame per object is gone and what remains is torch's own
  * getters per tensor. */
 typedef struct {
-  PyObject *tensor_type, *untyped; /* torch.Tensor; t -> its untyped storage */
+  PyObject *tensor_type; /* torch.Tensor */
+  PyObject *untyped;     /* a method name, or a function of the tensor: its untyped storage */
   PyObject *skipped, *paths, *dtypes;
   Py_ssize_t tensors, primitives, objects;
   PyObject *tensor_bytes; /* int */
@@ -353,7 +354,9 @@ static int is_primitive(PyObject *v) {
  * nested, some subclasses) are not the walk's: the pickler finds those. */
 static int walk_tensor(walk_state *w, PyObject *x, PyObject *key, PyObject *path) {
   w->tensors++;
-  PyObject *st = PyObject_CallOneArg(w->untyped, x), *cid = NULL, *where = NULL, *v = NULL;
+  PyObject *st = PyUnicode_Check(w->untyped) ? PyObject_CallMethodNoArgs(x, w->untyped)
+                                              : PyObject_CallOneArg(w->untyped, x);
+  PyObject *cid = NULL, *where = NULL, *v = NULL;
   int rc = -1, seen;
   if (!st || !(cid = PyObject_GetAttr(st, s_cdata)) ||
       (seen = PyDict_Contains(w->paths, cid)) < 0)

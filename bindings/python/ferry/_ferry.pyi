@@ -51,9 +51,9 @@ class Snapshot:
     def error(self) -> str: ...
 
 def describe_walk(roots: List[Tuple[Any, str, str]], tensor_type: type,
-                  untyped: Callable[[Any], Any]) -> Tuple[int, int, int, int, List[str],
-                                                          Dict[int, Tuple[str, str]],
-                                                          Dict[int, Any]]: ...
+                  untyped: Union[str, Callable[[Any], Any]]
+                  ) -> Tuple[int, int, int, int, List[str], Dict[int, Tuple[str, str]],
+                             Dict[int, Any]]: ...
 
 class StorageFilter:
     def __init__(self, pid: Callable[..., Any], known: Dict[type, bool],

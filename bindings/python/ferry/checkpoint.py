@@ -87,8 +87,9 @@ def _untyped(t):
     return t.storage()._storage  # torch 1.13
 
 
-# _untyped for describe's walk: torch's method itself where it has one
-_untyped_storage = getattr(torch.Tensor, "untyped_storage", _untyped)
+# _untyped for describe's walk: the name of the tensor's method where torch
+# has one
+_untyped_storage = "untyped_storage" if hasattr(torch.Tensor, "untyped_storage") else _untyped
 
 
 def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:

@@ -46,9 +46,10 @@ typedef struct snap_batch {
 struct ferry_snapshot {
   ferry_engine *e; /* NULL once the engine was destroyed */
   ferry_snapshot *prev, *next; /* the engine's list, under the engine lock */
-  char *path;   /* as given: what messages name, and busy snapshots are told by */
-  char *target; /* the file replaced (path, or the file its link names) and */
-  char *tmp_path; /* the temporary file beside it: both the writer thread's */
+  /* path as given (messages name it, a busy path is told by it); the file
+   * it replaces (itself, or the file its link names) and the temporary file
+   * beside that: both set by the writer thread */
+  char *path, *target, *tmp_path;
   snap_record *rec;
   size_t n;
   uint64_t dev_total; /* bytes of all device records */
@@ -373,7 +374,11 @@ static const char *file_type(mode_t m) {
 
 /* The file a snapshot to path replaces: path itself when it does not exist
  * or is a regular file; the regular file a symbolic link names (the link
- * stays). Anything else that exists is refused, never replaced. */
+ * stays). Anything else that exists is refused, never replaced. On the
+ * writer thread, as the temporary file below: even this lstat took 35 us of
+ * the caller's time right after a training step (the kernel's path walk
+ * runs cache-cold; docs/checkpoints.md), and a round trip on a network file
+ * system. A refused target is the handle's error, as every I/O error. */
 static int resolve_target(ferry_snapshot *s) {
   const char *path = s->path;
   struct stat st;
@@ -409,12 +414,10 @@ static int resolve_target(ferry_snapshot *s) {
   return FERRY_OK;
 }
 
-/* The target and the temporary file, on the writer thread rather than in
- * start: creating a file (a journal update on most file systems) and
- * reading the umask took 0.1-0.6 ms of the caller's time on the development
- * VM, and even the lstat of the target 35 us right after a training step
- * (the kernel's path walk runs cache-cold; docs/checkpoints.md). Errors,
- * a refused target included, are the handle's, as every I/O error. */
+/* The temporary file, created on the writer thread rather than in start:
+ * creating a file (a journal update on most file systems) and reading the
+ * umask took 0.1-0.6 ms of the caller's time on the development VM. Errors
+ * are the handle's, as every I/O error. */
 static int create_tmp(ferry_snapshot *s) {
   size_t len = strlen(s->tmp_path);
   char *template_path = malloc(len + 1);
