@@ -268,7 +268,7 @@ def big_tensors(torch, ft, noop, reps, trials, direct_reps, tmp):
     saved_per_run = 2 * chain_len
     modes = {"none": contextlib.nullcontext, "noop": noop, "keep": keep_ctx}
     # Each trial with tensors of its own (fresh allocations): one set's
-    # placement in memory moved the ratio by +-0.05 from trial to trial,
+    # placement in memory moved the ratio by +-0.05-0.1 from trial to trial,
     # more than more runs of one set could average out.
     trial_ns, trial_med = [], []
     for trial in range(trials):
