@@ -348,7 +348,7 @@ def main():
     print(f"torch {torch.__version__} ({sfx}), {sys.executable}")
     with tempfile.TemporaryDirectory(prefix="ferry-bench-torch-") as tmp:
         direct_ns, e2e_ns, _, ratios = big_tensors(torch, ft, noop, args.e2e_reps,
-                                                         args.e2e_trials, args.direct_reps, tmp)
+                                                   args.e2e_trials, args.direct_reps, tmp)
         per, med, hook_ns = small_tensors(torch, ft, noop, args.reps, tmp)
         ft.close()
 
