@@ -4,6 +4,7 @@
   python dist_worker.py capholder NAME CAP NBYTES      reserve, print, sleep
   python dist_worker.py caprank NAME CAP OUT           a local rank training under the node cap
 """
+import gc
 import json
 import os
 import sys
@@ -54,6 +55,13 @@ def ddp(rank, world, port, out):
     with open(out, "w") as f:
         json.dump({"same": same, "across_ranks": across, "offloaded": s["tensors_offloaded"],
                    "bytes_h2d": s["bytes_h2d"], "live": s["live_handles"]}, f)
+    # The last DDP model sits in reference cycles that hold the process
+    # group: left to the collector it is freed during interpreter shutdown,
+    # where gloo's threads abort the process ("terminate called without an
+    # active exception", 3-7 runs in 25 with or without ferry; torch issue
+    # 190489). Free it while the interpreter is whole.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 

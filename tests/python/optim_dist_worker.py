@@ -12,6 +12,7 @@ state_dict() against the plain one's and loads a plain FSDP run's state
 dict into an offloaded optimizer halfway through a run. Writes
 OUTDIR/rank<r>.pt."""
 import copy
+import gc
 import os
 import sys
 
@@ -160,6 +161,10 @@ def main():
             res["state"][kind] = fsdp_state_checks(rank, kind)
     torch.save(res, os.path.join(out, "rank%d.pt" % rank))
     dist.barrier()
+    # free the last wrapped model (in reference cycles that hold the process
+    # group) before the interpreter's shutdown: see dist_worker.py
+    del model, opt, off
+    gc.collect()
     dist.destroy_process_group()
 
 
