@@ -38,6 +38,19 @@ int engine_live(EngineObject *self) {
   return 0;
 }
 
+/* 1 when an object of eng that holds h (a snapshot, a resident buffer) can
+ * be used; else 0 with the error set, gone saying what freed h. A forked
+ * child's objects are its parent's: their threads did not fork. */
+int owned_live(EngineObject *eng, const void *h, const char *gone) {
+  if (eng->forked) {
+    raise_forked();
+    return 0;
+  }
+  if (h) return 1;
+  raise_ferry(FERRY_ESTATE, gone);
+  return 0;
+}
+
 /* ---- engines across fork() ----------------------------------------------------
  * The list changes under the GIL only; the child handler runs inside
  * fork(), in the one thread the child has, which held the GIL (os.fork) or

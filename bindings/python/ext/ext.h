@@ -241,6 +241,9 @@ int engine_live(EngineObject *self);
 int engines_watch_fork(void);
 /* The error for a call into a forked child's inherited engine. */
 PyObject *raise_forked(void);
+/* 1 when an object of eng holding h (a snapshot, a resident buffer) can be
+ * used; else 0 with the error: forked, or gone (what freed h). */
+int owned_live(EngineObject *eng, const void *h, const char *gone);
 /* hooks.c */
 PyObject *make_hook(PyTypeObject *type, EngineObject *eng);
 /* at step end and close: the step's live kept tensors stop being tracked;

@@ -20,13 +20,7 @@ static PyObject *resident_raise(ResidentObject *self, int rc) {
 }
 
 static int resident_live(ResidentObject *self) {
-  if (self->eng->forked) {
-    raise_forked();
-    return 0;
-  }
-  if (self->r) return 1;
-  raise_ferry(FERRY_ESTATE, "ferry: this resident buffer was closed");
-  return 0;
+  return owned_live(self->eng, self->r, "ferry: this resident buffer was closed");
 }
 
 /* to_host(data_ptr) / to_device(data_ptr): queue the copy after the work on

@@ -25,16 +25,8 @@ static PyObject *snapshot_raise(SnapshotObject *self, int rc) {
   return raise_ferry(rc, msg);
 }
 
-/* 1 when the snapshot can be asked; else 0 with the error set. A forked
- * child's snapshots are its parent's: their writer thread did not fork. */
 static int snapshot_live(SnapshotObject *self) {
-  if (self->eng->forked) {
-    raise_forked();
-    return 0;
-  }
-  if (self->s) return 1;
-  raise_ferry(FERRY_ESTATE, "ferry: this snapshot was freed");
-  return 0;
+  return owned_live(self->eng, self->s, "ferry: this snapshot was freed");
 }
 
 static PyObject *snapshot_fence(SnapshotObject *self, PyObject *unused) {
