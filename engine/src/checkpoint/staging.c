@@ -753,7 +753,7 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
   }
 
   /* The target is resolved and the temporary file created by the writer
-   * thread (create_tmp). */
+   * thread (resolve_target, create_tmp). */
   if ((rc = take_slots(s))) {
     abandon(e, s);
     return start_fail(e, rc, "out of host memory for the staging list");
