@@ -41,7 +41,8 @@ bench: build
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_step.py --json $(BUILD)/bench.json && \
 	  PYTHONPATH=$(BUILD)/python $$py bench/bench_checkpoint.py --json $(BUILD)/bench.json && \
-	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json
+	  PYTHONPATH=$(BUILD)/python $$py bench/bench_optim.py --json $(BUILD)/bench.json && \
+	  PYTHONPATH=$(BUILD)/python $$py bench/bench_arena_training.py --json $(BUILD)/bench.json
 	@py=/usr/bin/python3; \
 	  if [ -x "$$py" ] && $$py -c 'import torch, sys; sys.exit(int(torch.__version__.split(".")[0]) != 1)' 2>/dev/null; then \
 	    echo "[torch 1.x] $$py"; PYTHONPATH=$(BUILD)/python $$py bench/bench_torch.py --json $(BUILD)/bench.json && \
