@@ -7,6 +7,8 @@
  * "complete" only if the modeled copy time has already passed, so a slow or
  * descheduled test thread cannot make it fail. */
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -47,6 +49,33 @@ static void fill_pattern(uint8_t *p, size_t n, uint32_t seed) {
 /* A chain of dependent copies on one stream: copy i reads what copy i-1
  * wrote, so any reordering leaves wrong bytes. 3000 operations also overflow
  * the stream's ring, so the producer has to wait for free slots. */
+static int enqueue_chain(ferry_backend *b, uint8_t *buf[2], const uint8_t *src,
+                         size_t chunk, int stages, bk_stream s) {
+  const ferry_backend_ops *o = b->ops;
+  memset(buf[0], 0, chunk);
+  memset(buf[1], 0, chunk);
+  int rc = o->copy_d2h(b, buf[0], src, chunk, s);
+  /* Ping-pong, each copy shifted by one byte so a stale read shows. */
+  for (int i = 1; i < stages && rc == 0; i++) {
+    uint8_t *from = buf[(i - 1) & 1], *to = buf[i & 1];
+    rc = o->copy_h2d(b, to + 1, from, chunk - 1, s);
+    if (rc == 0) rc = o->copy_d2h(b, to, from + chunk - 1, 1, s);
+  }
+  return rc;
+}
+
+/* Bytes of the chain's result that differ from what `stages` in-order
+ * stages give: each stage rotates the buffer right by one byte. */
+static int chain_mismatches(uint8_t *buf[2], const uint8_t *src, size_t chunk, int stages) {
+  const uint8_t *last = buf[(stages - 1) & 1];
+  int mismatches = 0;
+  for (size_t i = 0; i < chunk; i++) {
+    size_t from = (i + chunk - ((size_t)(stages - 1) % chunk)) % chunk;
+    mismatches += last[i] != src[from];
+  }
+  return mismatches;
+}
+
 TEST(host_stream_runs_copies_in_order) {
   ferry_backend *b = make_backend(0, 0, 0, 1);
   CHECK(b);
@@ -58,30 +87,15 @@ TEST(host_stream_runs_copies_in_order) {
   uint8_t *src = malloc(CHUNK);
   CHECK(src);
   fill_pattern(src, CHUNK, 7);
-  memset(buf[0], 0, CHUNK);
-  memset(buf[1], 0, CHUNK);
   bk_stream s;
   CHECK_OK(o->stream_create(b, &s));
-  CHECK_OK(o->copy_d2h(b, buf[0], src, CHUNK, s));
-  /* Ping-pong, each copy shifted by one byte so a stale read shows. */
-  for (int i = 1; i < STAGES; i++) {
-    uint8_t *from = buf[(i - 1) & 1], *to = buf[i & 1];
-    CHECK_OK(o->copy_h2d(b, to + 1, from, CHUNK - 1, s));
-    CHECK_OK(o->copy_d2h(b, to, from + CHUNK - 1, 1, s));
-  }
+  CHECK_OK(enqueue_chain(b, buf, src, CHUNK, STAGES, s));
   bk_event *ev;
   CHECK_OK(o->event_create(b, &ev));
   CHECK_OK(o->event_record(b, ev, s));
   CHECK_OK(o->event_synchronize(b, ev));
   CHECK_EQ(o->event_query(b, ev), 1);
-  /* Each stage rotates the buffer right by one byte. */
-  const uint8_t *last = buf[(STAGES - 1) & 1];
-  int mismatches = 0;
-  for (size_t i = 0; i < CHUNK; i++) {
-    size_t from = (i + CHUNK - ((STAGES - 1) % CHUNK)) % CHUNK;
-    mismatches += last[i] != src[from];
-  }
-  CHECK_EQ(mismatches, 0);
+  CHECK_EQ(chain_mismatches(buf, src, CHUNK, STAGES), 0);
   CHECK_OK(o->event_destroy(b, ev));
   CHECK_OK(o->stream_destroy(b, s));
   CHECK_OK(o->host_free(b, buf[0], CHUNK));
@@ -444,6 +458,133 @@ TEST(host_stream_destroy_drains) {
     CHECK_EQ(memcmp(dst + (size_t)i * N, src, N), 0);
   o->destroy(b);
   free(src), free(dst);
+  return 0;
+}
+
+/* A thread that synchronizes runs the copies no thread has started yet
+ * itself. With the process held on one CPU, the stream's worker runs only
+ * when the caller yields or is preempted, so the caller, which claims the
+ * copy as soon as it synchronizes, runs most of them; without the help it
+ * runs none, as after ferry_backend_thread_runs_waited_copies(0). The copy
+ * listener tells which thread ran each copy. */
+typedef struct {
+  pthread_t caller;
+  atomic_int on_caller, on_other;
+} who_ran;
+
+static void note_who_ran(void *ud, int dir, double t0, double t1, uint64_t bytes,
+                         const void *dev, const void *host) {
+  (void)dir, (void)t0, (void)t1, (void)bytes, (void)dev, (void)host;
+  who_ran *w = ud;
+  atomic_fetch_add(pthread_equal(pthread_self(), w->caller) ? &w->on_caller : &w->on_other, 1);
+}
+
+TEST(host_synchronize_runs_unstarted_copies) {
+  enum { N = 64 << 10, COPIES = 200 };
+  cpu_set_t old, one;
+  CHECK_EQ(sched_getaffinity(0, sizeof old, &old), 0);
+  CPU_ZERO(&one);
+  CPU_SET(sched_getcpu(), &one);
+  /* The worker inherits the mask it is created with. */
+  CHECK_EQ(sched_setaffinity(0, sizeof one, &one), 0);
+  ferry_backend *b = make_backend(0, 0, 0, 1);
+  CHECK(b);
+  const ferry_backend_ops *o = b->ops;
+  who_ran w = {.caller = pthread_self()};
+  CHECK_OK(o->set_copy_listener(b, note_who_ran, &w));
+  uint8_t *src = malloc(N), *dst;
+  CHECK(src);
+  CHECK_OK(o->host_alloc(b, N, 0, (void **)&dst));
+  bk_stream s;
+  bk_event *ev;
+  CHECK_OK(o->stream_create(b, &s));
+  CHECK_OK(o->event_create(b, &ev));
+  int wrong = 0, on_caller_opted_out = -1;
+  for (int i = 0; i < 2 * COPIES; i++) {
+    /* the first COPIES with the help turned off for this thread */
+    if (i == 0) ferry_backend_thread_runs_waited_copies(0);
+    if (i == COPIES) {
+      ferry_backend_thread_runs_waited_copies(1);
+      on_caller_opted_out = atomic_load(&w.on_caller);
+    }
+    fill_pattern(src, N, (uint32_t)i);
+    CHECK_OK(o->copy_d2h(b, dst, src, N, s));
+    CHECK_OK(o->event_record(b, ev, s));
+    CHECK_OK(o->event_synchronize(b, ev));
+    wrong += memcmp(dst, src, N) != 0;
+  }
+  CHECK_OK(o->stream_synchronize(b, s));
+  CHECK_OK(o->stream_destroy(b, s));
+  CHECK_EQ(sched_setaffinity(0, sizeof old, &old), 0);
+  int helped = atomic_load(&w.on_caller) - on_caller_opted_out;
+  printf("copies run by the synchronizing thread: %d of %d, %d of %d opted out\n", helped,
+         COPIES, on_caller_opted_out, COPIES);
+  CHECK_EQ(wrong, 0);
+  CHECK_EQ(atomic_load(&w.on_caller) + atomic_load(&w.on_other), 2 * COPIES);
+  CHECK_EQ(on_caller_opted_out, 0);
+  CHECK(helped >= 1);
+  CHECK_OK(o->event_destroy(b, ev));
+  CHECK_OK(o->host_free(b, dst, N));
+  free(src);
+  o->destroy(b);
+  return 0;
+}
+
+/* Synchronizing threads that run queued copies themselves (above) and the
+ * stream's worker must still run one operation at a time, in order. The
+ * stream is held behind a wait on a slow copy of another stream while a
+ * chain of dependent copies is queued; then four threads synchronize on it
+ * at once, so when the gate opens five threads compete for each copy. */
+typedef struct {
+  ferry_backend *b;
+  bk_event *ev;
+  int rc;
+} sync_arg;
+
+static void *sync_on(void *p) {
+  sync_arg *a = p;
+  a->rc = a->b->ops->event_synchronize(a->b, a->ev);
+  return NULL;
+}
+
+TEST(host_stream_order_holds_while_waiters_help) {
+  const double bps = 20e6; /* D2H only: the 1-byte chain copies cost ~50 ns */
+  enum { GATE = 1000000, CHUNK = 65536, STAGES = 500, HELPERS = 4, ROUNDS = 5 };
+  ferry_backend *b = make_backend(bps, 0, 0, 1);
+  CHECK(b);
+  const ferry_backend_ops *o = b->ops;
+  uint8_t *gate_src = calloc(1, GATE), *gate_dst = malloc(GATE), *src = malloc(CHUNK);
+  uint8_t *buf[2] = {malloc(CHUNK), malloc(CHUNK)};
+  CHECK(gate_src && gate_dst && src && buf[0] && buf[1]);
+  bk_stream gate, s;
+  CHECK_OK(o->stream_create(b, &gate));
+  CHECK_OK(o->stream_create(b, &s));
+  bk_event *opened, *done;
+  CHECK_OK(o->event_create(b, &opened));
+  CHECK_OK(o->event_create(b, &done));
+  for (int r = 0; r < ROUNDS; r++) {
+    fill_pattern(src, CHUNK, (uint32_t)(40 + r));
+    CHECK_OK(o->copy_d2h(b, gate_dst, gate_src, GATE, gate)); /* >= 50 ms */
+    CHECK_OK(o->event_record(b, opened, gate));
+    CHECK_OK(o->stream_wait_event(b, s, opened));
+    CHECK_OK(enqueue_chain(b, buf, src, CHUNK, STAGES, s)); /* 999 of 1024 slots */
+    CHECK_OK(o->event_record(b, done, s));
+    pthread_t th[HELPERS];
+    sync_arg args[HELPERS];
+    for (int i = 0; i < HELPERS; i++) {
+      args[i] = (sync_arg){b, done, -1};
+      CHECK_EQ(pthread_create(&th[i], NULL, sync_on, &args[i]), 0);
+    }
+    for (int i = 0; i < HELPERS; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < HELPERS; i++) CHECK_OK(args[i].rc);
+    CHECK_EQ(chain_mismatches(buf, src, CHUNK, STAGES), 0);
+  }
+  CHECK_OK(o->event_destroy(b, opened));
+  CHECK_OK(o->event_destroy(b, done));
+  CHECK_OK(o->stream_destroy(b, gate));
+  CHECK_OK(o->stream_destroy(b, s));
+  free(gate_src), free(gate_dst), free(src), free(buf[0]), free(buf[1]);
+  o->destroy(b);
   return 0;
 }
 

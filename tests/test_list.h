@@ -36,6 +36,8 @@
   X(host_alloc_alignment)                                                  \
   X(host_backend_rejects_bad_arguments)                                    \
   X(host_stream_destroy_drains)                                            \
+  X(host_synchronize_runs_unstarted_copies)                               \
+  X(host_stream_order_holds_while_waiters_help)                           \
   X(host_concurrent_record_query)                                          \
   X(host_concurrent_producers_fill_ring)                                   \
   /* @@backend_host */                                                     \

@@ -247,9 +247,10 @@ enum {
 /* Told of each copy a backend ran on one of its streams: dir 0 = D2H, 1 =
  * H2D; when it started and ended, in µs of CLOCK_MONOTONIC (the clock of the
  * engine's other timestamps); its bytes and its device and host addresses.
- * Called on the thread that ran the copy (the host backend's stream worker)
- * while other threads may hold the engine lock: it must not call into the
- * engine or the backend. */
+ * Called on the thread that ran the copy (the host backend's stream worker,
+ * or a thread that waited for the copy and ran it: see below) while other
+ * threads may hold the engine lock: it must not call into the engine or the
+ * backend. */
 typedef void (*bk_copy_listener)(void *ud, int dir, double start_us, double end_us,
                                  uint64_t bytes, const void *dev, const void *host);
 
@@ -314,6 +315,14 @@ FERRY_API int ferry_backend_sim_create(const ferry_config *cfg, ferry_backend **
 /* The backend an engine copies with (tests: streams and pinned memory of the
  * engine's own backend, e.g. an asynchronous compute stream). */
 FERRY_API ferry_backend *ferry_engine_backend(ferry_engine *e);
+/* On the host backend, a thread that waits for a stream (event_synchronize,
+ * stream_synchronize, stream_wait_event on an external stream) runs the
+ * operations it waits for that no thread has started yet, instead of
+ * waiting for the stream's worker to get a core. On by default; a thread
+ * that runs below the priority of the threads that may wait for the same
+ * copies (the snapshot writer at SCHED_IDLE) turns it off for itself, or a
+ * copy it took would hold them up. Other backends ignore it. */
+FERRY_API void ferry_backend_thread_runs_waited_copies(int yes);
 
 /* A backend that wraps inner (taking it over) and fails copies, event
  * records, stream waits and pinned allocations at random (ferry_config.faults

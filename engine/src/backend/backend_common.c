@@ -11,3 +11,7 @@ int backend_fail(ferry_backend *b, int code, const char *fmt, ...) {
   va_end(ap);
   return code;
 }
+
+_Thread_local bool backend_thread_waits_only;
+
+void ferry_backend_thread_runs_waited_copies(int yes) { backend_thread_waits_only = !yes; }

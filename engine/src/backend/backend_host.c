@@ -36,6 +36,10 @@
  * short enough not to burn a shared core. */
 #define WORKER_POLL_S 50e-6
 #define WAITER_POLL_S 200e-6
+/* How long a waiting thread leaves an unstarted operation to a worker that
+ * polls on another core (it notices new work within about a microsecond)
+ * before it runs the operation itself. */
+#define HELP_GRACE_S 3e-6
 #define MAX_HOST_ALIGNMENT ((size_t)2 << 20)
 
 #define EVENT_MAGIC 0x66657674u  /* "fevt" */
@@ -68,8 +72,16 @@ struct host_stream {
   pthread_cond_t done_cv; /* waiters on `executed` sleep here */
   stream_op *ring;
   _Atomic uint64_t enqueued; /* written under lock, read anywhere */
-  _Atomic uint64_t executed; /* written by the worker only */
+  /* Operation k runs on the thread that moves `claimed` from k to k + 1:
+   * the worker, or a thread waiting for it (wait_helping). A thread claims
+   * only while claimed == executed, so one operation runs at a time, in
+   * order. */
+  _Atomic uint64_t claimed;
+  _Atomic uint64_t executed; /* written by the thread that ran the operation */
   _Atomic uint32_t waiters;  /* threads sleeping (or about to) on done_cv */
+  /* The CPU the worker last polled on; -1 while it sleeps. Waiters read it
+   * to tell whether the worker is about to take the next operation. */
+  _Atomic int worker_cpu;
   bool worker_sleeping;
   bool stopping; /* stream_destroy called: no new work, drain and exit */
   atomic_bool destroyed; /* worker joined; the object stays for events */
@@ -151,8 +163,11 @@ static inline void cpu_relax(void) {
  * an oversubscribed machine (more runnable threads than cores) the poller
  * then does not hold up the very thread it waits for. Measured on 2 cores
  * with a third busy thread, a longer pure spin made a round trip to the
- * worker 5x slower. Returns whether *v reached want. */
-static bool poll_at_least(_Atomic uint64_t *v, uint64_t want, double budget_s) {
+ * worker 5x slower. A worker passes its `worker_cpu` as cpu: each round
+ * says where it runs. Returns whether *v reached want. */
+static bool poll_at_least(_Atomic uint64_t *v, uint64_t want, double budget_s,
+                          _Atomic int *cpu) {
+  if (cpu) atomic_store_explicit(cpu, sched_getcpu(), memory_order_relaxed);
   for (int k = 0; k < 16; k++) {
     if (atomic_load_explicit(v, memory_order_acquire) >= want) return true;
     cpu_relax();
@@ -160,6 +175,7 @@ static bool poll_at_least(_Atomic uint64_t *v, uint64_t want, double budget_s) {
   double deadline = now_s() + budget_s;
   do {
     sched_yield();
+    if (cpu) atomic_store_explicit(cpu, sched_getcpu(), memory_order_relaxed);
     for (int k = 0; k < 16; k++) {
       if (atomic_load_explicit(v, memory_order_acquire) >= want) return true;
       cpu_relax();
@@ -195,12 +211,59 @@ static void wait_reached_locked(host_stream *s, uint64_t target) {
 }
 
 /* Wait without holding any lock: poll briefly (a copy is often about to
- * finish), then sleep on the stream's condition variable. */
-static void wait_reached(host_stream *s, uint64_t target) {
-  if (poll_at_least(&s->executed, target, WAITER_POLL_S)) return;
+ * finish), then sleep on the stream's condition variable. cpu: as in
+ * poll_at_least; -1 is stored there before sleeping. */
+static void wait_reached(host_stream *s, uint64_t target, _Atomic int *cpu) {
+  if (poll_at_least(&s->executed, target, WAITER_POLL_S, cpu)) return;
+  if (cpu) atomic_store(cpu, -1);
   pthread_mutex_lock(&s->lock);
   wait_reached_locked(s, target);
   pthread_mutex_unlock(&s->lock);
+  if (cpu) atomic_store(cpu, sched_getcpu());
+}
+
+static void run_claimed(host_stream *s, uint64_t k);
+
+
+/* wait_reached for a thread that has nothing else to do until then (a
+ * synchronize): an operation up to target that no thread has started it
+ * runs itself, unless the worker polls on another core and takes it within
+ * HELP_GRACE_S. The case this is for: the scheduler put the worker on the
+ * waiter's core, where both poll, and each copy waited for two context
+ * switches (a 1 MiB copy and its synchronize ran at 0.81 of a memcpy;
+ * bench/README.md, "Copy benchmarks"). Left to a worker on its own core,
+ * back-to-back copies stay on that core's cache: taking every other one
+ * made 8 distinct 1 MiB copies 35% slower. */
+static void wait_helping(host_stream *s, uint64_t target) {
+  if (backend_thread_waits_only) {
+    wait_reached(s, target, NULL);
+    return;
+  }
+  double give_up = 0; /* when the grace for operation `grace_for` ends */
+  uint64_t grace_for = UINT64_MAX;
+  for (;;) {
+    uint64_t k = atomic_load(&s->executed);
+    if (k >= target) return;
+    if (atomic_load(&s->claimed) != k) { /* operation k is running */
+      wait_reached(s, k + 1, NULL);
+      continue;
+    }
+    /* A worker polling on another core takes operation k at once. */
+    int w = atomic_load_explicit(&s->worker_cpu, memory_order_relaxed);
+    if (w >= 0 && w != sched_getcpu()) {
+      if (grace_for != k) grace_for = k, give_up = now_s() + HELP_GRACE_S;
+      if (now_s() < give_up) {
+        cpu_relax();
+        continue;
+      }
+      /* It did not: it is not running, whatever CPU it last polled on.
+       * Until it polls again, the next waiter need not wait for it. */
+      atomic_compare_exchange_strong(&s->worker_cpu, &w, -1);
+    }
+    /* claimed == executed: nothing is running, so operation k is free. */
+    uint64_t expect = k;
+    if (atomic_compare_exchange_strong(&s->claimed, &expect, k + 1)) run_claimed(s, k);
+  }
 }
 
 /* ---- the link model ----------------------------------------------------- */
@@ -314,19 +377,40 @@ static void run_op(host_stream *s, const stream_op *op) {
       break;
     }
     case OP_WAIT:
-      wait_reached(op->wait_stream, op->wait_target);
+      wait_reached(op->wait_stream, op->wait_target, NULL);
       break;
+  }
+}
+
+/* Run operation k, which this thread claimed, and publish it. k is below
+ * `enqueued`, and the acquire load makes the slot's contents visible; the
+ * producer does not reuse the slot until `executed` passes k. */
+static void run_claimed(host_stream *s, uint64_t k) {
+  (void)atomic_load_explicit(&s->enqueued, memory_order_acquire);
+  stream_op op = s->ring[k % STREAM_RING_CAP];
+  run_op(s, &op);
+  atomic_store(&s->executed, k + 1);
+  if (atomic_load(&s->waiters) > 0) {
+    pthread_mutex_lock(&s->lock);
+    pthread_cond_broadcast(&s->done_cv);
+    pthread_mutex_unlock(&s->lock);
   }
 }
 
 static void *stream_worker(void *arg) {
   host_stream *s = arg;
-  uint64_t done = atomic_load(&s->executed);
   for (;;) {
+    uint64_t done = atomic_load(&s->claimed);
+    if (atomic_load(&s->executed) < done) {
+      /* A waiter runs operation done - 1: wait for it like any waiter. */
+      wait_reached(s, done, &s->worker_cpu);
+      continue;
+    }
     if (atomic_load_explicit(&s->enqueued, memory_order_acquire) == done) {
       /* Idle: poll for a while (the next copy usually follows at once),
        * then sleep until a producer signals. */
-      if (!poll_at_least(&s->enqueued, done + 1, WORKER_POLL_S)) {
+      if (!poll_at_least(&s->enqueued, done + 1, WORKER_POLL_S, &s->worker_cpu)) {
+        atomic_store(&s->worker_cpu, -1);
         pthread_mutex_lock(&s->lock);
         while (atomic_load_explicit(&s->enqueued, memory_order_acquire) == done &&
                !s->stopping) {
@@ -339,20 +423,12 @@ static void *stream_worker(void *arg) {
             atomic_load_explicit(&s->enqueued, memory_order_acquire) == done;
         pthread_mutex_unlock(&s->lock);
         if (exit_now) return NULL;
+        atomic_store(&s->worker_cpu, sched_getcpu());
         continue;
       }
     }
-    /* The acquire load of `enqueued` above makes the slot's contents
-     * visible; the producer does not reuse it until `executed` passes it. */
-    stream_op op = s->ring[done % STREAM_RING_CAP];
-    run_op(s, &op);
-    done++;
-    atomic_store(&s->executed, done);
-    if (atomic_load(&s->waiters) > 0) {
-      pthread_mutex_lock(&s->lock);
-      pthread_cond_broadcast(&s->done_cv);
-      pthread_mutex_unlock(&s->lock);
-    }
+    uint64_t expect = done;
+    if (atomic_compare_exchange_strong(&s->claimed, &expect, done + 1)) run_claimed(s, done);
   }
 }
 
@@ -513,8 +589,10 @@ static int stream_create(ferry_backend *b, bk_stream *out) {
   pthread_cond_init(&s->work_cv, NULL);
   pthread_cond_init(&s->done_cv, NULL);
   atomic_init(&s->enqueued, 0);
+  atomic_init(&s->claimed, 0);
   atomic_init(&s->executed, 0);
   atomic_init(&s->waiters, 0);
+  atomic_init(&s->worker_cpu, -1);
   atomic_init(&s->destroyed, false);
 
   /* The worker must not take the embedder's signals: start it with all
@@ -659,7 +737,7 @@ static int event_synchronize(ferry_backend *b, bk_event *ev) {
   if (rc) return rc;
   uint64_t target;
   host_stream *s = event_target(ev, &target);
-  if (s) wait_reached(s, target);
+  if (s) wait_helping(s, target);
   return FERRY_OK;
 }
 
@@ -667,7 +745,7 @@ static int stream_synchronize(ferry_backend *b, bk_stream h) {
   host_stream *s;
   int rc = engine_stream(as_host(b), h, "stream_synchronize", &s);
   if (rc) return rc;
-  wait_reached(s, atomic_load(&s->enqueued));
+  wait_helping(s, atomic_load(&s->enqueued));
   return FERRY_OK;
 }
 
@@ -686,7 +764,7 @@ static int stream_wait_event(ferry_backend *b, bk_stream h, bk_event *ev) {
   if (!s) {
     /* External stream = the calling thread: its later work must come after
      * the event, so block here. */
-    wait_reached(on, target);
+    wait_helping(on, target);
     return FERRY_OK;
   }
   if (on == s) return FERRY_OK; /* a stream is already in order with itself */

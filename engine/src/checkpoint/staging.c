@@ -448,6 +448,9 @@ static void writer_to_idle(void) {
 #if defined(__linux__) && defined(SCHED_IDLE)
   struct sched_param sp = {0};
   pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp); /* best effort */
+  /* A staging copy this thread ran at idle priority while waiting for it
+   * would hold up the training thread's fence, which waits for it too. */
+  ferry_backend_thread_runs_waited_copies(0);
 #endif
 }
 
