@@ -227,13 +227,15 @@ static void run_claimed(host_stream *s, uint64_t k);
 
 /* wait_reached for a thread that has nothing else to do until then (a
  * synchronize): an operation up to target that no thread has started it
- * runs itself, unless the worker polls on another core and takes it within
- * HELP_GRACE_S. The case this is for: the scheduler put the worker on the
+ * runs itself. The case this is for: the scheduler put the worker on the
  * waiter's core, where both poll, and each copy waited for two context
  * switches (a 1 MiB copy and its synchronize ran at 0.81 of a memcpy;
- * bench/README.md, "Copy benchmarks"). Left to a worker on its own core,
- * back-to-back copies stay on that core's cache: taking every other one
- * made 8 distinct 1 MiB copies 35% slower. */
+ * bench/README.md, "Copy benchmarks"). But an operation before the last
+ * one waited for is left to a worker polling on another core, unless it
+ * does not take it within HELP_GRACE_S: back-to-back copies then stay in
+ * that core's cache (a waiter taking every other one made 8 distinct
+ * 1 MiB copies 35% slower). The last one it may as well run: nothing of
+ * its own follows, and what it waits for is often in its cache. */
 static void wait_helping(host_stream *s, uint64_t target) {
   if (backend_thread_waits_only) {
     wait_reached(s, target, NULL);
@@ -250,7 +252,7 @@ static void wait_helping(host_stream *s, uint64_t target) {
     }
     /* A worker polling on another core takes operation k at once. */
     int w = atomic_load_explicit(&s->worker_cpu, memory_order_relaxed);
-    if (w >= 0 && w != sched_getcpu()) {
+    if (k + 1 < target && w >= 0 && w != sched_getcpu()) {
       if (grace_for != k) grace_for = k, give_up = now_s() + HELP_GRACE_S;
       if (now_s() < give_up) {
         cpu_relax();
