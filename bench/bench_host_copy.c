@@ -32,7 +32,8 @@ static void clobber(void *p) { __asm__ __volatile__("" : : "r"(p) : "memory"); }
  * backend's copy worker does (poll about 50 us, yielding between checks,
  * then sleep on a condition variable), so it is idle, not spinning, while
  * the backend's turn runs. The ratio to it leaves out what any copy thread
- * pays and keeps what the backend adds: ring slots, events, stream lookup. */
+ * pays and keeps what the backend adds: ring slots, events, stream lookup.
+ * (It can pass 1: the backend's caller may run the copy itself.) */
 typedef struct {
   void *dst;
   const void *src;

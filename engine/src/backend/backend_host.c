@@ -224,7 +224,6 @@ static void wait_reached(host_stream *s, uint64_t target, _Atomic int *cpu) {
 
 static void run_claimed(host_stream *s, uint64_t k);
 
-
 /* wait_reached for a thread that has nothing else to do until then (a
  * synchronize): an operation up to target that no thread has started it
  * runs itself. The case this is for: the scheduler put the worker on the
