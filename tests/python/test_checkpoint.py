@@ -149,6 +149,49 @@ def test_file_is_what_torch_save_writes(tmp_path):
         assert b"FB" in extra_ids(raw_theirs, their), their.filename
 
 
+def test_every_kind_of_tensor_pickles_as_torch_save_does(tmp_path):
+    """Plain dense tensors are reduced by ferry's own _plain_reduce (torch's
+    __reduce_ex__ without its checks); every other kind goes to torch. Both
+    ways, data.pkl is byte for byte torch.save's."""
+    import ferry.checkpoint as ck
+    with_attr = torch.ones(2)
+    with_attr.note = "kept"  # Python state: torch's path
+    hooked = torch.ones(2, requires_grad=True)
+    hooked.register_hook(torch.utils.hooks.unserializable_hook(lambda g: g))
+    complex_ = torch.randn(3, dtype=torch.complex64)
+    state = {
+        "plain": torch.randn(3, 4), "offset_view": torch.arange(10.0)[2:7:2],
+        "transposed": torch.randn(2, 3).t(), "scalar": torch.tensor(1.5),
+        "empty": torch.empty(0, 3), "grad": torch.ones(2, requires_grad=True),
+        "int8": torch.arange(4, dtype=torch.int8), "half": torch.ones(2).half(),
+        "conj": complex_.conj(), "neg": torch.randn(2, dtype=torch.complex64).conj().imag,
+        "param": torch.nn.Parameter(torch.ones(2)), "with_attr": with_attr, "hooked": hooked,
+        "sparse": torch.eye(3).to_sparse(), "shared": [complex_, complex_],
+    }
+    if hasattr(torch, "uint16"):
+        state["uint16"] = torch.zeros(3, dtype=torch.uint16)  # _rebuild_tensor_v3
+    h = ft.snapshot(state, tmp_path / "kinds.pt").wait()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    ours, theirs = zipfile.ZipFile(h.path), zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    # (torch 1.x writes storage records in their keys' string order, "10"
+    # before "2"; ferry in the policy's order: compared as sets)
+    assert sorted(ours.namelist()) == sorted(theirs.namelist())
+    for name in ours.namelist():
+        if not name.endswith("serialization_id"):
+            assert ours.read(name) == theirs.read(name), name  # data.pkl included
+    # loaded, as torch.save's file loads (torch 1.x drops the conj bit itself)
+    got, want = load(h.path), load(io.BytesIO(buf.getvalue()))
+    for k, v in want.items():
+        pairs = zip(v, got[k]) if isinstance(v, list) else [(v, got[k])]
+        for a, b in pairs:
+            assert type(a) is type(b) and (a.is_conj(), a.is_neg()) == (b.is_conj(), b.is_neg()), k
+            assert torch.equal(a.detach().resolve_conj().resolve_neg().to_dense(),
+                               b.detach().resolve_conj().resolve_neg().to_dense()), k
+    # the fast path ran where torch has what it needs (torch >= 2)
+    assert ck._plain_reduce_on is hasattr(torch.Tensor, "untyped_storage")
+
+
 def _serialization_id_of(path):
     with zipfile.ZipFile(path) as z:
         return z.read(next(n for n in z.namelist() if n.endswith(".data/serialization_id")))
