@@ -999,13 +999,23 @@ def snapshot(
     policy_path, pol = _snapshot_policy(policy)
     engine = _engine_for(backend, device, policy_path, host_cap, knobs)
 
+    # each storage's record name (by key), and its place among torch's
+    # storage records: the policy's e.index, so that the default write order
+    # is torch.save's (the keys' order; torch 1.x: their string order, "10"
+    # before "2")
+    data_names, file_order = {}, {}
+    for name, data, _ in torch_records:
+        if data is None:
+            key = int(name[5:])
+            data_names[key], file_order[key] = name, len(file_order)
+
     # the policy's plan, per storage (key order)
     entries = []
     paths, dtypes = desc["paths"], desc["dtypes"]
     for index, st in enumerate(storages):
         top, spath = paths.get(st._cdata, ("", ""))
-        entries.append((top, spath, st.nbytes(), index, _dtype_name(dtypes.get(st._cdata)),
-                        on_device[index] is not None))
+        entries.append((top, spath, st.nbytes(), file_order[index],
+                        _dtype_name(dtypes.get(st._cdata)), on_device[index] is not None))
     plan = pol[0].plan(entries) if entries else []
     if pol[0].errors > pol[1]:
         pol[1] = pol[0].errors
@@ -1015,14 +1025,13 @@ def snapshot(
     key_set = None if keys is None else {str(k) for k in keys}
 
     # torch's small records in its order, then the storages in the policy's
-    # write order, then the container's records
+    # write order (ties in torch's), then the container's records
     prefix, tail = _container_records()
     records = [(prefix + name, data) for name, data, _ in torch_records if data is not None]
     pickle_bytes = len(records[0][1])
-    data_names = {int(name[5:]): name for name, data, _ in torch_records if data is None}
     staged = copied = staged_bytes = copied_bytes = 0
     keepalive = []
-    for i in sorted(range(len(entries)), key=lambda i: (plan[i][1], i)):
+    for i in sorted(range(len(entries)), key=lambda i: (plan[i][1], file_order[i])):
         st = storages[i]
         nbytes = entries[i][2]
         stage = plan[i][0] and (key_set is None or entries[i][0] in key_set)
