@@ -233,8 +233,9 @@ static void run_claimed(host_stream *s, uint64_t k);
  * one waited for is left to a worker polling on another core, unless it
  * does not take it within HELP_GRACE_S: back-to-back copies then stay in
  * that core's cache (a waiter taking every other one made 8 distinct
- * 1 MiB copies 35% slower). The last one it may as well run: nothing of
- * its own follows, and what it waits for is often in its cache. */
+ * 1 MiB copies 35% slower in half of the runs). The last one it may as
+ * well run: nothing of its own follows, and what it waits for is often in
+ * its cache. */
 static void wait_helping(host_stream *s, uint64_t target) {
   if (backend_thread_waits_only) {
     wait_reached(s, target, NULL);
