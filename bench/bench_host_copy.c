@@ -263,6 +263,25 @@ out:
   if (src) o->host_free(b, src, bytes);
 }
 
+/* The stream's worker on the caller's core, which the scheduler picks at
+ * times on its own (bench/README.md, "Copy benchmarks"): the process held
+ * on one CPU while a stream is created (its worker inherits the mask) and
+ * measured. */
+static void one_cpu(bench_report *r, ferry_backend *b, bk_event *ev) {
+  cpu_set_t old, one;
+  bk_stream s = NULL;
+  if (sched_getaffinity(0, sizeof old, &old) != 0) return;
+  CPU_ZERO(&one);
+  CPU_SET(sched_getcpu(), &one);
+  if (sched_setaffinity(0, sizeof one, &one) != 0) return;
+  if (b->ops->stream_create(b, &s) == 0) {
+    measure(r, b, s, ev, NULL, (size_t)1 << 20, 1, 301, "host_copy_vs_memcpy_1MB_one_cpu",
+            "one 1 MB copy, enqueue+record+synchronize, the process on one CPU");
+    b->ops->stream_destroy(b, s);
+  }
+  sched_setaffinity(0, sizeof old, &old);
+}
+
 void bench_host_copy(bench_report *r) {
   ferry_config cfg = FERRY_CONFIG_INIT; /* link unthrottled */
   ferry_backend *b = NULL;
@@ -300,5 +319,6 @@ void bench_host_copy(bench_report *r) {
             "8 distinct 1 MB buffers back to back, handed to a thread, one wait");
     copy_worker_stop(&w);
   }
+  one_cpu(r, b, ev);
   b->ops->destroy(b);
 }
