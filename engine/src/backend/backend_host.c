@@ -237,6 +237,7 @@ static void run_claimed(host_stream *s, uint64_t k);
  * well run: nothing of its own follows, and what it waits for is often in
  * its cache. */
 static void wait_helping(host_stream *s, uint64_t target) {
+  if (reached(s, target)) return; /* the common case: no thread-local read */
   if (backend_thread_waits_only) {
     wait_reached(s, target, NULL);
     return;
