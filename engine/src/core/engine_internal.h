@@ -178,6 +178,10 @@ ferry_policy_reason *breakdown_reason(ferry_engine *e);
 void breakdown_set(ferry_engine *e, const char *rule, const char *where);
 /* counts a new pack of `bytes` in layer under the current reason */
 void breakdown_count(ferry_engine *e, int32_t layer, uint64_t bytes, int offloaded);
+/* counts pack entry s by its reason: an offload the engine could not make is
+ * kept for an engine-level reason (cold: only with config.count_reasons) */
+void count_reason(ferry_engine *e, const stash_entry *s, const ferry_decision *d,
+                  uint64_t cap_fallbacks_before) __attribute__((cold));
 
 /* trace_recorder.c */
 int trace_open(ferry_engine *e, const char *path);
@@ -223,5 +227,13 @@ void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const voi
                        int prefetch);
 void ctrace_copy_unissue(ferry_engine *e, int dir, const void *host);
 void ctrace_copy_observed(ferry_engine *e, int dir, const void *host);
+/* stash.c's side of pack and unpack, out of their hot paths. A pack's slice,
+ * once the stash bound's releases are done (they are part of the call): the
+ * handle at entry idx is not back to its caller yet, so the entry is still
+ * there. Takes the lock. */
+void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) __attribute__((cold));
+/* what an unpack's slice says of primary entry p, before it is consumed */
+void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor, ct_tensor *t,
+                        const char **found) __attribute__((cold));
 
 #endif

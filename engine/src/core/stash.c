@@ -392,18 +392,6 @@ static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decisio
   }
 }
 
-/* Counts pack entry s by its reason: an offload the engine could not make
- * is kept for an engine-level reason. Cold: only with config.count_reasons. */
-static __attribute__((cold, noinline)) void count_reason(ferry_engine *e, const stash_entry *s,
-                                                         const ferry_decision *d,
-                                                         uint64_t cap_fallbacks_before) {
-  const int offloaded = s->state != ENTRY_KEPT;
-  if (d->action == FERRY_OFFLOAD && !offloaded)
-    breakdown_set(e, e->stats.cap_fallbacks > cap_fallbacks_before ? "host cap" : "copy failed",
-                  "");
-  breakdown_count(e, s->layer, s->bytes, offloaded);
-}
-
 static void count_layer(ferry_engine *e, int32_t layer) {
   if (layer < 0) return;
   if ((uint32_t)layer >= e->cap_layers) {
@@ -546,33 +534,6 @@ static void release_over_bound(ferry_engine *e) {
     release_all(e, owners, n);
     if (n == RELEASE_BATCH) pthread_mutex_lock(&e->lock);
   } while (n == RELEASE_BATCH);
-}
-
-/* The Chrome trace's side of pack and unpack, kept out of their hot paths. */
-#define CTRACE_COLD __attribute__((cold, noinline))
-
-/* A pack's slice, once the stash bound's releases are done (they are part
- * of the call): the handle at entry idx is not back to its caller yet, so
- * the entry is still there. Takes the lock. */
-static CTRACE_COLD void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) {
-  pthread_mutex_lock(&e->lock);
-  const stash_entry *s = &e->entries[idx];
-  const stash_entry *p = s->state == ENTRY_ALIAS ? &e->entries[s->primary] : s;
-  ct_tensor t = ctrace_tensor(p, s->trace_id);
-  if (p != s) t.alias_of = p->trace_id;
-  ctrace_call(e, "pack", t0, &t, NULL);
-  pthread_mutex_unlock(&e->lock);
-}
-
-/* What an unpack's slice says of primary entry p, before it is consumed. */
-static CTRACE_COLD void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor,
-                                           ct_tensor *t, const char **found) {
-  const stash_entry *s = &e->entries[p];
-  *t = ctrace_tensor(s, tensor);
-  *found = s->state == ENTRY_KEPT       ? "kept"
-           : s->state == ENTRY_STASHED  ? "stash hit"
-           : s->state == ENTRY_RELOADED ? "prefetched"
-                                        : "reloaded";
 }
 
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
