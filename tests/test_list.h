@@ -9,6 +9,17 @@
   X(number_parser_is_strict)                                               \
   X(api_refuses_null_and_bad_arguments)                                    \
   X(api_refuses_out_of_order_calls)                                        \
+  /* the embedding contract (test_contract.c) */                           \
+  X(contract_config_init_writes_only_the_callers_size)                     \
+  X(contract_config_read_only_within_struct_size)                          \
+  X(contract_refused_phase_call_changes_nothing)                           \
+  X(contract_leak_counts_only_this_steps_handles)                          \
+  X(contract_device_alloc_may_discard_an_alias)                            \
+  X(contract_device_alloc_may_discard_what_it_prefetches)                  \
+  X(contract_host_reserve_runs_without_the_engine_lock)                    \
+  X(contract_last_policy_error_outlives_set_policy)                        \
+  X(contract_last_error_read_by_threads)                                   \
+  X(contract_destroyed_engine_is_refused)                                  \
   /* the message sink (test_log.c) */                                     \
   X(log_file_is_capped_and_rotated)                                        \
   X(log_counts_repeats_and_filters_levels)                                 \

@@ -385,8 +385,15 @@ FERRY_API int ferry_log_open(const char *path, uint64_t max_bytes, uint32_t keep
  * previous level, or -1 if level is not a FERRY_LOG_*. */
 FERRY_API int ferry_log_level(int level);
 
-/* Fill *cfg with the defaults of FERRY_CONFIG_INIT (for FFI callers). */
-FERRY_API void ferry_config_init(ferry_config *cfg);
+/* Fill the first `size` bytes of *cfg with the defaults of FERRY_CONFIG_INIT
+ * and set cfg->struct_size = size: pass the size of the caller's own
+ * ferry_config (sizeof, ffi.sizeof), which may be an older, smaller one than
+ * this library's; nothing past it is written (a newer, larger one gets its
+ * unknown tail zeroed). FERRY_EINVAL, nothing written, for NULL or a size
+ * smaller than any release's ferry_config. In C use ferry_config_init(cfg),
+ * which passes the size of the header's ferry_config. */
+FERRY_API int ferry_config_init_sized(ferry_config *cfg, size_t size);
+#define ferry_config_init(cfg) ferry_config_init_sized((cfg), sizeof(ferry_config))
 
 /* Create an engine. On failure *out is NULL, and if errbuf is not NULL a
  * message naming the problem is written there. */

@@ -132,8 +132,6 @@ struct ferry_engine {
   int in_step;
   int phase; /* ferry_phase */
   uint64_t step;
-  uint64_t live_at_step_begin;
-  uint64_t arena_in_use_at_step_begin;
   ferry_context ctx; /* per-step counters live here */
   uint32_t *layer_counts;
   uint32_t cap_layers;

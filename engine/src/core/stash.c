@@ -237,8 +237,6 @@ static void step_begin_locked(ferry_engine *e) {
   e->step++;
   e->stats.steps++;
   e->phase = FERRY_PHASE_FORWARD;
-  e->live_at_step_begin = e->stats.live_handles;
-  e->arena_in_use_at_step_begin = e->ctx.arena_in_use;
   e->ctx.step = e->step;
   e->ctx.packed_this_step = 0;
   e->ctx.offloaded_this_step = 0;
@@ -268,6 +266,22 @@ int ferry_step_begin(ferry_engine *e) {
   return rc;
 }
 
+/* Handles packed in this step and still live, and the arena bytes of this
+ * step's packs they hold. Handles of earlier steps used or left meanwhile do
+ * not count: a count net of them would hide a leak behind a discard. */
+static uint64_t step_leaks(const ferry_engine *e, uint64_t *arena_bytes) {
+  uint64_t n = 0, bytes = 0;
+  if (!e->stats.live_handles) return *arena_bytes = 0;
+  for (uint32_t i = 0; i < e->n_entries; i++) {
+    const stash_entry *s = &e->entries[i];
+    if (s->state == ENTRY_FREE || s->step != e->step) continue;
+    n += !s->consumed; /* an alias slot is freed when used */
+    if (s->state != ENTRY_ALIAS && s->host) bytes += s->bytes;
+  }
+  *arena_bytes = bytes;
+  return n;
+}
+
 int ferry_step_end(ferry_engine *e) {
   int rc = engine_check(e);
   if (rc) return rc;
@@ -284,14 +298,13 @@ int ferry_step_end(ferry_engine *e) {
       ctrace_call(e, "step end", t0, NULL, NULL);
       ctrace_mark(e, "step end");
     }
-    if (e->stats.live_handles > e->live_at_step_begin) {
-      uint64_t n = e->stats.live_handles - e->live_at_step_begin;
+    uint64_t leaked_bytes, n = step_leaks(e, &leaked_bytes);
+    if (n)
       rc = engine_fail(e, FERRY_ELEAK,
                        "step %llu ended with %llu handle(s) neither unpacked nor discarded; "
                        "they stay valid and hold %llu arena bytes",
                        (unsigned long long)e->step, (unsigned long long)n,
-                       (unsigned long long)(e->ctx.arena_in_use - e->arena_in_use_at_step_begin));
-    }
+                       (unsigned long long)leaked_bytes);
   }
   pthread_mutex_unlock(&e->lock);
   return rc;
@@ -303,14 +316,15 @@ static int set_phase(ferry_engine *e, int phase, const char *ev) {
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
-  if (!e->in_step) step_begin_locked(e);
-  if (e->phase == phase) {
+  /* Refused before a step is started: a refused call changes nothing. */
+  if ((e->in_step ? e->phase : FERRY_PHASE_FORWARD) == phase) {
     rc = engine_fail(e, FERRY_ESTATE, "ferry_%s: %s", ev,
                      phase == FERRY_PHASE_BACKWARD ? "already in backward"
                                                    : "without ferry_backward_begin");
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
+  if (!e->in_step) step_begin_locked(e);
   e->phase = phase;
   e->ctx.phase = phase;
   trace_event(e, ev, 0);
@@ -455,7 +469,19 @@ static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t p
 static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
                          void *compute_stream) {
   stash_entry *s = &e->entries[idx];
-  s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
+  if (e->cfg.host_reserve) {
+    /* The arena may grow, which asks host_reserve: never with the engine
+     * lock held (ferry.h). The entry has no handle out yet; other threads
+     * may move the entries array meanwhile. */
+    uint64_t bytes = s->bytes;
+    pthread_mutex_unlock(&e->lock);
+    void *host = ferry_arena_alloc(e->arena, (size_t)bytes);
+    pthread_mutex_lock(&e->lock);
+    s = &e->entries[idx];
+    s->host = host;
+  } else {
+    s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
+  }
   if (!s->host) {
     e->stats.cap_fallbacks++;
   } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) || fwd_push(e, idx) ||
@@ -507,7 +533,10 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
   const uint64_t cap_fallbacks = e->stats.cap_fallbacks;
-  if (d.action == FERRY_OFFLOAD) pack_offload(e, idx, &d, compute_stream);
+  if (d.action == FERRY_OFFLOAD) {
+    pack_offload(e, idx, &d, compute_stream);
+    s = &e->entries[idx]; /* it may drop the lock */
+  }
   if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
   if (__builtin_expect(e->bd != NULL, 0)) count_reason(e, s, &d, cap_fallbacks);
   e->stats.tensors_packed++;
@@ -607,6 +636,27 @@ int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
 }
 
 /* ---- reload -------------------------------------------------------------------- */
+static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_release);
+
+/* Every handle of entry idx was discarded while its device_alloc ran
+ * (ferry_discard does not wait for a reload, which may be its own caller's):
+ * give the new buffer back and free the entry. Called and returns locked. */
+static int reload_orphaned(ferry_engine *e, uint32_t idx, int arc, void *owner) {
+  stash_entry *s = &e->entries[idx];
+  s->state = ENTRY_OFFLOADED;
+  s->refs = 1;
+  void *none;
+  consume(e, idx, 0, &none);
+  pthread_cond_broadcast(&e->reload_done);
+  if (arc == 0 && owner) {
+    pthread_mutex_unlock(&e->lock);
+    e->cfg.release(e->cfg.callback_ud, owner);
+    pthread_mutex_lock(&e->lock);
+  }
+  return engine_fail(e, FERRY_EHANDLE,
+                     "the tensor was discarded while it was being reloaded; nothing to unpack");
+}
+
 /* Bring an OFFLOADED entry back to a fresh device buffer, ordered after
  * compute_stream. Called and returns with the lock held; drops it around the
  * allocator callback, so the entries array may move: use indices. */
@@ -619,6 +669,7 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
   int arc = e->cfg.device_alloc(e->cfg.callback_ud, bytes, compute_stream, &dev, &owner);
   pthread_mutex_lock(&e->lock);
   s = &e->entries[idx];
+  if (s->refs == 0) return reload_orphaned(e, idx, arc, owner);
   int rc = FERRY_OK;
   if (arc != 0 || !dev) {
     e->stats.alloc_failures++;
@@ -868,10 +919,17 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
   uint32_t slot = 0, p = 0;
   void *to_release = NULL;
   if ((rc = resolve(e, h, "ferry_discard", &slot, &p)) == FERRY_OK) {
-    wait_while_reloading(e, p);
-    if (lookup(e, h) < 0) {
-      rc = engine_fail(e, FERRY_EHANDLE, "ferry_discard: handle 0x%llx was used concurrently",
-                       (unsigned long long)h);
+    if (e->entries[p].state == ENTRY_RELOADING) {
+      /* No wait for the reload: it may be this thread's own, from inside
+       * device_alloc (a framework freeing the other saved copy of the
+       * buffer). The last handle leaves the entry to the reload to free. */
+      uint64_t tid = e->entries[slot].trace_id;
+      retire_slot(e, slot, p);
+      if (e->entries[p].refs > 1)
+        consume(e, p, 0, &to_release);
+      else
+        e->entries[p].refs = 0; /* reload_orphaned */
+      trace_event(e, "discard", tid);
     } else {
       uint64_t tid = e->entries[slot].trace_id;
       ct_tensor t = {0};
