@@ -353,7 +353,10 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
   }
   const char *src = file_src ? file_src : source;
 
-  if (!p->strings || !p->by_content || !(p->L = lua_newstate(policy_alloc, p))) {
+  p->reserve = malloc(POLICY_SETUP_RESERVE);
+  p->reserve_open = 1;
+  if (!p->strings || !p->by_content || !p->reserve ||
+      !(p->L = lua_newstate(policy_alloc, p))) {
     snprintf(errbuf, errlen, "%s: out of memory creating its Lua state", p->chunk);
     rc = FERRY_ENOMEM;
     goto fail;
@@ -365,6 +368,7 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
                lua_tostring(L, -1) ? lua_tostring(L, -1) : "?");
     goto fail;
   }
+
   /* No trace may exist before policy code runs: see the top of this file. */
   luaJIT_setmode(L, 0, LUAJIT_MODE_ENGINE | LUAJIT_MODE_OFF);
   lua_sethook(L, policy_hook, LUA_MASKCOUNT, HOOK_PERIOD);
@@ -412,6 +416,11 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
     goto fail;
   }
   lua_gc(L, LUA_GCCOLLECT, 0); /* start decide calls with the load garbage gone */
+  p->reserve_open = 0;
+  if (!p->reserve_used) {
+    free(p->reserve);
+    p->reserve = NULL;
+  }
   free(file_src);
   *out = p;
   return FERRY_OK;
@@ -425,6 +434,7 @@ fail:
 void ferry_policy_destroy(ferry_policy *p) {
   if (!p) return;
   if (p->L) lua_close(p->L);
+  free(p->reserve); /* after the state: its blocks may be in it */
   for (uint32_t i = STR_FIRST; i < p->n_strings; i++) free(p->strings[i].str);
   free(p->strings);
   free(p->by_content);

@@ -40,6 +40,8 @@
 #define SITE_CACHE_MAX 16384   /* cached sites */
 #define MAX_PREFETCH_DISTANCE 4096
 #define MSG_LEN 512
+/* the reserve of a state being made: 7x what a sandbox's set-up takes */
+#define POLICY_SETUP_RESERVE (512u << 10)
 
 /* Knob limits, the same as the engine's config validation. */
 #define KNOB_MAX_FWD_STASH (1u << 20)
@@ -127,6 +129,15 @@ struct ferry_policy {
   /* sandbox enforcement */
   size_t mem_used, mem_cap;
   int enforce_cap;
+  /* LuaJIT crashes when an allocation fails inside lua_newstate, or during
+   * the sandbox's set-up and then in lua_close, and a failure in an
+   * unprotected call aborts (policy_panic): what the C allocator refuses
+   * while a policy is loaded, outside its own (capped, protected) code, is
+   * served from this block, taken before (policy_alloc); freed with the
+   * state, or at the end of the load if unused */
+  char *reserve;
+  size_t reserve_used;
+  int reserve_open; /* ferry_policy_create is running */
   uint64_t ticks, tick_budget;
   uint64_t deadline_ns;              /* wall clock of the call in progress */
   int loading;                       /* that call is a load, not a decision */

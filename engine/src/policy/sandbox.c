@@ -58,11 +58,38 @@ int has_position(const char *msg) {
 }
 
 /* ---- allocator and hook ------------------------------------------------- */
+static int in_reserve(const ferry_policy *p, const void *ptr) {
+  return p->reserve && (const char *)ptr >= p->reserve &&
+         (const char *)ptr < p->reserve + POLICY_SETUP_RESERVE;
+}
+
+/* nsize bytes of the reserve (16-aligned), NULL when it has no more. */
+static void *reserve_take(ferry_policy *p, size_t nsize) {
+  size_t at = (p->reserve_used + 15) & ~(size_t)15;
+  /* (policy code runs capped and protected: its allocations may fail) */
+  if (!p->reserve_open || p->enforce_cap || nsize > POLICY_SETUP_RESERVE - at) return NULL;
+  p->reserve_used = at + nsize;
+  return p->reserve + at;
+}
+
+/* realloc, else (while the state is made) the reserve; its blocks are never
+ * given to free or realloc */
+static void *alloc_or_reserve(ferry_policy *p, void *ptr, size_t old, size_t nsize) {
+  void *q = in_reserve(p, ptr) ? malloc(nsize) : realloc(ptr, nsize);
+  if (!q && (q = reserve_take(p, nsize)) && ptr) {
+    memcpy(q, ptr, old < nsize ? old : nsize);
+    if (!in_reserve(p, ptr)) free(ptr);
+    return q;
+  }
+  if (q && ptr && in_reserve(p, ptr)) memcpy(q, ptr, old < nsize ? old : nsize);
+  return q;
+}
+
 void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   ferry_policy *p = ud;
   size_t old = ptr ? osize : 0;
   if (nsize == 0) {
-    free(ptr);
+    if (!in_reserve(p, ptr)) free(ptr);
     p->mem_used -= old;
     return NULL;
   }
@@ -79,7 +106,7 @@ void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
     }
     return NULL;
   }
-  void *q = realloc(ptr, nsize);
+  void *q = alloc_or_reserve(p, ptr, old, nsize);
   if (q) p->mem_used += nsize - old;
   return q;
 }
