@@ -284,15 +284,28 @@ static UNUSED ferry_tensor_desc desc = {.bytes = 4096, .dtype = FERRY_DTYPE_F32,
 static UNUSED void *dev_ptr, *owner, *compute_stream;
 static UNUSED ferry_handle handle;
 ''', "{ buf *b = buf_new(4096); dev_ptr = b->ptr; owner = b; }", ""),
-    # embedding.md's loop over layers: x/y buffers, forward_layer makes y
+    # embedding.md's loop over layers: x/y buffers, forward_layer makes y;
+    # one pack is refused (as ferry_pack may be), which the block must
+    # survive without losing or dropping that buffer
     "layers": (_C_BUFFERS + r'''
 enum { L = 6, n = 4096 };
 static const uint64_t bytes = n * sizeof(float);
 static ferry_handle handle[L];
+static UNUSED buf *saved[L];
 static void *stream;
 #define forward_layer(l, x, y, s) ((y) = buf_new(bytes))
 #define backward_layer(l, p, s) ((void)(p))
 #define drop_reference(o) buf_drop(o)
+static UNUSED _Noreturn void stop_training(ferry_engine *e) {
+  fprintf(stderr, "stop_training: %s\n", ferry_last_error(e));
+  exit(1);
+}
+static int refuse_layer_2(ferry_engine *e, const ferry_tensor_desc *d, void *ptr, void *owner,
+                          void *stream, ferry_handle *out) {
+  if (d->layer == 2) return FERRY_ENOMEM; /* refused: nothing taken */
+  return (ferry_pack)(e, d, ptr, owner, stream, out);
+}
+#define ferry_pack refuse_layer_2
 ''', "ferry_engine *e = host_engine(); buf *x = buf_new(bytes), *y = NULL;",
         # x (the last layer's output) is still the caller's; every other
         # buffer must have gone back through release or drop_reference
