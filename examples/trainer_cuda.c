@@ -90,7 +90,8 @@ static void dev_tensor_unref(dev_tensor *t) {
 }
 
 /* ferry_alloc_fn: `stream` is the compute stream passed to the ferry call
- * that needs the buffer (ferry_unpack, ferry_prefetch). */
+ * that needs the buffer (ferry_unpack, ferry_prefetch; NULL from
+ * ferry_backward_begin, which may prefetch). */
 static int on_alloc(void *ud, uint64_t bytes, void *stream, void **ptr, void **owner) {
   dev_tensor *t = dev_tensor_new(ud, (size_t)bytes); /* cudaMalloc: usable on any stream */
   if (!t) return -1; /* ferry reports FERRY_EALLOC; the tensor stays on the host */
@@ -205,7 +206,10 @@ static int train_step(trainer *t, ferry_engine *e, int step, unsigned char *host
   dev_tensor *x = upload(t, 0, host_x);
   if (!x) goto no_memory;
 
-  if (ferry_step_begin(e) != FERRY_OK) goto ferry_error;
+  if (ferry_step_begin(e) != FERRY_OK) {
+    dev_tensor_unref(x); /* still ours: nothing was packed */
+    goto ferry_error;
+  }
   for (int l = 0; l < t->layers; l++) {
     layer_forward(l, host_x, host_y, bytes);
     dev_tensor *y = upload(t, (l + 1) % STAGING_SLOTS, host_y);
@@ -279,7 +283,10 @@ ferry_error:
 
 static void print_stats(ferry_engine *e) {
   ferry_stats s;
-  ferry_get_stats(e, &s, sizeof s);
+  if (ferry_get_stats(e, &s, sizeof s) != FERRY_OK) {
+    fprintf(stderr, "trainer_cuda: ferry_get_stats: %s\n", ferry_last_error(e));
+    return;
+  }
   printf("\nferry stats (%s backend, %s arena)\n", ferry_backend_name(e), ferry_arena_name(e));
 #define ROW(name, v) printf("  %-30s %16llu\n", name, (unsigned long long)(v))
   ROW("steps", s.steps);
