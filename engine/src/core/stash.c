@@ -643,6 +643,7 @@ static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_releas
  * give the new buffer back and free the entry. Called and returns locked. */
 static int reload_orphaned(ferry_engine *e, uint32_t idx, int arc, void *owner) {
   stash_entry *s = &e->entries[idx];
+  if (arc != 0) e->stats.alloc_failures++;
   s->state = ENTRY_OFFLOADED;
   s->refs = 1;
   void *none;
