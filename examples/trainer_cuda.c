@@ -192,6 +192,14 @@ static dev_tensor *upload(trainer *t, int slot, const unsigned char *host) {
   return d;
 }
 
+/* Drop the trainer's reference to d on an error path: its upload may still
+ * be running on the compute stream, which a free must wait for. */
+static void drop_after_stream(trainer *t, dev_tensor *d) {
+  CUDA_OK(cudaEventRecord(t->read_done, t->stream));
+  CUDA_OK(cudaEventSynchronize(t->read_done));
+  dev_tensor_unref(d);
+}
+
 /* One step: forward packs every layer input, backward unpacks them in
  * reverse. Returns the number of tensors that did not come back identical,
  * or -1 on an error. */
@@ -207,14 +215,14 @@ static int train_step(trainer *t, ferry_engine *e, int step, unsigned char *host
   if (!x) goto no_memory;
 
   if (ferry_step_begin(e) != FERRY_OK) {
-    dev_tensor_unref(x); /* still ours: nothing was packed */
+    drop_after_stream(t, x); /* still ours: nothing was packed */
     goto ferry_error;
   }
   for (int l = 0; l < t->layers; l++) {
     layer_forward(l, host_x, host_y, bytes);
     dev_tensor *y = upload(t, (l + 1) % STAGING_SLOTS, host_y);
     if (!y) {
-      dev_tensor_unref(x);
+      drop_after_stream(t, x);
       goto no_memory;
     }
 
@@ -236,8 +244,8 @@ static int train_step(trainer *t, ferry_engine *e, int step, unsigned char *host
     d.module_class = ferry_intern(e, "ShiftLayer");
     t->saved_hash[l] = fnv1a(host_x, bytes);
     if (ferry_pack(e, &d, x->ptr, x, t->stream, &t->handles[l]) != FERRY_OK) {
-      dev_tensor_unref(x); /* on error ferry took nothing: the reference is ours */
-      dev_tensor_unref(y);
+      drop_after_stream(t, x); /* on error ferry took nothing: the reference is ours */
+      drop_after_stream(t, y);
       goto ferry_error;
     }
     x = y;
