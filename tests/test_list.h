@@ -20,6 +20,8 @@
   X(contract_last_policy_error_outlives_set_policy)                        \
   X(contract_last_error_read_by_threads)                                   \
   X(contract_destroyed_engine_is_refused)                                  \
+  X(contract_config_size_inside_a_field_is_refused)                        \
+  X(contract_config_huge_size_is_refused_unread)                           \
   /* the message sink (test_log.c) */                                     \
   X(log_file_is_capped_and_rotated)                                        \
   X(log_counts_repeats_and_filters_levels)                                 \

@@ -429,7 +429,10 @@ FERRY_API int ferry_log_level(int level);
  * ferry_config (sizeof, ffi.sizeof), which may be an older, smaller one than
  * this library's; nothing past it is written (a newer, larger one gets its
  * unknown tail zeroed). FERRY_EINVAL, nothing written, for NULL or a size
- * smaller than any release's ferry_config. In C use ferry_config_init(cfg),
+ * no release's ferry_config has: smaller than any, over 4096 bytes, or not
+ * a multiple of _Alignof(ferry_config) (it would end inside a field).
+ * ferry_engine_create refuses such a struct_size (FERRY_EVERSION) without
+ * reading past it. In C use ferry_config_init(cfg),
  * which passes the size of the header's ferry_config. */
 FERRY_API int ferry_config_init_sized(ferry_config *cfg, size_t size);
 #define ferry_config_init(cfg) ferry_config_init_sized((cfg), sizeof(ferry_config))

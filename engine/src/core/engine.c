@@ -119,9 +119,18 @@ static int engine_fail_unlocked(ferry_engine *e, int code, const char *fmt, ...)
 /* ---- config ----------------------------------------------------------------- */
 /* The smallest ferry_config any release had: everything before the link. */
 #define CONFIG_SIZE_MIN offsetof(ferry_config, link)
+/* Every release's sizeof(ferry_config) is a multiple of its alignment: a
+ * size that is not would end inside a field (half a pointer copied over a
+ * default is a wild pointer). */
+#define CONFIG_SIZE_ALIGN _Alignof(ferry_config)
+/* Far above any release's size (248 bytes in 0.1): a larger struct_size is
+ * an uninitialised config, refused before its "unknown tail" is read, which
+ * would run off the caller's memory. */
+#define CONFIG_SIZE_MAX 4096u
 
 int ferry_config_init_sized(ferry_config *cfg, size_t size) {
-  if (!cfg || size < CONFIG_SIZE_MIN || size > UINT32_MAX) return FERRY_EINVAL;
+  if (!cfg || size < CONFIG_SIZE_MIN || size > CONFIG_SIZE_MAX || size % CONFIG_SIZE_ALIGN)
+    return FERRY_EINVAL;
   ferry_config d = FERRY_CONFIG_INIT;
   /* A caller's struct of another release: only its own bytes are written
    * (fields this library does not know, of a newer caller, are zeroed). */
@@ -147,7 +156,8 @@ static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
                        size_t errlen) {
   ferry_config_init_sized(out, sizeof *out);
   if (!in) return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config is NULL");
-  if (in->struct_size < CONFIG_SIZE_MIN)
+  if (in->struct_size < CONFIG_SIZE_MIN || in->struct_size > CONFIG_SIZE_MAX ||
+      in->struct_size % CONFIG_SIZE_ALIGN)
     return ferry_errbuf(errbuf, errlen, FERRY_EVERSION,
                    "config.struct_size %u is not a ferry_config size this library knows "
                    "(expected %zu); initialise it with FERRY_CONFIG_INIT or ferry_config_init()",
