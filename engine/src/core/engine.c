@@ -303,7 +303,7 @@ static int load_policy(const policy_key *k, ferry_policy **out, char *msg, size_
   return ferry_policy_create(k->path, k->source, k->trusted, out, msg, msglen);
 }
 
-static void engine_free(ferry_engine *e);
+static void engine_free(ferry_engine *e, int handed_out);
 
 /* Constructors by ferry_backend_kind (config_load checked the range). */
 static int (*const backend_create[])(const ferry_config *, ferry_backend **, char *, size_t) = {
@@ -408,7 +408,7 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
   return FERRY_OK;
 
 fail:
-  engine_free(e);
+  engine_free(e, 0);
   return rc;
 }
 
@@ -416,12 +416,13 @@ fail:
  * which only one of two destroys of the same engine gets past. */
 void ferry_engine_destroy(ferry_engine *e) {
   if (!e || !registry_remove(e)) return;
-  engine_free(e);
+  engine_free(e, 1);
 }
 
 /* Frees an engine off the registry, also a half-built one from
- * ferry_engine_create. */
-static void engine_free(ferry_engine *e) {
+ * ferry_engine_create (handed_out 0): no caller has that one's address, so
+ * it is not quarantined, where it would push a destroyed engine out. */
+static void engine_free(ferry_engine *e, int handed_out) {
   for (uint32_t i = e->n_shutdown_hooks; i-- > 0;)
     e->shutdown_hooks[i].fn(e, e->shutdown_hooks[i].ud);
   free(e->shutdown_hooks);
@@ -448,7 +449,10 @@ static void engine_free(ferry_engine *e) {
   intern_clear(&e->interned);
   pthread_cond_destroy(&e->reload_done);
   pthread_mutex_destroy(&e->lock);
-  quarantine_push(e);
+  if (handed_out)
+    quarantine_push(e);
+  else
+    free(e);
 }
 
 /* ---- core.h: what sim/ and checkpoint/ use of an engine ---------------- */
