@@ -24,6 +24,7 @@
   X(contract_config_huge_size_is_refused_unread)                           \
   X(contract_failed_creates_keep_destroyed_engines_quarantined)            \
   X(contract_trace_call_errors_read_by_threads)                            \
+  X(contract_unpack_discarded_by_a_failing_device_alloc)                   \
   /* the message sink (test_log.c) */                                     \
   X(log_file_is_capped_and_rotated)                                        \
   X(log_counts_repeats_and_filters_levels)                                 \

@@ -495,7 +495,8 @@ FERRY_API int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *d
  * can avoid it. Callbacks: device_alloc (the reload, and the prefetches it
  * starts) and release (a reload that failed) without the engine lock,
  * retain under it. FERRY_EALLOC: device_alloc failed; the handle stays
- * valid. */
+ * valid. FERRY_EHANDLE also when the handle was discarded while it was
+ * being reloaded (by device_alloc, say), whether or not that failed. */
 FERRY_API int ferry_unpack(ferry_engine *e, ferry_handle h,
                            void *compute_stream, void **device_ptr,
                            void **owner);

@@ -862,7 +862,14 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
       goto unlock;
     }
   } else if (s->state == ENTRY_OFFLOADED) {
-    if ((rc = reload(e, p, compute_stream, 0))) goto unlock;
+    rc = reload(e, p, compute_stream, 0);
+    /* a failed reload leaves the handle valid, unless it was discarded
+     * meanwhile (device_alloc may): then that, not "stays valid", is told */
+    if (rc && rc != FERRY_EHANDLE && lookup(e, h) < 0)
+      rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was discarded while it was "
+                       "being reloaded (and the reload failed); nothing to unpack",
+                       (unsigned long long)h);
+    if (rc) goto unlock;
     if (lookup(e, h) < 0) { /* consumed while the lock was dropped */
       rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was used concurrently",
                        (unsigned long long)h);
