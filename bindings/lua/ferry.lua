@@ -211,6 +211,30 @@ local function check(e, rc)
   return true
 end
 
+-- Residents collected and not destroyed yet. A finalizer may run inside any
+-- callback, also one that holds the engine lock (decide, retain, host_ram),
+-- where ferry_resident_destroy, which takes that lock, would deadlock: it
+-- only queues the resident, and the binding's next calls that create or
+-- destroy engines or residents, begin or end a step or read the stats
+-- destroy it (ferry.destroy_collected_residents() too).
+local collected_residents = {}
+
+local function collect_resident_cell(cell)
+  local p = cell[0]
+  if p ~= nil then
+    cell[0] = nil
+    collected_residents[#collected_residents + 1] = p
+  end
+end
+
+local function destroy_collected_residents()
+  if #collected_residents == 0 then return end
+  local list = collected_residents
+  collected_residents = {}
+  for i = 1, #list do C.ferry_resident_destroy(list[i]) end
+end
+M.destroy_collected_residents = destroy_collected_residents
+
 -- The finalizer of an engine's cell (below): it gets the cell, nothing else.
 local function destroy_engine_cell(cell)
   local p = cell[0]
@@ -231,6 +255,7 @@ policy_path, policy_source, policy_trusted, trace_path, chrome_trace_path
 (a Chrome trace of the run, docs/pytorch.md#perfetto-traces), node_budget
 (from ferry.node_budget()).]]
 function M.engine(opts)
+  destroy_collected_residents()
   opts = opts or {}
   local cfg = ffi.new("ferry_config")
   -- the library writes only the bytes of this binding's ferry_config
@@ -323,6 +348,7 @@ function NodeBudget:close()
 end
 
 function Engine:destroy()
+  destroy_collected_residents()
   if self.ptr ~= nil then
     self.ptr = nil
     destroy_engine_cell(self.cell)
@@ -390,8 +416,14 @@ end
 
 function Engine:prefetch(h, stream) return check(self, C.ferry_prefetch(self.ptr, h, stream)) end
 function Engine:discard(h) return check(self, C.ferry_discard(self.ptr, h)) end
-function Engine:step_begin() return check(self, C.ferry_step_begin(self.ptr)) end
-function Engine:step_end() return check(self, C.ferry_step_end(self.ptr)) end
+function Engine:step_begin()
+  destroy_collected_residents()
+  return check(self, C.ferry_step_begin(self.ptr))
+end
+function Engine:step_end()
+  destroy_collected_residents()
+  return check(self, C.ferry_step_end(self.ptr))
+end
 function Engine:backward_begin() return check(self, C.ferry_backward_begin(self.ptr)) end
 function Engine:backward_end() return check(self, C.ferry_backward_end(self.ptr)) end
 
@@ -411,6 +443,7 @@ end
 
 -- stats() -> { steps = n, tensors_packed = n, ... } (Lua numbers)
 function Engine:stats()
+  destroy_collected_residents()
   local s = ffi.new("ferry_stats")
   local rc = C.ferry_get_stats(self.ptr, s, ffi.sizeof(s))
   if rc < 0 then return fail(self, rc) end
@@ -443,13 +476,15 @@ end
 -- e:resident(bytes) -> buffer | nil, err, code. Pinned arena bytes that move
 -- to and from the device at chosen points: r:to_host(dev_ptr, stream),
 -- r:to_device(dev_ptr, stream), r:wait(), r:host_ptr() (uint8_t *, after
--- wait), r:bytes(), r:destroy() (also on collection).
+-- wait), r:bytes(), r:destroy() (also once collected, at a later binding
+-- call: see collected_residents).
 function Engine:resident(bytes)
+  destroy_collected_residents()
   local out = ffi.new("ferry_resident *[1]")
   local rc = C.ferry_resident_create(self.ptr, bytes, out)
   if rc < 0 then return fail(self, rc) end
   -- destroyed on collection too: a cell, as for engines (ferry.engine)
-  local cell = ffi.gc(ffi.new("ferry_resident *[1]", out[0]), destroy_resident_cell)
+  local cell = ffi.gc(ffi.new("ferry_resident *[1]", out[0]), collect_resident_cell)
   return setmetatable({ ptr = out[0], cell = cell, e = self }, Resident)
 end
 
@@ -463,6 +498,7 @@ function Resident:wait() return check(self.e, C.ferry_resident_wait(self.ptr)) e
 function Resident:host_ptr() return ffi.cast("uint8_t *", C.ferry_resident_host_ptr(self.ptr)) end
 function Resident:bytes() return tonumber(C.ferry_resident_bytes(self.ptr)) end
 function Resident:destroy()
+  destroy_collected_residents()
   if self.ptr ~= nil then
     self.ptr = nil
     local rc = destroy_resident_cell(self.cell)

@@ -52,6 +52,45 @@ describe("ferry binding contract", function()
     collectgarbage()
   end)
 
+  it("never destroys a collected resident inside a callback that holds the engine lock", function()
+    -- A GC step inside decide (which runs under the engine lock) finalizes
+    -- a dropped resident of that engine: destroying it there would wait for
+    -- the lock forever. Run in a child so that a deadlock fails, not hangs.
+    local root = debug.getinfo(1, "S").source:match("^@(.-)tests/lua/[^/]*$") or "./"
+    local script = os.tmpname()
+    local f = assert(io.open(script, "w"))
+    f:write(([[
+package.path = %q .. "bindings/lua/?.lua;" .. package.path
+local ffi = require "ffi"
+local ferry = require "ferry"
+local dev = ferry.malloc_device()
+local in_decide = 0
+local decide = ffi.cast("ferry_decide_fn", function(_, desc, ctx, out)
+  collectgarbage() -- as any allocation in the callback may
+  in_decide = in_decide + 1
+  out.action = ferry.KEEP
+  return 0
+end)
+local e = assert(ferry.engine { backend = "host", device = dev, decide = decide })
+local r = assert(e:resident(4096))
+r = nil
+local ptr, owner = dev:new_buffer(4096)
+local h = assert(e:pack(e:desc { bytes = 4096, dtype = "U8" }, ptr, owner))
+assert(in_decide == 1)
+assert(e:discard(h))
+assert(e:step_end())
+assert(e:stats().resident_buffers == 0, "the collected resident was destroyed after the call")
+e:destroy()
+print("ok")
+]]):format(root))
+    f:close()
+    local p = io.popen("timeout 30 luajit " .. script .. " 2>&1; echo \"exit $?\"")
+    local out = p:read("*a")
+    p:close()
+    os.remove(script)
+    assert.matches("ok\nexit 0", out, 1, true)
+  end)
+
   it("refuses a shape of more than FERRY_MAX_DIMS dims instead of writing past it", function()
     local dev = ferry.malloc_device()
     local e = assert(ferry.engine { backend = "host", device = dev })
