@@ -39,6 +39,9 @@ def test_arguments_mean_what_they_mean():
     assert s["bytes_h2d"] == 0, s
     with pytest.raises(ValueError, match="max_fwd_stash_size=-1"):
         ft.OffloadActivations(max_fwd_stash_size=-1)
+    # torchtune refuses 0 (some activation must stay alive while its copy runs)
+    with pytest.raises(ValueError, match="max_fwd_stash_size=0 must be a whole number >= 1"):
+        ft.OffloadActivations(max_fwd_stash_size=0)
     with pytest.raises(ValueError, match="min_offload_size=1.5"):
         ft.OffloadActivations(min_offload_size=1.5)
 
@@ -47,7 +50,7 @@ def test_no_offload_keeps_its_region():
     torch.manual_seed(0)
     model = GPT()
     batch = gpt_batch()
-    with ft.OffloadActivations(max_fwd_stash_size=0, min_offload_size=0):
+    with ft.OffloadActivations(max_fwd_stash_size=1, min_offload_size=0):
         with ft.NoOffload():
             loss = gpt_loss(model, batch)
     loss.backward()
@@ -55,7 +58,7 @@ def test_no_offload_keeps_its_region():
     ft.close()
     # a region inside: the head kept, the rest offloaded
     idx = batch[:, :-1]
-    with ft.OffloadActivations(max_fwd_stash_size=0, min_offload_size=0):
+    with ft.OffloadActivations(max_fwd_stash_size=1, min_offload_size=0):
         x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1]))
         for block in model.h:
             x = block(x)
@@ -74,7 +77,7 @@ def test_composes_with_checkpointing(mode):
     make = lambda: GPT(checkpoint=mode)  # noqa: E731
     base = train(make, gpt_batch, gpt_loss, steps=2)
     mine = train(make, gpt_batch, gpt_loss, steps=2,
-                 offload=lambda m: ft.OffloadActivations(max_fwd_stash_size=0,
+                 offload=lambda m: ft.OffloadActivations(max_fwd_stash_size=1,
                                                          min_offload_size=0))
     assert_same_training(base, mine)
     assert ft.stats()["bytes_h2d"] > 0

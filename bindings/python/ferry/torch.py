@@ -530,9 +530,11 @@ class OffloadActivations:
                  max_fwd_stash_size: int = 5, min_offload_size: int = 1024, *,
                  model: Optional[torch.nn.Module] = None, backend: Optional[str] = None) -> None:
         if not isinstance(max_fwd_stash_size, int) or isinstance(max_fwd_stash_size, bool) \
-                or max_fwd_stash_size < 0:
+                or max_fwd_stash_size < 1:
+            # torchtune refuses 0 too: some activation must stay alive while
+            # its copy runs (ferry.policy(max_stash=0) is the engine's own knob)
             raise ValueError(f"OffloadActivations: max_fwd_stash_size={max_fwd_stash_size!r} "
-                             "must be a whole number >= 0")
+                             "must be a whole number >= 1, as in torchtune")
         if not isinstance(min_offload_size, int) or isinstance(min_offload_size, bool) \
                 or min_offload_size < 0:
             raise ValueError(f"OffloadActivations: min_offload_size={min_offload_size!r} "
