@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from typing import Optional, Sequence, Union
 
@@ -64,14 +65,16 @@ _private_tmp = None  # this process's own directory, when the home cache cannot 
 
 
 def _private_dir(d):
-    """d if it is a real directory (not a link) of this user that no one else
-    may write; a file planted there by another user is never loaded."""
+    """d if it is a real directory (not a link) of this user, made writable
+    by this user alone (chmod 0700 if it was not), so that no other user can
+    plant a file there; else None."""
     try:
         st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        if st.st_mode & 0o022:
+            os.chmod(d, 0o700)
     except OSError:
-        return None
-    import stat
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         return None
     return d
 
