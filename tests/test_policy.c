@@ -948,12 +948,19 @@ TEST(policy_site_cache) {
   ferry_policy_get_stats(p, &s);
   CHECK_EQ(s.calls, 6);
   CHECK_EQ(s.cache_hits, 2);
-  /* ... while fields outside the key (layer, phase, bytes) are not. */
+  /* ... while fields outside the key (layer, bytes) are not. */
   ferry_tensor_desc same = a;
   same.layer = 7;
-  same.phase = FERRY_PHASE_RECOMPUTE;
   ferry_policy_decide(p, &same, NULL, &again);
   CHECK(memcmp(&first, &again, sizeof first) == 0);
+  /* The phase is in the key: a recompute pack of the same op asks Lua
+   * (a policy may keep it where it offloads the forward pack), then hits. */
+  same.phase = FERRY_PHASE_RECOMPUTE;
+  ferry_policy_decide(p, &same, NULL, &again);
+  ferry_policy_decide(p, &same, NULL, &again);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, 7);
+  CHECK_EQ(s.cache_hits, 4);
 
   /* cache=false is never cached */
   ferry_tensor_desc nc = desc_of("nocache", "X", FERRY_KIND_ACTIVATION, 4096);
@@ -961,8 +968,8 @@ TEST(policy_site_cache) {
   ferry_policy_decide(p, &nc, NULL, &again);
   CHECK_EQ(again.cacheable, 0);
   ferry_policy_get_stats(p, &s);
-  CHECK_EQ(s.calls, 8);
-  CHECK_EQ(s.cache_hits, 3);
+  CHECK_EQ(s.calls, 9);
+  CHECK_EQ(s.cache_hits, 4);
   ferry_policy_destroy(p);
   return 0;
 }

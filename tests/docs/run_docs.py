@@ -164,7 +164,32 @@ _LIGHTNING = r'''
 import lightning
 '''
 
-FIXTURES = {"lm": _LM, "mlp": _MLP, "dcp": _DCP, "lightning": _LIGHTNING}
+# A tiny Llama built from a config (no download), a token data set and
+# TrainingArguments for two CPU steps: what a Trainer snippet names.
+_TRANSFORMERS = r'''
+import tempfile
+import transformers
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 96, (8, 16))
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+ds = _Tokens()
+args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2,
+                                      per_device_train_batch_size=2, report_to=[],
+                                      use_cpu=True, save_strategy="no")
+'''
+
+FIXTURES = {"lm": _LM, "mlp": _MLP, "dcp": _DCP, "lightning": _LIGHTNING,
+            "transformers": _TRANSFORMERS}
 
 # train.py of the work dirs: what `ferry run ... -- python train.py` starts.
 TRAIN_PY = '''"""The docs' train.py: a tiny LM trained two steps through

@@ -83,9 +83,12 @@ typedef struct ptr_cache_entry {
   uint32_t id;
 } ptr_cache_entry;
 
+/* A site: where a tensor is saved (module, class, dtype, kind, shape) and in
+ * which phase, so a policy may answer a recompute pack otherwise than the
+ * forward pack of the same op and still be cached. */
 typedef struct site_key {
   uint32_t path_id, class_id;
-  int32_t dtype, kind, ndim;
+  int32_t dtype, kind, ndim, phase;
   int64_t shape[FERRY_MAX_DIMS];
 } site_key;
 
