@@ -143,6 +143,7 @@ const char *ferry_backend_name(ferry_engine *e);
 const char *ferry_arena_name(ferry_engine *e);
 const char *ferry_intern(ferry_engine *e, const char *s);
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner, void *compute_stream, ferry_handle *out);
+int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner, void *compute_stream, uint64_t storage, int64_t version, ferry_handle *out);
 int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc, const void *device_ptr);
 int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **device_ptr, void **owner);
 int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream);

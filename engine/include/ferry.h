@@ -414,6 +414,19 @@ FERRY_API const char *ferry_intern(ferry_engine *e, const char *s);
 FERRY_API int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc,
                          void *device_ptr, void *owner, void *compute_stream,
                          ferry_handle *out);
+/* ferry_pack for an embedder that can name the bytes it packs. A pack of a
+ * buffer the engine still stores becomes an alias of it (one copy, two
+ * handles; needs cfg.retain) only when device_ptr, bytes, storage and
+ * version all match: bytes changed in place since (a new version), or an
+ * allocation freed and another made at the same address (a new storage),
+ * are stored anew, where ferry_pack, matching by address and size alone,
+ * would hand back the old bytes. storage: an identity of the allocation that
+ * no other allocation takes while the engine holds owner (torch: its
+ * StorageImpl); version: a counter bumped by every write (torch: the
+ * tensor's version counter). */
+FERRY_API int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc,
+                               void *device_ptr, void *owner, void *compute_stream,
+                               uint64_t storage, int64_t version, ferry_handle *out);
 /* A pack the policy has answered before, decided without a handle: when the
  * policy's site cache keeps desc's site on device (FERRY_KEEP, cacheable),
  * or desc is under min_offload_bytes, and the engine does not already store

@@ -43,6 +43,7 @@ typedef struct torch_objects {
   PyObject *rf_enter, *rf_exit;
   int has_is_nested;
   int has_is_cpu;         /* Tensor.is_cpu exists (one attribute read instead of device.type) */
+  int has_untyped_storage; /* torch >= 2.0; torch 1.13's storage() is the (typed) one */
 } torch_objects;
 extern torch_objects T;
 
@@ -51,7 +52,7 @@ extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_la
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
     *s_device, *s_version, *s_detach, *s_is_cpu, *s_cdata, *s_nbytes, *s_items, *s_module,
-    *s_qualname;
+    *s_qualname, *s_untyped_storage, *s_storage;
 
 /* ---- tensor attributes on the hot path (tensor.c) ----------------------------
  * PyObject_GetAttr on a tensor walks torch.Tensor's type dictionaries (and,

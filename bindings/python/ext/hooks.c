@@ -434,6 +434,21 @@ static void range_exit(PyObject *h) {
   PyErr_Restore(exc_type, exc, tb);
 }
 
+/* The identity of t's storage (its StorageImpl's address) for
+ * ferry_pack_keyed: while the engine holds t no other storage has it, even
+ * when t's bytes were freed (resize_(0)) and the address reused. -1 with an
+ * exception set on error. */
+static int storage_key(PyObject *t, uint64_t *out) {
+  PyObject *st = PyObject_CallMethodNoArgs(t, T.has_untyped_storage ? s_untyped_storage
+                                                                     : s_storage);
+  PyObject *cdata = st ? PyObject_GetAttr(st, s_cdata) : NULL;
+  Py_XDECREF(st);
+  if (!cdata) return -1;
+  *out = PyLong_AsUnsignedLongLongMask(cdata);
+  Py_DECREF(cdata);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
 /* Gives t to the engine: a Handle, or t kept as is if the engine refuses. */
 static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tensor_desc *d,
                                 const int64_t *strides, PyObject *dtype, void *ptr) {
@@ -451,7 +466,8 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
     return NULL;
   }
   Py_XDECREF(base);
-  void *stream = compute_stream(eng);
+  uint64_t storage = 0;
+  void *stream = storage_key(t, &storage) < 0 ? NULL : compute_stream(eng);
   if (PyErr_Occurred()) {
     Py_DECREF(owner);
     Py_DECREF(hd);
@@ -459,7 +475,9 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
   }
   ferry_handle h = 0;
   PyObject *range = eng->profile_ranges ? range_enter(eng, "pack", hd->site) : NULL;
-  int rc = ferry_pack(eng->e, d, ptr, owner, stream, &h);
+  /* aliases by storage and version, not address: an address written in
+   * place, or freed and reused, since it was packed holds other bytes */
+  int rc = ferry_pack_keyed(eng->e, d, ptr, owner, stream, storage, hd->version, &h);
   range_exit(range);
   if (rc) {
     /* Nothing is lost: the tensor is kept as a plain saved tensor. */

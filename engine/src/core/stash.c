@@ -496,10 +496,22 @@ static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
   }
 }
 
+/* ferry_pack_keyed's identity of the packed bytes; NULL for ferry_pack. */
+typedef struct alias_key { uint64_t storage; int64_t version; } alias_key;
+
+/* Whether a pack of desc's bytes (key: NULL for ferry_pack) is primary
+ * p's bytes: a keyed pack must also name p's storage and version, so an
+ * address that was written in place, or freed and reused, is not aliased. */
+static int alias_matches(const stash_entry *p, const ferry_tensor_desc *desc,
+                         const alias_key *key) {
+  if (p->bytes != desc->bytes || p->keyed != (key != NULL)) return 0;
+  return !key || (p->alias_storage == key->storage && p->alias_version == key->version);
+}
+
 /* A new primary entry for a pack, decided and (if so) offloaded; its
  * counters and alias-map slot. Called locked. */
 static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
-                    void *compute_stream, uint32_t *out_idx) {
+                    void *compute_stream, const alias_key *key, uint32_t *out_idx) {
   ferry_decision d;
   decide(e, desc, &d);
   uint32_t idx, pidx;
@@ -516,6 +528,11 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
     s->trace_id = ++e->trace_seq;
     if (e->ct && desc->module_path) s->module_path = intern_get(&e->interned, desc->module_path);
   }
+  if (key) {
+    s->keyed = 1;
+    s->alias_storage = key->storage;
+    s->alias_version = key->version;
+  }
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
   const uint64_t cap_fallbacks = e->stats.cap_fallbacks;
@@ -527,9 +544,15 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   e->stats.device_bytes_held += s->bytes;
   if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
     e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
+  if (e->cfg.retain && key && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx)) {
+    /* the address holds other bytes now (ferry_pack_keyed saw no match): a
+     * later pack of these bytes finds this entry, not the stale one */
+    u64map_remove(&e->aliases, (uintptr_t)device_ptr);
+    e->entries[pidx].in_alias_map = 0;
+  }
   if (e->cfg.retain && !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
       u64map_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
-    s->in_alias_map = 1;
+    e->entries[idx].in_alias_map = 1;
   *out_idx = idx;
   return FERRY_OK;
 }
@@ -575,8 +598,9 @@ static CTRACE_COLD void ctrace_unpack_info(const ferry_engine *e, uint32_t p, ui
                                         : "reloaded";
 }
 
-int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
-               void *compute_stream, ferry_handle *out) {
+static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
+                     void *owner, void *compute_stream, const alias_key *key,
+                     ferry_handle *out) {
   int rc = engine_check(e);
   if (rc) return rc;
   /* e->ct is fixed for the engine's life */
@@ -596,14 +620,14 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   uint32_t idx, pidx;
   /* The same buffer packed again while stored: one copy, two handles. */
   if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
-      e->entries[pidx].bytes == desc->bytes) {
+      alias_matches(&e->entries[pidx], desc, key)) {
     if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
     if (traced) ctrace_pack_done(e, t0, (uint32_t)(*out & HANDLE_INDEX_MASK) - 1);
     return FERRY_OK;
   }
-  if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, &idx))) goto oom;
+  if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, key, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
@@ -618,7 +642,17 @@ unlock:
   return rc;
 }
 
+int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
+               void *compute_stream, ferry_handle *out) {
+  return pack_impl(e, desc, device_ptr, owner, compute_stream, NULL, out);
+}
 
+int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
+                     void *owner, void *compute_stream, uint64_t storage, int64_t version,
+                     ferry_handle *out) {
+  alias_key key = {storage, version};
+  return pack_impl(e, desc, device_ptr, owner, compute_stream, &key, out);
+}
 
 int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
                            const void *device_ptr) {
