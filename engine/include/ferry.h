@@ -457,6 +457,10 @@ FERRY_API int ferry_step_begin(ferry_engine *e);
 FERRY_API int ferry_step_end(ferry_engine *e);
 FERRY_API int ferry_backward_begin(ferry_engine *e);
 FERRY_API int ferry_backward_end(ferry_engine *e);
+/* 1 while a step is in progress, 0 between steps (and for NULL). A pack, an
+ * unpack or ferry_backward_begin outside a step begins one by itself, so an
+ * embedder that ends steps must ask here, not keep its own flag. */
+FERRY_API int ferry_in_step(ferry_engine *e);
 
 /* Trace recording (config.trace_path; both are no-ops without a trace).
  * ferry_trace_resident: device memory held for the whole run outside the

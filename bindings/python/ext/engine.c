@@ -311,12 +311,14 @@ static void engine_close_impl(EngineObject *self) {
 static int engine_traverse(EngineObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->pack_hook);
   Py_VISIT(self->unpack_hook);
+  Py_VISIT(self->on_backward_end);
   return 0;
 }
 
 static int engine_clear(EngineObject *self) {
   Py_CLEAR(self->pack_hook);
   Py_CLEAR(self->unpack_hook);
+  Py_CLEAR(self->on_backward_end);
   return 0;
 }
 
@@ -349,9 +351,7 @@ static PyObject *engine_step_begin(EngineObject *self, PyObject *unused) {
   if (!engine_live(self)) return NULL;
   self->depth = 0;
   self->in_backward = 0;
-  int rc = ferry_step_begin(self->e);
-  if (!rc) self->in_step = 1;
-  return check_rc(self, rc);
+  return check_rc(self, ferry_step_begin(self->e));
 }
 
 /* Ends the step. Returns the number of handles still live (retain_graph, or
@@ -361,7 +361,6 @@ static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
   if (self->in_backward) ferry_backward_end(self->e);
   self->in_backward = 0;
   self->depth = 0;
-  self->in_step = 0;
   if (kept_end_step(self) < 0) return NULL;
   int rc = ferry_step_end(self->e);
   if (rc == FERRY_ELEAK) {
@@ -376,6 +375,7 @@ static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
 static PyObject *engine_backward_begin(EngineObject *self, PyObject *unused) {
   if (!engine_live(self)) return NULL;
   self->in_backward = 1;
+  self->backwards++;
   return check_rc(self, ferry_backward_begin(self->e));
 }
 
@@ -659,7 +659,24 @@ static PyObject *engine_get_closed(EngineObject *self, void *unused) {
 }
 
 static PyObject *engine_get_in_step(EngineObject *self, void *unused) {
-  return PyBool_FromLong(self->in_step);
+  /* the engine's own flag: it begins a step at a pack or unpack outside one */
+  return PyBool_FromLong(ferry_in_step(self->e));
+}
+
+static PyObject *engine_get_on_backward_end(EngineObject *self, void *unused) {
+  PyObject *f = self->on_backward_end ? self->on_backward_end : Py_None;
+  Py_INCREF(f);
+  return f;
+}
+
+static int engine_set_on_backward_end(EngineObject *self, PyObject *v, void *unused) {
+  if (v && v != Py_None && !PyCallable_Check(v)) {
+    PyErr_SetString(PyExc_TypeError, "on_backward_end must be callable or None");
+    return -1;
+  }
+  Py_XINCREF(v == Py_None ? NULL : v);
+  Py_XSETREF(self->on_backward_end, v == Py_None ? NULL : v);
+  return 0;
 }
 
 static PyObject *engine_get_profile_ranges(EngineObject *self, void *unused) {
@@ -695,6 +712,8 @@ static int engine_set_min_bytes(EngineObject *self, PyObject *v, void *unused) {
 static PyGetSetDef engine_getset[] = {
     {"closed", (getter)engine_get_closed, NULL, "whether close() was called", NULL},
     {"in_step", (getter)engine_get_in_step, NULL, "a step is in progress", NULL},
+    {"on_backward_end", (getter)engine_get_on_backward_end, (setter)engine_set_on_backward_end,
+     "called (no arguments) as each backward ends, before the engine's backward_end", NULL},
     {"profile_ranges", (getter)engine_get_profile_ranges, (setter)engine_set_profile_ranges,
      "pack and unpack calls are torch profiler ranges (set at each offload entry)", NULL},
     {"module_depth", (getter)engine_get_depth, NULL, "current module stack depth", NULL},
