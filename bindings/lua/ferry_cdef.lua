@@ -152,6 +152,7 @@ int ferry_step_begin(ferry_engine *e);
 int ferry_step_end(ferry_engine *e);
 int ferry_backward_begin(ferry_engine *e);
 int ferry_backward_end(ferry_engine *e);
+int ferry_backward_begin_on(ferry_engine *e, void *compute_stream);
 int ferry_in_step(ferry_engine *e);
 int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
 int ferry_trace_flops(ferry_engine *e, double flops);

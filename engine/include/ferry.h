@@ -457,6 +457,12 @@ FERRY_API int ferry_step_begin(ferry_engine *e);
 FERRY_API int ferry_step_end(ferry_engine *e);
 FERRY_API int ferry_backward_begin(ferry_engine *e);
 FERRY_API int ferry_backward_end(ferry_engine *e);
+/* ferry_backward_begin for backward on compute_stream: the reloads
+ * prefetch_at_backward_begin starts now are written into buffers allocated
+ * for, and ordered after, that stream. ferry_backward_begin() orders them
+ * after the legacy default stream (NULL), which orders nothing against a
+ * non-blocking stream: an embedder computing on one passes it here. */
+FERRY_API int ferry_backward_begin_on(ferry_engine *e, void *compute_stream);
 /* 1 while a step is in progress, 0 between steps (and for NULL). A pack, an
  * unpack or ferry_backward_begin outside a step begins one by itself, so an
  * embedder that ends steps must ask here, not keep its own flag. */

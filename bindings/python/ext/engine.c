@@ -96,18 +96,55 @@ int engines_watch_fork(void) {
  * PyGILState calls make that true even for an embedder that calls the engine
  * from a thread without it. */
 
-static int cb_device_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
-  EngineObject *self = ud;
-  PyGILState_STATE g = PyGILState_Ensure();
-  int rc = -1;
-  /* The handle being unpacked gets a buffer with its own dtype and strides,
-   * so unpack hands it out as is; others (prefetches) get raw bytes. */
+/* The buffer itself: the handle being unpacked gets one with its own dtype
+ * and strides, so unpack hands it out as is; others (prefetches) get raw
+ * bytes. */
+static PyObject *alloc_buffer(EngineObject *self, uint64_t bytes) {
   PyObject *t = empty_like_handle(self, bytes);
   if (!t && !PyErr_Occurred()) {
     PyObject *args = Py_BuildValue("(K)", (unsigned long long)bytes);
     t = args ? PyObject_Call(T.empty, args, self->alloc_kw) : NULL;
     Py_XDECREF(args);
   }
+  return t;
+}
+
+/* alloc_buffer from the pool of `stream` (the one the engine orders the
+ * reload after): torch's caching allocator takes a block from the current
+ * stream's pool, so when the engine's stream is not the current one it is
+ * made current around the allocation. */
+static PyObject *alloc_buffer_for(EngineObject *self, uint64_t bytes, void *stream) {
+  void *current = self->backend == FERRY_BACKEND_CUDA && stream ? compute_stream(self) : stream;
+  if (PyErr_Occurred()) return NULL;
+  if (current == stream) return alloc_buffer(self, bytes);
+  PyObject *cuda = PyObject_GetAttrString(T.torch, "cuda");
+  PyObject *ext = cuda ? PyObject_CallMethod(cuda, "ExternalStream", "(Ki)",
+                                             (unsigned long long)(uintptr_t)stream,
+                                             self->device_index)
+                       : NULL;
+  PyObject *ctx = ext ? PyObject_CallMethod(cuda, "stream", "(O)", ext) : NULL;
+  PyObject *in = ctx ? PyObject_CallMethod(ctx, "__enter__", NULL) : NULL;
+  PyObject *t = in ? alloc_buffer(self, bytes) : NULL;
+  if (in) {
+    PyObject *exc_type, *exc, *tb; /* an allocation error stays the error */
+    PyErr_Fetch(&exc_type, &exc, &tb);
+    PyObject *out = PyObject_CallMethod(ctx, "__exit__", "(OOO)", Py_None, Py_None, Py_None);
+    if (!out) Py_CLEAR(t);
+    Py_XDECREF(out);
+    if (exc_type) PyErr_Restore(exc_type, exc, tb);
+  }
+  Py_XDECREF(in);
+  Py_XDECREF(ctx);
+  Py_XDECREF(ext);
+  Py_XDECREF(cuda);
+  return t;
+}
+
+static int cb_device_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
+  EngineObject *self = ud;
+  PyGILState_STATE g = PyGILState_Ensure();
+  int rc = -1;
+  PyObject *t = alloc_buffer_for(self, bytes, stream);
   if (t) {
     PyObject *p = PyObject_CallMethodNoArgs(t, s_data_ptr);
     if (p) {
@@ -374,9 +411,11 @@ static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
 
 static PyObject *engine_backward_begin(EngineObject *self, PyObject *unused) {
   if (!engine_live(self)) return NULL;
+  void *stream = compute_stream(self);
+  if (PyErr_Occurred()) return NULL;
   self->in_backward = 1;
   self->backwards++;
-  return check_rc(self, ferry_backward_begin(self->e));
+  return check_rc(self, ferry_backward_begin_on(self->e, stream));
 }
 
 static PyObject *engine_set_policy(EngineObject *self, PyObject *args, PyObject *kw) {

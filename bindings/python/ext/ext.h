@@ -259,6 +259,7 @@ PyObject *empty_like_handle(EngineObject *self, uint64_t bytes);
 PyObject *int_tuple(const int64_t *v, int32_t n);
 /* torch.cuda.current_stream() of a cuda engine, else NULL */
 void *compute_stream(EngineObject *eng);
+PyObject *compute_stream_object(EngineObject *eng);
 /* sites.c */
 PyObject *engine_site_hooks(EngineObject *self, PyObject *arg);
 /* snapshot.c */

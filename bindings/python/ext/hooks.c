@@ -257,9 +257,19 @@ static int dense_span(int32_t ndim, const int64_t *shape, const int64_t *strides
   return 1;
 }
 
+/* torch.cuda.current_stream(the engine's device): the engine device's
+ * stream, not the thread's current device's (they differ on a thread whose
+ * current device was never set). NULL with an exception on error. */
+PyObject *compute_stream_object(EngineObject *eng) {
+  PyObject *dev = PyLong_FromLong(eng->device_index);
+  PyObject *s = dev ? PyObject_CallOneArg(T.cuda_current_stream, dev) : NULL;
+  Py_XDECREF(dev);
+  return s;
+}
+
 void *compute_stream(EngineObject *eng) {
   if (eng->backend != FERRY_BACKEND_CUDA) return NULL;
-  PyObject *s = PyObject_CallNoArgs(T.cuda_current_stream);
+  PyObject *s = compute_stream_object(eng);
   if (!s) return NULL;
   PyObject *p = PyObject_GetAttr(s, s_cuda_stream);
   Py_DECREF(s);
@@ -876,6 +886,19 @@ static PyObject *unpack_kept(EngineObject *eng, KeptObject *k) {
   return k->tensor;
 }
 
+/* A reloaded buffer may come from another stream's pool (a prefetch made
+ * for another stream): the caching allocator must not hand its block out
+ * again on that stream while this one still reads it. record_stream is a
+ * no-op for the stream the block was allocated on. */
+static int record_on_compute_stream(EngineObject *eng, PyObject *t) {
+  if (eng->backend != FERRY_BACKEND_CUDA) return 0;
+  PyObject *s = compute_stream_object(eng);
+  PyObject *r = s ? PyObject_CallMethod(t, "record_stream", "(O)", s) : NULL;
+  Py_XDECREF(s);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
 static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
   if (Py_TYPE(obj) == &KeptType) return unpack_kept(eng, (KeptObject *)obj);
   if (Py_TYPE(obj) != &HandleType) { /* not ours: returned as torch gave it */
@@ -903,14 +926,15 @@ static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
     return PyErr_Format(FerryError, "ferry: saved tensor handle was lost");
   }
   if (!hd->eng->e) return PyErr_Format(FerryError, "ferry: the engine holding this saved tensor was closed");
+  /* read first: the reloads backward's beginning starts are for this stream */
+  void *stream = compute_stream(eng);
+  if (PyErr_Occurred()) return NULL;
   if (!eng->in_backward) {
     eng->in_backward = 1;
     eng->backwards++;
-    ferry_backward_begin(eng->e);
+    ferry_backward_begin_on(eng->e, stream);
     end_backward_with_graph_task(eng);
   }
-  void *stream = compute_stream(eng);
-  if (PyErr_Occurred()) return NULL;
   void *ptr = NULL, *owner = NULL;
   eng->unpacking = hd;
   PyObject *range = eng->profile_ranges ? range_enter(eng, "unpack", hd->site) : NULL;
@@ -920,7 +944,10 @@ static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
   if (rc) return raise_ferry(rc, ferry_last_error(eng->e));
   hd->h = 0;
   PyObject *res = rebuild(eng, hd, (PyObject *)owner, ptr);
-  if (!res) return NULL;
+  if (!res || record_on_compute_stream(eng, res) < 0) {
+    Py_XDECREF(res);
+    return NULL;
+  }
   Py_INCREF(res);
   hd->result = res;
   return res;

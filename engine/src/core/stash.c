@@ -299,7 +299,7 @@ int ferry_step_end(ferry_engine *e) {
 
 static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream);
 
-static int set_phase(ferry_engine *e, int phase, const char *ev) {
+static int set_phase(ferry_engine *e, int phase, const char *ev, void *compute_stream) {
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
@@ -318,16 +318,19 @@ static int set_phase(ferry_engine *e, int phase, const char *ev) {
   /* Backward needs the last offloaded tensors first: with the policy's
    * prefetch, their reloads start now rather than at the first unpack. */
   if (phase == FERRY_PHASE_BACKWARD && e->cfg.prefetch_at_backward_begin)
-    prefetch_next(e, e->n_offloads, e->step, NULL);
+    prefetch_next(e, e->n_offloads, e->step, compute_stream);
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }
 
 int ferry_backward_begin(ferry_engine *e) {
-  return set_phase(e, FERRY_PHASE_BACKWARD, "backward_begin");
+  return set_phase(e, FERRY_PHASE_BACKWARD, "backward_begin", NULL);
+}
+int ferry_backward_begin_on(ferry_engine *e, void *compute_stream) {
+  return set_phase(e, FERRY_PHASE_BACKWARD, "backward_begin", compute_stream);
 }
 int ferry_backward_end(ferry_engine *e) {
-  return set_phase(e, FERRY_PHASE_FORWARD, "backward_end");
+  return set_phase(e, FERRY_PHASE_FORWARD, "backward_end", NULL);
 }
 
 /* ---- pack --------------------------------------------------------------------- */
