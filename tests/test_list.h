@@ -21,6 +21,8 @@
   X(meminfo_reader_parses_and_refuses)                                     \
   /* stream ordering (test_ordering.c) */                                  \
   X(copies_wait_for_a_busy_compute_stream)                                 \
+  /* issue 36's stream rules (test_stream_rules.c) */                      \
+  X(backward_begin_prefetch_is_ordered_after_the_compute_stream)           \
   X(reloads_wait_for_the_compute_stream_before_writing)                    \
   /* fault injection (test_faults.c) */                                    \
   X(faults_lose_nothing)                                                   \
