@@ -23,6 +23,7 @@
   X(copies_wait_for_a_busy_compute_stream)                                 \
   /* issue 36's stream rules (test_stream_rules.c) */                      \
   X(backward_begin_prefetch_is_ordered_after_the_compute_stream)           \
+  X(waiting_for_a_reload_lets_the_embedders_lock_go)                      \
   X(reloads_wait_for_the_compute_stream_before_writing)                    \
   /* fault injection (test_faults.c) */                                    \
   X(faults_lose_nothing)                                                   \

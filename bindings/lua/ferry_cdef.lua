@@ -64,6 +64,8 @@ typedef int (*ferry_host_ram_fn)(void *ud, uint64_t *total_bytes, uint64_t *avai
 typedef int (*ferry_alloc_fn)(void *ud, uint64_t bytes, void *stream, void **device_ptr, void **owner);
 typedef void (*ferry_release_fn)(void *ud, void *owner);
 typedef void (*ferry_retain_fn)(void *ud, void *owner);
+typedef void *(*ferry_wait_begin_fn)(void *ud);
+typedef void (*ferry_wait_end_fn)(void *ud, void *token);
 typedef struct ferry_engine ferry_engine;
 typedef uint64_t ferry_handle;
 typedef enum ferry_backend_kind {
@@ -114,6 +116,8 @@ uint32_t reserved2;
 const char *chrome_trace_path;
 int32_t count_reasons;
 uint32_t reserved3;
+ferry_wait_begin_fn wait_begin;
+ferry_wait_end_fn wait_end;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {

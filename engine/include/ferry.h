@@ -217,6 +217,10 @@ typedef void (*ferry_release_fn)(void *ud, void *owner);
 /* Add a reference to an owner token (optional; enables storing a buffer
  * that is packed twice only once). */
 typedef void (*ferry_retain_fn)(void *ud, void *owner);
+/* Around a wait for another thread's reload of the same tensor (optional;
+ * see ferry_config.wait_begin). */
+typedef void *(*ferry_wait_begin_fn)(void *ud);
+typedef void (*ferry_wait_end_fn)(void *ud, void *token);
 
 /* ---- engine ------------------------------------------------------------- */
 typedef struct ferry_engine ferry_engine;
@@ -316,6 +320,15 @@ typedef struct ferry_config {
    * decide, so off by default. */
   int32_t count_reasons;
   uint32_t reserved3;
+  /* Called with callback_ud before the calling thread blocks until another
+   * thread's reload of the same tensor is done (an unpack or discard of it;
+   * the engine lock not held), and after it (wait_begin's return goes to
+   * wait_end): an embedder whose callbacks take a global lock its callers
+   * hold (Python's GIL: device_alloc runs torch, which lets the GIL go and
+   * takes it back) drops that lock meanwhile, or the reloading thread could
+   * never finish. NULL = none. */
+  ferry_wait_begin_fn wait_begin;
+  ferry_wait_end_fn wait_end;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \

@@ -170,6 +170,19 @@ static void cb_release(void *ud, void *owner) {
   PyGILState_Release(g);
 }
 
+/* Around an engine wait for another thread's reload of the same tensor:
+ * the GIL goes meanwhile, for that thread may be inside torch.empty_strided
+ * (device_alloc), which lets the GIL go and needs it back to return. */
+static void *cb_wait_begin(void *ud) {
+  (void)ud;
+  return PyGILState_Check() ? (void *)PyEval_SaveThread() : NULL;
+}
+
+static void cb_wait_end(void *ud, void *token) {
+  (void)ud;
+  if (token) PyEval_RestoreThread((PyThreadState *)token);
+}
+
 static void cb_retain(void *ud, void *owner) {
   /* Called under the engine's lock; the GIL is held by our caller. */
   Py_INCREF((PyObject *)owner);
@@ -303,6 +316,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.device_alloc = cb_device_alloc;
   cfg.release = cb_release;
   cfg.retain = cb_retain;
+  cfg.wait_begin = cb_wait_begin;
+  cfg.wait_end = cb_wait_end;
   cfg.callback_ud = self;
   cfg.policy_path = policy_path;
   cfg.policy_source = policy_source;

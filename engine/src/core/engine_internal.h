@@ -227,4 +227,7 @@ void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const voi
 void ctrace_copy_unissue(ferry_engine *e, int dir, const void *host);
 void ctrace_copy_observed(ferry_engine *e, int dir, const void *host);
 
+/* reload_wait.c: wait, lock held, until entry idx is not RELOADING. */
+void stash_wait_reloading(ferry_engine *e, uint32_t idx);
+
 #endif

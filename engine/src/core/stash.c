@@ -794,9 +794,6 @@ static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *c
   prefetch_ahead(e, mark, distance, step, compute_stream);
 }
 
-static void wait_while_reloading(ferry_engine *e, uint32_t idx) {
-  while (e->entries[idx].state == ENTRY_RELOADING) pthread_cond_wait(&e->reload_done, &e->lock);
-}
 
 /* Drop one handle of primary p. Returns the owner reference to hand out
  * (retained if other handles remain), and frees the entry with the last. */
@@ -862,7 +859,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   }
   uint32_t slot = 0, p = 0;
   if ((rc = resolve(e, h, "ferry_unpack", &slot, &p))) goto unlock;
-  wait_while_reloading(e, p);
+  stash_wait_reloading(e, p);
   /* Another thread may have consumed this handle while we waited. */
   if (lookup(e, h) < 0) {
     rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was used concurrently",
@@ -944,7 +941,7 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
   uint32_t slot = 0, p = 0;
   void *to_release = NULL;
   if ((rc = resolve(e, h, "ferry_discard", &slot, &p)) == FERRY_OK) {
-    wait_while_reloading(e, p);
+    stash_wait_reloading(e, p);
     if (lookup(e, h) < 0) {
       rc = engine_fail(e, FERRY_EHANDLE, "ferry_discard: handle 0x%llx was used concurrently",
                        (unsigned long long)h);
