@@ -34,6 +34,7 @@ import hashlib
 import importlib
 import os
 import tempfile
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -144,8 +145,8 @@ def _local(t):
     """A DTensor's (FSDP2's sharded parameter's) local shard, t otherwise:
     a DTensor has no storage of its own to read."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and not type(t) in (torch.Tensor,
-                                                                   torch.nn.Parameter) else t
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+    return t if plain or to_local is None else to_local()
 
 
 def _storage_range(t):
@@ -351,7 +352,8 @@ class offload:
         # Nested in a context of the same engine: this one joins its step
         # (no step ends mid-forward) and adds its model's ranges to the
         # outer ones until it exits; the policy cannot change within a step.
-        outer = next((c for c in reversed(_active) if c.session is s), None)
+        active = _active()
+        outer = next((c for c in reversed(active) if c.session is s), None)
         if outer is not None:
             if self.policy_path and self.policy_path != s.policy_path:
                 raise FerryError(
@@ -402,7 +404,7 @@ class offload:
             self._flop_mode = _flops.FlopMode(s.flops)
             self._flop_mode.__enter__()
         _sessmod.current = s
-        _active.append(self)
+        active.append(self)
         return self
 
     def __exit__(self, *exc):
@@ -415,20 +417,29 @@ class offload:
             for h in self._handles:
                 h.remove()
             self._handles = ()
-            if self in _active:
-                _active.remove(self)
+            active = _active()
+            if self in active:
+                active.remove(self)
             s = self.session
             if self._outer_ranges is not None:  # the outer context's model again
                 s.engine.set_param_ranges(self._outer_ranges)
                 s.param_ranges, self._outer_ranges = self._outer_ranges, None
-            if _active:  # ft.step(), ft.stats() mean the enclosing context's engine
-                _sessmod.current = _active[-1].session
+            if active:  # ft.step(), ft.stats() mean the enclosing context's engine
+                _sessmod.current = active[-1].session
             s.check_policy()
         return False
 
 
-# The offload contexts entered and not yet exited, innermost last.
-_active: List[offload] = []
+# The offload contexts this thread entered and has not exited, innermost
+# last (per thread, as torch's saved-tensor hooks are).
+_contexts = threading.local()
+
+
+def _active() -> List[offload]:
+    stack = getattr(_contexts, "stack", None)
+    if stack is None:
+        stack = _contexts.stack = []
+    return stack
 
 
 # ---- module-level API -------------------------------------------------------------
