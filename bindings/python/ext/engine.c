@@ -114,14 +114,18 @@ static PyObject *alloc_buffer(EngineObject *self, uint64_t bytes) {
  * stream's pool, so when the engine's stream is not the current one it is
  * made current around the allocation. */
 static PyObject *alloc_buffer_for(EngineObject *self, uint64_t bytes, void *stream) {
-  void *current = self->backend == FERRY_BACKEND_CUDA && stream ? compute_stream(self) : stream;
+  if (self->backend != FERRY_BACKEND_CUDA) return alloc_buffer(self, bytes);
+  void *current = compute_stream(self);
   if (PyErr_Occurred()) return NULL;
   if (current == stream) return alloc_buffer(self, bytes);
   PyObject *cuda = PyObject_GetAttrString(T.torch, "cuda");
-  PyObject *ext = cuda ? PyObject_CallMethod(cuda, "ExternalStream", "(Ki)",
-                                             (unsigned long long)(uintptr_t)stream,
-                                             self->device_index)
-                       : NULL;
+  /* NULL: the legacy default stream, torch's default stream */
+  PyObject *ext = !cuda    ? NULL
+                  : stream ? PyObject_CallMethod(cuda, "ExternalStream", "(Ki)",
+                                                 (unsigned long long)(uintptr_t)stream,
+                                                 self->device_index)
+                           : PyObject_CallMethod(cuda, "default_stream", "(i)",
+                                                 self->device_index);
   PyObject *ctx = ext ? PyObject_CallMethod(cuda, "stream", "(O)", ext) : NULL;
   PyObject *in = ctx ? PyObject_CallMethod(ctx, "__enter__", NULL) : NULL;
   PyObject *t = in ? alloc_buffer(self, bytes) : NULL;
