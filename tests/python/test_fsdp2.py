@@ -21,7 +21,7 @@ def have_fsdp2():
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
         from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
-    except ImportError:
+    except Exception:  # absent, or (Debian's torch 1.13 on Python 3.11) broken at import
         return False
     return torch.distributed.is_available()
 
