@@ -230,8 +230,8 @@ def test_prefetch_at_backward_begin_on_a_side_stream(tmp_path):
 def test_engine_device_other_than_the_current_one(offload_all):
     """The model on cuda:1 while the thread's current device is 0: the
     compute stream is cuda:1's, so its tensors are offloaded (they were
-    kept, silently), and device 0 gets no context from ferry (issue 36 item
-    9)."""
+    kept, silently: issue 36 item 9; the device guard's side is tested on
+    the CUDA double)."""
     dev = torch.device("cuda", 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(),
