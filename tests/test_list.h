@@ -37,6 +37,12 @@
   X(meminfo_reader_parses_and_refuses)                                     \
   /* stream ordering (test_ordering.c) */                                  \
   X(copies_wait_for_a_busy_compute_stream)                                 \
+  /* issue 36's stream rules (test_stream_rules.c) */                      \
+  X(backward_begin_prefetch_is_ordered_after_the_compute_stream)           \
+  X(waiting_for_a_reload_lets_the_embedders_lock_go)                      \
+  /* issue 36's engine API (test_alias_key.c) */                           \
+  X(pack_keyed_aliases_only_the_same_storage_and_version)                  \
+  X(in_step_is_the_engines_own_flag)                                       \
   X(reloads_wait_for_the_compute_stream_before_writing)                    \
   /* fault injection (test_faults.c) */                                    \
   X(faults_lose_nothing)                                                   \

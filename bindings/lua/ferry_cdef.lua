@@ -64,6 +64,8 @@ typedef int (*ferry_host_ram_fn)(void *ud, uint64_t *total_bytes, uint64_t *avai
 typedef int (*ferry_alloc_fn)(void *ud, uint64_t bytes, void *stream, void **device_ptr, void **owner);
 typedef void (*ferry_release_fn)(void *ud, void *owner);
 typedef void (*ferry_retain_fn)(void *ud, void *owner);
+typedef void *(*ferry_wait_begin_fn)(void *ud);
+typedef void (*ferry_wait_end_fn)(void *ud, void *token);
 typedef struct ferry_engine ferry_engine;
 typedef uint64_t ferry_handle;
 typedef enum ferry_backend_kind {
@@ -114,6 +116,8 @@ uint32_t reserved2;
 const char *chrome_trace_path;
 int32_t count_reasons;
 uint32_t reserved3;
+ferry_wait_begin_fn wait_begin;
+ferry_wait_end_fn wait_end;
 }ferry_config;
 typedef struct ferry_node_budget ferry_node_budget;
 typedef struct ferry_node_budget_stats {
@@ -143,6 +147,7 @@ const char *ferry_backend_name(ferry_engine *e);
 const char *ferry_arena_name(ferry_engine *e);
 const char *ferry_intern(ferry_engine *e, const char *s);
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner, void *compute_stream, ferry_handle *out);
+int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner, void *compute_stream, uint64_t storage, int64_t version, ferry_handle *out);
 int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc, const void *device_ptr);
 int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **device_ptr, void **owner);
 int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream);
@@ -151,6 +156,8 @@ int ferry_step_begin(ferry_engine *e);
 int ferry_step_end(ferry_engine *e);
 int ferry_backward_begin(ferry_engine *e);
 int ferry_backward_end(ferry_engine *e);
+int ferry_backward_begin_on(ferry_engine *e, void *compute_stream);
+int ferry_in_step(ferry_engine *e);
 int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes);
 int ferry_trace_flops(ferry_engine *e, double flops);
 int ferry_trace_device_peak(ferry_engine *e, uint64_t bytes);

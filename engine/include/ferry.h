@@ -254,6 +254,10 @@ typedef void (*ferry_release_fn)(void *ud, void *owner);
  * that is packed twice only once). Called with the engine lock held, from
  * ferry_unpack of a handle whose buffer other handles still share. */
 typedef void (*ferry_retain_fn)(void *ud, void *owner);
+/* Around a wait for another thread's reload of the same tensor (optional;
+ * see ferry_config.wait_begin). */
+typedef void *(*ferry_wait_begin_fn)(void *ud);
+typedef void (*ferry_wait_end_fn)(void *ud, void *token);
 
 /* ---- engine ------------------------------------------------------------- */
 typedef struct ferry_engine ferry_engine;
@@ -355,6 +359,15 @@ typedef struct ferry_config {
    * decide, so off by default. */
   int32_t count_reasons;
   uint32_t reserved3;
+  /* Called with callback_ud before the calling thread blocks until another
+   * thread's reload of the same tensor is done (an unpack or discard of it;
+   * the engine lock not held), and after it (wait_begin's return goes to
+   * wait_end): an embedder whose callbacks take a global lock its callers
+   * hold (Python's GIL: device_alloc runs torch, which lets the GIL go and
+   * takes it back) drops that lock meanwhile, or the reloading thread could
+   * never finish. NULL = none. */
+  ferry_wait_begin_fn wait_begin;
+  ferry_wait_end_fn wait_end;
 } ferry_config;
 
 #define FERRY_CONFIG_INIT                                          \
@@ -477,6 +490,19 @@ FERRY_API const char *ferry_intern(ferry_engine *e, const char *s);
 FERRY_API int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc,
                          void *device_ptr, void *owner, void *compute_stream,
                          ferry_handle *out);
+/* ferry_pack for an embedder that can name the bytes it packs. A pack of a
+ * buffer the engine still stores becomes an alias of it (one copy, two
+ * handles; needs cfg.retain) only when device_ptr, bytes, storage and
+ * version all match: bytes changed in place since (a new version), or an
+ * allocation freed and another made at the same address (a new storage),
+ * are stored anew, where ferry_pack, matching by address and size alone,
+ * would hand back the old bytes. storage: an identity of the allocation that
+ * no other allocation takes while the engine holds owner (torch: its
+ * StorageImpl); version: a counter bumped by every write (torch: the
+ * tensor's version counter). */
+FERRY_API int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc,
+                               void *device_ptr, void *owner, void *compute_stream,
+                               uint64_t storage, int64_t version, ferry_handle *out);
 /* A pack the policy has answered before, decided without a handle: when the
  * policy's site cache keeps desc's site on device (FERRY_KEEP, cacheable),
  * or desc is under min_offload_bytes, and the engine does not already store
@@ -524,6 +550,16 @@ FERRY_API int ferry_step_begin(ferry_engine *e);
 FERRY_API int ferry_step_end(ferry_engine *e);
 FERRY_API int ferry_backward_begin(ferry_engine *e);
 FERRY_API int ferry_backward_end(ferry_engine *e);
+/* ferry_backward_begin for backward on compute_stream: the reloads
+ * prefetch_at_backward_begin starts now are written into buffers allocated
+ * for, and ordered after, that stream. ferry_backward_begin() orders them
+ * after the legacy default stream (NULL), which orders nothing against a
+ * non-blocking stream: an embedder computing on one passes it here. */
+FERRY_API int ferry_backward_begin_on(ferry_engine *e, void *compute_stream);
+/* 1 while a step is in progress, 0 between steps (and for NULL). A pack, an
+ * unpack or ferry_backward_begin outside a step begins one by itself, so an
+ * embedder that ends steps must ask here, not keep its own flag. */
+FERRY_API int ferry_in_step(ferry_engine *e);
 
 /* Trace recording (config.trace_path; both are no-ops without a trace).
  * ferry_trace_resident: device memory held for the whole run outside the

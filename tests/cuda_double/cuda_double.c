@@ -126,6 +126,11 @@ static struct {
 } g_calls[MAX_COUNTED_CALLS];
 
 static _Thread_local int t_device;
+/* Primary contexts made (per device, process-wide): by cudaSetDevice (as
+ * since CUDA 12) and by what makes memory, streams or events on the current
+ * device. Reported by cuDevicePrimaryCtxGetState through
+ * cudaGetDriverEntryPointByVersion. */
+static int g_primary[MAX_DEVICES];
 static _Thread_local cudaError_t t_last_error;
 static _Thread_local struct CUstream_st *t_per_thread[MAX_DEVICES];
 
@@ -556,7 +561,41 @@ cudaError_t CUDARTAPI cudaSetDevice(int device) {
   if (device < 0 || device >= g_device_count)
     return leave(fail(cudaErrorInvalidDevice));
   t_device = device;
+  g_primary[device] = 1;
   return leave(cudaSuccess);
+}
+
+/* The driver's cuDevicePrimaryCtxGetState over the double's state
+ * (CUresult 0 = CUDA_SUCCESS, 101 = CUDA_ERROR_INVALID_DEVICE). */
+static int double_primary_ctx_state(int device, unsigned int *flags, int *active) {
+  lock();
+  int ok = device >= 0 && device < g_device_count && flags && active;
+  if (ok) {
+    *flags = 0;
+    *active = g_primary[device];
+  }
+  unlock();
+  return ok ? 0 : 101;
+}
+
+cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(
+    const char *symbol, void **funcPtr, unsigned int cudaVersion, unsigned long long flags,
+    enum cudaDriverEntryPointQueryResult *driverStatus) {
+  ENTER("cudaGetDriverEntryPointByVersion");
+  (void)cudaVersion;
+  (void)flags;
+  if (!symbol || !funcPtr) return leave(fail(cudaErrorInvalidValue));
+  int found = strcmp(symbol, "cuDevicePrimaryCtxGetState") == 0;
+  *funcPtr = found ? (void *)double_primary_ctx_state : NULL;
+  if (driverStatus) *driverStatus = found ? cudaDriverEntryPointSuccess
+                                          : cudaDriverEntryPointSymbolNotFound;
+  return leave(cudaSuccess);
+}
+
+int cuda_double_primary_context(int device) {
+  unsigned int flags;
+  int active = 0;
+  return double_primary_ctx_state(device, &flags, &active) == 0 && active;
 }
 
 cudaError_t CUDARTAPI cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr,
@@ -698,6 +737,7 @@ cudaError_t CUDARTAPI cudaMalloc(void **devPtr, size_t size) {
   if (!devPtr) return leave(fail(cudaErrorInvalidValue));
   *devPtr = NULL;
   if (size == 0) return leave(cudaSuccess);
+  g_primary[t_device] = 1;
   void *p = aligned_alloc(DEVICE_ALIGN, round_up(size, DEVICE_ALIGN));
   if (!p) return leave(fail(cudaErrorMemoryAllocation));
   memset(p, UNINITIALIZED_DEVICE_BYTE, round_up(size, DEVICE_ALIGN));
@@ -736,6 +776,7 @@ cudaError_t CUDARTAPI cudaStreamCreateWithFlags(cudaStream_t *pStream,
                            "serializes with the embedder's legacy default stream)",
                            flags));
   join_finished_streams();
+  g_primary[t_device] = 1;
   struct CUstream_st *s = stream_new(t_device, 0);
   if (!s) return leave(fail(cudaErrorMemoryAllocation));
   *pStream = s;
@@ -871,6 +912,7 @@ cudaError_t CUDARTAPI cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int 
                            "are cudaEventDisableTiming (timing costs and is never "
                            "read)",
                            flags));
+  g_primary[t_device] = 1;
   struct CUevent_st *ev = calloc(1, sizeof *ev);
   if (!ev || !handle_add(ev, H_EVENT)) {
     free(ev);
@@ -990,6 +1032,7 @@ void cuda_double_reset(void) {
   lock();
   g_no_driver = 0;
   g_device_count = 1;
+  memset(g_primary, 0, sizeof g_primary);
   g_register_supported = 1;
   g_delay_us = g_default_delay_us;
   g_paused = 0;

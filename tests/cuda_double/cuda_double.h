@@ -56,7 +56,9 @@
  *
  * Not modeled: the implicit synchronization of the legacy default stream with
  * blocking streams (blocking streams are refused, rule 11) and with the
- * per-thread default stream; the double is stricter there, never laxer.
+ * per-thread default stream; the double is stricter there, never laxer. As
+ * on real CUDA, the legacy default stream orders nothing against the
+ * non-blocking streams: work recorded there does not wait for theirs.
  */
 #ifndef CUDA_DOUBLE_H
 #define CUDA_DOUBLE_H
@@ -97,6 +99,13 @@ long cuda_double_calls(const char *entry_point);
  * cudaStreamLegacy mean the legacy stream of the current device. */
 int cuda_double_stream_device(cudaStream_t s);
 int cuda_double_event_device(cudaEvent_t e);
+
+/* 1 once device's primary context was made: by cudaSetDevice(device) (as
+ * since CUDA 12: several hundred MB of that GPU) or by memory, a stream or
+ * an event made while it was current; cuda_double_reset forgets them. The
+ * backend reads the same state through cudaGetDriverEntryPointByVersion
+ * ("cuDevicePrimaryCtxGetState"). */
+int cuda_double_primary_context(int device);
 
 typedef struct cuda_double_counts {
   long streams;        /* live streams created by cudaStreamCreateWithFlags */

@@ -20,5 +20,6 @@
   X(cuda_double_no_driver_and_injected_failures)                           \
   X(cuda_backend_maps_and_clears_errors)                                   \
   X(cuda_backend_uses_its_device_and_restores_the_threads)                 \
+  X(cuda_backend_makes_no_context_on_another_device)                       \
   X(cuda_backend_pins_by_register_or_hostalloc)                            \
   X(cuda_engine_round_trip_over_double)

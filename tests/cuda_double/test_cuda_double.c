@@ -599,6 +599,62 @@ TEST(cuda_backend_uses_its_device_and_restores_the_threads) {
   return finish();
 }
 
+/* Issue 36 item 9: every rank touched GPU 0. A thread that never used its
+ * device (device 0, by default) works the engine's device 1: no primary
+ * context appears on device 0 (cudaSetDevice back to it would make one), the
+ * thread is left on device 1, and records and waits on the engine's streams
+ * switch no device at all. */
+typedef struct fresh_thread_probe {
+  ferry_backend *b;
+  bk_stream s;
+  bk_event *ev;
+  long sets_for_streams; /* cudaSetDevice calls by records/waits on s */
+  int device_after, rc;
+} fresh_thread_probe;
+
+static void *use_from_fresh_thread(void *arg) {
+  fresh_thread_probe *p = arg;
+  const ferry_backend_ops *o = p->b->ops;
+  long sets = cuda_double_calls("cudaSetDevice");
+  p->rc = o->event_record(p->b, p->ev, p->s);
+  if (!p->rc) p->rc = o->stream_wait_event(p->b, p->s, p->ev);
+  p->sets_for_streams = cuda_double_calls("cudaSetDevice") - sets;
+  bk_event *ev2 = NULL; /* guarded: made on the engine's device */
+  if (!p->rc) p->rc = o->event_create(p->b, &ev2);
+  if (!p->rc) p->rc = o->event_record(p->b, ev2, NULL);
+  if (!p->rc) p->rc = o->event_synchronize(p->b, ev2);
+  if (ev2 && o->event_destroy(p->b, ev2) && !p->rc) p->rc = -1;
+  cudaGetDevice(&p->device_after);
+  return NULL;
+}
+
+TEST(cuda_backend_makes_no_context_on_another_device) {
+  fresh();
+  cuda_double_set_device_count(2);
+  ferry_backend *b = cuda_backend(1); /* from a thread on device 0, unused */
+  CHECK(b);
+  CHECK(!cuda_double_primary_context(0));
+  CHECK(cuda_double_primary_context(1));
+  int current = -1;
+  CUDA_OK(cudaGetDevice(&current));
+  CHECK_EQ(current, 1); /* left on the engine's device, not set back */
+  fresh_thread_probe p = {b, NULL, NULL, -1, -1, -1};
+  CHECK_OK(b->ops->stream_create(b, &p.s));
+  CHECK_OK(b->ops->event_create(b, &p.ev));
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, use_from_fresh_thread, &p) == 0);
+  pthread_join(t, NULL);
+  CHECK_OK(p.rc);
+  CHECK_EQ(p.sets_for_streams, 0);
+  CHECK_EQ(p.device_after, 1);
+  CHECK(!cuda_double_primary_context(0));
+  CHECK_OK(b->ops->event_destroy(b, p.ev));
+  CHECK_OK(b->ops->stream_destroy(b, p.s));
+  b->ops->destroy(b);
+  CHECK_EQ(cuda_double_violations(), 0);
+  return finish();
+}
+
 /* Pinned memory by cudaHostRegister where the device supports it, else by
  * cudaHostAlloc; both aligned as asked and released by host_free. */
 TEST(cuda_backend_pins_by_register_or_hostalloc) {

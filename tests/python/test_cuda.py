@@ -203,3 +203,45 @@ def test_recorded_trace_carries_each_steps_device_peak(offload_all, tmp_path):
     assert [e["step"] for e in peaks] == [1, 2], peaks
     assert peaks[-1]["bytes"] == last
     assert all(0 < e["bytes"] < (1 << 30) for e in peaks), peaks
+
+
+PREFETCH_ALL = """
+local R = require "ferry.rules"
+return R.policy { name = "prefetch-all", R.min_bytes(1024), R.exclude_params_and_buffers(),
+                  R.max_stash(1), reload = R.prefetch(4) }
+"""
+
+
+def test_prefetch_at_backward_begin_on_a_side_stream(tmp_path):
+    """Backward on a stream of the user's own, with the reloads started as
+    backward begins: their buffers come from that stream's pool, are ordered
+    after it, and every reloaded tensor is recorded on it (issue 36 items 6
+    and 7; the engine's side is tested on the CUDA double)."""
+    p = tmp_path / "prefetch_all.lua"
+    p.write_text(PREFETCH_ALL)
+    side = torch.cuda.Stream()
+    ctx = lambda m: ft.offload(m, policy=str(p), prefetch_at_backward_begin=True)  # noqa: E731
+    assert_same(train(stream=side), train(ctx=ctx, stream=side))
+    s = ft.stats()
+    assert s["prefetches"] > 0 and s["bytes_h2d"] > 0, s
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_engine_device_other_than_the_current_one(offload_all):
+    """The model on cuda:1 while the thread's current device is 0: the
+    compute stream is cuda:1's, so its tensors are offloaded (they were
+    kept, silently: issue 36 item 9; the device guard's side is tested on
+    the CUDA double)."""
+    dev = torch.device("cuda", 1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(),
+                                torch.nn.Linear(512, 512)).to(dev)
+    x = torch.randn(64, 512, device=dev)
+    assert torch.cuda.current_device() == 0
+    ref = torch.autograd.grad(model(x).pow(2).sum(), list(model.parameters()))
+    with ft.offload(model, policy=offload_all):
+        y = model(x).pow(2).sum()
+    got = torch.autograd.grad(y, list(model.parameters()))
+    for a, b in zip(got, ref):
+        assert_bit_identical(a, b, "grad")
+    assert ft.stats()["tensors_offloaded"] > 0, ft.stats()

@@ -96,18 +96,59 @@ int engines_watch_fork(void) {
  * PyGILState calls make that true even for an embedder that calls the engine
  * from a thread without it. */
 
-static int cb_device_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
-  EngineObject *self = ud;
-  PyGILState_STATE g = PyGILState_Ensure();
-  int rc = -1;
-  /* The handle being unpacked gets a buffer with its own dtype and strides,
-   * so unpack hands it out as is; others (prefetches) get raw bytes. */
+/* The buffer itself: the handle being unpacked gets one with its own dtype
+ * and strides, so unpack hands it out as is; others (prefetches) get raw
+ * bytes. */
+static PyObject *alloc_buffer(EngineObject *self, uint64_t bytes) {
   PyObject *t = empty_like_handle(self, bytes);
   if (!t && !PyErr_Occurred()) {
     PyObject *args = Py_BuildValue("(K)", (unsigned long long)bytes);
     t = args ? PyObject_Call(T.empty, args, self->alloc_kw) : NULL;
     Py_XDECREF(args);
   }
+  return t;
+}
+
+/* alloc_buffer from the pool of `stream` (the one the engine orders the
+ * reload after): torch's caching allocator takes a block from the current
+ * stream's pool, so when the engine's stream is not the current one it is
+ * made current around the allocation. */
+static PyObject *alloc_buffer_for(EngineObject *self, uint64_t bytes, void *stream) {
+  if (self->backend != FERRY_BACKEND_CUDA) return alloc_buffer(self, bytes);
+  void *current = compute_stream(self);
+  if (PyErr_Occurred()) return NULL;
+  if (current == stream) return alloc_buffer(self, bytes);
+  PyObject *cuda = PyObject_GetAttrString(T.torch, "cuda");
+  /* NULL: the legacy default stream, torch's default stream */
+  PyObject *ext = !cuda    ? NULL
+                  : stream ? PyObject_CallMethod(cuda, "ExternalStream", "(Ki)",
+                                                 (unsigned long long)(uintptr_t)stream,
+                                                 self->device_index)
+                           : PyObject_CallMethod(cuda, "default_stream", "(i)",
+                                                 self->device_index);
+  PyObject *ctx = ext ? PyObject_CallMethod(cuda, "stream", "(O)", ext) : NULL;
+  PyObject *in = ctx ? PyObject_CallMethod(ctx, "__enter__", NULL) : NULL;
+  PyObject *t = in ? alloc_buffer(self, bytes) : NULL;
+  if (in) {
+    PyObject *exc_type, *exc, *tb; /* an allocation error stays the error */
+    PyErr_Fetch(&exc_type, &exc, &tb);
+    PyObject *out = PyObject_CallMethod(ctx, "__exit__", "(OOO)", Py_None, Py_None, Py_None);
+    if (!out) Py_CLEAR(t);
+    Py_XDECREF(out);
+    if (exc_type) PyErr_Restore(exc_type, exc, tb);
+  }
+  Py_XDECREF(in);
+  Py_XDECREF(ctx);
+  Py_XDECREF(ext);
+  Py_XDECREF(cuda);
+  return t;
+}
+
+static int cb_device_alloc(void *ud, uint64_t bytes, void *stream, void **dev, void **owner) {
+  EngineObject *self = ud;
+  PyGILState_STATE g = PyGILState_Ensure();
+  int rc = -1;
+  PyObject *t = alloc_buffer_for(self, bytes, stream);
   if (t) {
     PyObject *p = PyObject_CallMethodNoArgs(t, s_data_ptr);
     if (p) {
@@ -131,6 +172,19 @@ static void cb_release(void *ud, void *owner) {
   PyGILState_STATE g = PyGILState_Ensure();
   Py_DECREF((PyObject *)owner);
   PyGILState_Release(g);
+}
+
+/* Around an engine wait for another thread's reload of the same tensor:
+ * the GIL goes meanwhile, for that thread may be inside torch.empty_strided
+ * (device_alloc), which lets the GIL go and needs it back to return. */
+static void *cb_wait_begin(void *ud) {
+  (void)ud;
+  return PyGILState_Check() ? (void *)PyEval_SaveThread() : NULL;
+}
+
+static void cb_wait_end(void *ud, void *token) {
+  (void)ud;
+  if (token) PyEval_RestoreThread((PyThreadState *)token);
 }
 
 static void cb_retain(void *ud, void *owner) {
@@ -266,6 +320,8 @@ static int engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
   cfg.device_alloc = cb_device_alloc;
   cfg.release = cb_release;
   cfg.retain = cb_retain;
+  cfg.wait_begin = cb_wait_begin;
+  cfg.wait_end = cb_wait_end;
   cfg.callback_ud = self;
   cfg.policy_path = policy_path;
   cfg.policy_source = policy_source;
@@ -311,12 +367,14 @@ static void engine_close_impl(EngineObject *self) {
 static int engine_traverse(EngineObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->pack_hook);
   Py_VISIT(self->unpack_hook);
+  Py_VISIT(self->on_backward_end);
   return 0;
 }
 
 static int engine_clear(EngineObject *self) {
   Py_CLEAR(self->pack_hook);
   Py_CLEAR(self->unpack_hook);
+  Py_CLEAR(self->on_backward_end);
   return 0;
 }
 
@@ -349,9 +407,7 @@ static PyObject *engine_step_begin(EngineObject *self, PyObject *unused) {
   if (!engine_live(self)) return NULL;
   self->depth = 0;
   self->in_backward = 0;
-  int rc = ferry_step_begin(self->e);
-  if (!rc) self->in_step = 1;
-  return check_rc(self, rc);
+  return check_rc(self, ferry_step_begin(self->e));
 }
 
 /* Ends the step. Returns the number of handles still live (retain_graph, or
@@ -361,7 +417,6 @@ static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
   if (self->in_backward) ferry_backward_end(self->e);
   self->in_backward = 0;
   self->depth = 0;
-  self->in_step = 0;
   if (kept_end_step(self) < 0) return NULL;
   int rc = ferry_step_end(self->e);
   if (rc == FERRY_ELEAK) {
@@ -375,8 +430,11 @@ static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
 
 static PyObject *engine_backward_begin(EngineObject *self, PyObject *unused) {
   if (!engine_live(self)) return NULL;
+  void *stream = compute_stream(self);
+  if (PyErr_Occurred()) return NULL;
   self->in_backward = 1;
-  return check_rc(self, ferry_backward_begin(self->e));
+  self->backwards++;
+  return check_rc(self, ferry_backward_begin_on(self->e, stream));
 }
 
 static PyObject *engine_set_policy(EngineObject *self, PyObject *args, PyObject *kw) {
@@ -659,7 +717,24 @@ static PyObject *engine_get_closed(EngineObject *self, void *unused) {
 }
 
 static PyObject *engine_get_in_step(EngineObject *self, void *unused) {
-  return PyBool_FromLong(self->in_step);
+  /* the engine's own flag: it begins a step at a pack or unpack outside one */
+  return PyBool_FromLong(ferry_in_step(self->e));
+}
+
+static PyObject *engine_get_on_backward_end(EngineObject *self, void *unused) {
+  PyObject *f = self->on_backward_end ? self->on_backward_end : Py_None;
+  Py_INCREF(f);
+  return f;
+}
+
+static int engine_set_on_backward_end(EngineObject *self, PyObject *v, void *unused) {
+  if (v && v != Py_None && !PyCallable_Check(v)) {
+    PyErr_SetString(PyExc_TypeError, "on_backward_end must be callable or None");
+    return -1;
+  }
+  Py_XINCREF(v == Py_None ? NULL : v);
+  Py_XSETREF(self->on_backward_end, v == Py_None ? NULL : v);
+  return 0;
 }
 
 static PyObject *engine_get_profile_ranges(EngineObject *self, void *unused) {
@@ -695,6 +770,8 @@ static int engine_set_min_bytes(EngineObject *self, PyObject *v, void *unused) {
 static PyGetSetDef engine_getset[] = {
     {"closed", (getter)engine_get_closed, NULL, "whether close() was called", NULL},
     {"in_step", (getter)engine_get_in_step, NULL, "a step is in progress", NULL},
+    {"on_backward_end", (getter)engine_get_on_backward_end, (setter)engine_set_on_backward_end,
+     "called (no arguments) as each backward ends, before the engine's backward_end", NULL},
     {"profile_ranges", (getter)engine_get_profile_ranges, (setter)engine_set_profile_ranges,
      "pack and unpack calls are torch profiler ranges (set at each offload entry)", NULL},
     {"module_depth", (getter)engine_get_depth, NULL, "current module stack depth", NULL},

@@ -38,11 +38,16 @@ typedef struct torch_objects {
   PyObject *empty;        /* torch.empty */
   PyObject *empty_strided; /* torch.empty_strided */
   PyObject *cuda_current_stream; /* torch.cuda.current_stream, or NULL */
+  /* torch.autograd.Variable._execution_engine.queue_callback, looked up at
+   * the first backward (NULL: not yet, or this torch has none) */
+  PyObject *queue_callback;
+  int queue_callback_looked_up;
   /* torch.ops.profiler._record_function_enter_new / _exit, looked up the
    * first time an engine's calls are wrapped in profiler ranges */
   PyObject *rf_enter, *rf_exit;
   int has_is_nested;
   int has_is_cpu;         /* Tensor.is_cpu exists (one attribute read instead of device.type) */
+  int has_untyped_storage; /* torch >= 2.0; torch 1.13's storage() is the (typed) one */
 } torch_objects;
 extern torch_objects T;
 
@@ -51,7 +56,7 @@ extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_la
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
     *s_device, *s_version, *s_detach, *s_is_cpu, *s_cdata, *s_nbytes, *s_items, *s_module,
-    *s_qualname;
+    *s_qualname, *s_untyped_storage, *s_storage, *s_grad_fn, *s_next_functions, *s_variable;
 
 /* ---- tensor attributes on the hot path (tensor.c) ----------------------------
  * PyObject_GetAttr on a tensor walks torch.Tensor's type dictionaries (and,
@@ -167,7 +172,7 @@ struct EngineObject {
   /* torch's profiler was on when the step's offload context was entered:
    * pack and unpack calls are record_function ranges (hooks.c) */
   int profile_ranges;
-  int in_step;
+  uint64_t backwards; /* backward phases begun: names the one a callback ends */
   site *sites;
   uint32_t n_sites, cap_sites;
   int32_t *stack;
@@ -178,6 +183,7 @@ struct EngineObject {
   uint64_t recompute_packs, rebuilds, pack_errors, unpacks_repeated;
   uint64_t allocs_live; /* device_alloc buffers not yet released: debug aid */
   PyObject *pack_hook, *unpack_hook;
+  PyObject *on_backward_end; /* callable or NULL: called as a backward ends (hooks.c) */
   PyObject *last_pack_error; /* str or NULL */
   struct HandleObject *unpacking; /* the handle in ferry_unpack, for device_alloc */
   PyObject *node_cap;        /* NodeCap kept alive while the engine uses it */
@@ -253,6 +259,7 @@ PyObject *empty_like_handle(EngineObject *self, uint64_t bytes);
 PyObject *int_tuple(const int64_t *v, int32_t n);
 /* torch.cuda.current_stream() of a cuda engine, else NULL */
 void *compute_stream(EngineObject *eng);
+PyObject *compute_stream_object(EngineObject *eng);
 /* sites.c */
 PyObject *engine_site_hooks(EngineObject *self, PyObject *arg);
 /* snapshot.c */

@@ -257,9 +257,19 @@ static int dense_span(int32_t ndim, const int64_t *shape, const int64_t *strides
   return 1;
 }
 
+/* torch.cuda.current_stream(the engine's device): the engine device's
+ * stream, not the thread's current device's (they differ on a thread whose
+ * current device was never set). NULL with an exception on error. */
+PyObject *compute_stream_object(EngineObject *eng) {
+  PyObject *dev = PyLong_FromLong(eng->device_index);
+  PyObject *s = dev ? PyObject_CallOneArg(T.cuda_current_stream, dev) : NULL;
+  Py_XDECREF(dev);
+  return s;
+}
+
 void *compute_stream(EngineObject *eng) {
   if (eng->backend != FERRY_BACKEND_CUDA) return NULL;
-  PyObject *s = PyObject_CallNoArgs(T.cuda_current_stream);
+  PyObject *s = compute_stream_object(eng);
   if (!s) return NULL;
   PyObject *p = PyObject_GetAttr(s, s_cuda_stream);
   Py_DECREF(s);
@@ -357,9 +367,54 @@ static int pack_layout(PyObject *t, ferry_tensor_desc *d, int64_t *strides) {
   return PACK_ON;
 }
 
-/* Kind, phase and the innermost module site of the tensor at ptr. */
-static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, void *ptr) {
-  d->kind = kind_of_ptr(eng, (uintptr_t)ptr);
+/* Whether t is autocast's cast of a parameter (a half-precision copy whose
+ * grad_fn is a ToCopyBackward0 fed by a Parameter's AccumulateGrad): a
+ * weight, though a new tensor. Errors read as no. */
+static int is_cast_of_parameter(PyObject *t) {
+  PyObject *gf = PyObject_GetAttr(t, s_grad_fn), *nf = NULL, *var = NULL;
+  int r = 0;
+  const char *name = gf && gf != Py_None ? Py_TYPE(gf)->tp_name : "";
+  size_t n = strlen(name);
+  if (n >= 15 && strcmp(name + n - 15, "ToCopyBackward0") == 0 &&
+      (nf = PyObject_GetAttr(gf, s_next_functions)) && PyTuple_Check(nf) &&
+      PyTuple_GET_SIZE(nf) >= 1 && PyTuple_Check(PyTuple_GET_ITEM(nf, 0)) &&
+      PyTuple_GET_SIZE(PyTuple_GET_ITEM(nf, 0)) >= 1) {
+    PyObject *node = PyTuple_GET_ITEM(PyTuple_GET_ITEM(nf, 0), 0);
+    if (node != Py_None && (var = PyObject_GetAttr(node, s_variable)))
+      r = PyObject_TypeCheck(var, T.param);
+  }
+  Py_XDECREF(var);
+  Py_XDECREF(nf);
+  Py_XDECREF(gf);
+  PyErr_Clear();
+  return r;
+}
+
+/* The kind of t at ptr: its parameter or buffer range when the context was
+ * told the model, else a parameter by what it is, whatever model (or none)
+ * the context was told of: an nn.Parameter (FSDP2's unsharded parameters
+ * are), a view of one (weight.t(); FSDP's views of its flat parameter), or
+ * autocast's cast of one. */
+static int32_t kind_of_tensor(EngineObject *eng, PyObject *t, void *ptr, int32_t dtype) {
+  int32_t kind = kind_of_ptr(eng, (uintptr_t)ptr);
+  if (kind != FERRY_KIND_ACTIVATION) return kind;
+  if (PyObject_TypeCheck(t, T.param)) return FERRY_KIND_PARAMETER;
+  PyObject *base = tensor_attr(t, TA_BASE);
+  if (!base) {
+    PyErr_Clear();
+    return kind;
+  }
+  PyObject *whole = base != Py_None ? base : t; /* autocast saves a view of its cast */
+  int param = PyObject_TypeCheck(whole, T.param) ||
+              ((dtype == FERRY_DTYPE_BF16 || dtype == FERRY_DTYPE_F16) &&
+               is_cast_of_parameter(whole));
+  Py_DECREF(base);
+  return param ? FERRY_KIND_PARAMETER : kind;
+}
+
+/* Kind, phase and the innermost module site of the tensor t at ptr. */
+static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, PyObject *t, void *ptr) {
+  d->kind = kind_of_tensor(eng, t, ptr, d->dtype);
   d->phase = eng->in_backward ? FERRY_PHASE_RECOMPUTE : FERRY_PHASE_FORWARD;
   if (eng->depth && (uint32_t)eng->stack[eng->depth - 1] < eng->n_sites) {
     const site *s = &eng->sites[eng->stack[eng->depth - 1]];
@@ -434,6 +489,21 @@ static void range_exit(PyObject *h) {
   PyErr_Restore(exc_type, exc, tb);
 }
 
+/* The identity of t's storage (its StorageImpl's address) for
+ * ferry_pack_keyed: while the engine holds t no other storage has it, even
+ * when t's bytes were freed (resize_(0)) and the address reused. -1 with an
+ * exception set on error. */
+static int storage_key(PyObject *t, uint64_t *out) {
+  PyObject *st = PyObject_CallMethodNoArgs(t, T.has_untyped_storage ? s_untyped_storage
+                                                                     : s_storage);
+  PyObject *cdata = st ? PyObject_GetAttr(st, s_cdata) : NULL;
+  Py_XDECREF(st);
+  if (!cdata) return -1;
+  *out = PyLong_AsUnsignedLongLongMask(cdata);
+  Py_DECREF(cdata);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
 /* Gives t to the engine: a Handle, or t kept as is if the engine refuses. */
 static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tensor_desc *d,
                                 const int64_t *strides, PyObject *dtype, void *ptr) {
@@ -451,7 +521,8 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
     return NULL;
   }
   Py_XDECREF(base);
-  void *stream = compute_stream(eng);
+  uint64_t storage = 0;
+  void *stream = storage_key(t, &storage) < 0 ? NULL : compute_stream(eng);
   if (PyErr_Occurred()) {
     Py_DECREF(owner);
     Py_DECREF(hd);
@@ -459,7 +530,9 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
   }
   ferry_handle h = 0;
   PyObject *range = eng->profile_ranges ? range_enter(eng, "pack", hd->site) : NULL;
-  int rc = ferry_pack(eng->e, d, ptr, owner, stream, &h);
+  /* aliases by storage and version, not address: an address written in
+   * place, or freed and reused, since it was packed holds other bytes */
+  int rc = ferry_pack_keyed(eng->e, d, ptr, owner, stream, storage, hd->version, &h);
   range_exit(range);
   if (rc) {
     /* Nothing is lost: the tensor is kept as a plain saved tensor. */
@@ -537,7 +610,7 @@ static int pack_try_keep(EngineObject *eng, PyObject *t, ferry_tensor_desc *d, v
     PyErr_Clear();                          /* the full path says why */
     return 0;
   }
-  pack_describe(eng, d, ptr);
+  pack_describe(eng, d, t, ptr);
   if (!ferry_pack_cached_keep(eng->e, d, ptr)) return 0;
   if (eng->in_backward) eng->recompute_packs++;
   *out = make_kept_at(eng, t, version);
@@ -593,7 +666,7 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
   if ((r = pack_layout(t, &d, strides)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   void *ptr = pack_data_ptr(t);
   if (!ptr) return PyErr_Occurred() ? NULL : keep_with(eng, t, KEEP_ERROR);
-  pack_describe(eng, &d, ptr);
+  pack_describe(eng, &d, t, ptr);
   if (eng->in_backward) eng->recompute_packs++;
   return pack_to_engine(eng, t, &d, strides, di->dtype, ptr);
 }
@@ -759,12 +832,71 @@ static int check_version(EngineObject *eng, PyObject *now, PyObject *info, PyObj
   return -1;
 }
 
+/* ---- backward phases ------------------------------------------------------------
+ * A backward begins at its first unpack and ends when autograd's graph task
+ * ends (a callback queued on autograd's engine), not at the step's end: the
+ * microbatches accumulated in one step each pack their forward as forward,
+ * and each backward begins the engine's backward phase once
+ * (prefetch_at_backward_begin). A backward no callback can be queued for (a
+ * saved tensor read outside backward) ends with the step. */
+static PyObject *backward_done(PyObject *arg, PyObject *unused) {
+  /* arg: (engine, its backwards count when this backward began) */
+  EngineObject *eng = (EngineObject *)PyTuple_GET_ITEM(arg, 0);
+  unsigned long long began = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(arg, 1));
+  if (!eng->e || !eng->in_backward || eng->backwards != began) Py_RETURN_NONE;
+  if (eng->on_backward_end) { /* the backward's FLOPs, traced before its end */
+    PyObject *r = PyObject_CallNoArgs(eng->on_backward_end);
+    if (!r) return NULL;
+    Py_DECREF(r);
+  }
+  eng->in_backward = 0;
+  if (eng->e) ferry_backward_end(eng->e);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef backward_done_def = {"ferry_backward_done", backward_done, METH_NOARGS, NULL};
+
+static void end_backward_with_graph_task(EngineObject *eng) {
+  if (!T.queue_callback_looked_up) {
+    T.queue_callback_looked_up = 1;
+    PyObject *ag = PyObject_GetAttrString(T.torch, "autograd");
+    PyObject *var = ag ? PyObject_GetAttrString(ag, "Variable") : NULL;
+    PyObject *ex = var ? PyObject_GetAttrString(var, "_execution_engine") : NULL;
+    T.queue_callback = ex ? PyObject_GetAttrString(ex, "queue_callback") : NULL;
+    Py_XDECREF(ag);
+    Py_XDECREF(var);
+    Py_XDECREF(ex);
+    PyErr_Clear();
+  }
+  if (!T.queue_callback) return;
+  PyObject *arg = Py_BuildValue("(OK)", (PyObject *)eng, (unsigned long long)eng->backwards);
+  PyObject *cb = arg ? PyCFunction_New(&backward_done_def, arg) : NULL;
+  Py_XDECREF(arg);
+  PyObject *r = cb ? PyObject_CallOneArg(T.queue_callback, cb) : NULL;
+  Py_XDECREF(cb);
+  Py_XDECREF(r);
+  if (!r) PyErr_Clear(); /* outside backward: the phase ends with the step */
+}
+
 static PyObject *unpack_kept(EngineObject *eng, KeptObject *k) {
   PyObject *origin = k->origin ? PyWeakref_GetObject(k->origin) : k->tensor; /* borrowed */
   if (check_version(eng, k->tensor, origin == Py_None ? NULL : origin, NULL, k->version, k->site))
     return NULL;
   Py_INCREF(k->tensor);
   return k->tensor;
+}
+
+/* A reloaded buffer may come from another stream's pool (a prefetch made
+ * for another stream): the caching allocator must not hand its block out
+ * again on that stream while this one still reads it. record_stream is a
+ * no-op for the stream the block was allocated on. */
+static int record_on_compute_stream(EngineObject *eng, PyObject *t) {
+  if (eng->backend != FERRY_BACKEND_CUDA) return 0;
+  PyObject *s = compute_stream_object(eng);
+  PyObject *r = s ? PyObject_CallMethod(t, "record_stream", "(O)", s) : NULL;
+  Py_XDECREF(s);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
 }
 
 static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
@@ -794,12 +926,15 @@ static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
     return PyErr_Format(FerryError, "ferry: saved tensor handle was lost");
   }
   if (!hd->eng->e) return PyErr_Format(FerryError, "ferry: the engine holding this saved tensor was closed");
-  if (!eng->in_backward) {
-    eng->in_backward = 1;
-    ferry_backward_begin(eng->e);
-  }
+  /* read first: the reloads backward's beginning starts are for this stream */
   void *stream = compute_stream(eng);
   if (PyErr_Occurred()) return NULL;
+  if (!eng->in_backward) {
+    eng->in_backward = 1;
+    eng->backwards++;
+    ferry_backward_begin_on(eng->e, stream);
+    end_backward_with_graph_task(eng);
+  }
   void *ptr = NULL, *owner = NULL;
   eng->unpacking = hd;
   PyObject *range = eng->profile_ranges ? range_enter(eng, "unpack", hd->site) : NULL;
@@ -809,7 +944,10 @@ static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
   if (rc) return raise_ferry(rc, ferry_last_error(eng->e));
   hd->h = 0;
   PyObject *res = rebuild(eng, hd, (PyObject *)owner, ptr);
-  if (!res) return NULL;
+  if (!res || record_on_compute_stream(eng, res) < 0) {
+    Py_XDECREF(res);
+    return NULL;
+  }
   Py_INCREF(res);
   hd->result = res;
   return res;

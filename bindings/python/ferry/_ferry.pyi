@@ -78,6 +78,8 @@ SnapshotRecord = Union[Tuple[str, bytes], Tuple[str, int, int, Any, bool]]
 class Engine:
     closed: bool
     in_step: bool
+    # called (no arguments) as each backward ends, before the engine's backward_end
+    on_backward_end: Optional[Callable[[], Any]]
     module_depth: int
     profile_ranges: bool
     min_offload_bytes: int

@@ -130,6 +130,7 @@ class Session:
         self.pid = os.getpid()
         self.policy_path = policy_path
         self.models = weakref.WeakKeyDictionary()
+        self.param_ranges = []  # the engine's, as the active offload contexts set them
         self.policy_errors_seen = 0
         self.warned_policy = False
         self.warned_live = False

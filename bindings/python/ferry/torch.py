@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -138,6 +139,14 @@ def model_sites(model: torch.nn.Module) -> List[Tuple[str, str, int]]:
     return out
 
 
+def _local(t):
+    """A DTensor's (FSDP2's sharded parameter's) local shard, t otherwise:
+    a DTensor has no storage of its own to read."""
+    to_local = getattr(t, "to_local", None)
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+    return t if plain or to_local is None else to_local()
+
+
 def _storage_range(t):
     try:
         st = t.untyped_storage()
@@ -150,7 +159,10 @@ def _param_ranges(model):
     out, seen = [], set()
     for is_buffer, tensors in ((False, model.parameters()), (True, model.buffers())):
         for t in tensors:
-            ptr, n = _storage_range(t)
+            try:
+                ptr, n = _storage_range(_local(t))
+            except RuntimeError:  # a tensor subclass without storage: known by its type
+                continue
             if ptr and (ptr, n) not in seen:
                 seen.add((ptr, n))
                 out.append((ptr, n, is_buffer))
@@ -327,6 +339,7 @@ class offload:
         self._ctx = None
         self._handles = ()
         self._flop_mode = None
+        self._outer_ranges = None
 
     @property
     def engine(self) -> _pkg.Engine:
@@ -334,13 +347,27 @@ class offload:
 
     def __enter__(self):
         s = self.session
-        if self.policy_path:
+        # Nested in a context of the same engine: this one joins its step
+        # (no step ends mid-forward) and adds its model's ranges to the
+        # outer ones until it exits; the policy cannot change within a step.
+        active = _active()
+        outer = next((c for c in reversed(active) if c.session is s), None)
+        if outer is not None:
+            if self.policy_path and self.policy_path != s.policy_path:
+                raise FerryError(
+                    f"ferry.torch.offload(policy={self.policy_path!r}) nested inside a context "
+                    f"of the same engine with policy {s.policy_path!r}: a policy cannot change "
+                    "within a step; name the same policy, or none, in the inner context",
+                    "FERRY_ESTATE")
+        elif self.policy_path:
             s.set_policy(self.policy_path)
         resident = None
         count_flops = False
         if s.recording:
             if s.flops is None:
                 s.flops = _flops.Counter(s.engine)
+                # each backward's FLOPs go before its end in the trace
+                s.engine.on_backward_end = s.flops.flush
             if s.device_peak is None and s.cfg.get("backend") == "cuda":
                 # each step's own peak goes into the trace: a replay learns
                 # from it what it cannot see of device memory (the allocator's
@@ -356,10 +383,16 @@ class offload:
                 s.flops.count_all()  # from this step's beginning (else: at the first count)
             if self.model is not None or self.optimizer is not None:
                 resident = _flops.resident(self.model, self.optimizer)
-        if self.steps == "auto" or not s.engine.in_step:
+        if outer is None and (self.steps == "auto" or not s.engine.in_step):
             s.begin_step(resident)
+        self._outer_ranges = None
         if self.model is not None:
-            s.engine.set_param_ranges(_param_ranges(self.model))
+            ranges = _param_ranges(self.model)
+            if outer is not None:
+                self._outer_ranges = s.param_ranges
+                ranges = s.param_ranges + [r for r in ranges if r not in s.param_ranges]
+            s.engine.set_param_ranges(ranges)
+            s.param_ranges = ranges
             self._handles = s.hooks_for(self.model, _ModelHooks).install()
         _inplace.prepare()  # before any hooks of ours are active
         s.engine.profile_ranges = _profiler_enabled()
@@ -369,6 +402,7 @@ class offload:
             self._flop_mode = _flops.FlopMode(s.flops)
             self._flop_mode.__enter__()
         _sessmod.current = s
+        active.append(self)
         return self
 
     def __exit__(self, *exc):
@@ -381,8 +415,29 @@ class offload:
             for h in self._handles:
                 h.remove()
             self._handles = ()
-            self.session.check_policy()
+            active = _active()
+            if self in active:
+                active.remove(self)
+            s = self.session
+            if self._outer_ranges is not None:  # the outer context's model again
+                s.engine.set_param_ranges(self._outer_ranges)
+                s.param_ranges, self._outer_ranges = self._outer_ranges, None
+            if active:  # ft.step(), ft.stats() mean the enclosing context's engine
+                _sessmod.current = active[-1].session
+            s.check_policy()
         return False
+
+
+# The offload contexts this thread entered and has not exited, innermost
+# last (per thread, as torch's saved-tensor hooks are).
+_contexts = threading.local()
+
+
+def _active() -> List[offload]:
+    stack = getattr(_contexts, "stack", None)
+    if stack is None:
+        stack = _contexts.stack = []
+    return stack
 
 
 # ---- module-level API -------------------------------------------------------------

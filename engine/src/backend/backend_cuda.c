@@ -57,6 +57,8 @@ typedef struct cuda_backend {
   /* told of each copy's start and end (set_copy_listener), NULL = none */
   bk_copy_listener listener;
   void *listener_ud;
+  /* the driver's cuDevicePrimaryCtxGetState, or NULL (see has_context) */
+  int (*ctx_state)(int device, unsigned int *flags, int *active);
 } cuda_backend;
 
 static cuda_backend *as_cuda(ferry_backend *b) { return (cuda_backend *)b; }
@@ -103,7 +105,40 @@ static int cuda_check(cuda_backend *cb, cudaError_t e, const char *call) {
 /* CUDA_CALL(cb, cudaXxx, (args)) calls cudaXxx(args) through cuda_check. */
 #define CUDA_CALL(cb, fn, args) cuda_check((cb), fn args, #fn)
 
-/* ---- device guard -------------------------------------------------------- */
+/* ---- device guard --------------------------------------------------------
+ * Calls that make things on a device (pinned memory, streams, events) or
+ * name the legacy default stream need the engine's device current; the
+ * guard switches to it and back. Back only where the thread's device has a
+ * primary context already: cudaSetDevice makes one (since CUDA 12), several
+ * hundred MB of that GPU, so a thread that never used its device (device 0
+ * by default) stays on the engine's device rather than have every rank
+ * touch GPU 0. Records and waits on a stream of the engine's device need no
+ * guard at all: the stream names its device. */
+typedef int (*primary_ctx_state_fn)(int device, unsigned int *flags, int *active);
+
+/* cuDevicePrimaryCtxGetState through the runtime (no libcuda link); NULL
+ * where this runtime cannot give it (then every device counts as having a
+ * context: the thread's device is always restored). */
+static primary_ctx_state_fn primary_ctx_state(void) {
+#if CUDART_VERSION >= 12050
+  void *fn = NULL;
+  enum cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000,
+                                       cudaEnableDefault, &found) == cudaSuccess &&
+      found == cudaDriverEntryPointSuccess)
+    return (primary_ctx_state_fn)fn;
+  (void)cudaGetLastError();
+#endif
+  return NULL;
+}
+
+static int has_context(primary_ctx_state_fn state, int device) {
+  unsigned int flags = 0;
+  int active = 1;
+  if (state && state(device, &flags, &active) != 0) return 1;
+  return active;
+}
+
 typedef struct device_guard {
   int previous;
   int switched;
@@ -124,7 +159,7 @@ static int guard_enter(cuda_backend *cb, device_guard *g) {
 /* Restore the thread's device. A failure here is reported only when the
  * guarded call itself succeeded (its own error is the more useful one). */
 static int guard_leave(cuda_backend *cb, device_guard *g, int rc) {
-  if (!g->switched) return rc;
+  if (!g->switched || !has_context(cb->ctx_state, g->previous)) return rc;
   cudaError_t e = cudaSetDevice(g->previous);
   if (e == cudaSuccess) return rc;
   if (rc) {
@@ -371,6 +406,7 @@ static int event_destroy(ferry_backend *b, bk_event *ev) {
 static int event_record(ferry_backend *b, bk_event *ev, bk_stream s) {
   cuda_backend *cb = as_cuda(b);
   if (!ev) return backend_fail(b, FERRY_EINVAL, "event_record: event is NULL");
+  if (s) return CUDA_CALL(cb, cudaEventRecord, (cuda_event(ev), cuda_stream(s)));
   /* The guard makes a NULL stream mean the engine device's default stream. */
   device_guard g;
   int rc = guard_enter(cb, &g);
@@ -408,6 +444,7 @@ static int stream_synchronize(ferry_backend *b, bk_stream s) {
 static int stream_wait_event(ferry_backend *b, bk_stream s, bk_event *ev) {
   cuda_backend *cb = as_cuda(b);
   if (!ev) return backend_fail(b, FERRY_EINVAL, "stream_wait_event: event is NULL");
+  if (s) return CUDA_CALL(cb, cudaStreamWaitEvent, (cuda_stream(s), cuda_event(ev), 0));
   device_guard g;
   int rc = guard_enter(cb, &g);
   if (rc) return rc;
@@ -474,7 +511,8 @@ int ferry_backend_cuda_create(const ferry_config *cfg, ferry_backend **out,
   int register_supported = 0;
   rc = CREATE_CALL(cudaDeviceGetAttribute,
                    (&register_supported, cudaDevAttrHostRegisterSupported, device));
-  if (device != current) {
+  primary_ctx_state_fn ctx_state = primary_ctx_state();
+  if (device != current && has_context(ctx_state, current)) {
     cudaError_t e = cudaSetDevice(current);
     if (!rc && e != cudaSuccess) rc = create_check(e, "cudaSetDevice", errbuf, errlen);
   }
@@ -484,6 +522,7 @@ int ferry_backend_cuda_create(const ferry_config *cfg, ferry_backend **out,
   if (!cb) return ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "out of memory");
   cb->base.ops = &cuda_ops;
   cb->device = device;
+  cb->ctx_state = ctx_state;
   cb->pin = register_supported ? PIN_REGISTER : PIN_HOSTALLOC;
   cb->page = (size_t)sysconf(_SC_PAGESIZE);
   *out = &cb->base;

@@ -681,3 +681,12 @@ int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size) {
   memcpy(out, &s, size < sizeof s ? size : sizeof s);
   return FERRY_OK;
 }
+
+/* The step flag lives in the stash (stash.c begins steps on its own). */
+int ferry_in_step(ferry_engine *e) {
+  if (!e) return 0;
+  pthread_mutex_lock(&e->lock);
+  int in = e->in_step;
+  pthread_mutex_unlock(&e->lock);
+  return in;
+}

@@ -35,6 +35,7 @@ typedef struct stash_entry {
   uint8_t consumed;  /* this handle was unpacked (primary awaiting aliases) */
   uint8_t reload;    /* ferry_reload */
   uint8_t in_alias_map;
+  uint8_t keyed;     /* packed by ferry_pack_keyed: aliases must match the key */
   uint32_t refs;     /* primary: live handles (itself + aliases) */
   uint32_t primary;  /* alias: index of the primary entry */
   uint32_t prefetch_distance;
@@ -49,6 +50,8 @@ typedef struct stash_entry {
   bk_event *ev;      /* last copy issued for this entry */
   uint64_t trace_id; /* pack number in the trace(s), 0 when not tracing */
   const char *module_path; /* interned; set only while recording a Chrome trace */
+  uint64_t alias_storage;  /* ferry_pack_keyed's storage and version */
+  int64_t alias_version;
 } stash_entry;
 
 /* An arena buffer that a copy may still touch: freed once ev completes. */
@@ -233,5 +236,8 @@ void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) __attribute__((c
 /* what an unpack's slice says of primary entry p, before it is consumed */
 void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor, ct_tensor *t,
                         const char **found) __attribute__((cold));
+
+/* reload_wait.c: wait, lock held, until entry idx is not RELOADING. */
+void stash_wait_reloading(ferry_engine *e, uint32_t idx);
 
 #endif

@@ -312,7 +312,7 @@ int ferry_step_end(ferry_engine *e) {
 
 static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream);
 
-static int set_phase(ferry_engine *e, int phase, const char *ev) {
+static int set_phase(ferry_engine *e, int phase, const char *ev, void *compute_stream) {
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
@@ -332,16 +332,19 @@ static int set_phase(ferry_engine *e, int phase, const char *ev) {
   /* Backward needs the last offloaded tensors first: with the policy's
    * prefetch, their reloads start now rather than at the first unpack. */
   if (phase == FERRY_PHASE_BACKWARD && e->cfg.prefetch_at_backward_begin)
-    prefetch_next(e, e->n_offloads, e->step, NULL);
+    prefetch_next(e, e->n_offloads, e->step, compute_stream);
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }
 
 int ferry_backward_begin(ferry_engine *e) {
-  return set_phase(e, FERRY_PHASE_BACKWARD, "backward_begin");
+  return set_phase(e, FERRY_PHASE_BACKWARD, "backward_begin", NULL);
+}
+int ferry_backward_begin_on(ferry_engine *e, void *compute_stream) {
+  return set_phase(e, FERRY_PHASE_BACKWARD, "backward_begin", compute_stream);
 }
 int ferry_backward_end(ferry_engine *e) {
-  return set_phase(e, FERRY_PHASE_FORWARD, "backward_end");
+  return set_phase(e, FERRY_PHASE_FORWARD, "backward_end", NULL);
 }
 
 /* ---- pack --------------------------------------------------------------------- */
@@ -510,10 +513,22 @@ static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
   }
 }
 
+/* ferry_pack_keyed's identity of the packed bytes; NULL for ferry_pack. */
+typedef struct alias_key { uint64_t storage; int64_t version; } alias_key;
+
+/* Whether a pack of desc's bytes (key: NULL for ferry_pack) is primary
+ * p's bytes: a keyed pack must also name p's storage and version, so an
+ * address that was written in place, or freed and reused, is not aliased. */
+static int alias_matches(const stash_entry *p, const ferry_tensor_desc *desc,
+                         const alias_key *key) {
+  if (p->bytes != desc->bytes || p->keyed != (key != NULL)) return 0;
+  return !key || (p->alias_storage == key->storage && p->alias_version == key->version);
+}
+
 /* A new primary entry for a pack, decided and (if so) offloaded; its
  * counters and alias-map slot. Called locked. */
 static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
-                    void *compute_stream, uint32_t *out_idx) {
+                    void *compute_stream, const alias_key *key, uint32_t *out_idx) {
   ferry_decision d;
   decide(e, desc, &d);
   uint32_t idx, pidx;
@@ -530,6 +545,11 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
     s->trace_id = ++e->trace_seq;
     if (e->ct && desc->module_path) s->module_path = intern_get(&e->interned, desc->module_path);
   }
+  if (key) {
+    s->keyed = 1;
+    s->alias_storage = key->storage;
+    s->alias_version = key->version;
+  }
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
   const uint64_t cap_fallbacks = e->stats.cap_fallbacks;
@@ -544,9 +564,15 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   e->stats.device_bytes_held += s->bytes;
   if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
     e->stats.device_bytes_held_peak = e->stats.device_bytes_held;
+  if (e->cfg.retain && key && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx)) {
+    /* the address holds other bytes now (ferry_pack_keyed saw no match): a
+     * later pack of these bytes finds this entry, not the stale one */
+    u64map_remove(&e->aliases, (uintptr_t)device_ptr);
+    e->entries[pidx].in_alias_map = 0;
+  }
   if (e->cfg.retain && !u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
       u64map_insert(&e->aliases, (uintptr_t)device_ptr, idx) == 0)
-    s->in_alias_map = 1;
+    e->entries[idx].in_alias_map = 1;
   *out_idx = idx;
   return FERRY_OK;
 }
@@ -565,8 +591,9 @@ static void release_over_bound(ferry_engine *e) {
   } while (n == RELEASE_BATCH);
 }
 
-int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
-               void *compute_stream, ferry_handle *out) {
+static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
+                     void *owner, void *compute_stream, const alias_key *key,
+                     ferry_handle *out) {
   int rc = engine_check(e);
   if (rc) return rc;
   /* e->ct is fixed for the engine's life */
@@ -586,14 +613,14 @@ int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
   uint32_t idx, pidx;
   /* The same buffer packed again while stored: one copy, two handles. */
   if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
-      e->entries[pidx].bytes == desc->bytes) {
+      alias_matches(&e->entries[pidx], desc, key)) {
     if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
     if (traced) ctrace_pack_done(e, t0, (uint32_t)(*out & HANDLE_INDEX_MASK) - 1);
     return FERRY_OK;
   }
-  if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, &idx))) goto oom;
+  if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, key, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
@@ -608,7 +635,17 @@ unlock:
   return rc;
 }
 
+int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner,
+               void *compute_stream, ferry_handle *out) {
+  return pack_impl(e, desc, device_ptr, owner, compute_stream, NULL, out);
+}
 
+int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
+                     void *owner, void *compute_stream, uint64_t storage, int64_t version,
+                     ferry_handle *out) {
+  alias_key key = {storage, version};
+  return pack_impl(e, desc, device_ptr, owner, compute_stream, &key, out);
+}
 
 int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
                            const void *device_ptr) {
@@ -770,9 +807,6 @@ static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *c
   prefetch_ahead(e, mark, distance, step, compute_stream);
 }
 
-static void wait_while_reloading(ferry_engine *e, uint32_t idx) {
-  while (e->entries[idx].state == ENTRY_RELOADING) pthread_cond_wait(&e->reload_done, &e->lock);
-}
 
 /* Drop one handle of primary p. Returns the owner reference to hand out
  * (retained if other handles remain), and frees the entry with the last. */
@@ -838,7 +872,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   }
   uint32_t slot = 0, p = 0;
   if ((rc = resolve(e, h, "ferry_unpack", &slot, &p))) goto unlock;
-  wait_while_reloading(e, p);
+  stash_wait_reloading(e, p);
   /* Another thread may have consumed this handle while we waited. */
   if (lookup(e, h) < 0) {
     rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was used concurrently",
