@@ -237,6 +237,13 @@ void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) __attribute__((c
 void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor, ct_tensor *t,
                         const char **found) __attribute__((cold));
 
+/* pending_frees.c, called with the lock held: retire a few completed
+ * copies; retire all, waiting; give an entry's arena buffer back, now or
+ * once its last copy (copy_may_run) completed. */
+void pending_poll(ferry_engine *e);
+void pending_drain(ferry_engine *e);
+void host_buffer_drop(ferry_engine *e, stash_entry *s, int copy_may_run);
+
 /* reload_wait.c: wait, lock held, until entry idx is not RELOADING. */
 void stash_wait_reloading(ferry_engine *e, uint32_t idx);
 
