@@ -425,14 +425,14 @@ def test_overlap_steps_host_share_on_a_worker_thread(overlap):
     import threading
     m = make_model()
     opt = offload_optimizer(make_opt("adamw", m.parameters()), fraction=0.5, overlap=overlap)
-    host_opt = opt.ferry_offload.host_opt
+    off = opt.ferry_offload
     seen = []
-    orig = host_opt.step
+    orig = off._host_step
 
     def spy(*a, **k):
         seen.append(threading.current_thread().name)
         return orig(*a, **k)
-    host_opt.step = spy
+    off._host_step = spy
     train(m, opt, batches(2))
     main = threading.current_thread().name
     assert seen == (["ferry-host-optim"] * 2 if overlap else [main] * 2)

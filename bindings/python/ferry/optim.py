@@ -197,6 +197,8 @@ class OptimizerOffload:
         self.host_fused = False
         if host_groups:
             self.host_opt = self._make_host_opt(opt, host_groups)
+            # an internal optimizer: global step hooks are for the user's
+            self._host_step = _raw_step(self.host_opt)
         self._host_set = {id(p) for _, p, _, _ in self.pairs}
         self._fresh = {}
         self._hooks = []
@@ -360,7 +362,7 @@ class OptimizerOffload:
 
                 def run():
                     try:
-                        self.host_opt.step()
+                        self._host_step()
                     except BaseException as ex:  # noqa: BLE001 - re-raised below
                         err.append(ex)
                 t = threading.Thread(target=run, name="ferry-host-optim")
@@ -372,7 +374,7 @@ class OptimizerOffload:
                 if err:
                     raise err[0]
             else:
-                self.host_opt.step()
+                self._host_step()
                 self._device_step()
             for _, p, hp, _ in self.pairs:
                 if hp.grad is not None:
