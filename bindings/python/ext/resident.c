@@ -20,7 +20,11 @@ static PyObject *resident_raise(ResidentObject *self, int rc) {
 }
 
 static int resident_live(ResidentObject *self) {
-  return owned_live(self->eng, self->r, "ferry: this resident buffer was closed");
+  if (!owned_live(self->eng, self->r, "ferry: this resident buffer was closed")) return 0;
+  if (self->eng->e) return 1;
+  /* its engine's close() waits for this buffer: the bytes stay, copies stop */
+  raise_ferry(FERRY_ESTATE, "ferry: this resident buffer's engine was closed");
+  return 0;
 }
 
 /* to_host(data_ptr) / to_device(data_ptr): queue the copy after the work on
@@ -69,6 +73,7 @@ static int resident_free(ResidentObject *self) {
     Py_BEGIN_ALLOW_THREADS rc = ferry_resident_destroy(r); /* waits for its copies */
     Py_END_ALLOW_THREADS
   }
+  if (r) engine_resident_gone(self->eng);
   return rc;
 }
 
@@ -172,5 +177,6 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg) {
     Py_DECREF(out);
     return NULL;
   }
+  self->residents_live++;
   return (PyObject *)out;
 }
