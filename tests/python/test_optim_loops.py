@@ -435,3 +435,31 @@ def test_fused_without_cpu_kernel_is_said(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train(m, opt, batches(1))
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_lr_scheduler_created_before_or_after_wrapping(before):
+    """No 'lr_scheduler.step() before optimizer.step()' or 'optimizer.step()
+    overridden' warning, and the schedule is the plain run's."""
+    def run(offload):
+        m = make_model()
+        opt = make_opt("adamw", m.parameters())
+        sched = None
+        if before:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if offload:
+            opt = offload_optimizer(opt, fraction=0.5)
+        if sched is None:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        lrs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for x, y in batches(3):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                opt.step()
+                sched.step()
+                lrs.append(opt.param_groups[0]["lr"])
+        return m, lrs
+    (ref, ref_lrs), (m, lrs) = run(False), run(True)
+    assert lrs == ref_lrs and same_params(m, ref)

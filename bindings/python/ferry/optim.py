@@ -488,10 +488,17 @@ def offload_optimizer(opt: torch.optim.Optimizer, fraction: float = 0.5, overlap
     off = OptimizerOffload(opt, fraction, overlap, policy, early_grads, model)
     prev = opt.__dict__.get("step")
 
+    counted = getattr(prev, "_with_counter", False)
+
     def step(self, closure=None):
+        if counted:  # torch 1.13's LR scheduler counts steps through its wrapper
+            self._step_count = getattr(self, "_step_count", 0) + 1
         return off.step(closure)
-    if getattr(prev, "_wrapped_by_lr_sched", False):
-        step._wrapped_by_lr_sched = True  # torch 2.x LR schedulers look for their mark
+    # An LR scheduler made before wrapping marked the step it wrapped: ours
+    # carries the mark (and does the bookkeeping) so it does not warn.
+    for mark in ("_wrapped_by_lr_sched", "_with_counter"):
+        if getattr(prev, mark, False):
+            setattr(step, mark, True)
     opt.step = types.MethodType(step, opt)  # bound: LR schedulers rewrap step.__func__
     opt.state_dict = types.MethodType(lambda self: off.state_dict(), opt)
     opt.load_state_dict = types.MethodType(lambda self, sd: off.load_state_dict(sd), opt)
