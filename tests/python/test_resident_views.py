@@ -51,6 +51,7 @@ def test_closed_engine_buffer_refuses_copies_and_is_destroyed_with_its_last_view
     with pytest.raises(ferry.FerryError, match="engine was closed"):
         r.to_device(want.data_ptr())
     assert torch.equal(view, want)  # the bytes stay for the view
+    r.wait()  # copies queued before close() still complete
     r.close()  # gives the bytes back: the engine's deferred destroy runs here
     with pytest.raises(ferry.FerryError):
         r.wait()

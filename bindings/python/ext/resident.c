@@ -57,7 +57,9 @@ static PyObject *resident_to_device(ResidentObject *self, PyObject *arg) {
 }
 
 static PyObject *resident_wait(ResidentObject *self, PyObject *unused) {
-  if (!resident_live(self)) return NULL;
+  /* also after its engine's close(), which left the engine to this buffer:
+   * copies queued before it still complete */
+  if (!owned_live(self->eng, self->r, "ferry: this resident buffer was closed")) return NULL;
   int rc;
   Py_BEGIN_ALLOW_THREADS rc = ferry_resident_wait(self->r);
   Py_END_ALLOW_THREADS

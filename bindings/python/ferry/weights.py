@@ -14,18 +14,26 @@ docs/optimizer-offload.md), its answers in ``WeightOffload.choices``:
   layer (in the order of ``layers``, forward; the previous one in backward)
   starts reloading at the same time, on a side stream with CUDA: at most two
   offloaded layers are on the device at once during forward.
-* Autograd saves views of the weights (``weight.t()`` in a Linear), which
-  would keep the device storage alive: inside a chosen layer's forward a
-  ``saved_tensors_hooks`` pair replaces a saved view of one of its
-  parameters by a marker, and rebuilds the view from the reloaded parameter
+* Autograd saves views of the weights (``weight.t()`` in a Linear), or
+  under autocast their low-precision casts, which would keep device memory
+  alive: inside a chosen layer's forward (a wrapper around the module's
+  forward, so the hooks are popped whatever happens) a
+  ``saved_tensors_hooks`` pair replaces a saved view or cast of one of its
+  parameters by a marker, and rebuilds it from the reloaded parameter
   when backward needs it. Other saved tensors go to the hooks that were in
   force when the layer's forward began (``ferry.torch.offload``'s, or
   ``torch.utils.checkpoint``'s), as if ours were not there; torch 1.13 cannot
   name those hooks, so there they pass through unchanged.
 * After backward the parameters stay on the device for the optimizer step;
-  the next forward of the layer sends them back.
+  the next training forward of the layer sends them back (not a forward
+  inside backward, a checkpoint's recompute, nor an eval forward before the
+  step; on torch 2.x a global step pre-hook brings back offloaded layers
+  that have gradients).
+* ``model.state_dict()`` shows offloaded weights as their host copies;
+  ``load_state_dict`` loads them (state-dict hooks on the layers).
 * Tied weights (a chosen layer's parameter also held by a module that is not
-  chosen) are refused. With ``offload_optimizer``, wrap the optimizer first.
+  chosen, or by another chosen layer) are refused. With
+  ``offload_optimizer``, wrap the optimizer first.
 """
 from __future__ import annotations
 
