@@ -381,3 +381,21 @@ def test_side_stream_waits_on_the_compute_stream(monkeypatch):
     assert side.waited == [compute]
     assert w.layers[1].event.stream is side
     w.layers[1].event = None  # record_stream needs a real CUDA tensor
+
+
+def test_deleted_weight_offload_is_freed():
+    """A trained, offloaded model dropped without remove() is collected with
+    its host buffers (the global step pre-hook holds it weakly)."""
+    import weakref
+    m = Net()
+    w = offload_weights(m, OFFLOADED)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x, y in data(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    refs = [weakref.ref(o) for o in (m, w, opt)] + [weakref.ref(h) for ly in w.layers
+                                                     for h in ly.host]
+    del m, w, opt, x, y
+    gc.collect()
+    assert not [r for r in refs if r() is not None]
