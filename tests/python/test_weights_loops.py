@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.utils.checkpoint as cp
 
-import ferry.weights as fw
 from ferry.weights import offload_weights
 
 HAVE_OUTER_HOOKS = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
