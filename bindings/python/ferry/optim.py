@@ -122,6 +122,16 @@ def _choose(params, fraction, policy, model):
     return sorted(chosen), None
 
 
+def _needs_closure(opt):
+    """Whether opt's step must be given a closure (LBFGS re-evaluates it
+    inside the step, over every parameter at once)."""
+    try:
+        closure = inspect.signature(_raw_step(opt)).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def _raw_step(opt):
     """The class's step without torch 2.x's hook wrapper (profile_hook_step,
     marked ``hooked``): OptimizerOffload.step runs the hooks itself, around
@@ -161,6 +171,11 @@ class OptimizerOffload:
             raise ValueError("offload_optimizer: fraction must be in [0, 1], got %r" % (fraction,))
         if getattr(opt, "ferry_offload", None) is not None:
             raise RuntimeError("offload_optimizer: this optimizer is already offloaded")
+        if _needs_closure(opt):
+            raise TypeError("offload_optimizer: %s.step needs a closure it evaluates again "
+                            "over all parameters together (a line search): its state cannot be "
+                            "split between two shares; offload an elementwise optimizer (Adam, "
+                            "AdamW, SGD ...)" % type(opt).__name__)
         self.opt = opt
         self.fraction = float(fraction)
         self.overlap = bool(overlap)
