@@ -515,8 +515,18 @@ def offload_optimizer(opt: torch.optim.Optimizer, fraction: float = 0.5, overlap
         if getattr(prev, mark, False):
             setattr(step, mark, True)
     opt.step = types.MethodType(step, opt)  # bound: LR schedulers rewrap step.__func__
-    opt.state_dict = types.MethodType(lambda self: off.state_dict(), opt)
-    opt.load_state_dict = types.MethodType(lambda self, sd: off.load_state_dict(sd), opt)
-    opt.add_param_group = types.MethodType(lambda self, g: off.add_param_group(g), opt)
+    # torch's own parameter names: callers pass them by keyword (DCP's
+    # set_optimizer_state_dict calls load_state_dict(state_dict=...))
+    def state_dict(self):
+        return off.state_dict()
+
+    def load_state_dict(self, state_dict):
+        return off.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        return off.add_param_group(param_group)
+    opt.state_dict = types.MethodType(state_dict, opt)
+    opt.load_state_dict = types.MethodType(load_state_dict, opt)
+    opt.add_param_group = types.MethodType(add_param_group, opt)
     opt.ferry_offload = off
     return opt
