@@ -37,6 +37,7 @@ docs/optimizer-offload.md), its answers in ``WeightOffload.choices``:
 """
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import weakref
@@ -119,7 +120,6 @@ class _Layer:
         self.was_on_device = True  # before a load_state_dict
         self.event = None  # a pending reload on the side stream (CUDA)
         self.outer = None  # the hooks our pack hands other tensors to
-        self.index_of = {id(p): i for i, p in enumerate(self.params)}
 
     def offload(self):
         if not self.on_device:
@@ -162,6 +162,14 @@ class _Layer:
             for p in self.params:
                 p.data.record_stream(torch.cuda.current_stream())
             self.event = None
+
+    def index_of(self, p):
+        """p's index in params, or None (by identity, not id(): a deepcopy
+        of the model copies this layer with its parameters)."""
+        for i, q in enumerate(self.params):
+            if q is p:
+                return i
+        return None
 
     # ---- hooks --------------------------------------------------------------
     def pack(self, t):
@@ -225,7 +233,7 @@ class _Layer:
         if self.on_device:
             return
         for pn, p in sub._parameters.items():
-            i = self.index_of.get(id(p))
+            i = self.index_of(p)
             if i is not None and prefix + pn in state_dict:
                 state_dict[prefix + pn] = self.host[i]
 
@@ -234,7 +242,7 @@ class _Layer:
         self.load()  # the parameters' own shapes, for torch's size checks and copies
 
     def load_post_hook(self, sub, incompatible):
-        if any(p is not None and id(p) not in self.index_of for p in sub._parameters.values()):
+        if any(p is not None and self.index_of(p) is None for p in sub._parameters.values()):
             raise RuntimeError("offload_weights: load_state_dict replaced parameters of an "
                                "offloaded layer (assign=True): call remove() first, then "
                                "offload_weights again")
@@ -269,11 +277,22 @@ def _reload_for_step(me):
             ly.kept_for_step = True
 
 
+class _ForwardInHooks:
+    """The layer's forward as an instance attribute: an object, not a
+    closure, so that copy.deepcopy of the model (swa_utils.AveragedModel,
+    an EMA copy) rebinds it to the copy's layer and module; a closure would
+    be shared and run the original module on the copy's inputs."""
+
+    def __init__(self, layer, orig):
+        self.layer, self.orig = layer, orig
+        functools.update_wrapper(self, orig)
+
+    def __call__(self, *args, **kwargs):
+        return self.layer.forward(self.orig, *args, **kwargs)
+
+
 def _forward_in_hooks(layer, orig):
-    @functools.wraps(orig)
-    def forward(*args, **kwargs):
-        return layer.forward(orig, *args, **kwargs)
-    return forward
+    return _ForwardInHooks(layer, orig)
 
 
 def _tensors(out):
@@ -359,6 +378,18 @@ class WeightOffload:
             h = reg(lambda opt, args, kwargs: _reload_for_step(me))
             self._handles.append(h)
             weakref.finalize(self, h.remove)  # a global hook: gone with this object
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy of the model copies this too (through its hooks):
+        the copy's layers hold copies of the host buffers; a CUDA side
+        stream is not copied but made anew."""
+        new = WeightOffload.__new__(WeightOffload)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, None if k == "stream" else copy.deepcopy(v, memo))
+        if self.stream is not None:
+            new.stream = torch.cuda.Stream()
+        return new
 
     def neighbour(self, index: int, step: int) -> Optional[_Layer]:
         j = index + step
