@@ -676,19 +676,19 @@ TEST(policy_wall_clock_and_c_functions_bounded) {
       {"clock", 5, "interrupted after 30 ms, the wall-clock budget of a decision "
                    "(FERRY_POLICY_DECISION_MS)"},
       {"find", 6, "string.find: pattern 'a*a*a*a*a*a*a*a*a*a*a*a*b' is too costly for a "
-                  "3000-byte subject (up to 6.2e+37 matcher steps, the limit is 8e+06): "
+                  "3000-byte subject (up to 6.8e+37 matcher steps, the limit is 8e+06): "
                   "anchor it with '^', match a shorter string or use a shorter pattern with "
                   "fewer repetitions (*, +, -, ?)"},
       {"method", 7, "string.match: pattern 'a*a*a*a*a*a*a*a*a*a*a*a*b' is too costly for a "
-                    "3000-byte subject (up to 6.2e+37 matcher steps, the limit is 8e+06): "
+                    "3000-byte subject (up to 6.8e+37 matcher steps, the limit is 8e+06): "
                     "anchor it with '^', match a shorter string or use a shorter pattern with "
                     "fewer repetitions (*, +, -, ?)"},
       {"gmatch", 8, "string.gmatch: pattern '(a*)(a*)(a*)b' is too costly for a 3000-byte "
-                    "subject (up to 1.4e+14 matcher steps, the limit is 8e+06): anchor it "
+                    "subject (up to 1.6e+14 matcher steps, the limit is 8e+06): anchor it "
                     "with '^', match a shorter string or use a shorter pattern with fewer "
                     "repetitions (*, +, -, ?)"},
       {"gsub", 9, "string.gsub: pattern 'a-a-a-a-b' is too costly for a 3000-byte subject "
-                  "(up to 1e+17 matcher steps, the limit is 8e+06): anchor it with '^', "
+                  "(up to 1.2e+17 matcher steps, the limit is 8e+06): anchor it with '^', "
                   "match a shorter string or use a shorter pattern with fewer repetitions "
                   "(*, +, -, ?)"},
       {"plain", 10, "string.find: pattern 'abababababababababababababababababababababababababab"

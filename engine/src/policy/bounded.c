@@ -4,9 +4,11 @@
  * fires: tostring and string.format (they call __tostring from C: counted
  * as nesting levels, so __tostring = tostring is an error, not an endless
  * loop), table.insert (its position checked against [1, #t + 1]: LuaJIT
- * shifts elements from any position, 2^31 of them for -2^31) and os.time
- * (it reads a table's fields through __index, from C). See
- * docs/policy-api.md, "Limits".
+ * shifts elements from any position, 2^31 of them for -2^31), table.insert
+ * and table.concat on long tables (their work charged every TABLE_CHUNK
+ * elements, so the clock is read within one: a 2M-element concat is about
+ * 40 ms in one C call) and os.time (it reads a table's fields through
+ * __index, from C). See docs/policy-api.md, "Limits".
  */
 #include "policy/policy_internal.h"
 
@@ -94,7 +96,9 @@ static int sandbox_insert(lua_State *L) {
     if (pos < 1 || pos > end)
       return luaL_error(L, "bad argument #2 to 'insert' (position %f out of bounds [1, %f])",
                         (lua_Number)pos, (lua_Number)end);
-    for (lua_Integer i = end; i > pos; i--) { /* linear in #t, like its memory */
+    ferry_policy *p = policy_of(L);
+    for (lua_Integer i = end; i > pos; i--) {
+      if ((end - i) % TABLE_CHUNK == 0) charge_work(L, p, TABLE_CHUNK * MOVE_NS_PER_ITEM);
       lua_rawgeti(L, 1, (int)(i - 1));
       lua_rawseti(L, 1, (int)i);
     }
@@ -102,6 +106,39 @@ static int sandbox_insert(lua_State *L) {
   lua_pushvalue(L, nargs);
   lua_rawseti(L, 1, (int)pos);
   return 0;
+}
+
+/* table.concat(t, sep, i, j): LuaJIT's (upvalue 1) on TABLE_CHUNK elements
+ * at a time, the work charged before each, the pieces joined at the end. */
+static int sandbox_concat(lua_State *L) {
+  ferry_policy *p = policy_of(L);
+  luaL_checktype(L, 1, LUA_TTABLE);
+  size_t seplen;
+  luaL_optlstring(L, 2, "", &seplen);
+  lua_Integer first = luaL_optinteger(L, 3, 1);
+  lua_Integer last = lua_isnoneornil(L, 4) ? (lua_Integer)lua_objlen(L, 1) : luaL_checkinteger(L, 4);
+  lua_settop(L, 2);
+  if (lua_isnil(L, 2)) {
+    lua_pushliteral(L, "");
+    lua_replace(L, 2);
+  }
+  int pieces = 0;
+  for (lua_Integer a = first; a <= last || pieces == 0; a += TABLE_CHUNK) {
+    lua_Integer b = last - a >= TABLE_CHUNK ? a + TABLE_CHUNK - 1 : last;
+    charge_work(L, p, (double)(b - a + 1) * CONCAT_NS_PER_ITEM);
+    if (pieces) lua_pushvalue(L, 2); /* the separator between two pieces */
+    luaL_checkstack(L, 3, "table.concat");
+    lua_pushvalue(L, lua_upvalueindex(1));
+    lua_pushvalue(L, 1);
+    lua_pushvalue(L, 2);
+    lua_pushnumber(L, (lua_Number)a);
+    lua_pushnumber(L, (lua_Number)b);
+    lua_call(L, 4, 1);
+    pieces++;
+    if (pieces > 1) lua_concat(L, 3); /* ..., joined, sep, piece -> joined */
+    if (b >= last) break;
+  }
+  return 1;
 }
 
 /* os.time(t) reads t's fields with lua_getfield, which runs __index from
@@ -134,6 +171,9 @@ void push_bounded_functions(lua_State *L, int C) {
   lua_setfield(L, C, "format");
   lua_pushcfunction(L, sandbox_insert);
   lua_setfield(L, C, "insert");
+  push_library_function(L, "table", "concat");
+  lua_pushcclosure(L, sandbox_concat, 1);
+  lua_setfield(L, C, "concat");
   push_library_function(L, "os", "time");
   lua_pushcclosure(L, sandbox_time, 1);
   lua_setfield(L, C, "time");

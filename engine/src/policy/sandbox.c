@@ -305,7 +305,7 @@ enum { PAT_FIND, PAT_MATCH, PAT_GMATCH, PAT_GSUB };
 static const char *const PAT_NAMES[] = {"find", "match", "gmatch", "gsub"};
 
 /* One item of a pattern, as the matcher reads it. */
-#define ITEM_STEP_FACTOR 6
+#define ITEM_STEP_FACTOR 8
 typedef struct pattern_item {
   size_t next;  /* index of the next item */
   double cost;  /* matcher steps of one test at one position, in a scan */

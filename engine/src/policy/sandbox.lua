@@ -52,6 +52,7 @@ F.forget_cached = C.forget_cached
 local stable = copy(table)
 stable.sort = C.sort
 stable.insert = C.insert
+stable.concat = C.concat
 local allowed = { string = sstring, table = stable, math = copy(math), os = sos,
   ferry = F, pairs = pairs, ipairs = ipairs, next = next, select = select,
   type = type, tostring = C.tostring, tonumber = tonumber, error = error,
