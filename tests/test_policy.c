@@ -688,7 +688,7 @@ TEST(policy_wall_clock_and_c_functions_bounded) {
                     "with '^', match a shorter string or use a shorter pattern with fewer "
                     "repetitions (*, +, -, ?)"},
       {"gsub", 9, "string.gsub: pattern 'a-a-a-a-b' is too costly for a 3000-byte subject "
-                  "(up to 1.2e+17 matcher steps, the limit is 8e+06): anchor it with '^', "
+                  "(up to 1.5e+17 matcher steps, the limit is 8e+06): anchor it with '^', "
                   "match a shorter string or use a shorter pattern with fewer repetitions "
                   "(*, +, -, ?)"},
       {"plain", 10, "string.find: pattern 'abababababababababababababababababababababababababab"

@@ -404,6 +404,7 @@ static int sandbox_pattern(lua_State *L) {
   /* plain: lj_str_find compares up to the pattern's length at each position */
   double steps = plain ? (double)slen * (double)(plen ? plen : 1)
                        : pattern_steps(pat, plen, slen, kind != PAT_GMATCH);
+  if (kind == PAT_GSUB && !plain) steps *= 1.25; /* its loop also copies to a buffer */
   double ns = steps * (plain ? PLAIN_NS_PER_BYTE : PATTERN_NS_PER_STEP);
   if (ns > C_CALL_MAX_NS) {
     char msg[MSG_LEN]; /* lua_pushfstring has no %g */
