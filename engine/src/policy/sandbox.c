@@ -31,13 +31,15 @@ int env_count(const char *name, unsigned long long dflt, unsigned long long lo,
   return 0;
 }
 
-/* Free C stack below the caller's frame on this thread: its lowest
- * address is looked up once per thread. */
-static _Thread_local uintptr_t thread_stack_low;
+/* Free C stack below the caller's frame on this thread: its bounds are
+ * looked up once per thread. A frame outside them (a fiber's own stack)
+ * is not checked. */
+static _Thread_local uintptr_t thread_stack_low, thread_stack_high;
 
 size_t stack_left(void) {
   char here;
-  if (!thread_stack_low) {
+  uintptr_t sp = (uintptr_t)&here;
+  if (!thread_stack_high) {
     pthread_attr_t attr;
     void *addr = NULL;
     size_t size = 0;
@@ -45,11 +47,11 @@ size_t stack_left(void) {
       pthread_attr_getstack(&attr, &addr, &size);
       pthread_attr_destroy(&attr);
     }
-    /* unknown: assume the caller's frame has 8 MiB below it */
-    thread_stack_low = addr ? (uintptr_t)addr : (uintptr_t)&here - (8u << 20);
+    thread_stack_low = addr && size ? (uintptr_t)addr : 0;
+    thread_stack_high = addr && size ? (uintptr_t)addr + size : UINTPTR_MAX;
   }
-  uintptr_t sp = (uintptr_t)&here;
-  return sp > thread_stack_low ? sp - thread_stack_low : 0;
+  if (sp <= thread_stack_low || sp >= thread_stack_high) return SIZE_MAX / 2;
+  return sp - thread_stack_low;
 }
 
 /* "file:line" of the innermost Lua function at or above `level` with a line. */
