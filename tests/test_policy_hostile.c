@@ -69,7 +69,7 @@ static void *run_case(void *arg) {
     if (a->at_load && rc != FERRY_EPOLICY)
       snprintf(a->msg, sizeof a->msg, "the load did not fail (rc %d)", rc);
     else if (!a->at_load)
-      snprintf(a->msg, sizeof a->msg, "unexpected load error: %s", err);
+      snprintf(a->msg, sizeof a->msg, "unexpected load error: %.900s", err);
   }
   if (!a->msg[0] && !strstr(fault, h->fault))
     snprintf(a->msg, sizeof a->msg, "fault \"%.600s\" lacks \"%s\"", fault, h->fault);
