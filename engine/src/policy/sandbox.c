@@ -296,13 +296,13 @@ static int sandbox_xpcall(lua_State *L) {
 }
 
 /* ---- bounded C functions ------------------------------------------------ */
-/* The count hook cannot fire inside a C function, so the sandbox's C
- * functions whose work is not bounded by the memory cap are bounded up
- * front: Lua's pattern matcher backtracks (string.find(string.rep("a",
- * 3000), string.rep("a*", 12) .. "b") never returns) and table.sort is
- * n log n over a table the memory cap lets grow to millions of entries.
- * string.rep, table.concat and the rest are linear in their output, which
- * the memory cap bounds. See docs/policy-api.md, "Limits". */
+/* The count hook cannot fire inside a C function. Work linear in a string
+ * or table is bounded by the memory cap and the hook's shorter period while
+ * big blocks live (policy_alloc); Lua's pattern matcher backtracks
+ * (string.find(string.rep("a", 3000), string.rep("a*", 12) .. "b") never
+ * returns), so each call is estimated up front, refused above
+ * C_CALL_MAX_NS and charged; table.sort compares through Lua code. See
+ * docs/policy-api.md, "Limits". */
 enum { PAT_FIND, PAT_MATCH, PAT_GMATCH, PAT_GSUB };
 static const char *const PAT_NAMES[] = {"find", "match", "gmatch", "gsub"};
 
