@@ -155,7 +155,8 @@ struct ferry_policy {
   size_t mem_used, mem_cap;
   int enforce_cap;
   uint64_t ticks, tick_budget;      /* VM instructions run and allowed, this call */
-  uint32_t big_live[BIG_CLASSES];    /* live blocks per size class, 8 KiB and more */
+  uint32_t big_live[BIG_CLASSES];    /* live blocks per size class, 64 KiB and more */
+  uint32_t big_total;                /* their sum: 0 on the hot path */
   int hook_period;                   /* the count hook's period now */
   uint64_t deadline_ns;              /* wall clock of the call in progress */
   int loading;                       /* that call is a load, not a decision */

@@ -100,7 +100,10 @@ void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   if (nsize == 0) {
     free(ptr);
     p->mem_used -= old;
-    if (old >> BIG_BLOCK_SHIFT) p->big_live[size_class(old)]--;
+    if (old >> BIG_BLOCK_SHIFT) {
+      p->big_live[size_class(old)]--;
+      p->big_total--;
+    }
     return NULL;
   }
   if (p->enforce_cap && nsize > old && p->mem_used + (nsize - old) > p->mem_cap) {
@@ -132,10 +135,14 @@ void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   void *q = realloc(ptr, nsize);
   if (!q) return NULL;
   p->mem_used += nsize - old;
-  if (old >> BIG_BLOCK_SHIFT) p->big_live[size_class(old)]--;
+  if (old >> BIG_BLOCK_SHIFT) {
+    p->big_live[size_class(old)]--;
+    p->big_total--;
+  }
   if (nsize >> BIG_BLOCK_SHIFT) {
     int c = size_class(nsize);
     p->big_live[c]++;
+    p->big_total++;
     if (p->enforce_cap && period_of_class(c) < p->hook_period) set_hook_period(p, c);
   }
   return q;
@@ -143,7 +150,7 @@ void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
 
 void set_hook_period(ferry_policy *p, int min_class) {
   int c = min_class;
-  for (int i = BIG_CLASSES - 1; i > c; i--)
+  for (int i = BIG_CLASSES - 1; p->big_total && i > c; i--)
     if (p->big_live[i]) c = i;
   int period = period_of_class(c);
   if (min_class >= 0 && period >= p->hook_period) return;
