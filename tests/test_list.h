@@ -223,6 +223,15 @@
   X(policy_snapshot_rules_and_default)                             \
   X(policy_resident_hand_written)                                  \
   X(policy_resident_rules)                                         \
+  /* hostile policies (test_policy_hostile.c) */                           \
+  X(policy_hostile_tostring_loop)                                          \
+  X(policy_hostile_sort_c_comparator)                                      \
+  X(policy_hostile_insert_position)                                        \
+  X(policy_hostile_pattern_cost)                                           \
+  X(policy_hostile_c_recursion)                                            \
+  X(policy_needs_stated_stack)                                             \
+  X(policy_hostile_globals_after_raw_set)                                  \
+  X(policy_hostile_more)                                                   \
   /* @@policy */
 
 /* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's

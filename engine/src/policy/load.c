@@ -371,6 +371,7 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
 
   /* No trace may exist before policy code runs: see the top of this file. */
   luaJIT_setmode(L, 0, LUAJIT_MODE_ENGINE | LUAJIT_MODE_OFF);
+  p->hook_period = HOOK_PERIOD;
   lua_sethook(L, policy_hook, LUA_MASKCOUNT, HOOK_PERIOD);
 
   lua_settop(L, 0);
@@ -470,31 +471,48 @@ static int compare_names(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-size_t ferry_policy_globals(const ferry_policy *p, char *out, size_t n) {
-  if (n) out[0] = '\0';
-  if (!p || !p->L) return 0;
-  static const char *const LIBS[] = {"string", "table", "math", "os"};
-  lua_State *L = p->L;
-  int top = lua_gettop(L);
+typedef struct global_names {
   char *names[1024];
-  size_t count = 0;
+  size_t count;
+} global_names;
+
+/* lua_cpcall body: the names of the env and of its libraries, read raw (a
+ * policy may have replaced `string` by anything, or removed it: `string =
+ * nil` is a raw set of an existing global, which __newindex never sees). */
+static int collect_globals(lua_State *L) {
+  static const char *const LIBS[] = {"string", "table", "math", "os"};
+  global_names *g = lua_touserdata(L, 1);
   lua_getfield(L, LUA_REGISTRYINDEX, "ferry.env");
   int env = lua_gettop(L);
-  for (lua_pushnil(L); lua_next(L, env) && count < 1024; lua_pop(L, 1))
-    if (lua_type(L, -2) == LUA_TSTRING) names[count++] = strdup(lua_tostring(L, -2));
+  for (lua_pushnil(L); lua_next(L, env) && g->count < 1024; lua_pop(L, 1))
+    if (lua_type(L, -2) == LUA_TSTRING) g->names[g->count++] = strdup(lua_tostring(L, -2));
   for (size_t i = 0; i < sizeof LIBS / sizeof LIBS[0]; i++) {
-    lua_getfield(L, env, LIBS[i]);
+    lua_pushstring(L, LIBS[i]);
+    lua_rawget(L, env);
     int lib = lua_gettop(L);
     if (lua_istable(L, lib))
-      for (lua_pushnil(L); lua_next(L, lib) && count < 1024; lua_pop(L, 1))
+      for (lua_pushnil(L); lua_next(L, lib) && g->count < 1024; lua_pop(L, 1))
         if (lua_type(L, -2) == LUA_TSTRING) {
           char full[128];
           snprintf(full, sizeof full, "%s.%s", LIBS[i], lua_tostring(L, -2));
-          names[count++] = strdup(full);
+          g->names[g->count++] = strdup(full);
         }
     lua_settop(L, env);
   }
-  lua_settop(L, top);
+  return 0;
+}
+
+size_t ferry_policy_globals(const ferry_policy *p, char *out, size_t n) {
+  if (n) out[0] = '\0';
+  if (!p || !p->L) return 0;
+  lua_State *L = p->L;
+  int top = lua_gettop(L);
+  global_names g = {.count = 0};
+  int status = lua_cpcall(L, collect_globals, &g);
+  lua_settop(L, top); /* the error message, if any: the names so far are listed */
+  (void)status;
+  char **names = g.names;
+  size_t count = g.count;
   qsort(names, count, sizeof names[0], compare_names);
   size_t len = 0;
   int truncated = 0;
