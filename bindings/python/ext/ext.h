@@ -56,7 +56,7 @@ extern PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_la
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
     *s_device, *s_version, *s_detach, *s_is_cpu, *s_cdata, *s_nbytes, *s_items, *s_module,
-    *s_qualname, *s_untyped_storage, *s_storage, *s_grad_fn, *s_next_functions, *s_variable;
+    *s_qualname, *s_untyped_storage, *s_storage_c, *s_grad_fn, *s_next_functions, *s_variable;
 
 /* ---- tensor attributes on the hot path (tensor.c) ----------------------------
  * PyObject_GetAttr on a tensor walks torch.Tensor's type dictionaries (and,

@@ -494,8 +494,11 @@ static void range_exit(PyObject *h) {
  * when t's bytes were freed (resize_(0)) and the address reused. -1 with an
  * exception set on error. */
 static int storage_key(PyObject *t, uint64_t *out) {
+  /* torch 1.13: _storage, the C method under storage() (a Python wrapper:
+   * Python code run inside the hook would raise a pending Ctrl-C there,
+   * which autograd turns into a RuntimeError instead of KeyboardInterrupt) */
   PyObject *st = PyObject_CallMethodNoArgs(t, T.has_untyped_storage ? s_untyped_storage
-                                                                     : s_storage);
+                                                                     : s_storage_c);
   PyObject *cdata = st ? PyObject_GetAttr(st, s_cdata) : NULL;
   Py_XDECREF(st);
   if (!cdata) return -1;

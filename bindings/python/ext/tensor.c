@@ -12,7 +12,7 @@ PyObject *s_numel, *s_dtype, *s_requires_grad, *s_is_leaf, *s_data, *s_layout,
     *s_is_nested, *s_shape, *s_stride, *s_data_ptr, *s_base, *s_is_cuda, *s_get_device,
     *s_as_strided, *s_view, *s_storage_offset, *s_cuda_stream, *s_itemsize, *s_element_size,
     *s_device, *s_version, *s_detach, *s_is_cpu, *s_cdata, *s_nbytes, *s_items, *s_module,
-    *s_qualname, *s_untyped_storage, *s_storage, *s_grad_fn, *s_next_functions, *s_variable;
+    *s_qualname, *s_untyped_storage, *s_storage_c, *s_grad_fn, *s_next_functions, *s_variable;
 
 int intern_names(void) {
 #define I(var, str) \
@@ -25,7 +25,7 @@ int intern_names(void) {
   I(s_itemsize, "itemsize") I(s_element_size, "element_size") I(s_device, "device")
   I(s_version, "_version") I(s_detach, "detach") I(s_is_cpu, "is_cpu") I(s_cdata, "_cdata")
   I(s_nbytes, "nbytes") I(s_items, "items") I(s_module, "__module__")
-  I(s_qualname, "__qualname__") I(s_untyped_storage, "untyped_storage") I(s_storage, "storage")
+  I(s_qualname, "__qualname__") I(s_untyped_storage, "untyped_storage") I(s_storage_c, "_storage")
   I(s_grad_fn, "grad_fn") I(s_next_functions, "next_functions") I(s_variable, "variable")
 #undef I
   return 0;
