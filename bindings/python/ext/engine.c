@@ -553,6 +553,7 @@ static PyObject *engine_stats(EngineObject *self, PyObject *unused) {
 #undef S
   for (int i = 0; i < KEEP_REASONS_; i++) PUT(keep_reason_names[i], self->kept[i]);
   PUT("recompute_packs", self->recompute_packs);
+  PUT("backwards", self->backwards);
   PUT("unpack_rebuilds", self->rebuilds);
   PUT("pack_errors", self->pack_errors);
   PUT("unpacks_repeated", self->unpacks_repeated);

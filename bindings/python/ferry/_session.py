@@ -133,7 +133,8 @@ class Session:
         self.param_ranges = []  # the engine's, as the active offload contexts set them
         self.policy_errors_seen = 0
         self.warned_policy = False
-        self.warned_live = False
+        self.warned_live = set()  # the kinds of step-end warnings given
+        self.backwards_seen = 0  # the engine's backwards at the last step end
         self.warned_knobs = set()
         # while recording a trace: the FLOP counter (ferry/_flops.py) and the
         # resident memory declared last, {what: bytes}
@@ -190,10 +191,23 @@ class Session:
         if self.device_peak is not None:
             self.engine.trace_device_peak(self.device_peak[1]())
         self.check_policy()
-        if live and not self.warned_live:
-            self.warned_live = True
+        backwards = self.engine.stats()["backwards"]
+        no_backward, self.backwards_seen = backwards == self.backwards_seen, backwards
+        if live and no_backward and "unrun" not in self.warned_live:
+            # no backward at all in the step: its forward's backward is still
+            # to come (two context entries before one backward)
+            self.warned_live.add("unrun")
+            warnings.warn(f"ferry: a step ended with {live} saved tensor(s) whose backward has not "
+                          "run yet: the context was entered again (or ferry.torch.step() called) "
+                          "before the backward of the forward it wrapped. They stay valid and "
+                          "their backward works; for several forwards before one backward, put one "
+                          "context around them, or pass steps=\"manual\" and call "
+                          "ferry.torch.step() after the backward", RuntimeWarning, stacklevel=3)
+        elif live and not no_backward and "kept" not in self.warned_live:
+            self.warned_live.add("kept")
             warnings.warn(f"ferry: a step ended with {live} saved tensor(s) neither used nor freed "
-                          "(a graph kept alive, e.g. retain_graph=True); they stay valid",
+                          "by its backward (a graph kept alive, e.g. retain_graph=True, or a "
+                          "second backward still to come); they stay valid",
                           RuntimeWarning, stacklevel=3)
         return live
 

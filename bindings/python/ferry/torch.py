@@ -476,7 +476,8 @@ def stats(by: Optional[str] = None) -> Any:
     """Engine stats (ferry_stats) plus the binding's counters as a dict:
     kept_small (fast path), kept_subclass, kept_sparse, kept_nested,
     kept_device, kept_non_dense, kept_ndim, kept_pack_error,
-    recompute_packs, unpack_rebuilds, pack_errors, unpacks_repeated;
+    recompute_packs, backwards (backward passes begun), unpack_rebuilds, pack_errors,
+    unpacks_repeated;
     and policy, backend, arena.
 
     by="rule", "layer" or "rule,layer": instead, the saved tensors since the
