@@ -97,3 +97,37 @@ def test_dcp_set_optimizer_state_dict_resumes_bit_identical(fraction, tmp_path):
     host = opt.ferry_offload.host_opt.state
     assert host and all(float(s["step"]) == 6 for s in host.values())
     assert all(v.device.type == "cpu" for s in host.values() for v in s.values())
+
+
+def test_interrupt_while_joining_the_host_step_waits_for_it(monkeypatch):
+    """A KeyboardInterrupt landing in the main thread while it joins the
+    host step's thread (overlap=True) used to leave that thread running:
+    step() put the gradients back under it and a next step could race it."""
+    import threading
+    import time
+    m = small_model()
+    opt = offload_optimizer(torch.optim.Adam(m.parameters(), lr=1e-2), fraction=0.5,
+                            overlap=True)
+    off = opt.ferry_offload
+    real = off._host_step
+    seen = []
+
+    def slow_host_step():
+        time.sleep(0.3)
+        seen.append(all(hp.grad is not None for _, _, hp, _ in off.pairs))
+        return real()
+    off._host_step = slow_host_step
+    real_join = threading.Thread.join
+    interrupts = [KeyboardInterrupt("Ctrl-C during join")]
+
+    def join(self, timeout=None):
+        if interrupts and self.name == "ferry-host-optim":
+            raise interrupts.pop()
+        return real_join(self, timeout)
+    monkeypatch.setattr(threading.Thread, "join", join)
+    m(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert not any(t.name == "ferry-host-optim" for t in threading.enumerate())
+    assert seen == [True]  # the host step saw its gradients to its end
+    assert all(p.grad is not None for p in m.parameters())

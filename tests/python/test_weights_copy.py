@@ -72,3 +72,23 @@ def test_averaged_model_of_an_offloaded_model_runs():
     avg = torch.optim.swa_utils.AveragedModel(m)
     x, _ = batch(0)
     assert torch.equal(avg(x), net()(x))
+
+
+@pytest.mark.skipif(not hasattr(torch.optim.Optimizer, "register_step_pre_hook"),
+                    reason="the global step pre-hook: torch 2.x")
+def test_copy_has_its_own_step_pre_hook():
+    """A no-grad forward in training mode between backward and step() sends
+    the layers away; torch 2.x's global step pre-hook brings them back. The
+    copy needs its own (the original's reloads only the original)."""
+    m = net()
+    offload_weights(m, OFFLOADED)
+    c = copy.deepcopy(m)
+    ref = copy.deepcopy(net())
+    for model in (c, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = batch(0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            model(x)  # training mode: the offloaded layers go back to the host
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(values(c).values(), values(ref).values()))

@@ -385,7 +385,7 @@ class OptimizerOffload:
                 try:
                     self._device_step()
                 finally:
-                    t.join()
+                    _join(t)
                 if err:
                     raise err[0]
             else:
@@ -466,6 +466,20 @@ class OptimizerOffload:
             self.opt.state.pop(p, None)
         self.opt.ferry_offload = None
         self.opt.load_state_dict(sd)
+
+
+def _join(t):
+    """Join the host step's thread even through a KeyboardInterrupt: it
+    reads the host gradients the caller puts back next, and a next step
+    would race it; the interrupt is raised once it has ended."""
+    interrupted = None
+    while t.is_alive():
+        try:
+            t.join()
+        except BaseException as ex:  # noqa: BLE001 - re-raised below
+            interrupted = ex
+    if interrupted is not None:
+        raise interrupted
 
 
 def _grad_hook(me, n, hg):

@@ -371,6 +371,9 @@ class WeightOffload:
                     self._handles.append(sub.register_load_state_dict_post_hook(
                         ly.load_post_hook))
             ly.offload()
+        self._hook_optimizer_steps()
+
+    def _hook_optimizer_steps(self):
         reg = getattr(sys.modules.get("torch.optim.optimizer"), "register_optimizer_step_pre_hook",
                       None)
         if reg is not None:  # torch 2.x: any step finds the weights it updates on the device
@@ -382,13 +385,14 @@ class WeightOffload:
     def __deepcopy__(self, memo):
         """copy.deepcopy of the model copies this too (through its hooks):
         the copy's layers hold copies of the host buffers; a CUDA side
-        stream is not copied but made anew."""
+        stream and the global step pre-hook are not copied but made anew."""
         new = WeightOffload.__new__(WeightOffload)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
             setattr(new, k, None if k == "stream" else copy.deepcopy(v, memo))
         if self.stream is not None:
             new.stream = torch.cuda.Stream()
+        new._hook_optimizer_steps()  # the copied handle is of a copied (dead) hook dict
         return new
 
     def neighbour(self, index: int, step: int) -> Optional[_Layer]:
