@@ -415,6 +415,8 @@ static int32_t kind_of_tensor(EngineObject *eng, PyObject *t, void *ptr, int32_t
 /* Kind, phase and the innermost module site of the tensor t at ptr. */
 static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, PyObject *t, void *ptr) {
   d->kind = kind_of_tensor(eng, t, ptr, d->dtype);
+  /* FSDP frees a parameter's bytes by resize_(0) under our reference */
+  if (d->kind == FERRY_KIND_PARAMETER) d->flags |= FERRY_FLAG_RESIZABLE;
   d->phase = eng->in_backward ? FERRY_PHASE_RECOMPUTE : FERRY_PHASE_FORWARD;
   if (eng->depth && (uint32_t)eng->stack[eng->depth - 1] < eng->n_sites) {
     const site *s = &eng->sites[eng->stack[eng->depth - 1]];
