@@ -34,6 +34,7 @@ void bench_host_copy(bench_report *r);
 void bench_cuda_copy(bench_report *r);
 void bench_arena(bench_report *r);
 void bench_policy(bench_report *r);
+void bench_policy_bounds(bench_report *r);
 void bench_sim(bench_report *r);
 void bench_snapshot(bench_report *r);
 void bench_prefetch(bench_report *r);

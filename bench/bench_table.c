@@ -7,6 +7,7 @@ const bench_entry bench_table[] = {
     {"cuda_copy", bench_cuda_copy},
     {"arena", bench_arena},
     {"policy", bench_policy},
+    {"policy_bounds", bench_policy_bounds},
     {"sim", bench_sim},
     {"snapshot", bench_snapshot},
     {"prefetch", bench_prefetch},

@@ -90,7 +90,8 @@ static void dev_tensor_unref(dev_tensor *t) {
 }
 
 /* ferry_alloc_fn: `stream` is the compute stream passed to the ferry call
- * that needs the buffer (ferry_unpack, ferry_prefetch). */
+ * that needs the buffer (ferry_unpack, ferry_prefetch; NULL from
+ * ferry_backward_begin, which may prefetch). */
 static int on_alloc(void *ud, uint64_t bytes, void *stream, void **ptr, void **owner) {
   dev_tensor *t = dev_tensor_new(ud, (size_t)bytes); /* cudaMalloc: usable on any stream */
   if (!t) return -1; /* ferry reports FERRY_EALLOC; the tensor stays on the host */
@@ -191,6 +192,14 @@ static dev_tensor *upload(trainer *t, int slot, const unsigned char *host) {
   return d;
 }
 
+/* Drop the trainer's reference to d on an error path: its upload may still
+ * be running on the compute stream, which a free must wait for. */
+static void drop_after_stream(trainer *t, dev_tensor *d) {
+  CUDA_OK(cudaEventRecord(t->read_done, t->stream));
+  CUDA_OK(cudaEventSynchronize(t->read_done));
+  dev_tensor_unref(d);
+}
+
 /* One step: forward packs every layer input, backward unpacks them in
  * reverse. Returns the number of tensors that did not come back identical,
  * or -1 on an error. */
@@ -205,12 +214,15 @@ static int train_step(trainer *t, ferry_engine *e, int step, unsigned char *host
   dev_tensor *x = upload(t, 0, host_x);
   if (!x) goto no_memory;
 
-  if (ferry_step_begin(e) != FERRY_OK) goto ferry_error;
+  if (ferry_step_begin(e) != FERRY_OK) {
+    drop_after_stream(t, x); /* still ours: nothing was packed */
+    goto ferry_error;
+  }
   for (int l = 0; l < t->layers; l++) {
     layer_forward(l, host_x, host_y, bytes);
     dev_tensor *y = upload(t, (l + 1) % STAGING_SLOTS, host_y);
     if (!y) {
-      dev_tensor_unref(x);
+      drop_after_stream(t, x);
       goto no_memory;
     }
 
@@ -232,8 +244,8 @@ static int train_step(trainer *t, ferry_engine *e, int step, unsigned char *host
     d.module_class = ferry_intern(e, "ShiftLayer");
     t->saved_hash[l] = fnv1a(host_x, bytes);
     if (ferry_pack(e, &d, x->ptr, x, t->stream, &t->handles[l]) != FERRY_OK) {
-      dev_tensor_unref(x); /* on error ferry took nothing: the reference is ours */
-      dev_tensor_unref(y);
+      drop_after_stream(t, x); /* on error ferry took nothing: the reference is ours */
+      drop_after_stream(t, y);
       goto ferry_error;
     }
     x = y;
@@ -279,7 +291,10 @@ ferry_error:
 
 static void print_stats(ferry_engine *e) {
   ferry_stats s;
-  ferry_get_stats(e, &s, sizeof s);
+  if (ferry_get_stats(e, &s, sizeof s) != FERRY_OK) {
+    fprintf(stderr, "trainer_cuda: ferry_get_stats: %s\n", ferry_last_error(e));
+    return;
+  }
   printf("\nferry stats (%s backend, %s arena)\n", ferry_backend_name(e), ferry_arena_name(e));
 #define ROW(name, v) printf("  %-30s %16llu\n", name, (unsigned long long)(v))
   ROW("steps", s.steps);

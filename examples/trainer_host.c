@@ -7,7 +7,9 @@
  * gradients of a_l and b_l. The same steps run once with every tensor kept
  * and once with ferry offloading the first `--offload-layers` layers over an
  * emulated PCIe link; the gradients must be bit-identical, and the stats show
- * what moved.
+ * what moved. Every ferry call's return code is checked: a refused pack
+ * leaves the tensor with the loop, which keeps it as the baseline does; any
+ * other failure stops the run with ferry's message.
  *
  *   trainer_host [--layers L] [--floats N] [--steps S] [--offload-layers K]
  *                [--link-gbps G] [--trace FILE] [--policy FILE]
@@ -53,6 +55,18 @@ static void tensor_unref(tensor *t) {
     free(t);
     atomic_fetch_sub(&live_tensors, 1);
   }
+}
+
+/* Errors that end the run: what failed and ferry's message (e NULL: none). */
+static _Noreturn void die(const char *what, ferry_engine *e) {
+  fprintf(stderr, "trainer_host: %s: %s\n", what, e ? ferry_last_error(e) : "out of memory");
+  exit(1);
+}
+
+static tensor *tensor_or_die(size_t bytes) {
+  tensor *t = tensor_new(bytes);
+  if (!t) die("tensor_new", NULL);
+  return t;
 }
 
 static int on_alloc(void *ud, uint64_t bytes, void *stream, void **ptr, void **owner) {
@@ -102,14 +116,15 @@ static double train_step(model *m, ferry_engine *e, int step, double *compute_s)
   const size_t bytes = m->n * sizeof(float);
   tensor **saved = calloc((size_t)m->layers, sizeof *saved);
   ferry_handle *handles = calloc((size_t)m->layers, sizeof *handles);
+  if (!saved || !handles) die("calloc", NULL);
   char path[64];
-  tensor *x = tensor_new(bytes);
+  tensor *x = tensor_or_die(bytes);
   for (size_t i = 0; i < m->n; i++) x->data[i] = (float)((double)((i * 2654435761u + (size_t)step) % 1000) / 1000.0 - 0.5);
 
-  if (e) ferry_step_begin(e);
+  if (e && ferry_step_begin(e) != FERRY_OK) die("ferry_step_begin", e);
   double t0 = now_s(), copy_wait = 0;
   for (int l = 0; l < m->layers; l++) {
-    tensor *y = tensor_new(bytes);
+    tensor *y = tensor_or_die(bytes);
     for (size_t i = 0; i < m->n; i++) y->data[i] = tanhf(m->a[l] * x->data[i] + m->b[l]);
     if (e) {
       ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
@@ -124,35 +139,30 @@ static double train_step(model *m, ferry_engine *e, int step, double *compute_s)
       snprintf(path, sizeof path, "model.layers.%d", l);
       d.module_path = ferry_intern(e, path);
       d.module_class = ferry_intern(e, "TanhLayer");
-      if (ferry_pack(e, &d, x->data, x, NULL, &handles[l]) != FERRY_OK) {
-        fprintf(stderr, "pack: %s\n", ferry_last_error(e));
-        exit(1);
-      }
+      /* refused: ferry took nothing, the loop keeps x as the baseline does */
+      if (ferry_pack(e, &d, x->data, x, NULL, &handles[l]) != FERRY_OK) saved[l] = x;
     } else {
       saved[l] = x; /* the baseline keeps its reference */
     }
     x = y;
   }
   double loss = 0;
-  tensor *grad = tensor_new(bytes);
+  tensor *grad = tensor_or_die(bytes);
   for (size_t i = 0; i < m->n; i++) {
     loss += x->data[i];
     grad->data[i] = 1.0f;
   }
-  if (e) ferry_backward_begin(e);
+  if (e && ferry_backward_begin(e) != FERRY_OK) die("ferry_backward_begin", e);
   for (int l = m->layers - 1; l >= 0; l--) {
     tensor *in;
-    if (e) {
-      void *ptr, *owner;
+    if (saved[l]) { /* the baseline, or a pack ferry refused */
+      in = saved[l];
+    } else {
+      void *ptr, *owner; /* set only when ferry_unpack succeeds */
       double w0 = now_s();
-      if (ferry_unpack(e, handles[l], NULL, &ptr, &owner) != FERRY_OK) {
-        fprintf(stderr, "unpack: %s\n", ferry_last_error(e));
-        exit(1);
-      }
+      if (ferry_unpack(e, handles[l], NULL, &ptr, &owner) != FERRY_OK) die("ferry_unpack", e);
       copy_wait += now_s() - w0;
       in = owner;
-    } else {
-      in = saved[l];
     }
     /* y = tanh(a*in + b): dy/dpre = 1 - y^2, recomputed from the input */
     double ga = 0, gb = 0;
@@ -167,10 +177,8 @@ static double train_step(model *m, ferry_engine *e, int step, double *compute_s)
     m->gb[l] += gb;
     tensor_unref(in);
   }
-  if (e) {
-    ferry_backward_end(e);
-    if (ferry_step_end(e) != FERRY_OK) fprintf(stderr, "step_end: %s\n", ferry_last_error(e));
-  }
+  if (e && ferry_backward_end(e) != FERRY_OK) die("ferry_backward_end", e);
+  if (e && ferry_step_end(e) != FERRY_OK) die("ferry_step_end", e);
   *compute_s += now_s() - t0 - copy_wait;
   tensor_unref(grad);
   tensor_unref(x);
@@ -182,6 +190,7 @@ static double train_step(model *m, ferry_engine *e, int step, double *compute_s)
 static model model_new(int layers, size_t n) {
   model m = {layers, n, calloc((size_t)layers, sizeof(float)), calloc((size_t)layers, sizeof(float)),
              calloc((size_t)layers, sizeof(double)), calloc((size_t)layers, sizeof(double))};
+  if (!m.a || !m.b || !m.ga || !m.gb) die("calloc", NULL);
   for (int l = 0; l < layers; l++) {
     m.a[l] = 0.9f + 0.01f * (float)l;
     m.b[l] = 0.05f * (float)(l % 3);
@@ -198,7 +207,7 @@ static void model_free(model *m) {
 
 static void print_stats(ferry_engine *e) {
   ferry_stats s;
-  ferry_get_stats(e, &s, sizeof s);
+  if (ferry_get_stats(e, &s, sizeof s) != FERRY_OK) die("ferry_get_stats", e);
   printf("\n%-32s %16s\n", "ferry stats", "value");
   printf("%-32s %16s\n", "backend / arena", "");
   printf("  %-30s %16s\n", ferry_backend_name(e), ferry_arena_name(e));

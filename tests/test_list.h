@@ -9,6 +9,22 @@
   X(number_parser_is_strict)                                               \
   X(api_refuses_null_and_bad_arguments)                                    \
   X(api_refuses_out_of_order_calls)                                        \
+  /* the embedding contract (test_contract.c) */                           \
+  X(contract_config_init_writes_only_the_callers_size)                     \
+  X(contract_config_read_only_within_struct_size)                          \
+  X(contract_refused_phase_call_changes_nothing)                           \
+  X(contract_leak_counts_only_this_steps_handles)                          \
+  X(contract_device_alloc_may_discard_an_alias)                            \
+  X(contract_device_alloc_may_discard_what_it_prefetches)                  \
+  X(contract_host_reserve_runs_without_the_engine_lock)                    \
+  X(contract_last_policy_error_outlives_set_policy)                        \
+  X(contract_last_error_read_by_threads)                                   \
+  X(contract_destroyed_engine_is_refused)                                  \
+  X(contract_config_size_inside_a_field_is_refused)                        \
+  X(contract_config_huge_size_is_refused_unread)                           \
+  X(contract_failed_creates_keep_destroyed_engines_quarantined)            \
+  X(contract_trace_call_errors_read_by_threads)                            \
+  X(contract_unpack_discarded_by_a_failing_device_alloc)                   \
   /* the message sink (test_log.c) */                                     \
   X(log_file_is_capped_and_rotated)                                        \
   X(log_counts_repeats_and_filters_levels)                                 \
@@ -209,6 +225,15 @@
   X(policy_snapshot_rules_and_default)                             \
   X(policy_resident_hand_written)                                  \
   X(policy_resident_rules)                                         \
+  /* hostile policies (test_policy_hostile.c) */                           \
+  X(policy_hostile_tostring_loop)                                          \
+  X(policy_hostile_sort_c_comparator)                                      \
+  X(policy_hostile_insert_position)                                        \
+  X(policy_hostile_pattern_cost)                                           \
+  X(policy_hostile_c_recursion)                                            \
+  X(policy_needs_stated_stack)                                             \
+  X(policy_hostile_globals_after_raw_set)                                  \
+  X(policy_hostile_more)                                                   \
   /* @@policy */
 
 /* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's

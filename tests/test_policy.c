@@ -676,22 +676,24 @@ TEST(policy_wall_clock_and_c_functions_bounded) {
       {"clock", 5, "interrupted after 30 ms, the wall-clock budget of a decision "
                    "(FERRY_POLICY_DECISION_MS)"},
       {"find", 6, "string.find: pattern 'a*a*a*a*a*a*a*a*a*a*a*a*b' is too costly for a "
-                  "3000-byte subject (up to 5.3e+36 matcher steps, the limit is 1.7e+07): "
-                  "anchor it with '^', match a shorter string or use fewer repetitions "
-                  "(*, +, -, ?)"},
+                  "3000-byte subject (up to 6.8e+37 matcher steps, the limit is 8e+06): "
+                  "anchor it with '^', match a shorter string or use a shorter pattern with "
+                  "fewer repetitions (*, +, -, ?)"},
       {"method", 7, "string.match: pattern 'a*a*a*a*a*a*a*a*a*a*a*a*b' is too costly for a "
-                    "3000-byte subject (up to 5.3e+36 matcher steps, the limit is 1.7e+07): "
-                    "anchor it with '^', match a shorter string or use fewer repetitions "
-                    "(*, +, -, ?)"},
+                    "3000-byte subject (up to 6.8e+37 matcher steps, the limit is 8e+06): "
+                    "anchor it with '^', match a shorter string or use a shorter pattern with "
+                    "fewer repetitions (*, +, -, ?)"},
       {"gmatch", 8, "string.gmatch: pattern '(a*)(a*)(a*)b' is too costly for a 3000-byte "
-                    "subject (up to 1.4e+13 matcher steps, the limit is 1.7e+07): anchor it "
-                    "with '^', match a shorter string or use fewer repetitions (*, +, -, ?)"},
+                    "subject (up to 1.6e+14 matcher steps, the limit is 8e+06): anchor it "
+                    "with '^', match a shorter string or use a shorter pattern with fewer "
+                    "repetitions (*, +, -, ?)"},
       {"gsub", 9, "string.gsub: pattern 'a-a-a-a-b' is too costly for a 3000-byte subject "
-                  "(up to 1e+16 matcher steps, the limit is 1.7e+07): anchor it with '^', "
-                  "match a shorter string or use fewer repetitions (*, +, -, ?)"},
+                  "(up to 1.5e+17 matcher steps, the limit is 8e+06): anchor it with '^', "
+                  "match a shorter string or use a shorter pattern with fewer repetitions "
+                  "(*, +, -, ?)"},
       {"plain", 10, "string.find: pattern 'abababababababababababababababababababababababababab"
-                    "abababab...' is too costly for a 2000000-byte subject (up to 2.5e+07 "
-                    "matcher steps, the limit is 1.7e+07): search a shorter string or for a "
+                    "abababab...' is too costly for a 2000000-byte subject (up to 4e+08 "
+                    "byte comparisons, the limit is 4e+07): search a shorter string or for a "
                     "shorter one"},
       {"sort", 11, "table.sort: 70000 items, more than the limit of 65536"},
   };
@@ -948,12 +950,19 @@ TEST(policy_site_cache) {
   ferry_policy_get_stats(p, &s);
   CHECK_EQ(s.calls, 6);
   CHECK_EQ(s.cache_hits, 2);
-  /* ... while fields outside the key (layer, phase, bytes) are not. */
+  /* ... while fields outside the key (layer, bytes) are not. */
   ferry_tensor_desc same = a;
   same.layer = 7;
-  same.phase = FERRY_PHASE_RECOMPUTE;
   ferry_policy_decide(p, &same, NULL, &again);
   CHECK(memcmp(&first, &again, sizeof first) == 0);
+  /* The phase is in the key: a recompute pack of the same op asks Lua
+   * (a policy may keep it where it offloads the forward pack), then hits. */
+  same.phase = FERRY_PHASE_RECOMPUTE;
+  ferry_policy_decide(p, &same, NULL, &again);
+  ferry_policy_decide(p, &same, NULL, &again);
+  ferry_policy_get_stats(p, &s);
+  CHECK_EQ(s.calls, 7);
+  CHECK_EQ(s.cache_hits, 4);
 
   /* cache=false is never cached */
   ferry_tensor_desc nc = desc_of("nocache", "X", FERRY_KIND_ACTIVATION, 4096);
@@ -961,8 +970,8 @@ TEST(policy_site_cache) {
   ferry_policy_decide(p, &nc, NULL, &again);
   CHECK_EQ(again.cacheable, 0);
   ferry_policy_get_stats(p, &s);
-  CHECK_EQ(s.calls, 8);
-  CHECK_EQ(s.cache_hits, 3);
+  CHECK_EQ(s.calls, 9);
+  CHECK_EQ(s.cache_hits, 4);
   ferry_policy_destroy(p);
   return 0;
 }

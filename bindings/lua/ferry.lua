@@ -70,9 +70,16 @@ for k, v in pairs(generated.macros) do M[k] = v end
 
 -- Raises unless a library of version `hex` (FERRY_VERSION_HEX layout:
 -- major << 16 | minor << 8 | patch) has the major version of the cdef this
--- binding was generated from; a different major is a different ABI.
+-- binding was generated from (a different major is a different ABI) and is
+-- at least its minor version (an older library lacks what the cdef declares:
+-- functions, struct fields).
 function M.check_library_version(hex, path)
-  local major = math.floor(hex / 65536)
+  local major, minor = math.floor(hex / 65536), math.floor(hex / 256) % 256
+  if major == M.VERSION_MAJOR and minor < M.VERSION_MINOR then
+    error(string.format("ferry: libferry at '%s' is version %d.%d.%d, older than this binding " ..
+      "(ferry_cdef.lua, %d.%d.%d): use a libferry at least as new as the binding", tostring(path),
+      major, minor, hex % 256, M.VERSION_MAJOR, M.VERSION_MINOR, M.VERSION_PATCH), 2)
+  end
   if major ~= M.VERSION_MAJOR then
     error(string.format("ferry: libferry at '%s' is version %d.%d.%d, but this binding " ..
       "(ferry_cdef.lua) is for major version %d (%d.%d.%d); ABIs of different major " ..
@@ -204,6 +211,40 @@ local function check(e, rc)
   return true
 end
 
+-- Residents collected and not destroyed yet. A finalizer may run inside any
+-- callback, also one that holds the engine lock (decide, retain, host_ram),
+-- where ferry_resident_destroy, which takes that lock, would deadlock: it
+-- only queues the resident, and the binding's next calls that create or
+-- destroy engines or residents, begin or end a step or read the stats
+-- destroy it (ferry.destroy_collected_residents() too).
+local collected_residents = {}
+
+local function collect_resident_cell(cell)
+  local p = cell[0]
+  if p ~= nil then
+    cell[0] = nil
+    collected_residents[#collected_residents + 1] = p
+  end
+end
+
+local function destroy_collected_residents()
+  if #collected_residents == 0 then return end
+  local list = collected_residents
+  collected_residents = {}
+  for i = 1, #list do C.ferry_resident_destroy(list[i]) end
+end
+M.destroy_collected_residents = destroy_collected_residents
+
+-- The finalizer of an engine's cell (below): it gets the cell, nothing else.
+local function destroy_engine_cell(cell)
+  local p = cell[0]
+  if p ~= nil then
+    cell[0] = nil
+    C.ferry_engine_destroy(p)
+  end
+end
+jit.off(destroy_engine_cell) -- it may call the Lua release callback
+
 --[[ ferry.engine(opts) -> engine | nil, err, code
 opts: backend ("host"|"cuda"|"sim"), arena ("auto"|"jemalloc"|"pool"),
 device_index, max_fwd_stash, host_cap_bytes, host_cap_pct,
@@ -214,9 +255,11 @@ policy_path, policy_source, policy_trusted, trace_path, chrome_trace_path
 (a Chrome trace of the run, docs/pytorch.md#perfetto-traces), node_budget
 (from ferry.node_budget()).]]
 function M.engine(opts)
+  destroy_collected_residents()
   opts = opts or {}
   local cfg = ffi.new("ferry_config")
-  C.ferry_config_init(cfg)
+  -- the library writes only the bytes of this binding's ferry_config
+  assert(C.ferry_config_init_sized(cfg, ffi.sizeof(cfg)) == 0)
   cfg.backend = enum_value("backend", M.backend, opts.backend, cfg.backend)
   cfg.arena = enum_value("arena", M.arena, opts.arena, cfg.arena)
   if opts.device_index then cfg.device = opts.device_index end
@@ -251,11 +294,14 @@ function M.engine(opts)
     local detail = ffi.string(errbuf)
     return nil, M.strerror(rc) .. (detail ~= "" and (": " .. detail) or ""), rc
   end
-  local e = setmetatable({ ptr = out[0], device = dev, keep = keep, strings = {},
+  -- Destroyed on collection too, so a dropped engine is not leaked: the
+  -- cell holds the pointer and is what the finalizer gets. The finalizer
+  -- must not refer to the engine table, which holds the cell: LuaJIT never
+  -- collects a table its own cdata's finalizer refers to.
+  local cell = ffi.gc(ffi.new("ferry_engine *[1]", out[0]), destroy_engine_cell)
+  local e = setmetatable({ ptr = out[0], cell = cell, device = dev, keep = keep, strings = {},
     handle_out = ffi.new("ferry_handle[1]"), ptr_out = ffi.new("void *[1]"),
     owner_out = ffi.new("void *[1]") }, Engine)
-  -- destroy on collection too, so a failed spec does not leak an engine
-  e.gc_anchor = ffi.gc(ffi.new("char[1]"), function() e:destroy() end)
   return e
 end
 
@@ -302,9 +348,10 @@ function NodeBudget:close()
 end
 
 function Engine:destroy()
+  destroy_collected_residents()
   if self.ptr ~= nil then
-    C.ferry_engine_destroy(self.ptr)
     self.ptr = nil
+    destroy_engine_cell(self.cell)
   end
 end
 
@@ -341,6 +388,11 @@ function Engine:desc(o)
     local size = math.max(C.ferry_dtype_size(d.dtype), 1)
     shape = { math.floor(tonumber(d.bytes) / size) }
   end
+  -- shape[] has MAX_DIMS slots: more would write over the fields after it
+  if #shape > M.MAX_DIMS then
+    error(string.format("ferry: desc: shape has %d dims, at most %d (FERRY_MAX_DIMS)", #shape,
+      M.MAX_DIMS), 2)
+  end
   d.ndim = #shape
   for i = 1, #shape do d.shape[i - 1] = shape[i] end
   if o.path then d.module_path = assert(self:intern(o.path)) end
@@ -364,8 +416,14 @@ end
 
 function Engine:prefetch(h, stream) return check(self, C.ferry_prefetch(self.ptr, h, stream)) end
 function Engine:discard(h) return check(self, C.ferry_discard(self.ptr, h)) end
-function Engine:step_begin() return check(self, C.ferry_step_begin(self.ptr)) end
-function Engine:step_end() return check(self, C.ferry_step_end(self.ptr)) end
+function Engine:step_begin()
+  destroy_collected_residents()
+  return check(self, C.ferry_step_begin(self.ptr))
+end
+function Engine:step_end()
+  destroy_collected_residents()
+  return check(self, C.ferry_step_end(self.ptr))
+end
 function Engine:backward_begin() return check(self, C.ferry_backward_begin(self.ptr)) end
 function Engine:backward_end() return check(self, C.ferry_backward_end(self.ptr)) end
 
@@ -385,6 +443,7 @@ end
 
 -- stats() -> { steps = n, tensors_packed = n, ... } (Lua numbers)
 function Engine:stats()
+  destroy_collected_residents()
   local s = ffi.new("ferry_stats")
   local rc = C.ferry_get_stats(self.ptr, s, ffi.sizeof(s))
   if rc < 0 then return fail(self, rc) end
@@ -407,17 +466,26 @@ jit.off(Device.new_buffer)
 local Resident = {}
 Resident.__index = Resident
 
+local function destroy_resident_cell(cell)
+  local p = cell[0]
+  if p == nil then return 0 end
+  cell[0] = nil
+  return C.ferry_resident_destroy(p)
+end
+
 -- e:resident(bytes) -> buffer | nil, err, code. Pinned arena bytes that move
 -- to and from the device at chosen points: r:to_host(dev_ptr, stream),
 -- r:to_device(dev_ptr, stream), r:wait(), r:host_ptr() (uint8_t *, after
--- wait), r:bytes(), r:destroy() (also on collection).
+-- wait), r:bytes(), r:destroy() (also once collected, at a later binding
+-- call: see collected_residents).
 function Engine:resident(bytes)
+  destroy_collected_residents()
   local out = ffi.new("ferry_resident *[1]")
   local rc = C.ferry_resident_create(self.ptr, bytes, out)
   if rc < 0 then return fail(self, rc) end
-  local r = setmetatable({ ptr = out[0], e = self }, Resident)
-  r.gc_anchor = ffi.gc(ffi.new("char[1]"), function() r:destroy() end)
-  return r
+  -- destroyed on collection too: a cell, as for engines (ferry.engine)
+  local cell = ffi.gc(ffi.new("ferry_resident *[1]", out[0]), collect_resident_cell)
+  return setmetatable({ ptr = out[0], cell = cell, e = self }, Resident)
 end
 
 function Resident:to_host(dev_ptr, stream)
@@ -430,9 +498,10 @@ function Resident:wait() return check(self.e, C.ferry_resident_wait(self.ptr)) e
 function Resident:host_ptr() return ffi.cast("uint8_t *", C.ferry_resident_host_ptr(self.ptr)) end
 function Resident:bytes() return tonumber(C.ferry_resident_bytes(self.ptr)) end
 function Resident:destroy()
+  destroy_collected_residents()
   if self.ptr ~= nil then
-    local rc = C.ferry_resident_destroy(self.ptr)
     self.ptr = nil
+    local rc = destroy_resident_cell(self.cell)
     if rc < 0 then return fail(nil, rc) end
   end
   return true

@@ -139,7 +139,7 @@ enum {
 FERRY_LOG_ERROR = 0, FERRY_LOG_WARNING = 1, FERRY_LOG_INFO = 2};
 int ferry_log_open(const char *path, uint64_t max_bytes, uint32_t keep, int level, char *errbuf, size_t errlen);
 int ferry_log_level(int level);
-void ferry_config_init(ferry_config *cfg);
+int ferry_config_init_sized(ferry_config *cfg, size_t size);
 int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbuf, size_t errlen);
 void ferry_engine_destroy(ferry_engine *e);
 const char *ferry_last_error(ferry_engine *e);

@@ -17,6 +17,25 @@
  *     to a device buffer in ferry_pack(); the engine gives exactly one
  *     reference back, either through ferry_unpack() or through the release
  *     callback. Nothing handed to ferry is ever lost.
+ *   - A refused call (a negative return) changes nothing, unless its comment
+ *     says otherwise.
+ *   - Threads: every call on an engine may be made from any thread, at the
+ *     same time as others (one lock per engine), except
+ *     ferry_engine_destroy(), which must come after every other call on that
+ *     engine has returned, and after which no call may start: ferry refuses
+ *     a call (or a second destroy) on a destroyed engine with FERRY_ESTATE as
+ *     long as it can tell it from a live one (the addresses of the last 16
+ *     engines destroyed are not given to new ones), but cannot make a call
+ *     that overlaps the destroy safe.
+ *   - Callbacks run on the thread of the call that makes them. Where a call
+ *     makes one, its comment below says which and whether the engine lock
+ *     is held. Without the lock (device_alloc, release, host_reserve) a
+ *     callback may call ferry on the same engine, except ferry_unpack() or
+ *     ferry_prefetch() of the handle whose reload it is allocating for, and
+ *     ferry_engine_destroy(). With the lock (decide, retain, host_ram) it must
+ *     be quick and must not call ferry on that engine: it would deadlock.
+ *   - Strings returned: static (never freed) unless the function says how
+ *     long its string lives.
  */
 #ifndef FERRY_H
 #define FERRY_H
@@ -204,23 +223,41 @@ typedef struct ferry_context {
 
 /* The decision callback (the policy host replaces it when a policy is set).
  * Returns 0 and fills *out; any other return, or a nonsense answer, means
- * FERRY_KEEP and counts a policy error. */
+ * FERRY_KEEP and counts a policy error. Called from ferry_pack with the
+ * engine lock held. */
 typedef int (*ferry_decide_fn)(void *ud, const ferry_tensor_desc *desc,
                                const ferry_context *ctx, ferry_decision *out);
 
 /* ---- embedder callbacks ------------------------------------------------- */
-/* Host RAM in bytes: total and available now (MemAvailable); 0 on success. */
+/* Host RAM in bytes: total and available now (MemAvailable); 0 on success.
+ * Called with the engine lock held when a step starts (ferry_step_begin, or
+ * the first ferry_pack, ferry_pack_cached_keep or ferry_backward_begin of a
+ * step) and by a policy that reads host_ram_used_pct (inside decide, also
+ * under the lock); without it in ferry_engine_create (host_cap_pct). */
 typedef int (*ferry_host_ram_fn)(void *ud, uint64_t *total_bytes, uint64_t *available_bytes);
 
 /* Allocate a device buffer of `bytes` usable in the order of `stream` (the
- * compute stream passed to the call that needs it). Returns 0 and sets the
- * buffer and an owner token holding one reference to it. */
+ * compute stream passed to the call that needs it; NULL from
+ * ferry_backward_begin). Returns 0 and sets the buffer and an owner token
+ * holding one reference to it. Called with no engine lock held, from
+ * ferry_unpack and ferry_prefetch (the tensor asked for, and tensors
+ * prefetched ahead of it) and from ferry_backward_begin (its prefetch, with
+ * config.prefetch_at_backward_begin). It may ferry_discard any handle,
+ * that of the tensor it allocates for included (the call that reloads it
+ * then gives the new buffer back and fails with FERRY_EHANDLE, or, for a
+ * prefetch, only starts no copy). */
 typedef int (*ferry_alloc_fn)(void *ud, uint64_t bytes, void *stream,
                               void **device_ptr, void **owner);
-/* Drop the reference held by an owner token. */
+/* Drop the reference held by an owner token. Called with no engine lock
+ * held: from ferry_pack (a buffer the stash bound pushes out; the second
+ * reference of a buffer packed twice), ferry_unpack and ferry_prefetch (a
+ * reload that failed after device_alloc), ferry_discard, and
+ * ferry_engine_destroy (every buffer still held; no ferry call on that
+ * engine from there). */
 typedef void (*ferry_release_fn)(void *ud, void *owner);
 /* Add a reference to an owner token (optional; enables storing a buffer
- * that is packed twice only once). */
+ * that is packed twice only once). Called with the engine lock held, from
+ * ferry_unpack of a handle whose buffer other handles still share. */
 typedef void (*ferry_retain_fn)(void *ud, void *owner);
 /* Around a wait for another thread's reload of the same tensor (optional;
  * see ferry_config.wait_begin). */
@@ -254,7 +291,9 @@ typedef struct ferry_link {
 /* Consulted before the pinned arena takes `bytes` more from the backend
  * (release = 0; nonzero return refuses it, as the cap would) and when it
  * gives them back (release = 1): lets several processes share one node-wide
- * host budget. Never called with an engine lock held. */
+ * host budget. Never called with an engine lock held: from ferry_pack (an
+ * offload that grows the arena), ferry_resident_create,
+ * ferry_snapshot_start and ferry_engine_destroy (release). */
 #define FERRY_HAVE_RESERVE_FN 1
 typedef int (*ferry_reserve_fn)(void *ud, uint64_t bytes, int release);
 
@@ -403,32 +442,56 @@ FERRY_API int ferry_log_open(const char *path, uint64_t max_bytes, uint32_t keep
  * previous level, or -1 if level is not a FERRY_LOG_*. */
 FERRY_API int ferry_log_level(int level);
 
-/* Fill *cfg with the defaults of FERRY_CONFIG_INIT (for FFI callers). */
-FERRY_API void ferry_config_init(ferry_config *cfg);
+/* Fill the first `size` bytes of *cfg with the defaults of FERRY_CONFIG_INIT
+ * and set cfg->struct_size = size: pass the size of the caller's own
+ * ferry_config (sizeof, ffi.sizeof), which may be an older, smaller one than
+ * this library's; nothing past it is written (a newer, larger one gets its
+ * unknown tail zeroed). FERRY_EINVAL, nothing written, for NULL or a size
+ * no release's ferry_config has: smaller than any, over 4096 bytes, or not
+ * a multiple of _Alignof(ferry_config) (it would end inside a field).
+ * ferry_engine_create refuses such a struct_size (FERRY_EVERSION) without
+ * reading past it. In C use ferry_config_init(cfg),
+ * which passes the size of the header's ferry_config. */
+FERRY_API int ferry_config_init_sized(ferry_config *cfg, size_t size);
+#define ferry_config_init(cfg) ferry_config_init_sized((cfg), sizeof(ferry_config))
 
 /* Create an engine. On failure *out is NULL, and if errbuf is not NULL a
- * message naming the problem is written there. */
+ * message naming the problem is written there. Reads only cfg->struct_size
+ * bytes of *cfg (an older caller's fields are the defaults here), and keeps
+ * none of its strings. Calls host_ram (host_cap_pct), no other callback. */
 FERRY_API int ferry_engine_create(const ferry_config *cfg, ferry_engine **out,
                                   char *errbuf, size_t errlen);
-/* Waits for outstanding copies, releases every owner still held, frees the
- * arena. Safe on NULL. */
+/* Waits for outstanding copies, releases every owner still held (release,
+ * no lock held), frees the arena (host_reserve, release = 1). Safe on NULL,
+ * and a no-op on an engine destroyed already while ferry can tell (see
+ * Threads at the top): no other call on e may overlap it or follow it. */
 FERRY_API void ferry_engine_destroy(ferry_engine *e);
 
-/* Detailed message of the last failure on this engine ("" if none). */
+/* Detailed message of the last failure on this engine ("" if none; "not a
+ * live ferry engine" for NULL or a destroyed one). The message is per
+ * engine, not per thread: read it right after the call that failed. The
+ * string is the calling thread's copy of it: valid until the same thread
+ * calls ferry_last_error again (for any engine) or exits. */
 FERRY_API const char *ferry_last_error(ferry_engine *e);
-/* "host", "cuda" or "sim"; "jemalloc" or "pool". */
+/* "host", "cuda" or "sim"; "jemalloc" or "pool" ("none" for no live
+ * engine); static. */
 FERRY_API const char *ferry_backend_name(ferry_engine *e);
 FERRY_API const char *ferry_arena_name(ferry_engine *e);
 
-/* Return a stable copy of s owned by the engine; equal strings give equal
- * pointers. NULL on allocation failure. */
+/* Return a stable copy of s owned by the engine, valid until the engine is
+ * destroyed; equal strings give equal pointers. NULL on allocation failure. */
 FERRY_API const char *ferry_intern(ferry_engine *e, const char *s);
 
 /* ---- the stash ---------------------------------------------------------- */
 /* Save a tensor. The engine takes the reference `owner`. `compute_stream` is
  * the embedder's stream that produced the buffer (a cudaStream_t for the
  * cuda backend; NULL = the legacy default stream, or the calling thread on
- * the host backend). On error nothing was taken: the caller keeps owner. */
+ * the host backend). On error nothing was taken: the caller keeps owner.
+ * desc->bytes 0 is refused (FERRY_EINVAL): a tensor without bytes has
+ * nothing to save, keep it yourself; so are more than FERRY_MAX_DIMS dims.
+ * Callbacks: decide and host_ram (a step starts) under the engine lock;
+ * host_reserve (the arena grows) and release (the stash bound, a buffer
+ * packed twice) without it. */
 FERRY_API int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc,
                          void *device_ptr, void *owner, void *compute_stream,
                          ferry_handle *out);
@@ -452,25 +515,42 @@ FERRY_API int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc,
  * (tensors_kept_unheld) and 1 is returned: the caller keeps the tensor
  * itself; there is nothing to unpack or discard. 0: call ferry_pack(). Always
  * 0 while a trace, a Chrome trace or reasons are recorded (they see every
- * pack) and for an engine without a policy. Never runs the policy. */
+ * pack) and for an engine without a policy. Never runs the policy. Callback:
+ * host_ram under the engine lock, when it starts a step. */
 FERRY_API int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
                                      const void *device_ptr);
 /* Get a saved tensor back for use on compute_stream. Consumes the handle.
  * device_ptr and owner receive a buffer with the same bytes as packed and one
- * reference the caller now owns. The compute stream is ordered after any
- * reload copy; the host is not blocked where the backend can avoid it. */
+ * reference the caller now owns (set only on success). The compute stream is
+ * ordered after any reload copy; the host is not blocked where the backend
+ * can avoid it. Callbacks: device_alloc (the reload, and the prefetches it
+ * starts) and release (a reload that failed) without the engine lock,
+ * retain under it. FERRY_EALLOC: device_alloc failed; the handle stays
+ * valid. FERRY_EHANDLE also when the handle was discarded while it was
+ * being reloaded (by device_alloc, say), whether or not that failed. */
 FERRY_API int ferry_unpack(ferry_engine *e, ferry_handle h,
                            void *compute_stream, void **device_ptr,
                            void **owner);
-/* Start reloading h now (no-op if it is on device or already reloading). */
+/* Start reloading h now (no-op if it is on device or already reloading).
+ * Callbacks: device_alloc, release (a reload that failed), no lock held. */
 FERRY_API int ferry_prefetch(ferry_engine *e, ferry_handle h,
                              void *compute_stream);
-/* Drop a handle without unpacking it (the saved tensor was freed). */
+/* Drop a handle without unpacking it (the saved tensor was freed). Never
+ * waits for a reload of its tensor (device_alloc may call it). Callback:
+ * release, no lock held. */
 FERRY_API int ferry_discard(ferry_engine *e, ferry_handle h);
 
 /* Step boundaries. ferry_step_end() waits for outstanding copies, frees their
- * host buffers and fails with FERRY_ELEAK if handles of this step are still
- * live (they stay valid). */
+ * host buffers and fails with FERRY_ELEAK if handles packed in this step are
+ * still live (they stay valid; the message counts them and the arena bytes
+ * this step's packs of them hold; earlier steps' handles do not count); the
+ * step has ended all the same. FERRY_ESTATE: no step in progress.
+ * ferry_step_begin: FERRY_ESTATE while a step is in progress; calls host_ram
+ * under the engine lock. ferry_backward_begin starts a step if none is in
+ * progress (host_ram), and with config.prefetch_at_backward_begin starts
+ * reloads (device_alloc and release, without the lock).
+ * ferry_backward_begin in backward and ferry_backward_end outside it are
+ * refused (FERRY_ESTATE) and change nothing: they start no step. */
 FERRY_API int ferry_step_begin(ferry_engine *e);
 FERRY_API int ferry_step_end(ferry_engine *e);
 FERRY_API int ferry_backward_begin(ferry_engine *e);
@@ -530,8 +610,11 @@ FERRY_API int ferry_set_policy(ferry_engine *e, const char *path,
  * one to a mistyped name. */
 FERRY_API int ferry_policy_find(const char *name, char *path, size_t pathlen, char *err,
                                 size_t errlen);
-/* The last policy fault (runtime error, timeout, nonsense answer) as
- * "file:line: message", or "" if none. */
+/* The last policy fault (runtime error, timeout, nonsense answer) of the
+ * policy in force, as "file:line: message", or "" if none. The string is the
+ * calling thread's copy: valid until the same thread calls
+ * ferry_last_policy_error again (for any engine) or exits, whatever policy
+ * is set meanwhile. */
 FERRY_API const char *ferry_last_policy_error(ferry_engine *e);
 
 /* The knobs in force: the config's, overridden by the policy's, except
@@ -594,6 +677,8 @@ FERRY_API int ferry_snapshot_fence(ferry_snapshot *s, void *compute_stream);
  * error (also in ferry_snapshot_error). */
 FERRY_API int ferry_snapshot_poll(ferry_snapshot *s);
 FERRY_API int ferry_snapshot_wait(ferry_snapshot *s);
+/* The snapshot's error ("" while it runs or when it succeeded); valid until
+ * ferry_snapshot_free(s). */
 FERRY_API const char *ferry_snapshot_error(ferry_snapshot *s);
 /* Waits for the snapshot to finish, then frees it. */
 FERRY_API void ferry_snapshot_free(ferry_snapshot *s);
@@ -637,7 +722,8 @@ typedef struct ferry_stats {
   uint64_t tensors_kept_unheld;
 } ferry_stats;
 
-/* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). */
+/* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). No
+ * callbacks: callable from those that run without the engine lock. */
 FERRY_API int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
 
 /* Saved tensors by the rule that decided them and by layer, since the

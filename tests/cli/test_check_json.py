@@ -91,7 +91,7 @@ def main():
                 fail("an offload no rule kept: all rules passed", x)
         q = [x for x in dec if x["module"] == "model.layers.0.self_attn.q_proj"]
         if [(x["decision"], x["reload"], x["distance"], x["cache"]) for x in q] != \
-                [("offload", "prefetch", 2, "no")] * 2 or q[0]["shape"] != [1, 64, 256] or \
+                [("offload", "prefetch", 2, "stored"), ("offload", "prefetch", 2, "hit")] or q[0]["shape"] != [1, 64, 256] or \
                 q[0]["dtype"] != "bf16" or q[0]["kind"] != "activation" or q[0]["bytes"] != 32768:
             fail("the q_proj rows", q)
         if [x["cache"] for x in dec if x["module"] == "lm_head"] != ["stored", "hit"]:

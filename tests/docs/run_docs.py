@@ -164,7 +164,32 @@ _LIGHTNING = r'''
 import lightning
 '''
 
-FIXTURES = {"lm": _LM, "mlp": _MLP, "dcp": _DCP, "lightning": _LIGHTNING}
+# A tiny Llama built from a config (no download), a token data set and
+# TrainingArguments for two CPU steps: what a Trainer snippet names.
+_TRANSFORMERS = r'''
+import tempfile
+import transformers
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 96, (8, 16))
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+ds = _Tokens()
+args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2,
+                                      per_device_train_batch_size=2, report_to=[],
+                                      use_cpu=True, save_strategy="no")
+'''
+
+FIXTURES = {"lm": _LM, "mlp": _MLP, "dcp": _DCP, "lightning": _LIGHTNING,
+            "transformers": _TRANSFORMERS}
 
 # train.py of the work dirs: what `ferry run ... -- python train.py` starts.
 TRAIN_PY = '''"""The docs' train.py: a tiny LM trained two steps through
@@ -284,15 +309,28 @@ static UNUSED ferry_tensor_desc desc = {.bytes = 4096, .dtype = FERRY_DTYPE_F32,
 static UNUSED void *dev_ptr, *owner, *compute_stream;
 static UNUSED ferry_handle handle;
 ''', "{ buf *b = buf_new(4096); dev_ptr = b->ptr; owner = b; }", ""),
-    # embedding.md's loop over layers: x/y buffers, forward_layer makes y
+    # embedding.md's loop over layers: x/y buffers, forward_layer makes y;
+    # one pack is refused (as ferry_pack may be), which the block must
+    # survive without losing or dropping that buffer
     "layers": (_C_BUFFERS + r'''
 enum { L = 6, n = 4096 };
 static const uint64_t bytes = n * sizeof(float);
 static ferry_handle handle[L];
+static UNUSED buf *saved[L];
 static void *stream;
 #define forward_layer(l, x, y, s) ((y) = buf_new(bytes))
 #define backward_layer(l, p, s) ((void)(p))
 #define drop_reference(o) buf_drop(o)
+static UNUSED _Noreturn void stop_training(ferry_engine *e) {
+  fprintf(stderr, "stop_training: %s\n", ferry_last_error(e));
+  exit(1);
+}
+static int refuse_layer_2(ferry_engine *e, const ferry_tensor_desc *d, void *ptr, void *owner,
+                          void *stream, ferry_handle *out) {
+  if (d->layer == 2) return FERRY_ENOMEM; /* refused: nothing taken */
+  return (ferry_pack)(e, d, ptr, owner, stream, out);
+}
+#define ferry_pack refuse_layer_2
 ''', "ferry_engine *e = host_engine(); buf *x = buf_new(bytes), *y = NULL;",
         # x (the last layer's output) is still the caller's; every other
         # buffer must have gone back through release or drop_reference

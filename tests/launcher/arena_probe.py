@@ -94,10 +94,10 @@ def main():
     lib.ferry_last_error.restype = ctypes.c_char_p
 
     cfg = Config()
-    lib.ferry_config_init(ctypes.byref(cfg))
-    if cfg.struct_size != ctypes.sizeof(Config):
-        sys.exit(f"arena_probe: ferry_config is {cfg.struct_size} bytes in C, "
-                 f"{ctypes.sizeof(Config)} here: update the mirror")
+    # The library writes only this mirror's bytes: it may lag the header's
+    # newest fields (ferry_config_init_sized).
+    if lib.ferry_config_init_sized(ctypes.byref(cfg), ctypes.c_size_t(ctypes.sizeof(Config))) != 0:
+        sys.exit(f"arena_probe: ferry_config_init_sized refused {ctypes.sizeof(Config)} bytes")
 
     buffers = {}  # owner token -> ctypes buffer ("device" memory of the host backend)
 

@@ -24,7 +24,7 @@ describe("ferry.rules", function()
     assert.equal("x", p.name)
     assert.equal("function", type(p.decide))
     assert.same({ min_offload_bytes = 10 }, p.knobs)
-    assert.same({ "min_bytes(10)" }, p.rules)
+    assert.same({ "keep_recompute()", "min_bytes(10)" }, p.rules)
   end)
 
   it("min_bytes keeps smaller tensors, cached, and sets the engine knob", function()
@@ -147,12 +147,26 @@ describe("ferry.rules", function()
     assert.same({ OFFLOAD, true }, { d(1, 0, "m.layers.1") })
   end)
 
-  it("forward_only keeps recompute-phase tensors, uncached", function()
-    local p = policy [[return R.policy { R.forward_only() }]]
+  it("forward_only keeps recompute-phase tensors, cached per site and phase", function()
+    local p = policy [[return R.policy { R.forward_only(), recompute = "decide" }]]
     local a, _, _, c = run(p, { phase = 1 })
-    assert.same({ KEEP, false }, { a, c })
+    assert.same({ KEEP, true }, { a, c })
     a, _, _, c = run(p, { phase = 0 })
-    assert.same({ OFFLOAD, false }, { a, c })
+    assert.same({ OFFLOAD, true }, { a, c })
+  end)
+
+  it("a policy keeps recompute packs unless recompute = \"decide\"", function()
+    local p = policy [[return R.policy { name = "all" }]]
+    local a, _, _, c = run(p, { phase = 1 })
+    assert.same({ KEEP, true }, { a, c })
+    a = run(p, { phase = 0 })
+    assert.equal(OFFLOAD, a)
+    local action, rule = p.explain(D.desc { phase = 1 }, D.ctx { step = 0 })
+    assert.same({ KEEP, "keep_recompute()" }, { action, rule })
+    p = policy [[return R.policy { name = "all", recompute = "decide" }]]
+    assert.equal(OFFLOAD, (run(p, { phase = 1 })))
+    assert.has_error(function() policy [[return R.policy { recompute = "offload" }]] end,
+      'ferry.rules.policy: recompute must be "keep" (the default) or "decide", got "offload"')
   end)
 
   it("when runs a user predicate; site = true allows caching", function()

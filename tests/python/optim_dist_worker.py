@@ -131,9 +131,10 @@ def fsdp_state_checks(rank, kind):
     lopt = offload_optimizer(make_opt(kind, lw.parameters()), fraction=0.5)
     lopt.load_state_dict(sd)
     off = lopt.ferry_offload
-    # The host share's state: in the host optimizer only, plain host tensors.
+    # The host share's state: in the host optimizer, plain host tensors
+    # (opt.state shows the host optimizer's own dict).
     res["host_state"] = [
-        (p not in lopt.state, hp in off.host_opt.state,
+        (lopt.state.get(p) is off.host_opt.state.get(hp), hp in off.host_opt.state,
          [type(v).__name__ for v in off.host_opt.state.get(hp, {}).values()])
         for _, p, hp, _ in off.pairs]
     train(pw, popt, data[3:])

@@ -275,3 +275,119 @@ def test_old_names_still_work_with_a_warning():
         assert fl.FerryCheckpointIO is fl.StagedCheckpointIO
     with pytest.warns(DeprecationWarning, match="StagedCheckpointCallback"):
         assert fl.FerryOffloadCallback is fl.StagedCheckpointCallback
+
+
+FORWARD_ONLY = """
+local R = require "ferry.rules"
+return R.policy { name = "forward_only", R.min_bytes(0), R.exclude_params_and_buffers(),
+                  R.forward_only(), recompute = "decide", R.max_stash(0), reload = R.on_use() }
+"""
+
+
+class TwoPairs(pl.LightningModule):
+    """Manual optimization with `pairs` forward/backward pairs per step."""
+
+    def __init__(self, pairs):
+        super().__init__()
+        self.gpt = GPT()
+        self.automatic_optimization = False
+        self.pairs = pairs
+
+    def training_step(self, batch, i):
+        opt = self.optimizers()
+        opt.zero_grad()
+        for _ in range(self.pairs):
+            self.manual_backward(gpt_loss(self.gpt, batch))
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def offloads_per_step(trace):
+    import ferry.torch as ft
+    from conftest import read_trace
+    ft.close()  # flushes the trace
+    per = {}
+    for e in read_trace(trace):
+        if e["ev"] == "pack" and e["decision"] == "offload":
+            per[e["step"]] = per.get(e["step"], 0) + 1
+    return [per[s] for s in sorted(per)]
+
+
+def test_two_forward_backward_pairs_in_a_manual_step_offload_alike(tmp_path):
+    """At f9032b9 the second pair's forward was packed as recompute (backward
+    had begun in the step): R.forward_only() offloaded the first pair only."""
+    policy = tmp_path / "fo.lua"
+    policy.write_text(FORWARD_ONLY)
+    counts = {}
+    for pairs in (1, 2):
+        trace = str(tmp_path / f"t{pairs}.jsonl")
+        torch.manual_seed(0)
+        t = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False,
+                       enable_checkpointing=False, default_root_dir=str(tmp_path),
+                       callbacks=[ActivationOffload(policy=str(policy), backend="host",
+                                                    record_trace=trace, log_stats=False)])
+        t.fit(TwoPairs(pairs), gpt_loader())
+        counts[pairs] = offloads_per_step(trace)
+    assert len(counts[1]) == 3 and counts[1][0] > 0 and len(set(counts[1])) == 1, counts
+    assert counts[2] == [2 * n for n in counts[1]], counts
+
+
+def test_logged_counters_cover_every_micro_batch_of_a_step(tmp_path):
+    """accumulate_grad_batches=2: Lightning writes one row per optimizer step
+    with the values logged by its last micro-batch; at f9032b9 those were
+    that micro-batch's alone (half the step's offloads)."""
+    import csv
+    trace = str(tmp_path / "t.jsonl")
+    policy = tmp_path / "everything.lua"
+    policy.write_text(EVERYTHING)
+    torch.manual_seed(0)
+    logger = pl.loggers.CSVLogger(str(tmp_path / "logs"), name="acc")
+    t = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger, log_every_n_steps=1,
+                   accumulate_grad_batches=2, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=str(tmp_path),
+                   callbacks=[ActivationOffload(policy=str(policy), backend="host",
+                                                record_trace=trace)])
+    t.fit(GPTModule(), gpt_loader())
+    per_micro = offloads_per_step(trace)
+    assert len(per_micro) == 4 and per_micro[0] > 0, per_micro
+    rows = [r for r in csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv")))
+            if r.get("ferry/tensors_offloaded")]
+    logged = [int(float(r["ferry/tensors_offloaded"])) for r in rows]
+    assert logged == [per_micro[0] + per_micro[1], per_micro[2] + per_micro[3]], (logged, per_micro)
+
+
+class StopsAtBatch(GPTModule):
+    def on_train_batch_start(self, batch, i):
+        return -1 if i == 2 else None
+
+
+class Probe(pl.Callback):
+    """At the epoch's end, an unrelated model's forward and backward: packed
+    by ferry only if a context of ferry's is still open."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        import ferry.torch as ft
+        before = ft.stats()["tensors_packed"]
+        net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+        net(torch.randn(64, 256)).sum().backward()  # 64 KiB activations: over min_bytes
+        self.packed = ft.stats()["tensors_packed"] - before
+
+
+def test_a_batch_start_returning_minus_one_leaves_no_context_open(tmp_path):
+    """on_train_batch_start returning -1 skips the rest of the epoch with no
+    on_train_batch_end: at f9032b9 ferry's context stayed open through
+    on_train_epoch_end and packed whatever ran there."""
+    probe = Probe()
+    t = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, default_root_dir=str(tmp_path),
+                   callbacks=[ActivationOffload(policy="default", backend="host",
+                                                log_stats=False), probe])
+    t.fit(StopsAtBatch(), gpt_loader())
+    import ferry.torch as ft
+    assert ft.stats()["tensors_offloaded"] > 0
+    assert probe.packed == 0

@@ -94,9 +94,10 @@ def test_bit_identical_to_plain(kind, fraction, overlap):
     else:
         assert 0 < off.host_bytes <= 0.5 * off.total_bytes and len(off.pairs) < n_params
         assert off.host_steps == 5
-    # The host share's state lives in the host optimizer, not the wrapped one.
+    # The host share's state lives in the host optimizer; the wrapped one's
+    # opt.state shows that same dict (readers of opt.state see every state).
     for _, p, hp, _ in off.pairs:
-        assert p not in opt.state
+        assert opt.state[p] is off.host_opt.state[hp]
         assert hp.device.type == "cpu" and hp in off.host_opt.state
 
 
@@ -219,7 +220,7 @@ def test_state_dict_round_trip(kind):
     off3 = offload_optimizer(make_opt(kind, m3.parameters()), fraction=0.5)
     off3.load_state_dict(ref_sd)
     for _, p, hp, _ in off3.ferry_offload.pairs:
-        assert p not in off3.state and hp in off3.ferry_offload.host_opt.state
+        assert off3.state[p] is off3.ferry_offload.host_opt.state[hp]
 
     train(ref, ref_opt, data[3:])
     train(m, opt, data[3:])
@@ -408,12 +409,13 @@ def test_grad_accumulation_and_unused_parameter(kind):
     data = batches(8)
     ref = build()
     accumulate(ref, make_opt(kind, ref.parameters()), data)
-    m = build()
-    opt = offload_optimizer(make_opt(kind, m.parameters()), fraction=1.0)
-    off = opt.ferry_offload
-    assert off.early_grads == HAVE_GRAD_HOOK  # the hook path is the one tested on torch 2.x
-    accumulate(m, opt, data)
-    assert same_params(m, ref)
+    for early in (False, True):
+        m = build()
+        opt = offload_optimizer(make_opt(kind, m.parameters()), fraction=1.0, early_grads=early)
+        off = opt.ferry_offload
+        assert off.early_grads == (early and HAVE_GRAD_HOOK)  # the hook path on torch 2.x
+        accumulate(m, opt, data)
+        assert same_params(m, ref)
     hp_unused = [hp for _, p, hp, _ in off.pairs if p is m.unused][0]
     assert hp_unused not in off.host_opt.state and torch.equal(m.unused, torch.ones(7))
 
@@ -423,29 +425,31 @@ def test_overlap_steps_host_share_on_a_worker_thread(overlap):
     import threading
     m = make_model()
     opt = offload_optimizer(make_opt("adamw", m.parameters()), fraction=0.5, overlap=overlap)
-    host_opt = opt.ferry_offload.host_opt
+    off = opt.ferry_offload
     seen = []
-    orig = host_opt.step
+    orig = off._host_step
 
     def spy(*a, **k):
         seen.append(threading.current_thread().name)
         return orig(*a, **k)
-    host_opt.step = spy
+    off._host_step = spy
     train(m, opt, batches(2))
     main = threading.current_thread().name
     assert seen == (["ferry-host-optim"] * 2 if overlap else [main] * 2)
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_gradients_changed_after_backward(fraction):
-    """clip_grad_norm_ and GradScaler-style unscaling change gradients in place
+def test_gradients_changed_after_backward(fraction, early):
+    """clip_grad_norm_ and an ordinary in-place scaling change gradients
     between backward and step: the host share must step on the changed ones,
-    not on what the post-accumulate hook copied."""
+    also with early_grads (the hook's copy is stale: its version counter says
+    so). The real GradScaler: test_optim_loops.py."""
     def run(offload):
         m = make_model()
         opt = make_opt("adamw", m.parameters())
         if offload:
-            opt = offload_optimizer(opt, fraction=fraction)
+            opt = offload_optimizer(opt, fraction=fraction, early_grads=early)
         for x, y in batches(4):
             opt.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()

@@ -8,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import ferry.torch as ft  # noqa: E402
+from conftest import read_trace  # noqa: E402
 from ferry.transformers import ActivationOffloadCallback  # noqa: E402
 
 EVERYTHING = """
@@ -60,3 +61,85 @@ def test_trainer_with_the_callback_trains_bit_identically(tmp_path, accumulate):
     assert s["live_handles"] == 0
     logged = [h for h in trainer.state.log_history if "ferry/bytes_d2h" in h]
     assert logged and logged[-1]["ferry/tensors_offloaded"] > 0
+
+
+FORWARD_ONLY = """
+local R = require "ferry.rules"
+return R.policy { name = "forward_only", R.min_bytes(0), R.exclude_params_and_buffers(),
+                  R.forward_only(), recompute = "decide", R.max_stash(0), reload = R.on_use() }
+"""
+
+
+def offloads_per_step(trace):
+    ft.close()  # flushes the trace
+    per = {}
+    for e in read_trace(trace):
+        if e["ev"] == "pack" and e["decision"] == "offload":
+            per[e["step"]] = per.get(e["step"], 0) + 1
+    return [per.get(s, 0) for s in range(min(per), max(per) + 1)] if per else []
+
+
+@pytest.mark.parametrize("policy", ["forward_only", "fraction"])
+def test_accumulated_micro_batches_offload_alike(tmp_path, policy):
+    """gradient_accumulation_steps=4: the Trainer calls on_step_begin once per
+    optimizer step, so at f9032b9 one context spanned the four micro-batches
+    and 2..4 were packed as recompute: R.forward_only() offloaded
+    [n, 0, 0, 0, n, ...], fraction.lua [9, 9, 9, 9, 21, 15, 0, 0, ...]. Now
+    every micro-batch offloads the same."""
+    if policy == "forward_only":
+        path = tmp_path / "fo.lua"
+        path.write_text(FORWARD_ONLY)
+        policy = str(path)
+    trace = str(tmp_path / "t.jsonl")
+    cb = ActivationOffloadCallback(policy=policy, backend="host", record_trace=trace)
+    plain, _ = fit(tmp_path, [], 4)
+    mine, _ = fit(tmp_path, [cb], 4)
+    for (name, a), b in zip(plain.state_dict().items(), mine.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs"
+    counts = offloads_per_step(trace)
+    # 3 optimizer steps of 4 micro-batches (2 in the epoch's last: 6 batches
+    # an epoch), each micro-batch an engine step; fraction.lua learns the
+    # step's total in its first step, then offloads its share
+    learned = counts[1:] if policy == "fraction" else counts
+    assert len(counts) == 10 and learned[0] > 0 and len(set(learned)) == 1, counts
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_nothing_left_behind_after_an_exception(tmp_path):
+    """The Trainer calls no callback when training_step raises: at f9032b9
+    the callback's saved-tensor hooks stayed pushed, and a later, unrelated
+    model's forward and backward went through ferry. Now the context is
+    left when the model's forward ends, raising or not, and the forward's
+    wrapper removes itself at the model's next forward."""
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    calls = {"n": 0}
+
+    def explode(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Boom("an interrupt in the third forward")
+
+    layer = model.model.layers[1].mlp.register_forward_hook(explode)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=2,
+        learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True, seed=0)
+    cb = ActivationOffloadCallback(policy="default", backend="host")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    with pytest.raises(Boom):
+        trainer.train()
+    layer.remove()
+    assert ft.stats()["tensors_offloaded"] > 0
+    packed = ft.stats()["tensors_packed"]
+    other = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    other(torch.randn(8, 64)).sum().backward()
+    model.train()
+    model(input_ids=torch.randint(0, 96, (2, 16)), labels=torch.randint(0, 96, (2, 16))).loss.backward()
+    assert ft.stats()["tensors_packed"] == packed
+    assert "forward" not in model.__dict__  # the wrapper removed itself

@@ -80,8 +80,9 @@ static void live_remove(EngineObject *self) {
  * threads this process does not have. */
 static void engines_after_fork_child(void) {
   for (EngineObject *o = live_engines; o; o = o->live_next)
-    if (o->e) {
+    if (o->e || o->closing) {
       o->e = NULL;
+      o->closing = NULL;
       o->forked = 1;
     }
 }
@@ -361,7 +362,21 @@ static void engine_close_impl(EngineObject *self) {
   /* Handles still alive become invalid: they hold a reference to this
    * object, so close only happens explicitly or when none is left. */
   self->e = NULL;
+  /* Resident buffers' bytes are the arena's, and tensors over them
+   * (torch.frombuffer holds the Resident, not a buffer export) may still
+   * read them: the last buffer to go destroys the engine. */
+  if (self->residents_live > 0) {
+    self->closing = e;
+    return;
+  }
   ferry_engine_destroy(e);
+}
+
+void engine_resident_gone(EngineObject *eng) {
+  if (--eng->residents_live > 0 || !eng->closing) return;
+  ferry_engine *e = eng->closing;
+  eng->closing = NULL;
+  if (!eng->forked) ferry_engine_destroy(e); /* a parent's: its threads did not fork */
 }
 
 static int engine_traverse(EngineObject *self, visitproc visit, void *arg) {
@@ -383,6 +398,8 @@ static void engine_dealloc(EngineObject *self) {
   if (self->weakreflist) PyObject_ClearWeakRefs((PyObject *)self);
   engine_clear(self);
   engine_close_impl(self);
+  if (self->closing && !self->forked) ferry_engine_destroy(self->closing); /* no Resident left */
+  self->closing = NULL;
   live_remove(self);
   Py_CLEAR(self->alloc_kw);
   Py_CLEAR(self->last_pack_error);

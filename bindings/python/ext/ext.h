@@ -195,6 +195,10 @@ struct EngineObject {
   EngineObject *live_prev, *live_next;
   int on_live_list;
   int forked; /* the parent's engine, seen from a forked child */
+  /* Resident buffers holding arena memory: torch.frombuffer views of them
+   * read it, so close() leaves the engine to the last one (closing). */
+  Py_ssize_t residents_live;
+  ferry_engine *closing;
 };
 
 /* What a pack returns for a tensor given to the engine (hooks.c). */
@@ -267,6 +271,9 @@ PyObject *engine_snapshot(EngineObject *self, PyObject *args);
 PyObject *describe_walk(PyObject *unused, PyObject *args);
 /* resident.c */
 PyObject *engine_resident(EngineObject *self, PyObject *arg);
+/* A Resident of eng gave its arena memory back (closed or freed): a
+ * close() that waited for it destroys the engine now. */
+void engine_resident_gone(EngineObject *eng);
 /* nodecap.c */
 PyObject *nodecap_unlink(PyObject *unused, PyObject *arg);
 

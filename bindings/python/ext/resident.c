@@ -5,14 +5,27 @@
  * gives a CPU tensor over the pinned memory; the tensor keeps the Resident
  * (and so the arena bytes) alive. ferry/checkpoint.py stages DCP state
  * dicts into these (docs/checkpoints.md).
+ *
+ * torch.frombuffer releases its buffer export at once and keeps a reference
+ * to the Resident itself, so a live view cannot be counted: once a buffer
+ * has been exported, close() only marks it closed and the bytes go back
+ * when the Resident is freed, i.e. after the last view (and the caller's
+ * reference) is gone. Never exported, close() frees them at once.
  */
 #include "ext.h"
 
 typedef struct {
   PyObject_HEAD ferry_resident *r;
   EngineObject *eng;
-  Py_ssize_t exports; /* live buffer views: close() waits for none */
+  Py_ssize_t exports; /* live Py_buffer exports (memoryview, numpy) */
+  int exported;       /* ever exported: a tensor may read the bytes */
+  int closed;         /* close() was called; the bytes may stay for views */
 } ResidentObject;
+
+static int resident_open(ResidentObject *self) {
+  return owned_live(self->eng, self->closed ? NULL : self->r,
+                    "ferry: this resident buffer was closed");
+}
 
 static PyObject *resident_raise(ResidentObject *self, int rc) {
   return raise_ferry(rc, self->eng && self->eng->e ? ferry_last_error(self->eng->e)
@@ -20,7 +33,11 @@ static PyObject *resident_raise(ResidentObject *self, int rc) {
 }
 
 static int resident_live(ResidentObject *self) {
-  return owned_live(self->eng, self->r, "ferry: this resident buffer was closed");
+  if (!resident_open(self)) return 0;
+  if (self->eng->e) return 1;
+  /* its engine's close() waits for this buffer: the bytes stay, copies stop */
+  raise_ferry(FERRY_ESTATE, "ferry: this resident buffer's engine was closed");
+  return 0;
 }
 
 /* to_host(data_ptr) / to_device(data_ptr): queue the copy after the work on
@@ -53,7 +70,9 @@ static PyObject *resident_to_device(ResidentObject *self, PyObject *arg) {
 }
 
 static PyObject *resident_wait(ResidentObject *self, PyObject *unused) {
-  if (!resident_live(self)) return NULL;
+  /* also after its engine's close(), which left the engine to this buffer:
+   * copies queued before it still complete */
+  if (!resident_open(self)) return NULL;
   int rc;
   Py_BEGIN_ALLOW_THREADS rc = ferry_resident_wait(self->r);
   Py_END_ALLOW_THREADS
@@ -69,17 +88,24 @@ static int resident_free(ResidentObject *self) {
     Py_BEGIN_ALLOW_THREADS rc = ferry_resident_destroy(r); /* waits for its copies */
     Py_END_ALLOW_THREADS
   }
+  if (r) engine_resident_gone(self->eng);
   return rc;
 }
 
 static PyObject *resident_close(ResidentObject *self, PyObject *unused) {
-  if (self->exports > 0) {
-    PyErr_Format(PyExc_BufferError,
-                 "ferry: resident buffer still has %zd view(s) (tensors over its bytes)",
-                 self->exports);
-    return NULL;
+  if (self->closed || !self->r) Py_RETURN_NONE;
+  self->closed = 1;
+  int rc = 0;
+  if (self->exports > 0 || self->exported) {
+    /* views may read the bytes: they go back when this object is freed;
+     * the copies still complete now, as close() promises */
+    if (!self->eng->forked) {
+      Py_BEGIN_ALLOW_THREADS rc = ferry_resident_wait(self->r);
+      Py_END_ALLOW_THREADS
+    }
+  } else {
+    rc = resident_free(self);
   }
-  int rc = resident_free(self);
   if (rc && rc != FERRY_EHANDLE) return raise_ferry(rc, ferry_strerror(rc));
   Py_RETURN_NONE;
 }
@@ -91,7 +117,7 @@ static void resident_dealloc(ResidentObject *self) {
 }
 
 static int resident_getbuffer(ResidentObject *self, Py_buffer *view, int flags) {
-  if (!self->r) {
+  if (!self->r || self->closed) {
     PyErr_SetString(PyExc_BufferError, "ferry: this resident buffer was closed");
     view->obj = NULL;
     return -1;
@@ -107,6 +133,7 @@ static int resident_getbuffer(ResidentObject *self, Py_buffer *view, int flags) 
                         flags))
     return -1;
   self->exports++;
+  self->exported = 1;
   return 0;
 }
 
@@ -120,11 +147,12 @@ static PyBufferProcs resident_as_buffer = {
 };
 
 static PyObject *resident_get_nbytes(ResidentObject *self, void *unused) {
-  return PyLong_FromUnsignedLongLong(self->r ? ferry_resident_bytes(self->r) : 0);
+  return PyLong_FromUnsignedLongLong(self->r && !self->closed ? ferry_resident_bytes(self->r)
+                                                               : 0);
 }
 
 static PyObject *resident_get_host_ptr(ResidentObject *self, void *unused) {
-  return PyLong_FromVoidPtr(self->r ? ferry_resident_host_ptr(self->r) : NULL);
+  return PyLong_FromVoidPtr(self->r && !self->closed ? ferry_resident_host_ptr(self->r) : NULL);
 }
 
 static PyMethodDef resident_methods[] = {
@@ -135,8 +163,9 @@ static PyMethodDef resident_methods[] = {
      "to_device(data_ptr): copy the pinned buffer to data_ptr, asynchronously."},
     {"wait", (PyCFunction)resident_wait, METH_NOARGS, "Block until the last copy is complete."},
     {"close", (PyCFunction)resident_close, METH_NOARGS,
-     "Wait for the copies and give the bytes back to the arena (BufferError while views "
-     "exist)."},
+     "Wait for the copies and give the bytes back to the arena; once the buffer was exported "
+     "(torch.frombuffer), only mark it closed: the bytes go back when the last view and "
+     "reference are gone."},
     {NULL}};
 
 static PyGetSetDef resident_getset[] = {
@@ -164,6 +193,8 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg) {
   if (!out) return NULL;
   out->r = NULL;
   out->exports = 0;
+  out->exported = 0;
+  out->closed = 0;
   Py_INCREF(self);
   out->eng = self;
   int rc = ferry_resident_create(self->e, nbytes, &out->r);
@@ -172,5 +203,6 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg) {
     Py_DECREF(out);
     return NULL;
   }
+  self->residents_live++;
   return (PyObject *)out;
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from typing import Optional, Sequence, Union
 
@@ -60,16 +61,54 @@ def _patterns(what, v):
     return ", ".join(_lua_string(p) for p in v)
 
 
+_private_tmp = None  # this process's own directory, when the home cache cannot be written
+
+
+def _private_dir(d):
+    """d if it is a real directory (not a link) of this user, made writable
+    by this user alone (chmod 0700 if it was not), so that no other user can
+    plant a file there; else None."""
+    try:
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        if st.st_mode & 0o022:
+            os.chmod(d, 0o700)
+    except OSError:
+        return None
+    return d
+
+
 def _cache_dir():
+    """~/.cache/ferry/policies (XDG_CACHE_HOME), or where the home cannot be
+    written a directory of this process's own made by mkdtemp (mode 0700,
+    removed at exit). Never a predictable name in a shared directory: another
+    user could create it first and plant a policy there."""
+    global _private_tmp
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     d = os.path.join(base, "ferry", "policies")
     try:
-        os.makedirs(d, exist_ok=True)
-        return d
-    except OSError:  # a read-only home: the temp dir
-        d = os.path.join(tempfile.gettempdir(), f"ferry-policies-{os.getuid()}")
         os.makedirs(d, mode=0o700, exist_ok=True)
-        return d
+        if _private_dir(d) and os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    if _private_tmp is None or not _private_dir(_private_tmp):
+        import atexit
+        import shutil
+        _private_tmp = tempfile.mkdtemp(prefix="ferry-policies-")
+        atexit.register(shutil.rmtree, _private_tmp, True)
+    return _private_tmp
+
+
+def _holds(path, source):
+    """Whether path is a regular file (not a link) holding exactly source."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return f.read(len(source.encode()) + 1) == source.encode()
 
 
 class Policy:
@@ -86,7 +125,7 @@ class Policy:
         digest = hashlib.sha256(source.encode()).hexdigest()[:16]
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40] or "inline"
         self.path = os.path.join(_cache_dir(), f"{safe}-{digest}.lua")
-        if not os.path.isfile(self.path):
+        if not _holds(self.path, source):  # absent, or not this source: written anew
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".lua")
             with os.fdopen(fd, "w") as f:
                 f.write(source)

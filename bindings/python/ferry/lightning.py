@@ -278,7 +278,9 @@ class ActivationOffload(Callback):
     offloaded and backward (Lightning's, or ``manual_backward`` in a
     training_step) brings it back. With log_stats, the step's figures are
     logged as "ferry/<name>" (offloaded and kept tensors, bytes each way,
-    stash hits, cap fallbacks, policy errors, arena in use and peak)."""
+    stash hits, cap fallbacks, policy errors, arena in use and peak): the
+    counters as their increase since the last optimizer step, so under
+    gradient accumulation the logged step covers all its micro-batches."""
 
     def __init__(self, policy: Optional[PolicyLike] = None, backend: Optional[str] = None,
                  log_stats: bool = True, **knobs: Any) -> None:
@@ -288,7 +290,11 @@ class ActivationOffload(Callback):
         self.log_stats = log_stats
         self.knobs = knobs
         self._ctx = None
-        self._last = None
+        self._base = None  # the counters at the last optimizer step
+        self._base_step = None  # trainer.global_step then
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._base, self._base_step = None, trainer.global_step
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -300,12 +306,21 @@ class ActivationOffload(Callback):
                            batch: Any, batch_idx: int) -> None:
         self._leave()
         if self.log_stats:
+            # Lightning writes a step's logs once per optimizer step, with
+            # the values of its last micro-batch: log what the whole step did.
             s = stats()
-            last = self._last or {k: 0 for k in _STEP_COUNTERS}
-            logged = {f"ferry/{k}": float(s[k] - last[k]) for k in _STEP_COUNTERS}
+            base = self._base or {k: 0 for k in _STEP_COUNTERS}
+            logged = {f"ferry/{k}": float(s[k] - base[k]) for k in _STEP_COUNTERS}
             logged.update({f"ferry/{k}": float(s[k]) for k in _LEVELS})
-            self._last = {k: s[k] for k in _STEP_COUNTERS}
+            if trainer.global_step != self._base_step:  # this batch stepped
+                self._base = {k: s[k] for k in _STEP_COUNTERS}
+                self._base_step = trainer.global_step
             pl_module.log_dict(logged, on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A module whose on_train_batch_start returns -1 ends the epoch
+        # after our on_train_batch_start, with no on_train_batch_end.
+        self._leave()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule,
                      exception: BaseException) -> None:

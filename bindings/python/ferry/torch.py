@@ -30,10 +30,8 @@ for the whole step (parameters, gradients, optimizer states).
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
-import tempfile
 import threading
 import warnings
 import weakref
@@ -563,16 +561,11 @@ return R.policy {{
 
 
 def _policy_file(min_offload_size, max_fwd_stash_size):
-    """A policy file for these arguments, written once per process and set."""
+    """The policy for these arguments: a ferry.Policy, so its file lives in
+    the user's private policy cache (never a shared temporary directory,
+    where another user could plant a file of the same name first)."""
     src = _POLICY.format(min_bytes=int(min_offload_size), stash=int(max_fwd_stash_size))
-    digest = hashlib.sha1(src.encode()).hexdigest()[:12]
-    path = os.path.join(tempfile.gettempdir(), f"ferry-torchtune-{os.getpid()}-{digest}.lua")
-    if not os.path.exists(path):
-        tmp = path + ".part"
-        with open(tmp, "w") as f:
-            f.write(src)
-        os.replace(tmp, path)
-    return path
+    return _pkg.Policy(src, "torchtune")
 
 
 class OffloadActivations:
@@ -592,9 +585,11 @@ class OffloadActivations:
                  max_fwd_stash_size: int = 5, min_offload_size: int = 1024, *,
                  model: Optional[torch.nn.Module] = None, backend: Optional[str] = None) -> None:
         if not isinstance(max_fwd_stash_size, int) or isinstance(max_fwd_stash_size, bool) \
-                or max_fwd_stash_size < 0:
+                or max_fwd_stash_size < 1:
+            # torchtune refuses 0 too: some activation must stay alive while
+            # its copy runs (ferry.policy(max_stash=0) is the engine's own knob)
             raise ValueError(f"OffloadActivations: max_fwd_stash_size={max_fwd_stash_size!r} "
-                             "must be a whole number >= 0")
+                             "must be a whole number >= 1, as in torchtune")
         if not isinstance(min_offload_size, int) or isinstance(min_offload_size, bool) \
                 or min_offload_size < 0:
             raise ValueError(f"OffloadActivations: min_offload_size={min_offload_size!r} "

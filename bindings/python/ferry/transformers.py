@@ -5,15 +5,26 @@
     trainer = Trainer(model, args, train_dataset=ds,
                       callbacks=[ActivationOffloadCallback(policy="budget")])
 
-The Trainer calls on_step_begin before the forward passes of an optimizer
-step (every gradient-accumulation micro-batch) and on_step_end after the
-optimizer step; the callback keeps ``ferry.torch.offload(model, ...)`` open
-between the two, so what those forwards save goes to pinned host memory
-and their backwards bring it back. The same works in an accelerate loop:
-wrap each step in ``ferry.torch.offload(model)`` (examples/accelerate_loop.py).
+Each training forward of the model runs inside ``ferry.torch.offload(model,
+...)``: at on_train_begin the callback wraps the model's ``forward`` (an
+attribute of the instance, restored at on_train_end), so what the forward
+saves goes to pinned host memory and its backward (after the forward, as in
+torchtune) brings it back. So every gradient-accumulation micro-batch is an
+engine step of its own (the Trainer calls ``on_step_begin`` once per
+optimizer step, not per micro-batch), a reentrant checkpoint's
+recomputation inside backward is not offloaded, and nothing of ferry's is
+active outside the model's forward: after an exception anywhere in the
+Trainer (which calls no callback then) no saved-tensor hook stays pushed,
+and the wrapper removes itself at the model's next forward once the
+training loop that installed it has ended. The same works in an accelerate
+loop: wrap each forward in ``ferry.torch.offload(model)``
+(examples/accelerate_loop.py).
 """
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -24,14 +35,38 @@ from .torch import offload, stats
 
 __all__ = ["ActivationOffloadCallback"]
 
+_HERE = os.path.normcase(os.path.abspath(__file__))
+
+
+def _loop_frame():
+    """(id, code) of the frame that called the callback handler: the
+    Trainer's training loop. No reference is kept, so its locals are not
+    held alive after training."""
+    f = sys._getframe(1)
+    while f is not None and (os.path.normcase(os.path.abspath(f.f_code.co_filename)) == _HERE
+                             or f.f_code.co_filename.endswith("trainer_callback.py")):
+        f = f.f_back
+    return (id(f), f.f_code) if f is not None else None
+
+
+def _on_stack(mark):
+    f = sys._getframe(1)
+    while f is not None:
+        if id(f) == mark[0] and f.f_code is mark[1]:
+            return True
+        f = f.f_back
+    return False
+
 
 class ActivationOffloadCallback(TrainerCallback):
-    """Offload the activations of every training step of a ``Trainer``.
+    """Offload the activations of every training forward of a ``Trainer``.
 
     ActivationOffloadCallback(policy=None, backend=None, **knobs): policy,
     backend and knobs are ferry.torch.offload's. ``last_stats`` holds
-    ferry.torch.stats() as of the last step's end; at each logging step the
-    figures are added to ``trainer.state.log_history`` as "ferry/<name>"."""
+    ferry.torch.stats() as of the last optimizer step's end; at each logging
+    step the figures are added to ``trainer.state.log_history`` as
+    "ferry/<name>". Forwards in eval mode or without grad (evaluation,
+    prediction) run without ferry."""
 
     _LOGGED = ("tensors_offloaded", "bytes_d2h", "bytes_h2d", "arena_peak")
 
@@ -41,17 +76,38 @@ class ActivationOffloadCallback(TrainerCallback):
         self.backend = backend
         self.knobs = knobs
         self.last_stats = None
-        self._ctx = None
+        self._wrapped = None  # (model, our forward, the instance's own forward or None)
+        self._inside = False
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      model: Optional[torch.nn.Module] = None, **kwargs: Any) -> None:
-        self._leave()
-        self._ctx = offload(model, policy=self.policy, backend=self.backend, **self.knobs)
-        self._ctx.__enter__()
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: Optional[torch.nn.Module] = None, **kwargs: Any) -> None:
+        self._remove()
+        if model is None:
+            return
+        loop = _loop_frame()
+        inner = model.forward  # the bound method, or a wrapper of accelerate's
+        had_own = "forward" in model.__dict__
+        cb = self
+
+        @functools.wraps(inner)
+        def forward(*a, **kw):
+            if cb._inside or not (model.training and torch.is_grad_enabled()):
+                return inner(*a, **kw)  # a nested call, or evaluation
+            if cb._wrapped is None or not _on_stack(loop):
+                cb._remove()  # the training loop ended without on_train_end
+                return inner(*a, **kw)
+            cb._inside = True
+            try:
+                with offload(model, policy=cb.policy, backend=cb.backend, **cb.knobs):
+                    return inner(*a, **kw)
+            finally:
+                cb._inside = False
+
+        model.forward = forward
+        self._wrapped = (model, forward, inner if had_own else None)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        self._leave()
         self.last_stats = stats()
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -64,9 +120,16 @@ class ActivationOffloadCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self._leave()
+        self._remove()
 
-    def _leave(self):
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.__exit__(None, None, None)
+    def _remove(self):
+        """Restore the model's forward (unless someone wrapped it after us:
+        then ours stays, inert)."""
+        if self._wrapped is not None:
+            model, forward, previous = self._wrapped
+            self._wrapped = None
+            if model.__dict__.get("forward") is forward:
+                if previous is None:
+                    del model.forward
+                else:
+                    model.forward = previous

@@ -126,3 +126,13 @@ int ferry_get_breakdown(ferry_engine *e, ferry_breakdown_fn fn, void *ud) {
   free(copy);
   return FERRY_OK;
 }
+
+/* (engine_internal.h) */
+void count_reason(ferry_engine *e, const stash_entry *s, const ferry_decision *d,
+                  uint64_t cap_fallbacks_before) {
+  const int offloaded = s->state != ENTRY_KEPT;
+  if (d->action == FERRY_OFFLOAD && !offloaded)
+    breakdown_set(e, e->stats.cap_fallbacks > cap_fallbacks_before ? "host cap" : "copy failed",
+                  "");
+  breakdown_count(e, s->layer, s->bytes, offloaded);
+}

@@ -412,3 +412,25 @@ void ctrace_close(ferry_engine *e) {
   pthread_mutex_destroy(&r->lock);
   free(r);
 }
+
+/* ---- the stash's side of pack and unpack (out of their hot paths) ------- */
+/* (engine_internal.h) */
+void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) {
+  pthread_mutex_lock(&e->lock);
+  const stash_entry *s = &e->entries[idx];
+  const stash_entry *p = s->state == ENTRY_ALIAS ? &e->entries[s->primary] : s;
+  ct_tensor t = ctrace_tensor(p, s->trace_id);
+  if (p != s) t.alias_of = p->trace_id;
+  ctrace_call(e, "pack", t0, &t, NULL);
+  pthread_mutex_unlock(&e->lock);
+}
+
+void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor, ct_tensor *t,
+                        const char **found) {
+  const stash_entry *s = &e->entries[p];
+  *t = ctrace_tensor(s, tensor);
+  *found = s->state == ENTRY_KEPT       ? "kept"
+           : s->state == ENTRY_STASHED  ? "stash hit"
+           : s->state == ENTRY_RELOADED ? "prefetched"
+                                        : "reloaded";
+}

@@ -40,11 +40,33 @@ static int registry_add(ferry_engine *e) {
   return -1;
 }
 
-static void registry_remove(ferry_engine *e) {
+/* 1 when e was live and this call took it off the list: of two destroys of
+ * one engine, only one gets 1. */
+static int registry_remove(ferry_engine *e) {
   for (unsigned i = 0; i < MAX_ENGINES; i++) {
     ferry_engine *expected = e;
-    if (atomic_compare_exchange_strong(&live_engines[i], &expected, NULL)) return;
+    if (atomic_compare_exchange_strong(&live_engines[i], &expected, NULL)) return 1;
   }
+  return 0;
+}
+
+/* ---- quarantine of destroyed engines -------------------------------------
+ * The memory of the last QUARANTINED_ENGINES destroyed engines is held back
+ * from malloc, so a new engine does not get a destroyed one's address at
+ * once: a call (or a second destroy) through a stale pointer then finds it
+ * off the registry and is refused, instead of acting on the new engine. */
+#define QUARANTINED_ENGINES 16
+static pthread_mutex_t quarantine_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *quarantine[QUARANTINED_ENGINES];
+static unsigned quarantine_next;
+
+static void quarantine_push(void *mem) {
+  pthread_mutex_lock(&quarantine_lock);
+  void *oldest = quarantine[quarantine_next];
+  quarantine[quarantine_next] = mem;
+  quarantine_next = (quarantine_next + 1) % QUARANTINED_ENGINES;
+  pthread_mutex_unlock(&quarantine_lock);
+  free(oldest);
 }
 
 int engine_check(ferry_engine *e) {
@@ -64,25 +86,78 @@ int engine_fail(ferry_engine *e, int code, const char *fmt, ...) {
   return code;
 }
 
+/* What ferry_last_error and ferry_last_policy_error return: a copy taken
+ * under the engine lock into the calling thread's own buffer, so that
+ * neither another thread's failure nor a policy freed by ferry_set_policy
+ * can change or free it while the caller reads it. */
+static _Thread_local char tls_last_error[sizeof ((ferry_engine *)0)->last_error];
+static _Thread_local char tls_last_policy_error[512];
+
 const char *ferry_last_error(ferry_engine *e) {
   if (engine_check(e) != FERRY_OK) return "not a live ferry engine";
-  return e->last_error;
+  pthread_mutex_lock(&e->lock);
+  memcpy(tls_last_error, e->last_error, sizeof tls_last_error);
+  pthread_mutex_unlock(&e->lock);
+  return tls_last_error;
+}
+
+/* engine_fail for a call that does not hold the lock. */
+static int engine_fail_unlocked(ferry_engine *e, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int engine_fail_unlocked(ferry_engine *e, int code, const char *fmt, ...) {
+  char msg[sizeof e->last_error];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&e->lock);
+  memcpy(e->last_error, msg, sizeof msg);
+  pthread_mutex_unlock(&e->lock);
+  return code;
 }
 
 /* ---- config ----------------------------------------------------------------- */
-void ferry_config_init(ferry_config *cfg) {
-  if (!cfg) return;
+/* The smallest ferry_config any release had: everything before the link. */
+#define CONFIG_SIZE_MIN offsetof(ferry_config, link)
+/* Every release's sizeof(ferry_config) is a multiple of its alignment: a
+ * size that is not would end inside a field (half a pointer copied over a
+ * default is a wild pointer). */
+#define CONFIG_SIZE_ALIGN _Alignof(ferry_config)
+/* Far above any release's size (248 bytes in 0.1): a larger struct_size is
+ * an uninitialised config, refused before its "unknown tail" is read, which
+ * would run off the caller's memory. */
+#define CONFIG_SIZE_MAX 4096u
+
+int ferry_config_init_sized(ferry_config *cfg, size_t size) {
+  if (!cfg || size < CONFIG_SIZE_MIN || size > CONFIG_SIZE_MAX || size % CONFIG_SIZE_ALIGN)
+    return FERRY_EINVAL;
   ferry_config d = FERRY_CONFIG_INIT;
-  *cfg = d;
+  /* A caller's struct of another release: only its own bytes are written
+   * (fields this library does not know, of a newer caller, are zeroed). */
+  if (size > sizeof d) memset((char *)cfg + sizeof d, 0, size - sizeof d);
+  memcpy(cfg, &d, size < sizeof d ? size : sizeof d);
+  cfg->struct_size = (uint32_t)size;
+  return FERRY_OK;
 }
 
+/* The entry point of binaries built before ferry_config_init took a size
+ * (ferry.h now makes ferry_config_init a macro over ferry_config_init_sized):
+ * their struct is 0.1.0's, which ended at reserved3; a later release's
+ * fields are not written into it. */
+#define CONFIG_SIZE_0_1_0 (offsetof(ferry_config, reserved3) + sizeof(uint32_t))
+FERRY_API void(ferry_config_init)(ferry_config *cfg);
+void(ferry_config_init)(ferry_config *cfg) { ferry_config_init_sized(cfg, CONFIG_SIZE_0_1_0); }
+
 /* Copy the caller's config (which may be an older, shorter struct) over the
- * defaults and reject values that make no sense, naming the field. */
+ * defaults and reject values that make no sense, naming the field. Only the
+ * caller's struct_size bytes are read. The strings are copied as pointers:
+ * ferry_engine_create uses them before it returns and keeps none. */
 static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
                        size_t errlen) {
-  ferry_config_init(out);
+  ferry_config_init_sized(out, sizeof *out);
   if (!in) return ferry_errbuf(errbuf, errlen, FERRY_EINVAL, "config is NULL");
-  if (in->struct_size < offsetof(ferry_config, link) || in->struct_size > sizeof *in)
+  if (in->struct_size < CONFIG_SIZE_MIN || in->struct_size > CONFIG_SIZE_MAX ||
+      in->struct_size % CONFIG_SIZE_ALIGN)
     return ferry_errbuf(errbuf, errlen, FERRY_EVERSION,
                    "config.struct_size %u is not a ferry_config size this library knows "
                    "(expected %zu); initialise it with FERRY_CONFIG_INIT or ferry_config_init()",
@@ -91,7 +166,16 @@ static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
     return ferry_errbuf(errbuf, errlen, FERRY_EVERSION,
                    "config.version %u.%u is from another major version than libferry %s",
                    in->version >> 16, (in->version >> 8) & 0xff, ferry_version_string());
-  memcpy(out, in, in->struct_size);
+  /* A newer caller's struct: fields this library does not know must be
+   * unset (zero), or the caller asks for something it cannot do. */
+  for (size_t i = sizeof *in; i < in->struct_size; i++)
+    if (((const unsigned char *)in)[i])
+      return ferry_errbuf(errbuf, errlen, FERRY_EVERSION,
+                     "config.struct_size %u: the caller's header has fields this libferry %s "
+                     "does not know (its ferry_config is %zu bytes), and byte %zu of them is "
+                     "set; use a libferry at least as new as the header",
+                     in->struct_size, ferry_version_string(), sizeof *in, i);
+  memcpy(out, in, in->struct_size < sizeof *in ? in->struct_size : sizeof *in);
   out->struct_size = sizeof *out;
   if (!out->host_ram) out->host_ram = ferry_host_ram_proc, out->host_ram_ud = NULL;
 
@@ -132,8 +216,6 @@ static int config_load(const ferry_config *in, ferry_config *out, char *errbuf,
   if (out->knobs_fixed & ~knob_bits)
     return ferry_errbuf(errbuf, errlen, FERRY_EINVAL,
                    "config.knobs_fixed 0x%x has bits that are no FERRY_KNOB_*", out->knobs_fixed);
-  /* Strings are not retained past creation. */
-  out->policy_path = out->policy_source = out->trace_path = out->chrome_trace_path = NULL;
   return FERRY_OK;
 }
 
@@ -221,6 +303,8 @@ static int load_policy(const policy_key *k, ferry_policy **out, char *msg, size_
   return ferry_policy_create(k->path, k->source, k->trusted, out, msg, msglen);
 }
 
+static void engine_free(ferry_engine *e, int handed_out);
+
 /* Constructors by ferry_backend_kind (config_load checked the range). */
 static int (*const backend_create[])(const ferry_config *, ferry_backend **, char *, size_t) = {
     [FERRY_BACKEND_HOST] = ferry_backend_host_create,
@@ -240,6 +324,8 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
   ferry_engine *e = calloc(1, sizeof *e);
   if (!e) return ferry_errbuf(errbuf, errlen, FERRY_ENOMEM, "out of memory creating the engine");
   e->cfg = c;
+  /* Strings are not retained past creation (c has them, for below). */
+  e->cfg.policy_path = e->cfg.policy_source = e->cfg.trace_path = e->cfg.chrome_trace_path = NULL;
   pthread_mutex_init(&e->lock, NULL);
   pthread_cond_init(&e->reload_done, NULL);
   e->decide = c.decide;
@@ -290,8 +376,8 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     ferry_errbuf(errbuf, errlen, rc, "out of memory creating the stash");
     goto fail;
   }
-  if (cfg->policy_path || cfg->policy_source) {
-    if ((rc = policy_key_make(cfg->policy_path, cfg->policy_source, cfg->policy_trusted,
+  if (c.policy_path || c.policy_source) {
+    if ((rc = policy_key_make(c.policy_path, c.policy_source, c.policy_trusted,
                               &e->policy_from, msg, sizeof msg)) ||
         (rc = load_policy(&e->policy_from, &e->policy, msg, sizeof msg))) {
       ferry_errbuf(errbuf, errlen, rc, "%s", msg);
@@ -300,18 +386,17 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     ferry_policy_set_host_ram(e->policy, e->cfg.host_ram, e->cfg.host_ram_ud);
   }
   apply_policy_knobs(e);
-  if (cfg->trace_path && (rc = trace_open(e, cfg->trace_path))) {
+  /* c, not the caller's struct: fields past an older caller's struct_size
+   * are the defaults there */
+  if (c.trace_path && (rc = trace_open(e, c.trace_path))) {
     ferry_errbuf(errbuf, errlen, rc, "%s", e->last_error);
     goto fail;
   }
-  /* (a caller built against an older header has no such field) */
-  if (cfg->struct_size >= offsetof(ferry_config, chrome_trace_path) + sizeof(const char *) &&
-      cfg->chrome_trace_path && (rc = ctrace_open(e, cfg->chrome_trace_path))) {
+  if (c.chrome_trace_path && (rc = ctrace_open(e, c.chrome_trace_path))) {
     ferry_errbuf(errbuf, errlen, rc, "%s", e->last_error);
     goto fail;
   }
-  if (cfg->struct_size >= offsetof(ferry_config, count_reasons) + sizeof(int32_t) &&
-      cfg->count_reasons && (rc = breakdown_open(e))) {
+  if (c.count_reasons && (rc = breakdown_open(e))) {
     ferry_errbuf(errbuf, errlen, rc, "out of memory for config.count_reasons");
     goto fail;
   }
@@ -323,14 +408,21 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
   return FERRY_OK;
 
 fail:
-  ferry_engine_destroy(e);
+  engine_free(e, 0);
   return rc;
 }
 
-/* Also used on a half-built engine from ferry_engine_create. */
+/* A stale pointer (an engine destroyed already) is refused by the registry,
+ * which only one of two destroys of the same engine gets past. */
 void ferry_engine_destroy(ferry_engine *e) {
-  if (!e) return;
-  registry_remove(e);
+  if (!e || !registry_remove(e)) return;
+  engine_free(e, 1);
+}
+
+/* Frees an engine off the registry, also a half-built one from
+ * ferry_engine_create (handed_out 0): no caller has that one's address, so
+ * it is not quarantined, where it would push a destroyed engine out. */
+static void engine_free(ferry_engine *e, int handed_out) {
   for (uint32_t i = e->n_shutdown_hooks; i-- > 0;)
     e->shutdown_hooks[i].fn(e, e->shutdown_hooks[i].ud);
   free(e->shutdown_hooks);
@@ -357,7 +449,10 @@ void ferry_engine_destroy(ferry_engine *e) {
   intern_clear(&e->interned);
   pthread_cond_destroy(&e->reload_done);
   pthread_mutex_destroy(&e->lock);
-  free(e);
+  if (handed_out)
+    quarantine_push(e);
+  else
+    free(e);
 }
 
 /* ---- core.h: what sim/ and checkpoint/ use of an engine ---------------- */
@@ -475,12 +570,13 @@ static int set_policy_in_step(ferry_engine *e) {
 int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int trusted) {
   int rc = engine_check(e);
   if (rc) return rc;
-  if (!path && !source) return engine_fail(e, FERRY_EINVAL, "ferry_set_policy: no path or source");
+  if (!path && !source)
+    return engine_fail_unlocked(e, FERRY_EINVAL, "ferry_set_policy: no path or source");
   char msg[512];
   policy_key k;
   if ((rc = policy_key_make(path, source, trusted, &k, msg, sizeof msg))) {
     policy_key_free(&k);
-    return engine_fail(e, rc, "%s (the previous policy stays in force)", msg);
+    return engine_fail_unlocked(e, rc, "%s (the previous policy stays in force)", msg);
   }
   /* A policy swapped out before, from the same unchanged file or source,
    * comes back as it was (its state and site cache too): alternating
@@ -524,8 +620,12 @@ int ferry_set_policy(ferry_engine *e, const char *path, const char *source, int 
 }
 
 const char *ferry_last_policy_error(ferry_engine *e) {
-  if (engine_check(e) || !e->policy) return "";
-  return ferry_policy_last_error(e->policy);
+  if (engine_check(e)) return "";
+  pthread_mutex_lock(&e->lock);
+  const char *msg = e->policy ? ferry_policy_last_error(e->policy) : "";
+  snprintf(tls_last_policy_error, sizeof tls_last_policy_error, "%s", msg);
+  pthread_mutex_unlock(&e->lock);
+  return tls_last_policy_error;
 }
 
 _Static_assert(offsetof(ferry_knobs, max_fwd_stash_bytes) == FERRY_KNOBS_SIZE_V1,
@@ -535,9 +635,9 @@ _Static_assert(offsetof(ferry_knobs, max_fwd_stash_bytes) == FERRY_KNOBS_SIZE_V1
 int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
   int rc = engine_check(e);
   if (rc) return rc;
-  if (!out) return engine_fail(e, FERRY_EINVAL, "ferry_get_knobs: out is NULL");
+  if (!out) return engine_fail_unlocked(e, FERRY_EINVAL, "ferry_get_knobs: out is NULL");
   if (size < FERRY_KNOBS_SIZE_V1)
-    return engine_fail(e, FERRY_EINVAL, "ferry_get_knobs: size %zu is smaller than the first ferry_knobs (%zu bytes)",
+    return engine_fail_unlocked(e, FERRY_EINVAL, "ferry_get_knobs: size %zu is smaller than the first ferry_knobs (%zu bytes)",
                        size, (size_t)FERRY_KNOBS_SIZE_V1);
   ferry_knobs k;
   pthread_mutex_lock(&e->lock);
@@ -558,7 +658,7 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
 int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size) {
   int rc = engine_check(e);
   if (rc) return rc;
-  if (!out) return engine_fail(e, FERRY_EINVAL, "ferry_get_stats: out is NULL");
+  if (!out) return engine_fail_unlocked(e, FERRY_EINVAL, "ferry_get_stats: out is NULL");
   ferry_stats s;
   pthread_mutex_lock(&e->lock);
   s = e->stats;

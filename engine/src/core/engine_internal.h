@@ -135,8 +135,6 @@ struct ferry_engine {
   int in_step;
   int phase; /* ferry_phase */
   uint64_t step;
-  uint64_t live_at_step_begin;
-  uint64_t arena_in_use_at_step_begin;
   ferry_context ctx; /* per-step counters live here */
   uint32_t *layer_counts;
   uint32_t cap_layers;
@@ -181,6 +179,10 @@ ferry_policy_reason *breakdown_reason(ferry_engine *e);
 void breakdown_set(ferry_engine *e, const char *rule, const char *where);
 /* counts a new pack of `bytes` in layer under the current reason */
 void breakdown_count(ferry_engine *e, int32_t layer, uint64_t bytes, int offloaded);
+/* counts pack entry s by its reason: an offload the engine could not make is
+ * kept for an engine-level reason (cold: only with config.count_reasons) */
+void count_reason(ferry_engine *e, const stash_entry *s, const ferry_decision *d,
+                  uint64_t cap_fallbacks_before) __attribute__((cold));
 
 /* trace_recorder.c */
 int trace_open(ferry_engine *e, const char *path);
@@ -226,6 +228,21 @@ void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const voi
                        int prefetch);
 void ctrace_copy_unissue(ferry_engine *e, int dir, const void *host);
 void ctrace_copy_observed(ferry_engine *e, int dir, const void *host);
+/* stash.c's side of pack and unpack, out of their hot paths. A pack's slice,
+ * once the stash bound's releases are done (they are part of the call): the
+ * handle at entry idx is not back to its caller yet, so the entry is still
+ * there. Takes the lock. */
+void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) __attribute__((cold));
+/* what an unpack's slice says of primary entry p, before it is consumed */
+void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor, ct_tensor *t,
+                        const char **found) __attribute__((cold));
+
+/* pending_frees.c, called with the lock held: retire a few completed
+ * copies; retire all, waiting; give an entry's arena buffer back, now or
+ * once its last copy (copy_may_run) completed. */
+void pending_poll(ferry_engine *e);
+void pending_drain(ferry_engine *e);
+void host_buffer_drop(ferry_engine *e, stash_entry *s, int copy_may_run);
 
 /* reload_wait.c: wait, lock held, until entry idx is not RELOADING. */
 void stash_wait_reloading(ferry_engine *e, uint32_t idx);

@@ -1,7 +1,7 @@
 /*
- * reload_wait.c — an unpack or discard that finds its entry being reloaded
- * by another thread waits for it here (stash.c calls it, the engine lock
- * held). Its own file to keep stash.c under the project's size limit.
+ * reload_wait.c — an unpack that finds its entry being reloaded by another
+ * thread waits for it here (stash.c calls it, the engine lock held; a
+ * discard never waits). Its own file to keep stash.c under the size limit.
  */
 #include "engine_internal.h"
 

@@ -14,7 +14,6 @@
 #define HANDLE_INDEX_MASK 0xffffffffull
 #define MAX_TENSOR_BYTES (1ull << 50) /* 1 PiB: anything larger is a bug */
 #define MAX_LAYER_INDEX 1000000
-#define PENDING_POLL_MAX 8 /* retire at most this many copies per call */
 #define RELEASE_BATCH 16
 
 /* ---- small containers ------------------------------------------------------ */
@@ -68,72 +67,6 @@ static void entry_free(ferry_engine *e, uint32_t idx) {
   s->state = ENTRY_FREE;
   s->gen = s->gen + 1 ? s->gen + 1 : 1;
   e->free_slots[e->n_free++] = idx;
-}
-
-/* ---- pending frees ----------------------------------------------------------- */
-static int pending_push(ferry_engine *e, void *host, uint64_t bytes, bk_event *ev) {
-  if (grow((void **)&e->pending, &e->cap_pending, sizeof *e->pending, e->n_pending + 1))
-    return -1;
-  e->pending[e->n_pending++] = (pending_free){host, bytes, ev};
-  e->bytes_in_flight += bytes;
-  return 0;
-}
-
-static void pending_retire(ferry_engine *e, uint32_t i) {
-  pending_free *p = &e->pending[i];
-  ferry_arena_free(e->arena, p->host, p->bytes);
-  e->ctx.arena_in_use -= p->bytes;
-  e->bytes_in_flight -= p->bytes;
-  event_put(e, p->ev);
-  e->pending[i] = e->pending[--e->n_pending];
-}
-
-/* Retire a few completed copies; cheap enough for every call. */
-static void pending_poll(ferry_engine *e) {
-  uint32_t checked = 0;
-  for (uint32_t i = 0; i < e->n_pending && checked < PENDING_POLL_MAX; checked++) {
-    if (e->bk->ops->event_query(e->bk, e->pending[i].ev) == 1)
-      pending_retire(e, i); /* moves the last one into i */
-    else
-      i++;
-  }
-}
-
-static void pending_drain(ferry_engine *e) {
-  while (e->n_pending) {
-    uint32_t i = e->n_pending - 1;
-    if (e->bk->ops->event_query(e->bk, e->pending[i].ev) != 1) {
-      double t0 = e->ct ? util_now_us() : 0;
-      e->stats.waits++;
-      e->bk->ops->event_synchronize(e->bk, e->pending[i].ev);
-      if (e->ct) ctrace_wait(e, "wait for copies", t0);
-    }
-    pending_retire(e, i);
-  }
-}
-
-/* Give an entry's arena buffer back, now or once its last copy completed. */
-static void host_buffer_drop(ferry_engine *e, stash_entry *s, int copy_may_run) {
-  if (!s->host) {
-    if (s->ev) event_put(e, s->ev);
-    s->ev = NULL;
-    return;
-  }
-  if (copy_may_run && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1 &&
-      pending_push(e, s->host, s->bytes, s->ev) == 0) {
-    s->host = NULL;
-    s->ev = NULL;
-    return;
-  }
-  if (copy_may_run && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1) {
-    e->stats.waits++; /* no memory for the pending list: wait instead */
-    e->bk->ops->event_synchronize(e->bk, s->ev);
-  }
-  ferry_arena_free(e->arena, s->host, s->bytes);
-  e->ctx.arena_in_use -= s->bytes;
-  event_put(e, s->ev);
-  s->host = NULL;
-  s->ev = NULL;
 }
 
 /* ---- forward stash ------------------------------------------------------------ */
@@ -237,8 +170,6 @@ static void step_begin_locked(ferry_engine *e) {
   e->step++;
   e->stats.steps++;
   e->phase = FERRY_PHASE_FORWARD;
-  e->live_at_step_begin = e->stats.live_handles;
-  e->arena_in_use_at_step_begin = e->ctx.arena_in_use;
   e->ctx.step = e->step;
   e->ctx.packed_this_step = 0;
   e->ctx.offloaded_this_step = 0;
@@ -268,6 +199,22 @@ int ferry_step_begin(ferry_engine *e) {
   return rc;
 }
 
+/* Handles packed in this step and still live, and the arena bytes of this
+ * step's packs they hold. Handles of earlier steps used or left meanwhile do
+ * not count: a count net of them would hide a leak behind a discard. */
+static uint64_t step_leaks(const ferry_engine *e, uint64_t *arena_bytes) {
+  uint64_t n = 0, bytes = 0;
+  if (!e->stats.live_handles) return *arena_bytes = 0;
+  for (uint32_t i = 0; i < e->n_entries; i++) {
+    const stash_entry *s = &e->entries[i];
+    if (s->state == ENTRY_FREE || s->step != e->step) continue;
+    n += !s->consumed; /* an alias slot is freed when used */
+    if (s->state != ENTRY_ALIAS && s->host) bytes += s->bytes;
+  }
+  *arena_bytes = bytes;
+  return n;
+}
+
 int ferry_step_end(ferry_engine *e) {
   int rc = engine_check(e);
   if (rc) return rc;
@@ -284,14 +231,13 @@ int ferry_step_end(ferry_engine *e) {
       ctrace_call(e, "step end", t0, NULL, NULL);
       ctrace_mark(e, "step end");
     }
-    if (e->stats.live_handles > e->live_at_step_begin) {
-      uint64_t n = e->stats.live_handles - e->live_at_step_begin;
+    uint64_t leaked_bytes, n = step_leaks(e, &leaked_bytes);
+    if (n)
       rc = engine_fail(e, FERRY_ELEAK,
                        "step %llu ended with %llu handle(s) neither unpacked nor discarded; "
                        "they stay valid and hold %llu arena bytes",
                        (unsigned long long)e->step, (unsigned long long)n,
-                       (unsigned long long)(e->ctx.arena_in_use - e->arena_in_use_at_step_begin));
-    }
+                       (unsigned long long)leaked_bytes);
   }
   pthread_mutex_unlock(&e->lock);
   return rc;
@@ -303,14 +249,15 @@ static int set_phase(ferry_engine *e, int phase, const char *ev, void *compute_s
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
-  if (!e->in_step) step_begin_locked(e);
-  if (e->phase == phase) {
+  /* Refused before a step is started: a refused call changes nothing. */
+  if ((e->in_step ? e->phase : FERRY_PHASE_FORWARD) == phase) {
     rc = engine_fail(e, FERRY_ESTATE, "ferry_%s: %s", ev,
                      phase == FERRY_PHASE_BACKWARD ? "already in backward"
                                                    : "without ferry_backward_begin");
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
+  if (!e->in_step) step_begin_locked(e);
   e->phase = phase;
   e->ctx.phase = phase;
   trace_event(e, ev, 0);
@@ -395,18 +342,6 @@ static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decisio
   }
 }
 
-/* Counts pack entry s by its reason: an offload the engine could not make
- * is kept for an engine-level reason. Cold: only with config.count_reasons. */
-static __attribute__((cold, noinline)) void count_reason(ferry_engine *e, const stash_entry *s,
-                                                         const ferry_decision *d,
-                                                         uint64_t cap_fallbacks_before) {
-  const int offloaded = s->state != ENTRY_KEPT;
-  if (d->action == FERRY_OFFLOAD && !offloaded)
-    breakdown_set(e, e->stats.cap_fallbacks > cap_fallbacks_before ? "host cap" : "copy failed",
-                  "");
-  breakdown_count(e, s->layer, s->bytes, offloaded);
-}
-
 static void count_layer(ferry_engine *e, int32_t layer) {
   if (layer < 0) return;
   if ((uint32_t)layer >= e->cap_layers) {
@@ -470,7 +405,19 @@ static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t p
 static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
                          void *compute_stream) {
   stash_entry *s = &e->entries[idx];
-  s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
+  if (e->cfg.host_reserve) {
+    /* The arena may grow, which asks host_reserve: never with the engine
+     * lock held (ferry.h). The entry has no handle out yet; other threads
+     * may move the entries array meanwhile. */
+    uint64_t bytes = s->bytes;
+    pthread_mutex_unlock(&e->lock);
+    void *host = ferry_arena_alloc(e->arena, (size_t)bytes);
+    pthread_mutex_lock(&e->lock);
+    s = &e->entries[idx];
+    s->host = host;
+  } else {
+    s->host = ferry_arena_alloc(e->arena, (size_t)s->bytes);
+  }
   if (!s->host) {
     e->stats.cap_fallbacks++;
   } else if (event_get(e, &s->ev) || issue_d2h(e, s, compute_stream) || fwd_push(e, idx) ||
@@ -539,7 +486,10 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
   const uint64_t cap_fallbacks = e->stats.cap_fallbacks;
-  if (d.action == FERRY_OFFLOAD) pack_offload(e, idx, &d, compute_stream);
+  if (d.action == FERRY_OFFLOAD) {
+    pack_offload(e, idx, &d, compute_stream);
+    s = &e->entries[idx]; /* it may drop the lock */
+  }
   if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
   if (__builtin_expect(e->bd != NULL, 0)) count_reason(e, s, &d, cap_fallbacks);
   e->stats.tensors_packed++;
@@ -572,33 +522,6 @@ static void release_over_bound(ferry_engine *e) {
     release_all(e, owners, n);
     if (n == RELEASE_BATCH) pthread_mutex_lock(&e->lock);
   } while (n == RELEASE_BATCH);
-}
-
-/* The Chrome trace's side of pack and unpack, kept out of their hot paths. */
-#define CTRACE_COLD __attribute__((cold, noinline))
-
-/* A pack's slice, once the stash bound's releases are done (they are part
- * of the call): the handle at entry idx is not back to its caller yet, so
- * the entry is still there. Takes the lock. */
-static CTRACE_COLD void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) {
-  pthread_mutex_lock(&e->lock);
-  const stash_entry *s = &e->entries[idx];
-  const stash_entry *p = s->state == ENTRY_ALIAS ? &e->entries[s->primary] : s;
-  ct_tensor t = ctrace_tensor(p, s->trace_id);
-  if (p != s) t.alias_of = p->trace_id;
-  ctrace_call(e, "pack", t0, &t, NULL);
-  pthread_mutex_unlock(&e->lock);
-}
-
-/* What an unpack's slice says of primary entry p, before it is consumed. */
-static CTRACE_COLD void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor,
-                                           ct_tensor *t, const char **found) {
-  const stash_entry *s = &e->entries[p];
-  *t = ctrace_tensor(s, tensor);
-  *found = s->state == ENTRY_KEPT       ? "kept"
-           : s->state == ENTRY_STASHED  ? "stash hit"
-           : s->state == ENTRY_RELOADED ? "prefetched"
-                                        : "reloaded";
 }
 
 static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr,
@@ -687,6 +610,28 @@ int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
 }
 
 /* ---- reload -------------------------------------------------------------------- */
+static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_release);
+
+/* Every handle of entry idx was discarded while its device_alloc ran
+ * (ferry_discard does not wait for a reload, which may be its own caller's):
+ * give the new buffer back and free the entry. Called and returns locked. */
+static int reload_orphaned(ferry_engine *e, uint32_t idx, int arc, void *owner) {
+  stash_entry *s = &e->entries[idx];
+  if (arc != 0) e->stats.alloc_failures++;
+  s->state = ENTRY_OFFLOADED;
+  s->refs = 1;
+  void *none;
+  consume(e, idx, 0, &none);
+  pthread_cond_broadcast(&e->reload_done);
+  if (arc == 0 && owner) {
+    pthread_mutex_unlock(&e->lock);
+    e->cfg.release(e->cfg.callback_ud, owner);
+    pthread_mutex_lock(&e->lock);
+  }
+  return engine_fail(e, FERRY_EHANDLE,
+                     "the tensor was discarded while it was being reloaded; nothing to unpack");
+}
+
 /* Bring an OFFLOADED entry back to a fresh device buffer, ordered after
  * compute_stream. Called and returns with the lock held; drops it around the
  * allocator callback, so the entries array may move: use indices. */
@@ -699,6 +644,7 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
   int arc = e->cfg.device_alloc(e->cfg.callback_ud, bytes, compute_stream, &dev, &owner);
   pthread_mutex_lock(&e->lock);
   s = &e->entries[idx];
+  if (s->refs == 0) return reload_orphaned(e, idx, arc, owner);
   int rc = FERRY_OK;
   if (arc != 0 || !dev) {
     e->stats.alloc_failures++;
@@ -887,7 +833,14 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
       goto unlock;
     }
   } else if (s->state == ENTRY_OFFLOADED) {
-    if ((rc = reload(e, p, compute_stream, 0))) goto unlock;
+    rc = reload(e, p, compute_stream, 0);
+    /* a failed reload leaves the handle valid, unless it was discarded
+     * meanwhile (device_alloc may): then that, not "stays valid", is told */
+    if (rc && rc != FERRY_EHANDLE && lookup(e, h) < 0)
+      rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was discarded while it was "
+                       "being reloaded (and the reload failed); nothing to unpack",
+                       (unsigned long long)h);
+    if (rc) goto unlock;
     if (lookup(e, h) < 0) { /* consumed while the lock was dropped */
       rc = engine_fail(e, FERRY_EHANDLE, "ferry_unpack: handle 0x%llx was used concurrently",
                        (unsigned long long)h);
@@ -945,10 +898,17 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
   uint32_t slot = 0, p = 0;
   void *to_release = NULL;
   if ((rc = resolve(e, h, "ferry_discard", &slot, &p)) == FERRY_OK) {
-    stash_wait_reloading(e, p);
-    if (lookup(e, h) < 0) {
-      rc = engine_fail(e, FERRY_EHANDLE, "ferry_discard: handle 0x%llx was used concurrently",
-                       (unsigned long long)h);
+    if (e->entries[p].state == ENTRY_RELOADING) {
+      /* No wait for the reload: it may be this thread's own, from inside
+       * device_alloc (a framework freeing the other saved copy of the
+       * buffer). The last handle leaves the entry to the reload to free. */
+      uint64_t tid = e->entries[slot].trace_id;
+      retire_slot(e, slot, p);
+      if (e->entries[p].refs > 1)
+        consume(e, p, 0, &to_release);
+      else
+        e->entries[p].refs = 0; /* reload_orphaned */
+      trace_event(e, "discard", tid);
     } else {
       uint64_t tid = e->entries[slot].trace_id;
       ct_tensor t = {0};

@@ -111,12 +111,18 @@ void trace_event(ferry_engine *e, const char *ev, uint64_t id) {
 int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes) {
   int rc = engine_check(e);
   if (rc) return rc;
-  if (!what || !*what) return engine_fail(e, FERRY_EINVAL, "ferry_trace_resident: empty what");
+  /* the message is written under the lock: ferry_last_error reads it so */
   pthread_mutex_lock(&e->lock);
-  if (e->trace && e->in_step) {
+  if (!what || !*what) {
+    rc = engine_fail(e, FERRY_EINVAL, "ferry_trace_resident: empty what");
     pthread_mutex_unlock(&e->lock);
-    return engine_fail(e, FERRY_ESTATE, "ferry_trace_resident: inside a step (declare resident "
-                                        "memory before the first step)");
+    return rc;
+  }
+  if (e->trace && e->in_step) {
+    rc = engine_fail(e, FERRY_ESTATE, "ferry_trace_resident: inside a step (declare resident "
+                                      "memory before the first step)");
+    pthread_mutex_unlock(&e->lock);
+    return rc;
   }
   /* between steps: no compute of its own, the FLOPs wait for the next event */
   cJSON *o = e->trace ? event_object_of(e, "resident", 0) : NULL;
@@ -132,14 +138,18 @@ int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes) {
 int ferry_trace_device_peak(ferry_engine *e, uint64_t bytes) {
   int rc = engine_check(e);
   if (rc) return rc;
-  if (bytes > (1ull << 50)) /* the bound of a tensor's bytes (stash.c) */
-    return engine_fail(e, FERRY_EINVAL, "ferry_trace_device_peak: %llu bytes is absurd (max 2^50)",
-                       (unsigned long long)bytes);
   pthread_mutex_lock(&e->lock);
-  if (e->trace && e->in_step) {
+  if (bytes > (1ull << 50)) { /* the bound of a tensor's bytes (stash.c) */
+    rc = engine_fail(e, FERRY_EINVAL, "ferry_trace_device_peak: %llu bytes is absurd (max 2^50)",
+                     (unsigned long long)bytes);
     pthread_mutex_unlock(&e->lock);
-    return engine_fail(e, FERRY_ESTATE, "ferry_trace_device_peak: inside a step (give the "
-                                        "step's peak after ferry_step_end)");
+    return rc;
+  }
+  if (e->trace && e->in_step) {
+    rc = engine_fail(e, FERRY_ESTATE, "ferry_trace_device_peak: inside a step (give the "
+                                      "step's peak after ferry_step_end)");
+    pthread_mutex_unlock(&e->lock);
+    return rc;
   }
   cJSON *o = e->trace ? event_object_of(e, "device_peak", 0) : NULL;
   if (o) {
@@ -154,9 +164,12 @@ int ferry_trace_device_peak(ferry_engine *e, uint64_t bytes) {
 int ferry_trace_flops(ferry_engine *e, double flops) {
   int rc = engine_check(e);
   if (rc) return rc;
-  if (!(flops >= 0) || !(flops <= 1e21))
-    return engine_fail(e, FERRY_EINVAL, "ferry_trace_flops: %g is not within [0, 1e21]", flops);
   pthread_mutex_lock(&e->lock);
+  if (!(flops >= 0) || !(flops <= 1e21)) {
+    rc = engine_fail(e, FERRY_EINVAL, "ferry_trace_flops: %g is not within [0, 1e21]", flops);
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+  }
   if (e->trace) e->trace_flops += flops;
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;

@@ -84,15 +84,15 @@ static uint32_t intern(ferry_policy *p, const char *s, uint32_t scratch) {
 /* ---- site cache --------------------------------------------------------- */
 static uint64_t site_hash(const site_key *k) {
   uint64_t h = util_mix64(((uint64_t)k->path_id << 32) | k->class_id);
-  h = util_mix64(h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->kind << 8) |
-                 (uint32_t)k->ndim));
+  h = util_mix64(h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->phase << 32) |
+                      ((uint64_t)(uint32_t)k->kind << 8) | (uint32_t)k->ndim));
   for (int i = 0; i < k->ndim; i++) h = util_mix64(h ^ (uint64_t)k->shape[i]);
   return h | 1;
 }
 
 static int site_equal(const site_key *a, const site_key *b) {
   if (a->path_id != b->path_id || a->class_id != b->class_id || a->dtype != b->dtype ||
-      a->kind != b->kind || a->ndim != b->ndim)
+      a->kind != b->kind || a->ndim != b->ndim || a->phase != b->phase)
     return 0;
   for (int i = 0; i < a->ndim; i++)
     if (a->shape[i] != b->shape[i]) return 0;
@@ -316,6 +316,7 @@ static int site_key_of(ferry_policy *p, const ferry_tensor_desc *desc, site_key 
   key->class_id = intern(p, desc->module_class, STR_SCRATCH_CLASS);
   key->dtype = desc->dtype;
   key->kind = desc->kind;
+  key->phase = desc->phase;
   key->ndim = desc->ndim < 0 ? 0 : desc->ndim > FERRY_MAX_DIMS ? FERRY_MAX_DIMS : desc->ndim;
   for (int i = 0; i < key->ndim; i++) key->shape[i] = desc->shape[i];
   return key->path_id != STR_SCRATCH_PATH && key->class_id != STR_SCRATCH_CLASS;

@@ -353,7 +353,10 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
   }
   const char *src = file_src ? file_src : source;
 
-  if (!p->strings || !p->by_content || !(p->L = lua_newstate(policy_alloc, p))) {
+  p->reserve = malloc(POLICY_SETUP_RESERVE);
+  p->reserve_open = 1;
+  if (!p->strings || !p->by_content || !p->reserve ||
+      !(p->L = lua_newstate(policy_alloc, p))) {
     snprintf(errbuf, errlen, "%s: out of memory creating its Lua state", p->chunk);
     rc = FERRY_ENOMEM;
     goto fail;
@@ -365,8 +368,10 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
                lua_tostring(L, -1) ? lua_tostring(L, -1) : "?");
     goto fail;
   }
+
   /* No trace may exist before policy code runs: see the top of this file. */
   luaJIT_setmode(L, 0, LUAJIT_MODE_ENGINE | LUAJIT_MODE_OFF);
+  p->hook_period = HOOK_PERIOD;
   lua_sethook(L, policy_hook, LUA_MASKCOUNT, HOOK_PERIOD);
 
   lua_settop(L, 0);
@@ -412,6 +417,11 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
     goto fail;
   }
   lua_gc(L, LUA_GCCOLLECT, 0); /* start decide calls with the load garbage gone */
+  p->reserve_open = 0;
+  if (!p->reserve_used) {
+    free(p->reserve);
+    p->reserve = NULL;
+  }
   free(file_src);
   *out = p;
   return FERRY_OK;
@@ -425,6 +435,7 @@ fail:
 void ferry_policy_destroy(ferry_policy *p) {
   if (!p) return;
   if (p->L) lua_close(p->L);
+  free(p->reserve); /* after the state: its blocks may be in it */
   for (uint32_t i = STR_FIRST; i < p->n_strings; i++) free(p->strings[i].str);
   free(p->strings);
   free(p->by_content);
@@ -460,31 +471,48 @@ static int compare_names(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-size_t ferry_policy_globals(const ferry_policy *p, char *out, size_t n) {
-  if (n) out[0] = '\0';
-  if (!p || !p->L) return 0;
-  static const char *const LIBS[] = {"string", "table", "math", "os"};
-  lua_State *L = p->L;
-  int top = lua_gettop(L);
+typedef struct global_names {
   char *names[1024];
-  size_t count = 0;
+  size_t count;
+} global_names;
+
+/* lua_cpcall body: the names of the env and of its libraries, read raw (a
+ * policy may have replaced `string` by anything, or removed it: `string =
+ * nil` is a raw set of an existing global, which __newindex never sees). */
+static int collect_globals(lua_State *L) {
+  static const char *const LIBS[] = {"string", "table", "math", "os"};
+  global_names *g = lua_touserdata(L, 1);
   lua_getfield(L, LUA_REGISTRYINDEX, "ferry.env");
   int env = lua_gettop(L);
-  for (lua_pushnil(L); lua_next(L, env) && count < 1024; lua_pop(L, 1))
-    if (lua_type(L, -2) == LUA_TSTRING) names[count++] = strdup(lua_tostring(L, -2));
+  for (lua_pushnil(L); lua_next(L, env) && g->count < 1024; lua_pop(L, 1))
+    if (lua_type(L, -2) == LUA_TSTRING) g->names[g->count++] = strdup(lua_tostring(L, -2));
   for (size_t i = 0; i < sizeof LIBS / sizeof LIBS[0]; i++) {
-    lua_getfield(L, env, LIBS[i]);
+    lua_pushstring(L, LIBS[i]);
+    lua_rawget(L, env);
     int lib = lua_gettop(L);
     if (lua_istable(L, lib))
-      for (lua_pushnil(L); lua_next(L, lib) && count < 1024; lua_pop(L, 1))
+      for (lua_pushnil(L); lua_next(L, lib) && g->count < 1024; lua_pop(L, 1))
         if (lua_type(L, -2) == LUA_TSTRING) {
           char full[128];
           snprintf(full, sizeof full, "%s.%s", LIBS[i], lua_tostring(L, -2));
-          names[count++] = strdup(full);
+          g->names[g->count++] = strdup(full);
         }
     lua_settop(L, env);
   }
-  lua_settop(L, top);
+  return 0;
+}
+
+size_t ferry_policy_globals(const ferry_policy *p, char *out, size_t n) {
+  if (n) out[0] = '\0';
+  if (!p || !p->L) return 0;
+  lua_State *L = p->L;
+  int top = lua_gettop(L);
+  global_names g = {.count = 0};
+  int status = lua_cpcall(L, collect_globals, &g);
+  lua_settop(L, top); /* the error message, if any: the names so far are listed */
+  (void)status;
+  char **names = g.names;
+  size_t count = g.count;
   qsort(names, count, sizeof names[0], compare_names);
   size_t len = 0;
   int truncated = 0;

@@ -7,6 +7,8 @@
 #include "policy/policy_internal.h"
 #include "util/log.h"
 
+#include <pthread.h>
+
 /* ---- small helpers ------------------------------------------------------ */
 void copy_str(char *dst, size_t n, const char *src) {
   if (!n) return;
@@ -29,17 +31,35 @@ int env_count(const char *name, unsigned long long dflt, unsigned long long lo,
   return 0;
 }
 
-static ferry_policy *policy_of(lua_State *L) {
-  void *ud = NULL;
-  lua_getallocf(L, &ud);
-  return ud;
+/* Free C stack below the caller's frame on this thread: its bounds are
+ * looked up once per thread. A frame outside them (a fiber's own stack)
+ * is not checked. */
+static _Thread_local uintptr_t thread_stack_low, thread_stack_high;
+
+size_t stack_left(void) {
+  char here;
+  uintptr_t sp = (uintptr_t)&here;
+  if (!thread_stack_high) {
+    pthread_attr_t attr;
+    void *addr = NULL;
+    size_t size = 0;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+      pthread_attr_getstack(&attr, &addr, &size);
+      pthread_attr_destroy(&attr);
+    }
+    thread_stack_low = addr && size ? (uintptr_t)addr : 0;
+    thread_stack_high = addr && size ? (uintptr_t)addr + size : UINTPTR_MAX;
+  }
+  if (sp <= thread_stack_low || sp >= thread_stack_high) return SIZE_MAX / 2;
+  return sp - thread_stack_low;
 }
 
 /* "file:line" of the innermost Lua function at or above `level` with a line. */
+#define SORT_CHUNK "(sort)" /* table.sort's default comparator: not policy code */
 static void where(lua_State *L, int level, char *buf, size_t n) {
   lua_Debug ar;
   for (int lv = level; lv < level + 64 && lua_getstack(L, lv, &ar); lv++) {
-    if (lua_getinfo(L, "Sl", &ar) && ar.currentline > 0) {
+    if (lua_getinfo(L, "Sl", &ar) && ar.currentline > 0 && strcmp(ar.short_src, SORT_CHUNK)) {
       snprintf(buf, n, "%s:%d", ar.short_src, ar.currentline);
       return;
     }
@@ -58,12 +78,59 @@ int has_position(const char *msg) {
 }
 
 /* ---- allocator and hook ------------------------------------------------- */
+static int in_reserve(const ferry_policy *p, const void *ptr) {
+  return p->reserve && (const char *)ptr >= p->reserve &&
+         (const char *)ptr < p->reserve + POLICY_SETUP_RESERVE;
+}
+
+/* nsize bytes of the reserve (16-aligned), NULL when it has no more. */
+static void *reserve_take(ferry_policy *p, size_t nsize) {
+  size_t at = (p->reserve_used + 15) & ~(size_t)15;
+  /* (policy code runs capped and protected: its allocations may fail) */
+  if (!p->reserve_open || p->enforce_cap || nsize > POLICY_SETUP_RESERVE - at) return NULL;
+  p->reserve_used = at + nsize;
+  return p->reserve + at;
+}
+
+/* realloc, else (while the state is made) the reserve; its blocks are never
+ * given to free or realloc */
+static void *alloc_or_reserve(ferry_policy *p, void *ptr, size_t old, size_t nsize) {
+  void *q = in_reserve(p, ptr) ? malloc(nsize) : realloc(ptr, nsize);
+  if (!q && (q = reserve_take(p, nsize)) && ptr) {
+    memcpy(q, ptr, old < nsize ? old : nsize);
+    if (!in_reserve(p, ptr)) free(ptr);
+    return q;
+  }
+  if (q && ptr && in_reserve(p, ptr)) memcpy(q, ptr, old < nsize ? old : nsize);
+  return q;
+}
+
+static void set_budget_interrupt(ferry_policy *p, int over_time);
+
+/* Size class of a block of BIG_BLOCK bytes or more: 0 for [64, 128) KiB... */
+static int size_class(size_t n) {
+  int c = 0;
+  for (n >>= BIG_BLOCK_SHIFT + 1; n && c < BIG_CLASSES - 1; n >>= 1) c++;
+  return c;
+}
+
+/* The hook period while the largest live block is of class c (-1: none):
+ * a block of class c is under 2^(c + 1) BIG_BLOCKs. */
+static int period_of_class(int c) {
+  int period = c < 0 ? HOOK_PERIOD : HOOK_PERIOD >> (c + 1);
+  return period > 0 ? period : 1;
+}
+
 void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
   ferry_policy *p = ud;
   size_t old = ptr ? osize : 0;
   if (nsize == 0) {
-    free(ptr);
+    if (!in_reserve(p, ptr)) free(ptr);
     p->mem_used -= old;
+    if (old >> BIG_BLOCK_SHIFT) {
+      p->big_live[size_class(old)]--;
+      p->big_total--;
+    }
     return NULL;
   }
   if (p->enforce_cap && nsize > old && p->mem_used + (nsize - old) > p->mem_cap) {
@@ -79,38 +146,94 @@ void *policy_alloc(void *ud, void *ptr, size_t osize, size_t nsize) {
     }
     return NULL;
   }
-  void *q = realloc(ptr, nsize);
-  if (q) p->mem_used += nsize - old;
+  if (p->enforce_cap && nsize > old) {
+    /* Work that allocates (string.rep, .., table.concat...) reads the clock
+     * every ALLOC_CHECK_BYTES: past the deadline, growth is refused. */
+    p->alloc_unchecked += nsize - old;
+    if (p->interrupt == INTERRUPT_BUDGET) return NULL;
+    if (p->alloc_unchecked >= ALLOC_CHECK_BYTES) {
+      p->alloc_unchecked = 0;
+      if (!p->interrupt && util_now_ns() > p->deadline_ns) {
+        set_budget_interrupt(p, 1);
+        return NULL;
+      }
+    }
+  }
+  void *q = alloc_or_reserve(p, ptr, old, nsize);
+  if (!q) return NULL;
+  p->mem_used += nsize - old;
+  if (old >> BIG_BLOCK_SHIFT) {
+    p->big_live[size_class(old)]--;
+    p->big_total--;
+  }
+  if (nsize >> BIG_BLOCK_SHIFT) {
+    int c = size_class(nsize);
+    p->big_live[c]++;
+    p->big_total++;
+    if (p->enforce_cap && period_of_class(c) < p->hook_period) set_hook_period(p, c);
+  }
   return q;
+}
+
+void set_hook_period(ferry_policy *p, int min_class) {
+  int c = min_class;
+  for (int i = BIG_CLASSES - 1; p->big_total && i > c; i--)
+    if (p->big_live[i]) c = i;
+  int period = period_of_class(c);
+  if (min_class >= 0 && period >= p->hook_period) return;
+  if (period != p->hook_period) {
+    p->hook_period = period;
+    lua_sethook(p->L, policy_hook, LUA_MASKCOUNT, period);
+  }
+}
+
+/* Records the budget interrupt, at the running Lua code's position. */
+static void set_budget_interrupt(ferry_policy *p, int over_time) {
+  char pos[MSG_LEN];
+  where(p->L, 0, pos, sizeof pos);
+  p->interrupt = INTERRUPT_BUDGET;
+  const char *at = pos[0] ? pos : p->running ? p->running : p->chunk;
+  if (over_time)
+    snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
+             "%.400s: interrupted after %" PRIu64 " ms, the wall-clock budget of %s", at,
+             (p->loading ? p->load_budget_ns : p->decide_budget_ns) / 1000000,
+             p->loading ? "a policy load (FERRY_POLICY_LOAD_MS)"
+                        : "a decision (FERRY_POLICY_DECISION_MS)");
+  else
+    snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
+             "%.400s: interrupted after %" PRIu64 " VM instructions (runaway loop?)", at,
+             p->tick_budget);
+}
+
+static int raise_interrupt(lua_State *L, ferry_policy *p) {
+  /* Once interrupted, every hook raises again until the call is over. */
+  p->enforce_cap = 0;
+  lua_pushstring(L, p->interrupt_msg);
+  return lua_error(L);
 }
 
 void policy_hook(lua_State *L, lua_Debug *ar) {
   (void)ar;
   ferry_policy *p = policy_of(L);
   int over_time = 0;
-  if (!p->interrupt && ++p->ticks <= p->tick_budget &&
+  if (!p->interrupt && (p->ticks += (uint64_t)p->hook_period) <= p->tick_budget &&
       !(over_time = util_now_ns() > p->deadline_ns))
     return;
-  if (!p->interrupt) {
-    char pos[MSG_LEN];
-    where(L, 0, pos, sizeof pos);
-    p->interrupt = INTERRUPT_BUDGET;
-    const char *at = pos[0] ? pos : p->running ? p->running : p->chunk;
-    if (over_time)
-      snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
-               "%.400s: interrupted after %" PRIu64 " ms, the wall-clock budget of %s", at,
-               (p->loading ? p->load_budget_ns : p->decide_budget_ns) / 1000000,
-               p->loading ? "a policy load (FERRY_POLICY_LOAD_MS)"
-                          : "a decision (FERRY_POLICY_DECISION_MS)");
-    else
-      snprintf(p->interrupt_msg, sizeof p->interrupt_msg,
-               "%.400s: interrupted after %" PRIu64 " VM instructions (runaway loop?)", at,
-               p->tick_budget * HOOK_PERIOD);
+  if (!p->interrupt) set_budget_interrupt(p, over_time);
+  raise_interrupt(L, p);
+}
+
+/* A sandbox C function is about to do about ns of work the hook cannot
+ * see: read the clock once such work adds up to WORK_CHECK_NS. */
+void charge_work(lua_State *L, ferry_policy *p, double ns) {
+  if (p->interrupt) raise_interrupt(L, p);
+  p->work_ns += ns;
+  if (p->work_ns < WORK_CHECK_NS) return;
+  p->work_ns = 0;
+  if (util_now_ns() > p->deadline_ns) {
+    set_budget_interrupt(p, 1);
+    raise_interrupt(L, p);
   }
-  /* Once interrupted, every hook raises again until the call is over. */
-  p->enforce_cap = 0;
-  lua_pushstring(L, p->interrupt_msg);
-  lua_error(L);
 }
 
 /* Error handler of every protected call into policy code: give the message
@@ -125,7 +248,11 @@ static int policy_msgh(lua_State *L) {
   char pos[MSG_LEN];
   const char *msg = lua_type(L, 1) == LUA_TSTRING || lua_type(L, 1) == LUA_TNUMBER
                         ? lua_tostring(L, 1) : NULL;
-  if (msg && has_position(msg)) {
+  /* an error of the default comparator (comparing a number with a string)
+   * is the calling policy line's, as it was when sort compared in C */
+  if (msg && !strncmp(msg, SORT_CHUNK ":1: ", sizeof SORT_CHUNK + 3))
+    msg += sizeof SORT_CHUNK + 3;
+  else if (msg && has_position(msg)) {
     lua_settop(L, 1);
     return 1;
   }
@@ -139,9 +266,17 @@ static int policy_msgh(lua_State *L) {
 }
 
 /* ---- sandbox functions -------------------------------------------------- */
-static int enter_nested(lua_State *L, ferry_policy *p, const char *what) {
+/* Every sandbox C function that calls back into Lua from C is a level:
+ * the levels are counted, and each needs NESTING_STACK_RESERVE of free C
+ * stack (a level of gsub alone holds an 8 KiB buffer). */
+int enter_nested(lua_State *L, ferry_policy *p, const char *what) {
   if (p->c_nesting >= MAX_C_NESTING)
     return luaL_error(L, "%s nested too deeply (limit %d)", what, MAX_C_NESTING);
+  size_t left = stack_left();
+  if (left < NESTING_STACK_RESERVE)
+    return luaL_error(L, "%s nested too deeply for this thread's C stack (%d KiB left, each "
+                      "level needs %d KiB)", what, (int)(left >> 10),
+                      (int)(NESTING_STACK_RESERVE >> 10));
   p->c_nesting++;
   return 0;
 }
@@ -195,53 +330,95 @@ static int sandbox_xpcall(lua_State *L) {
 }
 
 /* ---- bounded C functions ------------------------------------------------ */
-/* The count hook cannot fire inside a C function, so the sandbox's C
- * functions whose work is not bounded by the memory cap are bounded up
- * front: Lua's pattern matcher backtracks (string.find(string.rep("a",
- * 3000), string.rep("a*", 12) .. "b") never returns) and table.sort is
- * n log n over a table the memory cap lets grow to millions of entries.
- * string.rep, table.concat and the rest are linear in their output, which
- * the memory cap bounds. See docs/policy-api.md, "Limits". */
+/* The count hook cannot fire inside a C function. Work linear in a string
+ * or table is bounded by the memory cap and the hook's shorter period while
+ * big blocks live (policy_alloc); Lua's pattern matcher backtracks
+ * (string.find(string.rep("a", 3000), string.rep("a*", 12) .. "b") never
+ * returns), so each call is estimated up front, refused above
+ * C_CALL_MAX_NS and charged; table.sort compares through Lua code. See
+ * docs/policy-api.md, "Limits". */
 enum { PAT_FIND, PAT_MATCH, PAT_GMATCH, PAT_GSUB };
 static const char *const PAT_NAMES[] = {"find", "match", "gmatch", "gsub"};
 
-/* An upper bound of the matcher's steps for pattern pat on a subject of
- * slen bytes: each start position times the ways k backtracking items
- * (x*, x+, x-, x?, %b, %1-%9) can split the subject, C(slen + k, k), times
- * a factor for long patterns (sets are scanned per character). Measured
- * with LuaJIT 2.1 at about 1 ns a step (bench: docs/policy-api.md). */
-static double pattern_steps(const char *pat, size_t plen, size_t slen, int can_anchor) {
-  size_t i = 0, k = 0;
-  int anchored = can_anchor && plen && pat[0] == '^';
-  if (anchored) i = 1;
-  while (i < plen) {
-    char c = pat[i++];
-    if (c == '%' && i < plen) {
-      char e = pat[i++];
-      if (e == 'b') { i += 2; k++; continue; }
-      if (e >= '1' && e <= '9') { k++; continue; }
-      if (e == 'f' && i < plen && pat[i] == '[') c = pat[i++]; /* the set follows */
-      else goto item;
+/* One item of a pattern, as the matcher reads it. */
+#define ITEM_STEP_FACTOR 8
+typedef struct pattern_item {
+  size_t next;  /* index of the next item */
+  double cost;  /* matcher steps of one test at one position, in a scan */
+  char rep;     /* '*', '+', '-', '?' or 0 */
+  int scans;    /* %b or %1-%9: up to the subject's length per test */
+  int can_fail; /* else it always matches: captures, x*, x-, x? */
+} pattern_item;
+
+static pattern_item read_item(const char *pat, size_t plen, size_t i) {
+  pattern_item it = {0, 1, 0, 0, 1};
+  size_t item = i;
+  char c = pat[i++];
+  if (c == '(' || c == ')') {
+    it.can_fail = 0;
+    it.cost = 1.0 / ITEM_STEP_FACTOR; /* no test: a capture's bounds */
+  } else if (c == '%' && i < plen && (pat[i] == 'b' || (pat[i] >= '0' && pat[i] <= '9'))) {
+    it.scans = 1;
+    i += pat[i] == 'b' ? 3 : 1;
+  } else {
+    int frontier = c == '%' && i < plen && pat[i] == 'f';
+    if (frontier) i++;
+    if (c == '%' && !frontier && i < plen) {
+      if (isalpha((unsigned char)pat[i])) it.cost = 2; /* a class: a ctype call */
+      i++;
     }
-    if (c == '[') {
+    if (frontier ? i < plen && pat[i] == '[' : c == '[') {
+      if (frontier) i++;
       if (i < plen && pat[i] == '^') i++;
-      do {
+      do { /* a set is scanned whole at each test */
         if (i < plen && pat[i] == '%') i++;
         i++;
       } while (i < plen && pat[i] != ']');
       i++;
+      it.cost = 1 + (double)(i - item);
     }
-  item:
-    if (i < plen && (pat[i] == '*' || pat[i] == '+' || pat[i] == '-' || pat[i] == '?')) {
-      i++;
-      k++;
+    if (!frontier && i < plen && strchr("*+-?", pat[i])) {
+      it.rep = pat[i++];
+      it.can_fail = it.rep == '+';
     }
   }
-  double ways = 1;
-  for (size_t j = 1; j <= k; j++) ways = ways * (double)(slen + j) / (double)j;
-  double starts = anchored ? 1 : (double)slen + 1;
-  double width = plen > 16 ? (double)plen / 16 : 1;
-  return starts * ways * width;
+  it.next = i < plen ? i : plen;
+  return it;
+}
+
+/* An upper bound of the matcher's steps (one item tested at one subject
+ * position) for pattern pat on a subject of n bytes. From each start
+ * position, an item is entered at most once per way the repeated items
+ * before it can split the subject: C(n + q, q) for q items x*, x+, x-,
+ * times 2 per x?; a repeated item then scans up to n + 1 positions, %b
+ * and %1-%9 up to n + 1 bytes. A test in a scan costs 1 step, 2 for a
+ * class (%a), 1 + its length for a set; a test of an item on its own
+ * ITEM_STEP_FACTOR times that (the matcher's loop around it: measured, as
+ * the step's cost, by bench/bench_policy_bounds.c). The items after the last one that can fail (captures, x*, x-, x?)
+ * are entered once: entering them is a match. Every item counts, so a long
+ * pattern of single characters costs its length per start. */
+static double pattern_steps(const char *pat, size_t plen, size_t n, int can_anchor) {
+  size_t first = can_anchor && plen && pat[0] == '^' ? 1 : 0, sure = first;
+  for (size_t i = first; i < plen;) {
+    pattern_item it = read_item(pat, plen, i);
+    int dollar = pat[i] == '$' && it.next == plen;
+    if (it.can_fail || dollar) sure = it.next;
+    i = it.next;
+  }
+  double span = (double)n + 1, ways = 1, q = 0, per_start = 1; /* 1: the end */
+  for (size_t i = first; i < plen;) {
+    pattern_item it = read_item(pat, plen, i);
+    int scan = it.scans || it.rep == '*' || it.rep == '+' || it.rep == '-';
+    double w = i < sure ? ways : 1;
+    per_start += w * (scan ? span * it.cost : ITEM_STEP_FACTOR * it.cost);
+    if (i < sure && it.rep == '?') ways *= 2;
+    else if (i < sure && it.rep) {
+      q++;
+      ways = ways * ((double)n + q) / q;
+    }
+    i = it.next;
+  }
+  return (first ? 1 : span) * per_start;
 }
 
 static int is_plain(const char *pat, size_t plen) {
@@ -260,20 +437,29 @@ static int sandbox_pattern(lua_State *L) {
   luaL_checklstring(L, 1, &slen);
   const char *pat = luaL_checklstring(L, 2, &plen);
   int plain = (kind == PAT_FIND && lua_toboolean(L, 4)) || is_plain(pat, plen);
-  double steps = plain ? (double)slen * (double)(plen ? plen : 1) / 16
+  /* plain: lj_str_find compares up to the pattern's length at each position */
+  double steps = plain ? (double)slen * (double)(plen ? plen : 1)
                        : pattern_steps(pat, plen, slen, kind != PAT_GMATCH);
-  if (steps > PATTERN_MAX_STEPS) {
+  if (kind == PAT_GSUB && !plain) steps *= 1.25; /* its loop also copies to a buffer */
+  double ns = steps * (plain ? PLAIN_NS_PER_BYTE : PATTERN_NS_PER_STEP);
+  if (ns > C_CALL_MAX_NS) {
     char msg[MSG_LEN]; /* lua_pushfstring has no %g */
     snprintf(msg, sizeof msg,
              "string.%s: pattern '%.60s%s' is too costly for a %zu-byte subject (up to %.2g "
-             "matcher steps, the limit is %.2g): %s",
+             "%s, the limit is %.2g): %s",
              PAT_NAMES[kind], pat, plen > 60 ? "..." : "", slen, steps,
-             (double)PATTERN_MAX_STEPS,
+             plain ? "byte comparisons" : "matcher steps",
+             C_CALL_MAX_NS / (plain ? PLAIN_NS_PER_BYTE : PATTERN_NS_PER_STEP),
              plain ? "search a shorter string or for a shorter one"
-                   : "anchor it with '^', match a shorter string or use fewer repetitions "
-                     "(*, +, -, ?)");
+                   : "anchor it with '^', match a shorter string or use a shorter pattern "
+                     "with fewer repetitions (*, +, -, ?)");
     return luaL_error(L, "%s", msg);
   }
+  /* gsub calls a replacement function or a table's __index from C */
+  if (kind == PAT_GSUB && lua_type(L, 3) == LUA_TFUNCTION && lua_iscfunction(L, 3))
+    return luaL_error(L, "string.gsub: the replacement must be a string, a table or a Lua "
+                         "function, not a C function");
+  charge_work(L, p, ns);
   int nesting = p->c_nesting;
   if (kind == PAT_GSUB) enter_nested(L, p, "string.gsub");
   lua_pushvalue(L, lua_upvalueindex(1));
@@ -283,15 +469,32 @@ static int sandbox_pattern(lua_State *L) {
   return lua_gettop(L);
 }
 
+/* table.sort: every comparison runs Lua code the hook sees: the policy's
+ * comparator, which must be a Lua function (a C one, string.find say,
+ * would compare in C for as long as it likes), or else the Lua function
+ * `a < b` (upvalue 2), which also bounds Lua 5.1's quadratic worst case.
+ * A sort is a nesting level (the comparator can sort again). */
 static int sandbox_sort(lua_State *L) {
+  ferry_policy *p = policy_of(L);
   luaL_checktype(L, 1, LUA_TTABLE);
   size_t n = lua_objlen(L, 1);
   if (n > SORT_MAX_ITEMS)
     return luaL_error(L, "table.sort: %d items, more than the limit of %d", (int)n,
                       SORT_MAX_ITEMS);
+  if (lua_isnoneornil(L, 2)) {
+    lua_settop(L, 1);
+    lua_pushvalue(L, lua_upvalueindex(2));
+  } else if (lua_type(L, 2) != LUA_TFUNCTION || lua_iscfunction(L, 2)) {
+    return luaL_error(L, "table.sort: the comparator must be a Lua function, got %s",
+                      lua_iscfunction(L, 2) ? "a C function" : luaL_typename(L, 2));
+  }
+  lua_settop(L, 2);
+  int nesting = p->c_nesting;
+  enter_nested(L, p, "table.sort");
   lua_pushvalue(L, lua_upvalueindex(1));
   lua_insert(L, 1);
-  lua_call(L, lua_gettop(L) - 1, 0);
+  lua_call(L, 2, 0);
+  p->c_nesting = nesting;
   return 0;
 }
 
@@ -551,7 +754,10 @@ static void push_c_functions(lua_State *L, ferry_policy *p) {
   lua_getglobal(L, "table");
   lua_getfield(L, -1, "sort");
   lua_remove(L, -2);
-  set_cfunc(L, C, "sort", sandbox_sort, 1);
+  static const char LESS[] = "local a, b = ... return a < b";
+  luaL_loadbuffer(L, LESS, sizeof LESS - 1, "=" SORT_CHUNK);
+  set_cfunc(L, C, "sort", sandbox_sort, 2);
+  push_bounded_functions(L, C);
   lua_pushvalue(L, 3);
   lua_pushvalue(L, 2);
   set_cfunc(L, C, "require", sandbox_require, 2);

@@ -35,14 +35,14 @@ local function copy(src, skip)
   return t
 end
 local sstring = copy(string, { dump = true })
-for _, f in ipairs{ 'find', 'match', 'gmatch', 'gsub' } do sstring[f] = C[f] end
+for _, f in ipairs{ 'find', 'match', 'gmatch', 'gsub', 'format' } do sstring[f] = C[f] end
 setmetatable(sstring, { __index = function(_, k)
   if k == 'dump' then error("'string.dump' is not available to policies", 2) end
 end })
 local smt = debug.getmetatable('')
 smt.__index = sstring
 smt.__metatable = 'string'
-local sos = { clock = os.clock, time = os.time }
+local sos = { clock = os.clock, time = C.time }
 setmetatable(sos, { __index = function(_, k)
   error("'os." .. tostring(k) .. "' is not available to policies "
     .. '(only os.clock and os.time are)', 2)
@@ -51,9 +51,11 @@ F.log = C.log
 F.forget_cached = C.forget_cached
 local stable = copy(table)
 stable.sort = C.sort
+stable.insert = C.insert
+stable.concat = C.concat
 local allowed = { string = sstring, table = stable, math = copy(math), os = sos,
   ferry = F, pairs = pairs, ipairs = ipairs, next = next, select = select,
-  type = type, tostring = tostring, tonumber = tonumber, error = error,
+  type = type, tostring = C.tostring, tonumber = tonumber, error = error,
   assert = assert, pcall = C.pcall, xpcall = C.xpcall,
   setmetatable = setmetatable, getmetatable = getmetatable, rawget = rawget,
   rawequal = rawequal, unpack = unpack, require = C.require }

@@ -113,7 +113,7 @@ local function rule(spec)
 end
 
 -- Site ids: a tensor's (module path, or class when the path is empty;
--- bytes; dtype; kind) -> a small integer, memoized in nested tables, so
+-- bytes; dtype; kind; phase) -> a small integer, memoized in nested tables, so
 -- that keying a tensor by its site builds no string.
 local function site_keys()
   local by_path, by_class, n = {}, {}, 0
@@ -125,7 +125,7 @@ local function site_keys()
     local bytes = tonumber(t.bytes)
     local b = a[bytes]
     if not b then b = {}; a[bytes] = b end
-    local code = t.dtype * 4 + t.kind
+    local code = (t.dtype * 4 + t.kind) * 4 + t.phase
     local id = b[code]
     if not id then n = n + 1; id = n; b[code] = id end
     return id
@@ -456,10 +456,13 @@ end
 -- filters on the tensor: never cached
 
 -- Keep tensors packed while recomputing (activation checkpointing): they
--- are unpacked moments later, an offload would only add two copies.
+-- are unpacked moments later, an offload would only add two copies. The
+-- phase is part of the engine's site key, so the answer is cached per site
+-- and phase. R.policy keeps recompute packs already unless its field
+-- recompute = "decide"; then this rule keeps them at its place in the rules.
 function R.forward_only()
   return rule {
-    name = "forward_only()", stage = 3, scope = "tensor",
+    name = "forward_only()", stage = 1, scope = "site",
     test = function(t) return t.phase == FORWARD end,
   }
 end
@@ -974,10 +977,20 @@ function R.policy(spec)
   if type(name) ~= "string" then fail("policy", "name must be a string") end
   for k in pairs(spec) do
     if type(k) ~= "number" and k ~= "name" and k ~= "reload" and k ~= "knobs" and k ~= "cache"
-      and k ~= "snapshot" and k ~= "optimizer" and k ~= "weights" then
+      and k ~= "snapshot" and k ~= "optimizer" and k ~= "weights" and k ~= "recompute" then
       fail("policy", "unknown field '" .. tostring(k) ..
-        "' (known: name, reload, knobs, cache, snapshot, optimizer, weights)")
+        "' (known: name, reload, knobs, cache, snapshot, optimizer, weights, recompute)")
     end
+  end
+  -- Recompute packs (checkpointing's forward run again inside backward) are
+  -- unpacked moments after they are packed: offloading them only adds two
+  -- copies, so a policy keeps them unless it says recompute = "decide"
+  -- (then its rules decide them like forward packs).
+  local recompute = spec.recompute
+  if recompute == nil then recompute = "keep" end
+  if recompute ~= "keep" and recompute ~= "decide" then
+    fail("policy", "recompute must be \"keep\" (the default) or \"decide\", got " ..
+      (type(recompute) == "string" and ("\"" .. recompute .. "\"") or type(recompute)))
   end
   local choose = { optimizer = host_chooser("optimizer", spec.optimizer),
                    weights = host_chooser("weights", spec.weights) }
@@ -1023,6 +1036,13 @@ function R.policy(spec)
   -- sort rules into stages, keeping the written order within a stage
   local stages = { [1] = {}, [2] = {}, [3] = {}, [4] = {}, [5] = {} }
   local modules = {}
+  if recompute == "keep" then
+    local keep = rule {
+      name = "keep_recompute()", stage = 1, scope = "site",
+      test = function(t) return t.phase == FORWARD end,
+    }
+    stages[1][1] = keep
+  end
   local n = #spec
   for i = 1, n do
     local r = spec[i]

@@ -10,5 +10,6 @@ return R.policy {
     R.HEAD),
   R.keep_last_layers(1),
   R.forward_only(),
+  recompute = "decide", -- forward_only() then gives the reason
   reload = R.prefetch(2),
 }
