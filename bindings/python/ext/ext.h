@@ -47,7 +47,7 @@ typedef struct torch_objects {
   PyObject *rf_enter, *rf_exit;
   int has_is_nested;
   int has_is_cpu;         /* Tensor.is_cpu exists (one attribute read instead of device.type) */
-  int has_untyped_storage; /* torch >= 2.0; torch 1.13's storage() is the (typed) one */
+  int has_untyped_storage; /* torch >= 2.0; else _storage() (storage() is Python code) */
 } torch_objects;
 extern torch_objects T;
 

@@ -25,7 +25,7 @@ int intern_names(void) {
   I(s_itemsize, "itemsize") I(s_element_size, "element_size") I(s_device, "device")
   I(s_version, "_version") I(s_detach, "detach") I(s_is_cpu, "is_cpu") I(s_cdata, "_cdata")
   I(s_nbytes, "nbytes") I(s_items, "items") I(s_module, "__module__")
-  I(s_qualname, "__qualname__") I(s_untyped_storage, "untyped_storage") I(s_storage, "storage")
+  I(s_qualname, "__qualname__") I(s_untyped_storage, "untyped_storage") I(s_storage, "_storage")
   I(s_grad_fn, "grad_fn") I(s_next_functions, "next_functions") I(s_variable, "variable")
 #undef I
   return 0;
