@@ -44,6 +44,8 @@
   X(pack_keyed_aliases_only_the_same_storage_and_version)                  \
   X(in_step_is_the_engines_own_flag)                                       \
   X(reloads_wait_for_the_compute_stream_before_writing)                    \
+  /* FERRY_FLAG_RESIZABLE (test_resizable.c) */                             \
+  X(resizable_pack_copies_before_it_returns)                               \
   /* fault injection (test_faults.c) */                                    \
   X(faults_lose_nothing)                                                   \
   X(faults_spec_is_checked)                                                \

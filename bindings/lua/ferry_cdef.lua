@@ -18,7 +18,7 @@ FERRY_KIND_ACTIVATION = 0, FERRY_KIND_PARAMETER = 1, FERRY_KIND_BUFFER = 2, FERR
 typedef enum ferry_phase {
 FERRY_PHASE_FORWARD = 0, FERRY_PHASE_RECOMPUTE = 1, FERRY_PHASE_BACKWARD = 2}ferry_phase;
 enum ferry_tensor_flags {
-FERRY_FLAG_VIEW = 1u << 0, FERRY_FLAG_CONTIGUOUS = 1u << 1};
+FERRY_FLAG_VIEW = 1u << 0, FERRY_FLAG_CONTIGUOUS = 1u << 1, FERRY_FLAG_RESIZABLE = 1u << 2};
 typedef struct ferry_tensor_desc {
 uint64_t bytes;
 int32_t dtype;

@@ -148,7 +148,12 @@ typedef enum ferry_phase {
 
 enum ferry_tensor_flags {
   FERRY_FLAG_VIEW = 1u << 0,       /* a view of another tensor's storage */
-  FERRY_FLAG_CONTIGUOUS = 1u << 1
+  FERRY_FLAG_CONTIGUOUS = 1u << 1,
+  /* The storage's owner may free or rewrite its bytes once ferry_pack
+   * returns (FSDP frees all-gathered weights with resize_(0) while
+   * references remain): an offload copy is waited for inside ferry_pack and
+   * the device buffer released, so unpack reloads the bytes as packed. */
+  FERRY_FLAG_RESIZABLE = 1u << 2
 };
 
 /*

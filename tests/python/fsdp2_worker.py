@@ -1,16 +1,25 @@
 """Worker of test_fsdp2.py (not a test module itself): one rank of FSDP2
 (fully_shard, gloo, CPU) training a small GPT three steps without ferry,
-with ferry told the model, and with ferry not told it.
+with ferry told the model, with ferry not told it, and with a policy that
+offloads everything, the all-gathered weights FSDP2 frees with resize_(0)
+included (its copies slowed by the host backend's link model).
 
   python fsdp2_worker.py RANK WORLD PORT OUT
 """
 import json
 import os
 import sys
+import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# Parameters too; a small stash, so most saved tensors are reloaded.
+OFFLOAD_ALL = """
+local R = require "ferry.rules"
+return R.policy { name = "offload-all", R.min_bytes(1024), R.max_stash(2), reload = R.on_use() }
+"""
 
 
 def local_bits(t):
@@ -31,7 +40,11 @@ def main(rank, world, port, out):
                             world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     runs, stats = {}, {}
-    for mode in ("plain", "model", "no_model"):
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(OFFLOAD_ALL)
+    offload_all = dict(policy=f.name, link=(2e8, 1e12, 0.0, 1.0))
+    modes = ("model", "no_model", "offload_all")
+    for mode in ("plain",) + modes:
         torch.manual_seed(0)
         model = GPT(layers=3)
         for block in model.h:
@@ -45,8 +58,9 @@ def main(rank, world, port, out):
             if mode == "plain":
                 loss = gpt_loss(model, batch)
             else:
-                with ft.offload(model if mode == "model" else None, policy="default",
-                                backend="host", min_offload_bytes=1024):
+                how = offload_all if mode == "offload_all" else dict(policy="default")
+                with ft.offload(model if mode == "model" else None, backend="host",
+                                min_offload_bytes=1024, **how):
                     loss = gpt_loss(model, batch)
             loss.backward()  # FSDP2 reduce-scatters the gradients here
             history.append([local_bits(loss)] + [local_bits(p.grad) for p in model.parameters()])
@@ -61,7 +75,8 @@ def main(rank, world, port, out):
             ft.close()
     same = {mode: all(torch.equal(a, b) for ha, hb in zip(runs["plain"], runs[mode])
                       for a, b in zip(ha, hb))
-            for mode in ("model", "no_model")}
+            for mode in modes}
+    os.unlink(f.name)
     dist.destroy_process_group()
     with open(out, "w") as f:
         json.dump({"same": same, "stats": stats}, f)

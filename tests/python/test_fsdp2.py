@@ -3,7 +3,10 @@ each rank trains bit-identically to FSDP2 without it, told the model or not.
 
 Before: offload(model) raised at entry (reading the DTensor parameters'
 storage); without model=, the all-gathered unsharded weights were classed as
-activations and offloaded, and FSDP2 freed their storage under the copy."""
+activations and offloaded, and FSDP2 freed their storage under the copy. A policy that
+offloads everything, parameters too, with slow copies: the copy read the
+freed bytes (wrong gradients or a crash) until parameters were packed
+FERRY_FLAG_RESIZABLE."""
 import json
 import os
 import socket
@@ -48,7 +51,7 @@ def test_fsdp2_gloo_two_ranks_bit_identical(tmp_path):
         assert p.returncode == 0, err[-4000:]
     for o in outs:
         r = json.loads(o.read_text())
-        assert r["same"] == {"model": True, "no_model": True}, r
+        assert r["same"] == {"model": True, "no_model": True, "offload_all": True}, r
         for mode, s in r["stats"].items():
             assert s["tensors_offloaded"] > 0 and s["bytes_h2d"] > 0, (mode, s)
             assert s["live_handles"] == 0, (mode, s)

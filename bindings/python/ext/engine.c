@@ -365,15 +365,30 @@ static void engine_close_impl(EngineObject *self) {
   /* Resident buffers' bytes are the arena's, and tensors over them
    * (torch.frombuffer holds the Resident, not a buffer export) may still
    * read them: the last buffer to go destroys the engine. */
-  if (self->residents_live > 0) {
+  if (self->residents_live > 0 || self->calls > 0) {
     self->closing = e;
     return;
   }
   ferry_engine_destroy(e);
 }
 
+ferry_engine *engine_call_begin(EngineObject *eng) {
+  Py_INCREF(eng);
+  eng->calls++;
+  return eng->e;
+}
+
+void engine_call_end(EngineObject *eng) {
+  if (--eng->calls == 0 && eng->closing && eng->residents_live == 0) {
+    ferry_engine *e = eng->closing;
+    eng->closing = NULL;
+    if (!eng->forked) ferry_engine_destroy(e);
+  }
+  Py_DECREF(eng);
+}
+
 void engine_resident_gone(EngineObject *eng) {
-  if (--eng->residents_live > 0 || !eng->closing) return;
+  if (--eng->residents_live > 0 || !eng->closing || eng->calls > 0) return;
   ferry_engine *e = eng->closing;
   eng->closing = NULL;
   if (!eng->forked) ferry_engine_destroy(e); /* a parent's: its threads did not fork */
@@ -435,7 +450,10 @@ static PyObject *engine_step_end(EngineObject *self, PyObject *unused) {
   self->in_backward = 0;
   self->depth = 0;
   if (kept_end_step(self) < 0) return NULL;
-  int rc = ferry_step_end(self->e);
+  if (!engine_live(self)) return NULL; /* a release closed it */
+  int rc = ferry_step_end(engine_call_begin(self));
+  engine_call_end(self);
+  if (!engine_live(self)) return NULL;
   if (rc == FERRY_ELEAK) {
     ferry_stats s;
     ferry_get_stats(self->e, &s, sizeof s);
@@ -451,7 +469,9 @@ static PyObject *engine_backward_begin(EngineObject *self, PyObject *unused) {
   if (PyErr_Occurred()) return NULL;
   self->in_backward = 1;
   self->backwards++;
-  return check_rc(self, ferry_backward_begin_on(self->e, stream));
+  int rc = ferry_backward_begin_on(engine_call_begin(self), stream);
+  engine_call_end(self);
+  return check_rc(self, rc);
 }
 
 static PyObject *engine_set_policy(EngineObject *self, PyObject *args, PyObject *kw) {

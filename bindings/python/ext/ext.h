@@ -47,7 +47,7 @@ typedef struct torch_objects {
   PyObject *rf_enter, *rf_exit;
   int has_is_nested;
   int has_is_cpu;         /* Tensor.is_cpu exists (one attribute read instead of device.type) */
-  int has_untyped_storage; /* torch >= 2.0; torch 1.13's storage() is the (typed) one */
+  int has_untyped_storage; /* torch >= 2.0; else _storage() (storage() is Python code) */
 } torch_objects;
 extern torch_objects T;
 
@@ -199,6 +199,9 @@ struct EngineObject {
    * read it, so close() leaves the engine to the last one (closing). */
   Py_ssize_t residents_live;
   ferry_engine *closing;
+  /* engine calls in progress (engine_call_begin): their callbacks run
+   * Python, which may close the engine; it is destroyed after them */
+  int calls;
 };
 
 /* What a pack returns for a tensor given to the engine (hooks.c). */
@@ -274,6 +277,11 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg);
 /* A Resident of eng gave its arena memory back (closed or freed): a
  * close() that waited for it destroys the engine now. */
 void engine_resident_gone(EngineObject *eng);
+/* Around a ferry call that may run Python (release, device_alloc, a wait
+ * letting the GIL go): a close() meanwhile destroys the engine only once
+ * the call returned. begin returns the engine (non-NULL: check first). */
+ferry_engine *engine_call_begin(EngineObject *eng);
+void engine_call_end(EngineObject *eng);
 /* nodecap.c */
 PyObject *nodecap_unlink(PyObject *unused, PyObject *arg);
 

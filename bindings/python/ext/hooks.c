@@ -11,7 +11,10 @@
 
 /* ---- Handle ------------------------------------------------------------------- */
 static void handle_dealloc(HandleObject *self) {
-  if (self->h && self->eng && self->eng->e) ferry_discard(self->eng->e, self->h);
+  if (self->h && self->eng && self->eng->e) {
+    ferry_discard(engine_call_begin(self->eng), self->h);
+    engine_call_end(self->eng);
+  }
   for (int i = 0; i < 3; i++) Py_XDECREF(self->sharers[i]);
   Py_XDECREF(self->result);
   Py_XDECREF(self->dtype);
@@ -415,6 +418,7 @@ static int32_t kind_of_tensor(EngineObject *eng, PyObject *t, void *ptr, int32_t
 /* Kind, phase and the innermost module site of the tensor t at ptr. */
 static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, PyObject *t, void *ptr) {
   d->kind = kind_of_tensor(eng, t, ptr, d->dtype);
+  if (d->kind == FERRY_KIND_PARAMETER) d->flags |= FERRY_FLAG_RESIZABLE; /* FSDP's resize_(0) */
   d->phase = eng->in_backward ? FERRY_PHASE_RECOMPUTE : FERRY_PHASE_FORWARD;
   if (eng->depth && (uint32_t)eng->stack[eng->depth - 1] < eng->n_sites) {
     const site *s = &eng->sites[eng->stack[eng->depth - 1]];
@@ -535,7 +539,9 @@ static PyObject *pack_to_engine(EngineObject *eng, PyObject *t, const ferry_tens
   PyObject *range = eng->profile_ranges ? range_enter(eng, "pack", hd->site) : NULL;
   /* aliases by storage and version, not address: an address written in
    * place, or freed and reused, since it was packed holds other bytes */
-  int rc = ferry_pack_keyed(eng->e, d, ptr, owner, stream, storage, hd->version, &h);
+  int rc = ferry_pack_keyed(engine_call_begin(eng), d, ptr, owner, stream, storage,
+                            hd->version, &h);
+  engine_call_end(eng);
   range_exit(range);
   if (rc) {
     /* Nothing is lost: the tensor is kept as a plain saved tensor. */
@@ -853,7 +859,10 @@ static PyObject *backward_done(PyObject *arg, PyObject *unused) {
     Py_DECREF(r);
   }
   eng->in_backward = 0;
-  if (eng->e) ferry_backward_end(eng->e);
+  if (eng->e) {
+    ferry_backward_end(engine_call_begin(eng));
+    engine_call_end(eng);
+  }
   Py_RETURN_NONE;
 }
 
@@ -935,13 +944,16 @@ static PyObject *unpack_impl(EngineObject *eng, PyObject *obj) {
   if (!eng->in_backward) {
     eng->in_backward = 1;
     eng->backwards++;
-    ferry_backward_begin_on(eng->e, stream);
+    ferry_backward_begin_on(engine_call_begin(eng), stream);
+    engine_call_end(eng);
+    if (!eng->e) return PyErr_Format(FerryError, "ferry: this engine was closed");
     end_backward_with_graph_task(eng);
   }
   void *ptr = NULL, *owner = NULL;
   eng->unpacking = hd;
   PyObject *range = eng->profile_ranges ? range_enter(eng, "unpack", hd->site) : NULL;
-  int rc = ferry_unpack(eng->e, hd->h, stream, &ptr, &owner);
+  int rc = ferry_unpack(engine_call_begin(eng), hd->h, stream, &ptr, &owner);
+  engine_call_end(eng);
   range_exit(range);
   eng->unpacking = NULL;
   if (rc) return raise_ferry(rc, ferry_last_error(eng->e));

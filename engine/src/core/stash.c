@@ -557,7 +557,11 @@ static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
   stash_entry *s = &e->entries[idx];
   *out = make_handle(e, idx);
   trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
+  /* its owner may free the bytes once we return (FSDP): copied, let go */
+  int resizable = (desc->flags & FERRY_FLAG_RESIZABLE) && s->state == ENTRY_STASHED;
+  void *copied = resizable ? stash_release(e, idx) : NULL;
   release_over_bound(e);
+  if (copied) e->cfg.release(e->cfg.callback_ud, copied);
   if (traced) ctrace_pack_done(e, t0, idx);
   return FERRY_OK;
 

@@ -677,6 +677,7 @@ static const named_const FERRY_CONSTANTS[] = {
     {"BACKWARD", FERRY_PHASE_BACKWARD},
     {"VIEW", FERRY_FLAG_VIEW},
     {"CONTIGUOUS", FERRY_FLAG_CONTIGUOUS},
+    {"RESIZABLE", FERRY_FLAG_RESIZABLE},
 };
 
 /* The dtypes, from the one dtype table in ferry.h; given to policies under
