@@ -109,21 +109,32 @@ def resize_and_reuse(offload):
                 break
             held.append(g)
         else:
-            pytest.fail("the allocator did not reuse the freed address; the case needs it")
+            return None  # mapped elsewhere this time (another thread's mmap came first)
         y2 = g * w
     del y1, held
     y2.sum().backward()
     return w.grad.clone(), x.grad.clone()
 
 
+def reused(offload, tries=5):
+    """resize_and_reuse until the allocator hands the freed block back (it
+    did not once, in a full suite run on the loaded machine); each try in a
+    fresh engine."""
+    for _ in range(tries):
+        ft.close()
+        got = resize_and_reuse(offload)
+        if got is not None:
+            return got
+    pytest.fail(f"the allocator did not reuse the freed address in {tries} tries; the case needs it")
+
+
 @pytest.mark.parametrize("policy", [OFFLOAD_ALL.format(stash=8), KEEP_ALL],
                          ids=["offload-all", "keep-all"])
 def test_storage_freed_and_address_reused_is_new_bytes(policy_file, policy):
     path = policy_file(policy)
-    got = resize_and_reuse(lambda: ft.offload(policy=path, backend="host"))
+    got = reused(lambda: ft.offload(policy=path, backend="host"))
     # w, saved by both products at one version, is one copy; g is not h
     assert ft.stats()["tensors_aliased"] == 1, ft.stats()
-    want = resize_and_reuse(lambda: torch.autograd.graph.saved_tensors_hooks(
-        lambda t: t, lambda t: t))
+    want = reused(lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
     for a, b in zip(got, want):
         assert torch.equal(a, b), (a - b).abs().max()
