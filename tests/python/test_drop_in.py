@@ -151,3 +151,24 @@ def test_policy_cache_falls_back_to_a_private_dir(tmp_path, monkeypatch):
     assert os.path.dirname(d) == str(shared) and d != str(planted)
     assert os.stat(d).st_mode & 0o777 == 0o700
     assert list(planted.iterdir()) == []
+
+
+def test_policy_cache_under_a_directory_others_can_write_is_not_used(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME in a directory others can write (no sticky bit): our
+    own ferry/policies there passed the check, although another user could
+    rename it away and put a directory of theirs, with their policy, in its
+    place. The policy goes to a directory of this process's own instead."""
+    import ferry
+    from ferry import _policy
+    monkeypatch.setattr(_policy, "_private_tmp", None, raising=False)
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    p = ferry.policy(min_bytes=4096, name="shared-parent")
+    assert not p.path.startswith(str(shared)), p.path
+    assert os.stat(os.path.dirname(p.path)).st_mode & 0o777 == 0o700
+    # the same cache below a directory of this user's alone is used
+    os.chmod(shared, 0o700)
+    p = ferry.policy(min_bytes=4096, name="own-parent")
+    assert p.path.startswith(str(shared / "ferry" / "policies")), p.path

@@ -391,3 +391,25 @@ def test_a_batch_start_returning_minus_one_leaves_no_context_open(tmp_path):
     import ferry.torch as ft
     assert ft.stats()["tensors_offloaded"] > 0
     assert probe.packed == 0
+
+
+def test_a_second_fit_logs_its_own_first_step(tmp_path):
+    """The engine's counters run on across fits in one process: the first
+    step of a second fit logged the first fit's offloads as well (the
+    increase from the engine's start: [135, 45] after [45, 45])."""
+    import csv
+    logged = []
+    for run in range(2):
+        logger = pl.loggers.CSVLogger(str(tmp_path / "logs"), name=f"fit{run}")
+        t = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger,
+                       log_every_n_steps=1, enable_progress_bar=False,
+                       enable_model_summary=False, enable_checkpointing=False,
+                       default_root_dir=str(tmp_path),
+                       callbacks=[ActivationOffload(policy="default", backend="host")])
+        torch.manual_seed(0)
+        t.fit(GPTModule(), gpt_loader())
+        rows = [r for r in csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv")))
+                if r.get("ferry/tensors_offloaded")]
+        logged.append([int(float(r["ferry/tensors_offloaded"])) for r in rows])
+    assert len(logged[0]) == 2 and logged[0][0] > 0, logged
+    assert logged[1] == logged[0], logged

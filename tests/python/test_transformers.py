@@ -143,3 +143,28 @@ def test_nothing_left_behind_after_an_exception(tmp_path):
     model(input_ids=torch.randint(0, 96, (2, 16)), labels=torch.randint(0, 96, (2, 16))).loss.backward()
     assert ft.stats()["tensors_packed"] == packed
     assert "forward" not in model.__dict__  # the wrapper removed itself
+
+
+def test_a_deepcopy_of_the_model_during_training_runs_itself(tmp_path):
+    """A callback that copies the model while training (an EMA or evaluation
+    copy): the copy's forward was the callback's closure, shared by
+    deepcopy, so the copy ran the original model. Now the copy runs its own
+    weights (here a zeroed head: all logits 0)."""
+    import copy
+
+    class Twin(transformers.TrainerCallback):
+        logits = None
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if self.logits is None:
+                twin = copy.deepcopy(model)
+                torch.nn.init.zeros_(twin.lm_head.weight)
+                twin.eval()
+                with torch.no_grad():
+                    self.logits = twin(input_ids=torch.randint(0, 96, (1, 8))).logits
+
+    twin = Twin()
+    cb = ActivationOffloadCallback(policy="default", backend="host")
+    model, _ = fit(tmp_path, [cb, twin], 1)
+    assert twin.logits is not None and torch.count_nonzero(twin.logits) == 0
+    assert "forward" not in model.__dict__

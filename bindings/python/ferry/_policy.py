@@ -79,6 +79,29 @@ def _private_dir(d):
     return d
 
 
+def _ancestors_private(d):
+    """Whether no other user can rename or replace anything on d's real
+    path: every directory above it is this user's or root's, and writable by
+    others only with the sticky bit (/tmp). Else a directory d of ours in,
+    say, a world-writable XDG_CACHE_HOME could be swapped for another
+    user's after it was checked."""
+    real = os.path.realpath(d)
+    parent = os.path.dirname(real)
+    while True:
+        try:
+            st = os.stat(parent)
+        except OSError:
+            return False
+        if st.st_uid not in (0, os.getuid()):
+            return False
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return False
+        up = os.path.dirname(parent)
+        if up == parent:
+            return True
+        parent = up
+
+
 def _cache_dir():
     """~/.cache/ferry/policies (XDG_CACHE_HOME), or where the home cannot be
     written a directory of this process's own made by mkdtemp (mode 0700,
@@ -89,7 +112,7 @@ def _cache_dir():
     d = os.path.join(base, "ferry", "policies")
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
-        if _private_dir(d) and os.access(d, os.W_OK):
+        if _private_dir(d) and os.access(d, os.W_OK) and _ancestors_private(d):
             return d
     except OSError:
         pass

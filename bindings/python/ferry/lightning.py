@@ -301,6 +301,11 @@ class ActivationOffload(Callback):
         self._leave()
         self._ctx = offload(pl_module, policy=self.policy, backend=self.backend, **self.knobs)
         self._ctx.__enter__()
+        if self.log_stats and self._base is None:
+            # the engine's counters run on across fits in one process: the
+            # first step's increase is from here, not from the engine's start
+            s = stats()
+            self._base = {k: s[k] for k in _STEP_COUNTERS}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -309,8 +314,7 @@ class ActivationOffload(Callback):
             # Lightning writes a step's logs once per optimizer step, with
             # the values of its last micro-batch: log what the whole step did.
             s = stats()
-            base = self._base or {k: 0 for k in _STEP_COUNTERS}
-            logged = {f"ferry/{k}": float(s[k] - base[k]) for k in _STEP_COUNTERS}
+            logged = {f"ferry/{k}": float(s[k] - self._base[k]) for k in _STEP_COUNTERS}
             logged.update({f"ferry/{k}": float(s[k]) for k in _LEVELS})
             if trainer.global_step != self._base_step:  # this batch stepped
                 self._base = {k: s[k] for k in _STEP_COUNTERS}

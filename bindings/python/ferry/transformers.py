@@ -15,13 +15,15 @@ optimizer step, not per micro-batch), a reentrant checkpoint's
 recomputation inside backward is not offloaded, and nothing of ferry's is
 active outside the model's forward: after an exception anywhere in the
 Trainer (which calls no callback then) no saved-tensor hook stays pushed,
-and the wrapper removes itself at the model's next forward once the
-training loop that installed it has ended. The same works in an accelerate
+and the wrapper removes itself at the model's next training forward once
+the training loop that installed it has ended. A deepcopy of the model
+runs its own forward, without ferry. The same works in an accelerate
 loop: wrap each forward in ``ferry.torch.offload(model)``
 (examples/accelerate_loop.py).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -58,6 +60,37 @@ def _on_stack(mark):
     return False
 
 
+class _OffloadingForward:
+    """The model's forward while the callback is installed: each training
+    forward inside ferry.torch.offload. An object, not a closure, so that a
+    deepcopy of the model (an EMA or evaluation copy made by a callback)
+    gets a forward of its own: a closure would be shared by the copy and run
+    the original model."""
+
+    def __init__(self, cb, model, inner, loop):
+        functools.update_wrapper(self, inner)
+        self._cb, self._model, self._inner, self._loop = cb, model, inner, loop
+
+    def __call__(self, *a, **kw):
+        cb, model, inner = self._cb, self._model, self._inner
+        if cb._inside or not (model.training and torch.is_grad_enabled()):
+            return inner(*a, **kw)  # a nested call, or evaluation
+        if cb._wrapped is None or not _on_stack(self._loop):
+            cb._remove()  # the training loop ended without on_train_end
+            return inner(*a, **kw)
+        cb._inside = True
+        try:
+            with offload(model, policy=cb.policy, backend=cb.backend, **cb.knobs):
+                return inner(*a, **kw)
+        finally:
+            cb._inside = False
+
+    def __deepcopy__(self, memo):
+        # the copy's own forward (accelerate's wrapper or the class's,
+        # rebound to the copy by deepcopy), without ferry
+        return copy.deepcopy(self._inner, memo)
+
+
 class ActivationOffloadCallback(TrainerCallback):
     """Offload the activations of every training forward of a ``Trainer``.
 
@@ -87,22 +120,7 @@ class ActivationOffloadCallback(TrainerCallback):
         loop = _loop_frame()
         inner = model.forward  # the bound method, or a wrapper of accelerate's
         had_own = "forward" in model.__dict__
-        cb = self
-
-        @functools.wraps(inner)
-        def forward(*a, **kw):
-            if cb._inside or not (model.training and torch.is_grad_enabled()):
-                return inner(*a, **kw)  # a nested call, or evaluation
-            if cb._wrapped is None or not _on_stack(loop):
-                cb._remove()  # the training loop ended without on_train_end
-                return inner(*a, **kw)
-            cb._inside = True
-            try:
-                with offload(model, policy=cb.policy, backend=cb.backend, **cb.knobs):
-                    return inner(*a, **kw)
-            finally:
-                cb._inside = False
-
+        forward = _OffloadingForward(self, model, inner, loop)
         model.forward = forward
         self._wrapped = (model, forward, inner if had_own else None)
 
