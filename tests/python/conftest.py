@@ -111,6 +111,17 @@ def read_trace(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def offloads_per_step(trace):
+    """Offloaded packs per engine step of a recorded trace, steps without
+    one as 0 (closes the session first: that flushes the trace)."""
+    ft.close()
+    per = {}
+    for e in read_trace(trace):
+        if e["ev"] == "pack" and e["decision"] == "offload":
+            per[e["step"]] = per.get(e["step"], 0) + 1
+    return [per.get(s, 0) for s in range(min(per), max(per) + 1)] if per else []
+
+
 # ---- models --------------------------------------------------------------------------
 class Block(torch.nn.Module):
     """GPT-2-style block with module names the shipped policies know

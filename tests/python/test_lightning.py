@@ -200,7 +200,7 @@ def test_failed_write_raises_at_teardown(tmp_path):
 
 
 # ---- ActivationOffload: activations offloaded in every training step ---------
-from conftest import GPT, gpt_batch, gpt_loss  # noqa: E402
+from conftest import GPT, gpt_batch, gpt_loss, offloads_per_step  # noqa: E402
 from ferry.lightning import ActivationOffload  # noqa: E402
 
 EVERYTHING = """
@@ -302,17 +302,6 @@ class TwoPairs(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def offloads_per_step(trace):
-    import ferry.torch as ft
-    from conftest import read_trace
-    ft.close()  # flushes the trace
-    per = {}
-    for e in read_trace(trace):
-        if e["ev"] == "pack" and e["decision"] == "offload":
-            per[e["step"]] = per.get(e["step"], 0) + 1
-    return [per[s] for s in sorted(per)]
 
 
 def test_two_forward_backward_pairs_in_a_manual_step_offload_alike(tmp_path):

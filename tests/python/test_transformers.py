@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import ferry.torch as ft  # noqa: E402
-from conftest import read_trace  # noqa: E402
+from conftest import offloads_per_step  # noqa: E402
 from ferry.transformers import ActivationOffloadCallback  # noqa: E402
 
 EVERYTHING = """
@@ -68,15 +68,6 @@ local R = require "ferry.rules"
 return R.policy { name = "forward_only", R.min_bytes(0), R.exclude_params_and_buffers(),
                   R.forward_only(), recompute = "decide", R.max_stash(0), reload = R.on_use() }
 """
-
-
-def offloads_per_step(trace):
-    ft.close()  # flushes the trace
-    per = {}
-    for e in read_trace(trace):
-        if e["ev"] == "pack" and e["decision"] == "offload":
-            per[e["step"]] = per.get(e["step"], 0) + 1
-    return [per.get(s, 0) for s in range(min(per), max(per) + 1)] if per else []
 
 
 @pytest.mark.parametrize("policy", ["forward_only", "fraction"])
