@@ -238,6 +238,10 @@ TEST(policy_hostile_c_recursion) {
       {"format_nest",
        "local o = {} setmetatable(o, { __tostring = function() return string.format('%s', o) end })",
        "tostring(o)", "nested too deeply (limit 64)"},
+      /* LuaJIT's %q converts through __tostring too */
+      {"format_q_nest",
+       "local o = {} setmetatable(o, { __tostring = function() return string.format('%q', o) end })",
+       "tostring(o)", "nested too deeply (limit 64)"},
       {"sort_nest",
        "local function less(a, b) table.sort({3, 2, 1}, less) return a < b end",
        "table.sort({3, 2, 1}, less)", "table.sort nested too deeply (limit 64)"},
