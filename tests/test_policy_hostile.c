@@ -368,6 +368,10 @@ TEST(policy_hostile_more) {
        "local _ = o.x", "tostring nested too deeply (limit 64)"},
       {"concat_mm", "local o = setmetatable({}, { __concat = string.format, __tostring = tostring })",
        "local _ = '%s' .. o", "nested too deeply (limit 64)"},
+      /* a replacement's %0-%9 of empty captures add nothing to the result:
+       * no allocation read the clock, minutes in one gsub */
+      {"gsub_repl_escapes", "local r = ('%1'):rep(4e6) local s = ('b'):rep(1000)",
+       "local _ = s:gsub('(a*)', r)", "string.gsub: a replacement with 4000000 escapes"},
       {"gsub_c_repl", "local s = ('x'):rep(1e5)", "s:gsub('.', string.upper)",
        "string.gsub: the replacement must be a string, a table or a Lua function"},
   };
