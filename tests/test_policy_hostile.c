@@ -384,3 +384,29 @@ TEST(policy_hostile_more) {
   RUN_ALL(cases);
   return 0;
 }
+
+/* The parse allocates under the memory cap, whose clock checks must use
+ * the load's deadline: a policy with a 2 MB string literal was refused as
+ * "interrupted after 50 ms, the wall-clock budget of a decision". */
+TEST(policy_large_source_loads) {
+  size_t n = 2u << 20;
+  char *src = malloc(n + 200);
+  CHECK(src != NULL);
+  int len = snprintf(src, 200, "local s = '");
+  memset(src + len, 'x', n);
+  snprintf(src + len + n, 200, "'\nreturn { api = 1, decide = function() return #s > 0 and "
+                               "ferry.OFFLOAD or ferry.KEEP end }\n");
+  char err[512] = "";
+  ferry_policy *p = NULL;
+  int rc = ferry_policy_create(NULL, src, 0, &p, err, sizeof err);
+  free(src);
+  if (rc != FERRY_OK) fprintf(stderr, "  load: %s\n", err);
+  CHECK_OK(rc);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  d.bytes = 4096;
+  ferry_decision out;
+  ferry_policy_decide(p, &d, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_destroy(p);
+  return 0;
+}
