@@ -234,6 +234,7 @@
   X(policy_needs_stated_stack)                                             \
   X(policy_hostile_globals_after_raw_set)                                  \
   X(policy_hostile_more)                                                   \
+  X(policy_large_source_loads)                                             \
   /* @@policy */
 
 /* Tests that exist only in ferry_tests_cuda_double (the CUDA test double's

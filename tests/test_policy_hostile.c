@@ -238,6 +238,10 @@ TEST(policy_hostile_c_recursion) {
       {"format_nest",
        "local o = {} setmetatable(o, { __tostring = function() return string.format('%s', o) end })",
        "tostring(o)", "nested too deeply (limit 64)"},
+      /* LuaJIT's %q converts through __tostring too */
+      {"format_q_nest",
+       "local o = {} setmetatable(o, { __tostring = function() return string.format('%q', o) end })",
+       "tostring(o)", "nested too deeply (limit 64)"},
       {"sort_nest",
        "local function less(a, b) table.sort({3, 2, 1}, less) return a < b end",
        "table.sort({3, 2, 1}, less)", "table.sort nested too deeply (limit 64)"},
@@ -364,9 +368,45 @@ TEST(policy_hostile_more) {
        "local _ = o.x", "tostring nested too deeply (limit 64)"},
       {"concat_mm", "local o = setmetatable({}, { __concat = string.format, __tostring = tostring })",
        "local _ = '%s' .. o", "nested too deeply (limit 64)"},
+      /* a replacement's %0-%9 of empty captures add nothing to the result:
+       * no allocation read the clock, minutes in one gsub */
+      {"gsub_repl_escapes", "local r = ('%1'):rep(4e6) local s = ('b'):rep(1000)",
+       "local _ = s:gsub('(a*)', r)", "string.gsub: a string replacement with 4000000 escapes"},
+      /* one empty match per byte, each looked up in the table: 466 ms
+       * in one call on 6 MB, estimated as 19 ms */
+      {"gsub_table_matches", "local s = ('x'):rep(6e6)", "local _ = s:gsub('', {})",
+       "string.gsub: a table replacement with 0 escapes"},
+      {"gsub_string_matches", "local s = ('x'):rep(6e6)", "local _ = s:gsub('', '')",
+       "string.gsub: a string replacement with 0 escapes"},
       {"gsub_c_repl", "local s = ('x'):rep(1e5)", "s:gsub('.', string.upper)",
        "string.gsub: the replacement must be a string, a table or a Lua function"},
   };
   RUN_ALL(cases);
+  return 0;
+}
+
+/* The parse allocates under the memory cap, whose clock checks must use
+ * the load's deadline: a policy with a 2 MB string literal was refused as
+ * "interrupted after 50 ms, the wall-clock budget of a decision". */
+TEST(policy_large_source_loads) {
+  size_t n = 2u << 20;
+  char *src = malloc(n + 200);
+  CHECK(src != NULL);
+  int len = snprintf(src, 200, "local s = '");
+  memset(src + len, 'x', n);
+  snprintf(src + len + n, 200, "'\nreturn { api = 1, decide = function() return #s > 0 and "
+                               "ferry.OFFLOAD or ferry.KEEP end }\n");
+  char err[512] = "";
+  ferry_policy *p = NULL;
+  int rc = ferry_policy_create(NULL, src, 0, &p, err, sizeof err);
+  free(src);
+  if (rc != FERRY_OK) fprintf(stderr, "  load: %s\n", err);
+  CHECK_OK(rc);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  d.bytes = 4096;
+  ferry_decision out;
+  ferry_policy_decide(p, &d, NULL, &out);
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_destroy(p);
   return 0;
 }

@@ -35,7 +35,8 @@ static int sandbox_tostring(lua_State *L) {
 
 /* The index of the argument each conversion of fmt takes, as LuaJIT's
  * lj_strfmt_parse reads it (flags, up to 2 digits of width, '.', up to 2
- * of precision, the conversion); calls each(L, arg) for every %s. */
+ * of precision, the conversion); calls each(L, arg) for every %s and %q
+ * (LuaJIT's %q also converts through __tostring, from C). */
 static void for_each_string_arg(lua_State *L, const char *fmt, size_t len,
                                 void (*each)(lua_State *, int)) {
   int arg = 1;
@@ -54,11 +55,11 @@ static void for_each_string_arg(lua_State *L, const char *fmt, size_t len,
     }
     if (i >= len) return; /* the real format reports it */
     arg++;
-    if (fmt[i] == 's') each(L, arg);
+    if (fmt[i] == 's' || fmt[i] == 'q') each(L, arg);
   }
 }
 
-/* A %s argument with __tostring becomes its string here, through the
+/* A %s or %q argument with __tostring becomes its string here, through the
  * sandbox's tostring: LuaJIT's format would call __tostring from C
  * (uncounted nesting) and again on a result that still has one. */
 static void stringify_arg(lua_State *L, int arg) {

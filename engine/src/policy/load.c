@@ -386,6 +386,13 @@ int ferry_policy_create(const char *path, const char *source, int trusted, ferry
     snprintf(chunkname, sizeof chunkname, "@%s", path);
   else
     copy_str(chunkname, sizeof chunkname, "=policy");
+  /* the parse allocates under the cap, which reads the clock every MiB:
+   * against the load's deadline (a 2 MB string literal was refused as
+   * over a decision's budget) */
+  p->loading = 1;
+  p->alloc_unchecked = 0;
+  p->interrupt = INTERRUPT_NONE;
+  p->deadline_ns = util_now_ns() + p->load_budget_ns;
   p->enforce_cap = 1;
   int status = luaL_loadbufferx(L, code, src_len - (size_t)(code - src), chunkname, "t");
   p->enforce_cap = 0;

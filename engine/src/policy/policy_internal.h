@@ -45,6 +45,9 @@
 #define PATTERN_NS_PER_STEP 2.5             /* see pattern_steps (sandbox.c) */
 #define PLAIN_NS_PER_BYTE 0.5               /* plain find: one byte compared */
 #define C_CALL_MAX_NS 20000000.0            /* the most one accepted call may take */
+#define GSUB_ESCAPE_NS 32.0                 /* gsub: one %0-%9 of the replacement, one match */
+#define GSUB_STRING_MATCH_NS 32.0           /* gsub: one match with a string replacement */
+#define GSUB_TABLE_MATCH_NS 100.0           /* gsub: one match looked up in a table */
 #define MOVE_NS_PER_ITEM 20.0               /* table.insert: one element moved */
 #define CONCAT_NS_PER_ITEM 20.0             /* table.concat: one element appended */
 #define TABLE_CHUNK 65536                   /* elements between two charges of the work */
