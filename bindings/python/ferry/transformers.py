@@ -75,7 +75,7 @@ class _OffloadingForward:
         cb, model, inner = self._cb, self._model, self._inner
         if cb._inside or not (model.training and torch.is_grad_enabled()):
             return inner(*a, **kw)  # a nested call, or evaluation
-        if cb._wrapped is None or not _on_stack(self._loop):
+        if cb._wrapped is None or self._loop is None or not _on_stack(self._loop):
             cb._remove()  # the training loop ended without on_train_end
             return inner(*a, **kw)
         cb._inside = True
