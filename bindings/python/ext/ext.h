@@ -267,6 +267,11 @@ PyObject *int_tuple(const int64_t *v, int32_t n);
 /* torch.cuda.current_stream() of a cuda engine, else NULL */
 void *compute_stream(EngineObject *eng);
 PyObject *compute_stream_object(EngineObject *eng);
+/* profiler_ranges.c: a torch profiler range named "ferry WHAT: <module
+ * path>" while the profiler runs (NULL when none could be made); its exit,
+ * which keeps a raised error raised */
+PyObject *range_enter(EngineObject *eng, const char *what, int32_t site_id);
+void range_exit(PyObject *h);
 /* sites.c */
 PyObject *engine_site_hooks(EngineObject *self, PyObject *arg);
 /* snapshot.c */
