@@ -9,15 +9,6 @@
 
 enum { SZ = 64 << 10 };
 
-static int offload_all(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
-                       ferry_decision *out) {
-  out->action = FERRY_OFFLOAD;
-  out->reload = FERRY_RELOAD_ON_USE;
-  out->prefetch_distance = 0;
-  out->cacheable = 1;
-  return FERRY_OK;
-}
-
 static ferry_tensor_desc desc_bytes(uint64_t bytes) {
   ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
   d.bytes = bytes;
@@ -42,7 +33,7 @@ TEST(pack_keyed_aliases_only_the_same_storage_and_version) {
   test_device_stats st = {0};
   ferry_config c = test_engine_config(&st);
   c.retain = test_device_retain_cb;
-  c.decide = offload_all;
+  c.decide = test_decide_offload_on_use;
   c.min_offload_bytes = 0;
   c.max_fwd_stash = 8;
   ferry_engine *e = NULL;

@@ -44,4 +44,15 @@ void test_device_retain_cb(void *ud, void *owner);
  * above (callback_ud = st, which may be NULL). */
 ferry_config test_engine_config(test_device_stats *st);
 
+/* A decide callback that offloads every tensor, reloaded on use, cacheable. */
+static inline int test_decide_offload_on_use(void *ud, const ferry_tensor_desc *d,
+                                             const ferry_context *ctx, ferry_decision *out) {
+  (void)ud, (void)d, (void)ctx;
+  out->action = FERRY_OFFLOAD;
+  out->reload = FERRY_RELOAD_ON_USE;
+  out->prefetch_distance = 0;
+  out->cacheable = 1;
+  return FERRY_OK;
+}
+
 #endif

@@ -17,21 +17,12 @@
 #define BYTES (256u << 10)
 #define BUSY_BYTES (4u << 20)
 
-static int offload_everything(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
-                              ferry_decision *out) {
-  out->action = FERRY_OFFLOAD;
-  out->reload = FERRY_RELOAD_ON_USE;
-  out->prefetch_distance = 0;
-  out->cacheable = 1;
-  return FERRY_OK;
-}
-
 /* The engine of these tests: every tensor offloaded and reloaded (no
  * forward stash); on the host backend 256 KiB at 200 MB/s is ~1.3 ms a copy,
  * on every stream. */
 static ferry_config ordering_config(void) {
   ferry_config c = test_engine_config(NULL);
-  c.decide = offload_everything;
+  c.decide = test_decide_offload_on_use;
   c.min_offload_bytes = 0;
   c.max_fwd_stash = 0;
   c.link.h2d_bytes_per_s = c.link.d2h_bytes_per_s = 200e6;

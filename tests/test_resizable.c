@@ -11,19 +11,10 @@
 
 enum { RSZ = 64 << 10 };
 
-static int offload_everything(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
-                              ferry_decision *out) {
-  out->action = FERRY_OFFLOAD;
-  out->reload = FERRY_RELOAD_ON_USE;
-  out->prefetch_distance = 0;
-  out->cacheable = 1;
-  return FERRY_OK;
-}
-
 TEST(resizable_pack_copies_before_it_returns) {
   test_device_stats st = {0};
   ferry_config c = test_engine_config(&st);
-  c.decide = offload_everything;
+  c.decide = test_decide_offload_on_use;
   c.min_offload_bytes = 0;
   c.max_fwd_stash = 8;               /* room to stay stashed: no bound pushes it out */
   c.link.d2h_bytes_per_s = 4e6;      /* on the host backend: a 16 ms copy, read late */

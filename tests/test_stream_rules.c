@@ -180,19 +180,10 @@ static void *unpack_holding_the_gil(void *arg) {
   return NULL;
 }
 
-static int offload_on_use(void *ud, const ferry_tensor_desc *d, const ferry_context *ctx,
-                          ferry_decision *out) {
-  out->action = FERRY_OFFLOAD;
-  out->reload = FERRY_RELOAD_ON_USE;
-  out->prefetch_distance = 0;
-  out->cacheable = 1;
-  return FERRY_OK;
-}
-
 TEST(waiting_for_a_reload_lets_the_embedders_lock_go) {
   gil_ctx g = {.gil = PTHREAD_MUTEX_INITIALIZER};
   ferry_config c = test_engine_config(&g.st);
-  c.decide = offload_on_use;
+  c.decide = test_decide_offload_on_use;
   c.min_offload_bytes = 0;
   c.max_fwd_stash = 1;
   c.device_alloc = alloc_letting_the_gil_go;
