@@ -1,0 +1,122 @@
+"""What the checks of tests/gpu share: their arguments, whether there is a GPU,
+and the fragment each writes (its status and its figures, keys from
+schema.py) for summary.py. Without a GPU each check still runs as far as it
+can without one (imports, models built on the CPU, a smoke step where one is
+cheap) and writes its keys as null with the reason."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import schema
+
+
+def args(doc, extra=None):
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="the fragment (JSON) this check writes")
+    ap.add_argument("--build", required=True, help="the build directory (bin/, python/)")
+    ap.add_argument("--work", required=True, help="a scratch directory")
+    if extra:
+        extra(ap)
+    return ap.parse_args()
+
+
+def no_gpu_reason():
+    """None when torch sees a CUDA device and on-device.sh found one."""
+    why = os.environ.get("FERRY_GPU_NO_GPU")
+    if why:
+        return why
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return None
+
+
+class Fragment:
+    """One step's figures: every key of schema.FIGURES[step], null until set."""
+
+    def __init__(self, step, path):
+        self.step, self.path = step, path
+        self.figures = dict.fromkeys(schema.FIGURES[step])
+        self.status, self.reason, self.notes = "ok", None, []
+        self.t0 = time.perf_counter()
+
+    def __setitem__(self, key, value):
+        if key not in self.figures:
+            raise KeyError(f"{self.step}: figure {key!r} is not in tests/gpu/schema.py")
+        if hasattr(value, "item"):
+            value = value.item()
+        self.figures[key] = value
+
+    def no_gpu(self, why):
+        self.status, self.reason = "no GPU", why
+        print(f"{self.step}: no GPU ({why}): figures null")
+
+    def note(self, text):
+        print(f"{self.step}: {text}")
+        self.notes.append(text)
+
+    def write(self):
+        with open(self.path, "w") as f:
+            json.dump({"step": self.step, "status": self.status, "reason": self.reason,
+                       "notes": self.notes, "figures": self.figures,
+                       "seconds": round(time.perf_counter() - self.t0, 1)}, f, indent=1)
+        shown = {k: v for k, v in self.figures.items() if v is not None}
+        print(f"{self.step}: {self.status}; {json.dumps(shown)}")
+
+
+def run(cmd, timeout, **kw):
+    """A subprocess under its own bound; (exit code or 'timeout', output)."""
+    print("$ " + " ".join(map(str, cmd)), flush=True)
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout, **kw)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or ""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        sys.stdout.write(out)
+        return "timeout", out
+    sys.stdout.write(p.stdout)
+    sys.stdout.flush()
+    return p.returncode, p.stdout
+
+
+def timed(torch, fn, on_gpu):
+    """fn() timed in ms, the device synchronized on both sides."""
+    if on_gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3, r
+
+
+def bits_equal(torch, a, b):
+    """Bit for bit (NaNs compared by their bits)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().contiguous(), b.detach().contiguous()
+    if a.device != b.device:
+        b = b.to(a.device)
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+def main(step, doc, body, extra=None):
+    """Parses the arguments, runs body(args, fragment), writes the fragment
+    (also when body raises: the step then fails with the fragment's nulls)."""
+    a = args(doc, extra)
+    sys.path.insert(0, os.path.join(a.build, "python"))
+    frag = Fragment(step, a.out)
+    try:
+        body(a, frag)
+    except BaseException as e:
+        frag.status, frag.reason = "failed", f"{type(e).__name__}: {e}"
+        frag.write()
+        raise
+    frag.write()
+    return 1 if frag.status == "failed" else 0
