@@ -70,7 +70,9 @@ class Fragment:
 
 
 def run(cmd, timeout, **kw):
-    """A subprocess under its own bound; (exit code or 'timeout', output)."""
+    """A subprocess under its own bound (stretched by FERRY_GPU_TIME_SCALE, as
+    on-device.sh stretches the step's); (exit code or 'timeout', output)."""
+    timeout *= float(os.environ.get("FERRY_GPU_TIME_SCALE", "1"))
     print("$ " + " ".join(map(str, cmd)), flush=True)
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

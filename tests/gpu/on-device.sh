@@ -52,11 +52,14 @@ if [ "$total" -gt "$BUDGET_S" ]; then
   echo "on-device: the steps' time bounds add up to ${total}s, over ${BUDGET_S}s" >&2
   exit 2
 fi
-bound() { awk -v n="$1" '$1 == n { print $2 }' <<<"$STEP_TABLE"; }
+# FERRY_GPU_TIME_SCALE stretches every bound (the rehearsal builds on 2 shared cores)
+SCALE=${FERRY_GPU_TIME_SCALE:-1}
+bound() { awk -v n="$1" -v k="$SCALE" '$1 == n { print int($2 * k) }' <<<"$STEP_TABLE"; }
 logof() { awk -v n="$1" '$1 == n { print $3 }' <<<"$STEP_TABLE"; }
 needs_gpu() { [ "$(awk -v n="$1" '$1 == n { print $4 }' <<<"$STEP_TABLE")" = 1 ]; }
 
 rm -rf "$STEPS" "$OUT" && mkdir -p "$OUT" "$STEPS" "$WORK"
+export FERRY_GPU_TIME_SCALE=$SCALE ROOT OUT CARRY WORK PYTHON PREFIX BUILD STEPS MULTIARCH LIBDIR
 
 # ---- is there a GPU? ----------------------------------------------------------
 GPU=1 NO_GPU_WHY="" ARCH=""
@@ -70,7 +73,7 @@ elif ! cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/nul
 else
   ARCH=${cap//./}
 fi
-export FERRY_GPU_NO_GPU="$NO_GPU_WHY"  # the Python checks read it: nulls with this reason
+export GPU ARCH NO_GPU_WHY FERRY_GPU_NO_GPU="$NO_GPU_WHY"  # the Python checks read it: nulls with this reason
 echo "on-device: $([ $GPU = 1 ] && echo "GPU of compute capability $cap (sm_$ARCH)" || echo "no GPU ($NO_GPU_WHY)"); work in $WORK, files to $OUT"
 
 # Runs one step of the table: its own time bound, its log, its record in
@@ -86,7 +89,8 @@ step() {
     return 0
   fi
   t0=$(date +%s.%N)
-  timeout -k 5 "$t" "$@" >> "$log" 2>&1
+  # a function of this script runs in a child bash (exported: export -f)
+  timeout -k 5 "$t" bash -c '"$@"' "$name" "$@" >> "$log" 2>&1
   rc=$?
   case $rc in
     0) status=ok ;;
@@ -136,6 +140,7 @@ unpack() {
   done
   echo "unpacked $n packages into $PREFIX, $(ls "$CARRY"/wheels/*.whl 2>/dev/null | wc -l) wheels into $WORK/site"
 }
+export -f unpack_deb unpack
 step unpack unpack
 
 # The build and the checks find the libraries in the prefix only.
@@ -149,10 +154,11 @@ configure() {
   local gen=() cuda=(-DFERRY_CUDA=OFF)
   command -v ninja >/dev/null && gen=(-G Ninja)
   [ $GPU = 1 ] && cuda=(-DFERRY_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCH")
-  rm -rf "$BUILD"
+  # a rerun on the same machine keeps the build of the run before
   cmake -S "$ROOT" -B "$BUILD" "${gen[@]}" "${cuda[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "-DPKG_CONFIG_EXECUTABLE=$PREFIX/usr/bin/pkgconf" "-DFERRY_PYTHONS=$PYTHON"
 }
+export -f configure
 step configure configure
 
 build() {
@@ -161,6 +167,7 @@ build() {
   [ $GPU = 1 ] && targets+=(ferry_bench ferry_tests ferry_tests_gpu)
   cmake --build "$BUILD" -j"$(nproc)" --target "${targets[@]}"
 }
+export -f build
 step build build
 
 # ---- 3. the checks ------------------------------------------------------------------
@@ -169,12 +176,14 @@ py() {  # SCRIPT STEP [ARGS]: a check of tests/gpu writing its figures to STEPS/
   shift 2
   "$PYTHON" "$ROOT/tests/gpu/$script" --out "$STEPS/$name.json" --build "$BUILD" --work "$WORK" "$@"
 }
+export -f py
 step env py gpu_env.py env
 step link py gpu_link.py link
 suite() {
   "$BUILD/bin/ferry_tests" $("$BUILD/bin/ferry_tests" --list | grep '^cuda_') &&
     FERRY_TEST_BACKEND=cuda "$BUILD/bin/ferry_tests_gpu"
 }
+export -f suite
 step suite suite
 step test_cuda py gpu_pytest.py test_cuda
 step bench_gpu py gpu_bench.py bench_gpu
