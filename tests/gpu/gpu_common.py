@@ -102,7 +102,7 @@ def bits_equal(torch, a, b):
     """Bit for bit (NaNs compared by their bits)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    a, b = a.detach().contiguous(), b.detach().contiguous()
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
     if a.device != b.device:
         b = b.to(a.device)
     return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
@@ -113,6 +113,9 @@ def main(step, doc, body, extra=None):
     (also when body raises: the step then fails with the fragment's nulls)."""
     a = args(doc, extra)
     sys.path.insert(0, os.path.join(a.build, "python"))
+    # the checks' own subprocesses (pytest, gpu_train_step.py) import it too
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(a.build, "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     frag = Fragment(step, a.out)
     try:
         body(a, frag)

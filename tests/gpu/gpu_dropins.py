@@ -46,7 +46,7 @@ def load_torchtune(site):
         raise FileNotFoundError(f"{path}: carry torchtune's wheel (tests/gpu/gather.sh)")
     with open(os.path.join(site, "torchtune", "__init__.py")) as fh:
         version = re.search(r"__version__ = '([^']+)'", fh.read()).group(1)
-    stand_ins = []
+    stand_ins, added = [], []
     try:
         import torchao  # noqa: F401
         from torchao.dtypes.nf4tensor import NF4Tensor  # noqa: F401
@@ -57,8 +57,7 @@ def load_torchtune(site):
         nf4.NF4Tensor = type("NF4Tensor", (), {})
         ao.dtypes = types.ModuleType("torchao.dtypes")
         ao.dtypes.nf4tensor = nf4
-        sys.modules.update({"torchao": ao, "torchao.dtypes": ao.dtypes,
-                            "torchao.dtypes.nf4tensor": nf4})
+        added += [("torchao", ao), ("torchao.dtypes", ao.dtypes), ("torchao.dtypes.nf4tensor", nf4)]
         stand_ins.append("torchao.NF4Tensor")
     tt = types.ModuleType("torchtune")
     tt.__path__ = []
@@ -68,14 +67,22 @@ def load_torchtune(site):
     utils.get_logger = lambda level=None: logging.getLogger("torchtune")
     training = types.ModuleType("torchtune.training")
     training.__path__ = []
-    sys.modules.update({"torchtune": tt, "torchtune.modules": mods, "torchtune.utils": utils,
-                        "torchtune.training": training})
+    added += [("torchtune", tt), ("torchtune.modules", mods), ("torchtune.utils", utils),
+              ("torchtune.training", training)]
+    sys.modules.update(dict(added))
     stand_ins += ["torchtune.modules.TiedLinear", "torchtune.utils.get_logger"]
     name = "torchtune.training._activation_offloading"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        # gone again once the module holds them: others (transformers) probe
+        # for torchao and must not find the stand-in
+        for n, _ in added:
+            sys.modules.pop(n, None)
+        sys.modules.pop(name, None)
     return mod.OffloadActivations, version, stand_ins
 
 

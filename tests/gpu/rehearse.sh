@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# `make gpu-rehearse` (a stage of `make test`): tests/gpu/on-device.sh as a GPU
+# machine would run it, here without a GPU (FERRY_CUDA=OFF), in a scratch
+# folder, from a copy of the gathered folder (gpu-carry, or gathered now by
+# tests/gpu/gather.sh; skipped with a message when it cannot be gathered). It
+# must unpack, configure and build against the carried packages alone, and
+# every GPU step must report "no GPU" without error: the prepared run cannot
+# rot between the rare times a GPU machine is lent. Checks summary.json's
+# schema (tests/gpu/summary.py --check --no-gpu).
+#   BUILD=build tests/gpu/rehearse.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+BUILD=${BUILD:-build}
+SCRATCH=$(realpath -m "${FERRY_REHEARSE_DIR:-$BUILD/gpu-rehearse}")
+rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
+
+if [ -f gpu-carry/debs/LIST ] && [ -d gpu-carry/wheels ]; then
+  cp -r gpu-carry "$SCRATCH/carry"
+  echo "gpu-rehearse: a copy of gpu-carry ($(du -sh gpu-carry | cut -f1))"
+elif ! tests/gpu/gather.sh "$SCRATCH/carry" > "$SCRATCH/gather.log" 2>&1; then
+  cat "$SCRATCH/gather.log"
+  echo "gpu-rehearse: skipped: the packages could not be gathered here (no apt/pip network?)"
+  exit 0
+fi
+
+# The GPU image's python3 has a torch 2.x and transformers: the venv that
+# tests/python/run.sh uses is the nearest here.
+PY=${FERRY_REHEARSE_PYTHON:-}
+if [ -z "$PY" ]; then
+  PY=$(.ci/python-env 2>/dev/null | tail -1) || PY=""
+fi
+if [ -z "$PY" ] || ! "$PY" -c 'import torch, transformers' 2>/dev/null; then
+  echo "gpu-rehearse: skipped: no python with torch 2.x and transformers (.ci/python-env failed)"
+  exit 0
+fi
+
+# 2 shared cores build far slower than a GPU machine's 16: the bounds stretch
+set +e
+FERRY_CUDA=OFF FERRY_GPU_CARRY="$SCRATCH/carry" FERRY_GPU_WORK="$SCRATCH/work" \
+  FERRY_GPU_TIME_SCALE=${FERRY_REHEARSE_TIME_SCALE:-8} PYTHON="$PY" \
+  tests/gpu/on-device.sh "$SCRATCH/out"
+rc=$?
+set -e
+"$PY" tests/gpu/summary.py --check "$SCRATCH/out/summary.json" --no-gpu || rc=1
+if [ $rc -ne 0 ]; then
+  echo "gpu-rehearse: FAILED (logs in $SCRATCH/out)"
+  for log in "$SCRATCH"/out/*.log; do echo "---- $log (last lines)"; tail -25 "$log"; done
+  exit 1
+fi
+echo "gpu-rehearse: on-device.sh unpacked, configured, built and reported every GPU step as no GPU"
