@@ -141,10 +141,10 @@ def body(a, f):
 
 
 def extra(ap):
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--plain-steps", type=int, default=2)
     ap.add_argument("--max-overlap-steps", type=int, default=20)
 

@@ -128,7 +128,7 @@ def body(a, f):
     on_gpu = not why
     dev = torch.device("cuda" if on_gpu else "cpu")
     if not on_gpu:  # a smoke run of every mode and of the replay, nothing reported
-        a.dim, a.blocks, a.batch, a.warmup, a.steps = 32, 2, 4, 0, 1
+        a.dim, a.blocks, a.batch, a.warmup, a.steps = 32, 2, 4, 1, 1
     modes = (["plain"] + [f"optim_f{schema.frac_tag(x)}" for x in schema.FRACTIONS]
              + ["weights_none", "weights_double_buffer", "weights_single_buffer"])
     res = {m: run_mode(torch, ft, m, a, dev, on_gpu) for m in modes}
@@ -141,12 +141,17 @@ def body(a, f):
     sim_w = {db: replay(a, trace, preset, ["--weight-layers", str(a.blocks),
                                            "--weight-double-buffer", "on" if db else "off"])[0]
              ["step_us"] / 1e3 for db in (True, False)}
+    plain_ms, plain_peak, plain_params = res["plain"]
+    same = lambda ps: all(bits_equal(torch, x, y) for x, y in zip(ps, plain_params))  # noqa: E731
     if not on_gpu:
+        differ = [m for m in modes if not same(res[m][2])]
+        if differ:  # on the CPU both shares step with the same kernels
+            raise AssertionError(f"on the CPU, parameters not bit-identical to plain: {differ}")
+        if sorted(sim_opt) != sorted(schema.FRACTIONS):
+            raise AssertionError(f"the replay ran fractions {sorted(sim_opt)}")
         f.no_gpu(why + "; smoke run of every mode and replay on the CPU passed")
         return
-    plain_ms, plain_peak, plain_params = res["plain"]
     f["optim_plain_step_ms"], f["optim_plain_peak_MiB"] = plain_ms, plain_peak
-    same = lambda ps: all(bits_equal(torch, x, y) for x, y in zip(ps, plain_params))  # noqa: E731
     for x in schema.FRACTIONS:
         t = schema.frac_tag(x)
         ms, peak, params = res[f"optim_f{t}"]

@@ -59,7 +59,7 @@ logof() { awk -v n="$1" '$1 == n { print $3 }' <<<"$STEP_TABLE"; }
 needs_gpu() { [ "$(awk -v n="$1" '$1 == n { print $4 }' <<<"$STEP_TABLE")" = 1 ]; }
 
 rm -rf "$STEPS" "$OUT" && mkdir -p "$OUT" "$STEPS" "$WORK"
-export FERRY_GPU_TIME_SCALE=$SCALE ROOT OUT CARRY WORK PYTHON PREFIX BUILD STEPS MULTIARCH LIBDIR
+export FERRY_GPU_TIME_SCALE=$SCALE FERRY_GPU_CMAKE_ARGS=${FERRY_GPU_CMAKE_ARGS:-} ROOT OUT CARRY WORK PYTHON PREFIX BUILD STEPS MULTIARCH LIBDIR
 
 # ---- is there a GPU? ----------------------------------------------------------
 GPU=1 NO_GPU_WHY="" ARCH=""
@@ -156,7 +156,8 @@ configure() {
   [ $GPU = 1 ] && cuda=(-DFERRY_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCH")
   # a rerun on the same machine keeps the build of the run before
   cmake -S "$ROOT" -B "$BUILD" "${gen[@]}" "${cuda[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    "-DPKG_CONFIG_EXECUTABLE=$PREFIX/usr/bin/pkgconf" "-DFERRY_PYTHONS=$PYTHON"
+    "-DPKG_CONFIG_EXECUTABLE=$PREFIX/usr/bin/pkgconf" "-DFERRY_PYTHONS=$PYTHON" \
+    ${FERRY_GPU_CMAKE_ARGS:-}  # the rehearsal's: -DFERRY_TORCH_FACTS=OFF
 }
 export -f configure
 step configure configure
@@ -180,8 +181,11 @@ export -f py
 step env py gpu_env.py env
 step link py gpu_link.py link
 suite() {
+  # the cuda vtable tests, then the engine suite over the real runtime: every
+  # test but the simulator's (sim_*: CPU only, minutes here, run by ctest everywhere)
   "$BUILD/bin/ferry_tests" $("$BUILD/bin/ferry_tests" --list | grep '^cuda_') &&
-    FERRY_TEST_BACKEND=cuda "$BUILD/bin/ferry_tests_gpu"
+    FERRY_TEST_BACKEND=cuda "$BUILD/bin/ferry_tests_gpu" \
+      $("$BUILD/bin/ferry_tests_gpu" --list | grep -v '^sim_')
 }
 export -f suite
 step suite suite
