@@ -58,7 +58,12 @@ bound() { awk -v n="$1" -v k="$SCALE" '$1 == n { print int($2 * k) }' <<<"$STEP_
 logof() { awk -v n="$1" '$1 == n { print $3 }' <<<"$STEP_TABLE"; }
 needs_gpu() { [ "$(awk -v n="$1" '$1 == n { print $4 }' <<<"$STEP_TABLE")" = 1 ]; }
 
-rm -rf "$STEPS" "$OUT" && mkdir -p "$OUT" "$STEPS" "$WORK"
+rm -rf "$STEPS" && mkdir -p "$OUT" "$STEPS" "$WORK"
+# OUT may hold the caller's own files: only ours are replaced
+for f in $(awk 'NF { print $3 }' <<<"$STEP_TABLE" | sort -u) run.log summary.json; do
+  rm -f "$OUT/$f"
+done
+exec > >(tee "$OUT/run.log") 2>&1
 export FERRY_GPU_TIME_SCALE=$SCALE FERRY_GPU_CMAKE_ARGS=${FERRY_GPU_CMAKE_ARGS:-} ROOT OUT CARRY WORK PYTHON PREFIX BUILD STEPS MULTIARCH LIBDIR
 
 # ---- is there a GPU? ----------------------------------------------------------
@@ -123,6 +128,10 @@ unpack() {
     unpack_deb "$(realpath "$deb")" "$PREFIX" || { echo "cannot unpack $deb"; return 1; }
     n=$((n + 1))
   done
+  # pkgconf finds its library in the prefix (nothing else is given LD_LIBRARY_PATH:
+  # programs built here find the prefix's libraries through their RPATH)
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$LIBDIR" "$PREFIX/usr/bin/pkgconf" \
+    > "$WORK/pkg-config" && chmod +x "$WORK/pkg-config" || return 1
   # -dev links that point at / (zlib's libz.so) point into the prefix instead
   local l target
   while IFS= read -r l; do
@@ -145,7 +154,6 @@ step unpack unpack
 
 # The build and the checks find the libraries in the prefix only.
 export PKG_CONFIG_LIBDIR=$LIBDIR/pkgconfig PKG_CONFIG_PATH=
-export LD_LIBRARY_PATH=$LIBDIR:$PREFIX/lib/$MULTIARCH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONPATH=$BUILD/python:$ROOT/tests/gpu${PYTHONPATH:+:$PYTHONPATH}
 export FERRY_POLICY_DIR=$ROOT/policies PYTHONUNBUFFERED=1 FERRY_GPU_SITE=$WORK/site
 
@@ -156,7 +164,7 @@ configure() {
   [ $GPU = 1 ] && cuda=(-DFERRY_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCH")
   # a rerun on the same machine keeps the build of the run before
   cmake -S "$ROOT" -B "$BUILD" "${gen[@]}" "${cuda[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    "-DPKG_CONFIG_EXECUTABLE=$PREFIX/usr/bin/pkgconf" "-DFERRY_PYTHONS=$PYTHON" \
+    "-DPKG_CONFIG_EXECUTABLE=$WORK/pkg-config" "-DFERRY_PYTHONS=$PYTHON" \
     ${FERRY_GPU_CMAKE_ARGS:-}  # the rehearsal's: -DFERRY_TORCH_FACTS=OFF
 }
 export -f configure
@@ -166,7 +174,13 @@ build() {
   # what the checks run, and no more (the suite and sanitizer need the tests)
   local targets=(ferry_cli ferry_python_package)
   [ $GPU = 1 ] && targets+=(ferry_bench ferry_tests ferry_tests_gpu)
-  cmake --build "$BUILD" -j"$(nproc)" --target "${targets[@]}"
+  cmake --build "$BUILD" -j"$(nproc)" --target "${targets[@]}" || return 1
+  # what was built loads LuaJIT from the prefix (a GPU machine has no other)
+  local f
+  for f in "$BUILD/bin/ferry" "$BUILD"/python/ferry/_ferry*.so; do
+    ldd "$f" | grep -q "$LIBDIR/libluajit" ||
+      { echo "$f does not load libluajit from $LIBDIR:"; ldd "$f"; return 1; }
+  done
 }
 export -f build
 step build build
