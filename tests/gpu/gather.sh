@@ -35,7 +35,7 @@ command -v apt-get >/dev/null || { echo "gather: apt-get not found (a Debian 12 
 rm -rf "$DIR.tmp" && mkdir -p "$DIR.tmp/debs" "$DIR.tmp/wheels"
 # apt's download runs as _apt where it can: a folder it may write to.
 chmod 0777 "$DIR.tmp/debs" 2>/dev/null || true
-(cd "$DIR.tmp/debs" && apt-get download -q "${DEBS[@]}") ||
+(cd "$DIR.tmp/debs" && apt-get download -qq "${DEBS[@]}") ||
   { echo "gather: apt-get download failed (run 'apt-get update' first?)" >&2; rm -rf "$DIR.tmp"; exit 2; }
 $PIP download -q --no-deps --only-binary=:all: -d "$DIR.tmp/wheels" "${WHEELS[@]}" ||
   { echo "gather: pip download failed" >&2; rm -rf "$DIR.tmp"; exit 2; }
