@@ -5,7 +5,6 @@ the `--hw` preset for this GPU (docs/hardware.md; h100 or h200 by the GPU's
 name; `ferry sim` prints the preset's link)."""
 import json
 import os
-import re
 import subprocess
 import sys
 

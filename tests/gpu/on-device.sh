@@ -34,8 +34,8 @@ LIBDIR=$PREFIX/usr/lib/$MULTIARCH
 # name            seconds  log file     needs a GPU (1: skipped without one)
 STEP_TABLE="
 unpack            10       build.log    0
-configure         30       build.log    0
-build             125      build.log    0
+configure         20       build.log    0
+build             135      build.log    0
 env               10       checks.log   0
 link              25       checks.log   0
 suite             35       suite.log    1
@@ -43,8 +43,8 @@ test_cuda         40       pytest.log   0
 bench_gpu         30       checks.log   0
 checkpoint        30       checks.log   0
 optim             40       checks.log   0
-dropins           40       checks.log   0
-sanitizer         50       sanitizer.log 0
+dropins           35       checks.log   0
+sanitizer         55       sanitizer.log 0
 "
 BUDGET_S=470  # of the 8 minutes a run may take: 10 s for the summary
 total=$(awk 'NF { s += $2 } END { print s }' <<<"$STEP_TABLE")
