@@ -35,7 +35,9 @@ command -v apt-get >/dev/null || { echo "gather: apt-get not found (a Debian 12 
 rm -rf "$DIR.tmp" && mkdir -p "$DIR.tmp/debs" "$DIR.tmp/wheels"
 # apt's download runs as _apt where it can: a folder it may write to.
 chmod 0777 "$DIR.tmp/debs" 2>/dev/null || true
-(cd "$DIR.tmp/debs" && apt-get download -qq "${DEBS[@]}") ||
+download() { (cd "$DIR.tmp/debs" && apt-get download -qq "${DEBS[@]}"); }
+# a machine whose package lists were never fetched (a fresh CI machine) fetches them once
+download || { [ "$(id -u)" = 0 ] && apt-get update -qq && download; } ||
   { echo "gather: apt-get download failed (run 'apt-get update' first?)" >&2; rm -rf "$DIR.tmp"; exit 2; }
 $PIP download -q --no-deps --only-binary=:all: -d "$DIR.tmp/wheels" "${WHEELS[@]}" ||
   { echo "gather: pip download failed" >&2; rm -rf "$DIR.tmp"; exit 2; }

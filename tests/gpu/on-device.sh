@@ -13,6 +13,8 @@
 #    files: summary.json (tests/gpu/summary.py: every figure's key, null where
 #    not measured; GPU, driver, CUDA and torch versions; each step's status)
 #    and the logs. Exit status 1 if any step failed or timed out.
+# FERRY_GPU_ONLY="optim dropins" reruns those checks alone (the build steps
+# and env always run; a rerun on the same machine keeps the build).
 # Without a GPU (FERRY_CUDA=OFF, no nvidia-smi, or it lists none) it builds
 # without CUDA and every GPU step reports "no GPU": `make gpu-rehearse`
 # (tests/gpu/rehearse.sh) runs it so on every `make test`.
@@ -88,6 +90,11 @@ step() {
   shift
   t=$(bound "$name") log=$OUT/$(logof "$name")
   printf '\n==== %s (at most %ss) ====\n' "$name" "$t" | tee -a "$log"
+  if [ -n "${FERRY_GPU_ONLY:-}" ] && [[ " unpack configure build env $FERRY_GPU_ONLY " != *" $name "* ]]; then
+    echo "skipped: not in FERRY_GPU_ONLY" | tee -a "$log"
+    printf 'skipped\t0\t0\tnot in FERRY_GPU_ONLY\n' > "$STEPS/$name.step"
+    return 0
+  fi
   if needs_gpu "$name" && [ $GPU = 0 ]; then
     echo "no GPU: $NO_GPU_WHY" | tee -a "$log"
     printf 'no GPU\t0\t0\t%s\n' "$NO_GPU_WHY" > "$STEPS/$name.step"

@@ -57,7 +57,8 @@ def collect(steps, out):
         (summary["run"] if name == "env" else summary["figures"]).update(figures)
     with open(out, "w") as f:
         json.dump(summary, f, indent=1)
-    bad = {n: r for n, r in summary["steps"].items() if r["status"] not in ("ok", "no GPU")}
+    bad = {n: r for n, r in summary["steps"].items()
+           if r["status"] not in ("ok", "no GPU", "skipped")}
     for n, r in summary["steps"].items():
         print(f"  {n:12} {r['status']:8} {r['seconds'] if r['seconds'] is not None else '-':>6}"
               f"  {r['reason'] or ''}")
