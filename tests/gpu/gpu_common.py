@@ -6,8 +6,10 @@ cheap) and writes its keys as null with the reason."""
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import schema
@@ -69,22 +71,47 @@ class Fragment:
         print(f"{self.step}: {self.status}; {json.dumps(shown)}")
 
 
+_groups = set()  # process groups of run()'s commands still running
+
+
+def _kill_groups(signum=None, frame=None):
+    for g in list(_groups):
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _groups.discard(g)
+    if signum is not None:  # on-device.sh's bound ran out (timeout sends TERM first)
+        sys.exit(128 + signum)
+
+
 def run(cmd, timeout, **kw):
     """A subprocess under its own bound (stretched by FERRY_GPU_TIME_SCALE, as
-    on-device.sh stretches the step's); (exit code or 'timeout', output)."""
+    on-device.sh stretches the step's); (exit code or 'timeout', output).
+    It runs in a process group of its own, killed whole when it ends or times
+    out: a command that starts another (compute-sanitizer its target) leaves
+    no orphan holding the GPU. A TERM to this check kills that group too."""
     timeout *= float(os.environ.get("FERRY_GPU_TIME_SCALE", "1"))
     print("$ " + " ".join(map(str, cmd)), flush=True)
+    signal.signal(signal.SIGTERM, _kill_groups)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         errors="replace", start_new_session=True, **kw)
+    _groups.add(p.pid)
+    chunks = []
+    # read aside: a child left running holds the pipe open past the command's end
+    reader = threading.Thread(target=lambda: chunks.extend(p.stdout), daemon=True)
+    reader.start()
     try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout, **kw)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout or ""
-        out = out.decode(errors="replace") if isinstance(out, bytes) else out
-        sys.stdout.write(out)
-        return "timeout", out
-    sys.stdout.write(p.stdout)
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    _kill_groups()  # on a timeout, and what a finished command left running
+    p.wait()
+    reader.join(5)
+    out = "".join(chunks)
+    sys.stdout.write(out or "")
     sys.stdout.flush()
-    return p.returncode, p.stdout
+    return rc, out or ""
 
 
 def timed(torch, fn, on_gpu):

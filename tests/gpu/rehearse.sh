@@ -15,6 +15,9 @@ BUILD=${BUILD:-build}
 SCRATCH=$(realpath -m "${FERRY_REHEARSE_DIR:-$BUILD/gpu-rehearse}")
 rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
 
+# the run's own machinery (process groups killed whole, ...): no build needed
+python3 tests/gpu/test_harness.py || { echo "gpu-rehearse: FAILED: tests/gpu/test_harness.py"; exit 1; }
+
 if [ -f gpu-carry/debs/LIST ] && [ -d gpu-carry/wheels ]; then
   cp -r gpu-carry "$SCRATCH/carry"
   echo "gpu-rehearse: a copy of gpu-carry ($(du -sh gpu-carry | cut -f1))"
