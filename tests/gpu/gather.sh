@@ -5,7 +5,8 @@
 #   debs/   the Debian packages of the build's libraries, runtime and -dev
 #           (LuaJIT, jemalloc, cJSON, simdjson, zlib) and pkgconf
 #   wheels/ pure-Python wheels the checks import that a CUDA torch image
-#           lacks (torchtune, for its OffloadActivations)
+#           lacks (torchtune, for its OffloadActivations; pytest, where the
+#           image has none)
 #   tests/gpu/gather.sh [DIR]     (default: gpu-carry at the repo root)
 # Prints the folder's size; fails above 48 MiB (what travels with the source
 # tree to a GPU machine is 64 MiB in all).
@@ -22,7 +23,9 @@ DEBS=(libluajit-5.1-2 libluajit-5.1-common libluajit-5.1-dev
       pkgconf-bin libpkgconf3)
 # torchtune's activation offloading (tests/gpu/gpu_dropins.py loads its one
 # module, not the package, whose __init__ needs torchao and HF datasets).
-WHEELS=(torchtune==0.6.1)
+# pytest and what it imports, for an image without it (tests/gpu/gpu_pytest.py
+# falls back to them, behind the image's own packages).
+WHEELS=(torchtune==0.6.1 pytest==8.3.5 pluggy==1.5.0 iniconfig==2.0.0 packaging==24.2)
 PIP=${PIP:-}
 if [ -z "$PIP" ]; then
   for p in "$HOME/.cache/ferry/venv-torch2/bin/python" python3; do

@@ -16,8 +16,14 @@ def body(a, f):
     why = os.environ.get("FERRY_GPU_NO_GPU")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.join(a.build, "python"), os.path.join(ROOT, "tests", "python")]))
-    rc, out = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-                   os.path.join(ROOT, "tests", "python", "test_cuda.py")], timeout=35, env=env,
+    args = ["-q", "-p", "no:cacheprovider", "-rfEs", os.path.join(ROOT, "tests", "python", "test_cuda.py")]
+    # an image without pytest gets the carried wheels' (tests/gpu/gather.sh),
+    # behind its own packages: appended to sys.path, not on PYTHONPATH
+    site = os.environ.get("FERRY_GPU_SITE", "")
+    launch = ("import sys; sys.path.append(sys.argv.pop(1)); import pytest; "
+              "print('pytest', pytest.__version__, 'from', pytest.__file__, flush=True); "
+              "sys.exit(pytest.main(sys.argv[1:]))")
+    rc, out = run([sys.executable, "-c", launch, site] + args, timeout=35, env=env,
                   cwd=os.path.join(ROOT, "tests", "python"))
     last = out.strip().splitlines()[-1] if out.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}
