@@ -14,7 +14,8 @@ GPU that Lightning offers, measured in the same run on the same state:
 Model: --layers Linear(--width, --width) in fp32 with AdamW (state: weights and
 two moments). Per way (medians of --reps): blocked ms; peak device memory
 above what was allocated before it (MiB, torch.cuda.max_memory_allocated over
-the call and the steps until the checkpoint is on the host); the steps that
+the call and the steps until the checkpoint is on the host; for the snapshot,
+whose window holds the drain's training steps, less plain steps' own peak); the steps that
 overlap a snapshot's drain against plain steps of the same round
 (ckpt_step_slowdown_during_drain = median overlapped / median plain). The
 file of the last snapshot is read back with torch.load and compared bit for
@@ -81,11 +82,13 @@ def body(a, f):
     path = os.path.join(work, "ckpt.pt")
     ft.snapshot(state(), path, optimizer=opt).wait()  # engine and arena warm
 
-    r = {k: [] for k in ("plain", "drain", "blocked", "sync", "clone",
+    r = {k: [] for k in ("plain", "drain", "blocked", "sync", "clone", "peak_plain",
                          "peak_snapshot", "peak_sync", "peak_clone")}
     for _ in range(a.reps):
+        base = window()  # the steps' own peak, taken off the snapshot's below
         for _ in range(a.plain_steps):
             r["plain"].append(timed(torch, step, on_gpu)[0])
+        r["peak_plain"].append(peak_from(base))
         obj = state()
         base = window()
         ms, h = timed(torch, lambda: ft.snapshot(obj, path, optimizer=opt), False)
@@ -131,7 +134,9 @@ def body(a, f):
     f["ckpt_clone_gpu_ms"] = med(r["clone"])
     f["ckpt_snapshot_blocked_vs_sync_cpu"] = med(r["blocked"]) / med(r["sync"])
     f["ckpt_snapshot_blocked_vs_clone_gpu"] = med(r["blocked"]) / med(r["clone"])
-    f["ckpt_peak_snapshot_MiB"] = max(r["peak_snapshot"])
+    # the snapshot's window holds training steps (the drain), the others' none:
+    # what it adds above the steps alone
+    f["ckpt_peak_snapshot_MiB"] = max(0.0, max(r["peak_snapshot"]) - max(r["peak_plain"]))
     f["ckpt_peak_sync_cpu_MiB"] = max(r["peak_sync"])
     f["ckpt_peak_clone_gpu_MiB"] = max(r["peak_clone"])
     f["ckpt_plain_step_ms"] = med(r["plain"])
