@@ -12,12 +12,15 @@ Every mode starts from the same weights and sees the same batches:
   weights_double_buffer    offload_weights(model, blocks, double_buffer=True)
   weights_single_buffer    the same, double_buffer=False
 Figures per mode: median step ms (zero_grad, forward, backward, step), peak
-device memory above what the mode holds before its first step (MiB,
-torch.cuda.max_memory_allocated), and whether the parameters after the last
+device memory from before the mode builds its model (MiB,
+torch.cuda.max_memory_allocated: weights, gradients, optimizer states and
+activations), and whether the parameters after the last
 step are bit-identical to the plain run's. sim_step_ms: the same setting
 replayed by `ferry sim --trace T --optimizer-fraction 0,0.25,0.5,1`
 (or --weight-layers N --weight-double-buffer on|off) on the preset of this
-GPU; sim_vs_measured = simulated / measured step.
+GPU, compute at the run's own rate (optim_sim_mfu: the --mfu at which the
+replayed plain step is the measured one; optim_sim_plain_vs_measured: how
+near it came); sim_vs_measured = simulated / measured step.
 Without a GPU: one smoke step per mode on the CPU at a toy size (nothing
 measured), and the replay on a trace recorded there (not reported)."""
 import json
@@ -59,6 +62,13 @@ def make(torch, dim, blocks, dev):
 
 
 def run_mode(torch, ft, mode, a, dev, on_gpu):
+    # the peak counts from before the model: weights, gradients and optimizer
+    # states on the device are what these modes take off it (a base taken
+    # after offload_weights would leave the weights out of plain's peak only)
+    if on_gpu:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     model = make(torch, a.dim, a.blocks, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     w = None
@@ -76,10 +86,6 @@ def run_mode(torch, ft, mode, a, dev, on_gpu):
         model(x).pow(2).mean().backward()
         opt.step()
 
-    if on_gpu:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
     times = []
     for i, x in enumerate(batches):
         ms, _ = timed(torch, lambda: step(x), on_gpu)
@@ -136,12 +142,24 @@ def body(a, f):
     record_trace(torch, ft, a, dev, trace)
     preset = preset_for(torch.cuda.get_device_name(0) if on_gpu else "h100") or "h100"
     fr = ",".join(str(x) for x in schema.FRACTIONS)
+    plain_ms = res["plain"][0]
+    # compute at this run's own rate: the preset's default (0.40 of its BF16
+    # peak) is no rate for an fp32 model; the MFU at which the replay's plain
+    # step is the measured one (twice: gaps without FLOPs do not scale)
+    mfu = 0.40
+    for _ in range(2):
+        base_ms = replay(a, trace, preset, ["--optimizer-fraction", "0", "--mfu", f"{mfu:.6g}"]
+                         )[0]["step_us_baseline"] / 1e3
+        mfu = min(max(mfu * base_ms / plain_ms, 1e-4), 2.0)
+    base_ms = replay(a, trace, preset, ["--optimizer-fraction", "0", "--mfu", f"{mfu:.6g}"]
+                     )[0]["step_us_baseline"] / 1e3
+    rate = ["--mfu", f"{mfu:.6g}"]
     sim_opt = {p["optimizer_fraction"]: p["step_us"] / 1e3
-               for p in replay(a, trace, preset, ["--optimizer-fraction", fr])}
-    sim_w = {db: replay(a, trace, preset, ["--weight-layers", str(a.blocks),
+               for p in replay(a, trace, preset, ["--optimizer-fraction", fr] + rate)}
+    sim_w = {db: replay(a, trace, preset, rate + ["--weight-layers", str(a.blocks),
                                            "--weight-double-buffer", "on" if db else "off"])[0]
              ["step_us"] / 1e3 for db in (True, False)}
-    plain_ms, plain_peak, plain_params = res["plain"]
+    _, plain_peak, plain_params = res["plain"]
     same = lambda ps: all(bits_equal(torch, x, y) for x, y in zip(ps, plain_params))  # noqa: E731
     if not on_gpu:
         differ = [m for m in modes if not same(res[m][2])]
@@ -152,6 +170,7 @@ def body(a, f):
         f.no_gpu(why + "; smoke run of every mode and replay on the CPU passed")
         return
     f["optim_plain_step_ms"], f["optim_plain_peak_MiB"] = plain_ms, plain_peak
+    f["optim_sim_mfu"], f["optim_sim_plain_vs_measured"] = mfu, base_ms / plain_ms
     for x in schema.FRACTIONS:
         t = schema.frac_tag(x)
         ms, peak, params = res[f"optim_f{t}"]
@@ -169,7 +188,7 @@ def body(a, f):
         f[f"weights_{name}_params_bit_identical"] = same(params)
         f[f"weights_{name}_sim_step_ms"] = sim_w[db]
         f[f"weights_{name}_sim_vs_measured"] = sim_w[db] / ms
-    f.note(f"replayed on --hw {preset} at the preset's compute rate (--mfu default)")
+    f.note(f"replayed on --hw {preset} at --mfu {mfu:.4g}: the plain step's own rate")
 
 
 def extra(ap):

@@ -32,7 +32,8 @@ FIGURES = {
                    "ckpt_peak_sync_cpu_MiB", "ckpt_peak_clone_gpu_MiB", "ckpt_plain_step_ms",
                    "ckpt_step_during_drain_ms", "ckpt_step_slowdown_during_drain",
                    "ckpt_snapshot_bit_identical"],
-    "optim": (["optim_plain_step_ms", "optim_plain_peak_MiB"]
+    "optim": (["optim_plain_step_ms", "optim_plain_peak_MiB", "optim_sim_mfu",
+               "optim_sim_plain_vs_measured"]
               + [f"optim_f{frac_tag(f)}_{k}" for f in FRACTIONS
                  for k in ("step_ms", "peak_MiB", "step_vs_plain", "params_bit_identical",
                            "sim_step_ms", "sim_vs_measured")]
