@@ -90,12 +90,14 @@ def run(cmd, timeout, **kw):
     on-device.sh stretches the step's); (exit code or 'timeout', output).
     It runs in a process group of its own, killed whole when it ends or times
     out: a command that starts another (compute-sanitizer its target) leaves
-    no orphan holding the GPU. A TERM to this check kills that group too."""
+    no orphan holding the GPU. A TERM to this check kills that group too.
+    The group stays in this session (no setsid): the device tool ends every
+    process of the session when its command returns, whatever else fails."""
     timeout *= float(os.environ.get("FERRY_GPU_TIME_SCALE", "1"))
     print("$ " + " ".join(map(str, cmd)), flush=True)
     signal.signal(signal.SIGTERM, _kill_groups)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         errors="replace", start_new_session=True, **kw)
+                         errors="replace", process_group=0, **kw)
     _groups.add(p.pid)
     chunks = []
     # read aside: a child left running holds the pipe open past the command's end

@@ -38,6 +38,15 @@ class Run(unittest.TestCase):
         time.sleep(0.3)
         self.assertFalse(alive(self.child_of(out)), "a background child outlived its command")
 
+    def test_the_command_stays_in_this_session(self):
+        # the device tool ends the session's processes when its command
+        # returns; a new session (setsid) would outlive it on the GPU
+        rc, out = gpu_common.run(["cat", "/proc/self/stat"], timeout=20)
+        fields = out.rsplit(")", 1)[1].split()
+        self.assertEqual(rc, 0)
+        self.assertEqual(int(fields[3]), os.getsid(0))
+        self.assertNotEqual(int(fields[2]), os.getpgid(0), "not in a group of its own")
+
     def test_a_term_to_the_check_kills_its_command_too(self):
         # on-device.sh's bound TERMs the check; the command is in a group of its own
         here = os.path.dirname(os.path.abspath(__file__))
