@@ -110,6 +110,7 @@ def run(cmd, timeout, **kw):
     _kill_groups()  # on a timeout, and what a finished command left running
     p.wait()
     reader.join(5)
+    p.stdout.close()
     out = "".join(chunks)
     sys.stdout.write(out or "")
     sys.stdout.flush()

@@ -52,8 +52,8 @@ class Run(unittest.TestCase):
         here = os.path.dirname(os.path.abspath(__file__))
         code = ("import sys; sys.path.insert(0, %r); import gpu_common; "
                 "gpu_common.run(['bash', '-c', 'sleep 60 & echo child $! >&2; wait'], 60)" % here)
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.STDOUT)
         deadline = time.time() + 10
         pid = None
         while pid is None and time.time() < deadline:
