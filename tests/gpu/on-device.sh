@@ -102,8 +102,13 @@ step() {
   fi
   t0=$(date +%s.%N)
   # a function of this script runs in a child bash (exported: export -f)
-  timeout -k 5 "$t" bash -c '"$@"' "$name" "$@" >> "$log" 2>&1
+  # timeout leads a process group of its own: killed whole after the step,
+  # so nothing the step left running holds the GPU into the next one
+  timeout -k 5 "$t" bash -c '"$@"' "$name" "$@" >> "$log" 2>&1 &
+  local pid=$!
+  wait "$pid"
   rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null
   case $rc in
     0) status=ok ;;
     124|137) status=timeout reason="over its ${t}s bound" ;;

@@ -38,15 +38,37 @@ if [ -z "$PY" ] || ! "$PY" -c 'import torch, transformers' 2>/dev/null; then
   exit 0
 fi
 
+# Each check started through this python leaves a child running behind it
+# (as compute-sanitizer's target may): on-device.sh must kill every step's
+# process group, so that none outlives its step holding the GPU.
+cat > "$SCRATCH/python" <<EOF
+#!/bin/sh
+case "\$1" in */tests/gpu/gpu_*.py) sleep 600 & echo \$! >> "$SCRATCH/left-behind" ;; esac
+exec "$PY" "\$@"
+EOF
+chmod +x "$SCRATCH/python"
+
 # 2 shared cores build far slower than a GPU machine's 16: the bounds stretch,
 # and the tensor-facts module (minutes of one core against torch's headers;
 # the hooks work without it) is left out
 set +e
 FERRY_GPU_CMAKE_ARGS=-DFERRY_TORCH_FACTS=OFF FERRY_CUDA=OFF FERRY_GPU_CARRY="$SCRATCH/carry" FERRY_GPU_WORK="$SCRATCH/work" \
-  FERRY_GPU_TIME_SCALE=${FERRY_REHEARSE_TIME_SCALE:-8} PYTHON="$PY" \
+  FERRY_GPU_TIME_SCALE=${FERRY_REHEARSE_TIME_SCALE:-8} PYTHON="$SCRATCH/python" \
   tests/gpu/on-device.sh "$SCRATCH/out"
 rc=$?
 set -e
+left=0
+for pid in $(cat "$SCRATCH/left-behind" 2>/dev/null); do
+  # dead, or a zombie no one reaped yet
+  if [ -e /proc/$pid ] && [ "$(awk '{ print $3 }' /proc/$pid/stat 2>/dev/null)" != Z ]; then
+    left=$((left + 1))
+    kill "$pid" 2>/dev/null || true
+  fi
+done
+if [ ! -s "$SCRATCH/left-behind" ] || [ $left -ne 0 ]; then
+  echo "gpu-rehearse: a step's children outlived it ($left of $(wc -l < "$SCRATCH/left-behind" 2>/dev/null || echo 0))"
+  rc=1
+fi
 "$PY" tests/gpu/summary.py --check "$SCRATCH/out/summary.json" --no-gpu || rc=1
 if [ $rc -ne 0 ]; then
   echo "gpu-rehearse: FAILED (logs in $SCRATCH/out)"
