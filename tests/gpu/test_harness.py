@@ -2,9 +2,11 @@
 """Checks of the GPU run's own machinery that need no GPU and no build, run
 by tests/gpu/rehearse.sh before the rehearsal:
   python3 tests/gpu/test_harness.py"""
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -85,6 +87,27 @@ class Run(unittest.TestCase):
             out += kids
             todo += kids
         return out
+
+
+class Main(unittest.TestCase):
+    def test_a_check_out_of_time_writes_its_figures_so_far(self):
+        # a TERM from on-device.sh's bound: env's facts read before it stay
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = os.path.join(tempfile.mkdtemp(), "env.json")
+        code = ("import sys, time; sys.path.insert(0, %r); import gpu_common\n"
+                "def body(a, f):\n    f['python'] = '3.x'\n    print('set', flush=True)\n"
+                "    time.sleep(60)\n"
+                "sys.exit(gpu_common.main('env', '', body))" % here)
+        p = subprocess.Popen([sys.executable, "-c", code, "--out", out, "--build", "b", "--work", "w"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.assertEqual(p.stdout.readline().strip(), "set")
+        p.terminate()
+        p.wait(10)
+        p.stdout.close()
+        with open(out) as fh:
+            frag = json.load(fh)
+        self.assertEqual(frag["figures"]["python"], "3.x")
+        self.assertEqual(frag["status"], "failed")
 
 
 if __name__ == "__main__":
