@@ -187,11 +187,23 @@ build() {
   local targets=(ferry_cli ferry_python_package)
   [ $GPU = 1 ] && targets+=(ferry_bench ferry_tests ferry_tests_gpu)
   cmake --build "$BUILD" -j"$(nproc)" --target "${targets[@]}" || return 1
-  # what was built loads LuaJIT from the prefix (a GPU machine has no other)
-  local f
-  for f in "$BUILD/bin/ferry" "$BUILD"/python/ferry/_ferry*.so; do
-    ldd "$f" | grep -q "$LIBDIR/libluajit" ||
-      { echo "$f does not load libluajit from $LIBDIR:"; ldd "$f"; return 1; }
+  # what was built loads LuaJIT from the prefix through its RPATH and finds
+  # every library; without a GPU (the rehearsal, on a machine that may have
+  # them all in /usr and so hide one the carry lacks) every library but the
+  # base system's (C and C++ runtimes, zlib, CUDA's) comes from the prefix
+  local f l name path bad=0 files=("$BUILD/bin/ferry" "$BUILD"/python/ferry/_ferry*.so)
+  local base='^(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libz|ld-linux-x86-64|libcuda|libcudart)\.so'
+  [ $GPU = 1 ] && files+=("$BUILD/bin/ferry_bench" "$BUILD/bin/ferry_tests" "$BUILD/bin/ferry_tests_gpu")
+  for f in "${files[@]}"; do
+    l=$(ldd "$f" 2>&1) || { echo "ldd $f: $l"; return 1; }
+    grep -q "$LIBDIR/libluajit" <<<"$l" || { echo "$f does not load libluajit from $LIBDIR"; bad=1; }
+    while read -r name _ path _; do
+      if [ "$path" = not ] || { [ $GPU = 0 ] && [[ $path != "$PREFIX/"* ]] && ! [[ $name =~ $base ]]; }; then
+        echo "$f loads $name from ${path/#not/nowhere}, not from the prefix"
+        bad=1
+      fi
+    done < <(grep "=>" <<<"$l")
+    [ $bad = 0 ] || { echo "$l"; return 1; }
   done
 }
 export -f build
