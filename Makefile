@@ -4,7 +4,7 @@ JOBS ?= 2
 CMAKE_FLAGS ?=
 PYTHON_TORCH ?= /usr/bin/python3
 
-.PHONY: all deps build demo test bench gpu-check soak mutate install clean
+.PHONY: all deps build demo test bench gpu-check gpu-rehearse soak mutate install clean
 
 all: build
 
@@ -50,12 +50,18 @@ bench: build
 	  else echo "[torch 1.x] skipped: $$py has no torch 1.x (the *_torch1 metrics stay missing)"; fi
 	@python3 bench/targets.py $(BUILD)/bench.json
 
-# On a machine with a GPU (CI has none): the cuda backend's copies against
-# cudaMemcpyAsync, ferry.torch on the GPU, training steps against no offload
-# and torch's save_on_cpu, the engine suite over the real CUDA runtime
-# (tests/gpu/run.sh; logs, bench.json and a trace in $(BUILD)/gpu).
-gpu-check: build
-	tests/gpu/run.sh $(BUILD) $(BUILD)/gpu
+# On a machine with a GPU (CI has none): every GPU check in one run,
+# tests/gpu/on-device.sh (unpacks gpu-carry, gathered here by
+# tests/gpu/gather.sh, into a private prefix, builds build-gpu/ with CUDA,
+# runs each check under its own bound; summary.json and logs in $(BUILD)/gpu).
+gpu-check:
+	@[ -f gpu-carry/debs/LIST ] || tests/gpu/gather.sh
+	tests/gpu/on-device.sh $(BUILD)/gpu
+
+# The same run rehearsed without a GPU (a stage of `make test`): it must
+# unpack, configure, build, and report every GPU step as "no GPU".
+gpu-rehearse:
+	BUILD=$(BUILD) tests/gpu/rehearse.sh
 
 # Longer runs than make test affords: fault injection over 200,000 seeded
 # rounds (make test runs 1,500) and the concurrency stress for 20,000 steps

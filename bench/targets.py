@@ -38,7 +38,7 @@ TARGETS = [
     ("stress_rss_drift_mib", "<=", 8, "survivor RSS growth over the second half of the run, MiB"),
     ("optimizer_offload_step_ratio", "<=", 1.3, "step with offload_optimizer(fraction=0.5) / plain"),
 ]
-# Measured only where a CUDA device is (make gpu-check, tests/gpu/run.sh):
+# Measured only where a CUDA device is (make gpu-check, tests/gpu/on-device.sh):
 # elsewhere listed as "no GPU", never as passing.
 GPU_TARGETS = [
     ("cuda_d2h_vs_cudamemcpy_64MB", ">=", 0.95, "cuda backend 64 MiB D2H GB/s / cudaMemcpyAsync into cudaHostAlloc"),

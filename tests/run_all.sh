@@ -7,6 +7,8 @@
 #   4. install + an out-of-tree find_package(ferry) consumer, and an install
 #      that works moved and without its source tree
 #   5. pytest (when that suite exists); the busted specs run inside ctest
+#   6. the GPU run (tests/gpu/on-device.sh) rehearsed without a GPU
+#      (tests/gpu/rehearse.sh, `make gpu-rehearse`)
 # Stages can be skipped with FERRY_SKIP="asan tsan valgrind ..." for local runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +86,12 @@ if ! skip pytest && [ -x tests/python/run.sh ]; then
   stage "pytest"
   BUILD=$BUILD tests/python/run.sh
   summary+=("pytest: ok")
+fi
+
+if ! skip gpu-rehearse; then
+  stage "GPU run rehearsed without a GPU (tests/gpu/rehearse.sh)"
+  BUILD=$BUILD tests/gpu/rehearse.sh 2>&1 | tee "$BUILD/gpu-rehearse.log"
+  summary+=("$(tail -1 "$BUILD/gpu-rehearse.log")")
 fi
 
 stage "summary"
