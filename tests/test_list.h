@@ -191,6 +191,8 @@
   X(sim_weight_offload_hand_computed_steps)                                \
   X(sim_weight_offload_composes_with_activations)                          \
   X(sim_weight_offload_refusals_and_estimate)                              \
+  /* issue 42: what the simulator models of an eager trainer (test_sim_model.c) */ \
+  X(sim_synth_hook_sees_per_checkpoint_impl)                               \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

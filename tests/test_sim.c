@@ -671,8 +671,8 @@ TEST(sim_synth_matches_korthikanti_formula) {
   double s = m.seq, b = m.micro_batch, h = m.hidden;
   CHECK_EQ(trace_layer_bytes(t, 0), (uint64_t)(34 * s * b * h + 16 * s * b));
   sim_trace_free(t);
-  /* full checkpointing keeps only each block's input */
-  m.checkpoint = SYNTH_CKPT_FULL;
+  /* full checkpointing keeps only each block's input (reentrant: a pack) */
+  m.checkpoint = SYNTH_CKPT_FULL, m.ckpt_impl = SYNTH_CKPT_IMPL_REENTRANT;
   CHECK_OK(synth_to_trace(&m, &t));
   CHECK_EQ(trace_layer_bytes(t, 0), (uint64_t)(2 * s * b * h));
   sim_trace_free(t);
@@ -1040,6 +1040,11 @@ TEST(sim_synth_checkpoint_modes_save_what_the_formulas_say) {
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
       m.checkpoint = cases[c].mode, m.ckpt_every = cases[c].every, m.flash = cases[c].flash;
+      /* packs for what a checkpoint keeps: reentrant (full, Megatron's selective), compiled
+       * (selective-op, whose recomputed tensors no hook sees then) */
+      m.ckpt_impl = cases[c].mode == SYNTH_CKPT_OFF          ? SYNTH_CKPT_IMPL_AUTO
+                    : cases[c].mode == SYNTH_CKPT_SELECTIVE_OP ? SYNTH_CKPT_IMPL_COMPILED
+                                                               : SYNTH_CKPT_IMPL_REENTRANT;
       m.recompute = cases[c].recompute ? cases[c].recompute : SYNTH_RECOMPUTE_ATTN_CORE;
       sim_trace *t = NULL;
       CHECK_OK(synth_to_trace(&m, &t));
@@ -1063,6 +1068,7 @@ TEST(sim_synth_checkpoint_modes_save_what_the_formulas_say) {
         uint64_t rec = trace_layer_recompute_bytes(t, L);
         if (cases[c].mode == SYNTH_CKPT_OFF || !ckpt) CHECK_EQ(rec, 0);
         else if (cases[c].mode == SYNTH_CKPT_SELECTIVE) CHECK_EQ(rec, (uint64_t)(2 * T * f));
+        else if (cases[c].mode == SYNTH_CKPT_SELECTIVE_OP) CHECK_EQ(rec, 0);
         else CHECK_EQ(rec, synth_layer_activation_bytes(&m));
         /* what one layer's ops save, the rotary tables included */
         if (cases[c].flash) CHECK_EQ(synth_layer_activation_bytes(&m), (uint64_t)(none + rope));
@@ -1078,6 +1084,7 @@ TEST(sim_synth_checkpoint_modes_save_what_the_formulas_say) {
   synth_model g;
   CHECK_EQ(synth_preset("gpt3-1.3b", &g), 0);
   g.seq = 512, g.micro_batch = 2, g.layers = 2, g.checkpoint = SYNTH_CKPT_SELECTIVE_OP;
+  g.ckpt_impl = SYNTH_CKPT_IMPL_COMPILED;
   const double T = 1024, h = g.hidden, a = g.heads, f = g.ffn;
   sim_trace *t = NULL;
   CHECK_OK(synth_to_trace(&g, &t));
@@ -1331,8 +1338,8 @@ TEST(sim_synth_moe_router_and_experts) {
   const uint64_t base = 2 * (uint64_t)m.vocab * (uint64_t)h + 2 * (uint64_t)h;
   CHECK_EQ(synth_param_count(&m), base + 2 * (per_layer_attn + (uint64_t)(E * 3 * h * fe)));
   CHECK_EQ(synth_active_param_count(&m), base + 2 * (per_layer_attn + (uint64_t)(k * 3 * h * fe)));
-  /* torchtitan's per-op policy */
-  m.checkpoint = SYNTH_CKPT_SELECTIVE_OP;
+  /* torchtitan's per-op policy (compiled: what it keeps is packed) */
+  m.checkpoint = SYNTH_CKPT_SELECTIVE_OP, m.ckpt_impl = SYNTH_CKPT_IMPL_COMPILED;
   const double sac = 2 * T * h + 2 * T * qd + 2 * T * kvd + 2 * T * qd + 4 * a * T +
                      2 * (2 * t * fe + 2 * t * h) + 2 * (2 * t * fe);
   CHECK_OK(synth_to_trace(&m, &tr));
@@ -1340,7 +1347,7 @@ TEST(sim_synth_moe_router_and_experts) {
   CHECK_EQ(trace_layer_bytes(tr, 0), (uint64_t)sac);
   sim_trace_free(tr);
   /* an uneven split: T k mod E tokens go one each to the first experts */
-  m.checkpoint = SYNTH_CKPT_OFF, m.seq = 511, m.micro_batch = 1, m.experts = 3;
+  m.checkpoint = SYNTH_CKPT_OFF, m.ckpt_impl = SYNTH_CKPT_IMPL_AUTO, m.seq = 511, m.micro_batch = 1, m.experts = 3;
   CHECK_OK(synth_to_trace(&m, &tr));
   int64_t rows = 0;
   for (uint32_t i = 0; i < tr->n_tensors; i++) {

@@ -741,6 +741,21 @@ enum {
   SYNTH_CKPT_SELECTIVE = 2,
   SYNTH_CKPT_SELECTIVE_OP = 3
 };
+/* Which checkpoint implementation runs it, which decides what a saved-tensor
+ * hook (ferry) receives (docs/simulator.md, "What a policy can see"):
+ * reentrant (torch.utils.checkpoint use_reentrant=True, Hugging Face's
+ * default, Megatron's): the block input and every recomputed tensor;
+ * non-reentrant (use_reentrant=False, torchtitan's): none of the checkpoint's
+ * own (its input, per-op SAC's kept outputs, the recomputed tensors live in
+ * its storage); compiled (torch.compile over checkpointed blocks): what the
+ * compiled graph saves (the input, SAC's kept outputs), not what its backward
+ * recomputes. auto: selective-op and full non-reentrant, selective reentrant. */
+enum {
+  SYNTH_CKPT_IMPL_AUTO = 0,
+  SYNTH_CKPT_IMPL_REENTRANT = 1,
+  SYNTH_CKPT_IMPL_NON_REENTRANT = 2,
+  SYNTH_CKPT_IMPL_COMPILED = 3
+};
 /* The loss (docs/simulator.md, "The loss working set"): full is Hugging
  * Face's (lm_head's bf16 logits, their fp32 copy, log-softmax + NLL);
  * chunked a fused linear cross-entropy (Liger's): the logits exist a chunk
@@ -797,6 +812,7 @@ typedef struct synth_model {
   int tp;             /* Megatron tensor parallelism degree; 0 or 1 = none */
   int sp;             /* sequence parallelism (needs tp > 1) */
   int norm;           /* SYNTH_NORM_*: the RMSNorms' kernels (llama arch) */
+  int ckpt_impl;      /* SYNTH_CKPT_IMPL_* */
 } synth_model;
 
 /* The resident bytes per GPU, by part (synth_resident_parts). */
@@ -833,6 +849,10 @@ FERRY_API uint64_t synth_layer_saved_bytes(const synth_model *m, int layer);
 /* Tokens per chunk of the chunked loss: m->loss_chunk, or Liger's rule
  * next_pow2(ceil(tokens / ceil(vocab / hidden))); at most the tokens. */
 FERRY_API int64_t synth_loss_chunk(const synth_model *m);
+/* m's checkpoint implementation with auto resolved (SYNTH_CKPT_IMPL_*), and
+ * its name ("reentrant", "non-reentrant", "compiled"). */
+FERRY_API int synth_checkpoint_impl(const synth_model *m);
+FERRY_API const char *synth_checkpoint_impl_name(int impl);
 /* The layers m's checkpointing applies to (full:K: layers / K). */
 FERRY_API int synth_checkpointed_layers(const synth_model *m);
 /* Parameters of the model (MoE: all experts; active: the router and top_k

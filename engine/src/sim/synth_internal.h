@@ -147,6 +147,10 @@ int group_drops_something(const op_list *l, unsigned g);
 uint64_t saved_bytes(const saved *x);
 int layer_mode(const synth_model *m, int L);
 void sac_keep(const op_list *l, unsigned char *keep);
+int ckpt_impl_of(const synth_model *m);
+const char *ckpt_impl_name(int impl);
+int hook_sees_kept(const synth_model *m);
+int hook_sees_recomputed(const synth_model *m);
 /* synth_model.c */
 uint64_t layer_matrices(const synth_model *m, int active);
 uint64_t layer_norms(const synth_model *m);

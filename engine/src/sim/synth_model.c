@@ -218,6 +218,13 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
   double per_tensor = (double)m->micro_batch * m->seq * widest * 4;
   double s2 = (double)m->micro_batch * m->heads * (double)m->seq * m->seq * 4;
   if (per_tensor > 1e15 || (!m->flash && s2 > 1e15)) BAD("tensors would exceed 1 PB: shape too large");
+  if (m->ckpt_impl < SYNTH_CKPT_IMPL_AUTO || m->ckpt_impl > SYNTH_CKPT_IMPL_COMPILED)
+    BAD("bad checkpoint implementation");
+  if (m->ckpt_impl != SYNTH_CKPT_IMPL_AUTO && m->checkpoint == SYNTH_CKPT_OFF)
+    BAD("a checkpoint implementation (%s) needs checkpointing", ckpt_impl_name(m->ckpt_impl));
+  if (m->checkpoint == SYNTH_CKPT_SELECTIVE_OP && m->ckpt_impl == SYNTH_CKPT_IMPL_REENTRANT)
+    BAD("selective-op runs only non-reentrant (torch's selective checkpointing: context_fn "
+        "needs use_reentrant=False) or compiled");
   if (m->checkpoint == SYNTH_CKPT_SELECTIVE) {
     if (!m->recompute || (m->recompute & ~(unsigned)(SYNTH_RECOMPUTE_ATTN_CORE | SYNTH_RECOMPUTE_MLP_ACT)))
       BAD("selective checkpointing needs groups to recompute (attn_core, mlp_act)");

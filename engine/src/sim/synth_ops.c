@@ -610,6 +610,36 @@ int layer_mode(const synth_model *m, int L) {
   return m->checkpoint;
 }
 
+/* The checkpoint implementation, auto resolved: torchtitan's per-op
+ * selective and its full mode run torch.utils.checkpoint with
+ * use_reentrant=False (the one torch recommends, and the only one per-op SAC
+ * works with); Megatron-LM's selective recomputation has its own reentrant
+ * CheckpointFunction. */
+int ckpt_impl_of(const synth_model *m) {
+  if (m->ckpt_impl != SYNTH_CKPT_IMPL_AUTO) return m->ckpt_impl;
+  return m->checkpoint == SYNTH_CKPT_SELECTIVE ? SYNTH_CKPT_IMPL_REENTRANT : SYNTH_CKPT_IMPL_NON_REENTRANT;
+}
+
+const char *ckpt_impl_name(int impl) {
+  static const char *const names[] = {"auto", "reentrant", "non-reentrant", "compiled"};
+  return impl >= 0 && impl <= SYNTH_CKPT_IMPL_COMPILED ? names[impl] : "unknown";
+}
+
+int synth_checkpoint_impl(const synth_model *m) { return ckpt_impl_of(m); }
+const char *synth_checkpoint_impl_name(int impl) { return ckpt_impl_name(impl); }
+
+/* Whether a saved-tensor hook receives what the checkpoint keeps of a block
+ * (its input; per-op SAC's kept outputs): a reentrant checkpoint saves its
+ * inputs with ctx.save_for_backward, a compiled graph saves them as its own;
+ * a non-reentrant one holds them in its frame. */
+int hook_sees_kept(const synth_model *m) { return ckpt_impl_of(m) != SYNTH_CKPT_IMPL_NON_REENTRANT; }
+
+/* Whether it receives the recomputed tensors: only a reentrant checkpoint
+ * recomputes under autograd's ordinary saving (inside backward); a
+ * non-reentrant one packs them with its own hooks into its frame, a compiled
+ * backward recomputes them inside its graph. */
+int hook_sees_recomputed(const synth_model *m) { return ckpt_impl_of(m) == SYNTH_CKPT_IMPL_REENTRANT; }
+
 int synth_checkpointed_layers(const synth_model *m) {
   int n = 0;
   for (int L = 0; L < m->layers; L++) n += layer_mode(m, L) != SYNTH_CKPT_OFF;

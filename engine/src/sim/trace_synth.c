@@ -141,19 +141,49 @@ typedef struct layer_ctx {
   const op_list *l;
   const unsigned char *keep; /* per-op SAC's choice */
   uint64_t *bufid;           /* [l->n_bufs] */
+  uint64_t *held;            /* [l->n_bufs]: alloc ids of what a checkpoint holds unseen */
+  const int *first_saver;    /* [l->n_bufs]: the first op (forward order) saving each buffer */
   const char *block_cls;
 } layer_ctx;
 
 #define IDS(bi, i) (&(bi)->ids[(size_t)(i) * MAX_SAVES])
 #define OUTS(bi, i) (&(bi)->outs[(size_t)(i) * MAX_OUTS])
 
-/* What a checkpoint keeps of a block: its input. */
+/* What a checkpoint keeps of a block: its input; a pack where a hook sees
+ * it, else memory the checkpoint holds (an alloc, freed after the block's
+ * backward). */
 static void w_pack_block_input(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
   saved in = sv(B_X, m->dtype, ACT, 0, 3, m->micro_batch, seq_region_of(m), m->hidden, 0);
   char path[64];
   module_path(layer, "", path, sizeof path);
-  bi->ckpt = w_pack(w, &in, layer, FERRY_PHASE_FORWARD, path, c->block_cls, 0);
+  if (!hook_sees_kept(m)) bi->ckpt = w_alloc(w, saved_bytes(&in), "checkpoint: block input");
+  else bi->ckpt = w_pack(w, &in, layer, FERRY_PHASE_FORWARD, path, c->block_cls, 0);
+}
+
+/* Recomputed tensors no hook sees: the checkpoint's storage holds one alloc
+ * per distinct buffer of op o's saves (which/drop as w_pack_op; parameters
+ * and the model-wide rotary tables are held anyway), each freed after the
+ * backward of the first op that saves it (w_release_held), when autograd
+ * releases its last saved reference. */
+static void w_hold_op(writer *w, const layer_ctx *c, const op *o, int which, unsigned drop) {
+  for (int k = 0; k < o->n_saves; k++) {
+    const saved *x = &o->saves[k];
+    int dropped = (x->group & drop) != 0;
+    if ((which == P_KEPT && dropped) || (which == P_DROPPED && !dropped)) continue;
+    if (x->buf < 0 || x->kind == PARAM || x->model_wide || c->held[x->buf]) continue;
+    c->held[x->buf] = w_alloc(w, saved_bytes(x), "checkpoint: recomputed");
+  }
+}
+
+static void w_release_held(writer *w, const layer_ctx *c, int i) {
+  const op *o = &c->l->ops[i];
+  for (int k = 0; k < o->n_saves; k++) {
+    const int b = o->saves[k].buf;
+    if (b < 0 || c->first_saver[b] != i || !c->held[b]) continue;
+    w_free(w, c->held[b]);
+    c->held[b] = 0;
+  }
 }
 
 static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
@@ -181,7 +211,9 @@ static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids 
       char path[160];
       module_path(layer, op_module(o), path, sizeof path);
       for (int k = 0; k < o->n_outs; k++)
-        OUTS(bi, i)[k] = w_pack(w, &o->outs[k], layer, FERRY_PHASE_FORWARD, path, o->cls, 0);
+        OUTS(bi, i)[k] = hook_sees_kept(m)
+                             ? w_pack(w, &o->outs[k], layer, FERRY_PHASE_FORWARD, path, o->cls, 0)
+                             : w_alloc(w, saved_bytes(&o->outs[k]), "checkpoint: kept output");
     }
     return;
   }
@@ -207,17 +239,24 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
   const op_list *l = c->l;
   const int mode = layer_mode(m, layer);
   memset(c->bufid, 0, (size_t)l->n_bufs * sizeof *c->bufid);
+  memset(c->held, 0, (size_t)l->n_bufs * sizeof *c->held);
+  const int kept_seen = hook_sees_kept(m), rec_seen = hook_sees_recomputed(m);
   if (mode == SYNTH_CKPT_FULL || mode == SYNTH_CKPT_SELECTIVE_OP) {
     /* recomputation: the block runs again from its input before its
      * backward; per-op SAC takes the outputs it saved instead of running
-     * those ops. Every tensor the backward needs is packed again. */
-    w_unpack(w, bi->ckpt);
+     * those ops. Every tensor the backward needs is saved again: packed
+     * where a hook sees it, else held by the checkpoint. */
+    if (kept_seen) w_unpack(w, bi->ckpt);
     for (int i = 0; i < l->n; i++) {
       const op *o = &l->ops[i];
       if (mode == SYNTH_CKPT_SELECTIVE_OP && c->keep[i])
-        for (int k = 0; k < o->n_outs; k++) w_unpack(w, OUTS(bi, i)[k]);
+        for (int k = 0; k < o->n_outs; k++) {
+          if (kept_seen) w_unpack(w, OUTS(bi, i)[k]);
+          else w_free(w, OUTS(bi, i)[k]); /* popped from the SAC cache, used as the output */
+        }
       else w_op(w, o, 1, layer, "recompute");
-      w_pack_op(w, o, layer, FERRY_PHASE_RECOMPUTE, P_ALL, 0, IDS(bi, i), c->bufid);
+      if (rec_seen) w_pack_op(w, o, layer, FERRY_PHASE_RECOMPUTE, P_ALL, 0, IDS(bi, i), c->bufid);
+      else w_hold_op(w, c, o, P_ALL, 0);
     }
   }
   static const unsigned groups[2] = {SYNTH_RECOMPUTE_ATTN_CORE, SYNTH_RECOMPUTE_MLP_ACT};
@@ -231,13 +270,18 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
       if (at[g] != i) continue;
       for (int j = 0; j < l->n; j++)
         if (l->ops[j].rgroup & groups[g]) w_op(w, &l->ops[j], 1, layer, "recompute");
-      for (int j = 0; j < l->n; j++)
-        w_pack_op(w, &l->ops[j], layer, FERRY_PHASE_RECOMPUTE, P_DROPPED, groups[g], IDS(bi, j),
-                  c->bufid);
+      for (int j = 0; j < l->n; j++) {
+        if (rec_seen)
+          w_pack_op(w, &l->ops[j], layer, FERRY_PHASE_RECOMPUTE, P_DROPPED, groups[g], IDS(bi, j),
+                    c->bufid);
+        else w_hold_op(w, c, &l->ops[j], P_DROPPED, groups[g]);
+      }
     }
     w_unpack_op(w, o, IDS(bi, i));
     w_op(w, o, 2, layer, NULL);
+    w_release_held(w, c, i);
   }
+  if ((mode == SYNTH_CKPT_FULL || mode == SYNTH_CKPT_SELECTIVE_OP) && !kept_seen) w_free(w, bi->ckpt);
 }
 
 /* The ops after the blocks (final norm, head, loss), forward: an op's
@@ -314,7 +358,8 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   block_ids *blocks = calloc((size_t)m->layers, sizeof *blocks);
   uint64_t pre_store[MAX_SAVES], post_store[8 * MAX_SAVES], post_out[8 * MAX_TMPS];
   block_ids pre_ids = {.ids = pre_store}, post_ids = {.ids = post_store};
-  uint64_t *bufid = NULL;
+  uint64_t *bufid = NULL, *held = NULL;
+  int *first_saver = NULL;
   unsigned char *keep = NULL;
   layer_ctx ctx = {.l = &layer,
                    .block_cls = m->arch != SYNTH_LLAMA      ? "GPTBlock"
@@ -327,13 +372,20 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   int rc = -1;
   if (!blocks || layer_ops(m, &layer) || pre_ops(m, &pre) || post_ops(m, &post)) goto oom;
   n = (size_t)layer.n;
-  if (!(bufid = calloc((size_t)layer.n_bufs, sizeof *bufid)) || !(keep = calloc(n, 1))) goto oom;
+  if (!(bufid = calloc((size_t)layer.n_bufs, sizeof *bufid)) || !(keep = calloc(n, 1)) ||
+      !(held = calloc((size_t)layer.n_bufs, sizeof *held)) ||
+      !(first_saver = malloc((size_t)layer.n_bufs * sizeof *first_saver)))
+    goto oom;
+  for (int b = 0; b < layer.n_bufs; b++) first_saver[b] = -1;
+  for (int i = layer.n; i-- > 0;)
+    for (int k = 0; k < layer.ops[i].n_saves; k++)
+      if (layer.ops[i].saves[k].buf >= 0) first_saver[layer.ops[i].saves[k].buf] = i;
   for (int L = 0; L < m->layers; L++)
     if (!(blocks[L].ids = malloc(n * MAX_SAVES * sizeof(uint64_t))) ||
         !(blocks[L].outs = malloc(n * MAX_OUTS * sizeof(uint64_t))))
       goto oom;
   sac_keep(&layer, keep);
-  ctx.keep = keep, ctx.bufid = bufid;
+  ctx.keep = keep, ctx.bufid = bufid, ctx.held = held, ctx.first_saver = first_saver;
   fprintf(f,
           "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1,\"ferry\":\"%s\","
           "\"backend\":\"synth\",\"model\":\"%s\",\"arch\":\"%s\",\"layers\":%d,\"hidden\":%d,"
@@ -351,7 +403,8 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   if (m->arch == SYNTH_LLAMA) fprintf(f, "\"norm\":\"%s\",", m->norm == SYNTH_NORM_EAGER ? "eager" : "fused");
   fprintf(f, "\"checkpoint\":\"%s\",", checkpoint_name(m, ckpt, sizeof ckpt));
   if (m->checkpoint != SYNTH_CKPT_OFF)
-    fprintf(f, "\"checkpointed_layers\":%d,", synth_checkpointed_layers(m));
+    fprintf(f, "\"checkpointed_layers\":%d,\"checkpoint_impl\":\"%s\",", synth_checkpointed_layers(m),
+            ckpt_impl_name(ckpt_impl_of(m)));
   if (m->loss == SYNTH_LOSS_CHUNKED) fprintf(f, "\"loss\":\"chunked:%lld\",", (long long)synth_loss_chunk(m));
   else fprintf(f, "\"loss\":\"full\",");
   fprintf(f,
@@ -411,6 +464,8 @@ done:
     }
   free(blocks);
   free(bufid);
+  free(held);
+  free(first_saver);
   free(keep);
   op_list_free(&layer);
   op_list_free(&pre);

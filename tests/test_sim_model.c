@@ -1,0 +1,196 @@
+/* test_sim_model.c — what the simulator models of an eager trainer (issue
+ * 42): which tensors a saved-tensor hook receives under each checkpoint
+ * implementation, and the costs and memory of the synthesized step, each
+ * against a hand-computed small case. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ferry_tools.h"
+#include "test.h"
+
+#define NEAR(a, b, tol)                                                                   \
+  do {                                                                                    \
+    double a_ = (a), b_ = (b);                                                            \
+    if (!(fabs(a_ - b_) <= (tol))) {                                                      \
+      fprintf(stderr, "%s:%d: NEAR failed: %s = %.6f, %s = %.6f (tol %g)\n", __FILE__,    \
+              __LINE__, #a, a_, #b, b_, (double)(tol));                                   \
+      return 1;                                                                           \
+    }                                                                                     \
+  } while (0)
+
+static char *text_of(const synth_model *m, char *err, size_t errlen) {
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  if (!f) return NULL;
+  int rc = synth_write(m, f, err, errlen);
+  fclose(f);
+  if (rc) {
+    free(buf);
+    return NULL;
+  }
+  return buf;
+}
+
+static int trace_of(const synth_model *m, sim_trace **t) {
+  char err[512] = "";
+  char *text = text_of(m, err, sizeof err);
+  if (!text) {
+    fprintf(stderr, "synth: %s\n", err);
+    return -1;
+  }
+  int rc = sim_trace_parse("synth", text, strlen(text), t, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  free(text);
+  return rc;
+}
+
+/* Distinct activation bytes (alias packs once) of layer's packs in phase
+ * (layer -2: every layer and none). */
+static uint64_t pack_bytes(const sim_trace *t, int layer, int phase) {
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < t->n_tensors; i++) {
+    const trace_tensor *x = &t->tensors[i];
+    if ((layer == -2 || x->desc.layer == layer) && x->desc.kind == FERRY_KIND_ACTIVATION &&
+        x->alias_of < 0 && x->desc.phase == phase)
+      total += x->desc.bytes;
+  }
+  return total;
+}
+
+/* Bytes and count of the allocs whose what is `what`. */
+static uint64_t alloc_bytes(const sim_trace *t, const char *what, int *count) {
+  uint64_t total = 0;
+  int n = 0;
+  for (uint32_t i = 0; i < t->n_allocs; i++)
+    if (!strcmp(t->allocs[i].what, what)) total += t->allocs[i].bytes, n++;
+  if (count) *count = n;
+  return total;
+}
+
+static int packs_in_layers(const sim_trace *t) {
+  int n = 0;
+  for (uint32_t i = 0; i < t->n_tensors; i++) n += t->tensors[i].desc.layer >= 0;
+  return n;
+}
+
+/* The tiny Llama of these tests: T = 256 tokens, h 256, 4 heads of 64, 2 KV
+ * heads, ffn 512, bf16, 2 layers, flash, fused norms. */
+static void tiny(synth_model *m) {
+  synth_preset("tiny", m);
+  m->layers = 2, m->seq = 256, m->micro_batch = 1;
+}
+
+/* Issue 42 item 1. What a saved-tensor hook receives, per checkpoint
+ * implementation, by hand for the tiny model:
+ *   block input 2Th = 131072 B;
+ *   a block's saves without checkpointing (rotary tables apart), 8Th + 4T·qd
+ *   + 4T·kvd + 8Tf + 8T + 4aT = 524288 + 262144 + 131072 + 1048576 + 2048 +
+ *   4096 = 1972224 B;
+ *   per-op SAC's kept outputs (q, v, gate, down projections; attention's
+ *   output and lse) 2T·qd + 2T·kvd + 2Th + 2Tf + 2T·qd... = sac - input:
+ *   4Th + 4T·qd + 2T·kvd + 2Tf + 4aT - 2Th = 856064 - 131072 = 724992 B.
+ * reentrant: the input is a pack, the recomputed tensors are packs (phase
+ * recompute). non-reentrant (torchtitan's; the default for full and
+ * selective-op): none of them is a pack; the checkpoint holds them (allocs).
+ * compiled: the input and the kept outputs are packs, the recomputed
+ * tensors are not. A replay's policy is offered the packs only: under
+ * non-reentrant full checkpointing none of a block's. */
+TEST(sim_synth_hook_sees_per_checkpoint_impl) {
+  const uint64_t input = 131072, block = 1972224, kept_outs = 724992, rope = 4 * 256 * 64;
+  synth_model m;
+  sim_trace *t = NULL;
+  int n = 0;
+  /* full, reentrant (Hugging Face's default) */
+  tiny(&m);
+  m.checkpoint = SYNTH_CKPT_FULL, m.ckpt_impl = SYNTH_CKPT_IMPL_REENTRANT;
+  CHECK_OK(trace_of(&m, &t));
+  for (int L = 0; L < 2; L++) {
+    CHECK_EQ(pack_bytes(t, L, FERRY_PHASE_FORWARD), input);
+    CHECK_EQ(pack_bytes(t, L, FERRY_PHASE_RECOMPUTE), block + rope);
+  }
+  CHECK_EQ(alloc_bytes(t, "checkpoint: block input", &n), 0);
+  CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 0);
+  sim_trace_free(t);
+  /* full, non-reentrant: the default */
+  for (int given = 0; given <= 1; given++) {
+    tiny(&m);
+    m.checkpoint = SYNTH_CKPT_FULL;
+    if (given) m.ckpt_impl = SYNTH_CKPT_IMPL_NON_REENTRANT;
+    CHECK_OK(trace_of(&m, &t));
+    CHECK_EQ(packs_in_layers(t), 0);
+    CHECK_EQ(alloc_bytes(t, "checkpoint: block input", &n), 2 * input);
+    CHECK_EQ(n, 2);
+    CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 2 * block);
+    /* the replay offers the policy only the packs: embedding ids; model.norm's
+     * input, rstd, weight; lm_head's input, weight; the loss's log-probabilities,
+     * their alias, labels, total_weight: 10 */
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 1;
+    c.policy_source = "return { api = 1, name = 'all', knobs = { min_offload_bytes = 1 },\n"
+                      "  decide = function(t, ctx) return ferry.OFFLOAD end }";
+    sim_result r;
+    char err[512];
+    CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+    CHECK_EQ(r.tensors_packed, 10);
+    for (uint32_t i = 0; i < r.n_layers; i++)
+      if (r.layers[i].layer >= 0) CHECK_EQ(r.layers[i].offloaded_bytes, 0);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
+  /* selective-op, compiled: the input and the kept outputs are packs, the
+   * recomputed tensors held by the compiled backward */
+  tiny(&m);
+  m.checkpoint = SYNTH_CKPT_SELECTIVE_OP, m.ckpt_impl = SYNTH_CKPT_IMPL_COMPILED;
+  CHECK_OK(trace_of(&m, &t));
+  for (int L = 0; L < 2; L++) {
+    CHECK_EQ(pack_bytes(t, L, FERRY_PHASE_FORWARD), input + kept_outs);
+    CHECK_EQ(pack_bytes(t, L, FERRY_PHASE_RECOMPUTE), 0);
+  }
+  CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 2 * block);
+  sim_trace_free(t);
+  /* selective-op, non-reentrant (torchtitan's, the default): nothing */
+  tiny(&m);
+  m.checkpoint = SYNTH_CKPT_SELECTIVE_OP;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(packs_in_layers(t), 0);
+  CHECK_EQ(alloc_bytes(t, "checkpoint: block input", &n), 2 * input);
+  CHECK_EQ(alloc_bytes(t, "checkpoint: kept output", &n), 2 * kept_outs);
+  CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 2 * block);
+  sim_trace_free(t);
+  /* Megatron's selective (its own reentrant checkpoint): the recomputed
+   * attention core is packed; non-reentrant, held */
+  tiny(&m);
+  m.checkpoint = SYNTH_CKPT_SELECTIVE, m.flash = 0, m.recompute = SYNTH_RECOMPUTE_MLP_ACT;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(pack_bytes(t, 0, FERRY_PHASE_RECOMPUTE), 2 * 256 * 512); /* the SiLU output 2Tf */
+  sim_trace_free(t);
+  m.ckpt_impl = SYNTH_CKPT_IMPL_NON_REENTRANT;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(pack_bytes(t, -2, FERRY_PHASE_RECOMPUTE), 0);
+  CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 2 * 2 * 256 * 512);
+  sim_trace_free(t);
+  /* refusals, and the header names the implementation */
+  char err[512] = "";
+  tiny(&m);
+  m.checkpoint = SYNTH_CKPT_SELECTIVE_OP, m.ckpt_impl = SYNTH_CKPT_IMPL_REENTRANT;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "use_reentrant=False");
+  m.checkpoint = SYNTH_CKPT_OFF;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "needs checkpointing");
+  m.checkpoint = SYNTH_CKPT_FULL, m.ckpt_impl = 7;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  m.ckpt_impl = SYNTH_CKPT_IMPL_AUTO;
+  char *text = text_of(&m, err, sizeof err);
+  CHECK(text != NULL);
+  char *nl = strchr(text, '\n');
+  *nl = 0;
+  int named = strstr(text, "\"checkpoint_impl\":\"non-reentrant\"") != NULL;
+  free(text);
+  CHECK(named);
+  return 0;
+}
