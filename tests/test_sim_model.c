@@ -194,3 +194,86 @@ TEST(sim_synth_hook_sees_per_checkpoint_impl) {
   CHECK(named);
   return 0;
 }
+
+/* ---- steady state after the arena's growth ----------------------------------------- */
+#define T_HDR "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
+#define T_PACK(id, step, bytes)                                                                  \
+  "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":" #step ",\"bytes\":" #bytes              \
+  ",\"dtype\":\"u8\",\"shape\":[" #bytes "],\"kind\":\"activation\",\"phase\":\"forward\","      \
+  "\"layer\":0,\"layers\":1,\"decision\":\"offload\"}\n"
+#define T_UNPACK(id) "{\"ev\":\"unpack\",\"t_us\":0,\"id\":" #id "}\n"
+#define T_WORK(us) "{\"ev\":\"compute\",\"t_us\":0,\"us\":" #us "}\n"
+#define T_EV(name) "{\"ev\":\"" name "\",\"t_us\":0}\n"
+#define T_BEGIN(step) "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":" #step "}\n"
+#define T_END(step) "{\"ev\":\"step_end\",\"t_us\":0,\"step\":" #step "}\n"
+/* one tensor A out and back around 1000 us of compute; step 2 also B */
+#define ONE_STEP(s, a)                                                                           \
+  T_BEGIN(s) T_PACK(a, s, 100000) T_WORK(1000) T_EV("backward_begin") T_UNPACK(a)                \
+      T_EV("backward_end") T_END(s)
+#define GROW_STEP(s, a, b)                                                                       \
+  T_BEGIN(s) T_PACK(a, s, 100000) T_PACK(b, s, 5000000) T_WORK(1000) T_EV("backward_begin")      \
+      T_UNPACK(b) T_UNPACK(a) T_EV("backward_end") T_END(s)
+
+static const char *const offload_all =
+    "return { api = 1, name = 'all', knobs = { min_offload_bytes = 1 },\n"
+    "  decide = function(t, ctx) return ferry.OFFLOAD end }";
+
+/* Issue 42 item 3. Pinning costs 1000 us a call plus 1 us per 2000 B
+ * touched; the pool arena takes a 4 MiB chunk for A in step 1 and a chunk of
+ * B's own (5 MB: more than the chunk has left) in step 2: step 2 pays
+ * 1000 + 2500 us once. Steps 3 and 4 grow nothing. The steady figures begin
+ * at step 3 and equal step 3's alone (a three-step replay) or the mean of
+ * 3 and 4 (four steps), whatever the step count; the old mean over steps 2..N
+ * counted step 2's pinning (3500 us) / (N - 1). The arena growing in the
+ * last step is said, and with warmup < 0 (none) every step counts. */
+TEST(sim_steady_state_begins_after_the_arena_stopped_growing) {
+  static const char text[] = T_HDR ONE_STEP(1, 1) GROW_STEP(2, 2, 3) ONE_STEP(3, 4) ONE_STEP(4, 5);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("grow", text, strlen(text), &t, err, sizeof err));
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.policy_source = offload_all;
+  c.pinned_alloc_us = 1000, c.pinned_touch_bytes_per_s = 2e9;
+  sim_result three, four, plain;
+  c.steps = 3;
+  CHECK_OK(sim_replay(t, &c, &three, err, sizeof err));
+  c.steps = 4;
+  CHECK_OK(sim_replay(t, &c, &four, err, sizeof err));
+  /* the same steps without pinning cost: what step 3 takes */
+  c.pinned_alloc_us = 0, c.pinned_touch_bytes_per_s = 0;
+  CHECK_OK(sim_replay(t, &c, &plain, err, sizeof err));
+  CHECK_EQ(three.arena_grew_step, 2);
+  CHECK_EQ(three.steady_from, 3);
+  CHECK_EQ(three.arena_still_growing, 0);
+  CHECK_EQ(four.steady_from, 3);
+  /* step 3: A's copy out (100 us) hides under the compute and its unpack is
+   * served from the forward stash: the compute alone, 1000 us (and so the
+   * same replay without pinning cost) */
+  NEAR(three.step_us, 1000.0, 1e-6);
+  NEAR(four.step_us, 1000.0, 1e-6);
+  NEAR(plain.step_us, 1000.0, 1e-6);
+  NEAR(three.pinned_alloc_us, 0, 0);
+  NEAR(three.bytes_d2h, 100000, 0);
+  CHECK_EQ(three.peak_saved_bytes, 100000);
+  sim_result_free(&three);
+  sim_result_free(&four);
+  sim_result_free(&plain);
+  /* two steps: the arena grew in the last one */
+  c.pinned_alloc_us = 1000, c.pinned_touch_bytes_per_s = 2e9;
+  c.steps = 2;
+  sim_result two;
+  CHECK_OK(sim_replay(t, &c, &two, err, sizeof err));
+  CHECK_EQ(two.arena_still_growing, 1);
+  CHECK_EQ(two.steady_from, 2);
+  CHECK(two.step_us >= 1000.0 + 3500.0);
+  sim_result_free(&two);
+  /* every step counted: warmup < 0 */
+  c.steps = 4, c.warmup = -1;
+  sim_result all;
+  CHECK_OK(sim_replay(t, &c, &all, err, sizeof err));
+  CHECK_EQ(all.steady_from, 1);
+  sim_result_free(&all);
+  sim_trace_free(t);
+  return 0;
+}

@@ -663,6 +663,13 @@ typedef struct sim_result {
   double first_step_us;
   uint64_t first_step_peak_device_bytes; /* step 1 alone */
   uint32_t warmup;                       /* steps left out */
+  /* steady state begins once the pinned arena stopped growing: the last
+   * step (1-based) in which it grew (0: none), the first step counted in
+   * the steady figures, and whether the arena still grew in the last step
+   * (then only the last step is counted, and it is not steady: replay more
+   * steps) */
+  uint32_t arena_grew_step, steady_from;
+  int arena_still_growing;
   double pinned_alloc_us;                /* per steady step: pinning host memory */
   /* per steady step: the least exposed stall any schedule of the same
    * copies could have at this peak, the link at full speed (replayer.c,

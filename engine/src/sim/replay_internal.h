@@ -123,7 +123,9 @@ typedef struct replay {
   sim_buf *free_bufs;
   uint64_t live_bytes, peak_live;
   uint64_t peak_steady, peak_first; /* over the steady steps; over step 1 */
-  int steady, first;    /* replaying a steady step; step 1 */
+  uint64_t step_peak;   /* over the step being replayed */
+  int first;            /* replaying step 1 */
+  struct step_sums *per_step; /* [steps]: each step's sums, chosen from at the end */
   uint32_t warmup;
   double pinned_us;     /* pinning cost so far (sim) */
   int recording;
@@ -181,6 +183,8 @@ typedef struct step_sums {
   double opt_d2h, opt_h2d, opt_stall;
   double w_d2h, w_h2d, w_stall;
   uint32_t n_steady;
+  uint64_t peak;  /* one step's: its peak of saved bytes */
+  int grew;       /* one step's: the pinned arena grew in it */
 } step_sums;
 
 
@@ -213,5 +217,6 @@ void floor_tensor(link_floor *f, int type, int out, int reloaded, int counted, d
 double floor_us(const link_floor *f, double peak);
 void add_step(step_sums *s, double step_us, double stall, double wait, const ferry_stats *s0, const ferry_stats *s1);
 void finish_result(replay *r, const step_sums *s);
+void steady_sums(replay *r, uint32_t steps, step_sums *s);
 
 #endif

@@ -106,6 +106,36 @@ static void compute_note(replay *r) {
              out->gaps_from_flops, r->c->tflops, out->gaps_as_recorded, where);
 }
 
+/* The steady steps: after the warmup ones and after the last step in which
+ * the pinned arena grew (its pinning is paid once, so a mean over such a
+ * step depends on how many steps were replayed); all steps with warmup < 0
+ * (counted from the first) or when fewer steps than warmup ran. If the arena
+ * grew in the last step, that step alone is counted and the result says the
+ * arena still grew. Sums them into *s. */
+void steady_sums(replay *r, uint32_t steps, step_sums *s) {
+  sim_result *out = r->res;
+  memset(s, 0, sizeof *s);
+  uint32_t from = steps <= r->warmup ? 0 : r->warmup;
+  for (uint32_t i = 0; i < steps; i++)
+    if (r->per_step[i].grew) out->arena_grew_step = i + 1;
+  if (r->c->warmup >= 0 && out->arena_grew_step > from) from = out->arena_grew_step;
+  if (from >= steps) {
+    from = steps - 1;
+    out->arena_still_growing = 1;
+  }
+  out->steady_from = from + 1;
+  for (uint32_t i = from; i < steps; i++) {
+    const step_sums *p = &r->per_step[i];
+    s->n_steady++;
+    s->step += p->step, s->stall += p->stall, s->wait += p->wait, s->d2h += p->d2h;
+    s->h2d += p->h2d, s->packed += p->packed, s->off += p->off, s->kept += p->kept;
+    s->pf += p->pf, s->hits += p->hits, s->pinned += p->pinned, s->floor += p->floor;
+    s->opt_d2h += p->opt_d2h, s->opt_h2d += p->opt_h2d, s->opt_stall += p->opt_stall;
+    s->w_d2h += p->w_d2h, s->w_h2d += p->w_h2d, s->w_stall += p->w_stall;
+    if (p->peak > r->peak_steady) r->peak_steady = p->peak;
+  }
+}
+
 /* The result: the steady steps' means, peaks, and the engine's counters. */
 void finish_result(replay *r, const step_sums *s) {
   sim_result *out = r->res;

@@ -113,7 +113,7 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
 void live_add(replay *r, uint64_t bytes) {
   r->live_bytes += bytes;
   if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
-  if (r->steady && r->live_bytes > r->peak_steady) r->peak_steady = r->live_bytes;
+  if (r->live_bytes > r->step_peak) r->step_peak = r->live_bytes;
   if (r->first && r->live_bytes > r->peak_first) r->peak_first = r->live_bytes;
   mem_sample(r);
 }
@@ -625,13 +625,13 @@ static double pinned_us(replay *r) {
 
 /* Replays step si of steps (the trace's steps in a loop) and sums it up. */
 static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) {
+  memset(sums, 0, sizeof *sums);
   const sim_trace *t = r->t;
   const trace_step *ts = &t->steps[si % t->n_steps];
   r->last = si + 1 == steps;
   r->recording = r->last && r->c->timeline;
   r->first = si == 0;
-  r->steady = si >= r->warmup || steps <= r->warmup;
-  if (r->steady && !r->peak_steady) r->peak_steady = r->live_bytes;
+  r->step_peak = r->live_bytes;
   if (r->last) begin_last_step(r, ts);
   ferry_stats s0, s1;
   ferry_get_stats(r->e, &s0, sizeof s0);
@@ -710,7 +710,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     w1 = r->host_wait / r->host_scale;
   }
   if (si == 0) r->res->first_step_us = step_us;
-  if (r->steady) {
+  {
     /* the optimizer's host waits are its own figure, not the activations' */
     add_step(sums, step_us, st1 - st0, w1 - w0 - (o ? o->host_wait : 0), &s0, &s1);
     /* resident-buffer copies: the weights' are counted by the model */
@@ -728,8 +728,10 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       sums->w_stall += w->stall;
     }
     sums->pinned += pinned_us(r) - pin0;
-    sums->floor += r->host ? 0 : floor_us(&fl, (double)r->peak_steady);
+    sums->floor += r->host ? 0 : floor_us(&fl, (double)r->step_peak);
   }
+  sums->peak = r->step_peak;
+  sums->grew = s1.arena_reserved > s0.arena_reserved;
   return 0;
 }
 
@@ -747,6 +749,7 @@ static void replay_close(replay *r) {
   free(r->handles);
   free(r->bufs);
   free(r->went);
+  free(r->per_step);
   u64map_free(&r->dev_tensor);
   u64map_free(&r->host_offload);
 }
@@ -757,8 +760,10 @@ static int replay_steps(replay *r, uint32_t steps) {
   memset(&sums, 0, sizeof sums);
   double t_start = util_now_us();
   r->host_t0_us = t_start;
+  if (!(r->per_step = calloc(steps, sizeof *r->per_step)))
+    return ferry_errbuf(r->err, r->errlen, FERRY_ENOMEM, "%s: out of memory", r->res->label);
   for (uint32_t si = 0; si < steps; si++) {
-    int rc = replay_step(r, si, steps, &sums);
+    int rc = replay_step(r, si, steps, &r->per_step[si]);
     if (rc && r->err_written) return rc;
     if (rc)
       return ferry_errbuf(r->err, r->errlen, rc, "%s: %s (replaying %s)", r->res->label,
@@ -767,6 +772,7 @@ static int replay_steps(replay *r, uint32_t steps) {
   }
   r->res->wall_s = (util_now_us() - t_start) / 1e6;
   r->recording = 0; /* copies finishing at teardown are not the last step's */
+  steady_sums(r, steps, &sums);
   finish_result(r, &sums);
   if (r->bad_bytes)
     return ferry_errbuf(r->err, r->errlen, FERRY_EBACKEND,

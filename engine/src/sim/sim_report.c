@@ -211,6 +211,14 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
     fprintf(f, "\n  %-22.22s %11s, peak %s%s%s", rs[i].label, st, pk,
             rs[i].pinned_alloc_us > 0 ? "; steady steps pin host memory for " : "",
             rs[i].pinned_alloc_us > 0 ? pin : "");
+    /* the arena's growth is paid once: the steady figures begin after it */
+    if (rs[i].arena_still_growing)
+      fprintf(f, "; the pinned arena still grew in step %u, the last: NOT STEADY, figures are "
+                 "step %u's alone (replay more steps: --steps)", rs[i].arena_grew_step,
+              rs[i].steady_from);
+    else if (rs[i].arena_grew_step > 1 && rs[i].steady_from > rs[i].warmup + 1)
+      fprintf(f, "; the pinned arena grew until step %u: steady from step %u", rs[i].arena_grew_step,
+              rs[i].steady_from);
   }
   fputc('\n', f);
   sim_print_optimizer(f, rs, n);
@@ -284,6 +292,9 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "first_step_us", r->first_step_us);
   cJSON_AddNumberToObject(o, "first_step_peak_device_bytes", (double)r->first_step_peak_device_bytes);
   cJSON_AddNumberToObject(o, "warmup_steps", r->warmup);
+  cJSON_AddNumberToObject(o, "arena_grew_step", r->arena_grew_step);
+  cJSON_AddNumberToObject(o, "steady_from_step", r->steady_from);
+  cJSON_AddBoolToObject(o, "arena_still_growing", r->arena_still_growing);
   cJSON_AddStringToObject(o, "compute_note", r->compute_note);
   cJSON_AddNumberToObject(o, "gaps_from_flops", r->gaps_from_flops);
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
