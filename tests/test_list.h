@@ -194,6 +194,7 @@
   /* issue 42: what the simulator models of an eager trainer (test_sim_model.c) */ \
   X(sim_synth_hook_sees_per_checkpoint_impl)                               \
   X(sim_steady_state_begins_after_the_arena_stopped_growing)               \
+  X(sim_synth_flash_backward_is_2_5x_forward)                              \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -277,3 +277,36 @@ TEST(sim_steady_state_begins_after_the_arena_stopped_growing) {
   sim_trace_free(t);
   return 0;
 }
+
+/* Issue 42 item 5. FlashAttention's backward runs five matmuls against the
+ * forward's two: 2.5x the FLOPs. The tiny model's causal attention forward,
+ * 2·T·s·qd = 2 · 256 · 256 · 256 = 33554432 FLOPs (4Tsqd halved by the mask);
+ * its backward 83886080; a Linear's backward stays twice its forward
+ * (q_proj: 2·T·h·qd = 33554432 forward, 67108864 backward). */
+TEST(sim_synth_flash_backward_is_2_5x_forward) {
+  synth_model m;
+  tiny(&m);
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  int in_bwd = 0, seen_f = 0, seen_b = 0, seen_q = 0;
+  for (uint32_t k = 0; k < t->n_events; k++) {
+    const trace_ev *ev = &t->events[k];
+    if (ev->type == TEV_STEP_BEGIN) in_bwd = 0;
+    if (ev->type == TEV_BACKWARD_BEGIN) in_bwd = 1;
+    if (ev->type != TEV_COMPUTE || !ev->op) continue;
+    if (!strcmp(ev->op, "self_attn.attention")) {
+      NEAR(ev->flops, in_bwd ? 83886080.0 : 33554432.0, 0);
+      if (in_bwd) seen_b++;
+      else seen_f++;
+    }
+    if (in_bwd && !strcmp(ev->op, "self_attn.q_proj")) {
+      NEAR(ev->flops, 67108864.0, 0);
+      seen_q++;
+    }
+  }
+  CHECK_EQ(seen_f, 2);
+  CHECK_EQ(seen_b, 2);
+  CHECK_EQ(seen_q, 2);
+  sim_trace_free(t);
+  return 0;
+}

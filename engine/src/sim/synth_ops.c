@@ -215,6 +215,10 @@ static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
      * also keeps its rng state, a few bytes, not counted. */
     o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * s * qd, (2 * tokens * qd + 2 * tokens * kvd) * e);
     if (llama) in_module(o, "self_attn", ls_class(ls, CLS_ATTN));
+    /* its backward runs 5 matmuls (recomputed scores, dV, dP, dQ, dK) for the
+     * forward's 2: 2.5x the FLOPs (FlashAttention-2, Dao 2023, section 3.1;
+     * torch's FLOP counter counts SDPA's backward so), twice the bytes */
+    o->own_bwd = 1, o->bwd_flops = 2.5 * o->flops, o->bwd_bytes = 2 * o->bytes;
     save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
     save(o, sv(B_K, dt, ACT, 0, 4, b, kvd / d, s, d));
     save(o, sv(B_V, dt, ACT, 0, 4, b, kvd / d, s, d));

@@ -224,6 +224,13 @@ static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids 
   }
 }
 
+/* Op o's backward as one compute event: twice its forward, or its own cost
+ * (FlashAttention's 2.5x, the loss's). */
+static void w_op_backward(writer *w, const op *o, int layer, const char *name) {
+  w_compute(w, bwd_us(w->m, o), layer, name ? name : o->suffix, o->own_bwd ? o->bwd_flops : 2 * o->flops,
+            o->own_bwd ? o->bwd_bytes : 2 * o->bytes, o->own_bwd ? SYNTH_MIN_OP_US : 2 * SYNTH_MIN_OP_US);
+}
+
 /* Megatron selective: group g (the attention core, the MLP activation) is
  * recomputed as a whole before the backward of the last op (in forward
  * order) that saved one of its dropped tensors. */
@@ -278,7 +285,7 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
       }
     }
     w_unpack_op(w, o, IDS(bi, i));
-    w_op(w, o, 2, layer, NULL);
+    w_op_backward(w, o, layer, NULL);
     w_release_held(w, c, i);
   }
   if ((mode == SYNTH_CKPT_FULL || mode == SYNTH_CKPT_SELECTIVE_OP) && !kept_seen) w_free(w, bi->ckpt);
@@ -313,9 +320,7 @@ static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
     uint64_t grad[MAX_TMPS];
     w_alloc_tmps(w, o, TMP_GRAD, grad);
     w_unpack_op(w, o, IDS(bi, i));
-    w_compute(w, bwd_us(w->m, o), -1, op_label(o), o->own_bwd ? o->bwd_flops : 2 * o->flops,
-              o->own_bwd ? o->bwd_bytes : 2 * o->bytes,
-              o->own_bwd ? SYNTH_MIN_OP_US : 2 * SYNTH_MIN_OP_US);
+    w_op_backward(w, o, -1, op_label(o));
     for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
     memcpy(incoming, grad, sizeof grad);
   }
