@@ -931,6 +931,9 @@ typedef struct sim_hw {
   double host_ram_bytes;         /* host RAM per GPU: the node's / GPUs per node */
   double peak_tflops;            /* dense BF16 tensor-core peak, TFLOP/s */
   double hbm_bytes_per_s;        /* device-memory (HBM) bandwidth, datasheet */
+  /* what the device exposes to CUDA (torch.cuda's "total capacity", less
+   * than the marketed size: ECC and the driver's reserve); 0 = device_bytes */
+  double capacity_bytes;
 } sim_hw;
 /* The default sustained fraction of peak (--mfu): 0.40, Llama 3's 38-43%
  * BF16 MFU on H100 (docs/simulator.md). */
@@ -942,14 +945,14 @@ typedef struct sim_hw {
 /* sim_config.hbm_bytes_per_s when 0: the synthesizer's default, 2000 GB/s. */
 #define SIM_DEFAULT_HBM_BYTES_PER_S 2e12
 
-/* The share of a device's memory a training run cannot count on: the CUDA
- * context (~0.3 GiB with lazy module loading, over 1 GiB before CUDA 11.7)
- * and the caching allocator's reserved-but-unallocated blocks (1.83 GiB with
- * 78.09 GiB in use in one published OOM, 2.3%), which the sim does not
- * model: 5% (docs/hardware.md, "Device memory headroom"). */
-#define SIM_DEVICE_HEADROOM 0.05
-/* What a run may peak at on hw: its device memory less SIM_DEVICE_HEADROOM
- * (`ferry sim`'s "fits", `--fit device`). */
+/* The device memory a training run cannot count on: the CUDA context
+ * (~0.3 GiB with lazy module loading, over 1 GiB before CUDA 11.7) and the
+ * caching allocator's reserved-but-unallocated blocks (1.83 GiB with 78.09
+ * GiB in use in one published OOM), which the sim does not model: 2.8 GiB,
+ * the top of docs/hardware.md's 2.1-2.8 GiB ("Device memory headroom"). */
+#define SIM_DEVICE_ALLOWANCE_BYTES (2.8 * 1073741824.0)
+/* What a run may peak at on hw: the capacity the device exposes less
+ * SIM_DEVICE_ALLOWANCE_BYTES (`ferry sim`'s "fits", `--fit device`). */
 FERRY_API double sim_hw_usable_bytes(const sim_hw *hw);
 
 /* NULL if unknown. */
