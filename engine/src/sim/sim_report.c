@@ -396,6 +396,8 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   cJSON_AddNumberToObject(link, "duplex_h2d", info->hw->duplex_h2d);
   cJSON_AddNumberToObject(link, "duplex_d2h", info->hw->duplex_d2h);
   cJSON_AddNumberToObject(root, "device_bytes", info->hw->device_bytes);
+  cJSON_AddNumberToObject(root, "device_capacity_bytes", info->hw->capacity_bytes > 0 ? info->hw->capacity_bytes
+                                                                                   : info->hw->device_bytes);
   cJSON_AddNumberToObject(root, "device_usable_bytes", sim_hw_usable_bytes(info->hw));
   cJSON_AddNumberToObject(root, "layers", info->trace->layers);
   /* The first policy's figures at the top level, for scripts comparing one. */
