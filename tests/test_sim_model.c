@@ -330,3 +330,49 @@ TEST(sim_fits_is_exposed_capacity_less_the_allowance) {
   NEAR(sim_hw_usable_bytes(&custom), 0, 0);
   return 0;
 }
+
+/* Issue 42 item 7. Memory inside a block's backward. (a) A saved tensor
+ * lives until its op's backward ran (autograd releases it after the node),
+ * not only until it is unpacked: A (1000 B) kept, then in backward unpacked
+ * before an op whose backward allocates 500 B: 1500 B live at once (it was
+ * 1000, A freed at the unpack). (b) The synthesized block's backward writes
+ * the gradient of its input, 2Th = 131072 B per layer, and under sharding
+ * the unsharded gradients of its weights, freed after the block (FSDP's
+ * reduce-scatter): tiny's matrices h·qd + 2h·kvd + qd·h + 3h·f = 589824 and
+ * two norms 2h = 512 parameters, bf16: 1180672 B per layer; none unsharded
+ * (they accumulate into the resident gradients). */
+TEST(sim_block_backward_holds_saved_tensors_and_gradients) {
+  static const char text[] =
+      T_HDR T_BEGIN(1) "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":1000,\"dtype\":\"u8\","
+      "\"shape\":[1000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,\"layers\":1,"
+      "\"decision\":\"keep\"}\n" T_WORK(10) T_EV("backward_begin") T_UNPACK(1)
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":2,\"bytes\":500,\"what\":\"grad\"}\n" T_WORK(10)
+      "{\"ev\":\"free\",\"t_us\":0,\"id\":2}\n" T_EV("backward_end") T_END(1);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("bwd", text, strlen(text), &t, err, sizeof err));
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 1;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  CHECK_EQ(r.peak_saved_bytes, 1500);
+  sim_result_free(&r);
+  sim_trace_free(t);
+
+  synth_model m;
+  tiny(&m);
+  m.shard = 8;
+  CHECK_OK(trace_of(&m, &t));
+  int n = 0;
+  CHECK_EQ(alloc_bytes(t, "gradient: block input", &n), 2 * 131072);
+  CHECK_EQ(n, 2);
+  CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 2 * 1180672);
+  sim_trace_free(t);
+  m.shard = 1;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 0);
+  CHECK_EQ(alloc_bytes(t, "gradient: block input", &n), 2 * 131072);
+  sim_trace_free(t);
+  return 0;
+}

@@ -118,6 +118,11 @@ typedef struct replay {
   double host_excluded_us; /* wall time spent filling and checking buffers */
   ferry_handle *handles;
   sim_buf **bufs;       /* per tensor, while packed */
+  /* unpacked buffers the op's backward still reads: autograd releases a
+   * saved tensor after the node's backward ran, so they are let go after
+   * the next compute */
+  sim_buf **pending;
+  uint32_t n_pending, cap_pending;
   sim_buf **slabs;
   uint32_t n_slabs;
   sim_buf *free_bufs;
@@ -176,6 +181,12 @@ typedef struct link_floor {
    * (-inf before the first x), and the max over unpacks u of that + reloads
    * by u / the faster link - backward compute by u */
   double late_anchor, late_reload;
+  /* backward's unpacks so far, and whether the tensor now counted is an
+   * allocation after them: from there on a block's gradients come and go
+   * beside reloaded and stash-held buffers, whose bytes the bound cannot
+   * place, so such allocations count in K without being instants of it */
+  uint32_t bwd_unpacks;
+  int no_instant;
 } link_floor;
 /* Per-step sums over the steady steps (all but the first, unless one). */
 typedef struct step_sums {

@@ -500,13 +500,31 @@ static int replay_unpack(replay *r, uint32_t ti) {
     double s_after = sim_stall(r, &w);
     r->res->layers[r->cur_layer + 1].stall_us += host ? dt / r->host_scale : s_after - s_before;
   }
-  buf_unref(r, b); /* backward used it and let it go */
+  /* its op's backward reads it: released after the next compute */
+  if (r->n_pending == r->cap_pending) {
+    uint32_t cap = r->cap_pending ? 2 * r->cap_pending : 64;
+    sim_buf **p = realloc(r->pending, cap * sizeof *p);
+    if (!p) {
+      buf_unref(r, b);
+      r->bufs[ti] = NULL;
+      return 0;
+    }
+    r->pending = p, r->cap_pending = cap;
+  }
+  r->pending[r->n_pending++] = b;
   r->bufs[ti] = NULL;
   return 0;
 }
 
+/* The op's backward ran: autograd lets its saved tensors go. */
+static void release_pending(replay *r) {
+  for (uint32_t i = 0; i < r->n_pending; i++) buf_unref(r, r->pending[i]);
+  r->n_pending = 0;
+}
+
 /* A step_end event: ferry_step_end, timed on host. */
 static int replay_step_end(replay *r) {
+  release_pending(r);
   double a = r->host ? util_now_us() : 0;
   int rc = ferry_step_end(r->e);
   if (r->host) r->host_wait += util_now_us() - a;
@@ -667,6 +685,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       r->gap_scale = o && phase == 2 ? 1 - o->fraction : 1;
       double us = replay_gap(r, ts, k);
       r->gap_scale = 1;
+      release_pending(r);
       floor_compute(&fl, us);
       done += us;
       if (o && phase == 1 && (rc = opt_backward(r, done, o->bwd_us[tsi]))) return rc;
@@ -696,8 +715,10 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
                    (double)d->bytes);
     } else if (ev->type == TEV_ALLOC || ev->type == TEV_FREE) {
       /* transient bytes count as kept ones: on device, never copied */
+      fl.no_instant = fl.in_backward && fl.bwd_unpacks > 0;
       floor_tensor(&fl, ev->type == TEV_ALLOC ? TEV_PACK : TEV_DISCARD, 0, 0, 1,
                    (double)t->allocs[ev->tensor].bytes);
+      fl.no_instant = 0;
     }
   }
   double step_us = replay_now(r) - t0;
@@ -749,6 +770,7 @@ static void replay_close(replay *r) {
   free(r->handles);
   free(r->bufs);
   free(r->went);
+  free(r->pending);
   free(r->per_step);
   u64map_free(&r->dev_tensor);
   u64map_free(&r->host_offload);

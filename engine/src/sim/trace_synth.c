@@ -17,6 +17,7 @@ typedef struct writer {
   uint64_t next_id;
   uint64_t step;
   uint64_t model_bufid[2]; /* this step's first forward packs of the rotary tables (B_COS, B_SIN) */
+  uint64_t resid_grad;     /* backward: the gradient of the residual stream coming down */
 } writer;
 
 static double op_us(const synth_model *m, const op *o) {
@@ -143,6 +144,7 @@ typedef struct layer_ctx {
   uint64_t *bufid;           /* [l->n_bufs] */
   uint64_t *held;            /* [l->n_bufs]: alloc ids of what a checkpoint holds unseen */
   const int *first_saver;    /* [l->n_bufs]: the first op (forward order) saving each buffer */
+  uint64_t *wgrad;           /* [l->n]: backward: each op's weight gradients' alloc id */
   const char *block_cls;
 } layer_ctx;
 
@@ -241,10 +243,34 @@ static int last_consumer(const op_list *l, unsigned g) {
   return -1;
 }
 
+/* The unsharded gradients of op o's weights, allocated by its backward (one
+ * alloc for them; 0 if none): sharded training (FSDP, ZeRO-3) reduce-scatters
+ * a block's gradients after its backward and frees them then
+ * (w_block_backward); unsharded ones accumulate into the resident gradients. */
+static uint64_t w_weight_grads(writer *w, const op *o) {
+  if (w->m->shard <= 1) return 0;
+  const int g = w->m->grad_dtype ? w->m->grad_dtype : (w->m->param_dtype ? w->m->param_dtype : w->m->dtype);
+  uint64_t bytes = 0;
+  for (int k = 0; k < o->n_saves; k++) {
+    const saved *x = &o->saves[k];
+    if (x->kind != PARAM) continue;
+    uint64_t n_el = 1;
+    for (int d = 0; d < x->ndim; d++) n_el *= (uint64_t)x->shape[d];
+    bytes += n_el * (uint64_t)ferry_dtype_size(g);
+  }
+  return bytes ? w_alloc(w, bytes, "gradient: weights (unsharded)") : 0;
+}
+
 static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
   const op_list *l = c->l;
   const int mode = layer_mode(m, layer);
+  /* the gradient of the block's input, written as its backward runs; the
+   * one of its output (from the block above, or the head) lives until it ends */
+  const uint64_t grad_in = w_alloc(w, (uint64_t)m->micro_batch * (uint64_t)seq_region_of(m) *
+                                          (uint64_t)m->hidden * (uint64_t)ferry_dtype_size(m->dtype),
+                                   "gradient: block input");
+
   memset(c->bufid, 0, (size_t)l->n_bufs * sizeof *c->bufid);
   memset(c->held, 0, (size_t)l->n_bufs * sizeof *c->held);
   const int kept_seen = hook_sees_kept(m), rec_seen = hook_sees_recomputed(m);
@@ -285,9 +311,13 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
       }
     }
     w_unpack_op(w, o, IDS(bi, i));
+    c->wgrad[i] = w_weight_grads(w, o);
     w_op_backward(w, o, layer, NULL);
     w_release_held(w, c, i);
   }
+  for (int i = 0; i < l->n; i++) w_free(w, c->wgrad[i]); /* reduce-scattered */
+  w_free(w, w->resid_grad);
+  w->resid_grad = grad_in;
   if ((mode == SYNTH_CKPT_FULL || mode == SYNTH_CKPT_SELECTIVE_OP) && !kept_seen) w_free(w, bi->ckpt);
 }
 
@@ -324,7 +354,11 @@ static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
     for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
     memcpy(incoming, grad, sizeof grad);
   }
-  for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
+  /* the gradient of the final norm's input flows into the last block */
+  w->resid_grad = 0;
+  for (int k = 0; k < MAX_TMPS; k++)
+    if (!w->resid_grad && incoming[k]) w->resid_grad = incoming[k];
+    else w_free(w, incoming[k]);
 }
 
 static const char *checkpoint_name(const synth_model *m, char *buf, size_t n) {
@@ -363,7 +397,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   block_ids *blocks = calloc((size_t)m->layers, sizeof *blocks);
   uint64_t pre_store[MAX_SAVES], post_store[8 * MAX_SAVES], post_out[8 * MAX_TMPS];
   block_ids pre_ids = {.ids = pre_store}, post_ids = {.ids = post_store};
-  uint64_t *bufid = NULL, *held = NULL;
+  uint64_t *bufid = NULL, *held = NULL, *wgrad = NULL;
   int *first_saver = NULL;
   unsigned char *keep = NULL;
   layer_ctx ctx = {.l = &layer,
@@ -378,7 +412,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   if (!blocks || layer_ops(m, &layer) || pre_ops(m, &pre) || post_ops(m, &post)) goto oom;
   n = (size_t)layer.n;
   if (!(bufid = calloc((size_t)layer.n_bufs, sizeof *bufid)) || !(keep = calloc(n, 1)) ||
-      !(held = calloc((size_t)layer.n_bufs, sizeof *held)) ||
+      !(held = calloc((size_t)layer.n_bufs, sizeof *held)) || !(wgrad = calloc(n, sizeof *wgrad)) ||
       !(first_saver = malloc((size_t)layer.n_bufs * sizeof *first_saver)))
     goto oom;
   for (int b = 0; b < layer.n_bufs; b++) first_saver[b] = -1;
@@ -391,6 +425,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
       goto oom;
   sac_keep(&layer, keep);
   ctx.keep = keep, ctx.bufid = bufid, ctx.held = held, ctx.first_saver = first_saver;
+  ctx.wgrad = wgrad;
   fprintf(f,
           "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1,\"ferry\":\"%s\","
           "\"backend\":\"synth\",\"model\":\"%s\",\"arch\":\"%s\",\"layers\":%d,\"hidden\":%d,"
@@ -449,6 +484,8 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
       w_op(&w, &pre.ops[i], 2, -1, NULL);
     }
+    w_free(&w, w.resid_grad); /* the embedding's backward consumed it */
+    w.resid_grad = 0;
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
     w_compute(&w, opt_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer", 0, opt_bytes, 0);
     fprintf(f, "{\"ev\":\"step_end\",\"t_us\":0,\"step\":%d}\n", st);
@@ -470,6 +507,7 @@ done:
   free(blocks);
   free(bufid);
   free(held);
+  free(wgrad);
   free(first_saver);
   free(keep);
   op_list_free(&layer);
