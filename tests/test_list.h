@@ -197,6 +197,7 @@
   X(sim_synth_flash_backward_is_2_5x_forward)                              \
   X(sim_fits_is_exposed_capacity_less_the_allowance)                       \
   X(sim_block_backward_holds_saved_tensors_and_gradients)                  \
+  X(sim_synth_optimizer_traffic_and_gpt3_preset)                           \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -376,3 +376,44 @@ TEST(sim_block_backward_holds_saved_tensors_and_gradients) {
   sim_trace_free(t);
   return 0;
 }
+
+/* Issue 42 item 10. (a) The optimizer step as torch's foreach AdamW runs it,
+ * after gradient clipping: per stepped parameter, clipping 3g = 6 B (bf16
+ * gradients), AdamW's eight passes 21 x 4 = 84 B over the fp32 master copy,
+ * the gradient's cast to fp32 2 + 4 and the copy back 4 + 2: 102 B (it was
+ * 2 x 16 = 32). (b) gpt3-1.3b ties its head and learns 2048 positions:
+ * V·h + 2048·h + 24 (4h² + 2hf + 4h) + 2h = 102926336 + 4194304 +
+ * 1208156160 + 4096 = 1315280896 parameters (the paper's 1.3B; untied and
+ * without positions it was 1.41B). */
+TEST(sim_synth_optimizer_traffic_and_gpt3_preset) {
+  synth_model m;
+  tiny(&m);
+  m.shard = 2;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  const double per_rank = (double)synth_param_count(&m) / 2;
+  int seen = 0;
+  for (uint32_t k = 0; k < t->n_events; k++) {
+    const trace_ev *ev = &t->events[k];
+    if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "optimizer")) {
+      NEAR(ev->hbm_bytes, 102 * per_rank, 1e-6 * per_rank);
+      seen++;
+    }
+  }
+  CHECK_EQ(seen, 1);
+  sim_trace_free(t);
+  /* SGD (no state, no master: fp32 parameters): clipping 3 x 4 plus each
+   * kept byte read and written once, 2 (4 + 4) */
+  m.optimizer = SYNTH_OPT_SGD, m.param_dtype = FERRY_DTYPE_F32;
+  CHECK_OK(trace_of(&m, &t));
+  for (uint32_t k = 0; k < t->n_events; k++) {
+    const trace_ev *ev = &t->events[k];
+    if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "optimizer"))
+      NEAR(ev->hbm_bytes, 28 * per_rank, 1e-6 * per_rank);
+  }
+  sim_trace_free(t);
+  CHECK_EQ(synth_preset("gpt3-1.3b", &m), 0);
+  CHECK_EQ(synth_param_count(&m), 1315280896ull);
+  CHECK_EQ(m.tie_embeddings, 1);
+  return 0;
+}

@@ -820,6 +820,7 @@ typedef struct synth_model {
   int sp;             /* sequence parallelism (needs tp > 1) */
   int norm;           /* SYNTH_NORM_*: the RMSNorms' kernels (llama arch) */
   int ckpt_impl;      /* SYNTH_CKPT_IMPL_* */
+  int positions;      /* learned position embeddings (GPT): rows of hidden; 0 = none (rotary) */
 } synth_model;
 
 /* The resident bytes per GPU, by part (synth_resident_parts). */

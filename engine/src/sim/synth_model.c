@@ -79,9 +79,12 @@ int synth_preset(const char *name, synth_model *m) {
     m->layers = 32, m->hidden = 4096, m->heads = 32, m->kv_heads = 8, m->ffn = 14336;
     m->vocab = 32000, m->experts = 8, m->top_k = 2;
   } else if (!strcmp(name, "gpt3-1.3b")) {
+    /* GPT-3 follows GPT-2: the output layer is the token embedding
+     * (tied) and positions are learned embeddings of n_ctx = 2048 rows
+     * (Brown et al. 2020, section 2.1; Radford et al. 2019). */
     m->arch = SYNTH_GPT;
     m->layers = 24, m->hidden = 2048, m->heads = 16, m->kv_heads = 16, m->ffn = 8192;
-    m->vocab = 50257, m->seq = 2048;
+    m->vocab = 50257, m->seq = 2048, m->tie_embeddings = 1, m->positions = 2048;
   } else if (!strcmp(name, "tiny")) { /* for tests: small and fast */
     m->arch = SYNTH_LLAMA;
     m->layers = 4, m->hidden = 256, m->heads = 4, m->kv_heads = 2, m->ffn = 512;
@@ -145,6 +148,7 @@ static int validate_training(const synth_model *m, char *err, size_t errlen) {
     BAD("master weights on: the parameters are fp32 already (they are the master copy)");
   if (m->optimizer < SYNTH_OPT_ADAMW || m->optimizer > SYNTH_OPT_NONE) BAD("bad optimizer");
   if (!(m->lora >= 0 && m->lora <= 1)) BAD("lora %g must be a share within 0..1 (0: all trained)", m->lora);
+  if (m->positions < 0 || m->positions > 1 << 24) BAD("positions %d must be within 0..16777216", m->positions);
   return 0;
 }
 
@@ -274,7 +278,8 @@ static uint64_t layer_params(const synth_model *m, int active) {
 
 static uint64_t params(const synth_model *m, int active) {
   const uint64_t h = (uint64_t)m->hidden, V = (uint64_t)m->vocab;
-  return V * h /* embedding */ + (uint64_t)m->layers * layer_params(m, active) +
+  return V * h /* embedding */ + (uint64_t)m->positions * h /* learned positions */ +
+         (uint64_t)m->layers * layer_params(m, active) +
          2 * h /* final norm */ + (m->tie_embeddings ? 0 : V * h) /* head */;
 }
 
@@ -286,7 +291,7 @@ uint64_t synth_active_param_count(const synth_model *m) { return params(m, 1); }
  * vocabulary (V / t rows, rounded up), the norms replicated. */
 static uint64_t local_params(const synth_model *m) {
   const uint64_t h = (uint64_t)m->hidden, t = (uint64_t)tp_of(m), V = (uint64_t)vocab_local_of(m);
-  return V * h + (uint64_t)m->layers * (layer_matrices(m, 0) / t + layer_norms(m)) + 2 * h +
+  return V * h + (uint64_t)m->positions * h + (uint64_t)m->layers * (layer_matrices(m, 0) / t + layer_norms(m)) + 2 * h +
          (m->tie_embeddings ? 0 : V * h);
 }
 
@@ -352,11 +357,30 @@ uint64_t synth_resident_bytes(const synth_model *m) {
   return r.total;
 }
 
-/* The optimizer step reads and writes every byte the trainable share keeps
- * (parameters, gradients, master weights, states): 2 x 16 bytes per
- * parameter for mixed-precision AdamW; none without an optimizer. */
+/* The optimizer step's device-memory traffic per trainable parameter this
+ * rank steps, with gradient clipping before it (Hugging Face's Trainer and
+ * torchtitan clip at max_norm 1.0 by default): torch.nn.utils.clip_grad_norm_
+ * (foreach) reads every gradient for the norm, then scales them in place
+ * (read and write): 3g, g the gradient's bytes. AdamW as torch runs it by
+ * default (torch/optim/adamw.py, _multi_tensor_adamw: foreach, not fused),
+ * each op a pass over the stepped copy (e bytes an element: 4 with master
+ * weights): weight decay mul_ (r p, w p: 2e), lerp_ of exp_avg toward the
+ * gradient (3e), mul_ of exp_avg_sq (2e), addcmul_ grad x grad into it (4e),
+ * sqrt into a new tensor (2e), div_ by the bias correction (2e), add_ eps
+ * (2e), addcdiv_ into the parameter (4e): 21e; with master weights the
+ * gradient is first cast to fp32 (g + 4) and the updated master copied back
+ * to the parameter (4 + p): 102 bytes with bf16 gradients and parameters,
+ * where reading and writing each kept byte once would be 32. The other
+ * optimizers: every kept byte read and written once, plus clipping. */
 double optimizer_step_bytes(const synth_model *m, const synth_resident *r) {
   if (m->optimizer == SYNTH_OPT_NONE) return 0;
-  const double own = (double)r->trainable * ferry_dtype_size(param_dtype_of(m)) / (double)m->shard;
-  return 2 * (own + (double)(r->grads + r->master + r->states));
+  const double n = (double)r->trainable / (double)m->shard;
+  const double g = ferry_dtype_size(grad_dtype_of(m)), p = ferry_dtype_size(param_dtype_of(m));
+  const double clip = 3 * g * n;
+  if (m->optimizer == SYNTH_OPT_ADAMW) {
+    const double e = master_of(m) ? 4 : p;
+    return clip + n * (21 * e + (master_of(m) ? (g + 4) + (4 + p) : 0));
+  }
+  const double own = n * p;
+  return clip + 2 * (own + (double)(r->grads + r->master + r->states));
 }
