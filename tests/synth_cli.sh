@@ -30,8 +30,9 @@ head -1 "$D/r.jsonl" | grep -q '"checkpointed_layers":4,"checkpoint_impl":"reent
 grep -q '(full, reentrant: a policy sees what it keeps and what it recomputes)' "$D/r.txt"
 grep -q '"what":"checkpoint: ' "$D/r.jsonl" && { echo "reentrant: no checkpoint allocs expected"; exit 1; }
 "$FERRY" trace synth --preset tiny --checkpoint full -o "$D/nr.jsonl" 2> "$D/nr.txt"
-grep -q '(full, non-reentrant: a policy sees none of it)' "$D/nr.txt"
-grep -q '"what":"checkpoint: block input"' "$D/nr.jsonl"
+grep -q '(full, non-reentrant: a policy sees its block inputs only)' "$D/nr.txt"
+grep -q '"what":"checkpoint: recomputed"' "$D/nr.jsonl"
+grep -q '"what":"checkpoint: block input"' "$D/nr.jsonl" && { echo "non-reentrant: the block input is a pack"; exit 1; }
 rc=0
 "$FERRY" trace synth --preset tiny --checkpoint selective-op --checkpoint-impl reentrant -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
 [ "$rc" = 2 ] && grep -q 'use_reentrant=False' "$D/err.txt"

@@ -94,10 +94,13 @@ static void tiny(synth_model *m) {
  *   4Th + 4T·qd + 2T·kvd + 2Tf + 4aT - 2Th = 856064 - 131072 = 724992 B.
  * reentrant: the input is a pack, the recomputed tensors are packs (phase
  * recompute). non-reentrant (torchtitan's; the default for full and
- * selective-op): none of them is a pack; the checkpoint holds them (allocs).
+ * selective-op): the input is a pack (torch saves it through
+ * _NoopSaveInputs, outside the checkpoint's own hooks: an outer
+ * saved_tensors_hooks counted it, torch 2.15), the kept outputs and the
+ * recomputed tensors are not; the checkpoint holds them (allocs).
  * compiled: the input and the kept outputs are packs, the recomputed
  * tensors are not. A replay's policy is offered the packs only: under
- * non-reentrant full checkpointing none of a block's. */
+ * non-reentrant full checkpointing a block's input alone. */
 TEST(sim_synth_hook_sees_per_checkpoint_impl) {
   const uint64_t input = 131072, block = 1972224, kept_outs = 724992, rope = 4 * 256 * 64;
   synth_model m;
@@ -120,13 +123,17 @@ TEST(sim_synth_hook_sees_per_checkpoint_impl) {
     m.checkpoint = SYNTH_CKPT_FULL;
     if (given) m.ckpt_impl = SYNTH_CKPT_IMPL_NON_REENTRANT;
     CHECK_OK(trace_of(&m, &t));
-    CHECK_EQ(packs_in_layers(t), 0);
-    CHECK_EQ(alloc_bytes(t, "checkpoint: block input", &n), 2 * input);
-    CHECK_EQ(n, 2);
+    CHECK_EQ(packs_in_layers(t), 2);
+    for (int L = 0; L < 2; L++) {
+      CHECK_EQ(pack_bytes(t, L, FERRY_PHASE_FORWARD), input);
+      CHECK_EQ(pack_bytes(t, L, FERRY_PHASE_RECOMPUTE), 0);
+    }
+    CHECK_EQ(alloc_bytes(t, "checkpoint: block input", &n), 0);
     CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 2 * block);
-    /* the replay offers the policy only the packs: embedding ids; model.norm's
-     * input, rstd, weight; lm_head's input, weight; the loss's log-probabilities,
-     * their alias, labels, total_weight: 10 */
+    /* the replay offers the policy only the packs: the 2 block inputs; the
+     * embedding ids; model.norm's input, rstd, weight; lm_head's input,
+     * weight; the loss's log-probabilities, their alias, labels,
+     * total_weight: 12 */
     sim_config c = {0};
     c.link = (ferry_link){1e9, 1e9, 0, 1.0};
     c.steps = 1;
@@ -135,9 +142,9 @@ TEST(sim_synth_hook_sees_per_checkpoint_impl) {
     sim_result r;
     char err[512];
     CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-    CHECK_EQ(r.tensors_packed, 10);
+    CHECK_EQ(r.tensors_packed, 12);
     for (uint32_t i = 0; i < r.n_layers; i++)
-      if (r.layers[i].layer >= 0) CHECK_EQ(r.layers[i].offloaded_bytes, 0);
+      if (r.layers[i].layer >= 0) CHECK_EQ(r.layers[i].offloaded_bytes, input);
     sim_result_free(&r);
     sim_trace_free(t);
   }
@@ -152,12 +159,13 @@ TEST(sim_synth_hook_sees_per_checkpoint_impl) {
   }
   CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 2 * block);
   sim_trace_free(t);
-  /* selective-op, non-reentrant (torchtitan's, the default): nothing */
+  /* selective-op, non-reentrant (torchtitan's, the default): the input only */
   tiny(&m);
   m.checkpoint = SYNTH_CKPT_SELECTIVE_OP;
   CHECK_OK(trace_of(&m, &t));
-  CHECK_EQ(packs_in_layers(t), 0);
-  CHECK_EQ(alloc_bytes(t, "checkpoint: block input", &n), 2 * input);
+  CHECK_EQ(packs_in_layers(t), 2);
+  CHECK_EQ(pack_bytes(t, 0, FERRY_PHASE_FORWARD), input);
+  CHECK_EQ(alloc_bytes(t, "checkpoint: block input", &n), 0);
   CHECK_EQ(alloc_bytes(t, "checkpoint: kept output", &n), 2 * kept_outs);
   CHECK_EQ(alloc_bytes(t, "checkpoint: recomputed", &n), 2 * block);
   sim_trace_free(t);

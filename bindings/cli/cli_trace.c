@@ -405,7 +405,7 @@ static int trace_synth_main(int argc, char **argv) {
                synth_checkpoint_impl_name(impl),
                impl == SYNTH_CKPT_IMPL_REENTRANT ? "what it keeps and what it recomputes"
                : impl == SYNTH_CKPT_IMPL_COMPILED ? "what it keeps, not what it recomputes"
-                                                  : "none of it");
+                                                  : "its block inputs only");
     }
     fprintf(stderr, "ferry trace synth: %s: %s, %s, %.2f GiB resident per GPU (shard %d), %s, %d step(s)\n",
             out, m.name[0] ? m.name : "custom", params, (double)synth_resident_bytes(&m) / GiB,

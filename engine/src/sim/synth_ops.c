@@ -632,10 +632,15 @@ const char *ckpt_impl_name(int impl) {
 int synth_checkpoint_impl(const synth_model *m) { return ckpt_impl_of(m); }
 const char *synth_checkpoint_impl_name(int impl) { return ckpt_impl_name(impl); }
 
-/* Whether a saved-tensor hook receives what the checkpoint keeps of a block
- * (its input; per-op SAC's kept outputs): a reentrant checkpoint saves its
- * inputs with ctx.save_for_backward, a compiled graph saves them as its own;
- * a non-reentrant one holds them in its frame. */
+/* Whether a saved-tensor hook receives per-op SAC's kept outputs: a compiled
+ * graph saves them as its own; a non-reentrant checkpoint keeps them in SAC's
+ * cache, past any outer hook (torch 2.15 warns that this will change; with
+ * respect_saved_tensors_hooks=True they are packed). The block's input is
+ * packed under every implementation: a reentrant checkpoint saves it with
+ * ctx.save_for_backward, a non-reentrant one through _NoopSaveInputs (whose
+ * save_for_backward runs outside the checkpoint's own hooks), a compiled
+ * graph as its own (measured with an outer saved_tensors_hooks, torch 2.15;
+ * torch 1.13's non-reentrant checkpoint did not save it). */
 int hook_sees_kept(const synth_model *m) { return ckpt_impl_of(m) != SYNTH_CKPT_IMPL_NON_REENTRANT; }
 
 /* Whether it receives the recomputed tensors: only a reentrant checkpoint

@@ -151,16 +151,14 @@ typedef struct layer_ctx {
 #define IDS(bi, i) (&(bi)->ids[(size_t)(i) * MAX_SAVES])
 #define OUTS(bi, i) (&(bi)->outs[(size_t)(i) * MAX_OUTS])
 
-/* What a checkpoint keeps of a block: its input; a pack where a hook sees
- * it, else memory the checkpoint holds (an alloc, freed after the block's
- * backward). */
+/* What a checkpoint keeps of a block: its input, a pack under every
+ * implementation (hook_sees_kept), unpacked as its recomputation begins. */
 static void w_pack_block_input(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
   saved in = sv(B_X, m->dtype, ACT, 0, 3, m->micro_batch, seq_region_of(m), m->hidden, 0);
   char path[64];
   module_path(layer, "", path, sizeof path);
-  if (!hook_sees_kept(m)) bi->ckpt = w_alloc(w, saved_bytes(&in), "checkpoint: block input");
-  else bi->ckpt = w_pack(w, &in, layer, FERRY_PHASE_FORWARD, path, c->block_cls, 0);
+  bi->ckpt = w_pack(w, &in, layer, FERRY_PHASE_FORWARD, path, c->block_cls, 0);
 }
 
 /* Recomputed tensors no hook sees: the checkpoint's storage holds one alloc
@@ -279,7 +277,7 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
      * backward; per-op SAC takes the outputs it saved instead of running
      * those ops. Every tensor the backward needs is saved again: packed
      * where a hook sees it, else held by the checkpoint. */
-    if (kept_seen) w_unpack(w, bi->ckpt);
+    w_unpack(w, bi->ckpt);
     for (int i = 0; i < l->n; i++) {
       const op *o = &l->ops[i];
       if (mode == SYNTH_CKPT_SELECTIVE_OP && c->keep[i])
@@ -318,7 +316,6 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
   for (int i = 0; i < l->n; i++) w_free(w, c->wgrad[i]); /* reduce-scattered */
   w_free(w, w->resid_grad);
   w->resid_grad = grad_in;
-  if ((mode == SYNTH_CKPT_FULL || mode == SYNTH_CKPT_SELECTIVE_OP) && !kept_seen) w_free(w, bi->ckpt);
 }
 
 /* The ops after the blocks (final norm, head, loss), forward: an op's
