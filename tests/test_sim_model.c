@@ -410,6 +410,22 @@ TEST(sim_synth_optimizer_traffic_and_gpt3_preset) {
   }
   CHECK_EQ(seen, 1);
   sim_trace_free(t);
+  /* fp32 gradients beside bf16 parameters and fp32 masters (FSDP's
+   * reduce_dtype=float32): no cast before AdamW; clipping 3 x 4, AdamW 21 x
+   * 4, the master copied back 4 + 2: 102 again (110 if a cast were counted) */
+  m.grad_dtype = FERRY_DTYPE_F32;
+  CHECK_OK(trace_of(&m, &t));
+  seen = 0;
+  for (uint32_t k = 0; k < t->n_events; k++) {
+    const trace_ev *ev = &t->events[k];
+    if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "optimizer")) {
+      NEAR(ev->hbm_bytes, 102 * per_rank, 1e-6 * per_rank);
+      seen++;
+    }
+  }
+  CHECK_EQ(seen, 1);
+  sim_trace_free(t);
+  m.grad_dtype = 0;
   /* SGD (no state, no master: fp32 parameters): clipping 3 x 4 plus each
    * kept byte read and written once, 2 (4 + 4) */
   m.optimizer = SYNTH_OPT_SGD, m.param_dtype = FERRY_DTYPE_F32;

@@ -362,15 +362,16 @@ uint64_t synth_resident_bytes(const synth_model *m) {
  * torchtitan clip at max_norm 1.0 by default): torch.nn.utils.clip_grad_norm_
  * (foreach) reads every gradient for the norm, then scales them in place
  * (read and write): 3g, g the gradient's bytes. AdamW as torch runs it by
- * default (torch/optim/adamw.py, _multi_tensor_adamw: foreach, not fused),
+ * default (torch 2: Adam's _multi_tensor_adam, decoupled decay; foreach),
  * each op a pass over the stepped copy (e bytes an element: 4 with master
  * weights): weight decay mul_ (r p, w p: 2e), lerp_ of exp_avg toward the
  * gradient (3e), mul_ of exp_avg_sq (2e), addcmul_ grad x grad into it (4e),
  * sqrt into a new tensor (2e), div_ by the bias correction (2e), add_ eps
- * (2e), addcdiv_ into the parameter (4e): 21e; with master weights the
- * gradient is first cast to fp32 (g + 4) and the updated master copied back
- * to the parameter (4 + p): 102 bytes with bf16 gradients and parameters,
- * where reading and writing each kept byte once would be 32. The other
+ * (2e), addcdiv_ into the parameter (4e): 21e; with master weights a
+ * half-precision gradient is first cast to fp32 (g + 4; an fp32 one, FSDP's
+ * reduce_dtype=float32, is used as it is) and the updated master copied back
+ * to the parameter (4 + p): 102 bytes with bf16 parameters and bf16 or fp32
+ * gradients, where reading and writing each kept byte once would be 32. The other
  * optimizers: every kept byte read and written once, plus clipping. */
 double optimizer_step_bytes(const synth_model *m, const synth_resident *r) {
   if (m->optimizer == SYNTH_OPT_NONE) return 0;
@@ -379,7 +380,8 @@ double optimizer_step_bytes(const synth_model *m, const synth_resident *r) {
   const double clip = 3 * g * n;
   if (m->optimizer == SYNTH_OPT_ADAMW) {
     const double e = master_of(m) ? 4 : p;
-    return clip + n * (21 * e + (master_of(m) ? (g + 4) + (4 + p) : 0));
+    const double cast = master_of(m) && g != 4 ? g + 4 : 0;
+    return clip + n * (21 * e + cast + (master_of(m) ? 4 + p : 0));
   }
   const double own = n * p;
   return clip + 2 * (own + (double)(r->grads + r->master + r->states));
