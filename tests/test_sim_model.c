@@ -329,6 +329,12 @@ TEST(sim_fits_is_exposed_capacity_less_the_allowance) {
   NEAR(sim_hw_usable_bytes(sim_hw_preset("h100")) / GiB, 76.31, 1e-9);
   NEAR(sim_hw_usable_bytes(sim_hw_preset("h200")) / GiB, 137.00, 1e-9);
   NEAR(sim_hw_usable_bytes(sim_hw_preset("a100")) / GiB, 76.35, 1e-9);
+  /* the 40 GB A100: 39.39 GiB exposed, 36.59 usable (not the 80 GB one's) */
+  CHECK(sim_hw_preset("a100-40") != NULL);
+  NEAR(sim_hw_usable_bytes(sim_hw_preset("a100-40")) / GiB, 36.59, 1e-9);
+  NEAR(sim_hw_preset("a100-40")->device_bytes, 40e9, 0);
+  /* GH200 480GB: vLLM #9630's 94.50 GiB, not H100's ratio (94.93) */
+  NEAR(sim_hw_usable_bytes(sim_hw_preset("gh200")) / GiB, 91.70, 1e-9);
   CHECK(75 * GiB <= sim_hw_usable_bytes(sim_hw_preset("h100")));
   /* a preset without a published capacity takes its nominal bytes */
   sim_hw custom = *sim_hw_preset("h100");

@@ -22,8 +22,9 @@
  * datasheets (H100 SXM 3.35 TB/s, H200 4.8, A100 80GB SXM 2.039, GH200 96 GB
  * HBM3 4.0; docs/hardware.md); last, the capacity CUDA exposes, as torch's
  * out-of-memory message gives it: H100 80GB 79.11 GiB, H200 139.80 GiB,
- * A100 80GB 79.15 GiB; GH200's not found published: its 96 GB at H100's
- * ratio (docs/hardware.md). */
+ * A100 80GB 79.15 GiB, A100 40GB 39.39 GiB (the lowest seen: PCIe cards show
+ * up to 39.59), GH200 480GB (96 GB HBM3) 94.50 GiB (vLLM issue #9630); sources
+ * in docs/hardware.md. */
 #define GIB_ 1073741824.0
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
@@ -36,9 +37,14 @@ static const sim_hw presets[] = {
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB,
      79.15 * GIB_},
+    /* the 40 GB A100 (SXM4): same host link; 1,555 GB/s HBM2 (A100
+     * datasheet); torch reports "39.39 GiB total capacity" for it */
+    {"a100-40", "A100 40GB, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
+     12.0 / 25.0, 40 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 1555 * GB,
+     39.39 * GIB_},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
      96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB,
-     96 * GB * (79.11 * GIB_ / (80 * GB))},
+     94.50 * GIB_},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
@@ -47,7 +53,7 @@ const sim_hw *sim_hw_preset(const char *name) {
   return NULL;
 }
 
-const char *sim_hw_names(void) { return "h100, h200, a100, gh200"; }
+const char *sim_hw_names(void) { return "h100, h200, a100, a100-40, gh200"; }
 
 double sim_hw_usable_bytes(const sim_hw *hw) {
   if (!hw) return 0;
