@@ -286,6 +286,46 @@ TEST(sim_steady_state_begins_after_the_arena_stopped_growing) {
   return 0;
 }
 
+/* Review of item 3: more warmup steps than steps replayed. The arena grows
+ * in step 1 only (A pinned once, reused after): with --steps 2 --warmup 3
+ * the figures are step 2's (steady_from 2), and the report must say so, not
+ * "steps 1..2". */
+TEST(sim_report_names_the_steady_steps_when_warmup_exceeds_steps) {
+  static const char text[] = T_HDR ONE_STEP(1, 1) ONE_STEP(2, 2) ONE_STEP(3, 3);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("grow1", text, strlen(text), &t, err, sizeof err));
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.policy_source = offload_all;
+  c.pinned_alloc_us = 1000, c.pinned_touch_bytes_per_s = 2e9;
+  c.steps = 2, c.warmup = 3;
+  sim_result rs[2];
+  sim_config base = c;
+  base.policy_source = NULL;
+  CHECK_OK(sim_replay(t, &base, &rs[0], err, sizeof err));
+  CHECK_OK(sim_replay(t, &c, &rs[1], err, sizeof err));
+  CHECK_EQ(rs[1].arena_grew_step, 1);
+  CHECK_EQ(rs[1].steady_from, 2);
+  CHECK_EQ(rs[1].arena_still_growing, 0);
+  sim_run_info info = {0};
+  info.trace_path = "grow1", info.trace = t, info.hw = sim_hw_preset("h100");
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  CHECK(f != NULL);
+  sim_print_table(f, &info, rs, 2);
+  fclose(f);
+  int says = strstr(buf, "steady from step 2") != NULL;
+  if (!says) fprintf(stderr, "%s\n", buf);
+  free(buf);
+  sim_result_free(&rs[0]);
+  sim_result_free(&rs[1]);
+  sim_trace_free(t);
+  CHECK(says);
+  return 0;
+}
+
 /* Issue 42 item 5. FlashAttention's backward runs five matmuls against the
  * forward's two: 2.5x the FLOPs. The tiny model's causal attention forward,
  * 2·T·s·qd = 2 · 256 · 256 · 256 = 33554432 FLOPs (4Tsqd halved by the mask);

@@ -231,7 +231,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
       fprintf(f, "; the pinned arena still grew in step %u, the last: NOT STEADY, figures are "
                  "step %u's alone (replay more steps: --steps)", rs[i].arena_grew_step,
               rs[i].steady_from);
-    else if (rs[i].arena_grew_step > 1 && rs[i].steady_from > rs[i].warmup + 1)
+    else if (rs[i].steady_from > w + 1) /* later than the header's range says */
       fprintf(f, "; the pinned arena grew until step %u: steady from step %u", rs[i].arena_grew_step,
               rs[i].steady_from);
   }
