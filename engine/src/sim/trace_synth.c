@@ -152,7 +152,8 @@ typedef struct layer_ctx {
 #define OUTS(bi, i) (&(bi)->outs[(size_t)(i) * MAX_OUTS])
 
 /* What a checkpoint keeps of a block: its input, a pack under every
- * implementation (hook_sees_kept), unpacked as its recomputation begins. */
+ * implementation (hook_sees_kept: of SAC's kept outputs only), unpacked as
+ * its recomputation begins. */
 static void w_pack_block_input(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
   saved in = sv(B_X, m->dtype, ACT, 0, 3, m->micro_batch, seq_region_of(m), m->hidden, 0);
