@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ferry_tools.h"
 #include "test.h"
@@ -319,10 +320,27 @@ TEST(sim_report_names_the_steady_steps_when_warmup_exceeds_steps) {
   int says = strstr(buf, "steady from step 2") != NULL;
   if (!says) fprintf(stderr, "%s\n", buf);
   free(buf);
+  CHECK(says);
+  /* the JSON: no --warmup step was left out (3 asked, 2 ran), the steady
+   * figures begin at step 2 */
+  char dir[] = "/tmp/ferry-steady-XXXXXX";
+  CHECK(mkdtemp(dir));
+  char path[64];
+  snprintf(path, sizeof path, "%s/r.json", dir);
+  CHECK_EQ(sim_write_json(path, &info, rs, 2, err, sizeof err), 0);
+  FILE *j = fopen(path, "r");
+  CHECK(j != NULL);
+  char json[1 << 14];
+  size_t n = fread(json, 1, sizeof json - 1, j);
+  json[n] = 0;
+  fclose(j);
+  remove(path);
+  rmdir(dir);
+  CHECK_STR_CONTAINS(json, "\"warmup_steps\":\t0,");
+  CHECK_STR_CONTAINS(json, "\"steady_from_step\":\t2,");
   sim_result_free(&rs[0]);
   sim_result_free(&rs[1]);
   sim_trace_free(t);
-  CHECK(says);
   return 0;
 }
 

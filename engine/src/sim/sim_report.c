@@ -307,7 +307,9 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "step_overhead_pct", pct(r->step_us, base->step_us));
   cJSON_AddNumberToObject(o, "first_step_us", r->first_step_us);
   cJSON_AddNumberToObject(o, "first_step_peak_device_bytes", (double)r->first_step_peak_device_bytes);
-  cJSON_AddNumberToObject(o, "warmup_steps", r->warmup);
+  /* the --warmup steps left out: none when no more steps than that ran (the
+   * text report's header says the same); steady_from_step can be later */
+  cJSON_AddNumberToObject(o, "warmup_steps", r->warmup < r->steps ? r->warmup : 0);
   cJSON_AddNumberToObject(o, "arena_grew_step", r->arena_grew_step);
   cJSON_AddNumberToObject(o, "steady_from_step", r->steady_from);
   cJSON_AddBoolToObject(o, "arena_still_growing", r->arena_still_growing);
