@@ -16,9 +16,12 @@ grep -q '^local HOST_BYTES = ' "$D/fit.lua"
 # 0.05 GiB without offload: a target that only some settings reach)
 peak=$(tr ',' '\n' < "$D/r.json" | grep -m1 '"peak_device_bytes":' | sed 's/.*://')
 [ "${peak%.*}" -le 53477376 ]
-# --fit device: the preset's memory less 5% (80e9 x 0.95 B = 70.78 GiB on h100)
+# --fit device: the memory the preset exposes less the allowance (h100: 79.11 GiB
+# less 2.80 GiB = 76.31 GiB; h200: 139.80 - 2.80 = 137.00 GiB)
 "$FERRY" sim --fit device --hw h100 --trace "$D/t.jsonl" --fit-out "$D/dev.lua" > "$D/dev.txt"
-grep -q "target: device 70.78 GiB (h100's 80 GB less 5% headroom)" "$D/dev.txt"
+grep -q "target: device 76.31 GiB (h100's 80 GB: 79.11 GiB exposed less 2.80 GiB for the CUDA context and fragmentation)" "$D/dev.txt"
+"$FERRY" sim --fit device --hw h200 --trace "$D/t.jsonl" --fit-out "$D/dev200.lua" > "$D/dev200.txt"
+grep -q "target: device 137.00 GiB" "$D/dev200.txt"
 grep -q '^local HOST_BYTES = ' "$D/dev.lua"
 rc=0
 "$FERRY" sim --fit 1K --trace "$D/t.jsonl" --fit-out "$D/none.lua" > "$D/none.txt" || rc=$?

@@ -11,10 +11,10 @@ trap 'rm -rf "$D"' EXIT
 num() { # num KEY FILE: the first "KEY": number of a JSON report
   tr ',' '\n' < "$2" | grep -m1 "\"$1\":" | sed 's/.*://' | tr -d ' \t'
 }
-device=$(num device_bytes "$D/demo/sim.json")
+device=$(num device_capacity_bytes "$D/demo/sim.json")
 usable=$(num device_usable_bytes "$D/demo/sim.json")
 base=$(num peak_device_bytes_baseline "$D/demo/sim.json")
-# the baseline is over the device itself, not only over the headroom
+# the baseline is over what the device exposes, not only over the allowance
 awk -v b="$base" -v d="$device" -v u="$usable" 'BEGIN { exit !(b > d && u < d && u > 0) }' ||
   { echo "demo baseline $base B vs device $device B, usable $usable B" >&2; exit 1; }
 grep -q '^  no offload .*: does NOT fit without offloading$' "$D/out.txt"

@@ -24,6 +24,21 @@ head -1 "$D/f.jsonl" | grep -q '"checkpoint":"full:2","checkpointed_layers":2,'
 head -1 "$D/o.jsonl" | grep -q '"checkpoint":"selective-op","checkpointed_layers":4,'
 "$FERRY" trace synth --preset tiny --checkpoint none -q -o "$D/n.jsonl"
 head -1 "$D/n.jsonl" | grep -q '"checkpoint":"none",'
+# which checkpoint runs it: what a saved-tensor hook (a policy) sees of it
+"$FERRY" trace synth --preset tiny --checkpoint full --checkpoint-impl reentrant -o "$D/r.jsonl" 2> "$D/r.txt"
+head -1 "$D/r.jsonl" | grep -q '"checkpointed_layers":4,"checkpoint_impl":"reentrant",'
+grep -q '(full, reentrant: a policy sees what it keeps and what it recomputes)' "$D/r.txt"
+grep -q '"what":"checkpoint: ' "$D/r.jsonl" && { echo "reentrant: no checkpoint allocs expected"; exit 1; }
+"$FERRY" trace synth --preset tiny --checkpoint full -o "$D/nr.jsonl" 2> "$D/nr.txt"
+grep -q '(full, non-reentrant: a policy sees its block inputs only)' "$D/nr.txt"
+grep -q '"what":"checkpoint: recomputed"' "$D/nr.jsonl"
+grep -q '"what":"checkpoint: block input"' "$D/nr.jsonl" && { echo "non-reentrant: the block input is a pack"; exit 1; }
+rc=0
+"$FERRY" trace synth --preset tiny --checkpoint selective-op --checkpoint-impl reentrant -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
+[ "$rc" = 2 ] && grep -q 'use_reentrant=False' "$D/err.txt"
+rc=0
+"$FERRY" trace synth --preset tiny --checkpoint full --checkpoint-impl sometimes -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
+[ "$rc" = 2 ] && grep -q 'reentrant, non-reentrant or compiled' "$D/err.txt"
 for bad in full:0 full:x full:5 partial selective:nothing; do
   rc=0
   "$FERRY" trace synth --preset tiny --checkpoint "$bad" -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
@@ -34,7 +49,7 @@ grep -q 'unknown op group' "$D/err.txt"
 grep -q 'qwen3-8b, 8.19B parameters' "$D/q.txt"
 "$FERRY" trace synth --preset mixtral-8x7b --checkpoint full:4 --seq 1024 -o /dev/null 2> "$D/m.txt"
 grep -q 'mixtral-8x7b, 46.70B parameters (12.88B active)' "$D/m.txt"
-grep -q 'kept by 8 checkpointed layer(s) (full:4)' "$D/m.txt"
+grep -q 'kept by 8 checkpointed layer(s) (full:4, non-reentrant' "$D/m.txt"
 "$FERRY" trace synth --help | grep -q 'selective-op'
 "$FERRY" trace synth --help | grep -q 'qwen3-30b-a3b'
 # --loss: Hugging Face's by default, Liger's fused chunked loss on request
@@ -73,10 +88,10 @@ for bad in "--optimizer adam" "--sp on" "--tp 3" "--param-dtype fp32 --master-we
   [ "$rc" = 2 ] || { echo "$bad: exit $rc"; exit 1; }
 done
 "$FERRY" trace synth --help | grep -q -- '--tp N'
-# a small MoE with QK-norm under torchtitan's policy replays
+# a small MoE with QK-norm under torchtitan's policy, compiled (what it keeps is packed), replays
 "$FERRY" trace synth --preset tiny --experts 4 --top-k 2 --expert-ffn 128 --qk-norm on \
-  --head-dim 32 --checkpoint selective-op -q -o "$D/moe.jsonl"
-grep -q '"module":"model.layers.3.mlp.experts.3.down_proj"' "$D/moe.jsonl"
+  --head-dim 32 --checkpoint selective-op --checkpoint-impl compiled -q -o "$D/moe.jsonl"
+grep -q '"module":"model.layers.3.mlp.experts.2.down_proj"' "$D/moe.jsonl"
 "$FERRY" sim --policy default --trace "$D/moe.jsonl" --no-layers --steps 2 > "$D/sim.txt"
 grep -q '^default ' "$D/sim.txt"
 echo ok

@@ -191,6 +191,14 @@
   X(sim_weight_offload_hand_computed_steps)                                \
   X(sim_weight_offload_composes_with_activations)                          \
   X(sim_weight_offload_refusals_and_estimate)                              \
+  /* issue 42: what the simulator models of an eager trainer (test_sim_model.c) */ \
+  X(sim_synth_hook_sees_per_checkpoint_impl)                               \
+  X(sim_steady_state_begins_after_the_arena_stopped_growing)               \
+  X(sim_report_names_the_steady_steps_when_warmup_exceeds_steps)           \
+  X(sim_synth_flash_backward_is_2_5x_forward)                              \
+  X(sim_fits_is_exposed_capacity_less_the_allowance)                       \
+  X(sim_block_backward_holds_saved_tensors_and_gradients)                  \
+  X(sim_synth_optimizer_traffic_and_gpt3_preset)                           \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

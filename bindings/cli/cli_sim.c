@@ -48,7 +48,9 @@ static void sim_usage(FILE *f) {
           "                      (config.release_when_copied), not only when pushed out\n"
           "  --prefetch-at-backward  start the policy's first reloads at backward_begin\n"
           "                      (config.prefetch_at_backward_begin), not the first unpack\n"
-          "  --warmup N          steps left out of the steady figures (default 1)\n"
+          "  --warmup N          steps left out of the steady figures (default 1), and\n"
+          "                      those up to the last in which the pinned arena grew;\n"
+          "                      0: every step counts\n"
           "  --untracked auto|off|BYTES  device memory the trace does not hold (never saved\n"
           "                      for backward: the loss's transients, workspaces), added to\n"
           "                      every peak; auto (default): the peak a trace recorded on a\n"
@@ -87,8 +89,8 @@ static void sim_usage(FILE *f) {
           "  --fit DEVICE_BYTES  search policies/host_budget.lua's knobs (host bytes, layers\n"
           "                      kept, stash, prefetch) for the lowest-overhead setting whose\n"
           "                      steady peak fits DEVICE_BYTES; writes it as a policy.\n"
-          "                      --fit device: the --hw preset's memory less 5%% headroom\n"
-          "                      (CUDA context, allocator fragmentation)\n"
+          "                      --fit device: the --hw preset's exposed memory less\n"
+          "                      2.8 GiB (CUDA context, allocator fragmentation)\n"
           "  --fit-host BYTES    host budget per rank for --fit (default: half --host-ram)\n"
           "  --fit-out FILE      where --fit writes the policy (default fit.lua)\n"
           "  --demo DIR          synthesize a Qwen3-14B fine-tune (seq 8192, FSDP over 8) that\n"
@@ -489,8 +491,10 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
            base.steps, base.warmup);
     char headroom[160] = "";
     if (from_device)
-      snprintf(headroom, sizeof headroom, " (%s's %.0f GB less %.0f%% headroom)", hw->name,
-               hw->device_bytes / 1e9, 100 * SIM_DEVICE_HEADROOM);
+      snprintf(headroom, sizeof headroom, " (%s's %.0f GB: %.2f GiB exposed less %.2f GiB for the "
+               "CUDA context and fragmentation)", hw->name, hw->device_bytes / 1e9,
+               (hw->capacity_bytes > 0 ? hw->capacity_bytes : hw->device_bytes) / (1u << 30),
+               SIM_DEVICE_ALLOWANCE_BYTES / (1u << 30));
     uint32_t n_fit = 0;
     for (uint32_t i = 0; i < fr.n; i++) n_fit += fr.settings[i].fits != 0;
     printf("no offload: peak %.2f GiB, step %.1f ms; target: device %.2f GiB%s, host %.2f GiB\n"
@@ -622,8 +626,9 @@ static int demo(const char *dir) {
   sim_fit_setting best;
   rc = run_fit(trace, hw->name, hw, &o, (uint64_t)usable, 1, 0, fit, &best);
   if (rc && rc != 4) return rc;
-  printf("\nin short, on %s (%.0f GB, %.2f GiB usable with %.0f%% headroom):\n", hw->name,
-         hw->device_bytes / 1e9, usable / (1u << 30), 100 * SIM_DEVICE_HEADROOM);
+  printf("\nin short, on %s (%.0f GB, %.2f GiB usable: %.2f GiB kept for the CUDA context and "
+         "fragmentation):\n", hw->name, hw->device_bytes / 1e9, usable / (1u << 30),
+         SIM_DEVICE_ALLOWANCE_BYTES / (1u << 30));
   const char *base_name = strrchr(fit, '/') ? strrchr(fit, '/') + 1 : fit;
   for (int i = 0; i <= 4; i++) {
     if (i == 4 && !best.fits) break;

@@ -50,6 +50,12 @@ static void synth_usage(FILE *f) {
           "                       selective[:attn_core+mlp_act]: Megatron-LM's: recomputes\n"
           "                         the attention core (the s^2 tensors; needs --flash\n"
           "                         off) and/or the MLP activation\n"
+          "  --checkpoint-impl I  which checkpoint runs it, so what a saved-tensor hook\n"
+          "                       (ferry's policy) receives: reentrant (Hugging Face's\n"
+          "                       default; the block input and the recomputed tensors),\n"
+          "                       non-reentrant (torchtitan's: none of them; the default\n"
+          "                       for full and selective-op), compiled (the input and\n"
+          "                       selective-op's kept outputs)\n"
           "  --loss MODE          the loss after lm_head (docs/simulator.md):\n"
           "                       full (default): Hugging Face's: bf16 logits, their fp32\n"
           "                         copy and log-softmax, the gradients in backward\n"
@@ -243,6 +249,7 @@ static int trace_synth_main(int argc, char **argv) {
       {"master-weights", required_argument, 0, 'M'}, {"optimizer", required_argument, 0, 'O'},
       {"lora", required_argument, 0, 'R'}, {"tp", required_argument, 0, 'x'},
       {"sp", required_argument, 0, 'y'},     {"norm", required_argument, 0, 'r'},
+      {"checkpoint-impl", required_argument, 0, 'I'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *out = NULL;
@@ -287,6 +294,16 @@ static int trace_synth_main(int argc, char **argv) {
     case 'K': bad |= int_arg("--top-k", optarg, &m.top_k) != 0; break;
     case 'X': bad |= int_arg("--expert-ffn", optarg, &m.expert_ffn) != 0; break;
     case 'c': bad |= parse_checkpoint(optarg, &m) != 0; break;
+    case 'I':
+      if (!strcmp(optarg, "reentrant")) m.ckpt_impl = SYNTH_CKPT_IMPL_REENTRANT;
+      else if (!strcmp(optarg, "non-reentrant")) m.ckpt_impl = SYNTH_CKPT_IMPL_NON_REENTRANT;
+      else if (!strcmp(optarg, "compiled")) m.ckpt_impl = SYNTH_CKPT_IMPL_COMPILED;
+      else {
+        fprintf(stderr, "ferry trace synth: --checkpoint-impl %s: reentrant, non-reentrant or compiled\n",
+                optarg);
+        bad = 1;
+      }
+      break;
     case 'l': bad |= parse_loss(optarg, &m) != 0; break;
     case 'p': bad |= parse_dtype("--param-dtype", optarg, &m.param_dtype) != 0; break;
     case 'g': bad |= parse_dtype("--grad-dtype", optarg, &m.grad_dtype) != 0; break;
@@ -370,7 +387,7 @@ static int trace_synth_main(int argc, char **argv) {
             m.norm == SYNTH_NORM_EAGER ? "eager" : "fused", ckpt,
             loss_name(&m, loss, sizeof loss), m.shard, m.tflops, m.hbm_gbps, m.steps);
   if (cli_verbosity >= 0) {
-    char params[64], saved[160];
+    char params[64], saved[256];
     if (m.experts)
       snprintf(params, sizeof params, "%.2fB parameters (%.2fB active)",
                (double)synth_param_count(&m) / 1e9, (double)synth_active_param_count(&m) / 1e9);
@@ -380,9 +397,15 @@ static int trace_synth_main(int argc, char **argv) {
     if (!ck) snprintf(saved, sizeof saved, "%.2f GiB of activations per layer", all);
     else {
       int L = m.checkpoint == SYNTH_CKPT_FULL ? m.ckpt_every - 1 : 0; /* a checkpointed one */
+      const int impl = synth_checkpoint_impl(&m);
       snprintf(saved, sizeof saved,
-               "%.2f GiB of activations per layer, %.3f GiB kept by %d checkpointed layer(s) (%s)",
-               all, (double)synth_layer_saved_bytes(&m, L) / GiB, ck, ckpt);
+               "%.2f GiB of activations per layer, %.3f GiB kept by %d checkpointed layer(s) (%s, "
+               "%s: a policy sees %s)",
+               all, (double)synth_layer_saved_bytes(&m, L) / GiB, ck, ckpt,
+               synth_checkpoint_impl_name(impl),
+               impl == SYNTH_CKPT_IMPL_REENTRANT ? "what it keeps and what it recomputes"
+               : impl == SYNTH_CKPT_IMPL_COMPILED ? "what it keeps, not what it recomputes"
+                                                  : "its block inputs only");
     }
     fprintf(stderr, "ferry trace synth: %s: %s, %s, %.2f GiB resident per GPU (shard %d), %s, %d step(s)\n",
             out, m.name[0] ? m.name : "custom", params, (double)synth_resident_bytes(&m) / GiB,

@@ -236,7 +236,7 @@ def completion(top_cmds, commands, groups, policy_dir):
                 for f in names:
                     fv = f.lstrip("-").replace("-", "_")
                     lines.append(f"_ferry_choices_{var}__{fv}='{bash_words(choices)}'")
-        m = re.search(r"--hw ([a-z0-9]+(?:, [a-z0-9]+)*)\]", text)
+        m = re.search(r"--hw ([a-z0-9-]+(?:, [a-z0-9-]+)*)\]", text)
         if m:
             hw = m.group(1).split(", ")
         m = re.search(r"Presets: ([a-z0-9.-]+(?:, [a-z0-9.-]+)*)\.", text)

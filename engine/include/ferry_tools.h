@@ -663,6 +663,13 @@ typedef struct sim_result {
   double first_step_us;
   uint64_t first_step_peak_device_bytes; /* step 1 alone */
   uint32_t warmup;                       /* steps left out */
+  /* steady state begins once the pinned arena stopped growing: the last
+   * step (1-based) in which it grew (0: none), the first step counted in
+   * the steady figures, and whether the arena still grew in the last step
+   * (then only the last step is counted, and it is not steady: replay more
+   * steps) */
+  uint32_t arena_grew_step, steady_from;
+  int arena_still_growing;
   double pinned_alloc_us;                /* per steady step: pinning host memory */
   /* per steady step: the least exposed stall any schedule of the same
    * copies could have at this peak, the link at full speed (replayer.c,
@@ -741,6 +748,21 @@ enum {
   SYNTH_CKPT_SELECTIVE = 2,
   SYNTH_CKPT_SELECTIVE_OP = 3
 };
+/* Which checkpoint implementation runs it, which decides what a saved-tensor
+ * hook (ferry) receives (docs/simulator.md, "What a policy can see"):
+ * reentrant (torch.utils.checkpoint use_reentrant=True, Hugging Face's
+ * default, Megatron's): the block input and every recomputed tensor;
+ * non-reentrant (use_reentrant=False, torchtitan's): none of the checkpoint's
+ * own (its input, per-op SAC's kept outputs, the recomputed tensors live in
+ * its storage); compiled (torch.compile over checkpointed blocks): what the
+ * compiled graph saves (the input, SAC's kept outputs), not what its backward
+ * recomputes. auto: selective-op and full non-reentrant, selective reentrant. */
+enum {
+  SYNTH_CKPT_IMPL_AUTO = 0,
+  SYNTH_CKPT_IMPL_REENTRANT = 1,
+  SYNTH_CKPT_IMPL_NON_REENTRANT = 2,
+  SYNTH_CKPT_IMPL_COMPILED = 3
+};
 /* The loss (docs/simulator.md, "The loss working set"): full is Hugging
  * Face's (lm_head's bf16 logits, their fp32 copy, log-softmax + NLL);
  * chunked a fused linear cross-entropy (Liger's): the logits exist a chunk
@@ -797,6 +819,8 @@ typedef struct synth_model {
   int tp;             /* Megatron tensor parallelism degree; 0 or 1 = none */
   int sp;             /* sequence parallelism (needs tp > 1) */
   int norm;           /* SYNTH_NORM_*: the RMSNorms' kernels (llama arch) */
+  int ckpt_impl;      /* SYNTH_CKPT_IMPL_* */
+  int positions;      /* learned position embeddings (GPT): rows of hidden; 0 = none (rotary) */
 } synth_model;
 
 /* The resident bytes per GPU, by part (synth_resident_parts). */
@@ -833,6 +857,10 @@ FERRY_API uint64_t synth_layer_saved_bytes(const synth_model *m, int layer);
 /* Tokens per chunk of the chunked loss: m->loss_chunk, or Liger's rule
  * next_pow2(ceil(tokens / ceil(vocab / hidden))); at most the tokens. */
 FERRY_API int64_t synth_loss_chunk(const synth_model *m);
+/* m's checkpoint implementation with auto resolved (SYNTH_CKPT_IMPL_*), and
+ * its name ("reentrant", "non-reentrant", "compiled"). */
+FERRY_API int synth_checkpoint_impl(const synth_model *m);
+FERRY_API const char *synth_checkpoint_impl_name(int impl);
 /* The layers m's checkpointing applies to (full:K: layers / K). */
 FERRY_API int synth_checkpointed_layers(const synth_model *m);
 /* Parameters of the model (MoE: all experts; active: the router and top_k
@@ -904,9 +932,13 @@ typedef struct sim_hw {
   double host_ram_bytes;         /* host RAM per GPU: the node's / GPUs per node */
   double peak_tflops;            /* dense BF16 tensor-core peak, TFLOP/s */
   double hbm_bytes_per_s;        /* device-memory (HBM) bandwidth, datasheet */
+  /* what the device exposes to CUDA (torch.cuda's "total capacity", less
+   * than the marketed size: ECC and the driver's reserve); 0 = device_bytes */
+  double capacity_bytes;
 } sim_hw;
-/* The default sustained fraction of peak (--mfu): 0.40, Llama 3's 38-43%
- * BF16 MFU on H100 (docs/simulator.md). */
+/* The default sustained fraction of peak (--mfu): 0.40; torchtitan's eager
+ * Llama 3.1 8B on 8 H100s needs 0.38 to reproduce, Llama 3's 405B reports
+ * 38-43% (docs/hardware.md, "Compute rate"). */
 #define SIM_DEFAULT_MFU 0.40
 /* The fraction of the datasheet HBM bandwidth memory-bound ops reach
  * (--hbm overrides): 0.60, the synthesizer's 2000 GB/s on H100's 3.35 TB/s
@@ -915,14 +947,14 @@ typedef struct sim_hw {
 /* sim_config.hbm_bytes_per_s when 0: the synthesizer's default, 2000 GB/s. */
 #define SIM_DEFAULT_HBM_BYTES_PER_S 2e12
 
-/* The share of a device's memory a training run cannot count on: the CUDA
- * context (~0.3 GiB with lazy module loading, over 1 GiB before CUDA 11.7)
- * and the caching allocator's reserved-but-unallocated blocks (1.83 GiB with
- * 78.09 GiB in use in one published OOM, 2.3%), which the sim does not
- * model: 5% (docs/hardware.md, "Device memory headroom"). */
-#define SIM_DEVICE_HEADROOM 0.05
-/* What a run may peak at on hw: its device memory less SIM_DEVICE_HEADROOM
- * (`ferry sim`'s "fits", `--fit device`). */
+/* The device memory a training run cannot count on: the CUDA context
+ * (~0.3 GiB with lazy module loading, over 1 GiB before CUDA 11.7) and the
+ * caching allocator's reserved-but-unallocated blocks (1.83 GiB with 78.09
+ * GiB in use in one published OOM), which the sim does not model: 2.8 GiB,
+ * the top of docs/hardware.md's 2.1-2.8 GiB ("Device memory headroom"). */
+#define SIM_DEVICE_ALLOWANCE_BYTES (2.8 * 1073741824.0)
+/* What a run may peak at on hw: the capacity the device exposes less
+ * SIM_DEVICE_ALLOWANCE_BYTES (`ferry sim`'s "fits", `--fit device`). */
 FERRY_API double sim_hw_usable_bytes(const sim_hw *hw);
 
 /* NULL if unknown. */

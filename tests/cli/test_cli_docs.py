@@ -173,7 +173,7 @@ def check_completion(cmds):
             fail("FERRY_POLICY_DIR's policies offered")
     ok("shipped policy names after --policy/-p and for ferry check; FERRY_POLICY_DIR's too")
 
-    hw = re.search(r"--hw ([a-z0-9, ]+)\]", help_of(["sim"])).group(1).split(", ")
+    hw = re.search(r"--hw ([a-z0-9, -]+)\]", help_of(["sim"])).group(1).split(", ")
     if complete("ferry", "sim", "--hw", "") != set(hw):
         fail(f"ferry sim --hw <TAB>: {hw}")
     if "tiny" not in complete("ferry", "trace", "synth", "--preset", "t"):

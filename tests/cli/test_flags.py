@@ -65,7 +65,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--sweep",
                "--recorded", "--no-layers", "--demo", "--help", "--fit-out",
                "--release-copied", "--prefetch-at-backward", "--quiet", "--backend",
-               "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint",
+               "--dry-run", "--preset", "--arch", "--dtype", "--flash", "--checkpoint", "--checkpoint-impl",
                "--qk-norm", "--tie-embeddings", "--loss", "--param-dtype", "--grad-dtype",
                "--master-weights", "--optimizer", "--sp", "--norm",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",

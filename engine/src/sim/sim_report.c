@@ -18,20 +18,33 @@
 
 /* Published measurements (docs/simulator.md gives the sources). latency is
  * the per-copy fixed cost: 3-7 us of host submission for cudaMemcpyAsync. */
-/* The last two fields: dense BF16 peak (TFLOP/s) and HBM bandwidth, from the
- * vendors' datasheets (H100 SXM 3.35 TB/s, H200 4.8, A100 80GB SXM 2.039,
- * GH200 96 GB HBM3 4.0; docs/hardware.md). */
+/* Then dense BF16 peak (TFLOP/s) and HBM bandwidth, from the vendors'
+ * datasheets (H100 SXM 3.35 TB/s, H200 4.8, A100 80GB SXM 2.039, GH200 96 GB
+ * HBM3 4.0; docs/hardware.md); last, the capacity CUDA exposes, as torch's
+ * out-of-memory message gives it: H100 80GB 79.11 GiB, H200 139.80 GiB,
+ * A100 80GB 79.15 GiB, A100 40GB 39.39 GiB (the lowest seen: PCIe cards show
+ * up to 39.59), GH200 480GB (96 GB HBM3) 94.50 GiB (vLLM issue #9630); sources
+ * in docs/hardware.md. */
+#define GIB_ 1073741824.0
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8,
-     989, 3350 * GB},
+     989, 3350 * GB, 79.11 * GIB_},
     {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 141 * GB,
-     "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989, 4800 * GB},
+     "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989, 4800 * GB,
+     139.80 * GIB_},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
-     12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB},
+     12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB,
+     79.15 * GIB_},
+    /* the 40 GB A100 (SXM4): same host link; 1,555 GB/s HBM2 (A100
+     * datasheet); torch reports "39.39 GiB total capacity" for it */
+    {"a100-40", "A100 40GB, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
+     12.0 / 25.0, 40 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 1555 * GB,
+     39.39 * GIB_},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
-     96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB},
+     96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB,
+     94.50 * GIB_},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
@@ -40,10 +53,12 @@ const sim_hw *sim_hw_preset(const char *name) {
   return NULL;
 }
 
-const char *sim_hw_names(void) { return "h100, h200, a100, gh200"; }
+const char *sim_hw_names(void) { return "h100, h200, a100, a100-40, gh200"; }
 
 double sim_hw_usable_bytes(const sim_hw *hw) {
-  return hw ? hw->device_bytes * (1 - SIM_DEVICE_HEADROOM) : 0;
+  if (!hw) return 0;
+  double cap = hw->capacity_bytes > 0 ? hw->capacity_bytes : hw->device_bytes;
+  return cap > SIM_DEVICE_ALLOWANCE_BYTES ? cap - SIM_DEVICE_ALLOWANCE_BYTES : 0;
 }
 
 int sim_parse_link(const char *spec, sim_hw *hw, char *err, size_t errlen) {
@@ -211,6 +226,14 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
     fprintf(f, "\n  %-22.22s %11s, peak %s%s%s", rs[i].label, st, pk,
             rs[i].pinned_alloc_us > 0 ? "; steady steps pin host memory for " : "",
             rs[i].pinned_alloc_us > 0 ? pin : "");
+    /* the arena's growth is paid once: the steady figures begin after it */
+    if (rs[i].arena_still_growing)
+      fprintf(f, "; the pinned arena still grew in step %u, the last: NOT STEADY, figures are "
+                 "step %u's alone (replay more steps: --steps)", rs[i].arena_grew_step,
+              rs[i].steady_from);
+    else if (rs[i].steady_from > w + 1) /* later than the header's range says */
+      fprintf(f, "; the pinned arena grew until step %u: steady from step %u", rs[i].arena_grew_step,
+              rs[i].steady_from);
   }
   fputc('\n', f);
   sim_print_optimizer(f, rs, n);
@@ -229,9 +252,10 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
   if (hw->device_bytes > 0) {
     double usable = sim_hw_usable_bytes(hw);
-    fprintf(f, "\n%s has %.0f GB of device memory, %.2f GiB usable (%.0f%% kept for the CUDA "
-               "context and allocator fragmentation):", hw->name, hw->device_bytes / GB,
-            usable / (1u << 30), 100 * SIM_DEVICE_HEADROOM);
+    fprintf(f, "\n%s has %.0f GB of device memory, %.2f GiB exposed, %.2f GiB usable (%.2f GiB kept "
+               "for the CUDA context and allocator fragmentation):", hw->name, hw->device_bytes / GB,
+            (hw->capacity_bytes > 0 ? hw->capacity_bytes : hw->device_bytes) / (1u << 30),
+            usable / (1u << 30), SIM_DEVICE_ALLOWANCE_BYTES / (1u << 30));
     for (int i = 0; i < n; i++)
       fprintf(f, " %s %s%s", rs[i].label,
               (double)rs[i].peak_device_bytes <= usable ? "fits" : "DOES NOT FIT",
@@ -283,7 +307,12 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "step_overhead_pct", pct(r->step_us, base->step_us));
   cJSON_AddNumberToObject(o, "first_step_us", r->first_step_us);
   cJSON_AddNumberToObject(o, "first_step_peak_device_bytes", (double)r->first_step_peak_device_bytes);
-  cJSON_AddNumberToObject(o, "warmup_steps", r->warmup);
+  /* the --warmup steps left out: none when no more steps than that ran (the
+   * text report's header says the same); steady_from_step can be later */
+  cJSON_AddNumberToObject(o, "warmup_steps", r->warmup < r->steps ? r->warmup : 0);
+  cJSON_AddNumberToObject(o, "arena_grew_step", r->arena_grew_step);
+  cJSON_AddNumberToObject(o, "steady_from_step", r->steady_from);
+  cJSON_AddBoolToObject(o, "arena_still_growing", r->arena_still_growing);
   cJSON_AddStringToObject(o, "compute_note", r->compute_note);
   cJSON_AddNumberToObject(o, "gaps_from_flops", r->gaps_from_flops);
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
@@ -375,6 +404,8 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   cJSON_AddNumberToObject(link, "duplex_h2d", info->hw->duplex_h2d);
   cJSON_AddNumberToObject(link, "duplex_d2h", info->hw->duplex_d2h);
   cJSON_AddNumberToObject(root, "device_bytes", info->hw->device_bytes);
+  cJSON_AddNumberToObject(root, "device_capacity_bytes", info->hw->capacity_bytes > 0 ? info->hw->capacity_bytes
+                                                                                   : info->hw->device_bytes);
   cJSON_AddNumberToObject(root, "device_usable_bytes", sim_hw_usable_bytes(info->hw));
   cJSON_AddNumberToObject(root, "layers", info->trace->layers);
   /* The first policy's figures at the top level, for scripts comparing one. */

@@ -1,0 +1,159 @@
+/*
+ * synth_internal.h — what the trace synthesizer's files share: a block as ops
+ * (saved tensors, transients), the buffer ids and the model's derived sizes.
+ * synth_model.c: presets, validation, parameters; synth_ops.c: the model as
+ * ops and checkpointing; trace_synth.c: the writer (docs/internals.md).
+ */
+#ifndef FERRY_SYNTH_INTERNAL_H
+#define FERRY_SYNTH_INTERNAL_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "ferry.h"
+#include "ferry_tools.h"
+
+#define MAX_SAVES 6
+#define MAX_OUTS 2
+#define MAX_TMPS 4
+#define SYNTH_MIN_OP_US 4.0
+
+typedef struct saved {
+  int buf;       /* layer-local activation buffer (equal ids are one buffer); -1: a parameter */
+  int ndim;
+  int64_t shape[4];
+  int dtype;
+  int kind;
+  unsigned group; /* SYNTH_RECOMPUTE_* that drops it under selective */
+  int model_wide; /* one tensor of the whole model (the rotary tables): packed by the first
+                     layer that saves it, an alias in the later ones */
+} saved;
+
+/* How torchtitan's per-op selective checkpointing treats an op's output
+ * (torchtitan/distributed/activation_checkpoint.py, _save_list in
+ * models/llama3/infra/parallelize.py; see docs/simulator.md). */
+enum {
+  SAC_NONE = 0,     /* not in the save list: recomputed */
+  SAC_MM,           /* aten.mm (a bias-free Linear): saved unless it is an even one */
+  SAC_SAVE,         /* SDPA flash/efficient attention: saved */
+  SAC_FORCE_RECOMP  /* the MoE router's gate: forced to recompute, not counted */
+};
+
+/* Device memory an op allocates that autograd does not save (an `alloc`
+ * event to its `free`), by when it lives. */
+enum {
+  TMP_WORK = 1, /* during its forward compute (a workspace, or a tensor it saves after) */
+  TMP_OUT,      /* its output, from its forward to the end of forward (the loss returns) */
+  TMP_GRAD      /* backward: the gradient of its input, until the op below consumed it */
+};
+
+typedef struct transient {
+  int life; /* TMP_* */
+  uint64_t bytes;
+  const char *what;
+} transient;
+
+typedef struct op {
+  char suffix[96];    /* its name: its compute events' ("self_attn.q_proj") */
+  char mod[96];       /* the module path below the layer its packs carry (has_mod; else
+                         the suffix): an op that runs in its module's own forward, such as
+                         attention in "self_attn" or the MLP's product in "mlp" */
+  int has_mod;
+  const char *cls;
+  const char *label;  /* its compute events' name, if not the suffix */
+  double flops, bytes; /* forward */
+  int own_bwd;        /* backward costs bwd_flops/bwd_bytes, not twice the forward */
+  double bwd_flops, bwd_bytes;
+  int n_tmps;
+  transient tmps[MAX_TMPS];
+  unsigned rgroup;    /* SYNTH_RECOMPUTE_* region it belongs to (Megatron selective) */
+  int sac;            /* SAC_* */
+  int n_outs;
+  saved outs[MAX_OUTS]; /* what it returns: what per-op SAC keeps when it saves the op */
+  int n_saves;
+  saved saves[MAX_SAVES]; /* what autograd saves for its backward */
+} op;
+
+typedef struct op_list {
+  op *ops;
+  int n, cap;
+  int n_bufs; /* activation buffer ids are < n_bufs */
+} op_list;
+
+static inline int64_t head_dim_of(const synth_model *m) {
+  return m->head_dim > 0 ? m->head_dim : (m->heads > 0 ? m->hidden / m->heads : 0);
+}
+static inline int64_t expert_ffn_of(const synth_model *m) { return m->expert_ffn > 0 ? m->expert_ffn : m->ffn; }
+
+static inline int64_t tp_of(const synth_model *m) { return m->tp > 1 ? m->tp : 1; }
+static inline int param_dtype_of(const synth_model *m) { return m->param_dtype ? m->param_dtype : m->dtype; }
+static inline int grad_dtype_of(const synth_model *m) { return m->grad_dtype ? m->grad_dtype : param_dtype_of(m); }
+/* An fp32 master copy: asked for, or by default when the parameters are 16-bit
+ * (fp32 parameters are their own master copy). */
+static inline int master_of(const synth_model *m) {
+  if (m->master_weights == SYNTH_MASTER_AUTO) return ferry_dtype_size(param_dtype_of(m)) < 4;
+  return m->master_weights == SYNTH_MASTER_ON;
+}
+
+/* Tokens per rank outside the tensor-parallel region (norms, dropouts, the
+ * region's inputs): all of them, or 1/t with sequence parallelism. */
+static inline int64_t seq_region_of(const synth_model *m) { return m->sp ? m->seq / tp_of(m) : m->seq; }
+static inline int64_t vocab_local_of(const synth_model *m) { return (m->vocab + tp_of(m) - 1) / tp_of(m); }
+
+enum { /* layer-local activation buffers */
+  B_X, B_XN1, B_Q, B_K, B_V, B_KREP, B_VREP, B_ATTN, B_H1, B_XN2, B_GATE, B_ACT, B_UP, B_PROD,
+  B_QKV, B_SOFT32, B_PROBS, B_DMASK, B_DOUT, B_AMASK, B_FC1, B_GELU, B_MMASK, B_LSE, B_RSTD1,
+  B_RSTD2, B_QP, B_KP, B_QRSTD, B_KRSTD, B_OP, B_DOWN, B_FC2, B_SCORES, B_RLOGITS, B_RPROBS,
+  B_RIDX, B_RW, B_RDEN, B_COS, B_SIN, B_X32_1, B_NRM1, B_X32_2, B_NRM2, B_QX32, B_QNRM, B_KX32,
+  B_KNRM, B_DENSE_END,
+  /* expert e's buffers: B_DENSE_END + e * EB_N + EB_* */
+  EB_IDX = 0, EB_SLOT, EB_IN, EB_GATE, EB_ACT, EB_UP, EB_PROD, EB_DOWN, EB_RW, EB_N
+};
+#define B_PARAM (-1)
+
+/* The sizes one block's ops are written in. */
+typedef struct layer_shape {
+  int64_t b, s, h, a, d, kv, qd, kvd, f; /* batch, sequence, hidden, heads, head dim, kv heads,
+                                            q width (a d), kv width, ffn */
+  int64_t E, k, fe;                      /* experts, top-k, expert ffn */
+  int64_t ss;                            /* sequence outside the TP region (sp: s / t) */
+  double tokens, stokens, e;             /* b * s; b * ss; bytes per element */
+  int dt, llama, qwen, mixtral;          /* the model's dtype; Llama (else GPT-2); Hugging
+                                            Face's Qwen3 or Mixtral class and module names */
+  int moe, norm;                         /* experts; SYNTH_NORM_* */
+} layer_shape;
+
+#define ACT FERRY_KIND_ACTIVATION
+#define PARAM FERRY_KIND_PARAMETER
+#define F32 FERRY_DTYPE_F32
+#define I64 FERRY_DTYPE_I64
+
+/* Hugging Face class names (hf_class). */
+enum { CLS_NORM, CLS_ATTN, CLS_MLP, CLS_EXPERT, CLS_MOE, CLS_LM };
+
+/* Buffer ids of the ops after the blocks (model.norm, head, loss). */
+#define POST_BUFS 16
+
+/* synth_ops.c */
+saved sv(int buf, int dtype, int kind, unsigned group, int ndim, int64_t a, int64_t b, int64_t c, int64_t d);
+saved svd(int buf, int dtype, int kind, unsigned group, int nd, const int64_t *dims);
+const char *hf_class(int arch, int qk_norm, int experts, int what);
+const char *op_module(const op *o);
+int layer_ops(const synth_model *m, op_list *l);
+int pre_ops(const synth_model *m, op_list *l);
+int post_ops(const synth_model *m, op_list *l);
+void op_list_free(op_list *l);
+int group_drops_something(const op_list *l, unsigned g);
+uint64_t saved_bytes(const saved *x);
+int layer_mode(const synth_model *m, int L);
+void sac_keep(const op_list *l, unsigned char *keep);
+int ckpt_impl_of(const synth_model *m);
+const char *ckpt_impl_name(int impl);
+int hook_sees_kept(const synth_model *m);
+int hook_sees_recomputed(const synth_model *m);
+/* synth_model.c */
+uint64_t layer_matrices(const synth_model *m, int active);
+uint64_t layer_norms(const synth_model *m);
+double optimizer_step_bytes(const synth_model *m, const synth_resident *r);
+
+#endif
