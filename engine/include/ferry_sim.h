@@ -1,3 +1,17 @@
+/*
+ * ferry_sim.h — the simulator's part of ferry_tools.h (which includes it):
+ * traces, replay, the synthesizer, "what fits?" and the reports. Installed,
+ * with the same promise as ferry_tools.h: none.
+ */
+#ifndef FERRY_SIM_H
+#define FERRY_SIM_H
+
+#include "ferry_tools.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* ---- traces (docs/trace-format.md): reading, validated with "FILE:LINE: message", and replay through a real engine on the sim or host backend
  */
 
@@ -546,3 +560,9 @@ FERRY_API int sim_write_svg(const char *path, const sim_run_info *info, const si
  * offloaded and kept per policy. */
 FERRY_API int sim_write_html(const char *path, const sim_run_info *info, const sim_result *rs,
                              int n, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

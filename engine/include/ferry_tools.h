@@ -2,7 +2,8 @@
  * ferry_tools.h — what ferry's own tools use of the engine beyond ferry.h:
  * the CLI, the Python extension, the LuaJIT module, the benchmarks and the
  * tests. Installed, but not a stable API: it changes with any release and
- * carries no ABI promise. Embedders use ferry.h alone.
+ * carries no ABI promise. Embedders use ferry.h alone. The simulator's
+ * declarations are in ferry_sim.h, included at the end.
  */
 #ifndef FERRY_TOOLS_H
 #define FERRY_TOOLS_H
@@ -460,5 +461,7 @@ FERRY_API void zipw_set_zip64_threshold(uint64_t threshold);
 #ifdef __cplusplus
 }
 #endif
+
+#include "ferry_sim.h"
 
 #endif
