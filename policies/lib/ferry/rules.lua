@@ -937,4 +937,15 @@ function R.prefetch_bytes(bytes)
     mode = PREFETCH, bytes = bytes }, RELOAD)
 end
 
+-- ---------------------------------------------------------------------------
+-- composing a policy: R.policy (rules_policy.lua)
+
+require("ferry.rules_policy")(R, {
+  fail = fail, site_keys = site_keys, host_chooser = host_chooser,
+  forget_cached = forget_cached, RULE = RULE, RELOAD = RELOAD, MAX_BYTES = MAX_BYTES,
+  KEEP = KEEP, OFFLOAD = OFFLOAD, PARAMETER = PARAMETER, BUFFER = BUFFER, FORWARD = FORWARD,
+})
+local compose = R.policy
+function R.policy(spec) return compose(spec, caller_where()) end
+
 return R

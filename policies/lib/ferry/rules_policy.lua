@@ -1,5 +1,21 @@
--- ---------------------------------------------------------------------------
--- composing a policy
+--[[
+ferry.rules_policy — R.policy, the composer of ferry.rules: turns a spec of
+rules into the policy table the host calls (decide, explain, step, knobs).
+ferry.rules requires it and hands it the helpers its rules share; a policy
+requires ferry.rules, never this module.
+]]
+
+return function(R, h)
+local fail, site_keys = h.fail, h.site_keys
+local host_chooser, forget_cached = h.host_chooser, h.forget_cached
+local RULE, RELOAD, MAX_BYTES = h.RULE, h.RELOAD, h.MAX_BYTES
+local KEEP, OFFLOAD, PARAMETER, BUFFER, FORWARD = h.KEEP, h.OFFLOAD, h.PARAMETER, h.BUFFER,
+  h.FORWARD
+local type, tostring, tonumber, ipairs, pairs = type, tostring, tonumber, ipairs, pairs
+local getmetatable, setmetatable, next = getmetatable, setmetatable, next
+local floor, ceil = math.floor, math.ceil
+local find, format = string.find, string.format
+local concat = table.concat
 
 local KNOB_LIMITS = {
   max_fwd_stash = { 0, 1048576 },
@@ -11,6 +27,15 @@ local KNOB_LIMITS = {
 }
 
 local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
+
+-- The rules R.policy makes itself (keep_recompute, the merged module rules)
+-- remember the policy line that called R.policy, as ferry.rules's own do:
+-- ferry.rules passes it (where), this module's frames are not the policy's.
+local policy_where
+local function rule(spec)
+  spec.where = policy_where
+  return setmetatable(spec, RULE)
+end
 
 --[[ R.policy(spec) -> a policy table for the policy host:
   spec.name    string (default "policy")
@@ -32,7 +57,8 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
 The result has api = 1, name, knobs, decide, and also rules (their names,
 in evaluation order) and explain(t, ctx) -> action, rule name, its
 "file:line", reload, distance, cacheable, for tools (see explain below).]]
-function R.policy(spec)
+function R.policy(spec, where)
+  policy_where = where
   if type(spec) ~= "table" then fail("policy", "expected a table of rules") end
   local name = spec.name or "policy"
   if type(name) ~= "string" then fail("policy", "name must be a string") end
@@ -435,3 +461,4 @@ function R.policy(spec)
   }
 end
 
+end
