@@ -1,7 +1,7 @@
 /*
  * engine.c — engine lifecycle: config validation, backend/arena/policy
- * set-up, interning, the live-engine registry, errors and stats. The stash
- * manager (pack/unpack) is in stash.c.
+ * set-up, interning, errors and stats. The stash manager (pack/unpack) is in
+ * stash.c; the registry, engine_fail and the event pool in engine_base.c.
  */
 #include <errno.h>
 #include <limits.h>
@@ -330,7 +330,7 @@ int ferry_engine_create(const ferry_config *cfg, ferry_engine **out, char *errbu
     goto fail;
   }
   if (c.count_reasons && (rc = breakdown_open(e))) {
-    ferry_errbuf(errbuf, errlen, rc, "out of memory for config.count_reasons");
+    ferry_errbuf(errbuf, errlen, rc, "%s", e->last_error);
     goto fail;
   }
   if (registry_add(e)) {
@@ -360,8 +360,6 @@ static void engine_free(ferry_engine *e, int handed_out) {
     e->shutdown_hooks[i].fn(e, e->shutdown_hooks[i].ud);
   free(e->shutdown_hooks);
   if (e->entries || e->fwd) stash_destroy(e);
-  trace_close(e);
-  breakdown_close(e);
   if (e->policy) ferry_policy_destroy(e->policy);
   policy_key_free(&e->policy_from);
   for (int i = 0; i < PARKED_POLICIES; i++) {
@@ -377,7 +375,8 @@ static void engine_free(ferry_engine *e, int handed_out) {
     if (e->h2d) e->bk->ops->stream_destroy(e->bk, e->h2d);
     e->bk->ops->destroy(e->bk);
   }
-  ctrace_close(e); /* the copy threads are gone: no copy listener call can come */
+  /* the copy threads are gone: no copy listener call can come */
+  engine_observers_close(e);
   free(e->event_pool);
   intern_clear(&e->interned);
   pthread_cond_destroy(&e->reload_done);

@@ -1,12 +1,24 @@
+/*
+ * engine_base.c — what every part of the core uses of an engine, at the
+ * bottom of core/ (it calls nothing else there): the live-engine registry
+ * that engine_check reads, engine_fail, the pool of backend events and the
+ * list of the stash's observers (the recorders).
+ */
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/engine_internal.h"
+
 /* ---- registry of live engines --------------------------------------------
  * A call on a destroyed engine must fail with an error instead of touching
  * freed memory, so every API entry checks its engine against this list. It is
  * lock-free to read: a handful of atomic loads on the hot path. */
-#define MAX_ENGINES 64
 static _Atomic(ferry_engine *) live_engines[MAX_ENGINES];
 static atomic_uint live_engines_hi; /* slots [0, hi) may be in use */
 
-static int registry_add(ferry_engine *e) {
+int registry_add(ferry_engine *e) {
   for (unsigned i = 0; i < MAX_ENGINES; i++) {
     ferry_engine *expected = NULL;
     if (atomic_compare_exchange_strong(&live_engines[i], &expected, e)) {
@@ -21,7 +33,7 @@ static int registry_add(ferry_engine *e) {
 
 /* 1 when e was live and this call took it off the list: of two destroys of
  * one engine, only one gets 1. */
-static int registry_remove(ferry_engine *e) {
+int registry_remove(ferry_engine *e) {
   for (unsigned i = 0; i < MAX_ENGINES; i++) {
     ferry_engine *expected = e;
     if (atomic_compare_exchange_strong(&live_engines[i], &expected, NULL)) return 1;
@@ -39,7 +51,7 @@ static pthread_mutex_t quarantine_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *quarantine[QUARANTINED_ENGINES];
 static unsigned quarantine_next;
 
-static void quarantine_push(void *mem) {
+void quarantine_push(void *mem) {
   pthread_mutex_lock(&quarantine_lock);
   void *oldest = quarantine[quarantine_next];
   quarantine[quarantine_next] = mem;
@@ -91,3 +103,28 @@ void event_put(ferry_engine *e, bk_event *ev) {
   e->event_pool[e->n_event_pool++] = ev;
 }
 
+
+/* ---- observers of the stash (engine_internal.h) ------------------------------ */
+int engine_observe(ferry_engine *e, obs_fn on, void (*close)(void *, ferry_engine *), void *self,
+                   unsigned wants) {
+  stash_observer *n = realloc(e->obs, (e->n_obs + 1) * sizeof *n);
+  if (!n) return FERRY_ENOMEM;
+  e->obs = n;
+  n[e->n_obs++] = (stash_observer){.on = on, .close = close, .self = self, .wants = wants};
+  e->obs_wants |= wants;
+  return FERRY_OK;
+}
+
+void *engine_observer(const ferry_engine *e, obs_fn on) {
+  for (uint32_t i = 0; i < e->n_obs; i++)
+    if (e->obs[i].on == on) return e->obs[i].self;
+  return NULL;
+}
+
+void engine_observers_close(ferry_engine *e) {
+  for (uint32_t i = e->n_obs; i-- > 0;) e->obs[i].close(e->obs[i].self, e);
+  free(e->obs);
+  e->obs = NULL;
+  e->n_obs = 0;
+  e->obs_wants = 0;
+}

@@ -91,12 +91,12 @@ static int fwd_push(ferry_engine *e, uint32_t idx) {
 static void *stash_release(ferry_engine *e, uint32_t idx) {
   stash_entry *s = &e->entries[idx];
   if (e->bk->ops->event_query(e->bk, s->ev) != 1) {
-    double t0 = e->ct ? util_now_us() : 0;
+    double t0 = obs_calls(e) ? util_now_us() : 0;
     e->stats.waits++;
     e->bk->ops->event_synchronize(e->bk, s->ev);
-    if (e->ct) ctrace_wait(e, "wait for offload (stash bound)", t0);
+    if (obs_calls(e)) obs_wait(e, "wait for offload (stash bound)", t0);
   }
-  if (e->ct) ctrace_copy_observed(e, 0, s->host);
+  if (obs_calls(e)) obs_copy(e, OBS_COPY_OBSERVED, 0, s, s->host, 0);
   void *owner = s->owner;
   if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   s->in_alias_map = 0;
@@ -182,8 +182,7 @@ static void step_begin_locked(ferry_engine *e) {
   e->n_offloads = 0;
   e->prefetch_lo = e->prefetch_hi = 0;
   if (e->policy) ferry_policy_step_begin(e->policy, &e->ctx);
-  trace_event(e, "step_begin", 0);
-  if (e->ct) ctrace_mark(e, "step begin");
+  if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_STEP_BEGIN});
 }
 
 int ferry_step_begin(ferry_engine *e) {
@@ -218,7 +217,7 @@ static uint64_t step_leaks(const ferry_engine *e, uint64_t *arena_bytes) {
 int ferry_step_end(ferry_engine *e) {
   int rc = engine_check(e);
   if (rc) return rc;
-  double t0 = e->ct ? util_now_us() : 0;
+  double t0 = obs_calls(e) ? util_now_us() : 0;
   pthread_mutex_lock(&e->lock);
   if (!e->in_step) {
     rc = engine_fail(e, FERRY_ESTATE, "ferry_step_end: no step in progress");
@@ -226,11 +225,7 @@ int ferry_step_end(ferry_engine *e) {
     pending_drain(e);
     e->in_step = 0;
     e->phase = FERRY_PHASE_FORWARD;
-    trace_event(e, "step_end", 0);
-    if (e->ct) {
-      ctrace_call(e, "step end", t0, NULL, NULL);
-      ctrace_mark(e, "step end");
-    }
+    if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_STEP_END, .t0 = t0});
     uint64_t leaked_bytes, n = step_leaks(e, &leaked_bytes);
     if (n)
       rc = engine_fail(e, FERRY_ELEAK,
@@ -260,8 +255,7 @@ static int set_phase(ferry_engine *e, int phase, const char *ev, void *compute_s
   if (!e->in_step) step_begin_locked(e);
   e->phase = phase;
   e->ctx.phase = phase;
-  trace_event(e, ev, 0);
-  if (e->ct && phase == FERRY_PHASE_BACKWARD) ctrace_mark(e, "backward");
+  if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_PHASE, .what = ev});
   /* Backward needs the last offloaded tensors first: with the policy's
    * prefetch, their reloads start now rather than at the first unpack. */
   if (phase == FERRY_PHASE_BACKWARD && e->cfg.prefetch_at_backward_begin)
@@ -303,6 +297,41 @@ static int desc_invalid(ferry_engine *e, const ferry_tensor_desc *d) {
   return FERRY_OK;
 }
 
+/* ---- what the stash tells its observers (engine_internal.h) ---------------- */
+static inline int want_reasons(const ferry_engine *e) {
+  return __builtin_expect((e->obs_wants & OBS_REASONS) != 0, 0);
+}
+
+/* the reason of an engine-level outcome (no policy call, or overruled) */
+static void reason_set(ferry_engine *e, const char *rule) {
+  snprintf(e->why.rule, sizeof e->why.rule, "%s", rule);
+  e->why.where[0] = 0;
+}
+
+/* when a call began (out of line: the untraced path holds no clock code) */
+__attribute__((cold, noinline)) static double now_cold(void) { return util_now_us(); }
+
+/* A pack's slice, once the stash bound's releases are done (they are part
+ * of the call): the handle at entry idx is not back to its caller yet, so
+ * the entry is still there. Takes the lock. */
+__attribute__((cold, noinline)) static void pack_done(ferry_engine *e, double t0, uint32_t idx) {
+  pthread_mutex_lock(&e->lock);
+  stash_notify(e, &(obs_event){.kind = OBS_PACK_DONE, .idx = idx, .t0 = t0});
+  pthread_mutex_unlock(&e->lock);
+}
+
+/* what an unpack's slice says of primary entry p, before it is consumed */
+__attribute__((cold, noinline)) static void unpack_info(const ferry_engine *e, uint32_t p,
+                                                        uint64_t tensor, obs_tensor *t,
+                                                        const char **found) {
+  const stash_entry *s = &e->entries[p];
+  *t = obs_tensor_of(s, tensor);
+  *found = s->state == ENTRY_KEPT       ? "kept"
+           : s->state == ENTRY_STASHED  ? "stash hit"
+           : s->state == ENTRY_RELOADED ? "prefetched"
+                                        : "reloaded";
+}
+
 static int decision_valid(const ferry_decision *d) {
   return (d->action == FERRY_KEEP || d->action == FERRY_OFFLOAD) &&
          (d->reload == FERRY_RELOAD_ON_USE || d->reload == FERRY_RELOAD_PREFETCH) &&
@@ -315,7 +344,7 @@ static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decisio
   d->prefetch_distance = -1;
   d->cacheable = 0;
   if (desc->bytes < e->min_offload_bytes) {
-    if (e->bd) breakdown_set(e, "min_offload_bytes", "");
+    if (want_reasons(e)) reason_set(e, "min_offload_bytes");
     return;
   }
   e->ctx.bytes_in_flight = e->bytes_in_flight;
@@ -323,22 +352,22 @@ static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decisio
   e->ctx.layers_tracked = e->cap_layers;
   if (e->policy) {
     /* never fail; explain also names the rule (config.count_reasons) */
-    if (__builtin_expect(e->bd != NULL, 0))
-      ferry_policy_explain(e->policy, desc, &e->ctx, d, breakdown_reason(e));
+    if (want_reasons(e))
+      ferry_policy_explain(e->policy, desc, &e->ctx, d, &e->why);
     else
       ferry_policy_decide(e->policy, desc, &e->ctx, d);
   } else {
-    if (e->bd) breakdown_set(e, e->decide ? "decide callback" : "no policy", "");
+    if (want_reasons(e)) reason_set(e, e->decide ? "decide callback" : "no policy");
     if (e->decide && (e->decide(e->decide_ud, desc, &e->ctx, d) != 0 || !decision_valid(d))) {
       e->stats.policy_errors++;
       d->action = FERRY_KEEP;
-      if (e->bd) breakdown_set(e, "fault", "");
+      if (want_reasons(e)) reason_set(e, "fault");
     }
   }
   if (!decision_valid(d)) {
     e->stats.policy_errors++;
     d->action = FERRY_KEEP;
-    if (e->bd) breakdown_set(e, "fault", "");
+    if (want_reasons(e)) reason_set(e, "fault");
   }
 }
 
@@ -363,9 +392,9 @@ static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
   int rc;
   if (!(rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) &&
       !(rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch))) {
-    if (e->ct) ctrace_copy_issue(e, 0, s, s->host, 0);
+    if (obs_calls(e)) obs_copy(e, OBS_COPY_ISSUE, 0, s, s->host, 0);
     rc = o->copy_d2h(e->bk, s->host, s->dev_ptr, s->bytes, e->d2h);
-    if (rc && e->ct) ctrace_copy_unissue(e, 0, s->host);
+    if (rc && obs_calls(e)) obs_copy(e, OBS_COPY_UNISSUE, 0, s, s->host, 0);
     if (!rc) rc = o->event_record(e->bk, s->ev, e->d2h);
   }
   if (rc) {
@@ -390,13 +419,15 @@ static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t p
   a->primary = pidx;
   a->bytes = desc->bytes;
   a->step = e->step;
-  if (e->number_packs) a->trace_id = ++e->trace_seq;
+  if (e->obs_wants & OBS_NUMBERS) a->trace_id = ++e->trace_seq;
   e->entries[pidx].refs++;
   e->stats.tensors_packed++;
   e->stats.tensors_aliased++;
   e->ctx.packed_this_step++;
   *out = make_handle(e, idx);
-  trace_pack(e, idx, desc, e->entries[pidx].state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 1);
+  if (e->n_obs)
+    stash_notify(e, &(obs_event){.kind = OBS_PACK, .idx = idx, .desc = desc, .aliased = 1,
+                                 .entry = &e->entries[pidx]});
   return FERRY_OK;
 }
 
@@ -474,9 +505,10 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   s->layer = desc->layer;
   s->step = e->step;
   s->refs = 1;
-  if (e->number_packs) {
+  if (e->obs_wants & OBS_NUMBERS) {
     s->trace_id = ++e->trace_seq;
-    if (e->ct && desc->module_path) s->module_path = intern_get(&e->interned, desc->module_path);
+    if (obs_calls(e) && desc->module_path)
+      s->module_path = intern_get(&e->interned, desc->module_path);
   }
   if (key) {
     s->keyed = 1;
@@ -491,7 +523,9 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
     s = &e->entries[idx]; /* it may drop the lock */
   }
   if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
-  if (__builtin_expect(e->bd != NULL, 0)) count_reason(e, s, &d, cap_fallbacks);
+  if (e->n_obs)
+    stash_notify(e, &(obs_event){.kind = OBS_PACK, .idx = idx, .desc = desc, .entry = s,
+                                 .decision = &d, .cap_fallbacks_before = cap_fallbacks});
   e->stats.tensors_packed++;
   e->ctx.packed_this_step++;
   e->stats.device_bytes_held += s->bytes;
@@ -529,9 +563,8 @@ static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
                      ferry_handle *out) {
   int rc = engine_check(e);
   if (rc) return rc;
-  /* e->ct is fixed for the engine's life */
-  const int traced = __builtin_expect(e->ct != NULL, 0);
-  double t0 = traced ? ctrace_now() : 0;
+  const int traced = obs_calls(e);
+  double t0 = traced ? now_cold() : 0;
   pthread_mutex_lock(&e->lock);
   if (!out || !desc || !device_ptr || !owner) {
     rc = engine_fail(e, FERRY_EINVAL, "ferry_pack: %s is NULL",
@@ -550,19 +583,18 @@ static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
     if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
-    if (traced) ctrace_pack_done(e, t0, (uint32_t)(*out & HANDLE_INDEX_MASK) - 1);
+    if (traced) pack_done(e, t0, (uint32_t)(*out & HANDLE_INDEX_MASK) - 1);
     return FERRY_OK;
   }
   if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, key, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
   *out = make_handle(e, idx);
-  trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
   /* its owner may free the bytes once we return (FSDP): copied, let go */
   int resizable = (desc->flags & FERRY_FLAG_RESIZABLE) && s->state == ENTRY_STASHED;
   void *copied = resizable ? stash_release(e, idx) : NULL;
   release_over_bound(e);
   if (copied) e->cfg.release(e->cfg.callback_ud, copied);
-  if (traced) ctrace_pack_done(e, t0, idx);
+  if (traced) pack_done(e, t0, idx);
   return FERRY_OK;
 
 oom:
@@ -587,7 +619,7 @@ int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
 int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
                            const void *device_ptr) {
   /* a recorder (fixed for the engine's life) counts every pack */
-  if (engine_check(e) || !desc || !device_ptr || e->number_packs || e->bd || desc->bytes == 0 ||
+  if (engine_check(e) || !desc || !device_ptr || e->n_obs || desc->bytes == 0 ||
       desc->bytes > MAX_TENSOR_BYTES || desc->ndim < 0 || desc->ndim > FERRY_MAX_DIMS)
     return 0;
   pthread_mutex_lock(&e->lock);
@@ -662,9 +694,9 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
     const ferry_backend_ops *o = e->bk->ops;
     if (!(rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) &&
         !(rc = o->stream_wait_event(e->bk, e->h2d, e->ev_scratch))) {
-      if (e->ct) ctrace_copy_issue(e, 1, s, s->host, prefetch);
+      if (obs_calls(e)) obs_copy(e, OBS_COPY_ISSUE, 1, s, s->host, prefetch);
       rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d);
-      if (rc && e->ct) ctrace_copy_unissue(e, 1, s->host);
+      if (rc && obs_calls(e)) obs_copy(e, OBS_COPY_UNISSUE, 1, s, s->host, prefetch);
       if (!rc) rc = o->event_record(e->bk, s->ev, e->h2d);
     }
     if (rc) {
@@ -798,9 +830,9 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
                  void **owner) {
   int rc = engine_check(e);
   if (rc) return rc;
-  const int ct = __builtin_expect(e->ct != NULL, 0); /* fixed for the engine's life */
-  double t0 = ct ? ctrace_now() : 0;
-  ct_tensor t;
+  const int ct = obs_calls(e);
+  double t0 = ct ? now_cold() : 0;
+  obs_tensor t;
   const char *found = NULL;
   pthread_mutex_lock(&e->lock);
   if (!device_ptr || !owner) {
@@ -820,7 +852,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   stash_entry *s = &e->entries[p];
   uint32_t mark = s->offloads_before;
   uint64_t step = s->step;
-  if (ct) ctrace_unpack_info(e, p, e->entries[slot].trace_id, &t, &found);
+  if (ct) unpack_info(e, p, e->entries[slot].trace_id, &t, &found);
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
      * buffer, which the caller is free to overwrite or free once it has it:
@@ -858,8 +890,8 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
       goto unlock;
     }
     if (ct) {
-      if (tw > 0) ctrace_wait(e, "wait for reload", tw);
-      ctrace_copy_observed(e, 1, s->host);
+      if (tw > 0) obs_wait(e, "wait for reload", tw);
+      obs_copy(e, OBS_COPY_OBSERVED, 1, s, s->host, 0);
     }
   }
   *device_ptr = s->dev_ptr;
@@ -868,9 +900,10 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   void *unused;
   *owner = consume(e, p, 1, &unused);
   e->stats.tensors_unpacked++;
-  trace_event(e, "unpack", tid);
   prefetch_next(e, mark, step, compute_stream);
-  if (ct) ctrace_call(e, "unpack", t0, &t, found);
+  if (e->n_obs)
+    stash_notify(e, &(obs_event){.kind = OBS_UNPACK, .id = tid, .t0 = t0,
+                                 .tensor = ct ? &t : NULL, .found = found});
 unlock:
   pthread_mutex_unlock(&e->lock);
   return rc;
@@ -893,7 +926,7 @@ int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream) {
 int ferry_discard(ferry_engine *e, ferry_handle h) {
   int rc = engine_check(e);
   if (rc) return rc;
-  double t0 = e->ct ? util_now_us() : 0;
+  double t0 = obs_calls(e) ? util_now_us() : 0;
   pthread_mutex_lock(&e->lock);
   uint32_t slot = 0, p = 0;
   void *to_release = NULL;
@@ -908,15 +941,16 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
         consume(e, p, 0, &to_release);
       else
         e->entries[p].refs = 0; /* reload_orphaned */
-      trace_event(e, "discard", tid);
+      if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_DISCARD, .id = tid});
     } else {
       uint64_t tid = e->entries[slot].trace_id;
-      ct_tensor t = {0};
-      if (e->ct) t = ctrace_tensor(&e->entries[p], tid);
+      obs_tensor t = {0};
+      if (obs_calls(e)) t = obs_tensor_of(&e->entries[p], tid);
       retire_slot(e, slot, p);
       consume(e, p, 0, &to_release);
-      trace_event(e, "discard", tid);
-      if (e->ct) ctrace_call(e, "discard", t0, &t, NULL);
+      if (e->n_obs)
+        stash_notify(e, &(obs_event){.kind = OBS_DISCARD, .id = tid, .t0 = t0,
+                                     .tensor = obs_calls(e) ? &t : NULL});
     }
   }
   pthread_mutex_unlock(&e->lock);
