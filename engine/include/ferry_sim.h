@@ -209,7 +209,10 @@ typedef struct sim_interval {
                      copies: the tensor's */
   uint32_t tensor; /* copies: the trace's tensor index + 1, 0 = unknown */
   uint32_t flow;   /* an offload and its reload share a nonzero id */
-  const char *module_path; /* copies: the tensor's (the trace's string) */
+  const char *module_path; /* copies: the tensor's (the trace's string);
+                              compute: the op of a compute event, else the
+                              module of the next tensor event; NULL if none */
+  double flops, hbm_bytes; /* compute: its work as the trace gives it, -1 unknown */
 } sim_interval;
 
 typedef struct sim_mem_sample {
