@@ -215,14 +215,14 @@ static void on_copy(void *ud, int dir, double start_us, double end_us, uint64_t 
   pthread_mutex_unlock(&r->lock);
 }
 
-static void copy_issue(ct_recorder *r, int dir, const stash_entry *s, const void *host,
-                       int prefetch) {
+static void copy_issue(ct_recorder *r, int dir, const stash_entry *s, const stash_cold *c,
+                       const void *host, int prefetch) {
   pthread_mutex_lock(&r->lock);
   uint32_t old = take(&r->pending[dir], host), slot = old ? old : slot_new(r);
   if (slot) {
-    r->copies[slot - 1] = (ct_copy){.tensor = s->trace_id,
+    r->copies[slot - 1] = (ct_copy){.tensor = c->trace_id,
                                     .bytes = s->bytes,
-                                    .module = s->module_path,
+                                    .module = c->module_path,
                                     .layer = s->layer,
                                     .prefetch = (uint8_t)prefetch,
                                     .issued_us = util_now_us()};
@@ -426,8 +426,8 @@ static void ctrace_on(void *self, ferry_engine *e, const obs_event *ev) {
     /* the handle is not back to its caller yet: the entry is still there */
     const stash_entry *s = &e->entries[ev->idx];
     const stash_entry *p = s->state == ENTRY_ALIAS ? &e->entries[s->primary] : s;
-    obs_tensor t = obs_tensor_of(p, s->trace_id);
-    if (p != s) t.alias_of = p->trace_id;
+    obs_tensor t = obs_tensor_of(e, p, cold_of(e, s)->trace_id);
+    if (p != s) t.alias_of = cold_of(e, p)->trace_id;
     call_slice(r, e, "pack", ev->t0, &t, NULL);
     break;
   }
@@ -436,7 +436,9 @@ static void ctrace_on(void *self, ferry_engine *e, const obs_event *ev) {
     if (ev->tensor) call_slice(r, e, "discard", ev->t0, ev->tensor, NULL);
     break;
   case OBS_WAIT: wait_slice(r, ev->what, ev->t0); break;
-  case OBS_COPY_ISSUE: copy_issue(r, ev->dir, ev->entry, ev->host, ev->prefetch); break;
+  case OBS_COPY_ISSUE:
+    copy_issue(r, ev->dir, ev->entry, cold_of(e, ev->entry), ev->host, ev->prefetch);
+    break;
   case OBS_COPY_UNISSUE: copy_unissue(r, ev->dir, ev->host); break;
   case OBS_COPY_OBSERVED: copy_observed(r, ev->dir, ev->host); break;
   case OBS_PACK: break;

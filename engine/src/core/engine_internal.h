@@ -30,30 +30,42 @@ typedef enum entry_state {
   ENTRY_ALIAS      /* a second handle to `primary` */
 } entry_state;
 
+/* A saved tensor's record, one cache line (64 bytes, checked below): what
+ * pack, unpack and prefetch read of every tensor. What they read rarely
+ * (the owner, at release; the pack number and module, with a recorder; the
+ * storage and version of a keyed pack, at an alias) is in its stash_cold,
+ * at the same index of ferry_engine.cold. */
 typedef struct stash_entry {
   uint32_t gen;      /* bumped when the slot is freed: stale handles fail */
   uint8_t state;     /* entry_state */
-  uint8_t consumed;  /* this handle was unpacked (primary awaiting aliases) */
-  uint8_t reload;    /* ferry_reload */
-  uint8_t in_alias_map;
-  uint8_t keyed;     /* packed by ferry_pack_keyed: aliases must match the key */
+  uint8_t consumed : 1; /* this handle was unpacked (primary awaiting aliases) */
+  uint8_t reload : 1;   /* ferry_reload */
+  uint8_t in_alias_map : 1;
+  uint8_t keyed : 1;    /* packed by ferry_pack_keyed: aliases must match the key */
+  uint16_t prefetch_distance; /* at most 4096 (the decision's and knob's bound) */
   uint32_t refs;     /* primary: live handles (itself + aliases) */
-  uint32_t primary;  /* alias: index of the primary entry */
-  uint32_t prefetch_distance;
+  union {
+    uint32_t primary;       /* alias: index of the primary entry */
+    uint32_t offload_index; /* primary: position in the step's offload order,
+                               offloaded only (UINT32_MAX: none) */
+  };
   int32_t layer;
-  uint32_t offload_index;  /* position in the step's offload order, offloaded only */
   uint32_t offloads_before; /* offloads packed before this entry in its step */
   uint64_t step;
   uint64_t bytes;
   void *dev_ptr;
-  void *owner;
   void *host;        /* arena buffer */
   bk_event *ev;      /* last copy issued for this entry */
+} stash_entry;
+_Static_assert(sizeof(stash_entry) == 64, "a stash entry is one cache line");
+
+typedef struct stash_cold {
+  void *owner;
   uint64_t trace_id; /* pack number in the trace(s), 0 when not tracing */
   const char *module_path; /* interned; set only while recording a Chrome trace */
   uint64_t alias_storage;  /* ferry_pack_keyed's storage and version */
   int64_t alias_version;
-} stash_entry;
+} stash_cold;
 
 /* An arena buffer that a copy may still touch: freed once ev completes. */
 typedef struct pending_free {
@@ -109,8 +121,10 @@ struct ferry_engine {
   uint32_t knobs_overruled;      /* FERRY_KNOB_* the policy lost to config.knobs_fixed */
   uint64_t fwd_bytes;           /* bytes of the STASHED entries */
 
-  /* entries; index + 1 and gen form a handle */
+  /* entries; index + 1 and gen form a handle; cold: the same index's
+   * rarely read fields (as many as entries: cap_entries) */
   stash_entry *entries;
+  stash_cold *cold;
   uint32_t n_entries, cap_entries;
   uint32_t *free_slots;
   uint32_t n_free;
@@ -207,8 +221,12 @@ typedef struct obs_tensor {
   int32_t layer;
   int decision; /* FERRY_KEEP or FERRY_OFFLOAD */
 } obs_tensor;
-static inline obs_tensor obs_tensor_of(const stash_entry *s, uint64_t tensor) {
-  return (obs_tensor){.tensor = tensor, .bytes = s->bytes, .module = s->module_path,
+static inline stash_cold *cold_of(const ferry_engine *e, const stash_entry *s) {
+  return &e->cold[s - e->entries];
+}
+static inline obs_tensor obs_tensor_of(const ferry_engine *e, const stash_entry *s,
+                                       uint64_t tensor) {
+  return (obs_tensor){.tensor = tensor, .bytes = s->bytes, .module = cold_of(e, s)->module_path,
                       .layer = s->layer,
                       .decision = s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD};
 }

@@ -42,8 +42,17 @@ static int entry_new(ferry_engine *e, uint32_t *idx) {
     *idx = e->free_slots[--e->n_free];
   } else {
     if (e->n_entries == UINT32_MAX - 1) return FERRY_ENOMEM;
+    uint32_t old_cap = e->cap_entries;
     if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, e->n_entries + 1))
       return FERRY_ENOMEM;
+    if (e->cap_entries != old_cap) {
+      stash_cold *c = realloc(e->cold, (size_t)e->cap_entries * sizeof *c);
+      if (!c) {
+        e->cap_entries = old_cap; /* entries stays larger: harmless */
+        return FERRY_ENOMEM;
+      }
+      e->cold = c;
+    }
     /* free_slots can never hold more than cap_entries indices */
     uint32_t fcap = e->cap_entries;
     uint32_t *f = realloc(e->free_slots, (size_t)fcap * sizeof *f);
@@ -55,6 +64,7 @@ static int entry_new(ferry_engine *e, uint32_t *idx) {
   stash_entry *s = &e->entries[*idx];
   uint32_t gen = s->gen;
   memset(s, 0, sizeof *s);
+  memset(&e->cold[*idx], 0, sizeof e->cold[*idx]);
   s->gen = gen;
   s->layer = -1;
   s->offload_index = UINT32_MAX;
@@ -97,10 +107,10 @@ static void *stash_release(ferry_engine *e, uint32_t idx) {
     if (obs_calls(e)) obs_wait(e, "wait for offload (stash bound)", t0);
   }
   if (obs_calls(e)) obs_copy(e, OBS_COPY_OBSERVED, 0, s, s->host, 0);
-  void *owner = s->owner;
+  void *owner = cold_of(e, s)->owner;
   if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   s->in_alias_map = 0;
-  s->owner = NULL;
+  cold_of(e, s)->owner = NULL;
   s->dev_ptr = NULL;
   s->state = ENTRY_OFFLOADED;
   e->stats.device_bytes_held -= s->bytes;
@@ -325,7 +335,7 @@ __attribute__((cold, noinline)) static void unpack_info(const ferry_engine *e, u
                                                         uint64_t tensor, obs_tensor *t,
                                                         const char **found) {
   const stash_entry *s = &e->entries[p];
-  *t = obs_tensor_of(s, tensor);
+  *t = obs_tensor_of(e, s, tensor);
   *found = s->state == ENTRY_KEPT       ? "kept"
            : s->state == ENTRY_STASHED  ? "stash hit"
            : s->state == ENTRY_RELOADED ? "prefetched"
@@ -419,7 +429,7 @@ static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t p
   a->primary = pidx;
   a->bytes = desc->bytes;
   a->step = e->step;
-  if (e->obs_wants & OBS_NUMBERS) a->trace_id = ++e->trace_seq;
+  if (e->obs_wants & OBS_NUMBERS) e->cold[idx].trace_id = ++e->trace_seq;
   e->entries[pidx].refs++;
   e->stats.tensors_packed++;
   e->stats.tensors_aliased++;
@@ -461,8 +471,8 @@ static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
   } else {
     s->state = ENTRY_STASHED;
     s->reload = (uint8_t)d->reload;
-    s->prefetch_distance =
-        d->prefetch_distance >= 0 ? (uint32_t)d->prefetch_distance : e->prefetch_distance;
+    s->prefetch_distance = (uint16_t)(d->prefetch_distance >= 0 ? (uint32_t)d->prefetch_distance
+                                                                 : e->prefetch_distance);
     s->offload_index = e->n_offloads;
     e->offload_order[e->n_offloads++] = idx;
     e->ctx.arena_in_use += s->bytes;
@@ -483,10 +493,11 @@ typedef struct alias_key { uint64_t storage; int64_t version; } alias_key;
 /* Whether a pack of desc's bytes (key: NULL for ferry_pack) is primary
  * p's bytes: a keyed pack must also name p's storage and version, so an
  * address that was written in place, or freed and reused, is not aliased. */
-static int alias_matches(const stash_entry *p, const ferry_tensor_desc *desc,
-                         const alias_key *key) {
+static int alias_matches(const ferry_engine *e, const stash_entry *p,
+                         const ferry_tensor_desc *desc, const alias_key *key) {
   if (p->bytes != desc->bytes || p->keyed != (key != NULL)) return 0;
-  return !key || (p->alias_storage == key->storage && p->alias_version == key->version);
+  const stash_cold *c = cold_of(e, p);
+  return !key || (c->alias_storage == key->storage && c->alias_version == key->version);
 }
 
 /* A new primary entry for a pack, decided and (if so) offloaded; its
@@ -501,19 +512,19 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   stash_entry *s = &e->entries[idx];
   s->bytes = desc->bytes;
   s->dev_ptr = device_ptr;
-  s->owner = owner;
+  e->cold[idx].owner = owner;
   s->layer = desc->layer;
   s->step = e->step;
   s->refs = 1;
   if (e->obs_wants & OBS_NUMBERS) {
-    s->trace_id = ++e->trace_seq;
+    e->cold[idx].trace_id = ++e->trace_seq;
     if (obs_calls(e) && desc->module_path)
-      s->module_path = intern_get(&e->interned, desc->module_path);
+      e->cold[idx].module_path = intern_get(&e->interned, desc->module_path);
   }
   if (key) {
     s->keyed = 1;
-    s->alias_storage = key->storage;
-    s->alias_version = key->version;
+    e->cold[idx].alias_storage = key->storage;
+    e->cold[idx].alias_version = key->version;
   }
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
@@ -579,7 +590,7 @@ static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
   uint32_t idx, pidx;
   /* The same buffer packed again while stored: one copy, two handles. */
   if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
-      alias_matches(&e->entries[pidx], desc, key)) {
+      alias_matches(e, &e->entries[pidx], desc, key)) {
     if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
@@ -712,7 +723,7 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
     } else {
       s->state = ENTRY_RELOADED;
       s->dev_ptr = dev;
-      s->owner = owner;
+      cold_of(e, s)->owner = owner;
       e->stats.bytes_h2d += s->bytes;
       e->stats.device_bytes_held += s->bytes;
       if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
@@ -766,7 +777,9 @@ static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uin
 static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream) {
   if (step != e->step || mark == 0 || mark > e->n_offloads) return;
   const stash_entry *next = &e->entries[e->offload_order[mark - 1]];
-  if (next->step != step || next->offload_index != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
+  /* a slot reused meanwhile: an alias's union holds its primary instead */
+  if (next->state == ENTRY_ALIAS || next->step != step || next->offload_index != mark - 1 ||
+      next->reload != FERRY_RELOAD_PREFETCH)
     return;
   /* Tensors packed after the step's last offload (the tail: the loss) are
    * unpacked first; while the loss's backward holds the step's peak a
@@ -783,10 +796,10 @@ static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_releas
   stash_entry *s = &e->entries[p];
   *to_release = NULL;
   if (--s->refs > 0) {
-    if (hand_out) e->cfg.retain(e->cfg.callback_ud, s->owner);
-    return hand_out ? s->owner : NULL;
+    if (hand_out) e->cfg.retain(e->cfg.callback_ud, cold_of(e, s)->owner);
+    return hand_out ? cold_of(e, s)->owner : NULL;
   }
-  void *owner = s->owner;
+  void *owner = cold_of(e, s)->owner;
   if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   if (!hand_out && owner && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1) {
     /* Discarded while a copy still touches the device buffer: the embedder
@@ -852,7 +865,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   stash_entry *s = &e->entries[p];
   uint32_t mark = s->offloads_before;
   uint64_t step = s->step;
-  if (ct) unpack_info(e, p, e->entries[slot].trace_id, &t, &found);
+  if (ct) unpack_info(e, p, e->cold[slot].trace_id, &t, &found);
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
      * buffer, which the caller is free to overwrite or free once it has it:
@@ -895,7 +908,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
     }
   }
   *device_ptr = s->dev_ptr;
-  uint64_t tid = e->entries[slot].trace_id;
+  uint64_t tid = e->cold[slot].trace_id;
   retire_slot(e, slot, p);
   void *unused;
   *owner = consume(e, p, 1, &unused);
@@ -935,7 +948,7 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
       /* No wait for the reload: it may be this thread's own, from inside
        * device_alloc (a framework freeing the other saved copy of the
        * buffer). The last handle leaves the entry to the reload to free. */
-      uint64_t tid = e->entries[slot].trace_id;
+      uint64_t tid = e->cold[slot].trace_id;
       retire_slot(e, slot, p);
       if (e->entries[p].refs > 1)
         consume(e, p, 0, &to_release);
@@ -943,9 +956,9 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
         e->entries[p].refs = 0; /* reload_orphaned */
       if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_DISCARD, .id = tid});
     } else {
-      uint64_t tid = e->entries[slot].trace_id;
+      uint64_t tid = e->cold[slot].trace_id;
       obs_tensor t = {0};
-      if (obs_calls(e)) t = obs_tensor_of(&e->entries[p], tid);
+      if (obs_calls(e)) t = obs_tensor_of(e, &e->entries[p], tid);
       retire_slot(e, slot, p);
       consume(e, p, 0, &to_release);
       if (e->n_obs)
@@ -961,8 +974,9 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
 /* ---- lifecycle ----------------------------------------------------------------- */
 int stash_init(ferry_engine *e) {
   if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256)) return FERRY_ENOMEM;
+  e->cold = malloc((size_t)e->cap_entries * sizeof *e->cold);
   e->free_slots = malloc((size_t)e->cap_entries * sizeof *e->free_slots);
-  if (!e->free_slots || u64map_grow(&e->aliases)) return FERRY_ENOMEM;
+  if (!e->cold || !e->free_slots || u64map_grow(&e->aliases)) return FERRY_ENOMEM;
   return FERRY_OK;
 }
 
@@ -973,7 +987,7 @@ void stash_destroy(ferry_engine *e) {
     stash_entry *s = &e->entries[i];
     if (s->state == ENTRY_FREE || s->state == ENTRY_ALIAS) continue;
     if (s->ev) e->bk->ops->event_synchronize(e->bk, s->ev);
-    if (s->owner) e->cfg.release(e->cfg.callback_ud, s->owner);
+    if (e->cold[i].owner) e->cfg.release(e->cfg.callback_ud, e->cold[i].owner);
     if (s->host) ferry_arena_free(e->arena, s->host, s->bytes);
     if (s->ev) e->bk->ops->event_destroy(e->bk, s->ev);
   }
@@ -983,6 +997,7 @@ void stash_destroy(ferry_engine *e) {
     e->bk->ops->event_destroy(e->bk, e->pending[i].ev);
   }
   free(e->entries);
+  free(e->cold);
   free(e->free_slots);
   u64map_free(&e->aliases);
   free(e->fwd);
@@ -990,5 +1005,6 @@ void stash_destroy(ferry_engine *e) {
   free(e->pending);
   free(e->layer_counts);
   e->entries = NULL;
+  e->cold = NULL;
   e->fwd = NULL;
 }

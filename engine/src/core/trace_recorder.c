@@ -89,7 +89,7 @@ int trace_open(ferry_engine *e, const char *path) {
 
 static void trace_pack(jsonl_trace *tr, ferry_engine *e, uint32_t idx,
                        const ferry_tensor_desc *d, int decision, int aliased) {
-  uint64_t id = e->entries[idx].trace_id; /* numbered by the stash */
+  uint64_t id = e->cold[idx].trace_id; /* numbered by the stash */
   cJSON *o = event_object(tr, "pack");
   if (!o) return;
   cJSON_AddNumberToObject(o, "id", (double)id);
@@ -109,8 +109,8 @@ static void trace_pack(jsonl_trace *tr, ferry_engine *e, uint32_t idx,
   cJSON_AddStringToObject(o, "decision", decision == FERRY_OFFLOAD ? "offload" : "keep");
   if (aliased) {
     cJSON_AddBoolToObject(o, "alias", 1);
-    const stash_entry *primary = &e->entries[e->entries[idx].primary];
-    if (primary->trace_id) cJSON_AddNumberToObject(o, "alias_of", (double)primary->trace_id);
+    uint64_t primary_id = e->cold[e->entries[idx].primary].trace_id;
+    if (primary_id) cJSON_AddNumberToObject(o, "alias_of", (double)primary_id);
   }
   emit(tr, o);
 }
