@@ -1,6 +1,17 @@
+/*
+ * stash_lifecycle.c — the stash's memory at an engine's create and destroy:
+ * the entry tables, and at teardown every copy waited for, every owner
+ * given back, every arena buffer freed. The stash itself is stash.c.
+ */
+#include <stdlib.h>
+
+#include "core/engine_internal.h"
+#include "util/util.h"
+
 /* ---- lifecycle ----------------------------------------------------------------- */
 int stash_init(ferry_engine *e) {
-  if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256)) return FERRY_ENOMEM;
+  if (util_grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256, 64))
+    return FERRY_ENOMEM;
   e->cold = malloc((size_t)e->cap_entries * sizeof *e->cold);
   e->free_slots = malloc((size_t)e->cap_entries * sizeof *e->free_slots);
   if (!e->cold || !e->free_slots || u64map_grow(&e->aliases)) return FERRY_ENOMEM;
