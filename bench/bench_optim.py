@@ -23,6 +23,10 @@ figure.
 Metrics (merged into the flat JSON object of --json):
   optimizer_offload_step_ratio   median over pairs of offload / plain
   optimizer_offload_step_ratio_p25, _p75   the spread of the pairs' ratios
+  optimizer_offload_step_ratio_method   how the ratio was taken (a string)
+  optimizer_offload_step_pairs   how many pairs it is the median of
+  optimizer_offload_step_ratio_of_medians   median(offload) / median(plain),
+      the figure before pairing, beside it as a check on the pairing
   optimizer_offload_step_ms_{plain,offload}   medians of each mode's steps
   optimizer_offload_host_fraction   bytes in the host share / all parameter bytes
 Usage: python bench/bench_optim.py [--json build/bench.json] [--reps 31]
@@ -90,6 +94,12 @@ def main():
         "optimizer_offload_step_ratio": round(statistics.median(ratios), 4),
         "optimizer_offload_step_ratio_p25": round(q[0], 4),
         "optimizer_offload_step_ratio_p75": round(q[2], 4),
+        # how the ratio was taken, and the other way beside it: a paired
+        # median far below the ratio of medians would flatter the offload
+        "optimizer_offload_step_ratio_method": "median of per-pair offload/plain ratios, "
+                                               "pairs in alternating order",
+        "optimizer_offload_step_pairs": len(ratios),
+        "optimizer_offload_step_ratio_of_medians": round(med["offload"] / med["plain"], 4),
         "optimizer_offload_step_ms_plain": round(med["plain"] * 1e3, 3),
         "optimizer_offload_step_ms_offload": round(med["offload"] * 1e3, 3),
         "optimizer_offload_host_fraction": round(off.host_bytes / off.total_bytes, 4),
