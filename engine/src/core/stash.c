@@ -43,7 +43,9 @@ static int entry_new(ferry_engine *e, uint32_t *idx) {
   } else {
     if (e->n_entries == UINT32_MAX - 1) return FERRY_ENOMEM;
     uint32_t old_cap = e->cap_entries;
-    if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, e->n_entries + 1))
+    /* each entry on its own cache line (stash_entry is 64 bytes) */
+    if (util_grow_aligned((void **)&e->entries, &e->cap_entries, sizeof *e->entries,
+                          e->n_entries + 1, 64, 64))
       return FERRY_ENOMEM;
     if (e->cap_entries != old_cap) {
       stash_cold *c = realloc(e->cold, (size_t)e->cap_entries * sizeof *c);

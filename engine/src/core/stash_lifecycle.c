@@ -10,7 +10,7 @@
 
 /* ---- lifecycle ----------------------------------------------------------------- */
 int stash_init(ferry_engine *e) {
-  if (util_grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256, 64))
+  if (util_grow_aligned((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256, 64, 64))
     return FERRY_ENOMEM;
   e->cold = malloc((size_t)e->cap_entries * sizeof *e->cold);
   e->free_slots = malloc((size_t)e->cap_entries * sizeof *e->free_slots);
