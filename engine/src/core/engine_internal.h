@@ -30,7 +30,8 @@ typedef enum entry_state {
   ENTRY_ALIAS      /* a second handle to `primary` */
 } entry_state;
 
-/* A saved tensor's record, one cache line (64 bytes, checked below): what
+/* A saved tensor's record, one cache line (64 bytes, checked below; the
+ * array is 64-byte aligned, util_grow_aligned): what
  * pack, unpack and prefetch read of every tensor. What they read rarely
  * (the owner, at release; the pack number and module, with a recorder; the
  * storage and version of a keyed pack, at an alias) is in its stash_cold,
