@@ -7,16 +7,29 @@ thread), not a PCIe link.
 
 Model: a GPT-sized MLP stack (--blocks blocks of Linear(d, 4d), GELU,
 Linear(4d, d), LayerNorm; d = --dim), AdamW (foreach=False on both sides),
-batch 16 x d. Two modes, interleaved in one process, each timing whole
-training steps (zero_grad, forward, backward, step), median of --reps steps
-after 2 warm-up steps:
+batch 16 x d. Two modes, each timing whole training steps (zero_grad,
+forward, backward, step):
   plain    the plain optimizer
   offload  offload_optimizer(opt, fraction=0.5, overlap=True)
+They are interleaved in pairs, the order alternating (plain-offload, then
+offload-plain: neither always runs on a cache the other warmed), --reps
+pairs after 3 warm-up pairs. The ratio is the median of the pairs' ratios:
+the two steps of a pair run a few milliseconds apart, so a change of the
+machine's load during the run (another process, frequency) moves both and
+cancels, where a ratio of two medians taken over the whole run takes it in.
+The spread of the pairs' ratios (their 25th and 75th percentiles) is
+reported beside it: a wide one says the machine was too busy to trust the
+figure.
 Metrics (merged into the flat JSON object of --json):
-  optimizer_offload_step_ratio   median(offload) / median(plain)
-  optimizer_offload_step_ms_{plain,offload}
+  optimizer_offload_step_ratio   median over pairs of offload / plain
+  optimizer_offload_step_ratio_p25, _p75   the spread of the pairs' ratios
+  optimizer_offload_step_ratio_method   how the ratio was taken (a string)
+  optimizer_offload_step_pairs   how many pairs it is the median of
+  optimizer_offload_step_ratio_of_medians   median(offload) / median(plain),
+      the figure before pairing, beside it as a check on the pairing
+  optimizer_offload_step_ms_{plain,offload}   medians of each mode's steps
   optimizer_offload_host_fraction   bytes in the host share / all parameter bytes
-Usage: python bench/bench_optim.py [--json build/bench.json] [--reps 9]
+Usage: python bench/bench_optim.py [--json build/bench.json] [--reps 31]
 """
 import argparse
 import json
@@ -37,7 +50,7 @@ def make(torch, dim, blocks, seed=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="merge the metrics into this flat JSON object file")
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=4)
     args = ap.parse_args()
@@ -63,17 +76,30 @@ def main():
         opt.step()
         return time.perf_counter() - t0
 
+    warmup = 3
     times = {m: [] for m in runs}
-    for i in range(args.reps + 2):
-        for m in runs:
-            t = step(m)
-            if i >= 2:
-                times[m].append(t)
+    ratios = []
+    for i in range(args.reps + warmup):
+        order = ("plain", "offload") if i % 2 == 0 else ("offload", "plain")
+        t = {m: step(m) for m in order}
+        if i >= warmup:
+            for m in runs:
+                times[m].append(t[m])
+            ratios.append(t["offload"] / t["plain"])
     med = {m: statistics.median(v) for m, v in times.items()}
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     off = runs["offload"][1].ferry_offload
     n_params = sum(p.numel() for p in runs["plain"][0].parameters())
     out = {
-        "optimizer_offload_step_ratio": round(med["offload"] / med["plain"], 4),
+        "optimizer_offload_step_ratio": round(statistics.median(ratios), 4),
+        "optimizer_offload_step_ratio_p25": round(q[0], 4),
+        "optimizer_offload_step_ratio_p75": round(q[2], 4),
+        # how the ratio was taken, and the other way beside it: a paired
+        # median far below the ratio of medians would flatter the offload
+        "optimizer_offload_step_ratio_method": "median of per-pair offload/plain ratios, "
+                                               "pairs in alternating order",
+        "optimizer_offload_step_pairs": len(ratios),
+        "optimizer_offload_step_ratio_of_medians": round(med["offload"] / med["plain"], 4),
         "optimizer_offload_step_ms_plain": round(med["plain"] * 1e3, 3),
         "optimizer_offload_step_ms_offload": round(med["offload"] * 1e3, 3),
         "optimizer_offload_host_fraction": round(off.host_bytes / off.total_bytes, 4),
@@ -81,7 +107,9 @@ def main():
     print(f"  {n_params / 1e6:.1f} M parameters, AdamW, host share "
           f"{out['optimizer_offload_host_fraction']:.2f} of the bytes, torch {torch.__version__}")
     print(f"  step: plain {out['optimizer_offload_step_ms_plain']:.1f} ms, offload "
-          f"{out['optimizer_offload_step_ms_offload']:.1f} ms (median of {args.reps})")
+          f"{out['optimizer_offload_step_ms_offload']:.1f} ms (medians of {args.reps}); "
+          f"offload / plain {out['optimizer_offload_step_ratio']:.3f} (median of {args.reps} "
+          f"pairs, spread {q[0]:.3f} .. {q[2]:.3f})")
     print(json.dumps(out, indent=1))
     if args.json:
         merge_json(args.json, out)

@@ -7,7 +7,11 @@
 - inside engine/src/, a room includes only itself and rooms below it
   (util < backend, policy < arena < core < sim, checkpoint), and never
   another room's private header (*_internal.h);
-- the Python package's modules import each other one way (no cycle).
+- the Python package's modules import each other one way (no cycle);
+- inside the rooms listed in NO_CIRCLE, no file calls (or takes the address
+  of) a function of a file that, through others, calls back into it: the
+  engine core is layered file by file too (the stash tells its recorders
+  through observers, core/engine_internal.h, instead of calling them).
 
 Usage: check_layering.py [REPO_ROOT]; prints each violation as FILE:LINE.
 """
@@ -19,6 +23,13 @@ import sys
 
 RANK = {"util": 0, "backend": 1, "policy": 1, "arena": 2, "core": 3, "sim": 4, "checkpoint": 4, "resident": 4}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+NO_CIRCLE = ["core"]
+# a function defined at file scope, not static: the name before its
+# parameter list and body (comments and strings are blanked first)
+C_DEFINITION = re.compile(r'^(?!static\b|typedef\b|extern\b|return\b|else\b)[A-Za-z_][\w \t*]*?'
+                          r'\b(\w+)\s*\(([^;{}]*?)\)\s*(?:__attribute__\s*\(\([^)]*\)\)\s*)?\{', re.M)
+C_NOISE = re.compile(r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+C_IDENT = re.compile(r'\b[A-Za-z_]\w*\b')
 
 
 def tracked(root, *patterns):
@@ -60,6 +71,47 @@ def check_c(root):
                 elif target != room and inc.endswith("_internal.h"):
                     bad.append(f"{path}:{n}: room {room}/ includes {target}/'s private header "
                                f"\"{inc}\"")
+    return bad
+
+
+def room_calls(root, room):
+    """{file: {file it uses a function of: that function}} within a room."""
+    files = [p for p in tracked(root, "*.c") if p.startswith(f"engine/src/{room}/")]
+    text, defined = {}, {}
+    for path in files:
+        with open(os.path.join(root, path), encoding="utf-8", errors="replace") as f:
+            text[path] = C_NOISE.sub(" ", f.read())
+        for m in C_DEFINITION.finditer(text[path]):
+            defined.setdefault(m.group(1), path)
+    edges = {p: {} for p in files}
+    for path in files:
+        for name in sorted(set(C_IDENT.findall(text[path]))):
+            other = defined.get(name)
+            if other and other != path:
+                edges[path].setdefault(other, name)
+    return edges
+
+
+def check_circles(root):
+    bad = []
+    for room in NO_CIRCLE:
+        edges, state = room_calls(root, room), {}
+
+        def visit(f, stack):
+            state[f] = 1
+            for g, name in sorted(edges[f].items()):
+                if state.get(g) == 1:
+                    cyc = stack[stack.index(g):] + [f, g] if g in stack else [f, g]
+                    bad.append(f"{f}: call circle in {room}/: " + " -> ".join(
+                        os.path.basename(c) for c in cyc) +
+                               f" ({os.path.basename(f)} uses {name}())")
+                elif not state.get(g):
+                    visit(g, stack + [f])
+            state[f] = 2
+
+        for f in sorted(edges):
+            if not state.get(f):
+                visit(f, [])
     return bad
 
 
@@ -108,7 +160,7 @@ def check_python(root):
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))
-    bad = check_c(root) + check_python(root)
+    bad = check_c(root) + check_circles(root) + check_python(root)
     for b in bad:
         print(b)
     print(f"layering: {len(bad)} violation(s)")

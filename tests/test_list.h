@@ -42,6 +42,8 @@
   X(waiting_for_a_reload_lets_the_embedders_lock_go)                      \
   /* issue 36's engine API (test_alias_key.c) */                           \
   X(pack_keyed_aliases_only_the_same_storage_and_version)                  \
+  X(stash_cold_fields_follow_growth_and_reuse)                  \
+  X(grow_aligned_keeps_alignment_and_contents)                  \
   X(in_step_is_the_engines_own_flag)                                       \
   X(reloads_wait_for_the_compute_stream_before_writing)                    \
   /* FERRY_FLAG_RESIZABLE (test_resizable.c) */                             \

@@ -9,8 +9,10 @@
   ferry.torch.offload(..., chrome_trace=FILE) from pytest.
 
 Checked everywhere: known phases; every slice on a declared lane with a
-known name; copies named by module path with bytes, tensor (and layer
-inside a layer); every flow arrow with exactly one start on an offload and
+known name; compute slices named by layer, or outside the blocks by module
+(args module, flops, bytes; the synthesized trace's embedding, final norm,
+head and loss, a recorded run's module paths); copies named by module path
+with bytes, tensor (and layer inside a layer); every flow arrow with exactly one start on an offload and
 one end on the reload of the same tensor, not before the offload ended;
 counters never negative; backward before step end. Real runs also: a lane
 per calling thread and one per copy stream, copies of one stream never
@@ -43,7 +45,7 @@ REAL_COUNTERS = {"device bytes held (saved tensors)", "pinned host bytes in use"
 EPS = 0.002  # µs: timestamps are rounded to the ns
 
 
-def check(events, real=False):
+def check(events, real=False, synth=True):
     """Problems found (strings) and the number of offload -> reload arrows."""
     problems = []
     lanes = {}  # (pid, tid) -> lane name
@@ -72,8 +74,21 @@ def check(events, real=False):
         by_lane[(e["pid"], e["tid"])].append(e)
         a = e.get("args", {})
         if lane == "compute":
-            if not re.fullmatch(r"layer \d+|outside layers", e["name"]):
-                problems.append(f"compute slice name {e['name']!r}")
+            # a block's by its layer; outside the blocks by its module (the
+            # op or module the trace names: embedding, final norm, head,
+            # loss), "outside layers" only where none is known; args module,
+            # flops and bytes where the trace gives them
+            m = re.fullmatch(r"layer (\d+)", e["name"])
+            if m and a.get("layer") != int(m.group(1)):
+                problems.append(f"compute slice {e['name']!r} with layer {a.get('layer')}")
+            elif not m and e["name"] == "outside layers" and "module" in a:
+                problems.append(f"compute slice 'outside layers' of a known module: {e}")
+            elif not m and e["name"] != "outside layers" and \
+                    (a.get("module") != e["name"] or "layer" in a):
+                problems.append(f"compute slice {e['name']!r} not named by its module: {e}")
+            for k in ("flops", "bytes"):
+                if k in a and not (isinstance(a[k], (int, float)) and a[k] >= 0):
+                    problems.append(f"compute slice {k} {a[k]!r}: {e}")
         elif real and lane not in COPY_LANES:  # a calling thread's lane
             if e["cat"] == "wait":
                 if not e["name"].startswith("wait for "):
@@ -102,8 +117,9 @@ def check(events, real=False):
             if a.get("bytes", 0) <= 0 or "tensor" not in a:
                 problems.append(f"copy without its tensor: {e}")
             elif not real:
-                # named by the tensor's module path ("layer" only inside a layer)
-                if e["name"] in ("offload", "reload") or \
+                # named by the tensor's module path ("layer" only inside a
+                # layer, whose paths a synthesized trace starts model.layers.)
+                if e["name"] in ("offload", "reload") or synth and \
                         ("layer" in a) != e["name"].startswith("model.layers."):
                     problems.append(f"copy without its tensor: {e}")
             else:
@@ -184,6 +200,7 @@ def sim_trace(ferry, d):
     problems, nflows = check(events)
     if nflows == 0:
         problems.append("no flow arrows: the policies offload on this trace")
+    problems += compute_modules(events, with_work=True)
     report(problems, events, nflows, "ferry sim --chrome-trace")
     # weights' and the optimizer's copies beside the activations'
     subprocess.run([ferry, "sim", "--trace", trace, "--policy", "default", "--weight-layers", "2",
@@ -196,6 +213,32 @@ def sim_trace(ferry, d):
     if names["weights"] != 4 or names["optimizer: gradients"] == 0:
         problems.append(f"resident copies of the weights and the optimizer: {dict(names)}")
     report(problems, events, nflows, "ferry sim --chrome-trace --weight-layers --optimizer-fraction")
+
+
+def compute_modules(events, with_work):
+    """The compute outside the blocks, named by module: the synthesized
+    trace's embedding, final norm, head and loss (with_work: each with its
+    FLOPs and bytes, and a block's op too), or a recorded trace's modules."""
+    problems = []
+    outside = collections.defaultdict(list)
+    inside = []
+    for e in events:
+        if e["ph"] == "X" and e.get("cat") == "compute":
+            (inside if "layer" in e.get("args", {}) else outside[e["name"]]).append(e)
+    names = set(outside)
+    if with_work:
+        want = {"model.embed_tokens", "model.norm", "lm_head"}
+        if not want <= names or not any(n.startswith("loss.") for n in names):
+            problems.append(f"compute outside the blocks named {sorted(names)}: want {sorted(want)}"
+                            " and the loss's")
+        for name, sl in outside.items():
+            if any("flops" not in e["args"] or "bytes" not in e["args"] for e in sl):
+                problems.append(f"compute {name!r} without its FLOPs and bytes")
+        if not any(e["args"].get("flops", 0) > 0 and e["args"].get("module") for e in inside):
+            problems.append("no block compute slice with its op and FLOPs")
+    elif not names - {"outside layers"}:
+        problems.append(f"compute outside the blocks named {sorted(names)}: want module paths")
+    return problems
 
 
 def run_trace(ferry, d):
@@ -222,7 +265,8 @@ def run_trace(ferry, d):
         print("SKIP: no interpreter here imports torch and the build's ferry package:", why)
         sys.exit(77)
     out = os.path.join(d, "run-%p.json")
-    r = subprocess.run([ferry, "run", "--trace-out", out, "--backend", "host", "--",
+    jsonl = os.path.join(d, "recorded.jsonl")
+    r = subprocess.run([ferry, "run", "--trace-out", out, "--trace", jsonl, "--backend", "host", "--",
                         python, os.path.join(repo, "examples", "train_gpt.py"),
                         "--steps", "2", "--policy", "default"],
                        env=env, capture_output=True, text=True, timeout=600)
@@ -239,6 +283,16 @@ def run_trace(ferry, d):
     if nflows == 0:
         problems.append("no flow arrows: default.lua offloads train_gpt.py's activations")
     report(problems, events, nflows, "ferry run --trace-out")
+    # the simulator's view of the same run: its compute named by module
+    sim_out = os.path.join(d, "recorded-sim.json")
+    r = subprocess.run([ferry, "sim", "--trace", jsonl, "--policy", "default", "--no-layers",
+                        "--chrome-trace", sim_out], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        sys.exit(f"ferry sim of the recorded run failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    events = load(sim_out)
+    problems, nflows = check(events, synth=False)
+    problems += compute_modules(events, with_work=False)
+    report(problems, events, nflows, "ferry sim --chrome-trace of the recorded run")
 
 
 def cuda_trace(ferry, trainer, d):

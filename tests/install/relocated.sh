@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # An installed ferry works without its source tree: build and install from a
-# copy of the sources, delete the copy and its build, move the prefix, then
-# use what was installed: `ferry check default`, `ferry sim --policy budget`,
+# copy of the sources, check that no installed file names the source, build
+# or install path (no_build_paths.sh), delete the copy and its build, move
+# the prefix, then use what was installed: `ferry check default`, `ferry sim --policy budget`,
 # the man page and bash completion, a pkg-config build and a find_package
 # build of a consumer.
 #   tests/install/relocated.sh      (JOBS=2)
@@ -14,6 +15,7 @@ mkdir "$work/src"
 cmake -S "$work/src" -B "$work/build" -DFERRY_WERROR=ON -DBUILD_TESTING=OFF >/dev/null
 cmake --build "$work/build" -j"${JOBS:-2}" >/dev/null
 cmake --install "$work/build" --prefix "$work/first" >/dev/null
+"$root/tests/install/no_build_paths.sh" "$work/first" "$work/src" "$work/build" "$work/first"
 rm -rf "$work/src" "$work/build"
 mv "$work/first" "$work/moved"
 p=$work/moved
@@ -23,6 +25,9 @@ fail() { echo "relocated install: $*" >&2; exit 1; }
 grep -q "^name     default" "$work/check.txt" || fail "ferry check default printed no policy name"
 grep -q "$p/share/ferry/policies/default.lua" "$work/check.txt" ||
   fail "ferry check default did not use the installed policy"
+# run by its name, found on PATH: the program must find its own folder
+(cd "$work" && PATH="$p/bin:$PATH" ferry check default >"$work/check_path.txt" 2>&1) ||
+  { cat "$work/check_path.txt"; fail "ferry check default, ferry run from PATH"; }
 "$p/bin/ferry" trace synth --preset tiny -o "$work/t.jsonl"
 "$p/bin/ferry" sim --policy budget --trace "$work/t.jsonl" --steps 2 >"$work/sim.txt" 2>&1 ||
   { cat "$work/sim.txt"; fail "ferry sim --policy budget"; }

@@ -68,11 +68,13 @@ def test_reads_what_the_getters_say():
     for name, t in cases.items():
         f = _ferry.tensor_facts(t)
         assert f is not None, name
-        st, sizes, ptr, version = f
+        st, sizes, ptr, version, is_view = f
         assert codes[t.dtype] == st, name
         assert sizes == tuple(t.shape), name
         assert ptr == t.data_ptr(), name
         assert version == t._version, name
+        # the keep path reads Tensor._base only of a view (kind_of_tensor)
+        assert is_view == (t._base is not None), name
     t = torch.zeros(4)
     t.add_(1)
     t.mul_(2)

@@ -398,10 +398,17 @@ static int is_cast_of_parameter(PyObject *t) {
  * the context was told of: an nn.Parameter (FSDP2's unsharded parameters
  * are), a view of one (weight.t(); FSDP's views of its flat parameter), or
  * autocast's cast of one. */
-static int32_t kind_of_tensor(EngineObject *eng, PyObject *t, void *ptr, int32_t dtype) {
+/* is_view: 0 when the torch-facts module said t is no view (its _base is
+ * None, not read then), else 1 or -1 (unknown: read _base). */
+static int32_t kind_of_tensor(EngineObject *eng, PyObject *t, void *ptr, int32_t dtype,
+                              int is_view) {
   int32_t kind = kind_of_ptr(eng, (uintptr_t)ptr);
   if (kind != FERRY_KIND_ACTIVATION) return kind;
   if (PyObject_TypeCheck(t, T.param)) return FERRY_KIND_PARAMETER;
+  if (is_view == 0) {
+    int half = dtype == FERRY_DTYPE_BF16 || dtype == FERRY_DTYPE_F16;
+    return half && is_cast_of_parameter(t) ? FERRY_KIND_PARAMETER : kind;
+  }
   PyObject *base = tensor_attr(t, TA_BASE);
   if (!base) {
     PyErr_Clear();
@@ -415,9 +422,11 @@ static int32_t kind_of_tensor(EngineObject *eng, PyObject *t, void *ptr, int32_t
   return param ? FERRY_KIND_PARAMETER : kind;
 }
 
-/* Kind, phase and the innermost module site of the tensor t at ptr. */
-static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, PyObject *t, void *ptr) {
-  d->kind = kind_of_tensor(eng, t, ptr, d->dtype);
+/* Kind, phase and the innermost module site of the tensor t at ptr
+ * (is_view: as kind_of_tensor's). */
+static void pack_describe(EngineObject *eng, ferry_tensor_desc *d, PyObject *t, void *ptr,
+                          int is_view) {
+  d->kind = kind_of_tensor(eng, t, ptr, d->dtype, is_view);
   if (d->kind == FERRY_KIND_PARAMETER) d->flags |= FERRY_FLAG_RESIZABLE; /* FSDP's resize_(0) */
   d->phase = eng->in_backward ? FERRY_PHASE_RECOMPUTE : FERRY_PHASE_FORWARD;
   if (eng->depth && (uint32_t)eng->stack[eng->depth - 1] < eng->n_sites) {
@@ -564,7 +573,7 @@ static int pack_shape(PyObject *t, const dtype_info *di, ferry_tensor_desc *d) {
  * ptr and version: what the caller read already, else NULL to read them.
  * 1 and the Kept in *out (NULL on error), or 0 when the full path must run. */
 static int pack_try_keep(EngineObject *eng, PyObject *t, ferry_tensor_desc *d, void *ptr,
-                         const int64_t *version, PyObject **out) {
+                         const int64_t *version, int is_view, PyObject **out) {
   if (d->bytes == 0 || (eng->fast_keep && d->bytes < eng->min_bytes)) {
     eng->kept[KEEP_SMALL]++;
     *out = make_kept_at(eng, t, version);
@@ -575,7 +584,7 @@ static int pack_try_keep(EngineObject *eng, PyObject *t, ferry_tensor_desc *d, v
     PyErr_Clear();                          /* the full path says why */
     return 0;
   }
-  pack_describe(eng, d, t, ptr);
+  pack_describe(eng, d, t, ptr, is_view);
   if (!ferry_pack_cached_keep(eng->e, d, ptr)) return 0;
   if (eng->in_backward) eng->recompute_packs++;
   *out = make_kept_at(eng, t, version);
@@ -601,7 +610,7 @@ static int pack_from_facts(EngineObject *eng, PyObject *t, PyObject **out) {
   d.ndim = f.ndim;
   d.bytes = numel * di->itemsize;
   d.dtype = di->ferry;
-  return pack_try_keep(eng, t, &d, f.data, &f.version, out);
+  return pack_try_keep(eng, t, &d, f.data, &f.version, f.is_view, out);
 }
 
 static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
@@ -623,7 +632,7 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
   int r = pack_shape(t, di, &d);
   if (r != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   PyObject *kept;
-  if (pack_try_keep(eng, t, &d, NULL, NULL, &kept)) return kept;
+  if (pack_try_keep(eng, t, &d, NULL, NULL, -1, &kept)) return kept;
   if ((r = pack_check_strided(t)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   if ((r = pack_check(eng, t)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   if (d.ndim > FERRY_MAX_DIMS) return keep_with(eng, t, KEEP_NDIM);
@@ -631,7 +640,7 @@ static PyObject *pack_impl(EngineObject *eng, PyObject *t) {
   if ((r = pack_layout(t, &d, strides)) != PACK_ON) return r < 0 ? NULL : keep_with(eng, t, r);
   void *ptr = pack_data_ptr(t);
   if (!ptr) return PyErr_Occurred() ? NULL : keep_with(eng, t, KEEP_ERROR);
-  pack_describe(eng, &d, t, ptr);
+  pack_describe(eng, &d, t, ptr, -1);
   if (eng->in_backward) eng->recompute_packs++;
   return pack_to_engine(eng, t, &d, strides, di->dtype, ptr);
 }

@@ -104,7 +104,8 @@ static PyObject *mod_tensor_facts_active(PyObject *self, PyObject *unused) {
 }
 
 /* tensor_facts(t): what the facts module reads of t, for tests: (scalar
- * type, sizes, data pointer, version), or None (no module, or it declined). */
+ * type, sizes, data pointer, version, is a view), or None (no module, or it
+ * declined). */
 static PyObject *mod_tensor_facts(PyObject *self, PyObject *t) {
   (void)self;
   ferry_tensor_facts f;
@@ -113,13 +114,14 @@ static PyObject *mod_tensor_facts(PyObject *self, PyObject *t) {
   PyObject *sizes = PyTuple_New(f.ndim);
   if (!sizes) return NULL;
   for (int32_t i = 0; i < f.ndim; i++) PyTuple_SET_ITEM(sizes, i, PyLong_FromLongLong(f.sizes[i]));
-  return Py_BuildValue("(iNKL)", f.scalar_type, sizes, (unsigned long long)(uintptr_t)f.data,
-                       (long long)f.version);
+  return Py_BuildValue("(iNKLN)", f.scalar_type, sizes, (unsigned long long)(uintptr_t)f.data,
+                       (long long)f.version, PyBool_FromLong(f.is_view));
 }
 
 static PyMethodDef module_methods[] = {
     {"tensor_facts", mod_tensor_facts, METH_O,
-     "tensor_facts(t): (scalar type, sizes, data pointer, version) as the facts module reads "
+     "tensor_facts(t): (scalar type, sizes, data pointer, version, is a view) as the facts "
+     "module reads "
      "them, or None (tests)."},
     {"set_tensor_facts", mod_set_tensor_facts, METH_O,
      "set_tensor_facts(capsule or None): the _torchfacts module's reader for the running "

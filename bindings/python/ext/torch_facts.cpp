@@ -9,6 +9,7 @@
 
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
 
 #include "torch_facts.h"
@@ -33,6 +34,10 @@ int read(void *obj, ferry_tensor_facts *f) noexcept {
     f->data = t.data_ptr();
 #endif
     f->version = static_cast<int64_t>(impl->version_counter().current_version());
+    // what Tensor._base tests (is_view(), a libtorch_cpu symbol this module
+    // does not link against), read from the autograd meta inline
+    auto *meta = static_cast<torch::autograd::AutogradMeta *>(impl->autograd_meta());
+    f->is_view = meta && meta->is_view_ ? 1 : 0;
     return 0;
   } catch (...) {
     return -1;

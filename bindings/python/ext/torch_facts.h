@@ -15,7 +15,7 @@
 
 #include <stdint.h>
 
-#define FERRY_FACTS_ABI 1
+#define FERRY_FACTS_ABI 2
 #define FERRY_FACTS_MAX_DIMS 8 /* = FERRY_MAX_DIMS */
 #define FERRY_FACTS_CAPSULE "ferry._torchfacts.api"
 
@@ -25,6 +25,7 @@ typedef struct ferry_tensor_facts {
   int64_t sizes[FERRY_FACTS_MAX_DIMS];
   void *data;          /* data_ptr(): the storage's bytes plus the offset */
   int64_t version;     /* the version counter, as Tensor._version */
+  int32_t is_view;     /* 1: a view (Tensor._base is not None), 0: not */
 } ferry_tensor_facts;
 
 typedef struct ferry_facts_api {

@@ -109,13 +109,23 @@ def _policy_libdir():
     return None
 
 
-# An installed package carries its own policies/lib; point the policy host
-# at it unless the user chose one (the build tree's libferry already knows
-# the source tree's).
+# An installed package carries its own policies/lib, the build-tree package
+# names the source tree's in _paths.py (libferry has no build path compiled
+# in); point the policy host at it unless the user chose one.
 if "FERRY_POLICY_LIBDIR" not in _os.environ:
     _here = _os.path.dirname(_os.path.abspath(__file__))
-    if _os.path.isdir(_os.path.join(_here, "policies", "lib")):
-        _os.environ["FERRY_POLICY_LIBDIR"] = _os.path.join(_here, "policies", "lib")
+    _libs = [_os.path.join(_here, "policies", "lib")]
+    try:
+        from . import _paths
+
+        if _paths.SOURCE_POLICY_DIR:
+            _libs.append(_os.path.join(_paths.SOURCE_POLICY_DIR, "lib"))
+    except ImportError:
+        pass
+    for _lib in _libs:
+        if _os.path.isdir(_lib):
+            _os.environ["FERRY_POLICY_LIBDIR"] = _lib
+            break
 
 
 from ._policy import Policy, policy  # noqa: E402

@@ -2,7 +2,9 @@
  * breakdown.c — saved tensors counted by the rule that decided them and by
  * layer (config.count_reasons, ferry_get_breakdown). Only engines created
  * with count_reasons pay for it: their decisions go through the policy's
- * explain, and each pack adds its bytes to one row. Under the engine lock.
+ * explain (OBS_REASONS: the stash writes each reason in e->why), and each
+ * pack this observer is told of adds its bytes to one row. Under the engine
+ * lock.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -16,31 +18,28 @@ typedef struct bd_row {
 } bd_row;
 
 struct breakdown {
-  ferry_policy_reason why; /* the reason of the decision being counted */
   bd_row *rows;
   uint32_t n, cap;
   u64map index; /* row key -> row; equal keys of different rows fall back to a scan */
 };
 
+static void breakdown_close(void *self, ferry_engine *e) {
+  (void)e;
+  struct breakdown *b = self;
+  free(b->rows);
+  u64map_free(&b->index);
+  free(b);
+}
+
+static void breakdown_on(void *self, ferry_engine *e, const obs_event *ev);
+
 int breakdown_open(ferry_engine *e) {
-  e->bd = calloc(1, sizeof *e->bd);
-  return e->bd ? FERRY_OK : FERRY_ENOMEM;
-}
-
-void breakdown_close(ferry_engine *e) {
-  if (!e->bd) return;
-  free(e->bd->rows);
-  u64map_free(&e->bd->index);
-  free(e->bd);
-  e->bd = NULL;
-}
-
-ferry_policy_reason *breakdown_reason(ferry_engine *e) { return &e->bd->why; }
-
-void breakdown_set(ferry_engine *e, const char *rule, const char *where) {
-  ferry_policy_reason *w = &e->bd->why;
-  snprintf(w->rule, sizeof w->rule, "%s", rule);
-  snprintf(w->where, sizeof w->where, "%s", where);
+  struct breakdown *b = calloc(1, sizeof *b);
+  if (!b || engine_observe(e, breakdown_on, breakdown_close, b, OBS_REASONS)) {
+    free(b);
+    return engine_fail(e, FERRY_ENOMEM, "out of memory for config.count_reasons");
+  }
+  return FERRY_OK;
 }
 
 /* interned strings compare by pointer, so the key hashes the pointers */
@@ -64,12 +63,12 @@ static bd_row *row_find(struct breakdown *b, const char *rule, const char *where
   return NULL;
 }
 
-/* Counts a pack of `bytes` in layer, decided by bd->why, that ended
+/* Counts a pack of `bytes` in layer, decided by e->why, that ended
  * offloaded or kept. Out of memory: the pack is not counted. */
-void breakdown_count(ferry_engine *e, int32_t layer, uint64_t bytes, int offloaded) {
-  struct breakdown *b = e->bd;
-  const char *rule = intern_get(&e->interned, b->why.rule);
-  const char *where = intern_get(&e->interned, b->why.where);
+static void breakdown_count(struct breakdown *b, ferry_engine *e, int32_t layer, uint64_t bytes,
+                            int offloaded) {
+  const char *rule = intern_get(&e->interned, e->why.rule);
+  const char *where = intern_get(&e->interned, e->why.where);
   if (!rule || !where) return;
   uint64_t key = row_key(rule, where, layer);
   bd_row *r = row_find(b, rule, where, layer, key);
@@ -96,8 +95,9 @@ int ferry_get_breakdown(ferry_engine *e, ferry_breakdown_fn fn, void *ud) {
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
+  struct breakdown *b = engine_observer(e, breakdown_on);
   if (!fn) rc = engine_fail(e, FERRY_EINVAL, "ferry_get_breakdown: fn is NULL");
-  else if (!e->bd)
+  else if (!b)
     rc = engine_fail(e, FERRY_ESTATE,
                      "ferry_get_breakdown: the engine counts no reasons (create it with "
                      "config.count_reasons = 1)");
@@ -106,14 +106,14 @@ int ferry_get_breakdown(ferry_engine *e, ferry_breakdown_fn fn, void *ud) {
     return rc;
   }
   /* A copy, so fn runs unlocked and may call into the engine. */
-  uint32_t n = e->bd->n;
+  uint32_t n = b->n;
   bd_row *copy = n ? malloc(n * sizeof *copy) : NULL;
   if (n && !copy) {
     rc = engine_fail(e, FERRY_ENOMEM, "ferry_get_breakdown: out of memory");
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
-  if (n) memcpy(copy, e->bd->rows, n * sizeof *copy);
+  if (n) memcpy(copy, b->rows, n * sizeof *copy);
   pthread_mutex_unlock(&e->lock);
   for (uint32_t i = 0; i < n; i++) {
     const bd_row *r = &copy[i];
@@ -127,12 +127,17 @@ int ferry_get_breakdown(ferry_engine *e, ferry_breakdown_fn fn, void *ud) {
   return FERRY_OK;
 }
 
-/* (engine_internal.h) */
-void count_reason(ferry_engine *e, const stash_entry *s, const ferry_decision *d,
-                  uint64_t cap_fallbacks_before) {
+/* Counts each new entry by its reason: an offload the engine could not
+ * make is kept for an engine-level reason. An alias adds no bytes. */
+static void breakdown_on(void *self, ferry_engine *e, const obs_event *ev) {
+  if (ev->kind != OBS_PACK || ev->aliased) return;
+  const stash_entry *s = &e->entries[ev->idx];
   const int offloaded = s->state != ENTRY_KEPT;
-  if (d->action == FERRY_OFFLOAD && !offloaded)
-    breakdown_set(e, e->stats.cap_fallbacks > cap_fallbacks_before ? "host cap" : "copy failed",
-                  "");
-  breakdown_count(e, s->layer, s->bytes, offloaded);
+  if (ev->decision->action == FERRY_OFFLOAD && !offloaded) {
+    const char *why =
+        e->stats.cap_fallbacks > ev->cap_fallbacks_before ? "host cap" : "copy failed";
+    snprintf(e->why.rule, sizeof e->why.rule, "%s", why);
+    e->why.where[0] = 0;
+  }
+  breakdown_count(self, e, s->layer, s->bytes, offloaded);
 }

@@ -18,9 +18,9 @@
  *   - instants at step begin, backward and step end (args: step).
  *
  * Timestamps are µs since the trace opened. Everything is written under
- * the recorder's own lock, a leaf: the engine calls in with its lock held,
- * the backend's copy threads without it. With no trace open (e->ct NULL)
- * the engine pays one branch per call. A backend that cannot time copies
+ * the recorder's own lock, a leaf: the engine calls in with its lock held
+ * (an observer of the stash, engine_internal.h), the backend's copy threads
+ * without it. With no trace open the engine pays one branch per call. A backend that cannot time copies
  * (no set_copy_listener) gets copy slices from issue to the moment the
  * engine first saw their event complete, marked "timing": "observed".
  */
@@ -56,7 +56,7 @@ typedef struct ct_copy {
   uint32_t next_free;
 } ct_copy;
 
-struct ct_recorder {
+typedef struct ct_recorder {
   pthread_mutex_t lock;
   ct_writer w;
   int pid;
@@ -73,7 +73,7 @@ struct ct_recorder {
   uint64_t dev, ino;     /* the file, in the registry of open traces */
   /* last counter values written, -1 = none yet */
   double last_device, last_pinned, last_depth;
-};
+} ct_recorder;
 
 static _Atomic uint64_t recorder_gens = 1;
 /* the calling thread's lane in the recorder it used last (a cache of
@@ -100,7 +100,6 @@ static int open_find(uint64_t dev, uint64_t ino) {
 
 static double rel(const ct_recorder *r, double abs_us) { return abs_us - r->t0_us; }
 
-double ctrace_now(void) { return util_now_us(); }
 
 /* ---- copy slots ---------------------------------------------------------------- */
 static uint32_t slot_new(ct_recorder *r) {
@@ -216,15 +215,14 @@ static void on_copy(void *ud, int dir, double start_us, double end_us, uint64_t 
   pthread_mutex_unlock(&r->lock);
 }
 
-void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const void *host,
-                       int prefetch) {
-  ct_recorder *r = e->ct;
+static void copy_issue(ct_recorder *r, int dir, const stash_entry *s, const stash_cold *c,
+                       const void *host, int prefetch) {
   pthread_mutex_lock(&r->lock);
   uint32_t old = take(&r->pending[dir], host), slot = old ? old : slot_new(r);
   if (slot) {
-    r->copies[slot - 1] = (ct_copy){.tensor = s->trace_id,
+    r->copies[slot - 1] = (ct_copy){.tensor = c->trace_id,
                                     .bytes = s->bytes,
-                                    .module = s->module_path,
+                                    .module = c->module_path,
                                     .layer = s->layer,
                                     .prefetch = (uint8_t)prefetch,
                                     .issued_us = util_now_us()};
@@ -233,16 +231,14 @@ void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const voi
   pthread_mutex_unlock(&r->lock);
 }
 
-void ctrace_copy_unissue(ferry_engine *e, int dir, const void *host) {
-  ct_recorder *r = e->ct;
+static void copy_unissue(ct_recorder *r, int dir, const void *host) {
   pthread_mutex_lock(&r->lock);
   uint32_t s = take(&r->pending[dir], host);
   if (s) slot_free(r, s);
   pthread_mutex_unlock(&r->lock);
 }
 
-void ctrace_copy_observed(ferry_engine *e, int dir, const void *host) {
-  ct_recorder *r = e->ct;
+static void copy_observed(ct_recorder *r, int dir, const void *host) {
   if (r->timed) return;
   pthread_mutex_lock(&r->lock);
   uint32_t s;
@@ -269,9 +265,8 @@ static void counters(ferry_engine *e, ct_recorder *r, double t) {
   counter(r, "forward stash depth", "tensors", &r->last_depth, (double)e->ctx.stash_depth, t);
 }
 
-void ctrace_call(ferry_engine *e, const char *what, double t0, const ct_tensor *t,
-                 const char *found) {
-  ct_recorder *r = e->ct;
+static void call_slice(ct_recorder *r, ferry_engine *e, const char *what, double t0,
+                       const obs_tensor *t, const char *found) {
   pthread_mutex_lock(&r->lock);
   double now = util_now_us();
   cJSON *ev = ct_slice(what, "engine", r->pid, thread_lane(r), rel(r, t0), now - t0);
@@ -291,16 +286,14 @@ void ctrace_call(ferry_engine *e, const char *what, double t0, const ct_tensor *
   pthread_mutex_unlock(&r->lock);
 }
 
-void ctrace_wait(ferry_engine *e, const char *what, double t0) {
-  ct_recorder *r = e->ct;
+static void wait_slice(ct_recorder *r, const char *what, double t0) {
   pthread_mutex_lock(&r->lock);
   double now = util_now_us();
   ct_emit(&r->w, ct_slice(what, "wait", r->pid, thread_lane(r), rel(r, t0), now - t0));
   pthread_mutex_unlock(&r->lock);
 }
 
-void ctrace_mark(ferry_engine *e, const char *what) {
-  ct_recorder *r = e->ct;
+static void mark(ct_recorder *r, ferry_engine *e, const char *what) {
   pthread_mutex_lock(&r->lock);
   double now = rel(r, util_now_us());
   cJSON *ev = ct_instant(what, r->pid, thread_lane(r), now, 'p');
@@ -331,6 +324,9 @@ static int expand_path(const char *path, char *out, size_t outlen) {
   out[n] = 0;
   return 0;
 }
+
+static void ctrace_close(void *self, ferry_engine *e);
+static void ctrace_on(void *self, ferry_engine *e, const obs_event *ev);
 
 int ctrace_open(ferry_engine *e, const char *path_spec) {
   char path[4096];
@@ -387,16 +383,17 @@ int ctrace_open(ferry_engine *e, const char *path_spec) {
       e->bk->ops->set_copy_listener(e->bk, on_copy, r) == FERRY_OK)
     r->timed = 1;
   ct_flush(&r->w, r->error, sizeof r->error);
-  e->ct = r;
-  e->number_packs = 1;
+  if (engine_observe(e, ctrace_on, ctrace_close, r, OBS_NUMBERS | OBS_CALLS)) {
+    ctrace_close(r, e);
+    return engine_fail(e, FERRY_ENOMEM, "out of memory opening the Chrome trace");
+  }
   return FERRY_OK;
 }
 
 /* After the copy streams are gone: no listener call can come. */
-void ctrace_close(ferry_engine *e) {
-  ct_recorder *r = e->ct;
-  if (!r) return;
-  e->ct = NULL;
+static void ctrace_close(void *self, ferry_engine *e) {
+  (void)e;
+  ct_recorder *r = self;
   char err[256] = "";
   if (ct_close(&r->w, err, sizeof err) == 0 && r->error[0]) snprintf(err, sizeof err, "%s", r->error);
   if (err[0]) util_log(FERRY_LOG_ERROR, "chrome trace: %s", err);
@@ -413,24 +410,37 @@ void ctrace_close(ferry_engine *e) {
   free(r);
 }
 
-/* ---- the stash's side of pack and unpack (out of their hot paths) ------- */
-/* (engine_internal.h) */
-void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) {
-  pthread_mutex_lock(&e->lock);
-  const stash_entry *s = &e->entries[idx];
-  const stash_entry *p = s->state == ENTRY_ALIAS ? &e->entries[s->primary] : s;
-  ct_tensor t = ctrace_tensor(p, s->trace_id);
-  if (p != s) t.alias_of = p->trace_id;
-  ctrace_call(e, "pack", t0, &t, NULL);
-  pthread_mutex_unlock(&e->lock);
-}
-
-void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor, ct_tensor *t,
-                        const char **found) {
-  const stash_entry *s = &e->entries[p];
-  *t = ctrace_tensor(s, tensor);
-  *found = s->state == ENTRY_KEPT       ? "kept"
-           : s->state == ENTRY_STASHED  ? "stash hit"
-           : s->state == ENTRY_RELOADED ? "prefetched"
-                                        : "reloaded";
+/* ---- what the stash tells (engine_internal.h), its lock held ---------- */
+static void ctrace_on(void *self, ferry_engine *e, const obs_event *ev) {
+  ct_recorder *r = self;
+  switch (ev->kind) {
+  case OBS_STEP_BEGIN: mark(r, e, "step begin"); break;
+  case OBS_PHASE:
+    if (e->phase == FERRY_PHASE_BACKWARD) mark(r, e, "backward");
+    break;
+  case OBS_STEP_END:
+    call_slice(r, e, "step end", ev->t0, NULL, NULL);
+    mark(r, e, "step end");
+    break;
+  case OBS_PACK_DONE: {
+    /* the handle is not back to its caller yet: the entry is still there */
+    const stash_entry *s = &e->entries[ev->idx];
+    const stash_entry *p = s->state == ENTRY_ALIAS ? &e->entries[s->primary] : s;
+    obs_tensor t = obs_tensor_of(e, p, cold_of(e, s)->trace_id);
+    if (p != s) t.alias_of = cold_of(e, p)->trace_id;
+    call_slice(r, e, "pack", ev->t0, &t, NULL);
+    break;
+  }
+  case OBS_UNPACK: call_slice(r, e, "unpack", ev->t0, ev->tensor, ev->found); break;
+  case OBS_DISCARD:
+    if (ev->tensor) call_slice(r, e, "discard", ev->t0, ev->tensor, NULL);
+    break;
+  case OBS_WAIT: wait_slice(r, ev->what, ev->t0); break;
+  case OBS_COPY_ISSUE:
+    copy_issue(r, ev->dir, ev->entry, cold_of(e, ev->entry), ev->host, ev->prefetch);
+    break;
+  case OBS_COPY_UNISSUE: copy_unissue(r, ev->dir, ev->host); break;
+  case OBS_COPY_OBSERVED: copy_observed(r, ev->dir, ev->host); break;
+  case OBS_PACK: break;
+  }
 }

@@ -1,8 +1,9 @@
 /*
- * engine_internal.h — the engine's state, shared by engine.c (lifecycle,
- * config, stats, interning), stash.c (the stash manager) and
- * trace_recorder.c. Everything here is guarded by ferry_engine.lock unless
- * a comment says otherwise.
+ * engine_internal.h — the engine's state, shared by the files of core/:
+ * engine.c (lifecycle, config, stats, interning), engine_base.c (registry,
+ * errors, events, observers), stash.c (the stash manager) and the recorders
+ * that observe it. Everything here is guarded by ferry_engine.lock unless a
+ * comment says otherwise.
  */
 #ifndef FERRY_ENGINE_INTERNAL_H
 #define FERRY_ENGINE_INTERNAL_H
@@ -29,30 +30,43 @@ typedef enum entry_state {
   ENTRY_ALIAS      /* a second handle to `primary` */
 } entry_state;
 
+/* A saved tensor's record, one cache line (64 bytes, checked below; the
+ * array is 64-byte aligned, util_grow_aligned): what
+ * pack, unpack and prefetch read of every tensor. What they read rarely
+ * (the owner, at release; the pack number and module, with a recorder; the
+ * storage and version of a keyed pack, at an alias) is in its stash_cold,
+ * at the same index of ferry_engine.cold. */
 typedef struct stash_entry {
   uint32_t gen;      /* bumped when the slot is freed: stale handles fail */
   uint8_t state;     /* entry_state */
-  uint8_t consumed;  /* this handle was unpacked (primary awaiting aliases) */
-  uint8_t reload;    /* ferry_reload */
-  uint8_t in_alias_map;
-  uint8_t keyed;     /* packed by ferry_pack_keyed: aliases must match the key */
+  uint8_t consumed : 1; /* this handle was unpacked (primary awaiting aliases) */
+  uint8_t reload : 1;   /* ferry_reload */
+  uint8_t in_alias_map : 1;
+  uint8_t keyed : 1;    /* packed by ferry_pack_keyed: aliases must match the key */
+  uint16_t prefetch_distance; /* at most 4096 (the decision's and knob's bound) */
   uint32_t refs;     /* primary: live handles (itself + aliases) */
-  uint32_t primary;  /* alias: index of the primary entry */
-  uint32_t prefetch_distance;
+  union {
+    uint32_t primary;       /* alias: index of the primary entry */
+    uint32_t offload_index; /* primary: position in the step's offload order,
+                               offloaded only (UINT32_MAX: none) */
+  };
   int32_t layer;
-  uint32_t offload_index;  /* position in the step's offload order, offloaded only */
   uint32_t offloads_before; /* offloads packed before this entry in its step */
   uint64_t step;
   uint64_t bytes;
   void *dev_ptr;
-  void *owner;
   void *host;        /* arena buffer */
   bk_event *ev;      /* last copy issued for this entry */
+} stash_entry;
+_Static_assert(sizeof(stash_entry) == 64, "a stash entry is one cache line");
+
+typedef struct stash_cold {
+  void *owner;
   uint64_t trace_id; /* pack number in the trace(s), 0 when not tracing */
   const char *module_path; /* interned; set only while recording a Chrome trace */
   uint64_t alias_storage;  /* ferry_pack_keyed's storage and version */
   int64_t alias_version;
-} stash_entry;
+} stash_cold;
 
 /* An arena buffer that a copy may still touch: freed once ev completes. */
 typedef struct pending_free {
@@ -108,8 +122,10 @@ struct ferry_engine {
   uint32_t knobs_overruled;      /* FERRY_KNOB_* the policy lost to config.knobs_fixed */
   uint64_t fwd_bytes;           /* bytes of the STASHED entries */
 
-  /* entries; index + 1 and gen form a handle */
+  /* entries; index + 1 and gen form a handle; cold: the same index's
+   * rarely read fields (as many as entries: cap_entries) */
   stash_entry *entries;
+  stash_cold *cold;
   uint32_t n_entries, cap_entries;
   uint32_t *free_slots;
   uint32_t n_free;
@@ -143,18 +159,13 @@ struct ferry_engine {
   ferry_stats stats;
   intern_table interned;
 
-  /* trace recorder (trace_recorder.c) */
-  FILE *trace;
-  double trace_t0_us;
-  uint64_t trace_seq;
-  double trace_flops; /* FLOPs since the last traced event (ferry_trace_flops) */
-  int trace_flops_all; /* every traced event carries "flops" (ferry_trace_flops_all) */
-  /* Chrome trace of the run (chrome_recorder.c), NULL when not recording */
-  struct ct_recorder *ct;
-  int number_packs; /* a trace (JSONL, Chrome) is recorded: packs get trace_id */
-  /* saved tensors by rule and layer (breakdown.c), NULL unless
-   * config.count_reasons */
-  struct breakdown *bd;
+  /* the recorders observing the stash (stash_observer below), fixed once
+   * the engine is created; obs_wants: the OBS_* they asked for, together */
+  struct stash_observer *obs;
+  uint32_t n_obs;
+  unsigned obs_wants;
+  uint64_t trace_seq; /* the last pack number (OBS_NUMBERS) */
+  ferry_policy_reason why; /* the reason of the pack being decided (OBS_REASONS) */
 
   /* hooks of the rooms above the core (core.h), newest last */
   struct shutdown_hook {
@@ -164,78 +175,123 @@ struct ferry_engine {
   uint32_t n_shutdown_hooks;
 };
 
-/* engine.c (engine_fail, engine_check, event_get/put: core.h) */
+/* engine_base.c (also engine_fail, engine_check, event_get/put: core.h):
+ * the live-engine registry (registry_add: 0, or -1 when full; registry_remove:
+ * 1 when it took e off the list) and the quarantine of destroyed engines'
+ * memory */
+#define MAX_ENGINES 64
+int registry_add(ferry_engine *e);
+int registry_remove(ferry_engine *e);
+void quarantine_push(void *mem);
 
 /* stash.c */
 int stash_init(ferry_engine *e);
 void stash_destroy(ferry_engine *e); /* waits for copies, releases owners */
 
-/* breakdown.c: called with the lock held, only when e->bd is set */
-int breakdown_open(ferry_engine *e);
-void breakdown_close(ferry_engine *e);
-/* where the policy's explain writes the reason of the decision to count */
-ferry_policy_reason *breakdown_reason(ferry_engine *e);
-/* the reason of an engine-level outcome (no policy call, or overruled) */
-void breakdown_set(ferry_engine *e, const char *rule, const char *where);
-/* counts a new pack of `bytes` in layer under the current reason */
-void breakdown_count(ferry_engine *e, int32_t layer, uint64_t bytes, int offloaded);
-/* counts pack entry s by its reason: an offload the engine could not make is
- * kept for an engine-level reason (cold: only with config.count_reasons) */
-void count_reason(ferry_engine *e, const stash_entry *s, const ferry_decision *d,
-                  uint64_t cap_fallbacks_before) __attribute__((cold));
+/* ---- recorders: observers of the stash ------------------------------------
+ * The JSONL trace (trace_recorder.c), the Chrome trace (chrome_recorder.c)
+ * and the breakdown by reason (breakdown.c) each register one observer when
+ * the engine is created (engine.c) and are told what happens through one
+ * callback, with the engine lock held (but the copy listener's calls, from
+ * a backend's copy thread). A recorder reads the engine's state it needs and
+ * calls nothing in core/ above engine_base.c: core/ has no circle, and a new
+ * recorder is one file and a line in engine.c. With no observer the stash
+ * pays a test of obs_wants per call. */
+typedef enum obs_kind {
+  OBS_STEP_BEGIN,    /* a step began */
+  OBS_PHASE,         /* what: "backward_begin" or "backward_end" */
+  OBS_STEP_END,      /* t0: when the ferry_step_end call began */
+  OBS_PACK,          /* entry idx packed (aliased: a second handle of its
+                        primary's bytes), with desc; a new entry also has its
+                        decision and the cap fallbacks counted before it */
+  OBS_PACK_DONE,     /* the pack call of entry idx returns (its releases done) */
+  OBS_UNPACK,        /* handle id unpacked; tensor, found */
+  OBS_DISCARD,       /* handle id discarded; tensor (NULL: while reloading) */
+  OBS_WAIT,          /* the host waited from t0 until now (what) */
+  OBS_COPY_ISSUE,    /* a copy (dir 0: D2H, 1: H2D) of entry through host is
+                        about to be issued (prefetch: ahead of its unpack) */
+  OBS_COPY_UNISSUE,  /* its issue failed */
+  OBS_COPY_OBSERVED, /* the engine saw it complete */
+} obs_kind;
 
-/* trace_recorder.c */
-int trace_open(ferry_engine *e, const char *path);
-void trace_close(ferry_engine *e);
-/* Both are no-ops when no trace is open; called with the lock held. */
-void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int decision,
-                int aliased);
-void trace_event(ferry_engine *e, const char *ev, uint64_t id);
-
-/* chrome_recorder.c: the Chrome trace of a real run. Every call but open and
- * close needs e->ct (callers test it: nothing is paid without a trace) and
- * is made with the engine lock held. t0: when the call began (util_now_us). */
-typedef struct ct_recorder ct_recorder;
-/* what a call's slice says of its tensor, taken while its entry exists */
-typedef struct ct_tensor {
+/* What a call's slice says of its tensor, taken while its entry exists
+ * (OBS_CALLS only). */
+typedef struct obs_tensor {
   uint64_t tensor, alias_of, bytes; /* pack numbers (alias_of 0: none) */
   const char *module;
   int32_t layer;
   int decision; /* FERRY_KEEP or FERRY_OFFLOAD */
-} ct_tensor;
-static inline ct_tensor ctrace_tensor(const stash_entry *s, uint64_t tensor) {
-  return (ct_tensor){.tensor = tensor, .bytes = s->bytes, .module = s->module_path,
-                     .layer = s->layer,
-                     .decision = s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD};
+} obs_tensor;
+static inline stash_cold *cold_of(const ferry_engine *e, const stash_entry *s) {
+  return &e->cold[s - e->entries];
 }
+static inline obs_tensor obs_tensor_of(const ferry_engine *e, const stash_entry *s,
+                                       uint64_t tensor) {
+  return (obs_tensor){.tensor = tensor, .bytes = s->bytes, .module = cold_of(e, s)->module_path,
+                      .layer = s->layer,
+                      .decision = s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD};
+}
+
+typedef struct obs_event {
+  obs_kind kind;
+  const char *what;
+  double t0; /* util_now_us when the call began (OBS_CALLS only) */
+  uint32_t idx;
+  uint64_t id;
+  int aliased, dir, prefetch;
+  const ferry_tensor_desc *desc;
+  const ferry_decision *decision;
+  uint64_t cap_fallbacks_before;
+  const stash_entry *entry;
+  const void *host;
+  const obs_tensor *tensor;
+  const char *found; /* an unpack's: "kept", "stash hit", "prefetched", "reloaded" */
+} obs_event;
+
+/* What an observer asks of the stash: pack numbers (trace_id), call times,
+ * tensor snapshots, module paths, waits and copies (costly, so only on
+ * request), the reason of each decision (the policy's explain). */
+enum { OBS_NUMBERS = 1, OBS_CALLS = 2, OBS_REASONS = 4 };
+
+typedef void (*obs_fn)(void *self, ferry_engine *e, const obs_event *ev);
+typedef struct stash_observer {
+  obs_fn on;
+  void (*close)(void *self, ferry_engine *e); /* after the backend is gone */
+  void *self;
+  unsigned wants;
+} stash_observer;
+
+/* engine_base.c: adds an observer (while the engine is created); 0 or
+ * FERRY_ENOMEM. The self of the observer whose callback is on, or NULL.
+ * Closes every observer, newest first. */
+int engine_observe(ferry_engine *e, obs_fn on, void (*close)(void *, ferry_engine *), void *self,
+                   unsigned wants);
+void *engine_observer(const ferry_engine *e, obs_fn on);
+void engine_observers_close(ferry_engine *e);
+
+static inline void stash_notify(ferry_engine *e, const obs_event *ev) {
+  for (uint32_t i = 0; i < e->n_obs; i++) e->obs[i].on(e->obs[i].self, e, ev);
+}
+/* Whether the observers want call slices, waits and copies (OBS_CALLS);
+ * fixed for the engine's life. */
+static inline int obs_calls(const ferry_engine *e) {
+  return __builtin_expect((e->obs_wants & OBS_CALLS) != 0, 0);
+}
+static inline void obs_wait(ferry_engine *e, const char *what, double t0) {
+  obs_event ev = {.kind = OBS_WAIT, .what = what, .t0 = t0};
+  stash_notify(e, &ev);
+}
+static inline void obs_copy(ferry_engine *e, obs_kind kind, int dir, const stash_entry *s,
+                            const void *host, int prefetch) {
+  obs_event ev = {.kind = kind, .dir = dir, .entry = s, .host = host, .prefetch = prefetch};
+  stash_notify(e, &ev);
+}
+
+/* The recorders' openers (engine.c opens those the config asks for); each
+ * registers its observer, or fails with the message in e->last_error. */
+int trace_open(ferry_engine *e, const char *path);
 int ctrace_open(ferry_engine *e, const char *path);
-void ctrace_close(ferry_engine *e); /* once the copy streams are gone */
-/* when a call began (out of line: the untraced path holds no clock code) */
-double ctrace_now(void) __attribute__((cold));
-/* a call's slice on the calling thread's lane (what: "pack", "unpack",
- * "discard", "step end"), with its tensor (NULL: none) and, for an unpack,
- * how it was found; then the counters */
-void ctrace_call(ferry_engine *e, const char *what, double t0, const ct_tensor *t,
-                 const char *found);
-/* the host waited (a slice nested in the call's) */
-void ctrace_wait(ferry_engine *e, const char *what, double t0);
-/* an instant ("step begin", "backward", "step end": the file is flushed) */
-void ctrace_mark(ferry_engine *e, const char *what);
-/* a copy of entry s through host buffer host, dir 0 = D2H, 1 = H2D: about
- * to be issued; its issue failed; seen complete by the engine (backends that
- * do not time their copies only) */
-void ctrace_copy_issue(ferry_engine *e, int dir, const stash_entry *s, const void *host,
-                       int prefetch);
-void ctrace_copy_unissue(ferry_engine *e, int dir, const void *host);
-void ctrace_copy_observed(ferry_engine *e, int dir, const void *host);
-/* stash.c's side of pack and unpack, out of their hot paths. A pack's slice,
- * once the stash bound's releases are done (they are part of the call): the
- * handle at entry idx is not back to its caller yet, so the entry is still
- * there. Takes the lock. */
-void ctrace_pack_done(ferry_engine *e, double t0, uint32_t idx) __attribute__((cold));
-/* what an unpack's slice says of primary entry p, before it is consumed */
-void ctrace_unpack_info(const ferry_engine *e, uint32_t p, uint64_t tensor, ct_tensor *t,
-                        const char **found) __attribute__((cold));
+int breakdown_open(ferry_engine *e);
 
 /* pending_frees.c, called with the lock held: retire a few completed
  * copies; retire all, waiting; give an entry's arena buffer back, now or

@@ -40,10 +40,10 @@ void pending_drain(ferry_engine *e) {
   while (e->n_pending) {
     uint32_t i = e->n_pending - 1;
     if (e->bk->ops->event_query(e->bk, e->pending[i].ev) != 1) {
-      double t0 = e->ct ? util_now_us() : 0;
+      double t0 = obs_calls(e) ? util_now_us() : 0;
       e->stats.waits++;
       e->bk->ops->event_synchronize(e->bk, e->pending[i].ev);
-      if (e->ct) ctrace_wait(e, "wait for copies", t0);
+      if (obs_calls(e)) obs_wait(e, "wait for copies", t0);
     }
     pending_retire(e, i);
   }

@@ -42,8 +42,19 @@ static int entry_new(ferry_engine *e, uint32_t *idx) {
     *idx = e->free_slots[--e->n_free];
   } else {
     if (e->n_entries == UINT32_MAX - 1) return FERRY_ENOMEM;
-    if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, e->n_entries + 1))
+    uint32_t old_cap = e->cap_entries;
+    /* each entry on its own cache line (stash_entry is 64 bytes) */
+    if (util_grow_aligned((void **)&e->entries, &e->cap_entries, sizeof *e->entries,
+                          e->n_entries + 1, 64, 64))
       return FERRY_ENOMEM;
+    if (e->cap_entries != old_cap) {
+      stash_cold *c = realloc(e->cold, (size_t)e->cap_entries * sizeof *c);
+      if (!c) {
+        e->cap_entries = old_cap; /* entries stays larger: harmless */
+        return FERRY_ENOMEM;
+      }
+      e->cold = c;
+    }
     /* free_slots can never hold more than cap_entries indices */
     uint32_t fcap = e->cap_entries;
     uint32_t *f = realloc(e->free_slots, (size_t)fcap * sizeof *f);
@@ -55,6 +66,7 @@ static int entry_new(ferry_engine *e, uint32_t *idx) {
   stash_entry *s = &e->entries[*idx];
   uint32_t gen = s->gen;
   memset(s, 0, sizeof *s);
+  memset(&e->cold[*idx], 0, sizeof e->cold[*idx]);
   s->gen = gen;
   s->layer = -1;
   s->offload_index = UINT32_MAX;
@@ -91,16 +103,16 @@ static int fwd_push(ferry_engine *e, uint32_t idx) {
 static void *stash_release(ferry_engine *e, uint32_t idx) {
   stash_entry *s = &e->entries[idx];
   if (e->bk->ops->event_query(e->bk, s->ev) != 1) {
-    double t0 = e->ct ? util_now_us() : 0;
+    double t0 = obs_calls(e) ? util_now_us() : 0;
     e->stats.waits++;
     e->bk->ops->event_synchronize(e->bk, s->ev);
-    if (e->ct) ctrace_wait(e, "wait for offload (stash bound)", t0);
+    if (obs_calls(e)) obs_wait(e, "wait for offload (stash bound)", t0);
   }
-  if (e->ct) ctrace_copy_observed(e, 0, s->host);
-  void *owner = s->owner;
+  if (obs_calls(e)) obs_copy(e, OBS_COPY_OBSERVED, 0, s, s->host, 0);
+  void *owner = cold_of(e, s)->owner;
   if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   s->in_alias_map = 0;
-  s->owner = NULL;
+  cold_of(e, s)->owner = NULL;
   s->dev_ptr = NULL;
   s->state = ENTRY_OFFLOADED;
   e->stats.device_bytes_held -= s->bytes;
@@ -182,8 +194,7 @@ static void step_begin_locked(ferry_engine *e) {
   e->n_offloads = 0;
   e->prefetch_lo = e->prefetch_hi = 0;
   if (e->policy) ferry_policy_step_begin(e->policy, &e->ctx);
-  trace_event(e, "step_begin", 0);
-  if (e->ct) ctrace_mark(e, "step begin");
+  if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_STEP_BEGIN});
 }
 
 int ferry_step_begin(ferry_engine *e) {
@@ -218,7 +229,7 @@ static uint64_t step_leaks(const ferry_engine *e, uint64_t *arena_bytes) {
 int ferry_step_end(ferry_engine *e) {
   int rc = engine_check(e);
   if (rc) return rc;
-  double t0 = e->ct ? util_now_us() : 0;
+  double t0 = obs_calls(e) ? util_now_us() : 0;
   pthread_mutex_lock(&e->lock);
   if (!e->in_step) {
     rc = engine_fail(e, FERRY_ESTATE, "ferry_step_end: no step in progress");
@@ -226,11 +237,7 @@ int ferry_step_end(ferry_engine *e) {
     pending_drain(e);
     e->in_step = 0;
     e->phase = FERRY_PHASE_FORWARD;
-    trace_event(e, "step_end", 0);
-    if (e->ct) {
-      ctrace_call(e, "step end", t0, NULL, NULL);
-      ctrace_mark(e, "step end");
-    }
+    if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_STEP_END, .t0 = t0});
     uint64_t leaked_bytes, n = step_leaks(e, &leaked_bytes);
     if (n)
       rc = engine_fail(e, FERRY_ELEAK,
@@ -260,8 +267,7 @@ static int set_phase(ferry_engine *e, int phase, const char *ev, void *compute_s
   if (!e->in_step) step_begin_locked(e);
   e->phase = phase;
   e->ctx.phase = phase;
-  trace_event(e, ev, 0);
-  if (e->ct && phase == FERRY_PHASE_BACKWARD) ctrace_mark(e, "backward");
+  if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_PHASE, .what = ev});
   /* Backward needs the last offloaded tensors first: with the policy's
    * prefetch, their reloads start now rather than at the first unpack. */
   if (phase == FERRY_PHASE_BACKWARD && e->cfg.prefetch_at_backward_begin)
@@ -303,6 +309,41 @@ static int desc_invalid(ferry_engine *e, const ferry_tensor_desc *d) {
   return FERRY_OK;
 }
 
+/* ---- what the stash tells its observers (engine_internal.h) ---------------- */
+static inline int want_reasons(const ferry_engine *e) {
+  return __builtin_expect((e->obs_wants & OBS_REASONS) != 0, 0);
+}
+
+/* the reason of an engine-level outcome (no policy call, or overruled) */
+static void reason_set(ferry_engine *e, const char *rule) {
+  snprintf(e->why.rule, sizeof e->why.rule, "%s", rule);
+  e->why.where[0] = 0;
+}
+
+/* when a call began (out of line: the untraced path holds no clock code) */
+__attribute__((cold, noinline)) static double now_cold(void) { return util_now_us(); }
+
+/* A pack's slice, once the stash bound's releases are done (they are part
+ * of the call): the handle at entry idx is not back to its caller yet, so
+ * the entry is still there. Takes the lock. */
+__attribute__((cold, noinline)) static void pack_done(ferry_engine *e, double t0, uint32_t idx) {
+  pthread_mutex_lock(&e->lock);
+  stash_notify(e, &(obs_event){.kind = OBS_PACK_DONE, .idx = idx, .t0 = t0});
+  pthread_mutex_unlock(&e->lock);
+}
+
+/* what an unpack's slice says of primary entry p, before it is consumed */
+__attribute__((cold, noinline)) static void unpack_info(const ferry_engine *e, uint32_t p,
+                                                        uint64_t tensor, obs_tensor *t,
+                                                        const char **found) {
+  const stash_entry *s = &e->entries[p];
+  *t = obs_tensor_of(e, s, tensor);
+  *found = s->state == ENTRY_KEPT       ? "kept"
+           : s->state == ENTRY_STASHED  ? "stash hit"
+           : s->state == ENTRY_RELOADED ? "prefetched"
+                                        : "reloaded";
+}
+
 static int decision_valid(const ferry_decision *d) {
   return (d->action == FERRY_KEEP || d->action == FERRY_OFFLOAD) &&
          (d->reload == FERRY_RELOAD_ON_USE || d->reload == FERRY_RELOAD_PREFETCH) &&
@@ -315,7 +356,7 @@ static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decisio
   d->prefetch_distance = -1;
   d->cacheable = 0;
   if (desc->bytes < e->min_offload_bytes) {
-    if (e->bd) breakdown_set(e, "min_offload_bytes", "");
+    if (want_reasons(e)) reason_set(e, "min_offload_bytes");
     return;
   }
   e->ctx.bytes_in_flight = e->bytes_in_flight;
@@ -323,22 +364,22 @@ static void decide(ferry_engine *e, const ferry_tensor_desc *desc, ferry_decisio
   e->ctx.layers_tracked = e->cap_layers;
   if (e->policy) {
     /* never fail; explain also names the rule (config.count_reasons) */
-    if (__builtin_expect(e->bd != NULL, 0))
-      ferry_policy_explain(e->policy, desc, &e->ctx, d, breakdown_reason(e));
+    if (want_reasons(e))
+      ferry_policy_explain(e->policy, desc, &e->ctx, d, &e->why);
     else
       ferry_policy_decide(e->policy, desc, &e->ctx, d);
   } else {
-    if (e->bd) breakdown_set(e, e->decide ? "decide callback" : "no policy", "");
+    if (want_reasons(e)) reason_set(e, e->decide ? "decide callback" : "no policy");
     if (e->decide && (e->decide(e->decide_ud, desc, &e->ctx, d) != 0 || !decision_valid(d))) {
       e->stats.policy_errors++;
       d->action = FERRY_KEEP;
-      if (e->bd) breakdown_set(e, "fault", "");
+      if (want_reasons(e)) reason_set(e, "fault");
     }
   }
   if (!decision_valid(d)) {
     e->stats.policy_errors++;
     d->action = FERRY_KEEP;
-    if (e->bd) breakdown_set(e, "fault", "");
+    if (want_reasons(e)) reason_set(e, "fault");
   }
 }
 
@@ -363,9 +404,9 @@ static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
   int rc;
   if (!(rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) &&
       !(rc = o->stream_wait_event(e->bk, e->d2h, e->ev_scratch))) {
-    if (e->ct) ctrace_copy_issue(e, 0, s, s->host, 0);
+    if (obs_calls(e)) obs_copy(e, OBS_COPY_ISSUE, 0, s, s->host, 0);
     rc = o->copy_d2h(e->bk, s->host, s->dev_ptr, s->bytes, e->d2h);
-    if (rc && e->ct) ctrace_copy_unissue(e, 0, s->host);
+    if (rc && obs_calls(e)) obs_copy(e, OBS_COPY_UNISSUE, 0, s, s->host, 0);
     if (!rc) rc = o->event_record(e->bk, s->ev, e->d2h);
   }
   if (rc) {
@@ -390,13 +431,15 @@ static int pack_alias(ferry_engine *e, const ferry_tensor_desc *desc, uint32_t p
   a->primary = pidx;
   a->bytes = desc->bytes;
   a->step = e->step;
-  if (e->number_packs) a->trace_id = ++e->trace_seq;
+  if (e->obs_wants & OBS_NUMBERS) e->cold[idx].trace_id = ++e->trace_seq;
   e->entries[pidx].refs++;
   e->stats.tensors_packed++;
   e->stats.tensors_aliased++;
   e->ctx.packed_this_step++;
   *out = make_handle(e, idx);
-  trace_pack(e, idx, desc, e->entries[pidx].state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 1);
+  if (e->n_obs)
+    stash_notify(e, &(obs_event){.kind = OBS_PACK, .idx = idx, .desc = desc, .aliased = 1,
+                                 .entry = &e->entries[pidx]});
   return FERRY_OK;
 }
 
@@ -430,8 +473,8 @@ static void pack_offload(ferry_engine *e, uint32_t idx, const ferry_decision *d,
   } else {
     s->state = ENTRY_STASHED;
     s->reload = (uint8_t)d->reload;
-    s->prefetch_distance =
-        d->prefetch_distance >= 0 ? (uint32_t)d->prefetch_distance : e->prefetch_distance;
+    s->prefetch_distance = (uint16_t)(d->prefetch_distance >= 0 ? (uint32_t)d->prefetch_distance
+                                                                 : e->prefetch_distance);
     s->offload_index = e->n_offloads;
     e->offload_order[e->n_offloads++] = idx;
     e->ctx.arena_in_use += s->bytes;
@@ -452,10 +495,11 @@ typedef struct alias_key { uint64_t storage; int64_t version; } alias_key;
 /* Whether a pack of desc's bytes (key: NULL for ferry_pack) is primary
  * p's bytes: a keyed pack must also name p's storage and version, so an
  * address that was written in place, or freed and reused, is not aliased. */
-static int alias_matches(const stash_entry *p, const ferry_tensor_desc *desc,
-                         const alias_key *key) {
+static int alias_matches(const ferry_engine *e, const stash_entry *p,
+                         const ferry_tensor_desc *desc, const alias_key *key) {
   if (p->bytes != desc->bytes || p->keyed != (key != NULL)) return 0;
-  return !key || (p->alias_storage == key->storage && p->alias_version == key->version);
+  const stash_cold *c = cold_of(e, p);
+  return !key || (c->alias_storage == key->storage && c->alias_version == key->version);
 }
 
 /* A new primary entry for a pack, decided and (if so) offloaded; its
@@ -470,18 +514,19 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
   stash_entry *s = &e->entries[idx];
   s->bytes = desc->bytes;
   s->dev_ptr = device_ptr;
-  s->owner = owner;
+  e->cold[idx].owner = owner;
   s->layer = desc->layer;
   s->step = e->step;
   s->refs = 1;
-  if (e->number_packs) {
-    s->trace_id = ++e->trace_seq;
-    if (e->ct && desc->module_path) s->module_path = intern_get(&e->interned, desc->module_path);
+  if (e->obs_wants & OBS_NUMBERS) {
+    e->cold[idx].trace_id = ++e->trace_seq;
+    if (obs_calls(e) && desc->module_path)
+      e->cold[idx].module_path = intern_get(&e->interned, desc->module_path);
   }
   if (key) {
     s->keyed = 1;
-    s->alias_storage = key->storage;
-    s->alias_version = key->version;
+    e->cold[idx].alias_storage = key->storage;
+    e->cold[idx].alias_version = key->version;
   }
   s->state = ENTRY_KEPT;
   s->offloads_before = e->n_offloads;
@@ -491,7 +536,9 @@ static int pack_new(ferry_engine *e, const ferry_tensor_desc *desc, void *device
     s = &e->entries[idx]; /* it may drop the lock */
   }
   if (s->state == ENTRY_KEPT) e->stats.tensors_kept++;
-  if (__builtin_expect(e->bd != NULL, 0)) count_reason(e, s, &d, cap_fallbacks);
+  if (e->n_obs)
+    stash_notify(e, &(obs_event){.kind = OBS_PACK, .idx = idx, .desc = desc, .entry = s,
+                                 .decision = &d, .cap_fallbacks_before = cap_fallbacks});
   e->stats.tensors_packed++;
   e->ctx.packed_this_step++;
   e->stats.device_bytes_held += s->bytes;
@@ -529,9 +576,8 @@ static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
                      ferry_handle *out) {
   int rc = engine_check(e);
   if (rc) return rc;
-  /* e->ct is fixed for the engine's life */
-  const int traced = __builtin_expect(e->ct != NULL, 0);
-  double t0 = traced ? ctrace_now() : 0;
+  const int traced = obs_calls(e);
+  double t0 = traced ? now_cold() : 0;
   pthread_mutex_lock(&e->lock);
   if (!out || !desc || !device_ptr || !owner) {
     rc = engine_fail(e, FERRY_EINVAL, "ferry_pack: %s is NULL",
@@ -546,23 +592,22 @@ static int pack_impl(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
   uint32_t idx, pidx;
   /* The same buffer packed again while stored: one copy, two handles. */
   if (e->cfg.retain && u64map_find(&e->aliases, (uintptr_t)device_ptr, &pidx) &&
-      alias_matches(&e->entries[pidx], desc, key)) {
+      alias_matches(e, &e->entries[pidx], desc, key)) {
     if ((rc = pack_alias(e, desc, pidx, out))) goto oom;
     pthread_mutex_unlock(&e->lock);
     e->cfg.release(e->cfg.callback_ud, owner); /* the engine holds one already */
-    if (traced) ctrace_pack_done(e, t0, (uint32_t)(*out & HANDLE_INDEX_MASK) - 1);
+    if (traced) pack_done(e, t0, (uint32_t)(*out & HANDLE_INDEX_MASK) - 1);
     return FERRY_OK;
   }
   if ((rc = pack_new(e, desc, device_ptr, owner, compute_stream, key, &idx))) goto oom;
   stash_entry *s = &e->entries[idx];
   *out = make_handle(e, idx);
-  trace_pack(e, idx, desc, s->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, 0);
   /* its owner may free the bytes once we return (FSDP): copied, let go */
   int resizable = (desc->flags & FERRY_FLAG_RESIZABLE) && s->state == ENTRY_STASHED;
   void *copied = resizable ? stash_release(e, idx) : NULL;
   release_over_bound(e);
   if (copied) e->cfg.release(e->cfg.callback_ud, copied);
-  if (traced) ctrace_pack_done(e, t0, idx);
+  if (traced) pack_done(e, t0, idx);
   return FERRY_OK;
 
 oom:
@@ -587,7 +632,7 @@ int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc, void *devic
 int ferry_pack_cached_keep(ferry_engine *e, const ferry_tensor_desc *desc,
                            const void *device_ptr) {
   /* a recorder (fixed for the engine's life) counts every pack */
-  if (engine_check(e) || !desc || !device_ptr || e->number_packs || e->bd || desc->bytes == 0 ||
+  if (engine_check(e) || !desc || !device_ptr || e->n_obs || desc->bytes == 0 ||
       desc->bytes > MAX_TENSOR_BYTES || desc->ndim < 0 || desc->ndim > FERRY_MAX_DIMS)
     return 0;
   pthread_mutex_lock(&e->lock);
@@ -662,9 +707,9 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
     const ferry_backend_ops *o = e->bk->ops;
     if (!(rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) &&
         !(rc = o->stream_wait_event(e->bk, e->h2d, e->ev_scratch))) {
-      if (e->ct) ctrace_copy_issue(e, 1, s, s->host, prefetch);
+      if (obs_calls(e)) obs_copy(e, OBS_COPY_ISSUE, 1, s, s->host, prefetch);
       rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d);
-      if (rc && e->ct) ctrace_copy_unissue(e, 1, s->host);
+      if (rc && obs_calls(e)) obs_copy(e, OBS_COPY_UNISSUE, 1, s, s->host, prefetch);
       if (!rc) rc = o->event_record(e->bk, s->ev, e->h2d);
     }
     if (rc) {
@@ -680,7 +725,7 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
     } else {
       s->state = ENTRY_RELOADED;
       s->dev_ptr = dev;
-      s->owner = owner;
+      cold_of(e, s)->owner = owner;
       e->stats.bytes_h2d += s->bytes;
       e->stats.device_bytes_held += s->bytes;
       if (e->stats.device_bytes_held > e->stats.device_bytes_held_peak)
@@ -734,7 +779,9 @@ static void prefetch_ahead(ferry_engine *e, uint32_t pos, uint32_t distance, uin
 static void prefetch_next(ferry_engine *e, uint32_t mark, uint64_t step, void *compute_stream) {
   if (step != e->step || mark == 0 || mark > e->n_offloads) return;
   const stash_entry *next = &e->entries[e->offload_order[mark - 1]];
-  if (next->step != step || next->offload_index != mark - 1 || next->reload != FERRY_RELOAD_PREFETCH)
+  /* a slot reused meanwhile: an alias's union holds its primary instead */
+  if (next->state == ENTRY_ALIAS || next->step != step || next->offload_index != mark - 1 ||
+      next->reload != FERRY_RELOAD_PREFETCH)
     return;
   /* Tensors packed after the step's last offload (the tail: the loss) are
    * unpacked first; while the loss's backward holds the step's peak a
@@ -751,10 +798,10 @@ static void *consume(ferry_engine *e, uint32_t p, int hand_out, void **to_releas
   stash_entry *s = &e->entries[p];
   *to_release = NULL;
   if (--s->refs > 0) {
-    if (hand_out) e->cfg.retain(e->cfg.callback_ud, s->owner);
-    return hand_out ? s->owner : NULL;
+    if (hand_out) e->cfg.retain(e->cfg.callback_ud, cold_of(e, s)->owner);
+    return hand_out ? cold_of(e, s)->owner : NULL;
   }
-  void *owner = s->owner;
+  void *owner = cold_of(e, s)->owner;
   if (s->in_alias_map) u64map_remove(&e->aliases, (uintptr_t)s->dev_ptr);
   if (!hand_out && owner && s->ev && e->bk->ops->event_query(e->bk, s->ev) != 1) {
     /* Discarded while a copy still touches the device buffer: the embedder
@@ -798,9 +845,9 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
                  void **owner) {
   int rc = engine_check(e);
   if (rc) return rc;
-  const int ct = __builtin_expect(e->ct != NULL, 0); /* fixed for the engine's life */
-  double t0 = ct ? ctrace_now() : 0;
-  ct_tensor t;
+  const int ct = obs_calls(e);
+  double t0 = ct ? now_cold() : 0;
+  obs_tensor t;
   const char *found = NULL;
   pthread_mutex_lock(&e->lock);
   if (!device_ptr || !owner) {
@@ -820,7 +867,7 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
   stash_entry *s = &e->entries[p];
   uint32_t mark = s->offloads_before;
   uint64_t step = s->step;
-  if (ct) ctrace_unpack_info(e, p, e->entries[slot].trace_id, &t, &found);
+  if (ct) unpack_info(e, p, e->cold[slot].trace_id, &t, &found);
   if (s->state == ENTRY_STASHED) {
     /* Stash hit: no copy back, but the D2H copy may still be reading the
      * buffer, which the caller is free to overwrite or free once it has it:
@@ -858,19 +905,20 @@ int ferry_unpack(ferry_engine *e, ferry_handle h, void *compute_stream, void **d
       goto unlock;
     }
     if (ct) {
-      if (tw > 0) ctrace_wait(e, "wait for reload", tw);
-      ctrace_copy_observed(e, 1, s->host);
+      if (tw > 0) obs_wait(e, "wait for reload", tw);
+      obs_copy(e, OBS_COPY_OBSERVED, 1, s, s->host, 0);
     }
   }
   *device_ptr = s->dev_ptr;
-  uint64_t tid = e->entries[slot].trace_id;
+  uint64_t tid = e->cold[slot].trace_id;
   retire_slot(e, slot, p);
   void *unused;
   *owner = consume(e, p, 1, &unused);
   e->stats.tensors_unpacked++;
-  trace_event(e, "unpack", tid);
   prefetch_next(e, mark, step, compute_stream);
-  if (ct) ctrace_call(e, "unpack", t0, &t, found);
+  if (e->n_obs)
+    stash_notify(e, &(obs_event){.kind = OBS_UNPACK, .id = tid, .t0 = t0,
+                                 .tensor = ct ? &t : NULL, .found = found});
 unlock:
   pthread_mutex_unlock(&e->lock);
   return rc;
@@ -893,7 +941,7 @@ int ferry_prefetch(ferry_engine *e, ferry_handle h, void *compute_stream) {
 int ferry_discard(ferry_engine *e, ferry_handle h) {
   int rc = engine_check(e);
   if (rc) return rc;
-  double t0 = e->ct ? util_now_us() : 0;
+  double t0 = obs_calls(e) ? util_now_us() : 0;
   pthread_mutex_lock(&e->lock);
   uint32_t slot = 0, p = 0;
   void *to_release = NULL;
@@ -902,21 +950,22 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
       /* No wait for the reload: it may be this thread's own, from inside
        * device_alloc (a framework freeing the other saved copy of the
        * buffer). The last handle leaves the entry to the reload to free. */
-      uint64_t tid = e->entries[slot].trace_id;
+      uint64_t tid = e->cold[slot].trace_id;
       retire_slot(e, slot, p);
       if (e->entries[p].refs > 1)
         consume(e, p, 0, &to_release);
       else
         e->entries[p].refs = 0; /* reload_orphaned */
-      trace_event(e, "discard", tid);
+      if (e->n_obs) stash_notify(e, &(obs_event){.kind = OBS_DISCARD, .id = tid});
     } else {
-      uint64_t tid = e->entries[slot].trace_id;
-      ct_tensor t = {0};
-      if (e->ct) t = ctrace_tensor(&e->entries[p], tid);
+      uint64_t tid = e->cold[slot].trace_id;
+      obs_tensor t = {0};
+      if (obs_calls(e)) t = obs_tensor_of(e, &e->entries[p], tid);
       retire_slot(e, slot, p);
       consume(e, p, 0, &to_release);
-      trace_event(e, "discard", tid);
-      if (e->ct) ctrace_call(e, "discard", t0, &t, NULL);
+      if (e->n_obs)
+        stash_notify(e, &(obs_event){.kind = OBS_DISCARD, .id = tid, .t0 = t0,
+                                     .tensor = obs_calls(e) ? &t : NULL});
     }
   }
   pthread_mutex_unlock(&e->lock);
@@ -924,37 +973,3 @@ int ferry_discard(ferry_engine *e, ferry_handle h) {
   return rc;
 }
 
-/* ---- lifecycle ----------------------------------------------------------------- */
-int stash_init(ferry_engine *e) {
-  if (grow((void **)&e->entries, &e->cap_entries, sizeof *e->entries, 256)) return FERRY_ENOMEM;
-  e->free_slots = malloc((size_t)e->cap_entries * sizeof *e->free_slots);
-  if (!e->free_slots || u64map_grow(&e->aliases)) return FERRY_ENOMEM;
-  return FERRY_OK;
-}
-
-/* Engine teardown: wait for every copy, give every owner back, free the
- * arena buffers. Handles still live become invalid. */
-void stash_destroy(ferry_engine *e) {
-  for (uint32_t i = 0; i < e->n_entries; i++) {
-    stash_entry *s = &e->entries[i];
-    if (s->state == ENTRY_FREE || s->state == ENTRY_ALIAS) continue;
-    if (s->ev) e->bk->ops->event_synchronize(e->bk, s->ev);
-    if (s->owner) e->cfg.release(e->cfg.callback_ud, s->owner);
-    if (s->host) ferry_arena_free(e->arena, s->host, s->bytes);
-    if (s->ev) e->bk->ops->event_destroy(e->bk, s->ev);
-  }
-  for (uint32_t i = 0; i < e->n_pending; i++) {
-    e->bk->ops->event_synchronize(e->bk, e->pending[i].ev);
-    ferry_arena_free(e->arena, e->pending[i].host, e->pending[i].bytes);
-    e->bk->ops->event_destroy(e->bk, e->pending[i].ev);
-  }
-  free(e->entries);
-  free(e->free_slots);
-  u64map_free(&e->aliases);
-  free(e->fwd);
-  free(e->offload_order);
-  free(e->pending);
-  free(e->layer_counts);
-  e->entries = NULL;
-  e->fwd = NULL;
-}

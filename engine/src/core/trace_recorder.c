@@ -2,7 +2,8 @@
  * trace_recorder.c — writes the JSONL trace of docs/trace-format.md: one
  * object per line for every pack, unpack, discard, step and backward
  * boundary, with the descriptor, the decision and a timestamp. The simulator
- * replays it. Written with cJSON; called with the engine lock held.
+ * replays it. Written with cJSON; an observer of the stash
+ * (engine_internal.h), called with the engine lock held.
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -15,11 +16,18 @@
 
 #define TRACE_FORMAT_VERSION 1
 
-static void emit(ferry_engine *e, cJSON *o) {
+typedef struct jsonl_trace {
+  FILE *f;
+  double t0_us;
+  double flops; /* FLOPs since the last traced event (ferry_trace_flops) */
+  int flops_all; /* every traced event carries "flops" (ferry_trace_flops_all) */
+} jsonl_trace;
+
+static void emit(jsonl_trace *tr, cJSON *o) {
   char *line = cJSON_PrintUnformatted(o);
   if (line) {
-    fputs(line, e->trace);
-    fputc('\n', e->trace);
+    fputs(line, tr->f);
+    fputc('\n', tr->f);
     free(line);
   }
   cJSON_Delete(o);
@@ -28,52 +36,61 @@ static void emit(ferry_engine *e, cJSON *o) {
 /* An event object with its time; with_flops: it also carries the FLOPs
  * added since the last event that did ("flops"), when there are some or
  * the trainer counts all its compute (ferry_trace_flops_all). */
-static cJSON *event_object_of(ferry_engine *e, const char *ev, int with_flops) {
+static cJSON *event_object_of(jsonl_trace *tr, const char *ev, int with_flops) {
   cJSON *o = cJSON_CreateObject();
   if (!o) return NULL;
   cJSON_AddStringToObject(o, "ev", ev);
   /* microseconds since the trace opened, 0.1 us resolution */
-  double t = util_now_us() - e->trace_t0_us;
+  double t = util_now_us() - tr->t0_us;
   cJSON_AddNumberToObject(o, "t_us", (double)(long long)(t * 10.0) / 10.0);
-  if (with_flops && (e->trace_flops > 0 || e->trace_flops_all)) {
-    cJSON_AddNumberToObject(o, "flops", e->trace_flops);
-    e->trace_flops = 0;
+  if (with_flops && (tr->flops > 0 || tr->flops_all)) {
+    cJSON_AddNumberToObject(o, "flops", tr->flops);
+    tr->flops = 0;
   }
   return o;
 }
 
-static cJSON *event_object(ferry_engine *e, const char *ev) {
-  return event_object_of(e, ev, 1);
+static cJSON *event_object(jsonl_trace *tr, const char *ev) {
+  return event_object_of(tr, ev, 1);
 }
 
+static void trace_close(void *self, ferry_engine *e) {
+  (void)e;
+  jsonl_trace *tr = self;
+  fclose(tr->f);
+  free(tr);
+}
+
+static void trace_on(void *self, ferry_engine *e, const obs_event *ev);
+
 int trace_open(ferry_engine *e, const char *path) {
-  e->trace = fopen(path, "w");
-  if (!e->trace)
+  jsonl_trace *tr = calloc(1, sizeof *tr);
+  if (!tr) return engine_fail(e, FERRY_ENOMEM, "out of memory opening the trace");
+  tr->f = fopen(path, "w");
+  if (!tr->f) {
+    free(tr);
     return engine_fail(e, FERRY_EIO, "cannot open trace file %s: %s", path, strerror(errno));
-  setvbuf(e->trace, NULL, _IOFBF, 1 << 20);
-  e->number_packs = 1;
-  e->trace_t0_us = util_now_us();
-  cJSON *o = event_object(e, "header");
+  }
+  if (engine_observe(e, trace_on, trace_close, tr, OBS_NUMBERS)) {
+    trace_close(tr, e);
+    return engine_fail(e, FERRY_ENOMEM, "out of memory opening the trace");
+  }
+  setvbuf(tr->f, NULL, _IOFBF, 1 << 20);
+  tr->t0_us = util_now_us();
+  cJSON *o = event_object(tr, "header");
   if (!o) return FERRY_ENOMEM;
   cJSON_AddStringToObject(o, "format", "ferry-trace");
   cJSON_AddNumberToObject(o, "version", TRACE_FORMAT_VERSION);
   cJSON_AddStringToObject(o, "ferry", ferry_version_string());
   cJSON_AddStringToObject(o, "backend", e->bk->ops->name);
-  emit(e, o);
+  emit(tr, o);
   return FERRY_OK;
 }
 
-void trace_close(ferry_engine *e) {
-  if (!e->trace) return;
-  fclose(e->trace);
-  e->trace = NULL;
-}
-
-void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int decision,
-                int aliased) {
-  if (!e->trace) return;
-  uint64_t id = e->entries[idx].trace_id; /* numbered by the stash */
-  cJSON *o = event_object(e, "pack");
+static void trace_pack(jsonl_trace *tr, ferry_engine *e, uint32_t idx,
+                       const ferry_tensor_desc *d, int decision, int aliased) {
+  uint64_t id = e->cold[idx].trace_id; /* numbered by the stash */
+  cJSON *o = event_object(tr, "pack");
   if (!o) return;
   cJSON_AddNumberToObject(o, "id", (double)id);
   cJSON_AddNumberToObject(o, "step", (double)e->step);
@@ -92,20 +109,35 @@ void trace_pack(ferry_engine *e, uint32_t idx, const ferry_tensor_desc *d, int d
   cJSON_AddStringToObject(o, "decision", decision == FERRY_OFFLOAD ? "offload" : "keep");
   if (aliased) {
     cJSON_AddBoolToObject(o, "alias", 1);
-    const stash_entry *primary = &e->entries[e->entries[idx].primary];
-    if (primary->trace_id) cJSON_AddNumberToObject(o, "alias_of", (double)primary->trace_id);
+    uint64_t primary_id = e->cold[e->entries[idx].primary].trace_id;
+    if (primary_id) cJSON_AddNumberToObject(o, "alias_of", (double)primary_id);
   }
-  emit(e, o);
+  emit(tr, o);
 }
 
-void trace_event(ferry_engine *e, const char *ev, uint64_t id) {
-  if (!e->trace) return;
-  cJSON *o = event_object(e, ev);
+static void trace_event(jsonl_trace *tr, ferry_engine *e, const char *ev, uint64_t id,
+                        int with_step) {
+  cJSON *o = event_object(tr, ev);
   if (!o) return;
   if (id) cJSON_AddNumberToObject(o, "id", (double)id);
-  if (!strcmp(ev, "step_begin") || !strcmp(ev, "step_end"))
-    cJSON_AddNumberToObject(o, "step", (double)e->step);
-  emit(e, o);
+  if (with_step) cJSON_AddNumberToObject(o, "step", (double)e->step);
+  emit(tr, o);
+}
+
+static void trace_on(void *self, ferry_engine *e, const obs_event *ev) {
+  jsonl_trace *tr = self;
+  switch (ev->kind) {
+  case OBS_STEP_BEGIN: trace_event(tr, e, "step_begin", 0, 1); break;
+  case OBS_STEP_END: trace_event(tr, e, "step_end", 0, 1); break;
+  case OBS_PHASE: trace_event(tr, e, ev->what, 0, 0); break;
+  case OBS_UNPACK: trace_event(tr, e, "unpack", ev->id, 0); break;
+  case OBS_DISCARD: trace_event(tr, e, "discard", ev->id, 0); break;
+  case OBS_PACK:
+    trace_pack(tr, e, ev->idx, ev->desc,
+               ev->entry->state == ENTRY_KEPT ? FERRY_KEEP : FERRY_OFFLOAD, ev->aliased);
+    break;
+  default: break;
+  }
 }
 
 int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes) {
@@ -118,18 +150,19 @@ int ferry_trace_resident(ferry_engine *e, const char *what, uint64_t bytes) {
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
-  if (e->trace && e->in_step) {
+  jsonl_trace *tr = engine_observer(e, trace_on);
+  if (tr && e->in_step) {
     rc = engine_fail(e, FERRY_ESTATE, "ferry_trace_resident: inside a step (declare resident "
                                       "memory before the first step)");
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
   /* between steps: no compute of its own, the FLOPs wait for the next event */
-  cJSON *o = e->trace ? event_object_of(e, "resident", 0) : NULL;
+  cJSON *o = tr ? event_object_of(tr, "resident", 0) : NULL;
   if (o) {
     cJSON_AddNumberToObject(o, "bytes", (double)bytes);
     cJSON_AddStringToObject(o, "what", what);
-    emit(e, o);
+    emit(tr, o);
   }
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
@@ -145,17 +178,18 @@ int ferry_trace_device_peak(ferry_engine *e, uint64_t bytes) {
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
-  if (e->trace && e->in_step) {
+  jsonl_trace *tr = engine_observer(e, trace_on);
+  if (tr && e->in_step) {
     rc = engine_fail(e, FERRY_ESTATE, "ferry_trace_device_peak: inside a step (give the "
                                       "step's peak after ferry_step_end)");
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
-  cJSON *o = e->trace ? event_object_of(e, "device_peak", 0) : NULL;
+  cJSON *o = tr ? event_object_of(tr, "device_peak", 0) : NULL;
   if (o) {
     cJSON_AddNumberToObject(o, "step", (double)e->step);
     cJSON_AddNumberToObject(o, "bytes", (double)bytes);
-    emit(e, o);
+    emit(tr, o);
   }
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
@@ -170,7 +204,8 @@ int ferry_trace_flops(ferry_engine *e, double flops) {
     pthread_mutex_unlock(&e->lock);
     return rc;
   }
-  if (e->trace) e->trace_flops += flops;
+  jsonl_trace *tr = engine_observer(e, trace_on);
+  if (tr) tr->flops += flops;
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }
@@ -179,7 +214,8 @@ int ferry_trace_flops_all(ferry_engine *e, int on) {
   int rc = engine_check(e);
   if (rc) return rc;
   pthread_mutex_lock(&e->lock);
-  e->trace_flops_all = on != 0;
+  jsonl_trace *tr = engine_observer(e, trace_on);
+  if (tr) tr->flops_all = on != 0;
   pthread_mutex_unlock(&e->lock);
   return FERRY_OK;
 }

@@ -1,6 +1,7 @@
 /* policy_files.c — where a policy named "default" lives: the folders of
- * ferry's shipped policies, found relative to libferry (installed or in a
- * Python package) or the source tree it was built from (ferry_policy_find). */
+ * ferry's shipped policies, found relative to libferry or the program that
+ * holds it (installed, in a Python package, or the build tree's share/ link
+ * to the source policies): no build path is compiled in (ferry_policy_find). */
 #include <dirent.h>
 #include <dlfcn.h>
 #include <limits.h>
@@ -38,12 +39,16 @@ static void add_dir(policy_dirs *d, const char *dir) {
     snprintf(d->dir[d->n++], PATH_MAX, "%s", real);
 }
 
-/* The folder of the library or program that holds this code. */
+/* The folder of the library or program that holds this code. A program
+ * linked with libferry statically is named as it was run ("ferry", found on
+ * PATH): that name is no path, the kernel's /proc/self/exe is. */
 static int code_dir(char *out, size_t n) {
   Dl_info info;
   if (!dladdr((void *)&ferry_policy_find, &info) || !info.dli_fname) return -1;
   char real[PATH_MAX];
-  if (!realpath(info.dli_fname, real)) return -1;
+  if ((!strchr(info.dli_fname, '/') || !realpath(info.dli_fname, real)) &&
+      !realpath("/proc/self/exe", real))
+    return -1;
   char *slash = strrchr(real, '/');
   if (!slash) return -1;
   *slash = 0;
@@ -52,8 +57,8 @@ static int code_dir(char *out, size_t n) {
 }
 
 /* $FERRY_POLICY_DIR (colon-separated), <prefix>/share/ferry/policies beside
- * an installed lib/ or bin/, policies/ beside a Python package's module, the
- * source tree's policies/. */
+ * an installed (or build-tree) lib/ or bin/, policies/ beside a Python
+ * package's module. */
 static void find_dirs(policy_dirs *d) {
   d->n = 0;
   const char *env = getenv("FERRY_POLICY_DIR");
@@ -70,9 +75,6 @@ static void find_dirs(policy_dirs *d) {
     snprintf(buf, sizeof buf, "%s/policies", here);
     add_dir(d, buf);
   }
-#ifdef FERRY_SOURCE_POLICY_DIR
-  add_dir(d, FERRY_SOURCE_POLICY_DIR);
-#endif
 }
 
 static int by_name(const void *a, const void *b) { return strcmp(a, b); }

@@ -78,7 +78,7 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
   replay *r = ud;
   if (!r->recording) return;
   sim_timeline *tl = &r->res->tl;
-  sim_interval iv = {t0, t1, bytes, 1 + dir, -1, 0, 0, NULL};
+  sim_interval iv = {t0, t1, bytes, 1 + dir, -1, 0, 0, NULL, -1, -1};
   uint32_t v = 0;
   int weights = r->w && (const char *)dev >= r->w->dev && (const char *)dev < r->w->dev + r->w->count;
   if (dir == 0) {
@@ -380,13 +380,17 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   replay_compute(r, us);
   if (!r->recording) return us;
   int32_t layer = r->cur_layer;
+  const char *module = ev->type == TEV_COMPUTE ? ev->op : NULL;
   if (ev->type == TEV_COMPUTE && ev->layer >= 0) layer = ev->layer;
   else for (uint32_t j = k; j < ts->end && j < k + 64; j++)
     if (t->events[j].type == TEV_PACK || t->events[j].type == TEV_UNPACK) {
-      layer = t->tensors[t->events[j].tensor].desc.layer;
+      const ferry_tensor_desc *d = &t->tensors[t->events[j].tensor].desc;
+      layer = d->layer;
+      if (ev->type != TEV_COMPUTE) module = d->module_path;
       break;
     }
-  timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer, 0, 0, NULL});
+  timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer, 0, 0, module,
+                                            ev->flops, ev->hbm_bytes});
   return us;
 }
 

@@ -437,7 +437,9 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
 /* ---- Chrome trace events (Perfetto) ------------------------------------------------ */
 /* Written through util/chrome_trace.h, the writer real runs use too
  * (core/chrome_recorder.c). A process per run (the baseline, then each
- * policy), a thread per lane: compute slices named by layer, copies by the
+ * policy), a thread per lane: compute slices named by layer, or outside
+ * the blocks by module (args: module, FLOPs, device-memory bytes, as the
+ * trace gives them), copies by the
  * tensor's module path with its bytes, layer and trace index (resident
  * buffers' copies, category "other", by what they move), a flow arrow
  * from each offload to its reload, the device-memory counter, and instants
@@ -461,8 +463,12 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
       if (iv->t1 < t0) continue;
       const char *what;
       if (iv->lane == 0) {
+        /* a block's compute by its layer (the op in args), the rest by its
+         * module: embedding, final norm, head, loss */
         if (iv->layer >= 0) snprintf(name, sizeof name, "layer %d", iv->layer);
-        what = iv->layer >= 0 ? name : "outside layers";
+        what = iv->layer >= 0                          ? name
+               : iv->module_path && *iv->module_path ? iv->module_path
+                                                       : "outside layers";
       } else {
         what = iv->module_path && *iv->module_path ? iv->module_path
                : iv->lane == 1                      ? "offload"
@@ -475,7 +481,12 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
       cJSON *e = ct_slice(what, cat, pid, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0);
       cJSON *args = ct_args(e);
       if (iv->layer >= 0) cJSON_AddNumberToObject(args, "layer", iv->layer);
-      if (iv->lane != 0) {
+      if (iv->lane == 0) {
+        if (iv->module_path && *iv->module_path)
+          cJSON_AddStringToObject(args, "module", iv->module_path);
+        if (iv->flops >= 0) cJSON_AddNumberToObject(args, "flops", iv->flops);
+        if (iv->hbm_bytes >= 0) cJSON_AddNumberToObject(args, "bytes", iv->hbm_bytes);
+      } else {
         cJSON_AddNumberToObject(args, "bytes", (double)iv->bytes);
         if (iv->tensor) cJSON_AddNumberToObject(args, "tensor", iv->tensor - 1);
       }

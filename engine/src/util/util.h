@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 /* Makes room for need elements of elem bytes in *arr (capacity *cap,
@@ -20,6 +21,27 @@ static inline int util_grow(void **arr, uint32_t *cap, size_t elem, uint32_t nee
   }
   void *n = realloc(*arr, (size_t)ncap * elem);
   if (!n) return -1;
+  *arr = n;
+  *cap = ncap;
+  return 0;
+}
+
+/* As util_grow, the array aligned to align bytes (a power of two, a multiple
+ * of sizeof(void *)): realloc keeps only malloc's 16 (glibc gives a large
+ * block page + 16), so 64-byte records would each straddle two cache lines.
+ * The old contents (*cap elements) are copied. */
+static inline int util_grow_aligned(void **arr, uint32_t *cap, size_t elem, uint32_t need,
+                                    uint32_t first, size_t align) {
+  if (need <= *cap) return 0;
+  uint32_t ncap = *cap ? *cap : (first ? first : 1);
+  while (ncap < need) {
+    if (ncap > UINT32_MAX / 2) return -1;
+    ncap *= 2;
+  }
+  void *n = NULL;
+  if (posix_memalign(&n, align, (size_t)ncap * elem)) return -1;
+  if (*arr) memcpy(n, *arr, (size_t)*cap * elem);
+  free(*arr);
   *arr = n;
   *cap = ncap;
   return 0;

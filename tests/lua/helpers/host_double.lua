@@ -89,7 +89,11 @@ function M.load(file_or_source, is_source)
   rawset(_G, "ferry", M.ferry)
   local lib = M.root .. "policies/lib/?.lua"
   if not package.path:find(lib, 1, true) then package.path = lib .. ";" .. package.path end
-  package.loaded["ferry.rules"] = nil
+  -- a fresh copy of ferry's modules, as the host's one state per policy has
+  -- (code shared with an earlier load would carry its JIT traces along)
+  for name in pairs(package.loaded) do
+    if name:sub(1, 6) == "ferry." then package.loaded[name] = nil end
+  end
   local chunk, err
   if is_source then
     chunk, err = loadstring(file_or_source, "=policy")
