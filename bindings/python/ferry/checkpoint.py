@@ -47,6 +47,7 @@ from ._policy import PolicyLike
 import ferry as _pkg
 from . import _ferry, _session
 from ._ferry import FerryError
+from ._checkpoint_fences import fence_after_closure, register_global_step_pre_hook
 
 __all__ = ["snapshot", "Snapshot", "Stager", "CheckpointError", "describe",
            "wait_all", "pending"]
@@ -468,7 +469,7 @@ class Snapshot:
         self._ok = c_handle is None
 
     # -- hooks that fence automatically
-    def _arm(self, optimizers, modules, global_hooks):
+    def _arm(self, optimizers, modules, global_step, global_forward):
         fence = self._fence_hook
         for opt in optimizers:
             if hasattr(opt, "register_step_pre_hook"):
@@ -479,17 +480,18 @@ class Snapshot:
             for sub in m.modules():
                 if sub._buffers:
                     self._hooks.append(sub.register_forward_pre_hook(self._forward_hook))
-        if global_hooks:
-            optim_mod = sys.modules.get("torch.optim.optimizer")
-            if optim_mod is not None and hasattr(optim_mod, "register_optimizer_step_pre_hook"):
-                self._hooks.append(optim_mod.register_optimizer_step_pre_hook(
-                    lambda *a, **k: fence()))
+        if global_step:  # every optimizer's step (torch 1.13: ferry's own hook)
+            self._hooks.append(register_global_step_pre_hook(self._step_hook))
+        if global_forward:
             reg = getattr(torch.nn.modules.module, "register_module_forward_pre_hook", None)
             if reg is not None:
                 self._hooks.append(reg(self._global_forward_hook))
 
     def _fence_hook(self):
         self.fence()
+
+    def _step_hook(self, optimizer, args, kwargs):
+        return fence_after_closure(self.fence, args, kwargs)
 
     def _forward_hook(self, module, args):
         if module.training:  # a training forward may update buffers in place
@@ -589,8 +591,15 @@ _armed = weakref.WeakKeyDictionary()  # optimizer -> [Snapshot]
 
 
 def _fence_armed(opt, args, kwargs):
-    for h in _armed.get(opt, ())[:]:
-        h.fence()
+    handles = _armed.get(opt, ())[:]
+    if not handles:
+        return None
+
+    def fence_them():
+        for h in handles:
+            h.fence()
+
+    return fence_after_closure(fence_them, args, kwargs)
 
 
 class _ArmedFor:
@@ -621,7 +630,9 @@ class _StepPatch:
         self.orig = opt.step
 
         def step(*args, **kwargs):
-            fence()
+            fenced = fence_after_closure(fence, args, kwargs, at=0)  # a bound method's args
+            if fenced is not None:
+                args, kwargs = fenced
             return self.orig(*args, **kwargs)
 
         self.wrapper = step
@@ -669,13 +680,16 @@ from ._checkpoint_dcp import (_dist, _has_sharded_tensors, _dcp, Stager,  # noqa
 
 
 def _arm(h, optimizer, module, fence_hooks):
-    """Fence h before the next step of optimizer / training forward of
-    module (or, with neither, any: fence_hooks="auto"); h is pending."""
+    """Fence h before the next step of optimizer (after its closure) and
+    the next training forward of module; fence_hooks="auto": of any
+    optimizer when none is given, of any module when none is given. h is
+    pending."""
     optimizers = [] if optimizer is None else (
         list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
     modules = [] if module is None else (
         list(module) if isinstance(module, (list, tuple)) else [module])
-    h._arm(optimizers, modules, fence_hooks == "auto" and not optimizers and not modules)
+    auto = fence_hooks == "auto"
+    h._arm(optimizers, modules, auto and not optimizers, auto and not modules)
     with _pending_lock:
         _pending.add(h)
 
