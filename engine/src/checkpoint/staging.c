@@ -372,9 +372,11 @@ static const char *file_type(mode_t m) {
   return "not a regular file";
 }
 
-/* The file a snapshot to path replaces: path itself when it does not exist
- * or is a regular file; the regular file a symbolic link names (the link
- * stays). Anything else that exists is refused, never replaced. On the
+/* The file a snapshot to path replaces: path itself when it does not exist,
+ * is a regular file or is a symbolic link (the link is replaced by the new
+ * file, as TorchCheckpointIO's rename does; the file it named is never
+ * written through: Lightning's save_last="link" points last.ckpt at the best
+ * checkpoint). Anything else that exists is refused, never replaced. On the
  * writer thread, as the temporary file below: even this lstat took 35 us of
  * the caller's time right after a training step (the kernel's path walk
  * runs cache-cold; docs/checkpoints.md), and a round trip on a network file
@@ -382,23 +384,10 @@ static const char *file_type(mode_t m) {
 static int resolve_target(ferry_snapshot *s) {
   const char *path = s->path;
   struct stat st;
-  char real[PATH_MAX];
   if (lstat(path, &st) != 0) {
     /* not there, or not reachable: creating the temporary file beside it
      * fails the same way, and reports it */
-  } else if (S_ISLNK(st.st_mode)) {
-    if (!realpath(path, real) || stat(real, &st) != 0)
-      return snap_fail(s, FERRY_EINVAL,
-                       "%s is a symbolic link to a missing file; refusing to write through it",
-                       path);
-    if (!S_ISREG(st.st_mode))
-      return snap_fail(s, FERRY_EINVAL,
-                       "%s is a symbolic link to %s, %s; refusing to replace it", path, real,
-                       file_type(st.st_mode));
-    if (strlen(real) + 24 > PATH_MAX)
-      return snap_fail(s, FERRY_EINVAL, "%s: its target's path is too long", path);
-    path = real;
-  } else if (!S_ISREG(st.st_mode)) {
+  } else if (!S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode)) {
     return snap_fail(s, FERRY_EINVAL, "%s exists and is %s; refusing to replace it", path,
                      file_type(st.st_mode));
   }
