@@ -973,6 +973,7 @@ typedef struct zip_entry_info {
   uint64_t size;
   uint32_t crc;
   uint16_t name_len;
+  int zip64; /* a ZIP64 extra field in the local header: 64-bit descriptor sizes */
   char *name;
 } zip_entry_info;
 

@@ -342,6 +342,30 @@ def _container_records():
     return _container
 
 
+def _torch_names_non_ascii_archive():
+    # torch >= 2 writes to a path that is not ASCII through a Python file
+    # object, which its writer names "archive"; torch 1.x names it by path
+    try:
+        return "ascii" in inspect.getsource(torch.serialization._open_zipfile_writer_file)
+    except (AttributeError, OSError, TypeError):
+        return int(torch.__version__.split(".")[0]) >= 2
+
+
+_non_ascii_archive = _torch_names_non_ascii_archive()
+
+
+def _archive_name(path):
+    """The directory name torch.save gives the records of the file at path
+    (its writer's rule): the base name ('/' and '\\' both separate) up to
+    its last '.'; "archive" for a path torch writes through a file object,
+    and where that leaves nothing (".hidden", which torch.save refuses)."""
+    if _non_ascii_archive and not path.isascii():
+        return "archive"
+    base = path[max(path.rfind("/"), path.rfind("\\")) + 1:]
+    dot = base.rfind(".")
+    return (base[:dot] if dot >= 0 else base) or "archive"
+
+
 # torch >= 2.x writes a 40-digit id per file; a fresh one per snapshot from a
 # generator seeded from the OS once per process (and again in a forked
 # child), not an os.urandom read per snapshot (25 us of the blocked time)
@@ -805,7 +829,8 @@ def snapshot(
 
     # torch's small records in its order, then the storages in the policy's
     # write order (ties in torch's), then the container's records
-    prefix, tail = _container_records()
+    _, tail = _container_records()
+    prefix = _archive_name(path) + "/"
     records = [(prefix + name, data) for name, data, _ in torch_records if data is not None]
     pickle_bytes = len(records[0][1])
     staged = copied = staged_bytes = copied_bytes = 0
