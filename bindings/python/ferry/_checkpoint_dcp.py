@@ -85,6 +85,10 @@ class Stager:
         return _engine_for(backend, device, policy_path, self._host_cap, self._knobs)
 
     def stage(self, state_dict: Dict[str, Any]) -> concurrent.futures.Future:
+        # the last staged dict is DCP's (or gone) once its copies are done:
+        # holding it here would keep its pinned buffers under the cap
+        self.synchronize_staging()
+        self._last = None
         tensors = []
         _walk_tensors(state_dict, tensors)
         devices = {t.device for t in tensors}

@@ -690,12 +690,24 @@ def wait_all() -> None:
 
 @atexit.register
 def _wait_at_exit():
-    # A file started must be complete when the process ends normally.
+    # A file started must be complete when the process ends normally; one
+    # that failed makes the exit status 1 (a job scheduler must see it),
+    # after the other exit handlers have run.
+    failed = False
     for h in pending():
         try:
             h.wait()
         except CheckpointError as e:
             print(f"ferry: checkpoint {h.path} failed: {e}", file=sys.stderr)
+            failed = True
+    if failed:
+        atexit._run_exitfuncs()  # those not run yet (this one is done)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        os._exit(1)
 
 
 # ---- distributed: in _checkpoint_dcp.py ---------------------------------------------
