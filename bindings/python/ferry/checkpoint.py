@@ -18,9 +18,10 @@ worker thread on the host backend) and written by a writer thread to
 "<path>.tmp", fsynced and renamed over path.
 
 The caller must not modify the snapshotted tensors in place until fence():
-the optimizer pre-step hook and the forward pre-hooks of modules that own
-buffers (BatchNorm statistics change in a training forward) call it for
-you when you pass optimizer= / module=.
+the optimizer pre-step hook (after a step's closure) and the forward
+pre-hooks of modules that own buffers (BatchNorm statistics change in a
+training forward) call it for you; anything else that changes the state in
+place must call fence() first (docs/checkpoints.md, "Fencing").
 """
 from __future__ import annotations
 
@@ -767,8 +768,10 @@ def snapshot(
         dcp.async_save takes one; dcp.load reads it at any world size);
         "auto": "dcp" when the state holds DTensor/ShardedTensor, else
         "rank0". "dcp" also works without a process group.
-    fence_hooks: "auto" (global optimizer/forward hooks when neither
-        optimizer nor module is given, torch >= 2.0), "none".
+    fence_hooks: "auto" (every optimizer's step when optimizer is not
+        given, every module's training forward when module is not given:
+        torch's global hooks, on torch 1.13 ferry's own for the step),
+        "none". A step given a closure is fenced after the closure.
     """
     t0 = time.perf_counter()
     if distributed == "sharded":
