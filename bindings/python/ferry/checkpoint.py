@@ -51,7 +51,7 @@ from ._ferry import FerryError
 from ._checkpoint_fences import fence_after_closure, register_global_step_pre_hook
 
 __all__ = ["snapshot", "Snapshot", "Stager", "CheckpointError", "describe",
-           "wait_all", "pending"]
+           "wait_all", "pending", "reserve"]
 
 _DISTRIBUTED_MODES = ("auto", "rank0", "all", "dcp")
 
@@ -669,6 +669,42 @@ class _StepPatch:
                 self.opt.step = self.orig
             else:
                 del self.opt.step
+
+
+_STAGING_PIECE = 16 << 20  # the engine's largest staging buffer (staging.c)
+
+
+def reserve(obj: Any, *, backend: Optional[str] = None, policy: Optional[PolicyLike] = None,
+            host_cap: Optional[Union[int, str]] = None, **knobs: Any) -> "_ferry.Engine":
+    """Grow the pinned arena that snapshot() with the same arguments will
+    use to hold obj's tensors (or obj bytes, given an int), ahead of
+    training: the first snapshot then takes warm staging buffers instead of
+    pinning new memory on the training thread (647-940 ms for 256 MiB on
+    the development VM). Returns the engine; its stats()["arena_reserved"]
+    shows the memory held. Refused (CheckpointError) past the host cap."""
+    if isinstance(obj, int):
+        nbytes, devices = obj, set()
+    else:
+        nbytes = describe(obj)["tensor_bytes"]
+        tensors = []
+        _walk_tensors(obj, tensors)
+        devices = {t.device for t in tensors if t.device.type != "cpu"}
+    backend, device = _backend_device(backend, devices, "ferry.checkpoint.reserve")
+    policy_path, _ = _snapshot_policy(policy)
+    engine = _engine_for(backend, device, policy_path, host_cap, knobs)
+    pieces = []
+    try:
+        while nbytes > 0:
+            take = min(nbytes, _STAGING_PIECE)
+            pieces.append(engine.resident(take))  # arena memory, pinned now
+            nbytes -= take
+    except FerryError as e:
+        raise _error(f"ferry.checkpoint.reserve: {e.args[0]}", None,
+                     e.args[1] if len(e.args) > 1 else None) from None
+    finally:
+        for r in pieces:  # back to the arena, which keeps it for the snapshots
+            r.close()
+    return engine
 
 
 def pending() -> List[Snapshot]:
