@@ -81,11 +81,15 @@ except ImportError:
 @pytest.mark.skipif(config is None or not hasattr(config, "calculate_storage_offsets"),
                     reason="torch without torch.utils.serialization.config.load."
                            "calculate_storage_offsets (torch < 2.7)")
-def test_mmap_load_with_calculated_storage_offsets(tmp_path, monkeypatch):
+def test_mmap_load_with_calculated_storage_offsets(tmp_path):
     obj = state()
     ft.snapshot(obj, tmp_path / "ck.pt").wait()
-    monkeypatch.setattr(config, "calculate_storage_offsets", True)
-    got = torch.load(tmp_path / "ck.pt", mmap=True, weights_only=False)
+    was = config.calculate_storage_offsets  # torch's config: set and put back, not monkeypatch
+    config.calculate_storage_offsets = True
+    try:
+        got = torch.load(tmp_path / "ck.pt", mmap=True, weights_only=False)
+    finally:
+        config.calculate_storage_offsets = was
     for k, v in obj["model"].items():
         assert torch.equal(got["model"][k], v), k
     assert torch.equal(got["big"], obj["big"]) and torch.equal(got["half"], obj["half"])
