@@ -186,9 +186,9 @@ int zipw_begin_entry(zip_writer *z, const char *name, uint64_t size) {
   if (e->zip64) {
     p = put16(p, EXTRA_ZIP64);
     p = put16(p, (uint32_t)(z64_len - 4));
-    if (big_size) {
+    if (big_size) { /* torch.save's: the compressed size left 0 here */
       p = put64(p, size);
-      p = put64(p, size);
+      p = put64(p, 0);
     }
     if (big_offset) p = put64(p, e->header_offset);
   }
