@@ -10,6 +10,7 @@ defined later) once per process."""
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 
 import torch
@@ -63,14 +64,36 @@ def _wrap_step(cls):
     # then goes around this one, or is already inside it
     @functools.wraps(step)
     def step_after_hooks(*args, **kwargs):  # args[0]: the optimizer, as torch's hooks get it
-        for hook in list(_hooks.values()):
-            result = hook(args[0], args, kwargs)
-            if result is not None:
-                args, kwargs = result
+        args, kwargs = _run_hooks(args[0], args, kwargs)
         return step(*args, **kwargs)
 
     step_after_hooks._ferry_fences = True
     cls.step = step_after_hooks
+
+
+def _run_hooks(optimizer, args, kwargs):
+    for hook in list(_hooks.values()):
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    return args, kwargs
+
+
+def _wrap_instance_step(opt):
+    """An optimizer whose step an LR scheduler already wrapped on the
+    instance (torch 1.13's with_counter keeps the class's step of that
+    time, so the class wrap never runs for it): wrap that step too."""
+    step = opt.__dict__.get("step")
+    if not callable(step) or getattr(step, "_ferry_fences", False):
+        return
+
+    @functools.wraps(step)  # keeps _with_counter: the scheduler does not warn
+    def step_after_hooks(*args, **kwargs):
+        args, kwargs = _run_hooks(opt, (opt,) + tuple(args), kwargs)
+        return step(*args[1:], **kwargs)
+
+    step_after_hooks._ferry_fences = True
+    opt.step = step_after_hooks
 
 
 def _wrap_subclasses(cls):
@@ -95,6 +118,9 @@ def _wrap_optimizer_classes():
         _wrap_step(cls)
 
     base.__init_subclass__ = classmethod(__init_subclass__)
+    for obj in gc.get_objects():  # once: optimizers made before, with a scheduler
+        if isinstance(obj, base):
+            _wrap_instance_step(obj)
     _classes_wrapped = True
 
 

@@ -29,6 +29,7 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import io
 import os
@@ -654,6 +655,9 @@ class _StepPatch:
         self.had_own = "step" in opt.__dict__
         self.orig = opt.step
 
+        # wraps: keeps an LR scheduler's _with_counter mark (else torch 1.13
+        # warns that optimizer.step was overridden after the scheduler)
+        @functools.wraps(self.orig)
         def step(*args, **kwargs):
             fenced = fence_after_closure(fence, args, kwargs, at=0)  # a bound method's args
             if fenced is not None:
