@@ -59,3 +59,26 @@ def test_one_stager_reused_needs_the_state_once_under_the_cap(tmp_path):
         dcp.load(back, checkpoint_id=str(tmp_path / "ck2"))
     stager.close()
     assert torch.equal(back["w"], saved)
+
+
+NONZERO_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import ferry.torch as ft
+    ft.snapshot({"w": torch.zeros(1000)}, sys.argv[1])  # fails, not waited for
+    if sys.argv[2] == "exit3":
+        sys.exit(3)
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the training failed")
+    sys.exit(0)
+""")
+
+
+@pytest.mark.parametrize("how,status", [("exit3", 3), ("raise", 1), ("exit0", 1)])
+def test_a_checkpoint_failing_at_exit_keeps_a_nonzero_exit_status(tmp_path, how, status):
+    bad = str(tmp_path / "missing-dir" / "final.pt")
+    r = subprocess.run([sys.executable, "-c", NONZERO_EXIT_SCRIPT, bad, how],
+                       capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert r.returncode == status, (r.returncode, r.stderr)
+    assert f"ferry: checkpoint {bad} failed" in r.stderr
+    if how == "raise":
+        assert "the training failed" in r.stderr

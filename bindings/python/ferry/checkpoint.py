@@ -729,11 +729,42 @@ def wait_all() -> None:
         raise first
 
 
+# Atexit handlers cannot see the exit status: remember a non-zero one given
+# to sys.exit() or set by an uncaught exception, so that a checkpoint failing
+# at exit never replaces it (sys.exit(3) stays 3, Ctrl-C stays a SIGINT).
+_exit_nonzero = False
+
+
+def _note_exit(code=None):
+    global _exit_nonzero
+    if code is not None and code != 0:
+        _exit_nonzero = True
+
+
+def _install_exit_notes():
+    real_exit, real_hook = sys.exit, sys.excepthook
+
+    @functools.wraps(real_exit)
+    def exit(status=None):
+        _note_exit(status)
+        return real_exit(status)
+
+    @functools.wraps(real_hook)
+    def excepthook(*exc_info):
+        _note_exit(1)
+        return real_hook(*exc_info)
+
+    sys.exit, sys.excepthook = exit, excepthook
+
+
+_install_exit_notes()
+
+
 @atexit.register
 def _wait_at_exit():
     # A file started must be complete when the process ends normally; one
-    # that failed makes the exit status 1 (a job scheduler must see it),
-    # after the other exit handlers have run.
+    # that failed makes an exit status of 0 into 1 (a job scheduler must see
+    # it), after the other exit handlers have run; a non-zero status stays.
     failed = False
     for h in pending():
         try:
@@ -741,7 +772,7 @@ def _wait_at_exit():
         except CheckpointError as e:
             print(f"ferry: checkpoint {h.path} failed: {e}", file=sys.stderr)
             failed = True
-    if failed:
+    if failed and not _exit_nonzero:
         atexit._run_exitfuncs()  # those not run yet (this one is done)
         for stream in (sys.stdout, sys.stderr):
             try:
