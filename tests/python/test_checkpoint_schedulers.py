@@ -39,3 +39,28 @@ def test_a_scheduler_made_before_the_first_snapshot_keeps_the_fence_and_no_warni
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                        env=dict(os.environ), timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+HOOK_SCRIPT = textwrap.dedent("""
+    import warnings, torch
+    import torch.distributed  # its deprecated module attributes warn on __class__
+    warnings.simplefilter("error")
+    from ferry._checkpoint_fences import register_global_step_pre_hook
+    from torch.optim import optimizer as optim_mod
+    torch_has_hook = hasattr(optim_mod, "register_optimizer_step_pre_hook")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    calls = []
+    handle = register_global_step_pre_hook(lambda o, a, k: calls.append(o))
+    opt.step()
+    handle.remove()
+    wrapped = getattr(torch.optim.SGD.step, "_ferry_fences", False)
+    assert calls == [opt], calls
+    assert wrapped != torch_has_hook, ("ferry wrapped the classes", wrapped, torch.__version__)
+    print("ok")
+""")
+
+
+def test_torch_2_uses_torchs_global_step_hook_and_registering_warns_nothing():
+    r = subprocess.run([sys.executable, "-c", HOOK_SCRIPT], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

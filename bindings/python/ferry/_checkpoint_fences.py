@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import itertools
 
 import torch
@@ -119,7 +120,7 @@ def _wrap_optimizer_classes():
 
     base.__init_subclass__ = classmethod(__init_subclass__)
     for obj in gc.get_objects():  # once: optimizers made before, with a scheduler
-        if isinstance(obj, base):
+        if issubclass(type(obj), base):  # not isinstance: __class__ of proxies warns
             _wrap_instance_step(obj)
     _classes_wrapped = True
 
@@ -128,7 +129,9 @@ def register_global_step_pre_hook(hook):
     """torch's register_optimizer_step_pre_hook where it exists (torch >=
     2.0), else ferry's: hook(optimizer, args, kwargs) before every step of
     every optimizer; returns a handle with remove()."""
-    optim_mod = getattr(torch.optim, "optimizer", None)
+    # torch.optim.optimizer is a submodule that torch 2.x does not always
+    # bind as an attribute of torch.optim: import it
+    optim_mod = importlib.import_module("torch.optim.optimizer")
     register = getattr(optim_mod, "register_optimizer_step_pre_hook", None)
     if register is not None:
         return register(hook)
