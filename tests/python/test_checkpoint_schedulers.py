@@ -64,3 +64,23 @@ def test_torch_2_uses_torchs_global_step_hook_and_registering_warns_nothing():
     r = subprocess.run([sys.executable, "-c", HOOK_SCRIPT], capture_output=True, text=True,
                        env=dict(os.environ), timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+FREE_SCRIPT = textwrap.dedent("""
+    import gc, weakref, torch
+    from ferry._checkpoint_fences import register_global_step_pre_hook
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)  # instance step, made first
+    register_global_step_pre_hook(lambda o, a, k: None).remove()
+    gone = weakref.ref(opt)
+    gc.disable()
+    del opt, sched
+    assert gone() is None, "a reference cycle keeps the optimizer's state alive"
+    print("ok")
+""")
+
+
+def test_wrapping_a_schedulers_step_makes_no_reference_cycle():
+    r = subprocess.run([sys.executable, "-c", FREE_SCRIPT], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

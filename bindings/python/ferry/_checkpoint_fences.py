@@ -13,6 +13,7 @@ import functools
 import gc
 import importlib
 import itertools
+import weakref
 
 import torch
 
@@ -88,9 +89,12 @@ def _wrap_instance_step(opt):
     if not callable(step) or getattr(step, "_ferry_fences", False):
         return
 
+    opt_ref = weakref.ref(opt)  # as the scheduler's: no cycle keeps the state alive
+
     @functools.wraps(step)  # keeps _with_counter: the scheduler does not warn
     def step_after_hooks(*args, **kwargs):
-        args, kwargs = _run_hooks(opt, (opt,) + tuple(args), kwargs)
+        me = opt_ref()
+        args, kwargs = _run_hooks(me, (me,) + tuple(args), kwargs)
         return step(*args[1:], **kwargs)
 
     step_after_hooks._ferry_fences = True
