@@ -4,6 +4,7 @@ version, flag and date fields, data descriptors and end records; torch 2's
 torch.load(mmap=True) with calculate_storage_offsets (which computes where
 each storage is from the layout) reads it right."""
 import filecmp
+import io
 import os
 
 import pytest
@@ -130,3 +131,10 @@ def test_a_file_over_4_gib_is_torch_saves_and_loads(tmp_path, monkeypatch):
     got = torch.load(tmp_path / "big.pt", **kw)
     assert got["big"].numel() == n and got["big"][-5:].tolist() == [1, 2, 3, 4, 5]
     assert torch.equal(got["after"], small * 2) and torch.equal(got["small"], small)
+
+
+def test_a_file_object_is_refused_with_a_clear_error(tmp_path):
+    buf = io.BytesIO()
+    with pytest.raises(TypeError, match="not to a file object.*torch.save"):
+        ck.snapshot({"w": torch.ones(2)}, buf)
+    assert buf.getvalue() == b""

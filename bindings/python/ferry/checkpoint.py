@@ -855,6 +855,10 @@ def snapshot(
     if fence_hooks not in ("auto", "none"):
         raise ValueError(f"ferry.torch.snapshot: fence_hooks={fence_hooks!r} is not 'auto' or "
                          "'none'")
+    if hasattr(path, "write") and not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError("ferry.torch.snapshot writes a file at a path (temporary file, fsync, "
+                        f"rename), not to a file object ({type(path).__name__}): give a path, "
+                        "or use torch.save for a file object")
     path = os.fspath(path)
     stats = {"mode": "local"}
     d = _dist()
