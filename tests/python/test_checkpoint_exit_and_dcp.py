@@ -67,13 +67,18 @@ NONZERO_EXIT_SCRIPT = textwrap.dedent("""
     ft.snapshot({"w": torch.zeros(1000)}, sys.argv[1])  # fails, not waited for
     if sys.argv[2] == "exit3":
         sys.exit(3)
+    if sys.argv[2] == "thread_exit3":  # ends that thread only
+        import threading
+        t = threading.Thread(target=sys.exit, args=(3,))
+        t.start(); t.join()
     if sys.argv[2] == "raise":
         raise RuntimeError("the training failed")
     sys.exit(0)
 """)
 
 
-@pytest.mark.parametrize("how,status", [("exit3", 3), ("raise", 1), ("exit0", 1)])
+@pytest.mark.parametrize("how,status", [("exit3", 3), ("raise", 1), ("exit0", 1),
+                                        ("thread_exit3", 1)])
 def test_a_checkpoint_failing_at_exit_keeps_a_nonzero_exit_status(tmp_path, how, status):
     bad = str(tmp_path / "missing-dir" / "final.pt")
     r = subprocess.run([sys.executable, "-c", NONZERO_EXIT_SCRIPT, bad, how],

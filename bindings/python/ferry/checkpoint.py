@@ -746,7 +746,8 @@ def _install_exit_notes():
 
     @functools.wraps(real_exit)
     def exit(status=None):
-        _note_exit(status)
+        if threading.current_thread() is threading.main_thread():  # else it ends a thread
+            _note_exit(status)
         return real_exit(status)
 
     @functools.wraps(real_hook)
