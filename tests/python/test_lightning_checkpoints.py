@@ -142,8 +142,9 @@ def test_under_lightning_the_fence_comes_after_the_closures_forward(tmp_path):
                                       save_top_k=-1, filename="{step}")
     trainer(tmp_path, [ck, StagedCheckpointCallback()], [plugin]).fit(Wide(events), loader())
     # the forward of the step after each save (at steps 2 and 4 of 6) ran
-    # with that save unfenced; later ones see it fenced, still writing
-    seen = [fenced for what, fenced in events]
-    assert seen.count([False]) == 2 and seen[2] == seen[4] == [False], events
+    # with that save unfenced; later ones see it fenced, maybe still writing
+    # (on a loaded machine the first save may still be pending at step 4)
+    unfenced = [any(not f for f in fenced) for what, fenced in events]
+    assert unfenced == [False, False, True, False, True, False], events
     for path, ref in plugin.reference.items():
         assert_same(torch.load(io.BytesIO(ref), weights_only=False), load(path), path)
