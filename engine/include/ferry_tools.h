@@ -321,7 +321,7 @@ FERRY_API ferry_backend *ferry_engine_backend(ferry_engine *e);
  * operations it waits for that no thread has started yet, instead of
  * waiting for the stream's worker to get a core. On by default; a thread
  * that runs below the priority of the threads that may wait for the same
- * copies (the snapshot writer at SCHED_IDLE) turns it off for itself, or a
+ * copies (the niced snapshot writer) turns it off for itself, or a
  * copy it took would hold them up. Other backends ignore it. */
 FERRY_API void ferry_backend_thread_runs_waited_copies(int yes);
 
@@ -424,6 +424,7 @@ typedef struct zip_entry_info {
   uint64_t size;
   uint32_t crc;
   uint16_t name_len;
+  int zip64; /* a ZIP64 extra field in the local header: 64-bit descriptor sizes */
   char *name;
 } zip_entry_info;
 

@@ -106,6 +106,15 @@ def rich_state():
 
 
 # ---- the file ----------------------------------------------------------------
+def torch_save_named(obj, tmp_path, name):
+    """torch.save's bytes for a file of this name (its records' directory is
+    the name's stem, as in ferry's file)."""
+    d = tmp_path / "torch.save"
+    d.mkdir(exist_ok=True)
+    torch.save(obj, str(d / name))
+    return (d / name).read_bytes()
+
+
 def test_file_is_what_torch_save_writes(tmp_path):
     state = rich_state()
     path = tmp_path / "ck.pt"
@@ -118,8 +127,7 @@ def test_file_is_what_torch_save_writes(tmp_path):
     v = got["views"]
     assert v[1].data_ptr() == v[0].data_ptr() + 6 * 4 and v[2].data_ptr() == v[0].data_ptr()
 
-    buf = io.BytesIO()
-    torch.save(state, buf)
+    buf = io.BytesIO(torch_save_named(state, tmp_path, "ck.pt"))
     ours, theirs = zipfile.ZipFile(path), zipfile.ZipFile(io.BytesIO(buf.getvalue()))
     assert ours.namelist() == theirs.namelist()
     for name in ours.namelist():
@@ -171,8 +179,7 @@ def test_every_kind_of_tensor_pickles_as_torch_save_does(tmp_path):
     if hasattr(torch, "uint16"):
         state["uint16"] = torch.zeros(3, dtype=torch.uint16)  # _rebuild_tensor_v3
     h = ft.snapshot(state, tmp_path / "kinds.pt").wait()
-    buf = io.BytesIO()
-    torch.save(state, buf)
+    buf = io.BytesIO(torch_save_named(state, tmp_path, "kinds.pt"))
     ours, theirs = zipfile.ZipFile(h.path), zipfile.ZipFile(io.BytesIO(buf.getvalue()))
     # in torch.save's order too (torch 1.x: the keys' string order, "10"
     # before "2": this state has 19 storages)

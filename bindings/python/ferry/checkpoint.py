@@ -18,9 +18,10 @@ worker thread on the host backend) and written by a writer thread to
 "<path>.tmp", fsynced and renamed over path.
 
 The caller must not modify the snapshotted tensors in place until fence():
-the optimizer pre-step hook and the forward pre-hooks of modules that own
-buffers (BatchNorm statistics change in a training forward) call it for
-you when you pass optimizer= / module=.
+the optimizer pre-step hook (after a step's closure) and the forward
+pre-hooks of modules that own buffers (BatchNorm statistics change in a
+training forward) call it for you; anything else that changes the state in
+place must call fence() first (docs/checkpoints.md, "Fencing").
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import io
 import os
@@ -47,9 +49,10 @@ from ._policy import PolicyLike
 import ferry as _pkg
 from . import _ferry, _session
 from ._ferry import FerryError
+from ._checkpoint_fences import fence_after_closure, register_global_step_pre_hook
 
 __all__ = ["snapshot", "Snapshot", "Stager", "CheckpointError", "describe",
-           "wait_all", "pending"]
+           "wait_all", "pending", "reserve"]
 
 _DISTRIBUTED_MODES = ("auto", "rank0", "all", "dcp")
 
@@ -341,6 +344,30 @@ def _container_records():
     return _container
 
 
+def _torch_names_non_ascii_archive():
+    # torch >= 2 writes to a path that is not ASCII through a Python file
+    # object, which its writer names "archive"; torch 1.x names it by path
+    try:
+        return "ascii" in inspect.getsource(torch.serialization._open_zipfile_writer_file)
+    except (AttributeError, OSError, TypeError):
+        return int(torch.__version__.split(".")[0]) >= 2
+
+
+_non_ascii_archive = _torch_names_non_ascii_archive()
+
+
+def _archive_name(path):
+    """The directory name torch.save gives the records of the file at path
+    (its writer's rule): the base name ('/' and '\\' both separate) up to
+    its last '.'; "archive" for a path torch writes through a file object,
+    and where that leaves nothing (".hidden", which torch.save refuses)."""
+    if _non_ascii_archive and not path.isascii():
+        return "archive"
+    base = path[max(path.rfind("/"), path.rfind("\\")) + 1:]
+    dot = base.rfind(".")
+    return (base[:dot] if dot >= 0 else base) or "archive"
+
+
 # torch >= 2.x writes a 40-digit id per file; a fresh one per snapshot from a
 # generator seeded from the OS once per process (and again in a forked
 # child), not an os.urandom read per snapshot (25 us of the blocked time)
@@ -468,7 +495,7 @@ class Snapshot:
         self._ok = c_handle is None
 
     # -- hooks that fence automatically
-    def _arm(self, optimizers, modules, global_hooks):
+    def _arm(self, optimizers, modules, global_step, global_forward):
         fence = self._fence_hook
         for opt in optimizers:
             if hasattr(opt, "register_step_pre_hook"):
@@ -479,17 +506,18 @@ class Snapshot:
             for sub in m.modules():
                 if sub._buffers:
                     self._hooks.append(sub.register_forward_pre_hook(self._forward_hook))
-        if global_hooks:
-            optim_mod = sys.modules.get("torch.optim.optimizer")
-            if optim_mod is not None and hasattr(optim_mod, "register_optimizer_step_pre_hook"):
-                self._hooks.append(optim_mod.register_optimizer_step_pre_hook(
-                    lambda *a, **k: fence()))
+        if global_step:  # every optimizer's step (torch 1.13: ferry's own hook)
+            self._hooks.append(register_global_step_pre_hook(self._step_hook))
+        if global_forward:
             reg = getattr(torch.nn.modules.module, "register_module_forward_pre_hook", None)
             if reg is not None:
                 self._hooks.append(reg(self._global_forward_hook))
 
     def _fence_hook(self):
         self.fence()
+
+    def _step_hook(self, optimizer, args, kwargs):
+        return fence_after_closure(self.fence, args, kwargs)
 
     def _forward_hook(self, module, args):
         if module.training:  # a training forward may update buffers in place
@@ -589,8 +617,15 @@ _armed = weakref.WeakKeyDictionary()  # optimizer -> [Snapshot]
 
 
 def _fence_armed(opt, args, kwargs):
-    for h in _armed.get(opt, ())[:]:
-        h.fence()
+    handles = _armed.get(opt, ())[:]
+    if not handles:
+        return None
+
+    def fence_them():
+        for h in handles:
+            h.fence()
+
+    return fence_after_closure(fence_them, args, kwargs)
 
 
 class _ArmedFor:
@@ -620,8 +655,13 @@ class _StepPatch:
         self.had_own = "step" in opt.__dict__
         self.orig = opt.step
 
+        # wraps: keeps an LR scheduler's _with_counter mark (else torch 1.13
+        # warns that optimizer.step was overridden after the scheduler)
+        @functools.wraps(self.orig)
         def step(*args, **kwargs):
-            fence()
+            fenced = fence_after_closure(fence, args, kwargs, at=0)  # a bound method's args
+            if fenced is not None:
+                args, kwargs = fenced
             return self.orig(*args, **kwargs)
 
         self.wrapper = step
@@ -633,6 +673,42 @@ class _StepPatch:
                 self.opt.step = self.orig
             else:
                 del self.opt.step
+
+
+_STAGING_PIECE = 16 << 20  # the engine's largest staging buffer (staging.c)
+
+
+def reserve(obj: Any, *, backend: Optional[str] = None, policy: Optional[PolicyLike] = None,
+            host_cap: Optional[Union[int, str]] = None, **knobs: Any) -> "_ferry.Engine":
+    """Grow the pinned arena that snapshot() with the same arguments will
+    use to hold obj's tensors (or obj bytes, given an int), ahead of
+    training: the first snapshot then takes warm staging buffers instead of
+    pinning new memory on the training thread (647-940 ms for 256 MiB on
+    the development VM). Returns the engine; its stats()["arena_reserved"]
+    shows the memory held. Refused (CheckpointError) past the host cap."""
+    if isinstance(obj, int):
+        nbytes, devices = obj, set()
+    else:
+        nbytes = describe(obj)["tensor_bytes"]
+        tensors = []
+        _walk_tensors(obj, tensors)
+        devices = {t.device for t in tensors if t.device.type != "cpu"}
+    backend, device = _backend_device(backend, devices, "ferry.checkpoint.reserve")
+    policy_path, _ = _snapshot_policy(policy)
+    engine = _engine_for(backend, device, policy_path, host_cap, knobs)
+    pieces = []
+    try:
+        while nbytes > 0:
+            take = min(nbytes, _STAGING_PIECE)
+            pieces.append(engine.resident(take))  # arena memory, pinned now
+            nbytes -= take
+    except FerryError as e:
+        raise _error(f"ferry.checkpoint.reserve: {e.args[0]}", None,
+                     e.args[1] if len(e.args) > 1 else None) from None
+    finally:
+        for r in pieces:  # back to the arena, which keeps it for the snapshots
+            r.close()
+    return engine
 
 
 def pending() -> List[Snapshot]:
@@ -653,264 +729,76 @@ def wait_all() -> None:
         raise first
 
 
+# Atexit handlers cannot see the exit status: remember a non-zero one given
+# to sys.exit() or set by an uncaught exception, so that a checkpoint failing
+# at exit never replaces it (sys.exit(3) stays 3, Ctrl-C stays a SIGINT).
+_exit_nonzero = False
+
+
+def _note_exit(code=None):
+    global _exit_nonzero
+    if code is not None and code != 0:
+        _exit_nonzero = True
+
+
+def _install_exit_notes():
+    real_exit, real_hook = sys.exit, sys.excepthook
+
+    @functools.wraps(real_exit)
+    def exit(status=None):
+        if threading.current_thread() is threading.main_thread():  # else it ends a thread
+            _note_exit(status)
+        return real_exit(status)
+
+    @functools.wraps(real_hook)
+    def excepthook(*exc_info):
+        _note_exit(1)
+        return real_hook(*exc_info)
+
+    sys.exit, sys.excepthook = exit, excepthook
+
+
+_install_exit_notes()
+
+
 @atexit.register
 def _wait_at_exit():
-    # A file started must be complete when the process ends normally.
+    # A file started must be complete when the process ends normally; one
+    # that failed makes an exit status of 0 into 1 (a job scheduler must see
+    # it), after the other exit handlers have run; a non-zero status stays.
+    failed = False
     for h in pending():
         try:
             h.wait()
         except CheckpointError as e:
             print(f"ferry: checkpoint {h.path} failed: {e}", file=sys.stderr)
-
-
-# ---- distributed -------------------------------------------------------------------
-def _dist():
-    d = getattr(torch, "distributed", None)
-    if d is None or not d.is_available() or not d.is_initialized():
-        return None
-    return d
-
-
-def _has_sharded_tensors(obj):
-    names = ("DTensor", "ShardedTensor")
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if type(x).__name__ in names:
-                return True
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return False
-
-
-def _dcp():
-    try:
-        import torch.distributed.checkpoint as dcp
-    except ImportError:
-        return None
-    return dcp if hasattr(dcp, "save") or hasattr(dcp, "save_state_dict") else None
-
-
-class Stager:
-    """torch.distributed.checkpoint's AsyncStager protocol, staging through
-    ferry: ``dcp.async_save(state_dict, checkpoint_id=path,
-    async_stager=ferry.checkpoint.Stager())``.
-
-    stage() takes a buffer of the engine's pinned arena for each tensor
-    (DTensor: its local shard), under the engine's host cap, and queues the
-    copy on the engine's copy stream after the work already on the compute
-    stream (a worker thread on the host backend); it returns at once a
-    Future of the staged state dict, which a ferry thread completes when the
-    copies are done. DCP's writer waits for it; so must training before it
-    changes the tensors in place (AsyncSaveResponse.staging_completion, or
-    ferry.torch.snapshot(..., distributed="dcp") and its fence()). The
-    pinned buffers go back to the arena when DCP drops the staged dict.
-    Tensors that are not contiguous are made contiguous first (a copy on
-    the compute stream); values that are not tensors are passed as they
-    are, as torch's own stagers do.
-    """
-
-    _synchronize_after_execute = False
-
-    def __init__(self, *, policy: Optional[PolicyLike] = None, backend: Optional[str] = None,
-                 host_cap: Optional[Union[int, str]] = None, **knobs: Any) -> None:
-        self._policy, self._backend, self._host_cap, self._knobs = policy, backend, host_cap, knobs
-        self._pool = None
-        self._last = None
-        self.engine = None  # the ferry.Engine whose arena holds the staged copies
-        self.stats = {}
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return self._synchronize_after_execute
-
-    def _engine(self, devices):
-        backend, device = _backend_device(self._backend, devices, "ferry.checkpoint.Stager")
-        policy_path, _ = _snapshot_policy(self._policy)
-        return _engine_for(backend, device, policy_path, self._host_cap, self._knobs)
-
-    def stage(self, state_dict: Dict[str, Any]) -> concurrent.futures.Future:
-        tensors = []
-        _walk_tensors(state_dict, tensors)
-        devices = {t.device for t in tensors}
-        engine = self._engine(devices) if tensors else None
-        self.engine = engine or self.engine
-        residents = []
-        stats = {"tensors": 0, "staged_bytes": 0}
-
-        def stage_one(t):
-            if type(t).__name__ == "DTensor":
-                local = stage_one(t._local_tensor)
-                return type(t)(local, t._spec, requires_grad=False)
-            if type(t).__name__ == "ShardedTensor" or t.layout != torch.strided:
-                raise CheckpointError(f"ferry.checkpoint.Stager: cannot stage a "
-                                      f"{type(t).__name__} ({t.layout}); use DTensor state "
-                                      "dicts or torch's DefaultStager", None, "FERRY_EINVAL")
-            if not t.is_contiguous():
-                t = t.contiguous()
-            nbytes = t.numel() * t.element_size()
-            if nbytes == 0:
-                return torch.empty(t.shape, dtype=t.dtype)
+            failed = True
+    if failed and not _exit_nonzero:
+        atexit._run_exitfuncs()  # those not run yet (this one is done)
+        for stream in (sys.stdout, sys.stderr):
             try:
-                r = engine.resident(nbytes)
-            except FerryError as e:
-                raise _error(f"ferry.checkpoint.Stager: {e.args[0]}", None,
-                             e.args[1] if len(e.args) > 1 else None) from None
-            r.to_host(t.data_ptr())
-            residents.append((r, t))  # t kept alive until its copy is done
-            stats["tensors"] += 1
-            stats["staged_bytes"] += nbytes
-            return torch.frombuffer(r, dtype=t.dtype).view(t.shape)
-
-        staged = _map_tensors(state_dict, stage_one)
-        self.stats = stats
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, "ferry-stager")
-
-        def finish():
-            for r, _ in residents:
-                r.wait()
-            residents.clear()
-            return staged
-
-        self._last = self._pool.submit(finish)
-        return self._last
-
-    def synchronize_staging(self) -> None:
-        """Block until the last stage()'s copies are done."""
-        if self._last is not None:
-            self._last.result()
-
-    def close(self) -> None:
-        """Stop the staging thread and drop the last staged dict (its pinned
-        buffers go back to the arena once DCP has let go of it too)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._last = None
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        os._exit(1)
 
 
-def _walk_tensors(x, out):
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _walk_tensors(v, out)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _walk_tensors(v, out)
-
-
-def _map_tensors(x, fn):
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        out = type(x)() if type(x) in (dict, collections.OrderedDict) else {}
-        for k, v in x.items():
-            out[k] = _map_tensors(v, fn)
-        return out
-    if isinstance(x, list):
-        return [_map_tensors(v, fn) for v in x]
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_map_tensors(v, fn) for v in x)
-    return x
-
-
-class _DcpSnapshot(Snapshot):
-    """A torch.distributed.checkpoint save (sharded state: DTensor). With
-    dcp.async_save taking an async_stager, ferry's Stager stages it: fence()
-    waits for the staging, done()/wait() for the write."""
-
-    def __init__(self, path, staging, upload, stats):
-        super().__init__(path, None, stats)
-        self.stager = None  # ferry's Stager, when DCP took one
-        self._staging = staging
-        self._future = upload
-        self._ok = upload is None
-
-    @property
-    def fenced(self) -> bool:
-        return self._staging is None or self._staging.done()
-
-    def fence(self) -> None:
-        """Wait until the staged copy is complete: then the tensors may be
-        modified."""
-        try:
-            if self._staging is not None:
-                self._staging.result()
-        except Exception as e:  # noqa: BLE001 - reported with the path
-            self._exc = CheckpointError(f"snapshot {self.path}: staging failed: {e}",
-                                        self.path, getattr(e, "code", None) or "FERRY_EIO")
-            raise self._exc from e
-        finally:
-            self._disarm()
-
-    def done(self) -> bool:
-        if self._exc is not None:
-            raise self._exc
-        if not self._ok and self._future.done():
-            self.wait()
-        return self._ok
-
-    def wait(self) -> Snapshot:
-        if self._exc is not None:
-            raise self._exc
-        if not self._ok:
-            try:
-                self._future.result()
-            except Exception as e:  # noqa: BLE001 - reported with the path
-                self._exc = CheckpointError(f"snapshot {self.path}: torch.distributed.checkpoint "
-                                            f"failed: {e}", self.path, "FERRY_EIO")
-                raise self._exc from e
-            finally:
-                if self.stager is not None:
-                    self.stager.close()
-            self._finish()
-        return self
-
-
-def _dcp_save(obj, path, stats, stager_kwargs):
-    dcp = _dcp()
-    if dcp is None:
-        raise CheckpointError(
-            f"ferry.torch.snapshot({path!r}): distributed='dcp' needs "
-            f"torch.distributed.checkpoint, which this torch ({torch.__version__}) lacks",
-            path, "FERRY_EINVAL")
-    stats["mode"] = "dcp"
-    async_save = getattr(dcp, "async_save", None)
-    if async_save is not None and "async_stager" in inspect.signature(async_save).parameters:
-        stager = Stager(**stager_kwargs)
-        resp = async_save(obj, checkpoint_id=path, async_stager=stager)
-        staging = getattr(resp, "staging_completion", None) or stager._last
-        upload = getattr(resp, "upload_completion", resp)
-        upload.add_done_callback(lambda _: stager.close())
-        stats.update(stager="ferry", staged=stager.stats["tensors"],
-                     staged_bytes=stager.stats["staged_bytes"])
-        h = _DcpSnapshot(path, staging, upload, stats)
-        h.stager = stager
-        return h
-    stats["stager"] = "torch"  # older torch: DCP stages (or writes) by itself
-    if async_save is not None:
-        fut = async_save(obj, checkpoint_id=path)
-        return _DcpSnapshot(path, None, getattr(fut, "upload_completion", fut), stats)
-    if hasattr(dcp, "save"):
-        dcp.save(obj, checkpoint_id=path)
-    else:
-        dcp.save_state_dict(obj, dcp.FileSystemWriter(path))
-    return _DcpSnapshot(path, None, None, stats)
+# ---- distributed: in _checkpoint_dcp.py ---------------------------------------------
+from ._checkpoint_dcp import (_dist, _has_sharded_tensors, _dcp, Stager,  # noqa: E402,F401
+                              _walk_tensors, _map_tensors, _DcpSnapshot, _dcp_save)
 
 
 def _arm(h, optimizer, module, fence_hooks):
-    """Fence h before the next step of optimizer / training forward of
-    module (or, with neither, any: fence_hooks="auto"); h is pending."""
+    """Fence h before the next step of optimizer (after its closure) and
+    the next training forward of module; fence_hooks="auto": of any
+    optimizer when none is given, of any module when none is given. h is
+    pending."""
     optimizers = [] if optimizer is None else (
         list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
     modules = [] if module is None else (
         list(module) if isinstance(module, (list, tuple)) else [module])
-    h._arm(optimizers, modules, fence_hooks == "auto" and not optimizers and not modules)
+    auto = fence_hooks == "auto"
+    h._arm(optimizers, modules, auto and not optimizers, auto and not modules)
     with _pending_lock:
         _pending.add(h)
 
@@ -952,8 +840,10 @@ def snapshot(
         dcp.async_save takes one; dcp.load reads it at any world size);
         "auto": "dcp" when the state holds DTensor/ShardedTensor, else
         "rank0". "dcp" also works without a process group.
-    fence_hooks: "auto" (global optimizer/forward hooks when neither
-        optimizer nor module is given, torch >= 2.0), "none".
+    fence_hooks: "auto" (every optimizer's step when optimizer is not
+        given, every module's training forward when module is not given:
+        torch's global hooks, on torch 1.13 ferry's own for the step),
+        "none". A step given a closure is fenced after the closure.
     """
     t0 = time.perf_counter()
     if distributed == "sharded":
@@ -966,6 +856,10 @@ def snapshot(
     if fence_hooks not in ("auto", "none"):
         raise ValueError(f"ferry.torch.snapshot: fence_hooks={fence_hooks!r} is not 'auto' or "
                          "'none'")
+    if hasattr(path, "write") and not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError("ferry.torch.snapshot writes a file at a path (temporary file, fsync, "
+                        f"rename), not to a file object ({type(path).__name__}): give a path, "
+                        "or use torch.save for a file object")
     path = os.fspath(path)
     stats = {"mode": "local"}
     d = _dist()
@@ -1026,7 +920,8 @@ def snapshot(
 
     # torch's small records in its order, then the storages in the policy's
     # write order (ties in torch's), then the container's records
-    prefix, tail = _container_records()
+    _, tail = _container_records()
+    prefix = _archive_name(path) + "/"
     records = [(prefix + name, data) for name, data, _ in torch_records if data is not None]
     pickle_bytes = len(records[0][1])
     staged = copied = staged_bytes = copied_bytes = 0

@@ -139,6 +139,12 @@ class StagedCheckpointIO(TorchCheckpointIO):
         if first is not None:
             raise first
 
+    def fence(self) -> None:
+        """Fence every checkpoint this plugin started: after it the state
+        may be changed in place (ferry.checkpoint.Snapshot.fence)."""
+        for h in list(self._pending.values()):
+            h.fence()
+
     def teardown(self) -> None:
         self.wait()
 
@@ -226,12 +232,32 @@ class StagedCheckpointCallback(Callback):
             self.plugin.keys = self.offload_keys
         self.plugin.reporter = self._report
 
+        # first among the callbacks, so that the hooks below fence before
+        # another callback's same hook changes the state (Lightning calls
+        # them in this order; moving the one being called is safe)
+        callbacks = trainer.callbacks
+        if callbacks and callbacks[0] is not self and self in callbacks:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.enabled:
             # fence before these optimizers step and before a training
             # forward of the module's buffer owners
             self.plugin.optimizers = list(trainer.optimizers)
             self.plugin.modules = [pl_module]
+
+    # Hooks where callbacks change the state in place outside an optimizer
+    # step: EMAWeightAveraging / StochasticWeightAveraging swap or copy the
+    # averaged weights into the module at validation and at the end of
+    # training, and update the average at an epoch's end.
+    def _fence(self, *args: Any) -> None:
+        if self.enabled and self.plugin is not None:
+            self.plugin.fence()
+
+    on_train_epoch_end = on_validation_epoch_start = on_validation_epoch_end = _fence
+    on_validation_start = on_validation_end = on_train_end = on_fit_end = _fence
+    on_test_start = on_predict_start = on_exception = _fence
 
     def _report(self, checkpoint):
         # Called by the plugin with the final dict (the LightningModule's

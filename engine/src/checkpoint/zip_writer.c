@@ -1,8 +1,18 @@
 /*
- * snapshot_zip.c — the zip writer of checkpoint snapshots (snapshot_zip.h).
+ * zip_writer.c — the zip writer of checkpoint snapshots (ferry_tools.h).
  * Field layouts follow PKWARE's APPNOTE.TXT (sections 4.3.7 local file
- * header, 4.3.12 central directory header, 4.3.14-16 end records, 4.5.3
- * ZIP64 extra field). All integers are little-endian.
+ * header, 4.3.9 data descriptor, 4.3.12 central directory header, 4.3.14-16
+ * end records, 4.5.3 ZIP64 extra field). All integers are little-endian.
+ *
+ * The choices within the format are those of torch.save's writer (torch's
+ * PyTorchStreamWriter on miniz), so that a snapshot's file is byte for byte
+ * the file torch.save writes for the same records (issue 37; torch's
+ * loaders that compute storage offsets from the layout, torch.load(mmap=True)
+ * with calculate_storage_offsets, depend on it): "version needed" and "made
+ * by" 0, flags 0x0808 (UTF-8 names, a data descriptor after the data;
+ * 0x0800 and no descriptor for an empty entry), no time or date, CRC and
+ * sizes 0 in the local header and given in the data descriptor, ZIP64 extra fields holding only what overflows, and the ZIP64
+ * end records always.
  */
 #include "ferry_tools.h"
 
@@ -18,13 +28,14 @@
 #define SIG_END 0x06054b50u
 #define SIG_END64 0x06064b50u
 #define SIG_END64_LOCATOR 0x07064b50u
+#define SIG_DATA_DESCRIPTOR 0x08074b50u
 #define EXTRA_ZIP64 0x0001u
 #define EXTRA_PADDING 0x4246u /* "FB": torch.save's alignment padding */
 #define DATA_ALIGNMENT 64
-#define VERSION_CLASSIC 20
-#define VERSION_ZIP64 45
+#define END64_MADE_BY 0x031eu /* miniz's: Unix, spec 3.0 */
+#define END64_NEEDED 45
 #define FLAG_UTF8_NAME 0x0800u
-#define DOS_DATE_1980_01_01 0x0021u /* fixed: the same state gives the same file */
+#define FLAG_DESCRIPTOR 0x0008u /* CRC-32 and sizes in a data descriptor */
 #define WRITE_BUFFER 65536
 #define DIRECT_WRITE_MIN 16384 /* larger pieces skip the buffer */
 
@@ -92,30 +103,6 @@ static int emit(zip_writer *z, const void *data, size_t n) {
   return 0;
 }
 
-/* Overwrite 4 bytes at archive offset `at`, in the buffer if still there. */
-static int patch32(zip_writer *z, uint64_t at, uint32_t v) {
-  unsigned char b[4];
-  put32(b, v);
-  if (at >= z->flushed) {
-    memcpy(z->buf + (at - z->flushed), b, 4);
-    return 0;
-  }
-  const unsigned char *p = b;
-  size_t n = 4;
-  while (n) {
-    ssize_t w = pwrite(z->fd, p, n, (off_t)at);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      z->failed_op = "pwrite";
-      return w < 0 ? errno : EIO;
-    }
-    p += w;
-    n -= (size_t)w;
-    at += (uint64_t)w;
-  }
-  return 0;
-}
-
 /* ---- the archive -------------------------------------------------------- */
 int zipw_init(zip_writer *z, int fd) {
   memset(z, 0, sizeof *z);
@@ -138,10 +125,8 @@ void zipw_free(zip_writer *z) {
   z->n_entries = z->cap_entries = 0;
 }
 
-static uint16_t name_flags(const char *name, size_t len) {
-  for (size_t i = 0; i < len; i++)
-    if ((unsigned char)name[i] >= 0x80) return FLAG_UTF8_NAME;
-  return 0;
+static uint32_t entry_flags(const zip_entry_info *e) {
+  return e->size ? FLAG_UTF8_NAME | FLAG_DESCRIPTOR : FLAG_UTF8_NAME;
 }
 
 int zipw_begin_entry(zip_writer *z, const char *name, uint64_t size) {
@@ -173,32 +158,39 @@ int zipw_begin_entry(zip_writer *z, const char *name, uint64_t size) {
   e->crc = 0;
   z->n_entries++;
 
-  int zip64 = size >= threshold();
-  size_t z64_len = zip64 ? 4 + 16 : 0;
+  /* a ZIP64 extra field with the sizes and/or the offset that overflow;
+   * with one, the data descriptor's sizes are 64-bit */
+  uint64_t thr = threshold();
+  int big_size = size >= thr, big_offset = e->header_offset >= thr;
+  e->zip64 = big_size || big_offset;
+  size_t z64_len = e->zip64 ? 4 + (big_size ? 16 : 0) + (big_offset ? 8 : 0) : 0;
   uint64_t before_pad = z->offset + 30 + len + z64_len + 4;
   size_t pad = (size_t)((DATA_ALIGNMENT - before_pad % DATA_ALIGNMENT) % DATA_ALIGNMENT);
 
-  unsigned char h[30 + 20 + 4 + DATA_ALIGNMENT], *p = h;
+  unsigned char h[30 + 28 + 4 + DATA_ALIGNMENT], *p = h;
   p = put32(p, SIG_LOCAL);
-  p = put16(p, zip64 ? VERSION_ZIP64 : VERSION_CLASSIC);
-  p = put16(p, name_flags(name, len));
+  p = put16(p, 0); /* version needed */
+  p = put16(p, entry_flags(e));
   p = put16(p, 0); /* stored */
-  p = put16(p, 0); /* time 00:00 */
-  p = put16(p, DOS_DATE_1980_01_01);
-  p = put32(p, 0); /* CRC-32, patched by end_entry */
-  p = put32(p, zip64 ? 0xffffffffu : (uint32_t)size);
-  p = put32(p, zip64 ? 0xffffffffu : (uint32_t)size);
+  p = put16(p, 0); /* time */
+  p = put16(p, 0); /* date */
+  p = put32(p, 0); /* CRC-32 and sizes: in the data descriptor */
+  p = put32(p, 0);
+  p = put32(p, 0);
   p = put16(p, (uint32_t)len);
   p = put16(p, (uint32_t)(z64_len + 4 + pad));
   int rc = emit(z, h, (size_t)(p - h));
   if (!rc) rc = emit(z, name, len);
   if (rc) return rc;
   p = h;
-  if (zip64) {
+  if (e->zip64) {
     p = put16(p, EXTRA_ZIP64);
-    p = put16(p, 16);
-    p = put64(p, size);
-    p = put64(p, size);
+    p = put16(p, (uint32_t)(z64_len - 4));
+    if (big_size) { /* torch.save's: the compressed size left 0 here */
+      p = put64(p, size);
+      p = put64(p, 0);
+    }
+    if (big_offset) p = put64(p, e->header_offset);
   }
   p = put16(p, EXTRA_PADDING);
   p = put16(p, (uint32_t)pad);
@@ -239,7 +231,18 @@ int zipw_end_entry(zip_writer *z) {
   }
   z->open = 0;
   e->crc = z->crc;
-  return patch32(z, e->header_offset + 14, e->crc);
+  if (!e->size) return 0; /* an empty entry has no descriptor */
+  unsigned char d[24], *p = d;
+  p = put32(p, SIG_DATA_DESCRIPTOR);
+  p = put32(p, e->crc);
+  if (e->zip64) {
+    p = put64(p, e->size);
+    p = put64(p, e->size);
+  } else {
+    p = put32(p, (uint32_t)e->size);
+    p = put32(p, (uint32_t)e->size);
+  }
+  return emit(z, d, (size_t)(p - d));
 }
 
 int zipw_finish(zip_writer *z) {
@@ -257,12 +260,12 @@ int zipw_finish(zip_writer *z) {
     size_t extra_len = z64_fields ? 4 + 8 * z64_fields : 0;
     unsigned char h[46 + 4 + 24], *p = h;
     p = put32(p, SIG_CENTRAL);
-    p = put16(p, VERSION_ZIP64); /* made by: MS-DOS attributes, spec 4.5 */
-    p = put16(p, z64_fields ? VERSION_ZIP64 : VERSION_CLASSIC);
-    p = put16(p, name_flags(e->name, e->name_len));
-    p = put16(p, 0);
-    p = put16(p, 0);
-    p = put16(p, DOS_DATE_1980_01_01);
+    p = put16(p, 0); /* made by */
+    p = put16(p, 0); /* version needed */
+    p = put16(p, entry_flags(e));
+    p = put16(p, 0); /* stored */
+    p = put16(p, 0); /* time */
+    p = put16(p, 0); /* date */
     p = put32(p, e->crc);
     p = put32(p, big_size ? 0xffffffffu : (uint32_t)e->size);
     p = put32(p, big_size ? 0xffffffffu : (uint32_t)e->size);
@@ -289,14 +292,13 @@ int zipw_finish(zip_writer *z) {
   }
   uint64_t cd_size = z->offset - cd_start;
   uint64_t n = z->n_entries;
-  int zip64 = n >= 0xffff || cd_start >= thr || cd_size >= thr;
   unsigned char h[56 + 20 + 22], *p = h;
-  if (zip64) {
+  { /* the ZIP64 end records, always (torch.save's) */
     uint64_t end64_at = z->offset;
     p = put32(p, SIG_END64);
     p = put64(p, 44); /* size of the rest of this record */
-    p = put16(p, VERSION_ZIP64);
-    p = put16(p, VERSION_ZIP64);
+    p = put16(p, END64_MADE_BY);
+    p = put16(p, END64_NEEDED);
     p = put32(p, 0);
     p = put32(p, 0);
     p = put64(p, n);
@@ -313,8 +315,8 @@ int zipw_finish(zip_writer *z) {
   p = put16(p, 0);
   p = put16(p, n >= 0xffff ? 0xffffu : (uint32_t)n);
   p = put16(p, n >= 0xffff ? 0xffffu : (uint32_t)n);
-  p = put32(p, zip64 && cd_size >= thr ? 0xffffffffu : (uint32_t)cd_size);
-  p = put32(p, zip64 && cd_start >= thr ? 0xffffffffu : (uint32_t)cd_start);
+  p = put32(p, cd_size >= thr ? 0xffffffffu : (uint32_t)cd_size);
+  p = put32(p, cd_start >= thr ? 0xffffffffu : (uint32_t)cd_start);
   p = put16(p, 0); /* comment */
   if ((rc = emit(z, h, (size_t)(p - h)))) return rc;
   return flush(z);
