@@ -67,6 +67,36 @@ def assert_bit_identical(a, b, what):
     assert torch.equal(bits(a), bits(b)), f"{what}: values differ (max abs diff {(a.double() - b.double()).abs().max().item()})"
 
 
+def load_saved(path):
+    """torch.load of a checkpoint, whole objects allowed (torch 1.13 has no
+    weights_only)."""
+    if "weights_only" in torch.load.__code__.co_varnames:
+        return torch.load(path, weights_only=False)
+    return torch.load(path)
+
+
+def assert_same_saved(a, b, where="obj", strict=False):
+    """Structure and values equal, tensors bit for bit; strict also compares
+    strides and container types (what torch.save itself preserves)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: {type(b)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert not strict or a.stride() == b.stride(), f"{where}: strides {a.stride()} vs {b.stride()}"
+        assert torch.equal(bits(a), bits(b)), f"{where}: values differ"
+    elif isinstance(a, dict):
+        assert not strict or type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+        assert list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_same_saved(a[k], b[k], f"{where}.{k}", strict)
+    elif isinstance(a, (list, tuple)):
+        assert not strict or type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_saved(x, y, f"{where}.{i}", strict)
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
 def train(make_model, make_batch, loss_fn, steps=3, offload=None, after_backward=None):
     """Train `steps` AdamW steps; returns [(loss, [grads])] per step and the model.
 

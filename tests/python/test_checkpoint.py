@@ -25,38 +25,14 @@ import torch
 import ferry
 import ferry.torch as ft
 from ferry.checkpoint import CheckpointError, CheckpointIOError, describe
+from conftest import assert_same_saved, load_saved as load
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 
-def bits(t):
-    t = t.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.dtype != torch.bool else t
-
-
 def assert_same(a, b, where="obj"):
-    """Structure and values equal, tensors bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{where}: {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
-        assert torch.equal(bits(a), bits(b)), f"{where}: values differ"
-    elif isinstance(a, dict):
-        assert type(a) is type(b) and list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{where}: {type(a)} vs {type(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}.{i}")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
-
-
-def load(path):
-    if "weights_only" in torch.load.__code__.co_varnames:
-        return torch.load(path, weights_only=False)
-    return torch.load(path)
+    assert_same_saved(a, b, where, strict=True)
 
 
 def clone_state(x):

@@ -14,27 +14,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from ferry.checkpoint import CheckpointIOError, describe  # noqa: E402
 from ferry.lightning import StagedCheckpointIO, StagedCheckpointCallback, strategy_support  # noqa: E402
-
-
-def load(path):
-    return torch.load(path, weights_only=False)
-
-
-def assert_same(a, b, where="ckpt"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                           b.contiguous().view(-1).view(torch.uint8)), f"{where}: values differ"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}.{i}")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
+from conftest import assert_same_saved as assert_same, load_saved as load  # noqa: E402
 
 
 class Tag:
