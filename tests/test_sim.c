@@ -13,6 +13,7 @@
 #include <valgrind/valgrind.h>
 
 #include "test.h"
+#include "test_synth.h"
 
 #define CHECK_NEAR(a, b, tol)                                                          \
   do {                                                                                 \
@@ -710,7 +711,6 @@ TEST(sim_synth_llama_shapes_and_sizes) {
 }
 
 /* ---- what each op saves, fused and eager ------------------------------------------- */
-static char *synth_text_of(const synth_model *m, char *err, size_t errlen);
 static uint64_t alloc_bytes(const sim_trace *t, const char *what);
 
 /* One expected pack: module path below the layer (the whole path outside),
@@ -976,21 +976,6 @@ static uint64_t trace_layer_recompute_bytes(const sim_trace *t, int layer) {
       total += x->desc.bytes;
   }
   return total;
-}
-
-/* The synthesized text of m (malloc'd), NULL on error with err set. */
-static char *synth_text_of(const synth_model *m, char *err, size_t errlen) {
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *f = open_memstream(&buf, &len);
-  if (!f) return NULL;
-  int rc = synth_write(m, f, err, errlen);
-  fclose(f);
-  if (rc) {
-    free(buf);
-    return NULL;
-  }
-  return buf;
 }
 
 /* Per mode, what a Llama/Qwen3 layer keeps from forward to backward, by hand

@@ -10,6 +10,7 @@
 
 #include "ferry_tools.h"
 #include "test.h"
+#include "test_synth.h"
 
 #define NEAR(a, b, tol)                                                                   \
   do {                                                                                    \
@@ -21,23 +22,9 @@
     }                                                                                     \
   } while (0)
 
-static char *text_of(const synth_model *m, char *err, size_t errlen) {
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *f = open_memstream(&buf, &len);
-  if (!f) return NULL;
-  int rc = synth_write(m, f, err, errlen);
-  fclose(f);
-  if (rc) {
-    free(buf);
-    return NULL;
-  }
-  return buf;
-}
-
 static int trace_of(const synth_model *m, sim_trace **t) {
   char err[512] = "";
-  char *text = text_of(m, err, sizeof err);
+  char *text = synth_text_of(m, err, sizeof err);
   if (!text) {
     fprintf(stderr, "synth: %s\n", err);
     return -1;
@@ -194,7 +181,7 @@ TEST(sim_synth_hook_sees_per_checkpoint_impl) {
   m.checkpoint = SYNTH_CKPT_FULL, m.ckpt_impl = 7;
   CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
   m.ckpt_impl = SYNTH_CKPT_IMPL_AUTO;
-  char *text = text_of(&m, err, sizeof err);
+  char *text = synth_text_of(&m, err, sizeof err);
   CHECK(text != NULL);
   char *nl = strchr(text, '\n');
   *nl = 0;
