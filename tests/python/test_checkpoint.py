@@ -172,7 +172,7 @@ def test_every_kind_of_tensor_pickles_as_torch_save_does(tmp_path):
             assert torch.equal(a.detach().resolve_conj().resolve_neg().to_dense(),
                                b.detach().resolve_conj().resolve_neg().to_dense()), k
     # the fast path ran where torch has what it needs (torch >= 2)
-    assert ck._plain_reduce_on is hasattr(torch.Tensor, "untyped_storage")
+    assert ferry._checkpoint_records._plain_reduce_on is hasattr(torch.Tensor, "untyped_storage")
 
 
 def _serialization_id_of(path):

@@ -57,337 +57,11 @@ __all__ = ["snapshot", "Snapshot", "Stager", "CheckpointError", "describe",
 _DISTRIBUTED_MODES = ("auto", "rank0", "all", "dcp")
 
 
-class CheckpointError(FerryError):
-    """A snapshot failed (I/O error, bad path, no memory). `path` is the
-    checkpoint's path, `code` the FERRY_E* name; an I/O error is also an
-    OSError."""
+from ._checkpoint_errors import CheckpointError, CheckpointIOError, _error  # noqa: E402,F401
+from ._checkpoint_records import (describe, _untyped, _torch_records, _container_records,  # noqa: E402,F401
+                                  _archive_name, _serialization_id, _dtype_name)
 
-    def __init__(self, message: str, path: Optional[str] = None,
-                 code: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.code = code
 
-    def __str__(self):
-        return self.args[0]
-
-
-class CheckpointIOError(CheckpointError, OSError):
-    """A snapshot that could not be written (disk full, unwritable path)."""
-
-
-def _error(message, path, code):
-    cls = CheckpointIOError if code == "FERRY_EIO" else CheckpointError
-    return cls(message, path, code)
-
-
-# ---- the structure -----------------------------------------------------------
-def _untyped(t):
-    """The untyped storage of a tensor (one Python object per call, one
-    StorageImpl: compare ._cdata)."""
-    if hasattr(t, "untyped_storage"):
-        return t.untyped_storage()
-    return t.storage()._storage  # torch 1.13
-
-
-# _untyped for describe's walk: the name of the tensor's method where torch
-# has one
-_untyped_storage = "untyped_storage" if hasattr(torch.Tensor, "untyped_storage") else _untyped
-
-
-def describe(obj: Any, keys: Optional[Iterable[Any]] = None) -> Dict[str, Any]:
-    """Walk dicts, lists and tuples like snapshot() does. Returns a dict:
-    tensors, tensor_bytes (of their storages, each counted once),
-    primitives (None/bool/int/float/str/bytes), objects (other objects,
-    passed through to the pickle unchanged) and skipped ("path: module.Type"
-    for each such object), plus paths {storage _cdata: (top-level key, path)} and
-    dtypes {storage _cdata: dtype of the first tensor seen on it}.
-    keys: only these top-level keys (None: all)."""
-    if keys is not None and isinstance(obj, dict):
-        roots = [(obj[k], str(k), str(k)) for k in keys if k in obj]
-    else:
-        roots = [(obj, "", "")]
-    # in C: snapshot() runs it on the training thread (an MLP's state and
-    # its AdamW moments: 27 -> 13 us in a loop, 80 -> 70 us right after a
-    # training step, where torch's getters on cache-cold tensors dominate)
-    tensors, tensor_bytes, primitives, objects, skipped, paths, dtypes = \
-        _ferry.describe_walk(roots, torch.Tensor, _untyped_storage)
-    return {"tensors": tensors, "tensor_bytes": tensor_bytes, "primitives": primitives,
-            "objects": objects, "skipped": skipped, "paths": paths, "dtypes": dtypes}
-
-
-# ---- torch.save's records, made by torch -------------------------------------
-# torch.serialization._save (the body of torch.save) pickles the object with
-# torch's own pickler and hands each record to a zip writer; _Recorder is that
-# writer, keeping the small records and, for each storage, only its name and
-# size: ferry stages and writes the storage bytes. The storages themselves
-# are learned through a location tagger (torch.serialization.register_package),
-# which torch's persistent_id calls for every storage right after giving it
-# its key, so the order of first sight is the key order.
-_tls = threading.local()
-_tagger_registered = False
-
-
-def _record_storage(storage):
-    seen = getattr(_tls, "storages", None)
-    if seen is not None and storage._cdata not in seen:
-        seen[storage._cdata] = storage
-    return None  # let torch's own taggers name the location
-
-
-def _register_tagger():
-    global _tagger_registered
-    if not _tagger_registered:
-        # first in the registry (lowest priority value), never answering
-        torch.serialization.register_package(-(1 << 62), _record_storage,
-                                             lambda storage, location: None)
-        _tagger_registered = True
-
-
-class _Recorder:
-    """The zip writer torch.serialization._save writes to."""
-
-    def __init__(self):
-        self.records = []  # (name, bytes or None for a storage, nbytes)
-
-    def write_record(self, name, data, nbytes):
-        if name.startswith("data/"):
-            self.records.append((name, None, int(nbytes)))  # the storage: staged by ferry
-            return
-        if isinstance(data, str):
-            data = data.encode()
-        self.records.append((name, bytes(data)[:nbytes], int(nbytes)))
-
-    def write_record_metadata(self, name, nbytes):  # torch >= 2.5 under skip_data()
-        self.records.append((name, None, int(nbytes)))
-
-
-# Whether objects of a type are storages, the only objects torch's
-# persistent_id names (isinstance of TypedStorage or one of torch's storage
-# classes: a question of the type alone).
-_is_storage_type = {}
-
-
-def _is_storage(obj):
-    return isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)
-
-
-def _storages_only(pid):
-    """torch's persistent_id pid, asked only about storages. The pickler asks
-    persistent_id about every object it writes (about 700 for an MLP and its
-    AdamW state); torch's answers None for all but the storages after two
-    Python calls, _ferry.StorageFilter after a dict lookup in C (torch's pass
-    over that state: 0.82 -> 0.76 ms with the same filter in Python, 0.72 ms
-    in C). The answers are the same, so is the pickle
-    (test_file_is_what_torch_save_writes compares data.pkl with torch.save's)."""
-    return _ferry.StorageFilter(pid, _is_storage_type, _is_storage)
-
-
-# ---- a plain tensor's reduction, without torch's checks -----------------------
-# Tensor.__reduce_ex__ goes through about 15 checks in Python (device, layout,
-# quantized, sparse, nested, subclass, fake) before it builds, for a plain
-# dense tensor, (_rebuild_tensor_v2, (TypedStorage, offset, size, stride,
-# requires_grad, OrderedDict())). For exactly those tensors the pickler gets
-# the same tuple from _plain_reduce, built directly: the same bytes in
-# data.pkl (test_every_kind_of_tensor_pickles_as_torch_save_does), 350 -> 245
-# us for the pickle of an MLP's state and its AdamW moments (32 tensors,
-# torch 2.15). Anything else goes to torch, and so does every tensor of a
-# process where _plain_reduce_agrees finds an answer unlike torch's.
-_Tensor = torch.Tensor
-_has_names = getattr(_Tensor, "has_names", None)  # named tensors: gone in later torch
-# None: not checked yet in this process; never on torch 1.x, whose reduction
-# reads the storage through Tensor.storage(), the cost itself
-_plain_reduce_on = None if hasattr(_Tensor, "untyped_storage") else False
-
-
-def _plain_dense(t):
-    return (type(t) is _Tensor and not t.__dict__ and not t._backward_hooks
-            and t.layout is torch.strided and not t.is_quantized
-            and not getattr(t, "is_nested", False) and not t.is_conj() and not t.is_neg()
-            and (_has_names is None or not _has_names(t)) and t.dtype not in _v3_dtypes
-            and t.device.type in ("cpu", "cuda"))
-
-
-def _plain_reduce(t):
-    if not _plain_dense(t):
-        return NotImplemented
-    storage = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype,
-                                         **_typed_internal)
-    return (torch._utils._rebuild_tensor_v2,
-            (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad,
-             collections.OrderedDict()))
-
-
-def _plain_reduce_agrees():
-    """Whether _plain_reduce gives what torch's __reduce_ex__ gives for the
-    tensors it takes, checked on probes once per process."""
-    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    probes = [base, base[1:, ::2], base.t(), torch.zeros(3, dtype=torch.float16),
-              torch.ones(2, dtype=torch.bfloat16), torch.arange(5), torch.ones(3) > 0,
-              torch.tensor(2.5), torch.empty(0), torch.ones(2, requires_grad=True)]
-    for t in probes:
-        ours, theirs = _plain_reduce(t), t.__reduce_ex__(torch.serialization.DEFAULT_PROTOCOL)
-        if ours is NotImplemented or ours[0] is not theirs[0] or len(ours[1]) != len(theirs[1]):
-            return False
-        (st, *rest), (their_st, *their_rest) = ours[1], theirs[1]
-        if (type(st) is not type(their_st) or st.dtype != their_st.dtype
-                or st._untyped_storage._cdata != their_st._untyped_storage._cdata
-                or rest != their_rest or [type(x) for x in rest] != [type(x) for x in their_rest]):
-            return False
-    return True
-
-
-def _storage_new_dtypes():
-    new = getattr(torch.storage, "_new_dtypes", None)
-    return frozenset(new()) if new is not None else frozenset()
-
-
-_v3_dtypes = _storage_new_dtypes()  # torch >= 2.3 saves these with _rebuild_tensor_v3
-_typed_internal = ({"_internal": True} if "_internal" in  # no deprecation warning
-                   inspect.signature(torch.storage.TypedStorage.__init__).parameters else {})
-
-
-class _Pickler(pickle.Pickler):
-    """pickle.Pickler whose persistent_id, however torch sets it, is asked
-    only about storages: torch >= 2.x subclasses it with a persistent_id
-    method, torch 1.x assigns the attribute. Plain dense tensors are reduced
-    by _plain_reduce."""
-
-    def reducer_override(self, obj):
-        global _plain_reduce_on
-        if type(obj) is not _Tensor:
-            return NotImplemented
-        if _plain_reduce_on is None:
-            _plain_reduce_on = _plain_reduce_agrees()
-        return _plain_reduce(obj) if _plain_reduce_on else NotImplemented
-
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        pid = cls.__dict__.get("persistent_id")
-        if callable(pid):
-            cls.persistent_id = _storages_only(pid)
-
-    def __setattr__(self, name, value):
-        if name == "persistent_id" and callable(value):
-            value = _storages_only(value)
-        super().__setattr__(name, value)
-
-
-class _PickleModule:
-    Pickler = _Pickler  # all torch.serialization._save takes from its pickle_module
-
-
-_save_takes_byteorder = None
-
-
-def _run_save(obj, skip):
-    """One pass of torch.serialization._save into a _Recorder, under
-    skip_data when skip is given: (records, storages in key order)."""
-    global _save_takes_byteorder
-    rec = _Recorder()
-    args = [obj, rec, _PickleModule, torch.serialization.DEFAULT_PROTOCOL]
-    if _save_takes_byteorder is None:
-        _save_takes_byteorder = ("_disable_byteorder_record"
-                                 in inspect.signature(torch.serialization._save).parameters)
-    if _save_takes_byteorder:
-        args.append(False)
-    _tls.storages = {}
-    try:
-        with (skip() if skip is not None else contextlib.nullcontext()):
-            torch.serialization._save(*args)
-    finally:
-        storages = list(_tls.storages.values())
-        _tls.storages = None
-    return rec.records, storages
-
-
-def _torch_records(obj):
-    """torch.save's records for obj, made by torch: ([(name, bytes or None,
-    nbytes)] in torch's order, [untyped storage] in key order). Under
-    torch.serialization.skip_data (torch >= 2.5) torch copies no storage
-    bytes; older torch (and objects skip_data refuses: quantized, nested)
-    copy device storages to the CPU here, which ferry then ignores."""
-    _register_tagger()
-    skip = getattr(torch.serialization, "skip_data", None)
-    try:
-        records, storages = _run_save(obj, skip)
-    except RuntimeError as e:
-        if skip is None or "skip_data" not in str(e):
-            raise
-        records, storages = _run_save(obj, None)  # e.g. a quantized tensor: the plain way
-    n_data = sum(1 for name, data, _ in records if data is None)
-    if n_data != len(storages):
-        raise CheckpointError(f"ferry.torch.snapshot: torch's serializer wrote {n_data} "
-                              f"storage record(s) but ferry saw {len(storages)}; this torch "
-                              f"({torch.__version__}) serializes differently than ferry "
-                              "expects: use torch.save", None, "FERRY_EINVAL")
-    return records, storages
-
-
-_container = None
-
-
-def _container_records():
-    """(prefix, records written after the data): what torch's zip container
-    (PyTorchStreamWriter) adds to _save's records, learned once from a
-    torch.save into memory ("version", ".data/serialization_id")."""
-    global _container
-    if _container is None:
-        buf = io.BytesIO()
-        torch.save({"t": torch.zeros(1)}, buf)
-        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
-            names = z.namelist()
-            prefix = names[0].split("/", 1)[0] + "/"
-            last_data = max(i for i, n in enumerate(names) if n[len(prefix):].startswith("data/"))
-            tail = [(n[len(prefix):], z.read(n)) for n in names[last_data + 1:]]
-        _container = (prefix, tail)
-    return _container
-
-
-def _torch_names_non_ascii_archive():
-    # torch >= 2 writes to a path that is not ASCII through a Python file
-    # object, which its writer names "archive"; torch 1.x names it by path
-    try:
-        return "ascii" in inspect.getsource(torch.serialization._open_zipfile_writer_file)
-    except (AttributeError, OSError, TypeError):
-        return int(torch.__version__.split(".")[0]) >= 2
-
-
-_non_ascii_archive = _torch_names_non_ascii_archive()
-
-
-def _archive_name(path):
-    """The directory name torch.save gives the records of the file at path
-    (its writer's rule): the base name ('/' and '\\' both separate) up to
-    its last '.'; "archive" for a path torch writes through a file object,
-    and where that leaves nothing (".hidden", which torch.save refuses)."""
-    if _non_ascii_archive and not path.isascii():
-        return "archive"
-    base = path[max(path.rfind("/"), path.rfind("\\")) + 1:]
-    dot = base.rfind(".")
-    return (base[:dot] if dot >= 0 else base) or "archive"
-
-
-# torch >= 2.x writes a 40-digit id per file; a fresh one per snapshot from a
-# generator seeded from the OS once per process (and again in a forked
-# child), not an os.urandom read per snapshot (25 us of the blocked time)
-_ids = random.Random()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_ids.seed)
-
-
-def _serialization_id():
-    return ("%040d" % _ids.randrange(10 ** 40)).encode()
-
-
-_dtype_names = {None: str(torch.uint8)}  # a storage no tensor named: its bytes
-
-
-def _dtype_name(dtype):
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype)
-    return name
 
 
 # ---- policies ------------------------------------------------------------------
@@ -783,9 +457,248 @@ def _wait_at_exit():
         os._exit(1)
 
 
-# ---- distributed: in _checkpoint_dcp.py ---------------------------------------------
-from ._checkpoint_dcp import (_dist, _has_sharded_tensors, _dcp, Stager,  # noqa: E402,F401
-                              _walk_tensors, _map_tensors, _DcpSnapshot, _dcp_save)
+# ---- distributed -------------------------------------------------------------------
+def _dist():
+    d = getattr(torch, "distributed", None)
+    if d is None or not d.is_available() or not d.is_initialized():
+        return None
+    return d
+
+
+def _has_sharded_tensors(obj):
+    names = ("DTensor", "ShardedTensor")
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if type(x).__name__ in names:
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return False
+
+
+def _dcp():
+    try:
+        import torch.distributed.checkpoint as dcp
+    except ImportError:
+        return None
+    return dcp if hasattr(dcp, "save") or hasattr(dcp, "save_state_dict") else None
+
+
+class Stager:
+    """torch.distributed.checkpoint's AsyncStager protocol, staging through
+    ferry: ``dcp.async_save(state_dict, checkpoint_id=path,
+    async_stager=ferry.checkpoint.Stager())``.
+
+    stage() takes a buffer of the engine's pinned arena for each tensor
+    (DTensor: its local shard), under the engine's host cap, and queues the
+    copy on the engine's copy stream after the work already on the compute
+    stream (a worker thread on the host backend); it returns at once a
+    Future of the staged state dict, which a ferry thread completes when the
+    copies are done. DCP's writer waits for it; so must training before it
+    changes the tensors in place (AsyncSaveResponse.staging_completion, or
+    ferry.torch.snapshot(..., distributed="dcp") and its fence()). The
+    pinned buffers go back to the arena when DCP drops the staged dict.
+    Tensors that are not contiguous are made contiguous first (a copy on
+    the compute stream); values that are not tensors are passed as they
+    are, as torch's own stagers do.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self, *, policy: Optional[PolicyLike] = None, backend: Optional[str] = None,
+                 host_cap: Optional[Union[int, str]] = None, **knobs: Any) -> None:
+        self._policy, self._backend, self._host_cap, self._knobs = policy, backend, host_cap, knobs
+        self._pool = None
+        self._last = None
+        self.engine = None  # the ferry.Engine whose arena holds the staged copies
+        self.stats = {}
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def _engine(self, devices):
+        backend, device = _backend_device(self._backend, devices, "ferry.checkpoint.Stager")
+        policy_path, _ = _snapshot_policy(self._policy)
+        return _engine_for(backend, device, policy_path, self._host_cap, self._knobs)
+
+    def stage(self, state_dict: Dict[str, Any]) -> concurrent.futures.Future:
+        # the last staged dict is DCP's (or gone) once its copies are done:
+        # holding it here would keep its pinned buffers under the cap
+        self.synchronize_staging()
+        self._last = None
+        tensors = []
+        _walk_tensors(state_dict, tensors)
+        devices = {t.device for t in tensors}
+        engine = self._engine(devices) if tensors else None
+        self.engine = engine or self.engine
+        residents = []
+        stats = {"tensors": 0, "staged_bytes": 0}
+
+        def stage_one(t):
+            if type(t).__name__ == "DTensor":
+                local = stage_one(t._local_tensor)
+                return type(t)(local, t._spec, requires_grad=False)
+            if type(t).__name__ == "ShardedTensor" or t.layout != torch.strided:
+                raise CheckpointError(f"ferry.checkpoint.Stager: cannot stage a "
+                                      f"{type(t).__name__} ({t.layout}); use DTensor state "
+                                      "dicts or torch's DefaultStager", None, "FERRY_EINVAL")
+            if not t.is_contiguous():
+                t = t.contiguous()
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                return torch.empty(t.shape, dtype=t.dtype)
+            try:
+                r = engine.resident(nbytes)
+            except FerryError as e:
+                raise _error(f"ferry.checkpoint.Stager: {e.args[0]}", None,
+                             e.args[1] if len(e.args) > 1 else None) from None
+            r.to_host(t.data_ptr())
+            residents.append((r, t))  # t kept alive until its copy is done
+            stats["tensors"] += 1
+            stats["staged_bytes"] += nbytes
+            return torch.frombuffer(r, dtype=t.dtype).view(t.shape)
+
+        staged = _map_tensors(state_dict, stage_one)
+        self.stats = stats
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "ferry-stager")
+
+        def finish():
+            for r, _ in residents:
+                r.wait()
+            residents.clear()
+            return staged
+
+        self._last = self._pool.submit(finish)
+        return self._last
+
+    def synchronize_staging(self) -> None:
+        """Block until the last stage()'s copies are done."""
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        """Stop the staging thread and drop the last staged dict (its pinned
+        buffers go back to the arena once DCP has let go of it too)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._last = None
+
+
+def _walk_tensors(x, out):
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _walk_tensors(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _walk_tensors(v, out)
+
+
+def _map_tensors(x, fn):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        out = type(x)() if type(x) in (dict, collections.OrderedDict) else {}
+        for k, v in x.items():
+            out[k] = _map_tensors(v, fn)
+        return out
+    if isinstance(x, list):
+        return [_map_tensors(v, fn) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in x)
+    return x
+
+
+class _DcpSnapshot(Snapshot):
+    """A torch.distributed.checkpoint save (sharded state: DTensor). With
+    dcp.async_save taking an async_stager, ferry's Stager stages it: fence()
+    waits for the staging, done()/wait() for the write."""
+
+    def __init__(self, path, staging, upload, stats):
+        super().__init__(path, None, stats)
+        self.stager = None  # ferry's Stager, when DCP took one
+        self._staging = staging
+        self._future = upload
+        self._ok = upload is None
+
+    @property
+    def fenced(self) -> bool:
+        return self._staging is None or self._staging.done()
+
+    def fence(self) -> None:
+        """Wait until the staged copy is complete: then the tensors may be
+        modified."""
+        try:
+            if self._staging is not None:
+                self._staging.result()
+        except Exception as e:  # noqa: BLE001 - reported with the path
+            self._exc = CheckpointError(f"snapshot {self.path}: staging failed: {e}",
+                                        self.path, getattr(e, "code", None) or "FERRY_EIO")
+            raise self._exc from e
+        finally:
+            self._disarm()
+
+    def done(self) -> bool:
+        if self._exc is not None:
+            raise self._exc
+        if not self._ok and self._future.done():
+            self.wait()
+        return self._ok
+
+    def wait(self) -> Snapshot:
+        if self._exc is not None:
+            raise self._exc
+        if not self._ok:
+            try:
+                self._future.result()
+            except Exception as e:  # noqa: BLE001 - reported with the path
+                self._exc = CheckpointError(f"snapshot {self.path}: torch.distributed.checkpoint "
+                                            f"failed: {e}", self.path, "FERRY_EIO")
+                raise self._exc from e
+            finally:
+                if self.stager is not None:
+                    self.stager.close()
+            self._finish()
+        return self
+
+
+def _dcp_save(obj, path, stats, stager_kwargs):
+    dcp = _dcp()
+    if dcp is None:
+        raise CheckpointError(
+            f"ferry.torch.snapshot({path!r}): distributed='dcp' needs "
+            f"torch.distributed.checkpoint, which this torch ({torch.__version__}) lacks",
+            path, "FERRY_EINVAL")
+    stats["mode"] = "dcp"
+    async_save = getattr(dcp, "async_save", None)
+    if async_save is not None and "async_stager" in inspect.signature(async_save).parameters:
+        stager = Stager(**stager_kwargs)
+        resp = async_save(obj, checkpoint_id=path, async_stager=stager)
+        staging = getattr(resp, "staging_completion", None) or stager._last
+        upload = getattr(resp, "upload_completion", resp)
+        upload.add_done_callback(lambda _: stager.close())
+        stats.update(stager="ferry", staged=stager.stats["tensors"],
+                     staged_bytes=stager.stats["staged_bytes"])
+        h = _DcpSnapshot(path, staging, upload, stats)
+        h.stager = stager
+        return h
+    stats["stager"] = "torch"  # older torch: DCP stages (or writes) by itself
+    if async_save is not None:
+        fut = async_save(obj, checkpoint_id=path)
+        return _DcpSnapshot(path, None, getattr(fut, "upload_completion", fut), stats)
+    if hasattr(dcp, "save"):
+        dcp.save(obj, checkpoint_id=path)
+    else:
+        dcp.save_state_dict(obj, dcp.FileSystemWriter(path))
+    return _DcpSnapshot(path, None, None, stats)
 
 
 def _arm(h, optimizer, module, fence_hooks):
