@@ -14,101 +14,10 @@
 
 #include "cli.h"
 #include "ferry_tools.h"
+#include "cli_sim.h"
 
 #define MAX_RUNS 256
 
-static void sim_usage(FILE *f) {
-  fprintf(f,
-          "usage: ferry sim --policy P[,P2...] --trace T [--hw %s] [options]\n"
-          "       ferry sim --demo DIR\n"
-          "\n"
-          "Replays trace T through the real engine on a virtual clock, once without\n"
-          "offloading and once per policy, and compares them.\n"
-          "\n"
-          "  --policy LIST       policy files, comma-separated (a bare name is looked up in\n"
-          "                      policies/, e.g. default, layers, budget; - reads stdin)\n"
-          "  --trace FILE        trace (docs/trace-format.md; `ferry trace synth` writes one;\n"
-          "                      - reads stdin)\n"
-          "  --hw NAME           link preset (default h100)\n"
-          "  --link SPEC         override it: h2d=55GB/s,d2h=55GB/s,latency=5us,duplex=0.9\n"
-          "                      (also duplex_h2d=, duplex_d2h=)\n"
-          "  --steps N           steps to replay, cycling the trace's (default 3)\n"
-          "  --sweep KNOB=A..B[:STEP]  run each policy with `local KNOB = v` for v in A..B\n"
-          "  --recorded          also replay the decisions recorded in the trace\n"
-          "  --host-cap BYTES    pinned host cap (suffixes K, M, G)\n"
-          "  --host-ram BYTES    host RAM this rank counts on (policies' host_ram_used_pct);\n"
-          "                      default: the preset's (node RAM / GPUs), never this machine's\n"
-          "  --mfu F             sustained fraction of the preset's BF16 peak for compute that\n"
-          "                      carries FLOPs in the trace, synthesized traces included\n"
-          "                      (default 0.40: Llama 3 on H100)\n"
-          "  --tflops X          achieved TFLOP/s instead (overrides --mfu)\n"
-          "  --hbm GBPS          achieved device-memory bandwidth, GB/s, for the memory-bound\n"
-          "                      ops of synthesized traces (default: 0.60 of the preset's)\n"
-          "  --release-copied    the engine frees a forward-stash buffer once its copy is done\n"
-          "                      (config.release_when_copied), not only when pushed out\n"
-          "  --prefetch-at-backward  start the policy's first reloads at backward_begin\n"
-          "                      (config.prefetch_at_backward_begin), not the first unpack\n"
-          "  --warmup N          steps left out of the steady figures (default 1), and\n"
-          "                      those up to the last in which the pinned arena grew;\n"
-          "                      0: every step counts\n"
-          "  --untracked auto|off|BYTES  device memory the trace does not hold (never saved\n"
-          "                      for backward: the loss's transients, workspaces), added to\n"
-          "                      every peak; auto (default): the peak a trace recorded on a\n"
-          "                      GPU measured (device_peak) less its own decisions' peak here\n"
-          "  --pinned SPEC       pinned allocation cost: pool=on|off,alloc=3ms,touch=2.5GB/s\n"
-          "                      (pool=on: the engine's arena pays once, when it grows; off:\n"
-          "                      every offload pays a fresh allocation; alloc=0 touch=0: free)\n"
-          "  --optimizer-fraction F[,F2...]  also step this share of the optimizer on the\n"
-          "                      host (ferry.torch.offload_optimizer): its states leave the\n"
-          "                      device; gradients D2H, a CPU Adam step, parameters H2D. One\n"
-          "                      run per policy and share (without --policy: no activation\n"
-          "                      offload), against the plain baseline\n"
-          "  --cpu-adam RATE     host Adam rate, parameters/s per rank (default %.3g:\n"
-          "                      DeepSpeed's CPU-Adam on a node shared by 8 GPUs)\n"
-          "  --optimizer-overlap on|off  on (default): the host step overlaps the device\n"
-          "                      share's, the parameters' copies the next forward; off: serial\n"
-          "  --weight-layers L[,L2...]  also offload the weights of repeated blocks\n"
-          "                      (ferry.torch.offload_weights): N = the first N blocks,\n"
-          "                      A..B = blocks A to B; D2H after each one's forward, H2D\n"
-          "                      before its backward. One run per policy and item\n"
-          "                      (without --policy: no activation offload)\n"
-          "  --weight-double-buffer on|off  on (default): a block's reload issues its\n"
-          "                      neighbour's behind it (double_buffer=True)\n"
-          "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
-          "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
-          "  --svg FILE          memory over the last step: device (baseline and each\n"
-          "                      policy), pinned host, exposed stalls, backward's start, peaks\n"
-          "  --html FILE         one self-contained page (opens offline): the table, the SVG\n"
-          "                      and per-layer bars of bytes offloaded and kept per policy\n"
-          "  --no-layers         skip the per-layer table\n"
-          "  --max-line BYTES    longest trace line read (default 1M; longer is an error)\n"
-          "  -q, --quiet         errors only on stderr: no progress, policy log lines or\n"
-          "                      warnings (FERRY_LOG_FILE still gets errors; the report prints)\n"
-          "  -v, --verbose       also on stderr: each policy's file and each replay's wall\n"
-          "                      time and steps\n"
-          "  --fit DEVICE_BYTES  search policies/host_budget.lua's knobs (host bytes, layers\n"
-          "                      kept, stash, prefetch) for the lowest-overhead setting whose\n"
-          "                      steady peak fits DEVICE_BYTES; writes it as a policy.\n"
-          "                      --fit device: the --hw preset's exposed memory less\n"
-          "                      2.8 GiB (CUDA context, allocator fragmentation)\n"
-          "  --fit-host BYTES    host budget per rank for --fit (default: half --host-ram)\n"
-          "  --fit-out FILE      where --fit writes the policy (default fit.lua)\n"
-          "  --demo DIR          synthesize a Qwen3-14B fine-tune (seq 8192, FSDP over 8) that\n"
-          "                      does not fit an H100, dry-run default, layers and budget on\n"
-          "                      h100, find the policy that fits (--fit device); outputs in DIR\n"
-          "  -h, --help          this help\n"
-          "\n"
-          "An output FILE of - is stdout (one at a time; the table then goes to stderr).\n"
-          "Progress shows on stderr when it is a terminal.\n"
-          "\n"
-          "examples:\n"
-          "  ferry sim --policy default,layers,budget --trace llama3-8b.jsonl --hw h100\n"
-          "  ferry trace synth -o - | ferry sim --policy default --trace -\n"
-          "  ferry sim --policy default --trace t.jsonl --json - | jq '.policies[].step_us'\n"
-          "  ferry sim --policy budget --sweep FWD_STASH=1..8 --trace t.jsonl --no-layers\n"
-          "  ferry sim --fit device --trace t.jsonl --hw h100 --fit-out fit.lua\n",
-          sim_hw_names(), SIM_DEFAULT_CPU_ADAM);
-}
 
 
 static char *read_file(const char *path) {
@@ -158,149 +67,6 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Run settings common to every replay of a `ferry sim` command. */
-typedef struct sim_opts {
-  uint32_t steps;
-  int32_t warmup;
-  uint64_t host_cap, host_ram;
-  double pin_alloc_us, pin_touch_bytes_per_s;
-  int no_pool;
-  double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
-  double hbm;         /* device-memory bytes/s; 0: the preset's x SIM_DEFAULT_HBM_FRACTION */
-  int release_copied, prefetch_bwd;
-  double cpu_adam;     /* params/s per rank, 0 = the default */
-  int opt_serial;      /* --optimizer-overlap off */
-  int w_single;        /* --weight-double-buffer off */
-  /* --untracked: learned from a recorded run's device_peak, off, or the
-   * bytes given in untracked */
-  enum { UNTRACKED_AUTO = 0, UNTRACKED_OFF, UNTRACKED_GIVEN } untracked_mode;
-  uint64_t untracked;
-} sim_opts;
-
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0}
-#define MAX_FRACTIONS 16
-#define MAX_WEIGHT_ITEMS 16
-#define MAX_BLOCK 1000000 /* a block index or count no trace reaches */
-
-/* One item of --weight-layers: blocks first .. first + count - 1, and how
- * the item was written (N or A..B) for the run's label. */
-typedef struct weight_item {
-  int32_t first, count;
-  char text[32];
-} weight_item;
-
-/* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */
-static int parse_pinned(const char *spec, sim_opts *o) {
-  char buf[256];
-  snprintf(buf, sizeof buf, "%s", spec);
-  for (char *save = NULL, *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
-    char *eq = strchr(kv, '=');
-    if (!eq) goto bad;
-    *eq = 0;
-    const char *v = eq + 1;
-    if (!strcmp(kv, "pool")) {
-      if (!strcmp(v, "on")) o->no_pool = 0;
-      else if (!strcmp(v, "off")) o->no_pool = 1;
-      else goto bad;
-    } else if ((!strcmp(kv, "alloc") || !strcmp(kv, "touch")) && !strcmp(v, "0")) {
-      if (!strcmp(kv, "alloc")) o->pin_alloc_us = 0;
-      else o->pin_touch_bytes_per_s = 0;
-    } else if (!strcmp(kv, "alloc") || !strcmp(kv, "touch")) {
-      int alloc = !strcmp(kv, "alloc");
-      char what[32];
-      snprintf(what, sizeof what, "--pinned %s", kv);
-      double x; /* up to 1 s per allocation; 1 MB/s to 100 TB/s */
-      if (cli_number("sim", what, v, alloc ? FERRY_NUMBER_DURATION : FERRY_NUMBER_BANDWIDTH,
-                     alloc ? 0 : 1e6, alloc ? 1e6 : 1e14, 0, &x))
-        return -1;
-      if (alloc) o->pin_alloc_us = x;
-      else o->pin_touch_bytes_per_s = x;
-    } else {
-      goto bad;
-    }
-  }
-  return 0;
-bad:
-  fprintf(stderr, "ferry sim: --pinned %s: expected pool=on|off,alloc=TIME,touch=RATE "
-                  "(e.g. pool=off,alloc=3ms,touch=2.5GB/s)\n", spec);
-  return -1;
-}
-
-/* "0,0.25,1": shares of the optimizer stepped on the host, each 0..1. The
- * count, or -1 after a message naming the flag and the value. */
-static int parse_fractions(const char *spec, double *out) {
-  int n = 0;
-  const char *p = spec;
-  for (;;) {
-    size_t len = strcspn(p, ",");
-    char elem[64];
-    snprintf(elem, sizeof elem, "%.*s", (int)(len < sizeof elem ? len : sizeof elem - 1), p);
-    if (n == MAX_FRACTIONS) {
-      fprintf(stderr, "ferry sim: --optimizer-fraction %s: at most %d shares\n", spec,
-              MAX_FRACTIONS);
-      return -1;
-    }
-    if (len >= sizeof elem ||
-        cli_number("sim", "--optimizer-fraction", len >= sizeof elem ? spec : elem,
-                   FERRY_NUMBER_REAL, 0, 1, 0, &out[n]))
-      return -1;
-    n++;
-    if (!p[len]) return n;
-    p += len + 1;
-  }
-}
-
-/* "0,8,0..7": items of --weight-layers, each N (the first N blocks) or A..B
- * (blocks A to B, A <= B). The count, or -1 after a message naming the flag
- * and the value. */
-static int parse_weight_layers(const char *spec, weight_item *out) {
-  const char *flag = "--weight-layers";
-  int n = 0;
-  const char *p = spec;
-  for (;;) {
-    size_t len = strcspn(p, ",");
-    char elem[64];
-    if (len >= sizeof elem) {
-      fprintf(stderr, "ferry sim: %s %s: an item is too long\n", flag, spec);
-      return -1;
-    }
-    snprintf(elem, sizeof elem, "%.*s", (int)len, p);
-    if (n == MAX_WEIGHT_ITEMS) {
-      fprintf(stderr, "ferry sim: %s %s: at most %d items\n", flag, spec, MAX_WEIGHT_ITEMS);
-      return -1;
-    }
-    char *dots = strstr(elem, "..");
-    long a, b;
-    if (dots) {
-      char why[256];
-      double x, y;
-      *dots = 0;
-      if (ferry_parse_number(flag, elem, FERRY_NUMBER_COUNT, 0, MAX_BLOCK, 0, &x, why, sizeof why) ||
-          ferry_parse_number(flag, dots + 2, FERRY_NUMBER_COUNT, 0, MAX_BLOCK, 0, &y, why,
-                             sizeof why)) {
-        fprintf(stderr, "ferry sim: %s %s..%s: in the range, %s\n", flag, elem, dots + 2, why);
-        return -1;
-      }
-      a = (long)x;
-      b = (long)y;
-      if (b < a) {
-        fprintf(stderr, "ferry sim: %s %s..%s: expected A..B with A <= B\n", flag, elem, dots + 2);
-        return -1;
-      }
-      out[n].first = (int32_t)a;
-      out[n].count = (int32_t)(b - a + 1);
-      snprintf(out[n].text, sizeof out[n].text, "%ld..%ld", a, b);
-    } else {
-      if (cli_int("sim", flag, elem, 0, MAX_BLOCK, &a)) return -1;
-      out[n].first = 0;
-      out[n].count = (int32_t)a;
-      snprintf(out[n].text, sizeof out[n].text, "%ld", a);
-    }
-    n++;
-    if (!p[len]) return n;
-    p += len + 1;
-  }
-}
 
 typedef struct sim_job {
   char label[128];
@@ -722,7 +488,7 @@ int ferry_cli_sim(int argc, char **argv) {
       warmup_given = 1;
       break;
     case 'P':
-      if (parse_pinned(optarg, &o)) return 2;
+      if (sim_parse_pinned(optarg, &o)) return 2;
       break;
     case 'F': /* "device": the --hw preset's memory less the headroom */
       if (!strcmp(optarg, "device")) fit_device = 1;
@@ -750,7 +516,7 @@ int ferry_cli_sim(int argc, char **argv) {
       o.hbm *= 1e9;
       break;
     case 'o':
-      if ((n_fractions = parse_fractions(optarg, fractions)) < 0) return 2;
+      if ((n_fractions = sim_parse_fractions(optarg, fractions)) < 0) return 2;
       break;
     case 'A': /* 1000 params/s (a stalled host) to 10 T params/s (a generous bound) */
       if (cli_number("sim", "--cpu-adam", optarg, FERRY_NUMBER_REAL, 1e3, 1e13, 0, &o.cpu_adam))
@@ -764,7 +530,7 @@ int ferry_cli_sim(int argc, char **argv) {
       o.opt_serial = !strcmp(optarg, "off");
       break;
     case 'K':
-      if ((n_witems = parse_weight_layers(optarg, witems)) < 0) return 2;
+      if ((n_witems = sim_parse_weight_layers(optarg, witems)) < 0) return 2;
       break;
     case 'U':
       if (strcmp(optarg, "on") && strcmp(optarg, "off")) {

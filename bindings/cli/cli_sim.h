@@ -1,0 +1,49 @@
+/*
+ * cli_sim.h — what `ferry sim`'s command (cli_sim.c) shares with its
+ * option parsers and usage text (cli_sim_args.c).
+ */
+#ifndef FERRY_CLI_SIM_H
+#define FERRY_CLI_SIM_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "ferry_tools.h"
+
+/* Run settings common to every replay of a `ferry sim` command. */
+typedef struct sim_opts {
+  uint32_t steps;
+  int32_t warmup;
+  uint64_t host_cap, host_ram;
+  double pin_alloc_us, pin_touch_bytes_per_s;
+  int no_pool;
+  double mfu, tflops; /* compute from FLOPs: tflops, else peak x mfu */
+  double hbm;         /* device-memory bytes/s; 0: the preset's x SIM_DEFAULT_HBM_FRACTION */
+  int release_copied, prefetch_bwd;
+  double cpu_adam;     /* params/s per rank, 0 = the default */
+  int opt_serial;      /* --optimizer-overlap off */
+  int w_single;        /* --weight-double-buffer off */
+  /* --untracked: learned from a recorded run's device_peak, off, or the
+   * bytes given in untracked */
+  enum { UNTRACKED_AUTO = 0, UNTRACKED_OFF, UNTRACKED_GIVEN } untracked_mode;
+  uint64_t untracked;
+} sim_opts;
+
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define MAX_FRACTIONS 16
+#define MAX_WEIGHT_ITEMS 16
+#define MAX_BLOCK 1000000 /* a block index or count no trace reaches */
+
+/* One item of --weight-layers: blocks first .. first + count - 1, and how
+ * the item was written (N or A..B) for the run's label. */
+typedef struct weight_item {
+  int32_t first, count;
+  char text[32];
+} weight_item;
+
+void sim_usage(FILE *f);
+int sim_parse_pinned(const char *spec, sim_opts *o);
+int sim_parse_fractions(const char *spec, double *out);
+int sim_parse_weight_layers(const char *spec, weight_item *out);
+
+#endif
