@@ -251,14 +251,17 @@ def completion(top_cmds, commands, groups):
 COMPLETION_BODY = r'''
 # The shipped policies' names, from the folders `ferry` searches
 # (ferry_policy_find): $FERRY_POLICY_DIR, <prefix>/share/ferry/policies and
-# policies/ beside the binary (a build tree's share/ links to its sources).
+# policies/ beside the binary (a build tree's share/ links to its sources);
+# and, for a wheel's `ferry` (a Python script in <env>/bin that points the
+# binary at its package's policies), <env>/lib/python3*/*-packages/ferry/policies.
 _ferry_policy_names() {
   local bin dir f dirs=()
   if [[ -n ${FERRY_POLICY_DIR-} ]]; then
     IFS=: read -r -a dirs <<< "$FERRY_POLICY_DIR"
   fi
   bin=$(type -P -- "${COMP_WORDS[0]}" 2>/dev/null) && bin=$(readlink -f -- "$bin") &&
-    dirs+=("${bin%/*}/../share/ferry/policies" "${bin%/*}/policies")
+    dirs+=("${bin%/*}/../share/ferry/policies" "${bin%/*}/policies"
+           "${bin%/*}"/../lib/python3*/{site,dist}-packages/ferry/policies)
   for dir in "${dirs[@]}"; do
     for f in "$dir"/*.lua; do
       [[ -f $f ]] || continue

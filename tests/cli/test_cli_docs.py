@@ -113,14 +113,15 @@ def check_man(cmds):
             ok("groff -man -ww renders ferry.1 without a warning")
 
 
-def complete(*words, env=None):
+def complete(*words, env=None, bin_dir=None):
     """COMPREPLY of the completion for the command line `words` (the last is
-    the word being completed)."""
+    the word being completed), with `ferry` found in bin_dir (default: the
+    build's)."""
     script = (f'source "{BASH}"\n'
               'COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); COMPREPLY=()\n'
               '_ferry\n'
               'printf "%s\\n" "${COMPREPLY[@]}"\n')
-    path = os.path.dirname(FERRY) + os.pathsep + os.environ.get("PATH", "")
+    path = (bin_dir or os.path.dirname(FERRY)) + os.pathsep + os.environ.get("PATH", "")
     r = subprocess.run(["bash", "-c", script, "bash", *words], capture_output=True, text=True,
                        timeout=60, cwd=os.path.dirname(MAN),
                        env={**os.environ, "PATH": path, **(env or {})})
@@ -172,6 +173,23 @@ def check_completion(cmds):
                                      env={"FERRY_POLICY_DIR": d}):
             fail("FERRY_POLICY_DIR's policies offered")
     ok("shipped policy names after --policy/-p and for ferry check; FERRY_POLICY_DIR's too")
+    with tempfile.TemporaryDirectory() as env_root:
+        # A wheel installed into an environment: <env>/bin/ferry is pip's
+        # console script; the policies are in the package, not beside it.
+        bin_dir = os.path.join(env_root, "bin")
+        pkg = os.path.join(env_root, "lib", "python3.11", "site-packages", "ferry", "policies")
+        os.makedirs(bin_dir)
+        os.makedirs(pkg)
+        with open(os.path.join(pkg, "zz_wheel.lua"), "w") as f:
+            f.write("return {}\n")
+        script = os.path.join(bin_dir, "ferry")
+        with open(script, "w") as f:
+            f.write("#!/bin/sh\nexit 0\n")
+        os.chmod(script, 0o755)
+        if "zz_wheel" not in complete("ferry", "sim", "--policy", "zz", bin_dir=bin_dir):
+            fail("a wheel's policies (<env>/lib/python3*/site-packages/ferry/policies) offered")
+        else:
+            ok("a wheel's policies offered")
 
     hw = re.search(r"--hw ([a-z0-9, -]+)\]", help_of(["sim"])).group(1).split(", ")
     if complete("ferry", "sim", "--hw", "") != set(hw):
