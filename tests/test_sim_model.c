@@ -398,8 +398,11 @@ TEST(sim_fits_is_exposed_capacity_less_the_allowance) {
  * the gradient of its input, 2Th = 131072 B per layer, and under sharding
  * the unsharded gradients of its weights, freed after the block (FSDP's
  * reduce-scatter): tiny's matrices h·qd + 2h·kvd + qd·h + 3h·f = 589824 and
- * two norms 2h = 512 parameters, bf16: 1180672 B per layer; none unsharded
- * (they accumulate into the resident gradients). */
+ * two norms 2h = 512 parameters, bf16: 1180672 B per layer; and (issue 42
+ * item 6) the head's unit's (final norm h + lm_head V·h = 262400 parameters,
+ * 524800 B) and the embedding's (V·h, 524288 B). Unsharded, the same bytes
+ * are the gradients themselves (kept to the optimizer step), none of them
+ * "unsharded". */
 TEST(sim_block_backward_holds_saved_tensors_and_gradients) {
   static const char text[] =
       T_HDR T_BEGIN(1) "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":1000,\"dtype\":\"u8\","
@@ -426,11 +429,12 @@ TEST(sim_block_backward_holds_saved_tensors_and_gradients) {
   int n = 0;
   CHECK_EQ(alloc_bytes(t, "gradient: block input", &n), 2 * 131072);
   CHECK_EQ(n, 2);
-  CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 2 * 1180672);
+  CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 2 * 1180672 + 524800 + 524288);
   sim_trace_free(t);
   m.shard = 1;
   CHECK_OK(trace_of(&m, &t));
   CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 0);
+  CHECK_EQ(alloc_bytes(t, "gradient: weights", &n), 2 * 1180672 + 524800 + 524288);
   CHECK_EQ(alloc_bytes(t, "gradient: block input", &n), 2 * 131072);
   sim_trace_free(t);
   return 0;

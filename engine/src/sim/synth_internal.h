@@ -72,6 +72,10 @@ typedef struct op {
   saved outs[MAX_OUTS]; /* what it returns: what per-op SAC keeps when it saves the op */
   int n_saves;
   saved saves[MAX_SAVES]; /* what autograd saves for its backward */
+  int64_t extra_wgrad; /* weight-gradient elements its backward writes beyond its saved
+                          parameters' (the embedding's table, Liger's grad_weight) */
+  int wgrad_handed;    /* its weight gradient is a saved tensor handed over (Liger's
+                          grad_weight): it appears as that is released, after the op */
 } op;
 
 typedef struct op_list {
@@ -151,7 +155,21 @@ int ckpt_impl_of(const synth_model *m);
 const char *ckpt_impl_name(int impl);
 int hook_sees_kept(const synth_model *m);
 int hook_sees_recomputed(const synth_model *m);
+/* FSDP's units per tensor-parallel rank, as torchtitan wraps them
+ * (fully_shard on the embedding, on each block, on the final norm with the
+ * head): the parameters each all-gathers, and those whose gradients it
+ * reduce-scatters (a tied head's weight is the embedding's: gathered by
+ * both, its gradient written by the head's backward first). */
+typedef struct unit_sizes {
+  uint64_t embed, block, head;                /* parameters gathered */
+  uint64_t embed_grad, block_grad, head_grad; /* parameters with a gradient */
+} unit_sizes;
+
 /* synth_model.c */
+void unit_sizes_of(const synth_model *m, unit_sizes *u);
+uint64_t trained_of(const synth_model *m, uint64_t n);
+uint64_t sharded_grad_bytes(const synth_model *m, uint64_t n);
+uint64_t op_weight_elems(const op *o);
 uint64_t layer_matrices(const synth_model *m, int active);
 uint64_t layer_norms(const synth_model *m);
 double optimizer_step_bytes(const synth_model *m, const synth_resident *r);

@@ -492,6 +492,9 @@ int pre_ops(const synth_model *m, op_list *l) {
   if (!(l->ops = malloc(sizeof *l->ops))) return -1;
   op *o = add_op(l, "model.embed_tokens", "Embedding", 0, tokens * h * e + tokens * 8);
   save(o, sv(0, I64, ACT, 0, 2, b, s, 0, 0));
+  /* its backward writes the table's gradient (dense: embedding_dense_backward);
+   * a tied table's the head wrote first, the learned positions' here */
+  o->extra_wgrad = (m->tie_embeddings ? 0 : vocab_local_of(m) * h) + (int64_t)m->positions * h;
   return 0;
 }
 
@@ -568,6 +571,9 @@ static void loss_chunked_ops(const synth_model *m, op_list *l) {
   tmp(o, TMP_WORK, chunk * (uint64_t)V * ue, "loss: logits of one chunk of tokens");
   save(o, sv(6, dt, ACT, 0, 3, b, s, h, 0));
   save(o, sv(7, dt, ACT, 0, 2, V, h, 0, 0));
+  /* backward hands grad_weight to the head as its gradient */
+  o->extra_wgrad = V * h;
+  o->wgrad_handed = 1;
 }
 
 
