@@ -496,3 +496,169 @@ TEST(sim_synth_optimizer_traffic_and_gpt3_preset) {
   CHECK_EQ(m.tie_embeddings, 1);
   return 0;
 }
+
+/* ---- issue 42 item 6 / issue 34 item 3: gradients and gathered parameters ---- */
+
+/* Live bytes of the allocs whose what begins with prefix, at the first
+ * compute event named op in phase (0 forward, 1 backward, 2 after it) of
+ * step 1, at its n-th such event (0: the first); UINT64_MAX if none. */
+static uint64_t live_at(const sim_trace *t, const char *prefix, const char *op, int phase, int nth) {
+  uint8_t *on = calloc(t->n_allocs ? t->n_allocs : 1, 1);
+  uint64_t live = 0, found = UINT64_MAX;
+  int ph = 0, seen = 0;
+  for (uint32_t k = t->steps[0].first; k < t->steps[0].end && found == UINT64_MAX; k++) {
+    const trace_ev *ev = &t->events[k];
+    if (ev->type == TEV_BACKWARD_BEGIN) ph = 1;
+    if (ev->type == TEV_BACKWARD_END) ph = 2;
+    if ((ev->type == TEV_ALLOC || ev->type == TEV_FREE) &&
+        !strncmp(t->allocs[ev->tensor].what, prefix, strlen(prefix))) {
+      live = ev->type == TEV_ALLOC ? live + t->allocs[ev->tensor].bytes : live - t->allocs[ev->tensor].bytes;
+      on[ev->tensor] = ev->type == TEV_ALLOC;
+    }
+    if (ev->type == TEV_COMPUTE && ph == phase && ev->op && !strcmp(ev->op, op) && seen++ == nth)
+      found = live;
+  }
+  free(on);
+  return found;
+}
+
+/* Without sharding the weights' gradients appear as each op's backward
+ * writes them (zero_grad(set_to_none=True)) and stay to the optimizer step;
+ * on 338c69c they were resident all step (none in a step). Tiny, 2 layers,
+ * bf16, by hand: a block's parameters 589824 + 512 = 590336, 1180672 B; the
+ * head's unit (final norm 256 + lm_head 1024 x 256) 524800 B; the
+ * embedding's 524288 B. Live gradient bytes: none in forward; at block 1's
+ * first backward op (its down_proj) the head's and down_proj's own
+ * (2 x 512 x 256 = 262144); at block 0's down_proj the head's, block 1's
+ * and that op's; at the optimizer step all 2 x 1180672 + 524800 + 524288;
+ * and the trace's resident bytes hold none of them. */
+TEST(sim_synth_gradients_appear_per_layer) {
+  synth_model m;
+  tiny(&m);
+  m.optimizer = SYNTH_OPT_SGD;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  const uint64_t block = 1180672, head = 524800, embed = 524288, down = 262144;
+  CHECK_EQ(live_at(t, "gradient: weights", "self_attn.q_proj", 0, 0), 0);
+  CHECK_EQ(live_at(t, "gradient: weights", "mlp.down_proj", 1, 0), head + down);
+  CHECK_EQ(live_at(t, "gradient: weights", "mlp.down_proj", 1, 1), head + block + down);
+  CHECK_EQ(live_at(t, "gradient: weights", "optimizer", 2, 0), head + 2 * block + embed);
+  synth_resident r;
+  synth_resident_parts(&m, &r);
+  /* the parameter count takes the final norm as 2h (LayerNorm's weight and
+   * bias), RMSNorm's backward writes h: 512 B apart */
+  CHECK_EQ(r.grads, head + 2 * block + embed + 512);
+  CHECK_EQ(t->resident_bytes, r.params + r.master + r.states);
+  sim_trace_free(t);
+  return 0;
+}
+
+/* FSDP2 (reshard_after_forward=True, one unit prefetched each way; the
+ * head's unit kept from its forward to its backward, as torchtitan shards
+ * it): the gathered copies live as the units run, and each unit's unsharded
+ * gradients go at its reduce-scatter, leaving the rank's shard. Tiny, 2
+ * layers, shard 2, bf16 (sizes above): at the embedding's forward it and
+ * block 0 are gathered (524288 + 1180672); at block 0's q_proj blocks 0 and
+ * 1; at block 1's blocks 1 and the head's unit; at lm_head's forward the
+ * head's unit alone, its unsharded size (the parameter count's final norm
+ * 2h + lm_head: 525312 B; on 338c69c a flat 2 blocks'
+ * linears, 2359296 B, all step); in backward at the loss the head's unit and
+ * block 1; the most at once (synth_resident_parts' gathered) two blocks.
+ * Gradients: at block
+ * 0's down_proj backward the unsharded ones are down_proj's alone (262144;
+ * block 1's and the head's were freed at their reduce-scatters) and the
+ * sharded ones the head's and block 1's halves (262656 + 590336). At the
+ * optimizer step foreach AdamW's sqrt of the fp32 states and the fp32 cast
+ * of the gradients: 4 x 1705472 / 2 = 3410944 each (P = 1705472 with the
+ * final norm as 2h). */
+TEST(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients) {
+  synth_model m;
+  tiny(&m);
+  m.shard = 2;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  /* the head's unit as the parameter count has it: the final norm 2h */
+  const uint64_t block = 1180672, head = 525312, embed = 524288;
+  const char *g = "gathered parameters";
+  CHECK_EQ(live_at(t, g, "model.embed_tokens", 0, 0), embed + block);
+  CHECK_EQ(live_at(t, g, "self_attn.q_proj", 0, 0), 2 * block);
+  CHECK_EQ(live_at(t, g, "self_attn.q_proj", 0, 1), block + head);
+  CHECK_EQ(live_at(t, g, "lm_head", 0, 0), head);
+  CHECK_EQ(live_at(t, g, "loss.log_softmax", 1, 0), head + block);
+  CHECK_EQ(live_at(t, g, "model.embed_tokens", 1, 0), embed);
+  CHECK_EQ(live_at(t, g, "optimizer", 2, 0), 0);
+  synth_resident r;
+  synth_resident_parts(&m, &r);
+  CHECK_EQ(r.gathered, 2 * block); /* tiny's blocks outweigh its head */
+  CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "mlp.down_proj", 1, 1), 262144);
+  CHECK_EQ(live_at(t, "gradient: weights (sharded)", "mlp.down_proj", 1, 1), head / 2 + block / 2);
+  CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "optimizer", 2, 0), 0);
+  CHECK_EQ(live_at(t, "gradient: weights (sharded)", "optimizer", 2, 0), (head + 2 * block + embed) / 2);
+  CHECK_EQ(live_at(t, "optimizer: foreach sqrt(exp_avg_sq)", "optimizer", 2, 0), 3410944);
+  CHECK_EQ(live_at(t, "optimizer: gradients cast to fp32", "optimizer", 2, 0), 3410944);
+  sim_trace_free(t);
+  return 0;
+}
+
+/* Where the peak falls: a hand-made step whose device bytes peak in
+ * backward at an alloc before layer 3's op "mlp.down_proj" (1000 saved +
+ * 400 + 900 = 2300 B, above forward's 1000 + 400 and the optimizer's 1500),
+ * named in the result and the JSON report; a "transient" resident line
+ * (bytes the step's allocs hold) is not resident. */
+TEST(sim_report_says_where_the_peak_falls) {
+  static const char text[] =
+      T_HDR "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":5000,\"what\":\"parameters\"}\n"
+      "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":7000,\"what\":\"gradients\",\"transient\":true}\n"
+      T_BEGIN(1) "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":1000,\"dtype\":\"u8\","
+      "\"shape\":[1000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":3,\"layers\":4,"
+      "\"decision\":\"keep\"}\n"
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":2,\"bytes\":400,\"what\":\"fwd tmp\"}\n" T_WORK(10)
+      "{\"ev\":\"free\",\"t_us\":0,\"id\":2}\n" T_EV("backward_begin")
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":3,\"bytes\":400,\"what\":\"grad a\"}\n"
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":4,\"bytes\":900,\"what\":\"grad b\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":3,\"op\":\"mlp.down_proj\"}\n" T_UNPACK(1)
+      "{\"ev\":\"free\",\"t_us\":0,\"id\":4}\n" T_WORK(10) T_EV("backward_end")
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":5,\"bytes\":1100,\"what\":\"opt tmp\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":-1,\"op\":\"optimizer\"}\n"
+      "{\"ev\":\"free\",\"t_us\":0,\"id\":5}\n{\"ev\":\"free\",\"t_us\":0,\"id\":3}\n" T_END(1);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("peak", text, strlen(text), &t, err, sizeof err));
+  CHECK_EQ(t->resident_bytes, 5000);
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 2;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  CHECK_EQ(r.peak_device_bytes, 5000 + 2300);
+  CHECK_EQ(r.peak_phase, SIM_PEAK_BACKWARD);
+  CHECK_EQ(r.peak_layer, 3);
+  CHECK(!strcmp(r.peak_op, "mlp.down_proj"));
+  CHECK(!strcmp(r.peak_what, "grad b"));
+  char path[] = "/tmp/ferry_peak_XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+  sim_run_info info = {0};
+  info.trace = t;
+  info.trace_path = "peak";
+  info.hw = sim_hw_preset("h100");
+  CHECK_OK(sim_write_json(path, &info, &r, 1, err, sizeof err));
+  FILE *f = fopen(path, "rb");
+  CHECK(f);
+  char buf[8192];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  unlink(path);
+  buf[n] = 0;
+  CHECK_STR_CONTAINS(buf, "\"peak_at\"");
+  CHECK_STR_CONTAINS(buf, "\"phase\":\t\"backward\"");
+  CHECK_STR_CONTAINS(buf, "\"what\":\t\"grad b\"");
+  sim_result_free(&r);
+  sim_trace_free(t);
+  static const char bad[] = T_HDR
+      "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":7,\"what\":\"gradients\",\"transient\":1}\n";
+  CHECK_EQ(sim_trace_parse("bad", bad, strlen(bad), &t, err, sizeof err) != 0, 1);
+  CHECK_STR_CONTAINS(err, "\"transient\" must be true or false");
+  return 0;
+}
