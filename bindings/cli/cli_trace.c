@@ -205,12 +205,12 @@ static void print_resident(const synth_model *m) {
   if (m->lora > 0) snprintf(lora, sizeof lora, ", %.4g of them trained (LoRA)", m->lora);
   if (m->tp > 1) snprintf(tp, sizeof tp, ", tp %d%s", m->tp, m->sp ? " with sp" : "");
   fprintf(stderr,
-          "ferry trace synth: resident per GPU: parameters %.2f GiB + gradients %.2f GiB + master "
-          "weights %.2f GiB + optimizer states %.2f GiB (%s) + gathered blocks %.2f GiB = %.2f GiB "
-          "(%.3gB parameters per rank%s%s, shard %d)\n",
-          (double)r.params / GiB, (double)r.grads / GiB, (double)r.master / GiB,
-          (double)r.states / GiB, synth_optimizer_name(m->optimizer), (double)r.gathered / GiB,
-          (double)r.total / GiB, (double)r.local_params / 1e9, lora, tp, m->shard);
+          "ferry trace synth: resident per GPU: parameters %.2f GiB + master weights %.2f GiB + "
+          "optimizer states %.2f GiB (%s) = %.2f GiB all step; within it gradients up to %.2f GiB "
+          "and gathered parameters up to %.2f GiB (%.3gB parameters per rank%s%s, shard %d)\n",
+          (double)r.params / GiB, (double)r.master / GiB, (double)r.states / GiB,
+          synth_optimizer_name(m->optimizer), (double)r.whole_step / GiB, (double)r.grads / GiB,
+          (double)r.gathered / GiB, (double)r.local_params / 1e9, lora, tp, m->shard);
 }
 
 static const char *loss_name(const synth_model *m, char *buf, size_t n) {
@@ -407,8 +407,10 @@ static int trace_synth_main(int argc, char **argv) {
                : impl == SYNTH_CKPT_IMPL_COMPILED ? "what it keeps, not what it recomputes"
                                                   : "its block inputs only");
     }
+    synth_resident res;
+    synth_resident_parts(&m, &res);
     fprintf(stderr, "ferry trace synth: %s: %s, %s, %.2f GiB resident per GPU (shard %d), %s, %d step(s)\n",
-            out, m.name[0] ? m.name : "custom", params, (double)synth_resident_bytes(&m) / GiB,
+            out, m.name[0] ? m.name : "custom", params, (double)res.whole_step / GiB,
             m.shard, saved, m.steps);
     print_resident(&m);
   }
