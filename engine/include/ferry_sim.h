@@ -435,6 +435,8 @@ typedef struct synth_model {
   double lora;        /* trainable share of the parameters (LoRA); 0 = all */
   int tp;             /* Megatron tensor parallelism degree; 0 or 1 = none */
   int sp;             /* sequence parallelism (needs tp > 1) */
+  int cp;             /* context parallelism (ring attention) degree; 0 or 1 = none: each
+                         rank holds seq / cp tokens and attends over all keys */
   int norm;           /* SYNTH_NORM_*: the RMSNorms' kernels (llama arch) */
   int ckpt_impl;      /* SYNTH_CKPT_IMPL_* */
   int positions;      /* learned position embeddings (GPT): rows of hidden; 0 = none (rotary) */

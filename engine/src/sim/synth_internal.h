@@ -44,7 +44,9 @@ enum {
 enum {
   TMP_WORK = 1, /* during its forward compute (a workspace, or a tensor it saves after) */
   TMP_OUT,      /* its output, from its forward to the end of forward (the loss returns) */
-  TMP_GRAD      /* backward: the gradient of its input, until the op below consumed it */
+  TMP_GRAD,     /* backward: the gradient of its input, until the op below consumed it */
+  TMP_RING      /* around each of its computes, forward, recompute and backward (ring
+                   attention's K/V receive buffers) */
 };
 
 typedef struct transient {
@@ -101,7 +103,13 @@ static inline int master_of(const synth_model *m) {
 
 /* Tokens per rank outside the tensor-parallel region (norms, dropouts, the
  * region's inputs): all of them, or 1/t with sequence parallelism. */
-static inline int64_t seq_region_of(const synth_model *m) { return m->sp ? m->seq / tp_of(m) : m->seq; }
+static inline int64_t cp_of(const synth_model *m) { return m->cp > 1 ? m->cp : 1; }
+/* Tokens of the sequence one context-parallel rank holds (ring attention:
+ * seq / cp; all of them without). */
+static inline int64_t seq_local_of(const synth_model *m) { return m->seq / cp_of(m); }
+static inline int64_t seq_region_of(const synth_model *m) {
+  return m->sp ? seq_local_of(m) / tp_of(m) : seq_local_of(m);
+}
 static inline int64_t vocab_local_of(const synth_model *m) { return (m->vocab + tp_of(m) - 1) / tp_of(m); }
 
 enum { /* layer-local activation buffers */
@@ -121,6 +129,8 @@ typedef struct layer_shape {
                                             q width (a d), kv width, ffn */
   int64_t E, k, fe;                      /* experts, top-k, expert ffn */
   int64_t ss;                            /* sequence outside the TP region (sp: s / t) */
+  int64_t skv, cp;                       /* keys each query attends over (cp: all of the
+                                            sequence, s x cp); the context-parallel degree */
   double tokens, stokens, e;             /* b * s; b * ss; bytes per element */
   int dt, llama, qwen, mixtral;          /* the model's dtype; Llama (else GPT-2); Hugging
                                             Face's Qwen3 or Mixtral class and module names */

@@ -101,7 +101,7 @@ const char *synth_preset_names(void) {
 
 
 int64_t synth_loss_chunk(const synth_model *m) {
-  const int64_t tokens = (int64_t)m->micro_batch * m->seq;
+  const int64_t tokens = (int64_t)m->micro_batch * seq_local_of(m);
   if (m->loss_chunk > 0) return m->loss_chunk < tokens ? m->loss_chunk : tokens;
   /* Liger's fused_linear_cross_entropy_forward: inc_factor = cdiv(V, H),
    * chunk_size = next_power_of_2(cdiv(BT, inc_factor)): a chunk's logits
@@ -165,7 +165,21 @@ static int validate_tp(const synth_model *m, char *err, size_t errlen) {
   if (t > 1 && m->loss == SYNTH_LOSS_CHUNKED)
     BAD("tp with the chunked loss is not modeled (Megatron's loss is vocab-parallel: use --loss full)");
   if (m->sp && t < 2) BAD("sequence parallelism needs tp > 1");
-  if (m->sp && m->seq % t) BAD("sp: tp %d must divide seq %d", t, m->seq);
+  if (m->sp && seq_local_of(m) % t) BAD("sp: tp %d must divide seq %d (per context-parallel rank)", t, (int)seq_local_of(m));
+  return 0;
+}
+
+/* Ring attention's context parallelism: the sequence split evenly, with
+ * load balancing two chunks per rank (seq divisible by 2 cp), FlashAttention
+ * per K/V chunk. */
+static int validate_cp(const synth_model *m, char *err, size_t errlen) {
+  if (m->cp < 0 || m->cp > 1 << 16) BAD("cp %d must be within 1..65536", m->cp);
+  if (m->cp > 1 && m->seq % (2 * m->cp))
+    BAD("cp %d: 2 x cp must divide seq %d (ring attention's load balancing gives each rank two "
+        "chunks of seq / 2cp tokens)", m->cp, m->seq);
+  if (m->cp > 1 && !m->flash)
+    BAD("cp %d needs --flash on (ring attention runs FlashAttention per K/V chunk; eager attention "
+        "would hold s x s scores)", m->cp);
   return 0;
 }
 
@@ -205,9 +219,9 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
     BAD("a checkpointing frequency (full:K) needs full checkpointing");
   if (m->loss != SYNTH_LOSS_FULL && m->loss != SYNTH_LOSS_CHUNKED) BAD("loss must be full or chunked");
   if (m->loss_chunk && m->loss != SYNTH_LOSS_CHUNKED) BAD("a chunk size (chunked:N) needs the chunked loss");
-  if (m->loss_chunk < 0 || (int64_t)m->loss_chunk > (int64_t)m->micro_batch * m->seq)
-    BAD("chunked:%d: N must be within 1..tokens (micro-batch x seq = %lld)", m->loss_chunk,
-        (long long)m->micro_batch * m->seq);
+  if (m->loss_chunk < 0 || (int64_t)m->loss_chunk > (int64_t)m->micro_batch * seq_local_of(m))
+    BAD("chunked:%d: N must be within 1..tokens (micro-batch x seq%s = %lld)", m->loss_chunk,
+        m->cp > 1 ? " / cp" : "", (long long)m->micro_batch * seq_local_of(m));
   if (m->shard < 1 || m->shard > 1 << 20) BAD("shard %d must be >= 1", m->shard);
   if (!(m->tflops > 0 && m->tflops < 1e6)) BAD("tflops must be > 0");
   if (!(m->hbm_gbps > 0 && m->hbm_gbps < 1e7)) BAD("hbm bandwidth must be > 0");
@@ -216,7 +230,8 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
   if (m->arch == SYNTH_GPT && m->norm == SYNTH_NORM_EAGER)
     BAD("--norm eager is for RMSNorm (llama arch); gpt's LayerNorm is one native op "
         "(native_layer_norm) on every device");
-  if (validate_training(m, err, errlen) || validate_tp(m, err, errlen)) return -1;
+  if (validate_training(m, err, errlen) || validate_cp(m, err, errlen) || validate_tp(m, err, errlen))
+    return -1;
   double widest = m->ffn > m->vocab ? m->ffn : m->vocab;
   if ((double)m->heads * (double)head_dim_of(m) > widest) widest = (double)m->heads * (double)head_dim_of(m);
   double per_tensor = (double)m->micro_batch * m->seq * widest * 4;

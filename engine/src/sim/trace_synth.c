@@ -61,9 +61,24 @@ static void w_compute(writer *w, double us, int layer, const char *opname, doubl
 
 /* Op o run `times` times back to back (backward: twice its forward), as
  * one compute event named name (NULL: the op's own). */
+static uint64_t w_alloc(writer *w, uint64_t bytes, const char *what);
+static void w_free(writer *w, uint64_t id);
+
+/* Allocs around an op's compute (TMP_RING), into ids[MAX_TMPS]. */
+static void w_ring(writer *w, const op *o, uint64_t *ids) {
+  for (int k = 0; k < MAX_TMPS; k++)
+    ids[k] = k < o->n_tmps && o->tmps[k].life == TMP_RING ? w_alloc(w, o->tmps[k].bytes, o->tmps[k].what) : 0;
+}
+static void w_ring_free(writer *w, const uint64_t *ids) {
+  for (int k = MAX_TMPS; k-- > 0;) w_free(w, ids[k]);
+}
+
 static void w_op(writer *w, const op *o, int times, int layer, const char *name) {
+  uint64_t ring[MAX_TMPS];
+  w_ring(w, o, ring);
   w_compute(w, times * op_us(w->m, o), layer, name ? name : o->suffix, times * o->flops,
             times * o->bytes, times * SYNTH_MIN_OP_US);
+  w_ring_free(w, ring);
 }
 
 static void module_path(int layer, const char *suffix, char *buf, size_t n) {
@@ -238,8 +253,11 @@ static void w_block_forward_ops(writer *w, const layer_ctx *c, int layer, block_
 /* Op o's backward as one compute event: twice its forward, or its own cost
  * (FlashAttention's 2.5x, the loss's). */
 static void w_op_backward(writer *w, const op *o, int layer, const char *name) {
+  uint64_t ring[MAX_TMPS];
+  w_ring(w, o, ring);
   w_compute(w, bwd_us(w->m, o), layer, name ? name : o->suffix, o->own_bwd ? o->bwd_flops : 2 * o->flops,
             o->own_bwd ? o->bwd_bytes : 2 * o->bytes, o->own_bwd ? SYNTH_MIN_OP_US : 2 * SYNTH_MIN_OP_US);
+  w_ring_free(w, ring);
 }
 
 /* Megatron selective: group g (the attention core, the MLP activation) is
@@ -561,6 +579,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
           master_of(m) ? "true" : "false", synth_optimizer_name(m->optimizer));
   if (m->lora > 0) fprintf(f, "\"lora\":%g,", m->lora);
   if (tp_of(m) > 1) fprintf(f, "\"tp\":%d,\"sp\":%s,", m->tp, m->sp ? "true" : "false");
+  if (cp_of(m) > 1) fprintf(f, "\"cp\":%d,", m->cp);
   fprintf(f, "\"shard\":%d,\"tflops\":%g,\"hbm_gbps\":%g}\n", m->shard, m->tflops, m->hbm_gbps);
   synth_resident res;
   synth_resident_parts(m, &res);
