@@ -662,3 +662,66 @@ TEST(sim_report_says_where_the_peak_falls) {
   CHECK_STR_CONTAINS(err, "\"transient\" must be true or false");
   return 0;
 }
+
+/* Issue 34 item 4: --cp 4 (ring attention) on tiny at seq 1024 against cp 1
+ * at seq 1024, by hand: each rank holds 1024 / 4 = 256 tokens, so every
+ * forward pack of the blocks, the embedding and the loss is a quarter (the
+ * same as cp 1 at seq 256, all shapes in tokens, but nll_loss's 4-byte
+ * total_weight); the attention's FLOPs are
+ * this rank's queries over all keys, causal: 2 x 256 x 1024 x qd (qd 256)
+ * = 134217728 per layer, the total at seq 1024 (2 x 1024² x 256) / 4; and
+ * around each attention compute (forward and backward: 2 a layer) the K/V
+ * receive buffers, K and V of one 256-token chunk double-buffered: 2 x 2 x
+ * 256 x kvd (128) x 2 B = 262144 B. */
+TEST(sim_synth_cp_quarters_activations_and_keeps_attention_flops) {
+  synth_model m;
+  tiny(&m);
+  m.seq = 1024;
+  sim_trace *full = NULL, *cp = NULL, *short_seq = NULL;
+  CHECK_OK(trace_of(&m, &full));
+  m.cp = 4;
+  CHECK_OK(trace_of(&m, &cp));
+  m.cp = 1, m.seq = 256;
+  CHECK_OK(trace_of(&m, &short_seq));
+  const uint64_t act_full = pack_bytes(full, -2, FERRY_PHASE_FORWARD);
+  const uint64_t act_cp = pack_bytes(cp, -2, FERRY_PHASE_FORWARD);
+  CHECK(act_full > 0);
+  /* all of it per token but nll_loss's total_weight, one fp32 scalar */
+  CHECK_EQ((act_cp - 4) * 4, act_full - 4);
+  CHECK_EQ(act_cp, pack_bytes(short_seq, -2, FERRY_PHASE_FORWARD));
+  double attn_cp = 0, attn_full = 0;
+  int n_fwd = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    const sim_trace *t = pass ? cp : full;
+    for (uint32_t k = t->steps[0].first; k < t->steps[0].end; k++) {
+      const trace_ev *ev = &t->events[k];
+      if (ev->type == TEV_BACKWARD_BEGIN) break;
+      if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "self_attn.attention")) {
+        if (pass) attn_cp += ev->flops, n_fwd++;
+        else attn_full += ev->flops;
+      }
+    }
+  }
+  CHECK_EQ(n_fwd, 2);
+  NEAR(attn_cp, 2 * 134217728.0, 0.5);
+  NEAR(attn_cp * 4, attn_full, 0.5);
+  int n = 0;
+  CHECK_EQ(alloc_bytes(cp, "ring attention: K/V receive buffers", &n), (uint64_t)(2 * 2) * 262144);
+  CHECK_EQ(n, 4);
+  CHECK_EQ(alloc_bytes(full, "ring attention: K/V receive buffers", &n), 0);
+  CHECK_EQ(live_at(cp, "ring attention", "self_attn.attention", 0, 0), 262144);
+  CHECK_EQ(live_at(cp, "ring attention", "self_attn.attention", 1, 0), 262144);
+  CHECK_EQ(live_at(cp, "ring attention", "self_attn.o_proj", 0, 0), 0);
+  sim_trace_free(full);
+  sim_trace_free(cp);
+  sim_trace_free(short_seq);
+  char err[256];
+  tiny(&m);
+  m.cp = 3; /* 2 x 3 does not divide 256 */
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "2 x cp must divide seq");
+  m.cp = 4, m.flash = 0;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "needs --flash on");
+  return 0;
+}
