@@ -205,6 +205,7 @@
   X(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients)        \
   X(sim_report_says_where_the_peak_falls)                                  \
   X(sim_synth_cp_quarters_activations_and_keeps_attention_flops)          \
+  X(sim_policy_checkpointed_inputs_offloads_block_inputs_only)            \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \
