@@ -206,6 +206,7 @@
   X(sim_report_says_where_the_peak_falls)                                  \
   X(sim_synth_cp_quarters_activations_and_keeps_attention_flops)          \
   X(sim_policy_checkpointed_inputs_offloads_block_inputs_only)            \
+  X(sim_optimizer_offload_shrinks_the_steps_transients)                    \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

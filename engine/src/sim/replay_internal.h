@@ -215,6 +215,7 @@ size_t grown(size_t cap);
 double gap_of(const replay *r, const trace_ev *ev);
 const trace_resident *resident_named(const sim_trace *t, const char *what);
 int opt_open(replay *r);
+uint64_t opt_alloc_bytes(const replay *r, const trace_alloc *a);
 void opt_close(replay *r);
 int opt_forward(replay *r, double done, double gap, double total);
 int opt_params_all(replay *r);

@@ -567,8 +567,8 @@ static int replay_event_call(replay *r, const trace_ev *ev, double *t0) {
   case TEV_STEP_END: return replay_step_end(r);
   /* transient memory: counted on the device, never seen by the engine (no
    * pack: the trainer frees it itself), so no buffer either */
-  case TEV_ALLOC: live_add(r, r->t->allocs[ev->tensor].bytes); return 0;
-  case TEV_FREE: live_sub(r, r->t->allocs[ev->tensor].bytes); return 0;
+  case TEV_ALLOC: live_add(r, opt_alloc_bytes(r, &r->t->allocs[ev->tensor])); return 0;
+  case TEV_FREE: live_sub(r, opt_alloc_bytes(r, &r->t->allocs[ev->tensor])); return 0;
   default: return 0;
   }
 }
