@@ -596,6 +596,25 @@ TEST(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients) {
   CHECK_EQ(live_at(t, "gradient: weights (sharded)", "optimizer", 2, 0), (head + 2 * block + embed) / 2);
   CHECK_EQ(live_at(t, "optimizer: foreach sqrt(exp_avg_sq)", "optimizer", 2, 0), 3410944);
   CHECK_EQ(live_at(t, "optimizer: gradients cast to fp32", "optimizer", 2, 0), 3410944);
+  /* replayed without offloading, the step peaks at log_softmax's backward:
+   * every forward pack (F) but what nll_loss alone saved, released after
+   * its backward ran (the labels 8T and total_weight 4 B), nll_loss's and
+   * log_softmax's fp32 gradients (2 x 4TV, T = 256, V = 1024) and the
+   * head's unit with block 1 gathered, no weight gradient yet */
+  sim_config c = {0};
+  c.link = sim_hw_preset("h100")->link;
+  c.steps = 2;
+  sim_result r2;
+  char err[512];
+  CHECK_OK(sim_replay(t, &c, &r2, err, sizeof err));
+  const uint64_t F = pack_bytes(t, -2, FERRY_PHASE_FORWARD);
+  CHECK_EQ(r2.peak_device_bytes,
+           t->resident_bytes + F - (8 * 256 + 4) + 2 * 4 * 256 * 1024 + head + block);
+  CHECK_EQ(r2.peak_phase, SIM_PEAK_BACKWARD);
+  CHECK_EQ(r2.peak_layer, -1);
+  CHECK(!strcmp(r2.peak_op, "loss.log_softmax"));
+  CHECK(!strcmp(r2.peak_what, "loss: grad of the fp32 logits (log_softmax backward)"));
+  sim_result_free(&r2);
   sim_trace_free(t);
   return 0;
 }
