@@ -455,10 +455,13 @@ static void w_head_forward(writer *w, const op_list *l, block_ids *bi, uint64_t 
  * it consumed is freed once it ran. */
 static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
   uint64_t incoming[MAX_TMPS] = {0}, wgrad[8] = {0};
-  w_gather(w, UNIT_BLOCK(w->m->layers - 1)); /* backward prefetch of the last block */
   for (int i = l->n; i-- > 0;) {
     const op *o = &l->ops[i];
     uint64_t grad[MAX_TMPS];
+    /* FSDP2's backward prefetch of the last block comes from the head
+     * unit's pre-backward hook, on the gradient of the unit's output: after
+     * the loss's backward (the loss is no module of the unit) */
+    if (strcmp(o->suffix, "loss")) w_gather(w, UNIT_BLOCK(w->m->layers - 1));
     w_alloc_tmps(w, o, TMP_GRAD, grad);
     w_unpack_op(w, o, IDS(bi, i));
     if (i < 8 && !o->wgrad_handed) wgrad[i] = w_weight_grads(w, o);
