@@ -691,6 +691,40 @@ TEST(sim_report_says_where_the_peak_falls) {
   return 0;
 }
 
+/* A peak raised by a forward pack is named after the op that saved it: the
+ * synthesizer writes an op's packs after its compute event, so the compute
+ * after the pack is the next op's (here layer 1's down_proj, which saves
+ * nothing), and the pack's own layer 0 is the peak's. */
+TEST(sim_peak_at_a_forward_pack_names_the_op_that_saved_it) {
+  static const char text[] =
+      T_HDR "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":1000,\"what\":\"parameters\"}\n" T_BEGIN(1)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":0,\"op\":\"mlp.up_proj\"}\n"
+      "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":5000,\"dtype\":\"u8\","
+      "\"shape\":[5000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,\"layers\":2,"
+      "\"module\":\"model.layers.0.mlp.up_proj\",\"decision\":\"keep\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":1,\"op\":\"mlp.down_proj\"}\n"
+      T_EV("backward_begin")
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":1,\"op\":\"mlp.down_proj\"}\n" T_UNPACK(1)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":20,\"layer\":0,\"op\":\"mlp.up_proj\"}\n"
+      T_EV("backward_end") T_END(1);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("pack_peak", text, strlen(text), &t, err, sizeof err));
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 2;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  CHECK_EQ(r.peak_device_bytes, 1000 + 5000);
+  CHECK_EQ(r.peak_phase, SIM_PEAK_FORWARD);
+  CHECK_EQ(r.peak_layer, 0);
+  CHECK(!strcmp(r.peak_op, "mlp.up_proj"));
+  CHECK(!strcmp(r.peak_what, "model.layers.0.mlp.up_proj"));
+  sim_result_free(&r);
+  sim_trace_free(t);
+  return 0;
+}
+
 /* Issue 34 item 4: --cp 4 (ring attention) on tiny at seq 1024 against cp 1
  * at seq 1024, by hand: each rank holds 1024 / 4 = 256 tokens, so every
  * forward pack of the blocks, the embedding and the loss is a quarter (the

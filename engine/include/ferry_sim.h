@@ -267,9 +267,10 @@ typedef struct sim_result {
   uint64_t peak_host_bytes;    /* pinned arena in use */
   uint64_t host_reserved_bytes;
   /* where the last step's device peak fell: its phase (SIM_PEAK_*), the
-   * layer and op of the compute it is for (the next compute event; layer -1:
-   * outside the blocks, op "" none), and what raised it (an alloc's what, a
-   * pack's module path, "" none) */
+   * layer and op of the compute it is for (the next compute event; for a
+   * pack, its own layer and the compute before it there; layer -1: outside
+   * the blocks, op "" none), and what raised it (an alloc's what, a pack's
+   * module path, "" none) */
   int peak_phase;
   int32_t peak_layer;
   char peak_op[64], peak_what[96];

@@ -190,8 +190,10 @@ const char *sim_peak_phase_name(int phase) {
 }
 
 /* Names the last step's peak: the phase it fell in, what raised it, and
- * the compute it is there for (the next compute event from it: an alloc
- * or a pack comes just before the op that uses it). */
+ * the compute it is there for: for an alloc or an unpack the next compute
+ * event (they come just before the op that uses them); for a pack, the
+ * tensor's own layer and the compute before it in that layer (a
+ * synthesized op's packs follow its compute event). */
 void peak_where(replay *r) {
   sim_result *out = r->res;
   const sim_trace *t = r->t;
@@ -209,6 +211,15 @@ void peak_where(replay *r) {
     out->peak_layer = t->tensors[ev->tensor].desc.layer;
   }
   snprintf(out->peak_what, sizeof out->peak_what, "%s", what ? what : "");
+  if (ev->type == TEV_PACK) {
+    for (uint32_t k = r->peak_ev; k-- > 0 && t->events[k].type != TEV_STEP_BEGIN;)
+      if (t->events[k].type == TEV_COMPUTE) {
+        if (t->events[k].layer == out->peak_layer)
+          snprintf(out->peak_op, sizeof out->peak_op, "%s", t->events[k].op ? t->events[k].op : "");
+        break;
+      }
+    return;
+  }
   for (uint32_t k = r->peak_ev; k < t->n_events && t->events[k].type != TEV_STEP_END; k++)
     if (t->events[k].type == TEV_COMPUTE) {
       out->peak_layer = t->events[k].layer;
