@@ -205,6 +205,7 @@
   X(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients)        \
   X(sim_report_says_where_the_peak_falls)                                  \
   X(sim_peak_at_a_forward_pack_names_the_op_that_saved_it)                \
+  X(sim_synth_fsdp_unsharded_gradients_in_the_compute_dtype)              \
   X(sim_synth_cp_quarters_activations_and_keeps_attention_flops)          \
   X(sim_policy_checkpointed_inputs_offloads_block_inputs_only)            \
   X(sim_optimizer_offload_shrinks_the_steps_transients)                    \

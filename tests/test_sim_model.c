@@ -691,6 +691,28 @@ TEST(sim_report_says_where_the_peak_falls) {
   return 0;
 }
 
+/* Sharded with fp32 gradients (torchtitan's MixedPrecisionPolicy: fp32
+ * parameters, bf16 compute, fp32 reduce): autograd writes the unsharded
+ * gradients of the bf16 gathered parameters in bf16, and the shard after
+ * the reduce-scatter is fp32. Tiny, 2 layers, shard 2: down_proj's
+ * 512 x 256 weight gradient 262144 B (not 524288), the kept shards
+ * (head + 2 blocks + embedding) x 4 B / 2 at the optimizer step. */
+TEST(sim_synth_fsdp_unsharded_gradients_in_the_compute_dtype) {
+  synth_model m;
+  tiny(&m);
+  m.shard = 2;
+  m.param_dtype = FERRY_DTYPE_F32;
+  m.grad_dtype = FERRY_DTYPE_F32;
+  m.master_weights = SYNTH_MASTER_OFF;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "mlp.down_proj", 1, 1), 262144);
+  const uint64_t params = (1180672 * 2 + 525312 + 524288) / 2; /* elements */
+  CHECK_EQ(live_at(t, "gradient: weights (sharded)", "optimizer", 2, 0), params * 4 / 2);
+  sim_trace_free(t);
+  return 0;
+}
+
 /* A peak raised by a forward pack is named after the op that saved it: the
  * synthesizer writes an op's packs after its compute event, so the compute
  * after the pack is the next op's (here layer 1's down_proj, which saves

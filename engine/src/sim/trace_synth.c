@@ -294,13 +294,15 @@ static void w_keep_grad(writer *w, uint64_t id) {
 static uint64_t w_weight_grads(writer *w, const op *o) {
   const uint64_t n = trained_of(w->m, op_weight_elems(o));
   if (!n) return 0;
-  const uint64_t bytes = n * (uint64_t)ferry_dtype_size(grad_dtype_of(w->m));
   if (w->m->shard <= 1) {
-    uint64_t id = w_alloc(w, bytes, "gradient: weights");
+    uint64_t id = w_alloc(w, n * (uint64_t)ferry_dtype_size(grad_dtype_of(w->m)), "gradient: weights");
     w_keep_grad(w, id);
     return 0;
   }
-  return w_alloc(w, bytes, "gradient: weights (unsharded)");
+  /* autograd writes them in the gathered parameters' dtype, the compute
+   * one (FSDP2's MixedPrecisionPolicy.param_dtype); the gradient dtype is
+   * the shard's, after the reduce-scatter */
+  return w_alloc(w, n * (uint64_t)ferry_dtype_size(w->m->dtype), "gradient: weights (unsharded)");
 }
 
 /* After a unit's backward, sharded: the reduce-scatter writes the rank's
