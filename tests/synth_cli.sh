@@ -76,11 +76,11 @@ baseline() { tr -d ' \t' < "$1" | grep -o '"peak_device_bytes_baseline":[0-9]*' 
 "$FERRY" trace synth --help | grep -q -- '--loss MODE'
 # resident memory from the training knobs, by part in the summary
 "$FERRY" trace synth --preset llama3-8b --seq 1024 -o /dev/null 2> "$D/r.txt"
-grep -q 'resident per GPU: parameters 1.87 GiB + master weights 3.74 GiB + optimizer states 7.48 GiB (adamw) = 13.09 GiB all step; within it gradients up to 1.87 GiB and gathered parameters up to 1.38 GiB' "$D/r.txt"
+grep -q 'resident per GPU: parameters 1.87 GiB + master weights 3.74 GiB + optimizer states 7.48 GiB (adamw) = 13.09 GiB all step; besides, within the step: gradients up to 1.87 GiB and gathered parameters up to 1.38 GiB' "$D/r.txt"
 "$FERRY" trace synth --preset llama3-8b --seq 1024 --shard 1 --lora 0.01 --optimizer adamw8bit -o /dev/null 2> "$D/r.txt"
-grep -q 'parameters 14.96 GiB + master weights 0.30 GiB + optimizer states 0.15 GiB (adamw8bit) = 15.41 GiB all step; within it gradients up to 0.15 GiB' "$D/r.txt"
+grep -q 'parameters 14.96 GiB + master weights 0.30 GiB + optimizer states 0.15 GiB (adamw8bit) = 15.41 GiB all step; besides, within the step: gradients up to 0.15 GiB' "$D/r.txt"
 "$FERRY" trace synth --preset llama3-8b --seq 1024 --shard 1 --param-dtype fp32 --grad-dtype bf16 --optimizer sgd -o /dev/null 2> "$D/r.txt"
-grep -q 'parameters 29.92 GiB + master weights 0.00 GiB + optimizer states 0.00 GiB (sgd) = 29.92 GiB all step; within it gradients up to 14.96 GiB' "$D/r.txt"
+grep -q 'parameters 29.92 GiB + master weights 0.00 GiB + optimizer states 0.00 GiB (sgd) = 29.92 GiB all step; besides, within the step: gradients up to 14.96 GiB' "$D/r.txt"
 "$FERRY" trace synth --preset tiny --tp 2 --sp on -q -o "$D/tp.jsonl"
 head -1 "$D/tp.jsonl" | grep -q '"tp":2,"sp":true,'
 grep -q '"what":"master weights","dtype":"f32"' "$D/tp.jsonl"

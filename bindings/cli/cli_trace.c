@@ -209,7 +209,7 @@ static void print_resident(const synth_model *m) {
   if (m->tp > 1) snprintf(tp, sizeof tp, ", tp %d%s", m->tp, m->sp ? " with sp" : "");
   fprintf(stderr,
           "ferry trace synth: resident per GPU: parameters %.2f GiB + master weights %.2f GiB + "
-          "optimizer states %.2f GiB (%s) = %.2f GiB all step; within it gradients up to %.2f GiB "
+          "optimizer states %.2f GiB (%s) = %.2f GiB all step; besides, within the step: gradients up to %.2f GiB "
           "and gathered parameters up to %.2f GiB (%.3gB parameters per rank%s%s, shard %d)\n",
           (double)r.params / GiB, (double)r.master / GiB, (double)r.states / GiB,
           synth_optimizer_name(m->optimizer), (double)r.whole_step / GiB, (double)r.grads / GiB,
