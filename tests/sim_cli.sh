@@ -6,16 +6,18 @@ set -eu
 FERRY=$1
 D=$(mktemp -d)
 trap 'rm -rf "$D"' EXIT
-"$FERRY" trace synth --preset tiny -o "$D/t.jsonl" >/dev/null
-"$FERRY" sim --fit 51M --fit-host 8M --trace "$D/t.jsonl" --fit-out "$D/fit.lua" > "$D/fit.txt"
+# SGD: foreach AdamW's transients put tiny's peak at the optimizer step, which
+# no policy reaches
+"$FERRY" trace synth --preset tiny --optimizer sgd -o "$D/t.jsonl" >/dev/null
+"$FERRY" sim --fit 25M --fit-host 8M --trace "$D/t.jsonl" --fit-out "$D/fit.lua" > "$D/fit.txt"
 grep -q '^best: HOST_BYTES = ' "$D/fit.txt"
 grep -q '^local HOST_BYTES = ' "$D/fit.lua"
 "$FERRY" sim --policy "$D/fit.lua" --trace "$D/t.jsonl" --steps 4 --warmup 2 --no-layers \
   --json "$D/r.json" > "$D/check.txt"
-# the replayed policy's steady peak is within the 51M target (the tiny model at
-# 0.05 GiB without offload: a target that only some settings reach)
+# the replayed policy's steady peak is within the 25M target (the tiny model at
+# 27.4 MiB without offload: a target that only some settings reach)
 peak=$(tr ',' '\n' < "$D/r.json" | grep -m1 '"peak_device_bytes":' | sed 's/.*://')
-[ "${peak%.*}" -le 53477376 ]
+[ "${peak%.*}" -le 26214400 ]
 # --fit device: the memory the preset exposes less the allowance (h100: 79.11 GiB
 # less 2.80 GiB = 76.31 GiB; h200: 139.80 - 2.80 = 137.00 GiB)
 "$FERRY" sim --fit device --hw h100 --trace "$D/t.jsonl" --fit-out "$D/dev.lua" > "$D/dev.txt"

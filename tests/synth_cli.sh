@@ -66,6 +66,9 @@ for bad in chunked:0 chunked:257 partial; do
   "$FERRY" trace synth --preset tiny --loss "$bad" -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
   [ "$rc" = 2 ] || { echo "--loss $bad: exit $rc"; exit 1; }
 done
+# SGD: foreach AdamW's transients put tiny's peak at the optimizer step, past the loss
+"$FERRY" trace synth --preset tiny --optimizer sgd -q -o "$D/n.jsonl"
+"$FERRY" trace synth --preset tiny --optimizer sgd --loss chunked:32 -q -o "$D/c.jsonl"
 "$FERRY" sim --policy default --trace "$D/n.jsonl" --no-layers --json "$D/full.json" > /dev/null
 "$FERRY" sim --policy default --trace "$D/c.jsonl" --no-layers --json "$D/chunked.json" > /dev/null
 baseline() { tr -d ' \t' < "$1" | grep -o '"peak_device_bytes_baseline":[0-9]*' | head -1 | cut -d: -f2; }
@@ -73,11 +76,11 @@ baseline() { tr -d ' \t' < "$1" | grep -o '"peak_device_bytes_baseline":[0-9]*' 
 "$FERRY" trace synth --help | grep -q -- '--loss MODE'
 # resident memory from the training knobs, by part in the summary
 "$FERRY" trace synth --preset llama3-8b --seq 1024 -o /dev/null 2> "$D/r.txt"
-grep -q 'resident per GPU: parameters 1.87 GiB + gradients 1.87 GiB + master weights 3.74 GiB + optimizer states 7.48 GiB (adamw) + gathered blocks 0.81 GiB = 15.77 GiB' "$D/r.txt"
+grep -q 'resident per GPU: parameters 1.87 GiB + master weights 3.74 GiB + optimizer states 7.48 GiB (adamw) = 13.09 GiB all step; besides, within the step: gradients up to 1.87 GiB and gathered parameters up to 1.38 GiB' "$D/r.txt"
 "$FERRY" trace synth --preset llama3-8b --seq 1024 --shard 1 --lora 0.01 --optimizer adamw8bit -o /dev/null 2> "$D/r.txt"
-grep -q 'parameters 14.96 GiB + gradients 0.15 GiB + master weights 0.30 GiB + optimizer states 0.15 GiB (adamw8bit)' "$D/r.txt"
+grep -q 'parameters 14.96 GiB + master weights 0.30 GiB + optimizer states 0.15 GiB (adamw8bit) = 15.41 GiB all step; besides, within the step: gradients up to 0.15 GiB' "$D/r.txt"
 "$FERRY" trace synth --preset llama3-8b --seq 1024 --shard 1 --param-dtype fp32 --grad-dtype bf16 --optimizer sgd -o /dev/null 2> "$D/r.txt"
-grep -q 'parameters 29.92 GiB + gradients 14.96 GiB + master weights 0.00 GiB + optimizer states 0.00 GiB (sgd)' "$D/r.txt"
+grep -q 'parameters 29.92 GiB + master weights 0.00 GiB + optimizer states 0.00 GiB (sgd) = 29.92 GiB all step; besides, within the step: gradients up to 14.96 GiB' "$D/r.txt"
 "$FERRY" trace synth --preset tiny --tp 2 --sp on -q -o "$D/tp.jsonl"
 head -1 "$D/tp.jsonl" | grep -q '"tp":2,"sp":true,'
 grep -q '"what":"master weights","dtype":"f32"' "$D/tp.jsonl"

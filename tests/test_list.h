@@ -201,6 +201,14 @@
   X(sim_fits_is_exposed_capacity_less_the_allowance)                       \
   X(sim_block_backward_holds_saved_tensors_and_gradients)                  \
   X(sim_synth_optimizer_traffic_and_gpt3_preset)                           \
+  X(sim_synth_gradients_appear_per_layer)                                  \
+  X(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients)        \
+  X(sim_report_says_where_the_peak_falls)                                  \
+  X(sim_peak_at_a_forward_pack_names_the_op_that_saved_it)                \
+  X(sim_synth_fsdp_unsharded_gradients_in_the_compute_dtype)              \
+  X(sim_synth_cp_quarters_activations_and_keeps_attention_flops)          \
+  X(sim_policy_checkpointed_inputs_offloads_block_inputs_only)            \
+  X(sim_optimizer_offload_shrinks_the_steps_transients)                    \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

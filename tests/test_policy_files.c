@@ -29,7 +29,7 @@ TEST(policy_found_by_shipped_name) {
   /* a typo names the closest shipped policy and lists them */
   CHECK_RC(ferry_policy_find("defualt", path, sizeof path, err, sizeof err), FERRY_ENOENT);
   CHECK_STR_CONTAINS(err, "unknown policy 'defualt'; did you mean 'default'?");
-  CHECK_STR_CONTAINS(err, "budget, default, ");
+  CHECK_STR_CONTAINS(err, "budget, checkpointed_inputs, default, ");
   CHECK_RC(ferry_policy_find("zzzzzzzz", path, sizeof path, err, sizeof err), FERRY_ENOENT);
   CHECK(!strstr(err, "did you mean"));
   CHECK_RC(ferry_policy_find("", path, sizeof path, err, sizeof err), FERRY_EINVAL);

@@ -398,8 +398,11 @@ TEST(sim_fits_is_exposed_capacity_less_the_allowance) {
  * the gradient of its input, 2Th = 131072 B per layer, and under sharding
  * the unsharded gradients of its weights, freed after the block (FSDP's
  * reduce-scatter): tiny's matrices h·qd + 2h·kvd + qd·h + 3h·f = 589824 and
- * two norms 2h = 512 parameters, bf16: 1180672 B per layer; none unsharded
- * (they accumulate into the resident gradients). */
+ * two norms 2h = 512 parameters, bf16: 1180672 B per layer; and (issue 42
+ * item 6) the head's unit's (final norm h + lm_head V·h = 262400 parameters,
+ * 524800 B) and the embedding's (V·h, 524288 B). Unsharded, the same bytes
+ * are the gradients themselves (kept to the optimizer step), none of them
+ * "unsharded". */
 TEST(sim_block_backward_holds_saved_tensors_and_gradients) {
   static const char text[] =
       T_HDR T_BEGIN(1) "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":1000,\"dtype\":\"u8\","
@@ -426,11 +429,12 @@ TEST(sim_block_backward_holds_saved_tensors_and_gradients) {
   int n = 0;
   CHECK_EQ(alloc_bytes(t, "gradient: block input", &n), 2 * 131072);
   CHECK_EQ(n, 2);
-  CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 2 * 1180672);
+  CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 2 * 1180672 + 524800 + 524288);
   sim_trace_free(t);
   m.shard = 1;
   CHECK_OK(trace_of(&m, &t));
   CHECK_EQ(alloc_bytes(t, "gradient: weights (unsharded)", &n), 0);
+  CHECK_EQ(alloc_bytes(t, "gradient: weights", &n), 2 * 1180672 + 524800 + 524288);
   CHECK_EQ(alloc_bytes(t, "gradient: block input", &n), 2 * 131072);
   sim_trace_free(t);
   return 0;
@@ -490,5 +494,392 @@ TEST(sim_synth_optimizer_traffic_and_gpt3_preset) {
   CHECK_EQ(synth_preset("gpt3-1.3b", &m), 0);
   CHECK_EQ(synth_param_count(&m), 1315280896ull);
   CHECK_EQ(m.tie_embeddings, 1);
+  return 0;
+}
+
+/* ---- issue 42 item 6 / issue 34 item 3: gradients and gathered parameters ---- */
+
+/* Live bytes of the allocs whose what begins with prefix, at the first
+ * compute event named op in phase (0 forward, 1 backward, 2 after it) of
+ * step 1, at its n-th such event (0: the first); UINT64_MAX if none. */
+static uint64_t live_at(const sim_trace *t, const char *prefix, const char *op, int phase, int nth) {
+  uint8_t *on = calloc(t->n_allocs ? t->n_allocs : 1, 1);
+  uint64_t live = 0, found = UINT64_MAX;
+  int ph = 0, seen = 0;
+  for (uint32_t k = t->steps[0].first; k < t->steps[0].end && found == UINT64_MAX; k++) {
+    const trace_ev *ev = &t->events[k];
+    if (ev->type == TEV_BACKWARD_BEGIN) ph = 1;
+    if (ev->type == TEV_BACKWARD_END) ph = 2;
+    if ((ev->type == TEV_ALLOC || ev->type == TEV_FREE) &&
+        !strncmp(t->allocs[ev->tensor].what, prefix, strlen(prefix))) {
+      live = ev->type == TEV_ALLOC ? live + t->allocs[ev->tensor].bytes : live - t->allocs[ev->tensor].bytes;
+      on[ev->tensor] = ev->type == TEV_ALLOC;
+    }
+    if (ev->type == TEV_COMPUTE && ph == phase && ev->op && !strcmp(ev->op, op) && seen++ == nth)
+      found = live;
+  }
+  free(on);
+  return found;
+}
+
+/* Without sharding the weights' gradients appear as each op's backward
+ * writes them (zero_grad(set_to_none=True)) and stay to the optimizer step;
+ * on 338c69c they were resident all step (none in a step). Tiny, 2 layers,
+ * bf16, by hand: a block's parameters 589824 + 512 = 590336, 1180672 B; the
+ * head's unit (final norm 256 + lm_head 1024 x 256) 524800 B; the
+ * embedding's 524288 B. Live gradient bytes: none in forward; at block 1's
+ * first backward op (its down_proj) the head's and down_proj's own
+ * (2 x 512 x 256 = 262144); at block 0's down_proj the head's, block 1's
+ * and that op's; at the optimizer step all 2 x 1180672 + 524800 + 524288;
+ * and the trace's resident bytes hold none of them. */
+TEST(sim_synth_gradients_appear_per_layer) {
+  synth_model m;
+  tiny(&m);
+  m.optimizer = SYNTH_OPT_SGD;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  const uint64_t block = 1180672, head = 524800, embed = 524288, down = 262144;
+  CHECK_EQ(live_at(t, "gradient: weights", "self_attn.q_proj", 0, 0), 0);
+  CHECK_EQ(live_at(t, "gradient: weights", "mlp.down_proj", 1, 0), head + down);
+  CHECK_EQ(live_at(t, "gradient: weights", "mlp.down_proj", 1, 1), head + block + down);
+  CHECK_EQ(live_at(t, "gradient: weights", "optimizer", 2, 0), head + 2 * block + embed);
+  synth_resident r;
+  synth_resident_parts(&m, &r);
+  /* the parameter count takes the final norm as 2h (LayerNorm's weight and
+   * bias), RMSNorm's backward writes h: 512 B apart */
+  CHECK_EQ(r.grads, head + 2 * block + embed + 512);
+  CHECK_EQ(t->resident_bytes, r.params + r.master + r.states);
+  sim_trace_free(t);
+  return 0;
+}
+
+/* FSDP2 (reshard_after_forward=True, one unit prefetched each way; the
+ * head's unit kept from its forward to its backward, as torchtitan shards
+ * it): the gathered copies live as the units run, and each unit's unsharded
+ * gradients go at its reduce-scatter, leaving the rank's shard. Tiny, 2
+ * layers, shard 2, bf16 (sizes above): at the embedding's forward it and
+ * block 0 are gathered (524288 + 1180672); at block 0's q_proj blocks 0 and
+ * 1; at block 1's blocks 1 and the head's unit; at lm_head's forward the
+ * head's unit alone, its unsharded size (the parameter count's final norm
+ * 2h + lm_head: 525312 B; on 338c69c a flat 2 blocks'
+ * linears, 2359296 B, all step); in backward at the loss the head's unit and
+ * block 1; the most at once (synth_resident_parts' gathered) two blocks.
+ * Gradients: at block
+ * 0's down_proj backward the unsharded ones are down_proj's alone (262144;
+ * block 1's and the head's were freed at their reduce-scatters) and the
+ * sharded ones the head's and block 1's halves (262656 + 590336). At the
+ * optimizer step foreach AdamW's sqrt of the fp32 states and the fp32 cast
+ * of the gradients: 4 x 1705472 / 2 = 3410944 each (P = 1705472 with the
+ * final norm as 2h). */
+TEST(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients) {
+  synth_model m;
+  tiny(&m);
+  m.shard = 2;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  /* the head's unit as the parameter count has it: the final norm 2h */
+  const uint64_t block = 1180672, head = 525312, embed = 524288;
+  const char *g = "gathered parameters";
+  CHECK_EQ(live_at(t, g, "model.embed_tokens", 0, 0), embed + block);
+  CHECK_EQ(live_at(t, g, "self_attn.q_proj", 0, 0), 2 * block);
+  CHECK_EQ(live_at(t, g, "self_attn.q_proj", 0, 1), block + head);
+  CHECK_EQ(live_at(t, g, "lm_head", 0, 0), head);
+  /* FSDP2 prefetches block 1 from the head unit's pre-backward hook, on the
+   * gradient of lm_head's output: after the loss's backward, not before */
+  CHECK_EQ(live_at(t, g, "loss.log_softmax", 1, 0), head);
+  CHECK_EQ(live_at(t, g, "lm_head", 1, 0), head + block);
+  CHECK_EQ(live_at(t, g, "model.embed_tokens", 1, 0), embed);
+  CHECK_EQ(live_at(t, g, "optimizer", 2, 0), 0);
+  synth_resident r;
+  synth_resident_parts(&m, &r);
+  CHECK_EQ(r.gathered, 2 * block); /* tiny's blocks outweigh its head */
+  CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "mlp.down_proj", 1, 1), 262144);
+  CHECK_EQ(live_at(t, "gradient: weights (sharded)", "mlp.down_proj", 1, 1), head / 2 + block / 2);
+  CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "optimizer", 2, 0), 0);
+  CHECK_EQ(live_at(t, "gradient: weights (sharded)", "optimizer", 2, 0), (head + 2 * block + embed) / 2);
+  CHECK_EQ(live_at(t, "optimizer: foreach sqrt(exp_avg_sq)", "optimizer", 2, 0), 3410944);
+  CHECK_EQ(live_at(t, "optimizer: gradients cast to fp32", "optimizer", 2, 0), 3410944);
+  /* replayed without offloading, with SGD (AdamW's transients put tiny's
+   * peak at its optimizer step), the step peaks at log_softmax's backward:
+   * every forward pack (F) but what nll_loss alone saved, released after
+   * its backward ran (the labels 8T and total_weight 4 B), nll_loss's and
+   * log_softmax's fp32 gradients (2 x 4TV, T = 256, V = 1024) and the
+   * head's unit alone gathered (block 1 comes at lm_head's backward), no
+   * weight gradient yet */
+  sim_trace_free(t);
+  t = NULL;
+  m.optimizer = SYNTH_OPT_SGD;
+  CHECK_OK(trace_of(&m, &t));
+  sim_config c = {0};
+  c.link = sim_hw_preset("h100")->link;
+  c.steps = 2;
+  sim_result r2;
+  char err[512];
+  CHECK_OK(sim_replay(t, &c, &r2, err, sizeof err));
+  const uint64_t F = pack_bytes(t, -2, FERRY_PHASE_FORWARD);
+  CHECK_EQ(r2.peak_device_bytes,
+           t->resident_bytes + F - (8 * 256 + 4) + 2 * 4 * 256 * 1024 + head);
+  CHECK_EQ(r2.peak_phase, SIM_PEAK_BACKWARD);
+  CHECK_EQ(r2.peak_layer, -1);
+  CHECK(!strcmp(r2.peak_op, "loss.log_softmax"));
+  CHECK(!strcmp(r2.peak_what, "loss: grad of the fp32 logits (log_softmax backward)"));
+  sim_result_free(&r2);
+  sim_trace_free(t);
+  return 0;
+}
+
+/* Where the peak falls: a hand-made step whose device bytes peak in
+ * backward at an alloc before layer 3's op "mlp.down_proj" (1000 saved +
+ * 400 + 900 = 2300 B, above forward's 1000 + 400 and the optimizer's 1500),
+ * named in the result and the JSON report; a "transient" resident line
+ * (bytes the step's allocs hold) is not resident. */
+TEST(sim_report_says_where_the_peak_falls) {
+  static const char text[] =
+      T_HDR "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":5000,\"what\":\"parameters\"}\n"
+      "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":7000,\"what\":\"gradients\",\"transient\":true}\n"
+      T_BEGIN(1) "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":1000,\"dtype\":\"u8\","
+      "\"shape\":[1000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":3,\"layers\":4,"
+      "\"decision\":\"keep\"}\n"
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":2,\"bytes\":400,\"what\":\"fwd tmp\"}\n" T_WORK(10)
+      "{\"ev\":\"free\",\"t_us\":0,\"id\":2}\n" T_EV("backward_begin")
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":3,\"bytes\":400,\"what\":\"grad a\"}\n"
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":4,\"bytes\":900,\"what\":\"grad b\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":3,\"op\":\"mlp.down_proj\"}\n" T_UNPACK(1)
+      "{\"ev\":\"free\",\"t_us\":0,\"id\":4}\n" T_WORK(10) T_EV("backward_end")
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":5,\"bytes\":1100,\"what\":\"opt tmp\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":-1,\"op\":\"optimizer\"}\n"
+      "{\"ev\":\"free\",\"t_us\":0,\"id\":5}\n{\"ev\":\"free\",\"t_us\":0,\"id\":3}\n" T_END(1);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("peak", text, strlen(text), &t, err, sizeof err));
+  CHECK_EQ(t->resident_bytes, 5000);
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 2;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  CHECK_EQ(r.peak_device_bytes, 5000 + 2300);
+  CHECK_EQ(r.peak_phase, SIM_PEAK_BACKWARD);
+  CHECK_EQ(r.peak_layer, 3);
+  CHECK(!strcmp(r.peak_op, "mlp.down_proj"));
+  CHECK(!strcmp(r.peak_what, "grad b"));
+  char path[] = "/tmp/ferry_peak_XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+  sim_run_info info = {0};
+  info.trace = t;
+  info.trace_path = "peak";
+  info.hw = sim_hw_preset("h100");
+  CHECK_OK(sim_write_json(path, &info, &r, 1, err, sizeof err));
+  FILE *f = fopen(path, "rb");
+  CHECK(f);
+  char buf[8192];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  unlink(path);
+  buf[n] = 0;
+  CHECK_STR_CONTAINS(buf, "\"peak_at\"");
+  CHECK_STR_CONTAINS(buf, "\"phase\":\t\"backward\"");
+  CHECK_STR_CONTAINS(buf, "\"what\":\t\"grad b\"");
+  sim_result_free(&r);
+  sim_trace_free(t);
+  static const char bad[] = T_HDR
+      "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":7,\"what\":\"gradients\",\"transient\":1}\n";
+  CHECK_EQ(sim_trace_parse("bad", bad, strlen(bad), &t, err, sizeof err) != 0, 1);
+  CHECK_STR_CONTAINS(err, "\"transient\" must be true or false");
+  return 0;
+}
+
+/* Sharded with fp32 gradients (torchtitan's MixedPrecisionPolicy: fp32
+ * parameters, bf16 compute, fp32 reduce): autograd writes the unsharded
+ * gradients of the bf16 gathered parameters in bf16, and the shard after
+ * the reduce-scatter is fp32. Tiny, 2 layers, shard 2: down_proj's
+ * 512 x 256 weight gradient 262144 B (not 524288), the kept shards
+ * (head + 2 blocks + embedding) x 4 B / 2 at the optimizer step. */
+TEST(sim_synth_fsdp_unsharded_gradients_in_the_compute_dtype) {
+  synth_model m;
+  tiny(&m);
+  m.shard = 2;
+  m.param_dtype = FERRY_DTYPE_F32;
+  m.grad_dtype = FERRY_DTYPE_F32;
+  m.master_weights = SYNTH_MASTER_OFF;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "mlp.down_proj", 1, 1), 262144);
+  const uint64_t params = (1180672 * 2 + 525312 + 524288) / 2; /* elements */
+  CHECK_EQ(live_at(t, "gradient: weights (sharded)", "optimizer", 2, 0), params * 4 / 2);
+  sim_trace_free(t);
+  return 0;
+}
+
+/* A peak raised by a forward pack is named after the op that saved it: the
+ * synthesizer writes an op's packs after its compute event, so the compute
+ * after the pack is the next op's (here layer 1's down_proj, which saves
+ * nothing), and the pack's own layer 0 is the peak's. */
+TEST(sim_peak_at_a_forward_pack_names_the_op_that_saved_it) {
+  static const char text[] =
+      T_HDR "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":1000,\"what\":\"parameters\"}\n" T_BEGIN(1)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":0,\"op\":\"mlp.up_proj\"}\n"
+      "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":5000,\"dtype\":\"u8\","
+      "\"shape\":[5000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,\"layers\":2,"
+      "\"module\":\"model.layers.0.mlp.up_proj\",\"decision\":\"keep\"}\n"
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":1,\"op\":\"mlp.down_proj\"}\n"
+      T_EV("backward_begin")
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10,\"layer\":1,\"op\":\"mlp.down_proj\"}\n" T_UNPACK(1)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":20,\"layer\":0,\"op\":\"mlp.up_proj\"}\n"
+      T_EV("backward_end") T_END(1);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("pack_peak", text, strlen(text), &t, err, sizeof err));
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 2;
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  CHECK_EQ(r.peak_device_bytes, 1000 + 5000);
+  CHECK_EQ(r.peak_phase, SIM_PEAK_FORWARD);
+  CHECK_EQ(r.peak_layer, 0);
+  CHECK(!strcmp(r.peak_op, "mlp.up_proj"));
+  CHECK(!strcmp(r.peak_what, "model.layers.0.mlp.up_proj"));
+  sim_result_free(&r);
+  sim_trace_free(t);
+  return 0;
+}
+
+/* Issue 34 item 4: --cp 4 (ring attention) on tiny at seq 1024 against cp 1
+ * at seq 1024, by hand: each rank holds 1024 / 4 = 256 tokens, so every
+ * forward pack of the blocks, the embedding and the loss is a quarter (the
+ * same as cp 1 at seq 256, all shapes in tokens, but nll_loss's 4-byte
+ * total_weight); the attention's FLOPs are
+ * this rank's queries over all keys, causal: 2 x 256 x 1024 x qd (qd 256)
+ * = 134217728 per layer, the total at seq 1024 (2 x 1024² x 256) / 4; and
+ * around each attention compute (forward and backward: 2 a layer) the K/V
+ * receive buffers, K and V of one 256-token chunk double-buffered: 2 x 2 x
+ * 256 x kvd (128) x 2 B = 262144 B. */
+TEST(sim_synth_cp_quarters_activations_and_keeps_attention_flops) {
+  synth_model m;
+  tiny(&m);
+  m.seq = 1024;
+  sim_trace *full = NULL, *cp = NULL, *short_seq = NULL;
+  CHECK_OK(trace_of(&m, &full));
+  m.cp = 4;
+  CHECK_OK(trace_of(&m, &cp));
+  m.cp = 1, m.seq = 256;
+  CHECK_OK(trace_of(&m, &short_seq));
+  const uint64_t act_full = pack_bytes(full, -2, FERRY_PHASE_FORWARD);
+  const uint64_t act_cp = pack_bytes(cp, -2, FERRY_PHASE_FORWARD);
+  CHECK(act_full > 0);
+  /* all of it per token but nll_loss's total_weight, one fp32 scalar */
+  CHECK_EQ((act_cp - 4) * 4, act_full - 4);
+  CHECK_EQ(act_cp, pack_bytes(short_seq, -2, FERRY_PHASE_FORWARD));
+  double attn_cp = 0, attn_full = 0;
+  int n_fwd = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    const sim_trace *t = pass ? cp : full;
+    for (uint32_t k = t->steps[0].first; k < t->steps[0].end; k++) {
+      const trace_ev *ev = &t->events[k];
+      if (ev->type == TEV_BACKWARD_BEGIN) break;
+      if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "self_attn.attention")) {
+        if (pass) attn_cp += ev->flops, n_fwd++;
+        else attn_full += ev->flops;
+      }
+    }
+  }
+  CHECK_EQ(n_fwd, 2);
+  NEAR(attn_cp, 2 * 134217728.0, 0.5);
+  NEAR(attn_cp * 4, attn_full, 0.5);
+  int n = 0;
+  CHECK_EQ(alloc_bytes(cp, "ring attention: K/V receive buffers", &n), (uint64_t)(2 * 2) * 262144);
+  CHECK_EQ(n, 4);
+  CHECK_EQ(alloc_bytes(full, "ring attention: K/V receive buffers", &n), 0);
+  CHECK_EQ(live_at(cp, "ring attention", "self_attn.attention", 0, 0), 262144);
+  CHECK_EQ(live_at(cp, "ring attention", "self_attn.attention", 1, 0), 262144);
+  CHECK_EQ(live_at(cp, "ring attention", "self_attn.o_proj", 0, 0), 0);
+  sim_trace_free(full);
+  sim_trace_free(cp);
+  sim_trace_free(short_seq);
+  char err[256];
+  tiny(&m);
+  m.cp = 3; /* 2 x 3 does not divide 256 */
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "2 x cp must divide seq");
+  m.cp = 4, m.flash = 0;
+  CHECK_EQ(synth_validate(&m, err, sizeof err), -1);
+  CHECK_STR_CONTAINS(err, "needs --flash on");
+  return 0;
+}
+
+/* Issue 34 item 4: policies/checkpointed_inputs.lua offloads only what full
+ * checkpointing keeps of a block, its input, and keeps the last block's.
+ * Tiny (4 layers, T = 256, h 256, bf16) under --checkpoint full: 3 inputs
+ * of 2Th = 131072 B each go per step (393216 B D2H), nothing else; under
+ * the reentrant implementation (the recomputed tensors are packs too, kept
+ * by R.policy) the same; without checkpointing nothing is a block's own
+ * pack, so nothing goes. */
+TEST(sim_policy_checkpointed_inputs_offloads_block_inputs_only) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s", __FILE__);
+  char *slash = strrchr(path, '/');
+  if (slash) *slash = 0;
+  strncat(path, "/../policies/checkpointed_inputs.lua", sizeof path - strlen(path) - 1);
+  static const int modes[3][2] = {{SYNTH_CKPT_FULL, SYNTH_CKPT_IMPL_AUTO},
+                                  {SYNTH_CKPT_FULL, SYNTH_CKPT_IMPL_REENTRANT},
+                                  {SYNTH_CKPT_OFF, SYNTH_CKPT_IMPL_AUTO}};
+  for (int i = 0; i < 3; i++) {
+    synth_model m;
+    synth_preset("tiny", &m);
+    m.checkpoint = modes[i][0], m.ckpt_impl = modes[i][1];
+    sim_trace *t = NULL;
+    CHECK_OK(trace_of(&m, &t));
+    sim_config c = {0};
+    c.link = sim_hw_preset("h100")->link;
+    c.steps = 3;
+    c.policy_path = path;
+    sim_result r;
+    char err[512];
+    int rc = sim_replay(t, &c, &r, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_EQ(r.policy_errors, 0);
+    NEAR(r.tensors_offloaded, i < 2 ? 3 : 0, 1e-9);
+    NEAR(r.bytes_d2h, i < 2 ? 3 * 131072.0 : 0, 1e-6);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
+  return 0;
+}
+
+/* The optimizer step's transients ("optimizer: ..." allocs) are the device's
+ * step: with --optimizer-fraction F the host steps F of it, so the device
+ * allocates (1 - F) of them: a 4000 B transient after backward, F = 0.75:
+ * 1000 B at the peak (a 100 B pack before it), 4000 without the offload. */
+TEST(sim_optimizer_offload_shrinks_the_steps_transients) {
+  static const char text[] =
+      T_HDR "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":1000,\"what\":\"parameters\",\"dtype\":\"bf16\"}\n"
+      "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":1000,\"what\":\"gradients\",\"transient\":true}\n"
+      "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":2000,\"what\":\"optimizer states\"}\n"
+      T_BEGIN(1) "{\"ev\":\"pack\",\"t_us\":0,\"id\":1,\"step\":1,\"bytes\":100,\"dtype\":\"u8\","
+      "\"shape\":[100],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,\"layers\":1,"
+      "\"decision\":\"keep\"}\n" T_WORK(10) T_EV("backward_begin") T_UNPACK(1) T_WORK(10)
+      T_EV("backward_end")
+      "{\"ev\":\"alloc\",\"t_us\":0,\"id\":2,\"bytes\":4000,\"what\":\"optimizer: foreach sqrt(exp_avg_sq)\"}\n"
+      T_WORK(10) "{\"ev\":\"free\",\"t_us\":0,\"id\":2}\n" T_END(1);
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("opt", text, strlen(text), &t, err, sizeof err));
+  for (int off = 0; off <= 1; off++) {
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 2;
+    c.optimizer_fraction = off ? 0.75 : 0;
+    sim_result r;
+    int rc = sim_replay(t, &c, &r, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_EQ(r.peak_saved_bytes, off ? 1000 : 4000);
+    sim_result_free(&r);
+  }
+  sim_trace_free(t);
   return 0;
 }

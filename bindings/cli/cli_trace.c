@@ -75,6 +75,9 @@ static void synth_usage(FILE *f) {
           "                       inside the tensor-parallel region (default 1)\n"
           "  --sp on|off          sequence parallelism with --tp: the norms', dropouts' and\n"
           "                       the region's inputs' activations split N ways too\n"
+          "  --cp N               context parallelism (ring attention): each GPU holds seq/N\n"
+          "                       tokens, attends over all keys (the causal work / N) and\n"
+          "                       holds the ring's K/V receive buffers (default 1)\n"
           "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
           "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
           "  --steps N            steps in the trace (default 1)\n"
@@ -205,12 +208,12 @@ static void print_resident(const synth_model *m) {
   if (m->lora > 0) snprintf(lora, sizeof lora, ", %.4g of them trained (LoRA)", m->lora);
   if (m->tp > 1) snprintf(tp, sizeof tp, ", tp %d%s", m->tp, m->sp ? " with sp" : "");
   fprintf(stderr,
-          "ferry trace synth: resident per GPU: parameters %.2f GiB + gradients %.2f GiB + master "
-          "weights %.2f GiB + optimizer states %.2f GiB (%s) + gathered blocks %.2f GiB = %.2f GiB "
-          "(%.3gB parameters per rank%s%s, shard %d)\n",
-          (double)r.params / GiB, (double)r.grads / GiB, (double)r.master / GiB,
-          (double)r.states / GiB, synth_optimizer_name(m->optimizer), (double)r.gathered / GiB,
-          (double)r.total / GiB, (double)r.local_params / 1e9, lora, tp, m->shard);
+          "ferry trace synth: resident per GPU: parameters %.2f GiB + master weights %.2f GiB + "
+          "optimizer states %.2f GiB (%s) = %.2f GiB all step; besides, within the step: gradients up to %.2f GiB "
+          "and gathered parameters up to %.2f GiB (%.3gB parameters per rank%s%s, shard %d)\n",
+          (double)r.params / GiB, (double)r.master / GiB, (double)r.states / GiB,
+          synth_optimizer_name(m->optimizer), (double)r.whole_step / GiB, (double)r.grads / GiB,
+          (double)r.gathered / GiB, (double)r.local_params / 1e9, lora, tp, m->shard);
 }
 
 static const char *loss_name(const synth_model *m, char *buf, size_t n) {
@@ -247,7 +250,7 @@ static int trace_synth_main(int argc, char **argv) {
       {"loss", required_argument, 0, 'l'},
       {"param-dtype", required_argument, 0, 'p'}, {"grad-dtype", required_argument, 0, 'g'},
       {"master-weights", required_argument, 0, 'M'}, {"optimizer", required_argument, 0, 'O'},
-      {"lora", required_argument, 0, 'R'}, {"tp", required_argument, 0, 'x'},
+      {"lora", required_argument, 0, 'R'}, {"tp", required_argument, 0, 'x'}, {"cp", required_argument, 0, 'J'},
       {"sp", required_argument, 0, 'y'},     {"norm", required_argument, 0, 'r'},
       {"checkpoint-impl", required_argument, 0, 'I'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
@@ -316,6 +319,7 @@ static int trace_synth_main(int argc, char **argv) {
     case 'O': bad |= parse_optimizer(optarg, &m.optimizer) != 0; break;
     case 'R': bad |= cli_number("trace synth", "--lora", optarg, FERRY_NUMBER_REAL, 0, 1, 1, &m.lora) != 0; break;
     case 'x': bad |= int_arg("--tp", optarg, &m.tp) != 0; break;
+    case 'J': bad |= int_arg("--cp", optarg, &m.cp) != 0; break;
     case 'y': bad |= on_off("--sp", optarg, &m.sp) != 0; break;
     case 'r':
       if (!strcmp(optarg, "fused")) m.norm = SYNTH_NORM_FUSED;
@@ -407,8 +411,10 @@ static int trace_synth_main(int argc, char **argv) {
                : impl == SYNTH_CKPT_IMPL_COMPILED ? "what it keeps, not what it recomputes"
                                                   : "its block inputs only");
     }
+    synth_resident res;
+    synth_resident_parts(&m, &res);
     fprintf(stderr, "ferry trace synth: %s: %s, %s, %.2f GiB resident per GPU (shard %d), %s, %d step(s)\n",
-            out, m.name[0] ? m.name : "custom", params, (double)synth_resident_bytes(&m) / GiB,
+            out, m.name[0] ? m.name : "custom", params, (double)res.whole_step / GiB,
             m.shard, saved, m.steps);
     print_resident(&m);
   }

@@ -63,6 +63,9 @@ typedef struct trace_resident {
    * holds (the "parameters" line: a block's weights, what weight offload
    * moves per layer); 0 if not given */
   uint64_t layer_bytes;
+  /* its optional "transient": true: the step's allocs hold these bytes
+   * (synthesized gradients), so they are not in resident_bytes */
+  int transient;
 } trace_resident;
 
 /* Transient device memory of a step (an "alloc" event to its "free"):
@@ -247,6 +250,11 @@ typedef struct sim_timeline {
   size_t n_host, cap_host;
 } sim_timeline;
 
+/* sim_result.peak_phase */
+enum { SIM_PEAK_FORWARD = 0, SIM_PEAK_BACKWARD, SIM_PEAK_OPTIMIZER, SIM_PEAK_NONE };
+/* "forward", "backward", "optimizer step", "step start" */
+FERRY_API const char *sim_peak_phase_name(int phase);
+
 typedef struct sim_result {
   char label[128];
   char backend[16];
@@ -258,6 +266,14 @@ typedef struct sim_result {
   uint64_t peak_saved_bytes;   /* saved tensors alone */
   uint64_t peak_host_bytes;    /* pinned arena in use */
   uint64_t host_reserved_bytes;
+  /* where the last step's device peak fell: its phase (SIM_PEAK_*), the
+   * layer and op of the compute it is for (the next compute event; for a
+   * pack, its own layer and the compute before it there; layer -1: outside
+   * the blocks, op "" none), and what raised it (an alloc's what, a pack's
+   * module path, "" none) */
+  int peak_phase;
+  int32_t peak_layer;
+  char peak_op[64], peak_what[96];
   /* per step: the mean over the steady steps (after the warmup ones; step 1
    * warms caches and learns); the peaks above are over the steady steps too
    * (over all when no step is steady) */
@@ -420,6 +436,8 @@ typedef struct synth_model {
   double lora;        /* trainable share of the parameters (LoRA); 0 = all */
   int tp;             /* Megatron tensor parallelism degree; 0 or 1 = none */
   int sp;             /* sequence parallelism (needs tp > 1) */
+  int cp;             /* context parallelism (ring attention) degree; 0 or 1 = none: each
+                         rank holds seq / cp tokens and attends over all keys */
   int norm;           /* SYNTH_NORM_*: the RMSNorms' kernels (llama arch) */
   int ckpt_impl;      /* SYNTH_CKPT_IMPL_* */
   int positions;      /* learned position embeddings (GPT): rows of hidden; 0 = none (rotary) */
@@ -430,6 +448,10 @@ typedef struct synth_resident {
   uint64_t local_params; /* parameters per tensor-parallel rank, before sharding */
   uint64_t trainable;    /* of them, trained (LoRA: the share) */
   uint64_t params, grads, master, states, gathered; /* bytes per GPU */
+  /* held all step: params + master + states (the trace's resident lines);
+   * grads (during backward and the optimizer step) and gathered (the most
+   * FSDP holds gathered at once) come and go within it; total: all five */
+  uint64_t whole_step;
   uint64_t total;
   /* of params, one repeated block's (its linears and norms; the trace's
    * "layer_bytes", what weight offload moves per layer) */

@@ -59,6 +59,7 @@ TABLE = [
     ("trace synth", "--expert-ffn", ["1.5"], None),
     ("trace synth", "--lora", ["0", "1.5"], "0.01"),
     ("trace synth", "--tp", ["1.5"], "2"),
+    ("trace synth", "--cp", ["1.5"], "2"),
 ]
 # flags that take no number
 NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg", "--html",

@@ -152,6 +152,11 @@ typedef struct replay {
   double gap_scale;     /* compute multiplier (the device's share of the optimizer step) */
   opt_model *opt;       /* optimizer-state offload, NULL when off */
   weight_model *w;      /* weight offload, NULL when off */
+  /* where the last step's peak fell (peak_where): the event being replayed
+   * and its phase (0 forward, 1 backward, 2 after backward_end); the event
+   * at the peak (UINT32_MAX: none rose above the step's start) */
+  uint32_t cur_ev, peak_ev;
+  int cur_phase, peak_phase;
 } replay;
 
 /* The least exposed stall any schedule of a step's copies could have with
@@ -210,6 +215,7 @@ size_t grown(size_t cap);
 double gap_of(const replay *r, const trace_ev *ev);
 const trace_resident *resident_named(const sim_trace *t, const char *what);
 int opt_open(replay *r);
+uint64_t opt_alloc_bytes(const replay *r, const trace_alloc *a);
 void opt_close(replay *r);
 int opt_forward(replay *r, double done, double gap, double total);
 int opt_params_all(replay *r);
@@ -228,6 +234,7 @@ void floor_tensor(link_floor *f, int type, int out, int reloaded, int counted, d
 double floor_us(const link_floor *f, double peak);
 void add_step(step_sums *s, double step_us, double stall, double wait, const ferry_stats *s0, const ferry_stats *s1);
 void finish_result(replay *r, const step_sums *s);
+void peak_where(replay *r);
 void steady_sums(replay *r, uint32_t steps, step_sums *s);
 
 #endif

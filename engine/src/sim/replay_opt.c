@@ -28,6 +28,14 @@ const trace_resident *resident_named(const sim_trace *t, const char *what) {
 /* A share of x bytes, rounded to the byte. */
 static uint64_t share_of(double f, uint64_t x) { return (uint64_t)(f * (double)x + 0.5); }
 
+/* The device bytes of a transient allocation: the optimizer step's own
+ * ("optimizer: ..." allocs, foreach AdamW's intermediates) shrink to the
+ * device's share of the step when the host steps the rest. */
+uint64_t opt_alloc_bytes(const replay *r, const trace_alloc *a) {
+  if (!r->opt || strncmp(a->what, "optimizer:", 10)) return a->bytes;
+  return share_of(1 - r->opt->fraction, a->bytes);
+}
+
 /* The engine's last error as the replay's, naming the optimizer offload. */
 static int opt_fail(replay *r, int rc, const char *what) {
   return ferry_errbuf(r->err, r->errlen, rc, "%s: optimizer offload: %s: %s", r->res->label, what,

@@ -179,3 +179,51 @@ void finish_result(replay *r, const step_sums *s) {
   out->cap_fallbacks = fs.cap_fallbacks;
   snprintf(out->policy_error, sizeof out->policy_error, "%s", ferry_last_policy_error(r->e));
 }
+
+const char *sim_peak_phase_name(int phase) {
+  switch (phase) {
+  case SIM_PEAK_FORWARD: return "forward";
+  case SIM_PEAK_BACKWARD: return "backward";
+  case SIM_PEAK_OPTIMIZER: return "optimizer step";
+  default: return "step start";
+  }
+}
+
+/* Names the last step's peak: the phase it fell in, what raised it, and
+ * the compute it is there for: for an alloc or an unpack the next compute
+ * event (they come just before the op that uses them); for a pack, the
+ * tensor's own layer and the compute before it in that layer (a
+ * synthesized op's packs follow its compute event). */
+void peak_where(replay *r) {
+  sim_result *out = r->res;
+  const sim_trace *t = r->t;
+  out->peak_phase = SIM_PEAK_NONE;
+  out->peak_layer = -1;
+  out->peak_op[0] = out->peak_what[0] = 0;
+  if (r->peak_ev == UINT32_MAX || r->peak_ev >= t->n_events) return;
+  const trace_ev *ev = &t->events[r->peak_ev];
+  out->peak_phase = r->peak_phase == 0 ? SIM_PEAK_FORWARD : r->peak_phase == 1 ? SIM_PEAK_BACKWARD
+                                                                                : SIM_PEAK_OPTIMIZER;
+  const char *what = NULL;
+  if (ev->type == TEV_ALLOC) what = t->allocs[ev->tensor].what;
+  else if (ev->type == TEV_PACK) {
+    what = t->tensors[ev->tensor].desc.module_path;
+    out->peak_layer = t->tensors[ev->tensor].desc.layer;
+  }
+  snprintf(out->peak_what, sizeof out->peak_what, "%s", what ? what : "");
+  if (ev->type == TEV_PACK) {
+    for (uint32_t k = r->peak_ev; k-- > 0 && t->events[k].type != TEV_STEP_BEGIN;)
+      if (t->events[k].type == TEV_COMPUTE) {
+        if (t->events[k].layer == out->peak_layer)
+          snprintf(out->peak_op, sizeof out->peak_op, "%s", t->events[k].op ? t->events[k].op : "");
+        break;
+      }
+    return;
+  }
+  for (uint32_t k = r->peak_ev; k < t->n_events && t->events[k].type != TEV_STEP_END; k++)
+    if (t->events[k].type == TEV_COMPUTE) {
+      out->peak_layer = t->events[k].layer;
+      snprintf(out->peak_op, sizeof out->peak_op, "%s", t->events[k].op ? t->events[k].op : "");
+      break;
+    }
+}

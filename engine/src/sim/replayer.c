@@ -112,6 +112,7 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
  * allocations) grow by bytes: the peaks follow. */
 void live_add(replay *r, uint64_t bytes) {
   r->live_bytes += bytes;
+  if (r->last && r->live_bytes > r->step_peak) r->peak_ev = r->cur_ev, r->peak_phase = r->cur_phase;
   if (r->live_bytes > r->peak_live) r->peak_live = r->live_bytes;
   if (r->live_bytes > r->step_peak) r->step_peak = r->live_bytes;
   if (r->first && r->live_bytes > r->peak_first) r->peak_first = r->live_bytes;
@@ -566,8 +567,8 @@ static int replay_event_call(replay *r, const trace_ev *ev, double *t0) {
   case TEV_STEP_END: return replay_step_end(r);
   /* transient memory: counted on the device, never seen by the engine (no
    * pack: the trainer frees it itself), so no buffer either */
-  case TEV_ALLOC: live_add(r, r->t->allocs[ev->tensor].bytes); return 0;
-  case TEV_FREE: live_sub(r, r->t->allocs[ev->tensor].bytes); return 0;
+  case TEV_ALLOC: live_add(r, opt_alloc_bytes(r, &r->t->allocs[ev->tensor])); return 0;
+  case TEV_FREE: live_sub(r, opt_alloc_bytes(r, &r->t->allocs[ev->tensor])); return 0;
   default: return 0;
   }
 }
@@ -654,6 +655,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   r->recording = r->last && r->c->timeline;
   r->first = si == 0;
   r->step_peak = r->live_bytes;
+  r->peak_ev = UINT32_MAX;
   if (r->last) begin_last_step(r, ts);
   ferry_stats s0, s1;
   ferry_get_stats(r->e, &s0, sizeof s0);
@@ -682,6 +684,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   }
   for (uint32_t k = ts->first; k < ts->end; k++) {
     const trace_ev *ev = &t->events[k];
+    r->cur_ev = k, r->cur_phase = phase;
     if (w && phase < 2 && (rc = w_before_gap(r, k, phase))) return rc;
     if (ev->gap_us > 0 || (timed_from_work(r, ev) && work_us(r, ev) > 0)) {
       if (o && phase == 0 && (rc = opt_forward(r, done, gap_of(r, ev), o->fwd_us[tsi])))
@@ -757,6 +760,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   }
   sums->peak = r->step_peak;
   sums->grew = s1.arena_reserved > s0.arena_reserved;
+  if (r->last) peak_where(r);
   return 0;
 }
 

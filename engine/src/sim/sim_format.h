@@ -42,6 +42,18 @@ static inline void sim_row_format(const sim_result *r, sim_row_cells *c) {
   fmt_bytes(c->host_reserved, sizeof c->host_reserved, (double)r->host_reserved_bytes);
 }
 
+/* Where a run's last step peaked, as the reports say it: "backward, layer
+ * 31 (lm_head), at gathered parameters: block" (the phase; the layer and op
+ * of the compute it is for; what raised it). */
+static inline void sim_peak_where_text(const sim_result *r, char *b, size_t n) {
+  char layer[48];
+  if (r->peak_layer >= 0) snprintf(layer, sizeof layer, "layer %d", (int)r->peak_layer);
+  else snprintf(layer, sizeof layer, "outside the blocks");
+  snprintf(b, n, "%s, %s%s%s%s%s%s", sim_peak_phase_name(r->peak_phase), layer,
+           r->peak_op[0] ? " (" : "", r->peak_op, r->peak_op[0] ? ")" : "",
+           r->peak_what[0] ? ", at " : "", r->peak_what);
+}
+
 /* Closes a report file: 0, or -1 with "write error on PATH" when a write
  * or the close failed. */
 static inline int close_checked(FILE *f, const char *path, char *err, size_t errlen) {

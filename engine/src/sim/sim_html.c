@@ -188,6 +188,17 @@ int sim_write_html(const char *path, const sim_run_info *info, const sim_result 
   }
   fputs("<h2>Comparison</h2>\n", f);
   html_table(f, info, rs, n);
+  fputs("<p>Where the device peak falls (last step):</p>\n<ul>\n", f);
+  for (int i = 0; i < n; i++) {
+    char where[256];
+    sim_peak_where_text(&rs[i], where, sizeof where);
+    fputs("<li>", f);
+    xml_text(f, rs[i].label);
+    fputs(": ", f);
+    xml_text(f, where);
+    fputs("</li>\n", f);
+  }
+  fputs("</ul>\n", f);
   fputs("<h2>Memory over one step</h2>\n<div class=\"figure\">\n", f);
   svg_write(f, info, rs, n, 1);
   fputs("</div>\n<h2>Per layer, last step</h2>\n", f);

@@ -236,6 +236,13 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
               rs[i].steady_from);
   }
   fputc('\n', f);
+  fprintf(f, "\nwhere the device peak falls (last step: phase, the compute it is for, what raised it):");
+  for (int i = 0; i < n; i++) {
+    char where[256];
+    sim_peak_where_text(&rs[i], where, sizeof where);
+    fprintf(f, "\n  %-22.22s %s", rs[i].label, where);
+  }
+  fputc('\n', f);
   sim_print_optimizer(f, rs, n);
   sim_print_weights(f, rs, n);
   if (n > 1 && !strcmp(rs[0].backend, "sim")) {
@@ -307,6 +314,11 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "step_overhead_pct", pct(r->step_us, base->step_us));
   cJSON_AddNumberToObject(o, "first_step_us", r->first_step_us);
   cJSON_AddNumberToObject(o, "first_step_peak_device_bytes", (double)r->first_step_peak_device_bytes);
+  cJSON *where = cJSON_AddObjectToObject(o, "peak_at");
+  cJSON_AddStringToObject(where, "phase", sim_peak_phase_name(r->peak_phase));
+  cJSON_AddNumberToObject(where, "layer", r->peak_layer);
+  cJSON_AddStringToObject(where, "op", r->peak_op);
+  cJSON_AddStringToObject(where, "what", r->peak_what);
   /* the --warmup steps left out: none when no more steps than that ran (the
    * text report's header says the same); steady_from_step can be later */
   cJSON_AddNumberToObject(o, "warmup_steps", r->warmup < r->steps ? r->warmup : 0);

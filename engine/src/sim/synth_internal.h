@@ -44,7 +44,9 @@ enum {
 enum {
   TMP_WORK = 1, /* during its forward compute (a workspace, or a tensor it saves after) */
   TMP_OUT,      /* its output, from its forward to the end of forward (the loss returns) */
-  TMP_GRAD      /* backward: the gradient of its input, until the op below consumed it */
+  TMP_GRAD,     /* backward: the gradient of its input, until the op below consumed it */
+  TMP_RING      /* around each of its computes, forward, recompute and backward (ring
+                   attention's K/V receive buffers) */
 };
 
 typedef struct transient {
@@ -72,6 +74,10 @@ typedef struct op {
   saved outs[MAX_OUTS]; /* what it returns: what per-op SAC keeps when it saves the op */
   int n_saves;
   saved saves[MAX_SAVES]; /* what autograd saves for its backward */
+  int64_t extra_wgrad; /* weight-gradient elements its backward writes beyond its saved
+                          parameters' (the embedding's table, Liger's grad_weight) */
+  int wgrad_handed;    /* its weight gradient is a saved tensor handed over (Liger's
+                          grad_weight): it appears as that is released, after the op */
 } op;
 
 typedef struct op_list {
@@ -97,7 +103,13 @@ static inline int master_of(const synth_model *m) {
 
 /* Tokens per rank outside the tensor-parallel region (norms, dropouts, the
  * region's inputs): all of them, or 1/t with sequence parallelism. */
-static inline int64_t seq_region_of(const synth_model *m) { return m->sp ? m->seq / tp_of(m) : m->seq; }
+static inline int64_t cp_of(const synth_model *m) { return m->cp > 1 ? m->cp : 1; }
+/* Tokens of the sequence one context-parallel rank holds (ring attention:
+ * seq / cp; all of them without). */
+static inline int64_t seq_local_of(const synth_model *m) { return m->seq / cp_of(m); }
+static inline int64_t seq_region_of(const synth_model *m) {
+  return m->sp ? seq_local_of(m) / tp_of(m) : seq_local_of(m);
+}
 static inline int64_t vocab_local_of(const synth_model *m) { return (m->vocab + tp_of(m) - 1) / tp_of(m); }
 
 enum { /* layer-local activation buffers */
@@ -117,6 +129,8 @@ typedef struct layer_shape {
                                             q width (a d), kv width, ffn */
   int64_t E, k, fe;                      /* experts, top-k, expert ffn */
   int64_t ss;                            /* sequence outside the TP region (sp: s / t) */
+  int64_t skv, cp;                       /* keys each query attends over (cp: all of the
+                                            sequence, s x cp); the context-parallel degree */
   double tokens, stokens, e;             /* b * s; b * ss; bytes per element */
   int dt, llama, qwen, mixtral;          /* the model's dtype; Llama (else GPT-2); Hugging
                                             Face's Qwen3 or Mixtral class and module names */
@@ -151,7 +165,21 @@ int ckpt_impl_of(const synth_model *m);
 const char *ckpt_impl_name(int impl);
 int hook_sees_kept(const synth_model *m);
 int hook_sees_recomputed(const synth_model *m);
+/* FSDP's units per tensor-parallel rank, as torchtitan wraps them
+ * (fully_shard on the embedding, on each block, on the final norm with the
+ * head): the parameters each all-gathers, and those whose gradients it
+ * reduce-scatters (a tied head's weight is the embedding's: gathered by
+ * both, its gradient written by the head's backward first). */
+typedef struct unit_sizes {
+  uint64_t embed, block, head;                /* parameters gathered */
+  uint64_t embed_grad, block_grad, head_grad; /* parameters with a gradient */
+} unit_sizes;
+
 /* synth_model.c */
+void unit_sizes_of(const synth_model *m, unit_sizes *u);
+uint64_t trained_of(const synth_model *m, uint64_t n);
+uint64_t sharded_grad_bytes(const synth_model *m, uint64_t n);
+uint64_t op_weight_elems(const op *o);
 uint64_t layer_matrices(const synth_model *m, int active);
 uint64_t layer_norms(const synth_model *m);
 double optimizer_step_bytes(const synth_model *m, const synth_resident *r);

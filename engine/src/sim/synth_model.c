@@ -101,7 +101,7 @@ const char *synth_preset_names(void) {
 
 
 int64_t synth_loss_chunk(const synth_model *m) {
-  const int64_t tokens = (int64_t)m->micro_batch * m->seq;
+  const int64_t tokens = (int64_t)m->micro_batch * seq_local_of(m);
   if (m->loss_chunk > 0) return m->loss_chunk < tokens ? m->loss_chunk : tokens;
   /* Liger's fused_linear_cross_entropy_forward: inc_factor = cdiv(V, H),
    * chunk_size = next_power_of_2(cdiv(BT, inc_factor)): a chunk's logits
@@ -165,7 +165,21 @@ static int validate_tp(const synth_model *m, char *err, size_t errlen) {
   if (t > 1 && m->loss == SYNTH_LOSS_CHUNKED)
     BAD("tp with the chunked loss is not modeled (Megatron's loss is vocab-parallel: use --loss full)");
   if (m->sp && t < 2) BAD("sequence parallelism needs tp > 1");
-  if (m->sp && m->seq % t) BAD("sp: tp %d must divide seq %d", t, m->seq);
+  if (m->sp && seq_local_of(m) % t) BAD("sp: tp %d must divide seq %d (per context-parallel rank)", t, (int)seq_local_of(m));
+  return 0;
+}
+
+/* Ring attention's context parallelism: the sequence split evenly, with
+ * load balancing two chunks per rank (seq divisible by 2 cp), FlashAttention
+ * per K/V chunk. */
+static int validate_cp(const synth_model *m, char *err, size_t errlen) {
+  if (m->cp < 0 || m->cp > 1 << 16) BAD("cp %d must be within 1..65536", m->cp);
+  if (m->cp > 1 && m->seq % (2 * m->cp))
+    BAD("cp %d: 2 x cp must divide seq %d (ring attention's load balancing gives each rank two "
+        "chunks of seq / 2cp tokens)", m->cp, m->seq);
+  if (m->cp > 1 && !m->flash)
+    BAD("cp %d needs --flash on (ring attention runs FlashAttention per K/V chunk; eager attention "
+        "would hold s x s scores)", m->cp);
   return 0;
 }
 
@@ -205,9 +219,9 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
     BAD("a checkpointing frequency (full:K) needs full checkpointing");
   if (m->loss != SYNTH_LOSS_FULL && m->loss != SYNTH_LOSS_CHUNKED) BAD("loss must be full or chunked");
   if (m->loss_chunk && m->loss != SYNTH_LOSS_CHUNKED) BAD("a chunk size (chunked:N) needs the chunked loss");
-  if (m->loss_chunk < 0 || (int64_t)m->loss_chunk > (int64_t)m->micro_batch * m->seq)
-    BAD("chunked:%d: N must be within 1..tokens (micro-batch x seq = %lld)", m->loss_chunk,
-        (long long)m->micro_batch * m->seq);
+  if (m->loss_chunk < 0 || (int64_t)m->loss_chunk > (int64_t)m->micro_batch * seq_local_of(m))
+    BAD("chunked:%d: N must be within 1..tokens (micro-batch x seq%s = %lld)", m->loss_chunk,
+        m->cp > 1 ? " / cp" : "", (long long)m->micro_batch * seq_local_of(m));
   if (m->shard < 1 || m->shard > 1 << 20) BAD("shard %d must be >= 1", m->shard);
   if (!(m->tflops > 0 && m->tflops < 1e6)) BAD("tflops must be > 0");
   if (!(m->hbm_gbps > 0 && m->hbm_gbps < 1e7)) BAD("hbm bandwidth must be > 0");
@@ -216,7 +230,8 @@ int synth_validate(const synth_model *m, char *err, size_t errlen) {
   if (m->arch == SYNTH_GPT && m->norm == SYNTH_NORM_EAGER)
     BAD("--norm eager is for RMSNorm (llama arch); gpt's LayerNorm is one native op "
         "(native_layer_norm) on every device");
-  if (validate_training(m, err, errlen) || validate_tp(m, err, errlen)) return -1;
+  if (validate_training(m, err, errlen) || validate_cp(m, err, errlen) || validate_tp(m, err, errlen))
+    return -1;
   double widest = m->ffn > m->vocab ? m->ffn : m->vocab;
   if ((double)m->heads * (double)head_dim_of(m) > widest) widest = (double)m->heads * (double)head_dim_of(m);
   double per_tensor = (double)m->micro_batch * m->seq * widest * 4;
@@ -327,12 +342,53 @@ int synth_optimizer_parse(const char *name) {
  * values, for each of the two states. */
 #define BNB_BLOCK 256
 
+void unit_sizes_of(const synth_model *m, unit_sizes *u) {
+  const uint64_t h = (uint64_t)m->hidden, V = (uint64_t)vocab_local_of(m);
+  const uint64_t table = V * h + (uint64_t)m->positions * h;
+  u->embed = table;
+  u->block = layer_matrices(m, 0) / (uint64_t)tp_of(m) + layer_norms(m);
+  u->head = 2 * h + V * h;
+  u->embed_grad = m->tie_embeddings ? (uint64_t)m->positions * h : table;
+  u->block_grad = u->block;
+  u->head_grad = u->head;
+}
+
+/* Of n parameters, those trained (LoRA: the share, rounded). */
+uint64_t trained_of(const synth_model *m, uint64_t n) {
+  return m->lora > 0 ? (uint64_t)llround(m->lora * (double)n) : n;
+}
+
+/* The gradient a rank keeps of n parameters after the reduce-scatter (all
+ * of it unsharded). */
+uint64_t sharded_grad_bytes(const synth_model *m, uint64_t n) {
+  return trained_of(m, n) * (uint64_t)ferry_dtype_size(grad_dtype_of(m)) / (uint64_t)m->shard;
+}
+
+/* Elements of the weight gradients op o's backward writes: its saved
+ * parameters' and what it adds (extra_wgrad). */
+uint64_t op_weight_elems(const op *o) {
+  uint64_t n = (uint64_t)o->extra_wgrad;
+  for (int k = 0; k < o->n_saves; k++) {
+    const saved *x = &o->saves[k];
+    if (x->kind != PARAM) continue;
+    uint64_t el = 1;
+    for (int d = 0; d < x->ndim; d++) el *= (uint64_t)x->shape[d];
+    n += el;
+  }
+  return n;
+}
+
 /* Per GPU: the stored parameters (all of them), and for the trainable
  * share the gradients, the fp32 master weights and the optimizer states,
- * each divided by the sharding degree (FSDP / ZeRO-3); sharded training
- * also holds the gathered compute copies of two blocks (the one computing,
- * the one prefetched). Mixed-precision AdamW by default: 2 + 2 + 4 + 8 =
- * 16 bytes per parameter (the ZeRO paper's 16). */
+ * each divided by the sharding degree (FSDP / ZeRO-3). Parameters, master
+ * weights and states are held all step (whole_step, the trace's resident
+ * lines); the gradients appear during backward and go after the optimizer
+ * step (zero_grad(set_to_none=True)), and sharded training holds gathered
+ * compute copies of the units it runs: `gathered` is the most at once
+ * (FSDP2's reshard_after_forward with a prefetch of one unit: a block and
+ * the next, or the head with the last block in backward; the trace writes
+ * them as they come and go). Mixed-precision AdamW by default: 2 + 2 + 4 +
+ * 8 = 16 bytes per parameter (the ZeRO paper's 16). */
 void synth_resident_parts(const synth_model *m, synth_resident *r) {
   const uint64_t sh = (uint64_t)m->shard, P = local_params(m);
   const uint64_t T = m->lora > 0 ? (uint64_t)llround(m->lora * (double)P) : P;
@@ -344,9 +400,17 @@ void synth_resident_parts(const synth_model *m, synth_resident *r) {
   r->master = master_of(m) ? T * 4 / sh : 0;
   uint64_t scales = m->optimizer == SYNTH_OPT_ADAMW_8BIT ? 2 * 4 * ((T + BNB_BLOCK - 1) / BNB_BLOCK) : 0;
   r->states = (T * state_bytes(m) + scales) / sh;
-  r->gathered = sh > 1 ? 2 * (layer_matrices(m, 0) / (uint64_t)tp_of(m)) *
-                             (uint64_t)ferry_dtype_size(m->dtype) : 0;
-  r->total = r->params + r->grads + r->master + r->states + r->gathered;
+  if (sh > 1) {
+    unit_sizes u;
+    unit_sizes_of(m, &u);
+    uint64_t most = 2 * u.block; /* a block and the one prefetched */
+    if (m->layers < 2) most = u.block;
+    if (u.embed + u.block > most) most = u.embed + u.block;
+    if (u.head + u.block > most) most = u.head + u.block;
+    r->gathered = most * (uint64_t)ferry_dtype_size(m->dtype);
+  }
+  r->whole_step = r->params + r->master + r->states;
+  r->total = r->whole_step + r->grads + r->gathered;
   r->layer_params = (layer_matrices(m, 0) / (uint64_t)tp_of(m) + layer_norms(m)) *
                     (uint64_t)ferry_dtype_size(param_dtype_of(m)) / sh;
 }

@@ -45,6 +45,7 @@ static void in_module(op *o, const char *mod, const char *cls) {
 const char *op_module(const op *o) { return o->has_mod ? o->mod : o->suffix; }
 
 static void save(op *o, saved s) { o->saves[o->n_saves++] = s; }
+static void tmp(op *o, int life, uint64_t bytes, const char *what);
 static void out(op *o, int sac, saved s) {
   o->sac = sac;
   o->outs[o->n_outs++] = s;
@@ -213,8 +214,14 @@ static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
      * _scaled_dot_product_flash_attention_for_cpu, which torch 2.x's SDPA
      * runs on the CPU; GQA's k and v keep their kv heads). The CUDA kernel
      * also keeps its rng state, a few bytes, not counted. */
-    o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * s * qd, (2 * tokens * qd + 2 * tokens * kvd) * e);
+    /* ring attention (cp > 1): this rank's queries over every rank's keys,
+     * the K/V chunks read as they arrive; with load balancing (each rank two
+     * mirrored chunks) the causal work is the total / cp */
+    o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * ls->skv * qd,
+               (2 * tokens * qd + 2 * tokens * kvd * ls->cp) * e);
     if (llama) in_module(o, "self_attn", ls_class(ls, CLS_ATTN));
+    if (ls->cp > 1) /* K and V of one chunk, double-buffered: one computed on, one received */
+      tmp(o, TMP_RING, (uint64_t)(2 * 2 * tokens * (double)kvd * e), "ring attention: K/V receive buffers");
     /* its backward runs 5 matmuls (recomputed scores, dV, dP, dQ, dK) for the
      * forward's 2: 2.5x the FLOPs (FlashAttention-2, Dao 2023, section 3.1;
      * torch's FLOP counter counts SDPA's backward so), twice the bytes */
@@ -449,8 +456,10 @@ int layer_ops(const synth_model *m, op_list *l) {
   /* one tensor-parallel rank's share (Megatron: heads and the FFN split by
    * t; with sequence parallelism the rest of the sequence too) */
   ls.b = m->micro_batch;
-  ls.s = m->seq;
+  ls.s = seq_local_of(m);
   ls.ss = seq_region_of(m);
+  ls.cp = cp_of(m);
+  ls.skv = m->seq;
   ls.h = m->hidden;
   ls.a = m->heads / t;
   ls.d = head_dim_of(m);
@@ -486,12 +495,15 @@ int layer_ops(const synth_model *m, op_list *l) {
 
 /* Before and after the blocks: embedding; final norm, head and loss. */
 int pre_ops(const synth_model *m, op_list *l) {
-  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden;
+  const int64_t b = m->micro_batch, s = seq_local_of(m), h = m->hidden;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   l->n = 0, l->cap = 1, l->n_bufs = 1;
   if (!(l->ops = malloc(sizeof *l->ops))) return -1;
   op *o = add_op(l, "model.embed_tokens", "Embedding", 0, tokens * h * e + tokens * 8);
   save(o, sv(0, I64, ACT, 0, 2, b, s, 0, 0));
+  /* its backward writes the table's gradient (dense: embedding_dense_backward);
+   * a tied table's the head wrote first, the learned positions' here */
+  o->extra_wgrad = (m->tie_embeddings ? 0 : vocab_local_of(m) * h) + (int64_t)m->positions * h;
   return 0;
 }
 
@@ -519,7 +531,7 @@ static void tmp(op *o, int life, uint64_t bytes, const char *what) {
  * nll_loss also saves its total_weight, an fp32 scalar (derivatives.yaml:
  * nll_loss_forward's backward takes self, target and total_weight). */
 static void loss_full_ops(const synth_model *m, op_list *l) {
-  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = vocab_local_of(m), T = b * s;
+  const int64_t b = m->micro_batch, s = seq_local_of(m), h = m->hidden, V = vocab_local_of(m), T = b * s;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   const uint64_t logits = (uint64_t)(tokens * (double)V);
   const int dt = m->dtype;
@@ -555,7 +567,7 @@ static void loss_full_ops(const synth_model *m, op_list *l) {
  * gradients is accumulated; ctx.save_for_backward keeps the two gradients.
  * Backward only scales them by the loss's gradient (skipped when it is 1). */
 static void loss_chunked_ops(const synth_model *m, op_list *l) {
-  const int64_t b = m->micro_batch, s = m->seq, h = m->hidden, V = m->vocab;
+  const int64_t b = m->micro_batch, s = seq_local_of(m), h = m->hidden, V = m->vocab;
   const double tokens = (double)b * s, e = ferry_dtype_size(m->dtype);
   const uint64_t chunk = (uint64_t)synth_loss_chunk(m), ue = (uint64_t)e;
   const int dt = m->dtype;
@@ -568,6 +580,9 @@ static void loss_chunked_ops(const synth_model *m, op_list *l) {
   tmp(o, TMP_WORK, chunk * (uint64_t)V * ue, "loss: logits of one chunk of tokens");
   save(o, sv(6, dt, ACT, 0, 3, b, s, h, 0));
   save(o, sv(7, dt, ACT, 0, 2, V, h, 0, 0));
+  /* backward hands grad_weight to the head as its gradient */
+  o->extra_wgrad = V * h;
+  o->wgrad_handed = 1;
 }
 
 

@@ -510,10 +510,12 @@ static int parse_compute(reader *r, const json_line *o) {
   return 0;
 }
 
-/* {"ev":"resident","bytes":N,"what":S[,"dtype":D][,"layer_bytes":B]}:
+/* {"ev":"resident","bytes":N,"what":S[,"dtype":D][,"layer_bytes":B][,"transient":true]}:
  * device memory held outside the saved tensors, before the first step (B:
  * each repeated block's part of it, at most N); a second line for S
- * replaces it. */
+ * replaces it. A transient one is named for what reads it by name (the
+ * optimizer offload's gradients) but not held all step: the step's allocs
+ * hold it, so it is not in resident_bytes. */
 static int parse_resident(reader *r, const json_line *o) {
   sim_trace *t = r->t;
   int64_t bytes, layer_bytes = 0;
@@ -526,6 +528,10 @@ static int parse_resident(reader *r, const json_line *o) {
   if ((rc = get_str(r, o, JK_DTYPE, 0, &dtype)) < 0) return rc;
   int dt = dtype ? ferry_dtype_from_name(dtype) : FERRY_DTYPE_UNKNOWN;
   if (dt < 0) return reader_fail(r, "unknown dtype \"%s\"", dtype);
+  const json_value *tr = json_line_get(o, JK_TRANSIENT);
+  if (tr && tr->type != JV_TRUE && tr->type != JV_FALSE)
+    return reader_fail(r, "\"transient\" must be true or false");
+  const int transient = tr && tr->type == JV_TRUE;
   if (r->in_step)
     return reader_fail(r, "resident inside a step: resident memory is declared before the first step");
   uint32_t k = 0;
@@ -536,13 +542,15 @@ static int parse_resident(reader *r, const json_line *o) {
     t->resident[k].what = strdup(what);
     if (!t->resident[k].what) return reader_fail(r, "out of memory");
     t->resident[k].bytes = 0;
+    t->resident[k].transient = 0;
     t->n_resident++;
   }
-  t->resident_bytes -= t->resident[k].bytes;
+  if (!t->resident[k].transient) t->resident_bytes -= t->resident[k].bytes;
+  t->resident[k].transient = transient;
   t->resident[k].bytes = (uint64_t)bytes;
   t->resident[k].dtype = dt;
   t->resident[k].layer_bytes = (uint64_t)layer_bytes; /* 0 when not given */
-  t->resident_bytes += (uint64_t)bytes;
+  if (!transient) t->resident_bytes += (uint64_t)bytes;
   return 0;
 }
 

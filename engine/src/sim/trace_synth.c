@@ -18,7 +18,17 @@ typedef struct writer {
   uint64_t step;
   uint64_t model_bufid[2]; /* this step's first forward packs of the rotary tables (B_COS, B_SIN) */
   uint64_t resid_grad;     /* backward: the gradient of the residual stream coming down */
+  unit_sizes u;            /* FSDP's units (sharded training gathers them) */
+  uint64_t *gathered;      /* [layers + 2]: a unit's gathered copy's alloc id (0: none):
+                              UNIT_EMBED, UNIT_BLOCK(L), UNIT_HEAD */
+  uint64_t *grads;         /* the gradients written this step, freed after the optimizer */
+  size_t n_grads, cap_grads;
+  int oom;
 } writer;
+
+#define UNIT_EMBED 0
+#define UNIT_BLOCK(L) (1 + (L))
+#define UNIT_HEAD(m) (1 + (m)->layers)
 
 static double op_us(const synth_model *m, const op *o) {
   double t_flops = o->flops / (m->tflops * 1e12);
@@ -51,9 +61,24 @@ static void w_compute(writer *w, double us, int layer, const char *opname, doubl
 
 /* Op o run `times` times back to back (backward: twice its forward), as
  * one compute event named name (NULL: the op's own). */
+static uint64_t w_alloc(writer *w, uint64_t bytes, const char *what);
+static void w_free(writer *w, uint64_t id);
+
+/* Allocs around an op's compute (TMP_RING), into ids[MAX_TMPS]. */
+static void w_ring(writer *w, const op *o, uint64_t *ids) {
+  for (int k = 0; k < MAX_TMPS; k++)
+    ids[k] = k < o->n_tmps && o->tmps[k].life == TMP_RING ? w_alloc(w, o->tmps[k].bytes, o->tmps[k].what) : 0;
+}
+static void w_ring_free(writer *w, const uint64_t *ids) {
+  for (int k = MAX_TMPS; k-- > 0;) w_free(w, ids[k]);
+}
+
 static void w_op(writer *w, const op *o, int times, int layer, const char *name) {
+  uint64_t ring[MAX_TMPS];
+  w_ring(w, o, ring);
   w_compute(w, times * op_us(w->m, o), layer, name ? name : o->suffix, times * o->flops,
             times * o->bytes, times * SYNTH_MIN_OP_US);
+  w_ring_free(w, ring);
 }
 
 static void module_path(int layer, const char *suffix, char *buf, size_t n) {
@@ -187,7 +212,7 @@ static void w_release_held(writer *w, const layer_ctx *c, int i) {
   }
 }
 
-static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
+static void w_block_forward_ops(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
   const op_list *l = c->l;
   const int mode = layer_mode(m, layer);
@@ -228,8 +253,11 @@ static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids 
 /* Op o's backward as one compute event: twice its forward, or its own cost
  * (FlashAttention's 2.5x, the loss's). */
 static void w_op_backward(writer *w, const op *o, int layer, const char *name) {
+  uint64_t ring[MAX_TMPS];
+  w_ring(w, o, ring);
   w_compute(w, bwd_us(w->m, o), layer, name ? name : o->suffix, o->own_bwd ? o->bwd_flops : 2 * o->flops,
             o->own_bwd ? o->bwd_bytes : 2 * o->bytes, o->own_bwd ? SYNTH_MIN_OP_US : 2 * SYNTH_MIN_OP_US);
+  w_ring_free(w, ring);
 }
 
 /* Megatron selective: group g (the attention core, the MLP activation) is
@@ -242,28 +270,110 @@ static int last_consumer(const op_list *l, unsigned g) {
   return -1;
 }
 
-/* The unsharded gradients of op o's weights, allocated by its backward (one
- * alloc for them; 0 if none): sharded training (FSDP, ZeRO-3) reduce-scatters
- * a block's gradients after its backward and frees them then
- * (w_block_backward); unsharded ones accumulate into the resident gradients. */
-static uint64_t w_weight_grads(writer *w, const op *o) {
-  if (w->m->shard <= 1) return 0;
-  const int g = w->m->grad_dtype ? w->m->grad_dtype : (w->m->param_dtype ? w->m->param_dtype : w->m->dtype);
-  uint64_t bytes = 0;
-  for (int k = 0; k < o->n_saves; k++) {
-    const saved *x = &o->saves[k];
-    if (x->kind != PARAM) continue;
-    uint64_t n_el = 1;
-    for (int d = 0; d < x->ndim; d++) n_el *= (uint64_t)x->shape[d];
-    bytes += n_el * (uint64_t)ferry_dtype_size(g);
+/* ---- gradients and gathered parameters ------------------------------------------ */
+/* A gradient that stays until the optimizer step has run (zero_grad's
+ * set_to_none=True, torch 2's default, frees it then). */
+static void w_keep_grad(writer *w, uint64_t id) {
+  if (!id) return;
+  if (w->n_grads == w->cap_grads) {
+    size_t cap = w->cap_grads ? 2 * w->cap_grads : 64;
+    uint64_t *p = realloc(w->grads, cap * sizeof *p);
+    if (!p) {
+      w->oom = 1;
+      return;
+    }
+    w->grads = p, w->cap_grads = cap;
   }
-  return bytes ? w_alloc(w, bytes, "gradient: weights (unsharded)") : 0;
+  w->grads[w->n_grads++] = id;
+}
+
+/* The gradients of op o's weights, allocated by its backward (one alloc for
+ * them; 0 if none). Unsharded training: they are the gradients, kept until
+ * the optimizer step. Sharded (FSDP, ZeRO-3): the unsharded ones, which the
+ * unit's reduce-scatter replaces by the rank's shard (w_reduce_scatter). */
+static uint64_t w_weight_grads(writer *w, const op *o) {
+  const uint64_t n = trained_of(w->m, op_weight_elems(o));
+  if (!n) return 0;
+  if (w->m->shard <= 1) {
+    uint64_t id = w_alloc(w, n * (uint64_t)ferry_dtype_size(grad_dtype_of(w->m)), "gradient: weights");
+    w_keep_grad(w, id);
+    return 0;
+  }
+  /* autograd writes them in the gathered parameters' dtype, the compute
+   * one (FSDP2's MixedPrecisionPolicy.param_dtype); the gradient dtype is
+   * the shard's, after the reduce-scatter */
+  return w_alloc(w, n * (uint64_t)ferry_dtype_size(w->m->dtype), "gradient: weights (unsharded)");
+}
+
+/* After a unit's backward, sharded: the reduce-scatter writes the rank's
+ * shard of its gradients (kept), then the unsharded ones are freed (FSDP2's
+ * post-backward). n_params: the unit's parameters with a gradient. */
+static void w_reduce_scatter(writer *w, uint64_t n_params, uint64_t *unsharded, int n) {
+  if (w->m->shard <= 1) return;
+  uint64_t bytes = sharded_grad_bytes(w->m, n_params);
+  if (bytes) w_keep_grad(w, w_alloc(w, bytes, "gradient: weights (sharded)"));
+  for (int i = 0; i < n; i++) {
+    w_free(w, unsharded[i]);
+    unsharded[i] = 0;
+  }
+}
+
+static uint64_t unit_bytes(const writer *w, int unit) {
+  const uint64_t n = unit == UNIT_EMBED ? w->u.embed : unit == UNIT_HEAD(w->m) ? w->u.head : w->u.block;
+  return n * (uint64_t)ferry_dtype_size(w->m->dtype);
+}
+
+/* Sharded training all-gathers a unit's parameters (in the compute dtype,
+ * the tensor-parallel rank's share) before it runs or when it is
+ * prefetched: an alloc until w_reshard. Unsharded: nothing. */
+static void w_gather(writer *w, int unit) {
+  if (w->m->shard <= 1 || unit < 0 || unit > UNIT_HEAD(w->m) || w->gathered[unit]) return;
+  static const char *const names[3] = {"gathered parameters: embedding", "gathered parameters: block",
+                                       "gathered parameters: norm and head"};
+  const char *what = names[unit == UNIT_EMBED ? 0 : unit == UNIT_HEAD(w->m) ? 2 : 1];
+  w->gathered[unit] = w_alloc(w, unit_bytes(w, unit), what);
+}
+
+static void w_reshard(writer *w, int unit) {
+  if (w->m->shard <= 1 || unit < 0 || unit > UNIT_HEAD(w->m)) return;
+  w_free(w, w->gathered[unit]);
+  w->gathered[unit] = 0;
+}
+
+/* foreach AdamW's transients at the step (torch.optim.adamw, _multi_tensor_adam):
+ * torch._foreach_sqrt(exp_avg_sqs) makes a new tensor per state (the stepped
+ * copy's dtype) that div_, add_ eps and addcdiv_ then use; with master
+ * weights a 16-bit gradient is cast to fp32 first (the cast
+ * optimizer_step_bytes costs). The other optimizers step in place. */
+static void optimizer_transients(const synth_model *m, const synth_resident *r, uint64_t *sqrt_bytes,
+                                 uint64_t *cast_bytes) {
+  *sqrt_bytes = *cast_bytes = 0;
+  if (m->optimizer != SYNTH_OPT_ADAMW) return;
+  const uint64_t n = r->trainable / (uint64_t)m->shard;
+  const uint64_t e = master_of(m) ? 4 : (uint64_t)ferry_dtype_size(param_dtype_of(m));
+  *sqrt_bytes = n * e;
+  if (master_of(m) && ferry_dtype_size(grad_dtype_of(m)) != 4) *cast_bytes = n * 4;
+}
+
+/* A block's forward under FSDP2 (reshard_after_forward=True): its
+ * parameters gathered (prefetched by the unit before), the next unit's
+ * all-gather issued as it runs (forward prefetch of one unit), its own
+ * freed when it returns. */
+static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
+  w_gather(w, UNIT_BLOCK(layer));
+  w_gather(w, UNIT_BLOCK(layer + 1)); /* past the last block: the head's unit */
+  w_block_forward_ops(w, c, layer, bi);
+  w_reshard(w, UNIT_BLOCK(layer));
 }
 
 static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
   const synth_model *m = w->m;
   const op_list *l = c->l;
   const int mode = layer_mode(m, layer);
+  /* FSDP2's backward prefetch: the unit below is gathered as this one's
+   * backward begins */
+  w_gather(w, UNIT_BLOCK(layer));
+  w_gather(w, layer > 0 ? UNIT_BLOCK(layer - 1) : UNIT_EMBED);
   /* the gradient of the block's input, written as its backward runs; the
    * one of its output (from the block above, or the head) lives until it ends */
   const uint64_t grad_in = w_alloc(w, (uint64_t)m->micro_batch * (uint64_t)seq_region_of(m) *
@@ -314,7 +424,8 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
     w_op_backward(w, o, layer, NULL);
     w_release_held(w, c, i);
   }
-  for (int i = 0; i < l->n; i++) w_free(w, c->wgrad[i]); /* reduce-scattered */
+  w_reduce_scatter(w, w->u.block_grad, c->wgrad, l->n);
+  w_reshard(w, UNIT_BLOCK(layer));
   w_free(w, w->resid_grad);
   w->resid_grad = grad_in;
 }
@@ -325,6 +436,9 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
  * out[] gets the outputs' alloc ids ([op][MAX_TMPS]). */
 static void w_head_forward(writer *w, const op_list *l, block_ids *bi, uint64_t *bufid,
                            uint64_t *out) {
+  /* torchtitan shards the final norm with the head, not resharded after
+   * forward (backward needs it at once) */
+  w_gather(w, UNIT_HEAD(w->m));
   for (int i = 0; i < l->n; i++) {
     const op *o = &l->ops[i];
     uint64_t work[MAX_TMPS];
@@ -342,16 +456,24 @@ static void w_head_forward(writer *w, const op_list *l, block_ids *bi, uint64_t 
  * the output of a backward kernel while its inputs live), and the gradient
  * it consumed is freed once it ran. */
 static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
-  uint64_t incoming[MAX_TMPS] = {0};
+  uint64_t incoming[MAX_TMPS] = {0}, wgrad[8] = {0};
   for (int i = l->n; i-- > 0;) {
     const op *o = &l->ops[i];
     uint64_t grad[MAX_TMPS];
+    /* FSDP2's backward prefetch of the last block comes from the head
+     * unit's pre-backward hook, on the gradient of the unit's output: after
+     * the loss's backward (the loss is no module of the unit) */
+    if (strcmp(o->suffix, "loss")) w_gather(w, UNIT_BLOCK(w->m->layers - 1));
     w_alloc_tmps(w, o, TMP_GRAD, grad);
     w_unpack_op(w, o, IDS(bi, i));
+    if (i < 8 && !o->wgrad_handed) wgrad[i] = w_weight_grads(w, o);
     w_op_backward(w, o, -1, op_label(o));
+    if (i < 8 && o->wgrad_handed) wgrad[i] = w_weight_grads(w, o);
     for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
     memcpy(incoming, grad, sizeof grad);
   }
+  w_reduce_scatter(w, w->u.head_grad, wgrad, l->n < 8 ? l->n : 8);
+  w_reshard(w, UNIT_HEAD(w->m));
   /* the gradient of the final norm's input flows into the last block */
   w->resid_grad = 0;
   for (int k = 0; k < MAX_TMPS; k++)
@@ -388,9 +510,18 @@ static void w_resident(FILE *f, uint64_t bytes, const char *what, int dtype, uin
   fputs("}\n", f);
 }
 
+/* A resident line whose bytes a step allocates itself (docs/trace-format.md:
+ * "transient": named for what reads it by name, not held all step). */
+static void w_resident_transient(FILE *f, uint64_t bytes, const char *what, int dtype) {
+  fprintf(f, "{\"ev\":\"resident\",\"t_us\":0,\"bytes\":%llu,\"what\":\"%s\",\"dtype\":\"%s\","
+             "\"transient\":true}\n",
+          (unsigned long long)bytes, what, ferry_dtype_name(dtype));
+}
+
 int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   if (synth_validate(m, err, errlen)) return -1;
   writer w = {.m = m, .f = f};
+  unit_sizes_of(m, &w.u);
   op_list layer = {0}, pre = {0}, post = {0};
   block_ids *blocks = calloc((size_t)m->layers, sizeof *blocks);
   uint64_t pre_store[MAX_SAVES], post_store[8 * MAX_SAVES], post_out[8 * MAX_TMPS];
@@ -408,6 +539,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   size_t n = 0;
   int rc = -1;
   if (!blocks || layer_ops(m, &layer) || pre_ops(m, &pre) || post_ops(m, &post)) goto oom;
+  if (!(w.gathered = calloc((size_t)m->layers + 2, sizeof *w.gathered))) goto oom;
   n = (size_t)layer.n;
   if (!(bufid = calloc((size_t)layer.n_bufs, sizeof *bufid)) || !(keep = calloc(n, 1)) ||
       !(held = calloc((size_t)layer.n_bufs, sizeof *held)) || !(wgrad = calloc(n, sizeof *wgrad)) ||
@@ -452,15 +584,19 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
           master_of(m) ? "true" : "false", synth_optimizer_name(m->optimizer));
   if (m->lora > 0) fprintf(f, "\"lora\":%g,", m->lora);
   if (tp_of(m) > 1) fprintf(f, "\"tp\":%d,\"sp\":%s,", m->tp, m->sp ? "true" : "false");
+  if (cp_of(m) > 1) fprintf(f, "\"cp\":%d,", m->cp);
   fprintf(f, "\"shard\":%d,\"tflops\":%g,\"hbm_gbps\":%g}\n", m->shard, m->tflops, m->hbm_gbps);
   synth_resident res;
   synth_resident_parts(m, &res);
   w_resident(f, res.params, "parameters", param_dtype_of(m), res.layer_params);
-  w_resident(f, res.grads, "gradients", grad_dtype_of(m), 0);
+  /* the gradients are declared for the optimizer offload's sizes but come
+   * and go within a step (allocs); the gathered parameters are allocs only */
+  w_resident_transient(f, res.grads, "gradients", grad_dtype_of(m));
   if (res.master) w_resident(f, res.master, "master weights", F32, 0);
   w_resident(f, res.states, "optimizer states", 0, 0);
-  if (res.gathered) w_resident(f, res.gathered, "gathered parameters", m->dtype, 0);
   const double opt_bytes = optimizer_step_bytes(m, &res);
+  uint64_t opt_sqrt_bytes, opt_cast_bytes;
+  optimizer_transients(m, &res, &opt_sqrt_bytes, &opt_cast_bytes);
   for (int st = 1; st <= m->steps; st++) {
     w.step = (uint64_t)st;
     memset(w.model_bufid, 0, sizeof w.model_bufid);
@@ -468,27 +604,43 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     uint64_t small_bufid[POST_BUFS] = {0};
     memset(pre_store, 0, sizeof pre_store);
     memset(post_store, 0, sizeof post_store);
+    w_gather(&w, UNIT_EMBED);
+    w_gather(&w, UNIT_BLOCK(0));
     for (int i = 0; i < pre.n; i++) {
       w_op(&w, &pre.ops[i], 1, -1, NULL);
       w_pack_op(&w, &pre.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&pre_ids, i), small_bufid);
     }
+    w_reshard(&w, UNIT_EMBED);
     for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
     memset(small_bufid, 0, sizeof small_bufid);
     w_head_forward(&w, &post, &post_ids, small_bufid, post_out);
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
     w_head_backward(&w, &post, &post_ids);
     for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
+    uint64_t pre_grad[MAX_SAVES] = {0};
     for (int i = pre.n; i-- > 0;) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
+      if (i < MAX_SAVES) pre_grad[i] = w_weight_grads(&w, &pre.ops[i]);
       w_op(&w, &pre.ops[i], 2, -1, NULL);
     }
     w_free(&w, w.resid_grad); /* the embedding's backward consumed it */
     w.resid_grad = 0;
+    w_reduce_scatter(&w, w.u.embed_grad, pre_grad, pre.n < MAX_SAVES ? pre.n : MAX_SAVES);
+    w_reshard(&w, UNIT_EMBED);
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
+    /* the optimizer step: its transients around it, then zero_grad frees
+     * the gradients */
+    uint64_t opt_sqrt = opt_sqrt_bytes ? w_alloc(&w, opt_sqrt_bytes, "optimizer: foreach sqrt(exp_avg_sq)") : 0;
+    uint64_t opt_cast = opt_cast_bytes ? w_alloc(&w, opt_cast_bytes, "optimizer: gradients cast to fp32") : 0;
     w_compute(&w, opt_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer", 0, opt_bytes, 0);
+    w_free(&w, opt_cast);
+    w_free(&w, opt_sqrt);
+    for (size_t g = w.n_grads; g-- > 0;) w_free(&w, w.grads[g]);
+    w.n_grads = 0;
     fprintf(f, "{\"ev\":\"step_end\",\"t_us\":0,\"step\":%d}\n", st);
   }
   rc = 0;
+  if (w.oom) goto oom;
   if (ferror(f)) {
     if (err && errlen) snprintf(err, errlen, "write error");
     rc = -1;
@@ -503,6 +655,8 @@ done:
       free(blocks[L].outs);
     }
   free(blocks);
+  free(w.gathered);
+  free(w.grads);
   free(bufid);
   free(held);
   free(wgrad);
