@@ -76,6 +76,9 @@
   X(arena_threads_allocate_and_free_concurrently)                          \
   X(arena_destroy_frees_live_allocations)                                  \
   X(arena_blocks_never_straddle_backend_allocations)                       \
+  /* arena trim (test_arena_trim.c) */                                     \
+  X(arena_trim_gives_free_memory_back)                                     \
+  X(arena_trim_after_snapshot)                                             \
   /* @@arena */                                                            \
   /* node budget (test_node_budget.c) */                                   \
   X(node_budget_two_handles_share_the_cap)                                 \

@@ -407,6 +407,11 @@ FERRY_API void ferry_arena_set_reserve_hook(ferry_arena *a, ferry_reserve_fn fn,
 FERRY_API void *ferry_arena_alloc(ferry_arena *a, size_t bytes);
 FERRY_API void ferry_arena_free(ferry_arena *a, void *p, size_t bytes);
 FERRY_API void ferry_arena_get_stats(ferry_arena *a, ferry_arena_stats *out);
+/* Gives every backend allocation with nothing in use in it back to the
+ * backend (unpinned and unmapped), as long as reserved stays >= keep_bytes;
+ * returns the bytes given back. Live allocations are untouched; later
+ * allocations grow the arena again. */
+FERRY_API uint64_t ferry_arena_release_free(ferry_arena *a, uint64_t keep_bytes);
 FERRY_API const char *ferry_arena_kind_name(const ferry_arena *a); /* "jemalloc"/"pool" */
 /* Whether jemalloc's API is present in this process. */
 FERRY_API int ferry_arena_jemalloc_available(void);
