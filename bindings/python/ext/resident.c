@@ -206,3 +206,17 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg) {
   self->residents_live++;
   return (PyObject *)out;
 }
+
+/* Engine.trim(keep_bytes=0) -> int: the pinned bytes given back to the OS
+ * (ferry_arena_trim). munmap and cudaFreeHost take time: without the GIL. */
+PyObject *engine_trim(EngineObject *self, PyObject *args) {
+  unsigned long long keep = 0;
+  if (!PyArg_ParseTuple(args, "|K:trim", &keep)) return NULL;
+  if (!engine_live(self)) return NULL;
+  uint64_t released = 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS rc = ferry_arena_trim(self->e, keep, &released);
+  Py_END_ALLOW_THREADS
+  if (rc) return raise_ferry(rc, ferry_last_error(self->e));
+  return PyLong_FromUnsignedLongLong(released);
+}
