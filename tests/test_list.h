@@ -135,6 +135,7 @@
   X(snapshot_writer_threads_are_reused)                                    \
   X(snapshot_concurrent_pack_unpack)                                       \
   X(snapshot_zip64)                                                        \
+  X(zip_crc32_matches_zlib)                                                \
   X(snapshot_torch_load)                                                   \
   X(snapshot_rejects_bad_input)                                            \
   X(snapshot_target_must_be_regular)                                       \

@@ -462,6 +462,11 @@ FERRY_API int zipw_finish(zip_writer *z);
  * 0xffffffff, the spec's). Tests lower it to exercise the ZIP64 paths with
  * small files; it applies to archives begun after the call. */
 FERRY_API void zipw_set_zip64_threshold(uint64_t threshold);
+/* The CRC-32 of the archives (zlib's: crc32(crc32(0, a), b) = crc32(0, ab)),
+ * computed by libdeflate where libdeflate.so.0 is found, else zlib; which
+ * one: "libdeflate" or "zlib" (FERRY_CRC32=zlib forces zlib). */
+FERRY_API uint32_t zipw_crc32(uint32_t crc, const void *data, size_t n);
+FERRY_API const char *zipw_crc32_impl(void);
 
 
 #ifdef __cplusplus

@@ -155,7 +155,8 @@ static void *je_hook_alloc(extent_hooks_t *hooks, void *new_addr, size_t size,
 
 static bool je_hook_dalloc(extent_hooks_t *hooks, void *addr, size_t size,
                            bool committed, unsigned arena_ind) {
-  /* Called for free extents when a trim purges the arena (decay is off).
+  /* Called for free extents when a trim purges the arena (decay is off),
+   * and by arena.<i>.destroy, which purges before it discards.
    * Taken as spare: opting out would leave the extent in jemalloc's
    * retained list, which no later purge hands back, so its chunk could
    * never be released. Opt out only when it cannot be recorded. */
@@ -280,6 +281,7 @@ static void je_destroy(ferry_arena *a) {
   if (ja->created && je_ctl_arena_write(ja, "destroy", NULL, 0) != 0)
     util_log(FERRY_LOG_ERROR, "jemalloc arena.%u.destroy failed; its pinned memory is freed "
              "anyway", ja->index);
+  free(ja->spare); /* destroy purges first: the free extents came back as spares */
   free(ja);
   a->kind_state = NULL;
 }
