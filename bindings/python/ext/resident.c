@@ -208,15 +208,21 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg) {
 }
 
 /* Engine.trim(keep_bytes=0) -> int: the pinned bytes given back to the OS
- * (ferry_arena_trim). munmap and cudaFreeHost take time: without the GIL. */
+ * (ferry_arena_trim). munmap and cudaFreeHost take time: without the GIL,
+ * as a call (engine_call_begin), so that a close() on another thread (the
+ * user's, or snapshot(trim=)'s thread racing one) destroys the engine only
+ * after the trim. */
 PyObject *engine_trim(EngineObject *self, PyObject *args) {
   unsigned long long keep = 0;
   if (!PyArg_ParseTuple(args, "|K:trim", &keep)) return NULL;
   if (!engine_live(self)) return NULL;
   uint64_t released = 0;
   int rc;
-  Py_BEGIN_ALLOW_THREADS rc = ferry_arena_trim(self->e, keep, &released);
+  ferry_engine *e = engine_call_begin(self);
+  Py_BEGIN_ALLOW_THREADS rc = ferry_arena_trim(e, keep, &released);
   Py_END_ALLOW_THREADS
-  if (rc) return raise_ferry(rc, ferry_last_error(self->e));
-  return PyLong_FromUnsignedLongLong(released);
+  PyObject *out = rc ? raise_ferry(rc, ferry_last_error(e))
+                     : PyLong_FromUnsignedLongLong(released);
+  engine_call_end(self);
+  return out;
 }
