@@ -133,7 +133,7 @@ static void *trim_loop(void *arg) {
   return NULL;
 }
 
-TEST(arena_trim_races_allocations) {
+TEST(arena_trim_while_threads_allocate) {
   static const int kinds[2] = {FERRY_ARENA_JEMALLOC, FERRY_ARENA_POOL};
   for (int k = 0; k < 2; k++) {
     if (kinds[k] == FERRY_ARENA_JEMALLOC && !ferry_arena_jemalloc_available()) continue;

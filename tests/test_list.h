@@ -79,7 +79,7 @@
   /* arena trim (test_arena_trim.c) */                                     \
   X(arena_trim_gives_free_memory_back)                                     \
   X(arena_trim_after_snapshot)                                             \
-  X(arena_trim_races_allocations)                                          \
+  X(arena_trim_while_threads_allocate)                                          \
   /* @@arena */                                                            \
   /* node budget (test_node_budget.c) */                                   \
   X(node_budget_two_handles_share_the_cap)                                 \
