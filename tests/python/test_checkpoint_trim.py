@@ -98,3 +98,31 @@ def test_a_bad_trim_is_refused_naming_it(tmp_path, bad):
     with pytest.raises(ValueError, match="trim="):
         ck.snapshot({"w": torch.zeros(4)}, tmp_path / "x.pt", trim=bad)
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_done_is_a_poll_while_the_trim_runs(tmp_path):
+    # done() is what a training loop polls: a trim that takes long (munmap
+    # of GBs, cudaHostUnregister) must not block it; it says False until the
+    # trim is over, and wait() then returns with trimmed_bytes set.
+    import threading
+    h = ck.snapshot({"w": torch.randn(1 << 16)}, tmp_path / "p.pt")
+    release = threading.Event()
+
+    class SlowEngine:  # stands for Engine.trim taking its time
+        def trim(self, keep):
+            release.wait(60)
+            return 123
+
+    h._start_trimmer(SlowEngine(), 0)
+    answers = []
+    poller = threading.Thread(target=lambda: answers.extend(h.done() for _ in range(3)))
+    poller.start()
+    poller.join(30)  # generous: a blocked done() would hold it the whole 60 s
+    blocked = poller.is_alive()
+    release.set()
+    poller.join()
+    assert not blocked, "done() blocked on the running trim"
+    assert answers == [False] * 3
+    assert h.wait() is h and h.done()
+    assert h.stats["trimmed_bytes"] == 123
+    assert torch.load(tmp_path / "p.pt")["w"].numel() == 1 << 16

@@ -230,8 +230,9 @@ class Snapshot:
             self._disarm()
 
     def done(self) -> bool:
-        """True once the file is durable at path, False while writing;
-        raises CheckpointError if it failed."""
+        """True once the file is durable at path (and, with trim=, its
+        staging memory given back), False before; never blocks; raises
+        CheckpointError if it failed."""
         if self._exc is not None:
             raise self._exc
         if self._ok:
@@ -240,6 +241,9 @@ class Snapshot:
             ok = self._c.poll()
         except FerryError as e:
             self._fail(e)
+        t = self._trimmer
+        if ok and t is not None and t.is_alive() and t is not threading.current_thread():
+            return False  # a poll: the trim (munmap, cudaHostUnregister) may take a while
         if ok:
             self._finish()
         return ok
@@ -789,7 +793,7 @@ def snapshot(
         back to the OS (Engine.trim; stats["trimmed_bytes"]); an int: the
         same, keeping that many bytes reserved (e.g. what reserve() took,
         so the next snapshot stays warm). Memory still in use stays.
-        wait() and done() return after the trim.
+        wait() returns after the trim; done() says False until it is over.
     """
     t0 = time.perf_counter()
     if isinstance(trim, bool):
