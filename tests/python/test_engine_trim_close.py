@@ -61,3 +61,19 @@ def test_trim_after_close_is_a_clear_error():
         assert "engine was closed" in str(exc)
     else:
         raise AssertionError("trim on a closed engine did not raise")
+
+
+def test_a_negative_keep_is_refused_naming_it():
+    # Parsed as unsigned, -1 became 2**64 - 1: nothing trimmed, no error.
+    import pytest
+    import ferry
+    from ferry import _ferry
+    e = _ferry.Engine(backend="host", policy_path=ferry.policy_path("default"))
+    e.resident(1 << 20).close()
+    with pytest.raises(ValueError, match="keep_bytes=-1"):
+        e.trim(-1)
+    with pytest.raises(TypeError):
+        e.trim(1.5)
+    assert e.stats()["arena_reserved"] >= 1 << 20  # nothing went
+    assert e.trim(0) >= 1 << 20 and e.stats()["arena_reserved"] == 0
+    e.close()

@@ -213,8 +213,15 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg) {
  * user's, or snapshot(trim=)'s thread racing one) destroys the engine only
  * after the trim. */
 PyObject *engine_trim(EngineObject *self, PyObject *args) {
-  unsigned long long keep = 0;
-  if (!PyArg_ParseTuple(args, "|K:trim", &keep)) return NULL;
+  PyObject *keep_obj = NULL;
+  if (!PyArg_ParseTuple(args, "|O!:trim", &PyLong_Type, &keep_obj)) return NULL;
+  /* "K" would take -1 as 2**64 - 1 and silently keep everything. */
+  unsigned long long keep = keep_obj ? PyLong_AsUnsignedLongLong(keep_obj) : 0;
+  if (keep_obj && PyErr_Occurred()) {
+    PyErr_Format(PyExc_ValueError, "Engine.trim: keep_bytes=%R is not a number of bytes "
+                 "(>= 0) to keep reserved", keep_obj);
+    return NULL;
+  }
   if (!engine_live(self)) return NULL;
   uint64_t released = 0;
   int rc;
