@@ -125,6 +125,7 @@ typedef struct trimmer {
 
 static void *trim_loop(void *arg) {
   trimmer *t = arg;
+  /* STRESS_NO_TRIM=1: the same load without trims (the byte checks alone). */
   if (getenv("STRESS_NO_TRIM")) return NULL;
   while (!atomic_load(&t->stop)) {
     t->released += ferry_arena_release_free(t->a, (t->trims % 3) ? 0 : ((uint64_t)4 << 20));
