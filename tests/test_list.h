@@ -76,6 +76,10 @@
   X(arena_threads_allocate_and_free_concurrently)                          \
   X(arena_destroy_frees_live_allocations)                                  \
   X(arena_blocks_never_straddle_backend_allocations)                       \
+  /* arena trim (test_arena_trim.c) */                                     \
+  X(arena_trim_gives_free_memory_back)                                     \
+  X(arena_trim_after_snapshot)                                             \
+  X(arena_trim_while_threads_allocate)                                          \
   /* @@arena */                                                            \
   /* node budget (test_node_budget.c) */                                   \
   X(node_budget_two_handles_share_the_cap)                                 \
@@ -132,6 +136,7 @@
   X(snapshot_writer_threads_are_reused)                                    \
   X(snapshot_concurrent_pack_unpack)                                       \
   X(snapshot_zip64)                                                        \
+  X(zip_crc32_matches_zlib)                                                \
   X(snapshot_torch_load)                                                   \
   X(snapshot_rejects_bad_input)                                            \
   X(snapshot_target_must_be_regular)                                       \

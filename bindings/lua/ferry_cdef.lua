@@ -145,6 +145,7 @@ void ferry_engine_destroy(ferry_engine *e);
 const char *ferry_last_error(ferry_engine *e);
 const char *ferry_backend_name(ferry_engine *e);
 const char *ferry_arena_name(ferry_engine *e);
+int ferry_arena_trim(ferry_engine *e, uint64_t keep_bytes, uint64_t *released);
 const char *ferry_intern(ferry_engine *e, const char *s);
 int ferry_pack(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner, void *compute_stream, ferry_handle *out);
 int ferry_pack_keyed(ferry_engine *e, const ferry_tensor_desc *desc, void *device_ptr, void *owner, void *compute_stream, uint64_t storage, int64_t version, ferry_handle *out);

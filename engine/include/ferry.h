@@ -477,6 +477,14 @@ FERRY_API const char *ferry_last_error(ferry_engine *e);
  * engine); static. */
 FERRY_API const char *ferry_backend_name(ferry_engine *e);
 FERRY_API const char *ferry_arena_name(ferry_engine *e);
+/* Give pinned memory back to the OS: every backend allocation of the arena
+ * with nothing in use in it is unpinned and freed (host: munlock and
+ * munmap; cuda: cudaFreeHost), as long as the arena keeps at least
+ * keep_bytes reserved. Memory in use (stashed tensors, resident buffers, a
+ * snapshot still writing) stays. *released (may be NULL): the bytes given
+ * back. Later allocations pin memory again, at the cost of a first growth.
+ * Callbacks: host_reserve (release = 1), no lock held. */
+FERRY_API int ferry_arena_trim(ferry_engine *e, uint64_t keep_bytes, uint64_t *released);
 
 /* Return a stable copy of s owned by the engine, valid until the engine is
  * destroyed; equal strings give equal pointers. NULL on allocation failure. */

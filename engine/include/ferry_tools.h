@@ -407,6 +407,11 @@ FERRY_API void ferry_arena_set_reserve_hook(ferry_arena *a, ferry_reserve_fn fn,
 FERRY_API void *ferry_arena_alloc(ferry_arena *a, size_t bytes);
 FERRY_API void ferry_arena_free(ferry_arena *a, void *p, size_t bytes);
 FERRY_API void ferry_arena_get_stats(ferry_arena *a, ferry_arena_stats *out);
+/* Gives every backend allocation with nothing in use in it back to the
+ * backend (unpinned and unmapped), as long as reserved stays >= keep_bytes;
+ * returns the bytes given back. Live allocations are untouched; later
+ * allocations grow the arena again. */
+FERRY_API uint64_t ferry_arena_release_free(ferry_arena *a, uint64_t keep_bytes);
 FERRY_API const char *ferry_arena_kind_name(const ferry_arena *a); /* "jemalloc"/"pool" */
 /* Whether jemalloc's API is present in this process. */
 FERRY_API int ferry_arena_jemalloc_available(void);
@@ -457,6 +462,11 @@ FERRY_API int zipw_finish(zip_writer *z);
  * 0xffffffff, the spec's). Tests lower it to exercise the ZIP64 paths with
  * small files; it applies to archives begun after the call. */
 FERRY_API void zipw_set_zip64_threshold(uint64_t threshold);
+/* The CRC-32 of the archives (zlib's: crc32(crc32(0, a), b) = crc32(0, ab)),
+ * computed by libdeflate where libdeflate.so.0 is found, else zlib; which
+ * one: "libdeflate" or "zlib" (FERRY_CRC32=zlib forces zlib). */
+FERRY_API uint32_t zipw_crc32(uint32_t crc, const void *data, size_t n);
+FERRY_API const char *zipw_crc32_impl(void);
 
 
 #ifdef __cplusplus

@@ -864,6 +864,9 @@ static PyMethodDef engine_methods[] = {
     {"resident", (PyCFunction)engine_resident, METH_O,
      "resident(nbytes) -> Resident: a buffer of the pinned arena living on the host "
      "(ferry_resident_create; FerryError FERRY_ECAP past the host cap)."},
+    {"trim", (PyCFunction)engine_trim, METH_VARARGS,
+     "trim(keep_bytes=0) -> int: give the pinned arena's free memory back to the OS, keeping "
+     "keep_bytes reserved; returns the bytes given back (ferry_arena_trim)."},
     {"snapshot", (PyCFunction)engine_snapshot, METH_VARARGS,
      "snapshot(path, records) -> Snapshot: start a checkpoint snapshot (ferry_snapshot_start). "
      "records: (name, bytes-like) for host bytes copied now, or (name, data_ptr, nbytes, owner, "

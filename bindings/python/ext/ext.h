@@ -279,6 +279,7 @@ PyObject *engine_snapshot(EngineObject *self, PyObject *args);
 PyObject *describe_walk(PyObject *unused, PyObject *args);
 /* resident.c */
 PyObject *engine_resident(EngineObject *self, PyObject *arg);
+PyObject *engine_trim(EngineObject *self, PyObject *args);
 /* A Resident of eng gave its arena memory back (closed or freed): a
  * close() that waited for it destroys the engine now. */
 void engine_resident_gone(EngineObject *eng);

@@ -206,3 +206,30 @@ PyObject *engine_resident(EngineObject *self, PyObject *arg) {
   self->residents_live++;
   return (PyObject *)out;
 }
+
+/* Engine.trim(keep_bytes=0) -> int: the pinned bytes given back to the OS
+ * (ferry_arena_trim). munmap and cudaFreeHost take time: without the GIL,
+ * as a call (engine_call_begin), so that a close() on another thread (the
+ * user's, or snapshot(trim=)'s thread racing one) destroys the engine only
+ * after the trim. */
+PyObject *engine_trim(EngineObject *self, PyObject *args) {
+  PyObject *keep_obj = NULL;
+  if (!PyArg_ParseTuple(args, "|O!:trim", &PyLong_Type, &keep_obj)) return NULL;
+  /* "K" would take -1 as 2**64 - 1 and silently keep everything. */
+  unsigned long long keep = keep_obj ? PyLong_AsUnsignedLongLong(keep_obj) : 0;
+  if (keep_obj && PyErr_Occurred()) {
+    PyErr_Format(PyExc_ValueError, "Engine.trim: keep_bytes=%R is not a number of bytes "
+                 "(>= 0) to keep reserved", keep_obj);
+    return NULL;
+  }
+  if (!engine_live(self)) return NULL;
+  uint64_t released = 0;
+  int rc;
+  ferry_engine *e = engine_call_begin(self);
+  Py_BEGIN_ALLOW_THREADS rc = ferry_arena_trim(e, keep, &released);
+  Py_END_ALLOW_THREADS
+  PyObject *out = rc ? raise_ferry(rc, ferry_last_error(e))
+                     : PyLong_FromUnsignedLongLong(released);
+  engine_call_end(self);
+  return out;
+}

@@ -167,6 +167,7 @@ class Snapshot:
         self._hooks = []
         self._exc = None
         self._ok = c_handle is None
+        self._trimmer = None  # trim=: the thread that trims once the file is durable
 
     # -- hooks that fence automatically
     def _arm(self, optimizers, modules, global_step, global_forward):
@@ -229,8 +230,9 @@ class Snapshot:
             self._disarm()
 
     def done(self) -> bool:
-        """True once the file is durable at path, False while writing;
-        raises CheckpointError if it failed."""
+        """True once the file is durable at path (and, with trim=, its
+        staging memory given back), False before; never blocks; raises
+        CheckpointError if it failed."""
         if self._exc is not None:
             raise self._exc
         if self._ok:
@@ -239,6 +241,9 @@ class Snapshot:
             ok = self._c.poll()
         except FerryError as e:
             self._fail(e)
+        t = self._trimmer
+        if ok and t is not None and t.is_alive() and t is not threading.current_thread():
+            return False  # a poll: the trim (munmap, cudaHostUnregister) may take a while
         if ok:
             self._finish()
         return ok
@@ -262,9 +267,32 @@ class Snapshot:
             return str(self._exc)
         return self._c.error() if self._c is not None else ""
 
+    def _start_trimmer(self, engine, keep_bytes):
+        c = self._c
+
+        def trim_when_durable():
+            try:
+                c.wait()  # the staging buffers are back in the arena, failed or not
+            except FerryError:
+                pass  # reported by done()/wait()
+            try:
+                self.stats["trimmed_bytes"] = engine.trim(keep_bytes)
+            except FerryError:
+                pass  # an engine closed meanwhile has nothing left to trim
+        self._trimmer = threading.Thread(target=trim_when_durable, daemon=True,
+                                         name="ferry-checkpoint-trim")
+        self._trimmer.start()
+
+    def _join_trimmer(self):
+        # done()/wait() report the memory given back, not only the file
+        t = self._trimmer
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
     def _finish(self):
         self._ok = True
         self._disarm()
+        self._join_trimmer()
         with _pending_lock:
             _pending.discard(self)
 
@@ -273,6 +301,7 @@ class Snapshot:
         msg = e.args[0] if e.args else str(e)
         self._exc = _error(msg, self.path, code)
         self._disarm()
+        self._join_trimmer()
         with _pending_lock:
             _pending.discard(self)
         raise self._exc
@@ -729,6 +758,7 @@ def snapshot(
         host_cap: Optional[Union[int, str]] = None,
         distributed: str = "auto",
         fence_hooks: str = "auto",
+        trim: Union[bool, int] = False,
         **knobs: Any,
 ) -> Snapshot:
     """Write `obj` (nested dicts/lists/tuples of tensors and other objects)
@@ -757,8 +787,22 @@ def snapshot(
         given, every module's training forward when module is not given:
         torch's global hooks, on torch 1.13 ferry's own for the step),
         "none". A step given a closure is fenced after the closure.
+    trim: False (default): the pinned staging memory stays in the arena
+        for the next snapshot (no new pinning on the training thread).
+        True: once the file is durable, the arena's free pinned memory goes
+        back to the OS (Engine.trim; stats["trimmed_bytes"]); an int: the
+        same, keeping that many bytes reserved (e.g. what reserve() took,
+        so the next snapshot stays warm). Memory still in use stays.
+        wait() returns after the trim; done() says False until it is over.
     """
     t0 = time.perf_counter()
+    if isinstance(trim, bool):
+        keep_bytes = 0 if trim else None
+    elif isinstance(trim, int) and trim >= 0:
+        keep_bytes = trim
+    else:
+        raise ValueError(f"ferry.torch.snapshot: trim={trim!r} is not True, False or a number "
+                         "of bytes to keep reserved (>= 0)")
     if distributed == "sharded":
         raise ValueError("ferry.torch.snapshot: distributed='sharded' (the ferry-sharded/1 "
                          "format) is retired: use distributed='dcp' (torch.distributed."
@@ -787,6 +831,9 @@ def snapshot(
     else:
         mode = distributed
     if mode == "dcp":
+        if keep_bytes is not None:
+            raise ValueError("ferry.torch.snapshot: trim= applies to a file snapshot; a DCP "
+                             "Stager keeps its staging buffers until close()")
         h = _dcp_save(obj, path, stats, dict(knobs, policy=policy, backend=backend,
                                              host_cap=host_cap))
         _arm(h, optimizer, module, fence_hooks)
@@ -875,5 +922,7 @@ def snapshot(
                  policy=policy_path)
     h = Snapshot(path, c, stats)
     _arm(h, optimizer, module, fence_hooks)
+    if keep_bytes is not None:
+        h._start_trimmer(engine, keep_bytes)
     stats["blocked_ms"] = (time.perf_counter() - t0) * 1e3
     return h

@@ -57,8 +57,8 @@ class StagedCheckpointIO(TorchCheckpointIO):
 
     policy: the policy file whose snapshot(e) decides per tensor (default
         $FERRY_POLICY or "default"); keys: top-level keys whose tensors may
-        be staged (None: all); host_cap, backend, knobs: as for
-        ferry.torch.snapshot.
+        be staged (None: all); host_cap, backend, knobs (trim= among them):
+        as for ferry.torch.snapshot.
 
     save_checkpoint returns at once. The snapshot is fenced before the next
     optimizer step and before the next training forward of a module that

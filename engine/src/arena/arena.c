@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "util/errbuf.h"
+#include "util/log.h"
 #include "arena/arena_internal.h"
 
 /* ---- ledger --------------------------------------------------------------- */
@@ -85,6 +86,33 @@ void *arena_backend_reserve(ferry_arena *a, size_t bytes, size_t alignment,
   if (rc == 0 && p) a->bk->ops->host_free(a->bk, p, bytes);
   if (a->reserve) a->reserve(a->reserve_ud, bytes, 1);
   return NULL;
+}
+
+uint64_t arena_backend_release(ferry_arena *a, uintptr_t addr, size_t size) {
+  pthread_mutex_lock(&a->lock);
+  size_t at = ledger_upper_bound(a, addr);
+  if (at == 0 || a->chunks[at - 1].addr != addr || a->chunks[at - 1].size != size) {
+    pthread_mutex_unlock(&a->lock);
+    util_log(FERRY_LOG_ERROR, "pinned arena: trim of %#zx (%zu bytes), which is not a whole "
+             "backend allocation; kept", (size_t)addr, size);
+    return 0;
+  }
+  at--;
+  memmove(&a->chunks[at], &a->chunks[at + 1], (a->n_chunks - at - 1) * sizeof a->chunks[0]);
+  a->n_chunks--;
+  a->stats.reserved -= size;
+  pthread_mutex_unlock(&a->lock);
+  ARENA_UNPOISON(addr, size);
+  a->bk->ops->host_free(a->bk, (void *)addr, size);
+  if (a->reserve) a->reserve(a->reserve_ud, size, 1);
+  return size;
+}
+
+const arena_chunk *arena_ledger_find_locked(ferry_arena *a, uintptr_t addr) {
+  size_t at = ledger_upper_bound(a, addr);
+  if (at == 0) return NULL;
+  const arena_chunk *c = &a->chunks[at - 1];
+  return addr - c->addr < c->size ? c : NULL;
 }
 
 void ferry_arena_set_reserve_hook(ferry_arena *a, ferry_reserve_fn fn, void *ud) {
@@ -192,6 +220,11 @@ void ferry_arena_free(ferry_arena *a, void *p, size_t bytes) {
   pthread_mutex_lock(&a->lock);
   a->stats.in_use -= requested <= a->stats.in_use ? requested : a->stats.in_use;
   pthread_mutex_unlock(&a->lock);
+}
+
+uint64_t ferry_arena_release_free(ferry_arena *a, uint64_t keep_bytes) {
+  if (!a || !a->kind || !a->kind->trim) return 0;
+  return a->kind->trim(a, keep_bytes);
 }
 
 void ferry_arena_get_stats(ferry_arena *a, ferry_arena_stats *out) {

@@ -53,6 +53,9 @@ typedef struct arena_kind_ops {
   size_t (*free)(ferry_arena *a, void *p, size_t bytes);
   /* Drops the kind's own state; arena.c then frees every chunk. */
   void (*destroy)(ferry_arena *a);
+  /* Gives every wholly free chunk back to the backend (arena_backend_release)
+   * while reserved stays >= keep_bytes; returns the bytes given back. */
+  uint64_t (*trim)(ferry_arena *a, uint64_t keep_bytes);
 } arena_kind_ops;
 
 struct ferry_arena {
@@ -75,6 +78,14 @@ struct ferry_arena {
  * Call without a->lock held. */
 void *arena_backend_reserve(ferry_arena *a, size_t bytes, size_t alignment,
                             int *cap_refused);
+/* Gives the backend allocation at addr (a whole ledger chunk the kind no
+ * longer uses) back: out of the ledger and reserved, then host_free and the
+ * shared budget told. Returns its size, 0 when addr is not a chunk's start
+ * or size is not its size (logged). Call without a->lock held. */
+uint64_t arena_backend_release(ferry_arena *a, uintptr_t addr, size_t size);
+/* The ledger chunk holding addr, or NULL. Caller holds a->lock; the pointer
+ * is valid until the ledger changes. */
+const arena_chunk *arena_ledger_find_locked(ferry_arena *a, uintptr_t addr);
 /* Whether [p, p + n) lies inside a single backend allocation.
  * Call without a->lock held. */
 int arena_ledger_same_chunk(ferry_arena *a, const void *p, size_t n);

@@ -67,7 +67,55 @@ typedef struct je_arena {
   /* 1 while this arena refuses jemalloc's rounded-up retained grows (see
    * je_hook_alloc); cleared if this jemalloc turns out not to retry. */
   atomic_int exact_extents;
+  /* Extents jemalloc handed back through the dalloc hook (a purge, from
+   * ferry_arena_release_free): ferry's now. The alloc hook serves from them
+   * first; a trim gives each chunk they wholly cover back to the backend.
+   * Under owner->lock. */
+  arena_chunk *spare;
+  size_t n_spare, spare_cap;
 } je_arena;
+
+/* Caller holds owner->lock. 0, or -1 when the list cannot grow. */
+static int je_spare_add(je_arena *ja, uintptr_t addr, size_t size) {
+  if (ja->n_spare == ja->spare_cap) {
+    size_t cap = ja->spare_cap ? ja->spare_cap * 2 : 32;
+    arena_chunk *grown = realloc(ja->spare, cap * sizeof *grown);
+    if (!grown) return -1;
+    ja->spare = grown;
+    ja->spare_cap = cap;
+  }
+  ja->spare[ja->n_spare++] = (arena_chunk){addr, size};
+  return 0;
+}
+
+/* Carves `size` bytes at `alignment` out of a spare extent: first fit, the
+ * bytes before and after stay spare. NULL when none fits (or the list
+ * cannot grow for the bytes after). */
+static void *je_spare_take(je_arena *ja, size_t size, size_t alignment) {
+  ferry_arena *a = ja->owner;
+  void *p = NULL;
+  pthread_mutex_lock(&a->lock);
+  for (size_t i = 0; i < ja->n_spare && !p; i++) {
+    arena_chunk sp = ja->spare[i];
+    uintptr_t start = (sp.addr + alignment - 1) & ~(uintptr_t)(alignment - 1);
+    if (start - sp.addr > sp.size || sp.size - (start - sp.addr) < size) continue;
+    uintptr_t end = start + size, sp_end = sp.addr + sp.size;
+    int before = start > sp.addr, after = end < sp_end;
+    if (before && after) {
+      if (je_spare_add(ja, end, sp_end - end) != 0) continue;
+      ja->spare[i].size = start - sp.addr;
+    } else if (before) {
+      ja->spare[i].size = start - sp.addr;
+    } else if (after) {
+      ja->spare[i] = (arena_chunk){end, sp_end - end};
+    } else {
+      ja->spare[i] = ja->spare[--ja->n_spare];
+    }
+    p = (void *)start;
+  }
+  pthread_mutex_unlock(&a->lock);
+  return p;
+}
 
 /* What the alloc hook did during one mallocx, read by je_alloc on the same
  * thread (hooks run on the allocating thread). */
@@ -93,8 +141,9 @@ static void *je_hook_alloc(extent_hooks_t *hooks, void *new_addr, size_t size,
   }
   je_exact_requested = 1;
   if (alignment < ARENA_CHUNK_ALIGN) alignment = ARENA_CHUNK_ALIGN;
+  void *p = je_spare_take(ja, size, alignment); /* memory a trim kept */
   int cap_refused = 0;
-  void *p = arena_backend_reserve(ja->owner, size, alignment, &cap_refused);
+  if (!p) p = arena_backend_reserve(ja->owner, size, alignment, &cap_refused);
   if (!p) {
     if (cap_refused) je_cap_refused_by = ja->owner;
     return NULL;
@@ -106,7 +155,16 @@ static void *je_hook_alloc(extent_hooks_t *hooks, void *new_addr, size_t size,
 
 static bool je_hook_dalloc(extent_hooks_t *hooks, void *addr, size_t size,
                            bool committed, unsigned arena_ind) {
-  return true; /* opt out: the extent stays pinned, jemalloc retains it */
+  /* Called for free extents when a trim purges the arena (decay is off),
+   * and by arena.<i>.destroy, which purges before it discards.
+   * Taken as spare: opting out would leave the extent in jemalloc's
+   * retained list, which no later purge hands back, so its chunk could
+   * never be released. Opt out only when it cannot be recorded. */
+  je_arena *ja = (je_arena *)hooks;
+  pthread_mutex_lock(&ja->owner->lock);
+  int rc = je_spare_add(ja, (uintptr_t)addr, size);
+  pthread_mutex_unlock(&ja->owner->lock);
+  return rc != 0;
 }
 
 static void je_hook_destroy(extent_hooks_t *hooks, void *addr, size_t size,
@@ -163,6 +221,58 @@ static size_t je_free(ferry_arena *a, void *p, size_t bytes) {
   return bytes;
 }
 
+static int cmp_spare(const void *x, const void *y) {
+  uintptr_t a = ((const arena_chunk *)x)->addr, b = ((const arena_chunk *)y)->addr;
+  return a < b ? -1 : a > b;
+}
+
+/* Hands every free extent to the dalloc hook (arena.<i>.purge: all dirty
+ * extents, whatever the decay time), merges neighbouring spares of one
+ * chunk, and releases the chunks a spare now covers whole. */
+static uint64_t je_trim(ferry_arena *a, uint64_t keep_bytes) {
+  je_arena *ja = a->kind_state;
+  if (je_ctl_arena_write(ja, "purge", NULL, 0) != 0)
+    util_log(FERRY_LOG_WARNING, "jemalloc arena.%u.purge failed; trimming the spare extents only",
+             ja->index);
+  pthread_mutex_lock(&a->lock);
+  arena_chunk *gone = ja->n_spare ? malloc(ja->n_spare * sizeof *gone) : NULL;
+  size_t n_gone = 0;
+  if (gone) {
+    qsort(ja->spare, ja->n_spare, sizeof *ja->spare, cmp_spare);
+    size_t n = 0;
+    for (size_t i = 0; i < ja->n_spare; i++) {
+      arena_chunk sp = ja->spare[i];
+      const arena_chunk *c = arena_ledger_find_locked(a, sp.addr);
+      if (n && c && ja->spare[n - 1].addr + ja->spare[n - 1].size == sp.addr &&
+          c == arena_ledger_find_locked(a, sp.addr - 1))
+        ja->spare[n - 1].size += sp.size;
+      else
+        ja->spare[n++] = sp;
+    }
+    ja->n_spare = n;
+    uint64_t reserved = a->stats.reserved;
+    n = 0;
+    for (size_t i = 0; i < ja->n_spare; i++) {
+      arena_chunk sp = ja->spare[i];
+      const arena_chunk *c = arena_ledger_find_locked(a, sp.addr);
+      if (c && c->addr == sp.addr && c->size == sp.size && reserved >= sp.size &&
+          reserved - sp.size >= keep_bytes) {
+        gone[n_gone++] = sp;
+        reserved -= sp.size;
+      } else {
+        ja->spare[n++] = sp;
+      }
+    }
+    ja->n_spare = n;
+  }
+  pthread_mutex_unlock(&a->lock);
+  uint64_t released = 0;
+  for (size_t i = 0; i < n_gone; i++)
+    released += arena_backend_release(a, gone[i].addr, gone[i].size);
+  free(gone);
+  return released;
+}
+
 static void je_destroy(ferry_arena *a) {
   je_arena *ja = a->kind_state;
   if (!ja) return;
@@ -171,6 +281,7 @@ static void je_destroy(ferry_arena *a) {
   if (ja->created && je_ctl_arena_write(ja, "destroy", NULL, 0) != 0)
     util_log(FERRY_LOG_ERROR, "jemalloc arena.%u.destroy failed; its pinned memory is freed "
              "anyway", ja->index);
+  free(ja->spare); /* destroy purges first: the free extents came back as spares */
   free(ja);
   a->kind_state = NULL;
 }
@@ -180,6 +291,7 @@ static const arena_kind_ops je_kind_ops = {
     .alloc = je_alloc,
     .free = je_free,
     .destroy = je_destroy,
+    .trim = je_trim,
 };
 
 /* Mirrors jemalloc 5.3's arena_config_t, written by

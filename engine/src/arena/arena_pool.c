@@ -309,11 +309,45 @@ static void pool_destroy(ferry_arena *a) {
   a->kind_state = NULL;
 }
 
+/* A chunk whose blocks are all free is one free block once coalesced: its
+ * head, with nothing after it. Such chunks leave the pool under the lock
+ * (no allocation can take them), then go back to the backend. */
+static uint64_t pool_trim(ferry_arena *a, uint64_t keep_bytes) {
+  pool_state *s = a->kind_state;
+  pthread_mutex_lock(&a->lock);
+  arena_chunk *gone = s->n_heads ? malloc(s->n_heads * sizeof *gone) : NULL;
+  size_t n_gone = 0;
+  if (gone) {
+    pool_coalesce(s);
+    uint64_t reserved = a->stats.reserved;
+    for (size_t h = 0; h < s->n_heads;) {
+      pool_block *b = s->chunk_heads[h];
+      if (b->is_free && !b->next_in_chunk && reserved >= b->size &&
+          reserved - b->size >= keep_bytes) {
+        bin_remove(s, b);
+        gone[n_gone++] = (arena_chunk){b->addr, b->size};
+        reserved -= b->size;
+        free(b);
+        s->chunk_heads[h] = s->chunk_heads[--s->n_heads]; /* their order is not used */
+        continue;
+      }
+      h++;
+    }
+  }
+  pthread_mutex_unlock(&a->lock);
+  uint64_t released = 0;
+  for (size_t i = 0; i < n_gone; i++)
+    released += arena_backend_release(a, gone[i].addr, gone[i].size);
+  free(gone);
+  return released;
+}
+
 static const arena_kind_ops pool_kind_ops = {
     .name = "pool",
     .alloc = pool_alloc,
     .free = pool_free,
     .destroy = pool_destroy,
+    .trim = pool_trim,
 };
 
 int arena_pool_init(ferry_arena *a, char *errbuf, size_t errlen) {

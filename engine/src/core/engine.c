@@ -429,6 +429,15 @@ const char *ferry_arena_name(ferry_engine *e) {
   return ferry_arena_kind_name(e->arena);
 }
 
+int ferry_arena_trim(ferry_engine *e, uint64_t keep_bytes, uint64_t *released) {
+  if (released) *released = 0;
+  int rc = engine_check(e);
+  if (rc) return rc;
+  uint64_t n = ferry_arena_release_free(e->arena, keep_bytes);
+  if (released) *released = n;
+  return FERRY_OK;
+}
+
 /* ---- interning --------------------------------------------------------------- */
 const char *ferry_intern(ferry_engine *e, const char *s) {
   if (engine_check(e) || !s) return NULL;
