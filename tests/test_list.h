@@ -201,6 +201,11 @@
   X(sim_fits_is_exposed_capacity_less_the_allowance)                       \
   X(sim_block_backward_holds_saved_tensors_and_gradients)                  \
   X(sim_synth_optimizer_traffic_and_gpt3_preset)                           \
+  X(sim_comm_fsdp_single_node_hides_gathers)                               \
+  X(sim_comm_multi_node_exposes_computed_time)                             \
+  X(sim_comm_nic_shares_pcie_with_offload_copies)                          \
+  X(sim_comm_tensor_parallel_adds_its_time)                                \
+  X(sim_comm_trace_errors)                                                 \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

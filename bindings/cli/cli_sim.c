@@ -100,6 +100,9 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.cpu_adam_params_per_s = o->cpu_adam;
   c.optimizer_serial = o->opt_serial;
   c.weight_single_buffer = o->w_single;
+  c.comm_nodes = o->nodes;
+  c.nvlink_bytes_per_s = o->nvlink >= 0 ? o->nvlink : hw->nvlink_bytes_per_s;
+  c.nic_bytes_per_s = o->nic >= 0 ? o->nic : hw->nic_bytes_per_s;
   return c;
 }
 
@@ -445,6 +448,8 @@ int ferry_cli_sim(int argc, char **argv) {
       {"weight-layers", required_argument, 0, 'K'},
       {"weight-double-buffer", required_argument, 0, 'U'},
       {"untracked", required_argument, 0, 'u'},
+      {"nodes", required_argument, 0, 'N'},   {"nvlink", required_argument, 0, 'Z'},
+      {"nic", required_argument, 0, 'I'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -511,6 +516,19 @@ int ferry_cli_sim(int argc, char **argv) {
       else o.tflops = x;
       break;
     }
+    case 'N': {
+      long nodes;
+      if (cli_int("sim", "--nodes", optarg, 1, 100000, &nodes)) return 2;
+      o.nodes = (uint32_t)nodes;
+      break;
+    }
+    case 'Z':
+    case 'I': /* GB/s per GPU, NCCL's bus bandwidth */
+      if (cli_number("sim", c == 'Z' ? "--nvlink" : "--nic", optarg, FERRY_NUMBER_REAL, 0, 1e5, 0,
+                     c == 'Z' ? &o.nvlink : &o.nic))
+        return 2;
+      *(c == 'Z' ? &o.nvlink : &o.nic) *= 1e9;
+      break;
     case 'G': /* GB/s, as `ferry trace synth --hbm` takes it */
       if (cli_number("sim", "--hbm", optarg, FERRY_NUMBER_REAL, 0, 1e7, 1, &o.hbm)) return 2;
       o.hbm *= 1e9;

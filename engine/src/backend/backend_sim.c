@@ -67,6 +67,7 @@ typedef struct sim_backend {
   double link; /* the link has been simulated up to here (<= now, except
                   right after a wait ran it to the copy's end) */
   unsigned active[2];
+  unsigned foreign; /* other flows on each direction (sim_backend_share_link) */
   sim_stream *streams;
   sim_backend_stats st;
   sim_copy_listener listener;
@@ -91,8 +92,8 @@ static int is_own_stream(sim_backend *sb, bk_stream s) {
 static double rate_of(const sim_backend *sb, int d) {
   double bw = sb->bytes_per_us[d];
   if (bw <= 0) return 0;
-  if (sb->active[1 - d]) bw *= sb->duplex[d];
-  return bw / (double)(sb->active[d] ? sb->active[d] : 1);
+  if (sb->active[1 - d] || sb->foreign) bw *= sb->duplex[d];
+  return bw / (double)(sb->active[d] + sb->foreign ? sb->active[d] + sb->foreign : 1);
 }
 
 static double copy_time_left(const sim_backend *sb, const sim_stream *s, int d) {
@@ -644,5 +645,17 @@ void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes) {
   sim_backend *sb = as_sim(b);
   pthread_mutex_lock(&sb->lock);
   charge_pinning(sb, bytes, 0);
+  pthread_mutex_unlock(&sb->lock);
+}
+
+void sim_backend_share_link(ferry_backend *b, unsigned flows, unsigned active[2]) {
+  sim_backend *sb = as_sim(b);
+  pthread_mutex_lock(&sb->lock);
+  link_run_to(sb, sb->now); /* the copies so far at the old share */
+  sb->foreign = flows;
+  if (active) {
+    active[0] = sb->active[0];
+    active[1] = sb->active[1];
+  }
   pthread_mutex_unlock(&sb->lock);
 }

@@ -19,6 +19,7 @@ const char *const json_key_names[JK_COUNT] = {
     [JK_US] = "us",         [JK_OP] = "op",           [JK_FORMAT] = "format",
     [JK_VERSION] = "version", [JK_BACKEND] = "backend", [JK_WHAT] = "what",
     [JK_HBM_BYTES] = "hbm_bytes", [JK_MIN_US] = "min_us", [JK_LAYER_BYTES] = "layer_bytes",
+    [JK_RANKS] = "ranks",
 };
 
 #define LEN(s) (sizeof s - 1)
@@ -32,7 +33,7 @@ static const uint8_t key_len[JK_COUNT] = {
     [JK_US] = LEN("us"),         [JK_OP] = LEN("op"),             [JK_FORMAT] = LEN("format"),
     [JK_VERSION] = LEN("version"), [JK_BACKEND] = LEN("backend"), [JK_WHAT] = LEN("what"),
     [JK_HBM_BYTES] = LEN("hbm_bytes"), [JK_MIN_US] = LEN("min_us"),
-    [JK_LAYER_BYTES] = LEN("layer_bytes"),
+    [JK_LAYER_BYTES] = LEN("layer_bytes"), [JK_RANKS] = LEN("ranks"),
 };
 
 /* By length and first letter, then one comparison: a pack line has fourteen
@@ -53,6 +54,7 @@ int json_key_find(const char *k, size_t n) {
   case 'l': key = n == 5 ? JK_LAYER : n == 6 ? JK_LAYERS : JK_LAYER_BYTES; break;
   case 'm': key = k[1] == 'i' ? JK_MIN_US : JK_MODULE; break;
   case 'o': key = JK_OP; break;
+  case 'r': key = JK_RANKS; break;
   case 'p': key = JK_PHASE; break;
   case 's': key = n == 4 ? JK_STEP : JK_SHAPE; break;
   case 't': key = JK_T_US; break;

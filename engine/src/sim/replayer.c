@@ -377,7 +377,7 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
   double a = replay_now(r), us = event_gap(r, ev) * r->gap_scale;
-  replay_compute(r, us);
+  comm_compute(r, us);
   if (!r->recording) return us;
   int32_t layer = r->cur_layer;
   const char *module = ev->type == TEV_COMPUTE ? ev->op : NULL;
@@ -563,11 +563,13 @@ static int replay_event_call(replay *r, const trace_ev *ev, double *t0) {
     if (r->recording) r->res->tl.t_backward = replay_now(r);
     return ferry_backward_begin(r->e);
   case TEV_BACKWARD_END: return ferry_backward_end(r->e);
-  case TEV_STEP_END: return replay_step_end(r);
+  case TEV_STEP_END: comm_drain(r); return replay_step_end(r);
   /* transient memory: counted on the device, never seen by the engine (no
    * pack: the trainer frees it itself), so no buffer either */
   case TEV_ALLOC: live_add(r, r->t->allocs[ev->tensor].bytes); return 0;
   case TEV_FREE: live_sub(r, r->t->allocs[ev->tensor].bytes); return 0;
+  case TEV_COLLECTIVE: comm_issue(r, ev->tensor); return 0;
+  case TEV_COLLECTIVE_WAIT: comm_wait(r, ev->tensor); return 0;
   default: return 0;
   }
 }
@@ -660,6 +662,9 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   double w0, st0 = sim_stall(r, &w0);
   double hs0 = r->host_stall, hw0 = r->host_wait;
   double pin0 = pinned_us(r);
+  const comm_model *cm = r->comm;
+  const double cm0[4] = {cm ? cm->count : 0, cm ? cm->bytes : 0, cm ? cm->busy_us : 0,
+                         cm ? cm->exposed_us : 0};
   double t0 = 0;
   int rc;
   r->cur_layer = -1;
@@ -753,6 +758,12 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       sums->w_stall += w->stall;
     }
     sums->pinned += pinned_us(r) - pin0;
+    if (cm) {
+      sums->comm_n = cm->count - cm0[0];
+      sums->comm_bytes = cm->bytes - cm0[1];
+      sums->comm_us = cm->busy_us - cm0[2];
+      sums->comm_exposed = cm->exposed_us - cm0[3];
+    }
     sums->floor += r->host ? 0 : floor_us(&fl, (double)r->step_peak);
   }
   sums->peak = r->step_peak;
@@ -763,6 +774,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
 /* Destroys the engine and frees the buffers the trainer still held (an
  * error stopped the step midway) and the tables. */
 static void replay_close(replay *r) {
+  comm_close(r);
   w_close(r);
   opt_close(r);
   if (r->e) ferry_engine_destroy(r->e);
@@ -828,6 +840,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   if (!rc) rc = replay_tables(&r);
   if (!rc) rc = opt_open(&r);
   if (!rc) rc = w_open(&r);
+  if (!rc) rc = comm_open(&r);
   if (!rc) {
     out->resident_bytes = r.resident;
     out->untracked_bytes = c->untracked_bytes;

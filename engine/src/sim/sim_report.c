@@ -24,27 +24,31 @@
  * out-of-memory message gives it: H100 80GB 79.11 GiB, H200 139.80 GiB,
  * A100 80GB 79.15 GiB, A100 40GB 39.39 GiB (the lowest seen: PCIe cards show
  * up to 39.59), GH200 480GB (96 GB HBM3) 94.50 GiB (vLLM issue #9630); sources
- * in docs/hardware.md. */
+ * in docs/hardware.md. Then the collectives' bus bandwidth per GPU: NVLink
+ * as NCCL measures it (H100/H200 360 GB/s: NVIDIA/nccl-tests issue #326,
+ * NCCL's maintainer; A100 230 GB/s, NVLink 3's 300 GB/s a direction at
+ * the same share), and the GPU's own NIC across nodes (DGX H100/H200: one
+ * 400 Gb/s ConnectX-7 per GPU, 50 GB/s; DGX A100: 200 Gb/s HDR, 25 GB/s). */
 #define GIB_ 1073741824.0
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8,
-     989, 3350 * GB, 79.11 * GIB_},
+     989, 3350 * GB, 79.11 * GIB_, 360 * GB, 50 * GB},
     {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 141 * GB,
      "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989, 4800 * GB,
-     139.80 * GIB_},
+     139.80 * GIB_, 360 * GB, 50 * GB},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB,
-     79.15 * GIB_},
+     79.15 * GIB_, 230 * GB, 25 * GB},
     /* the 40 GB A100 (SXM4): same host link; 1,555 GB/s HBM2 (A100
      * datasheet); torch reports "39.39 GiB total capacity" for it */
     {"a100-40", "A100 40GB, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 40 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 1555 * GB,
-     39.39 * GIB_},
+     39.39 * GIB_, 230 * GB, 25 * GB},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
      96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB,
-     94.50 * GIB_},
+     94.50 * GIB_, 360 * GB, 50 * GB},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
@@ -238,6 +242,22 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   fputc('\n', f);
   sim_print_optimizer(f, rs, n);
   sim_print_weights(f, rs, n);
+  if (n > 0 && rs[0].comm_count > 0) {
+    /* collectives run beside compute: only what the compute waited for
+     * lengthens the step (docs/simulator.md, "Collectives") */
+    fprintf(f, "\ncollectives per step (FSDP gathers and reduce-scatters, tensor-parallel "
+               "exchanges): exposed is the time compute waited for them, in the step time:");
+    for (int i = 0; i < n; i++) {
+      char ex[32], busy[32], by[32];
+      fmt_us(ex, sizeof ex, rs[i].comm_exposed_us);
+      fmt_us(busy, sizeof busy, rs[i].comm_us);
+      fmt_bytes(by, sizeof by, rs[i].comm_bytes);
+      fprintf(f, "\n  %-22.22s %.0f, %s per rank, lanes busy %s, exposed %s (%.1f%% of the step)",
+              rs[i].label, rs[i].comm_count, by, busy, ex,
+              rs[i].step_us > 0 ? 100.0 * rs[i].comm_exposed_us / rs[i].step_us : 0.0);
+    }
+    fputc('\n', f);
+  }
   if (n > 1 && !strcmp(rs[0].backend, "sim")) {
     fprintf(f, "\nstall floor (the least stall any schedule of the same copies could expose "
                "at the same peak, the link at full speed; docs/simulator.md):");
@@ -318,6 +338,10 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
   cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
+  cJSON_AddNumberToObject(o, "comm_collectives", r->comm_count);
+  cJSON_AddNumberToObject(o, "comm_bytes", r->comm_bytes);
+  cJSON_AddNumberToObject(o, "comm_us", r->comm_us);
+  cJSON_AddNumberToObject(o, "comm_exposed_us", r->comm_exposed_us);
   cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
   cJSON_AddNumberToObject(o, "reload_stall_us", r->stall_us);
   cJSON_AddNumberToObject(o, "stall_floor_us", r->stall_floor_us);

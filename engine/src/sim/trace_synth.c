@@ -461,6 +461,11 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   w_resident(f, res.states, "optimizer states", 0, 0);
   if (res.gathered) w_resident(f, res.gathered, "gathered parameters", m->dtype, 0);
   const double opt_bytes = optimizer_step_bytes(m, &res);
+  synth_comm comm;
+  if (synth_comm_init(&comm, m, f, res.layer_params)) {
+    synth_comm_free(&comm);
+    goto oom;
+  }
   for (int st = 1; st <= m->steps; st++) {
     w.step = (uint64_t)st;
     memset(w.model_bufid, 0, sizeof w.model_bufid);
@@ -468,26 +473,38 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     uint64_t small_bufid[POST_BUFS] = {0};
     memset(pre_store, 0, sizeof pre_store);
     memset(post_store, 0, sizeof post_store);
+    synth_comm_step_begin(&comm);
     for (int i = 0; i < pre.n; i++) {
       w_op(&w, &pre.ops[i], 1, -1, NULL);
       w_pack_op(&w, &pre.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&pre_ids, i), small_bufid);
     }
-    for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
+    for (int L = 0; L < m->layers; L++) {
+      synth_comm_block_forward_begin(&comm, L);
+      w_block_forward(&w, &ctx, L, &blocks[L]);
+      synth_comm_block_forward_end(&comm, L);
+    }
     memset(small_bufid, 0, sizeof small_bufid);
     w_head_forward(&w, &post, &post_ids, small_bufid, post_out);
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
+    synth_comm_backward_begin(&comm);
     w_head_backward(&w, &post, &post_ids);
-    for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
+    for (int L = m->layers; L-- > 0;) {
+      synth_comm_block_backward_begin(&comm, L);
+      w_block_backward(&w, &ctx, L, &blocks[L]);
+      synth_comm_block_backward_end(&comm, L);
+    }
     for (int i = pre.n; i-- > 0;) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
       w_op(&w, &pre.ops[i], 2, -1, NULL);
     }
     w_free(&w, w.resid_grad); /* the embedding's backward consumed it */
     w.resid_grad = 0;
+    synth_comm_backward_end(&comm);
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
     w_compute(&w, opt_bytes / (m->hbm_gbps * 1e9) * 1e6, -1, "optimizer", 0, opt_bytes, 0);
     fprintf(f, "{\"ev\":\"step_end\",\"t_us\":0,\"step\":%d}\n", st);
   }
+  synth_comm_free(&comm);
   rc = 0;
   if (ferror(f)) {
     if (err && errlen) snprintf(err, errlen, "write error");
