@@ -36,6 +36,11 @@ static int lane_inter(const replay *r, int g) {
   return g == SIM_GROUP_SHARD && r->c->comm_nodes > 1;
 }
 
+/* Whether lane g shares the PCIe link: through a NIC that is timed. */
+static int lane_on_pcie(const replay *r, int g) {
+  return lane_inter(r, g) && r->c->nic_bytes_per_s > 0;
+}
+
 int comm_open(replay *r) {
   const sim_trace *t = r->t;
   if (!t->n_collectives || !r->sim) return 0;
@@ -70,15 +75,16 @@ void comm_close(replay *r) {
 static double lane_rate(replay *r, int g, const unsigned active[2]) {
   const sim_config *c = r->c;
   if (!lane_inter(r, g)) return c->nvlink_bytes_per_s / 1e6;
+  if (!lane_on_pcie(r, g)) return 0; /* an untimed NIC */
   double rate = c->nic_bytes_per_s / 1e6;
   /* the NIC's flow takes its share of each PCIe direction, both busy */
   const double pcie[2] = {c->link.d2h_bytes_per_s, c->link.h2d_bytes_per_s};
   const double dup[2] = {c->duplex_d2h > 0 ? c->duplex_d2h : c->link.duplex,
                          c->duplex_h2d > 0 ? c->duplex_h2d : c->link.duplex};
   for (int d = 0; d < 2; d++) {
-    if (!(pcie[d] > 0)) continue;
+    if (!(pcie[d] > 0)) continue; /* an unlimited link takes nothing */
     double share = pcie[d] * dup[d] / (double)(active[d] + 1) / 1e6;
-    if (!(rate > 0) || share < rate) rate = share;
+    if (share < rate) rate = share;
   }
   return rate;
 }
@@ -92,7 +98,7 @@ static void comm_run(replay *r, double until, int move_clock, int to_an_end) {
   const sim_trace *t = r->t;
   for (;;) {
     double left = to_an_end ? INFINITY : until - m->t;
-    int inter_busy = m->lane[SIM_GROUP_SHARD].n && lane_inter(r, SIM_GROUP_SHARD);
+    int inter_busy = m->lane[SIM_GROUP_SHARD].n && lane_on_pcie(r, SIM_GROUP_SHARD);
     unsigned active[2] = {0, 0};
     sim_backend_share_link(r->sim, inter_busy ? 1 : 0, active);
     if (!(left > 1e-9) || (to_an_end && !m->lane[0].n && !m->lane[1].n)) break;

@@ -26,7 +26,7 @@
  * up to 39.59), GH200 480GB (96 GB HBM3) 94.50 GiB (vLLM issue #9630); sources
  * in docs/hardware.md. Then the collectives' bus bandwidth per GPU: NVLink
  * as NCCL measures it (H100/H200 360 GB/s: NVIDIA/nccl-tests issue #326,
- * NCCL's maintainer; A100 230 GB/s, NVLink 3's 300 GB/s a direction at
+ * NCCL's maintainer; A100 240 GB/s, NVLink 3's 300 GB/s a direction at
  * the same share), and the GPU's own NIC across nodes (DGX H100/H200: one
  * 400 Gb/s ConnectX-7 per GPU, 50 GB/s; DGX A100: 200 Gb/s HDR, 25 GB/s). */
 #define GIB_ 1073741824.0
@@ -40,12 +40,12 @@ static const sim_hw presets[] = {
      139.80 * GIB_, 360 * GB, 50 * GB},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB,
-     79.15 * GIB_, 230 * GB, 25 * GB},
+     79.15 * GIB_, 240 * GB, 25 * GB},
     /* the 40 GB A100 (SXM4): same host link; 1,555 GB/s HBM2 (A100
      * datasheet); torch reports "39.39 GiB total capacity" for it */
     {"a100-40", "A100 40GB, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 40 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 1555 * GB,
-     39.39 * GIB_, 230 * GB, 25 * GB},
+     39.39 * GIB_, 240 * GB, 25 * GB},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
      96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB,
      94.50 * GIB_, 360 * GB, 50 * GB},
