@@ -205,6 +205,7 @@
   X(sim_comm_multi_node_exposes_computed_time)                             \
   X(sim_comm_nic_shares_pcie_with_offload_copies)                          \
   X(sim_comm_tensor_parallel_adds_its_time)                                \
+  X(sim_mfu_sensitivity_replays_at_both_rates)                             \
   X(sim_comm_trace_errors)                                                 \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ferry_tools.h"
 #include "test.h"
@@ -277,5 +278,93 @@ TEST(sim_comm_trace_errors) {
     CHECK_STR_CONTAINS(err, cases[i].want);
     CHECK_STR_CONTAINS(err, "bad:");
   }
+  return 0;
+}
+
+/* ---- sensitivity to the compute rate (issue 42 item 4) ---------------------------- */
+#define T_FLOPS(flops) "{\"ev\":\"compute\",\"t_us\":0,\"us\":1,\"flops\":" #flops "}\n"
+
+/* By hand: 1e9 FLOPs at 1 TFLOP/s take 1000 us; at x 0.75 1333.33 us, at
+ * x 1.25 800 us. With a policy the two extra replays are the same as
+ * replays at those rates, and the report (text, JSON) says both runs'
+ * steps and overheads at MFU 0.30 / 0.40 / 0.50 of h100's 989 TFLOP/s. */
+TEST(sim_mfu_sensitivity_replays_at_both_rates) {
+  static const char plain[] = T_HDR T_BEGIN T_FLOPS(1e9) T_EV("backward_begin")
+      T_EV("backward_end") T_END;
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.warmup = -1;
+  c.tflops = 1;
+  c.mfu_sensitivity = 0.25;
+  sim_result r;
+  CHECK_OK(replay_text(plain, &c, &r));
+  NEAR(r.step_us, 1000, 1e-6);
+  NEAR(r.sens_tflops[0], 0.75, 1e-12);
+  NEAR(r.sens_tflops[1], 1.25, 1e-12);
+  NEAR(r.sens_step_us[0], 1000 / 0.75, 1e-6);
+  NEAR(r.sens_step_us[1], 800, 1e-6);
+  sim_result_free(&r);
+  /* without FLOPs (or without the option) nothing more is replayed */
+  c.mfu_sensitivity = 0;
+  CHECK_OK(replay_text(plain, &c, &r));
+  NEAR(r.sens_step_us[0], 0, 0);
+  sim_result_free(&r);
+
+  synth_model m;
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  m.layers = 2, m.seq = 2048;
+  sim_trace *t = NULL;
+  CHECK_OK(trace_of(&m, &t));
+  const sim_hw *hw = sim_hw_preset("h100");
+  sim_config s = {0};
+  s.link = hw->link;
+  s.tflops = hw->peak_tflops * SIM_DEFAULT_MFU;
+  s.steps = 3;
+  sim_result rs[2], lo, hi;
+  char err[512];
+  s.mfu_sensitivity = 0.25;
+  CHECK_OK(sim_replay(t, &s, &rs[0], err, sizeof err));
+  s.policy_source = offload_all;
+  s.label = "all";
+  CHECK_OK(sim_replay(t, &s, &rs[1], err, sizeof err));
+  s.mfu_sensitivity = 0;
+  s.tflops = hw->peak_tflops * SIM_DEFAULT_MFU * 0.75;
+  CHECK_OK(sim_replay(t, &s, &lo, err, sizeof err));
+  s.tflops = hw->peak_tflops * SIM_DEFAULT_MFU * 1.25;
+  CHECK_OK(sim_replay(t, &s, &hi, err, sizeof err));
+  NEAR(rs[1].sens_step_us[0], lo.step_us, 1e-9);
+  NEAR(rs[1].sens_step_us[1], hi.step_us, 1e-9);
+  CHECK(lo.step_us > rs[1].step_us && rs[1].step_us > hi.step_us);
+
+  sim_run_info info = {.trace_path = "llama3-8b x2", .trace = t, .hw = hw};
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  sim_print_table(f, &info, rs, 2);
+  fclose(f);
+  CHECK_STR_CONTAINS(text, "step (overhead) at MFU 0.30 / MFU 0.40 / MFU 0.50");
+  char want[64];
+  snprintf(want, sizeof want, "(%+6.1f%%)", 100.0 * (hi.step_us - rs[0].sens_step_us[1]) / rs[0].sens_step_us[1]);
+  CHECK_STR_CONTAINS(text, want);
+  free(text);
+  char path[] = "/tmp/ferry_sens_XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0);
+  close(fd);
+  CHECK_OK(sim_write_json(path, &info, rs, 2, err, sizeof err));
+  FILE *jf = fopen(path, "r");
+  CHECK(jf != NULL);
+  char buf[1 << 16];
+  size_t got = fread(buf, 1, sizeof buf - 1, jf);
+  buf[got] = 0;
+  fclose(jf);
+  unlink(path);
+  CHECK_STR_CONTAINS(buf, "\"compute_sensitivity\"");
+  CHECK_STR_CONTAINS(buf, "\"step_overhead_pct\"");
+  sim_result_free(&rs[0]);
+  sim_result_free(&rs[1]);
+  sim_result_free(&lo);
+  sim_result_free(&hi);
+  sim_trace_free(t);
   return 0;
 }

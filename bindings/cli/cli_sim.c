@@ -155,6 +155,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     c.timeline = want_tl;
     c.progress = on_progress;
     c.progress_ud = &ps;
+    c.mfu_sensitivity = SIM_MFU_SENSITIVITY;
     if (i > 0) {
       sim_job *j = &jobs[i - 1];
       c.label = j->label;

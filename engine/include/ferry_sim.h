@@ -217,6 +217,11 @@ typedef struct sim_config {
    * bytes/s (0 = none: collectives take no time) */
   uint32_t comm_nodes;
   double nvlink_bytes_per_s, nic_bytes_per_s;
+  /* the step's sensitivity to the compute rate: when > 0 (and compute is
+   * timed from FLOPs: tflops > 0), the replay is run twice more with tflops
+   * x (1 - this) and x (1 + this), and sim_result.sens_* get their steady
+   * step times (docs/simulator.md, "Sensitivity to the compute rate") */
+  double mfu_sensitivity;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -318,6 +323,9 @@ typedef struct sim_result {
    * part of it the compute stream waited for (exposed: in step_us, not in
    * stall_us) */
   double comm_count, comm_bytes, comm_us, comm_exposed_us;
+  /* sim_config.mfu_sensitivity: the achieved TFLOP/s of the two extra
+   * replays (lower, higher) and their steady step times; 0 when not run */
+  double sens_tflops[2], sens_step_us[2];
   double tensors_packed, tensors_offloaded, tensors_kept;
   double prefetches, stash_hits;
   uint64_t policy_errors, policy_calls, policy_cache_hits, cap_fallbacks;
@@ -579,6 +587,10 @@ typedef struct sim_hw {
  * Llama 3.1 8B on 8 H100s needs 0.38 to reproduce, Llama 3's 405B reports
  * 38-43% (docs/hardware.md, "Compute rate"). */
 #define SIM_DEFAULT_MFU 0.40
+/* `ferry sim` shows every run's step and overhead at the compute rate x
+ * (1 -+ 0.25) beside it (sim_config.mfu_sensitivity): MFU 0.30 and 0.50
+ * around the default, the spread of the published rates (hardware.md). */
+#define SIM_MFU_SENSITIVITY 0.25
 /* The fraction of the datasheet HBM bandwidth memory-bound ops reach
  * (--hbm overrides): 0.60, the synthesizer's 2000 GB/s on H100's 3.35 TB/s
  * (docs/hardware.md: a modelling choice, not a measurement). */

@@ -818,6 +818,28 @@ static int replay_steps(replay *r, uint32_t steps) {
   return 0;
 }
 
+/* The same replay at the compute rate x (1 -+ mfu_sensitivity): the two
+ * steady step times into out->sens_*. Each is a full replay (the overheads
+ * are not linear in the rate: what hides behind compute at one rate is
+ * exposed at a faster one). */
+static int replay_sensitivity(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
+                              size_t errlen) {
+  for (int k = 0; k < 2; k++) {
+    sim_config cc = *c;
+    cc.mfu_sensitivity = 0;
+    cc.timeline = cc.record_decisions = 0;
+    cc.progress = NULL;
+    cc.tflops = c->tflops * (k ? 1 + c->mfu_sensitivity : 1 - c->mfu_sensitivity);
+    sim_result r;
+    int rc = sim_replay(t, &cc, &r, err, errlen);
+    if (rc) return rc;
+    out->sens_tflops[k] = cc.tflops;
+    out->sens_step_us[k] = r.step_us;
+    sim_result_free(&r);
+  }
+  return 0;
+}
+
 int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
                size_t errlen) {
   memset(out, 0, sizeof *out);
@@ -848,6 +870,9 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
     rc = replay_steps(&r, out->steps);
   }
   replay_close(&r);
+  if (!rc && c->mfu_sensitivity > 0 && c->mfu_sensitivity < 1 && c->tflops > 0 &&
+      out->gaps_from_flops > 0)
+    rc = replay_sensitivity(t, c, out, err, errlen);
   if (rc && rc != FERRY_EBACKEND) sim_result_free(out);
   return rc;
 }

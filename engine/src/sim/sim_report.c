@@ -185,6 +185,8 @@ static void print_untracked(FILE *f, const sim_run_info *info) {
                "replayed here at %s\n", seen, rep);
 }
 
+static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, int n);
+
 void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_trace *t = info->trace;
   const sim_hw *hw = info->hw;
@@ -270,6 +272,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
     fputc('\n', f);
   }
   if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
+  print_sensitivity(f, hw, rs, n);
   if (hw->device_bytes > 0) {
     double usable = sim_hw_usable_bytes(hw);
     fprintf(f, "\n%s has %.0f GB of device memory, %.2f GiB exposed, %.2f GiB usable (%.2f GiB kept "
@@ -285,6 +288,40 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
     if (rs[i].policy_errors)
       fprintf(f, "policy %s: %llu error(s), last: %s\n", rs[i].label,
               (unsigned long long)rs[i].policy_errors, rs[i].policy_error);
+}
+
+/* The achieved rate as an MFU of hw's peak (or TFLOP/s without a peak). */
+static void fmt_rate(char *buf, size_t n, const sim_hw *hw, double tflops) {
+  if (hw && hw->peak_tflops > 0) snprintf(buf, n, "MFU %.2f", tflops / hw->peak_tflops);
+  else snprintf(buf, n, "%.0f TFLOP/s", tflops);
+}
+
+/* Step and overhead of every run at the compute rate x (1 -+ f) beside
+ * the rate used (sim_config.mfu_sensitivity): the rate is an input the
+ * simulator cannot know, and overheads depend on it. */
+static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, int n) {
+  if (n < 1 || !(rs[0].sens_tflops[0] > 0)) return;
+  double mid = (rs[0].sens_tflops[0] + rs[0].sens_tflops[1]) / 2;
+  char lo[32], md[32], hi[32];
+  fmt_rate(lo, sizeof lo, hw, rs[0].sens_tflops[0]);
+  fmt_rate(md, sizeof md, hw, mid);
+  fmt_rate(hi, sizeof hi, hw, rs[0].sens_tflops[1]);
+  fprintf(f, "\nsensitivity to the compute rate (an input, not a measurement: --mfu; "
+             "docs/simulator.md): step (overhead) at %s / %s / %s:", lo, md, hi);
+  for (int i = 0; i < n; i++) {
+    const sim_result *r = &rs[i];
+    if (!(r->sens_tflops[0] > 0)) continue;
+    const double st[3] = {r->sens_step_us[0], r->step_us, r->sens_step_us[1]};
+    const double bs[3] = {rs[0].sens_step_us[0], rs[0].step_us, rs[0].sens_step_us[1]};
+    fprintf(f, "\n  %-22.22s", r->label);
+    for (int k = 0; k < 3; k++) {
+      char t[32];
+      fmt_us(t, sizeof t, st[k]);
+      if (i) fprintf(f, " %10s (%+6.1f%%)%s", t, pct(st[k], bs[k]), k < 2 ? " /" : "");
+      else fprintf(f, " %10s%s", t, k < 2 ? " /" : "");
+    }
+  }
+  fputc('\n', f);
 }
 
 void sim_print_layers(FILE *f, const sim_result *rs, int n) {
@@ -338,6 +375,18 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
   cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
+  if (r->sens_tflops[0] > 0 && base->sens_tflops[0] > 0) {
+    /* the step at the compute rate x (1 -+ f): lower, then higher */
+    cJSON *sa = cJSON_AddArrayToObject(o, "compute_sensitivity");
+    for (int k = 0; k < 2; k++) {
+      cJSON *e = cJSON_CreateObject();
+      cJSON_AddNumberToObject(e, "tflops", r->sens_tflops[k]);
+      cJSON_AddNumberToObject(e, "step_us", r->sens_step_us[k]);
+      cJSON_AddNumberToObject(e, "step_us_baseline", base->sens_step_us[k]);
+      cJSON_AddNumberToObject(e, "step_overhead_pct", pct(r->sens_step_us[k], base->sens_step_us[k]));
+      cJSON_AddItemToArray(sa, e);
+    }
+  }
   cJSON_AddNumberToObject(o, "comm_collectives", r->comm_count);
   cJSON_AddNumberToObject(o, "comm_bytes", r->comm_bytes);
   cJSON_AddNumberToObject(o, "comm_us", r->comm_us);
