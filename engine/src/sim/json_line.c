@@ -102,3 +102,23 @@ void json_line_from_cjson(const cJSON *o, json_line *out) {
       if (out->shape_n < FERRY_MAX_DIMS) from_cjson(&out->shape[out->shape_n], x);
   }
 }
+
+/* The deepest [ and { nesting of a JSON line, strings skipped: checked
+ * before cJSON parses, so a hostile line costs one pass and no recursion. */
+int json_depth(const char *s, size_t n) {
+  int depth = 0, deepest = 0, in_string = 0;
+  for (size_t i = 0; i < n; i++) {
+    char c = s[i];
+    if (in_string) {
+      if (c == '\\') i++;
+      else if (c == '"') in_string = 0;
+    } else if (c == '"') {
+      in_string = 1;
+    } else if (c == '[' || c == '{') {
+      if (++depth > deepest) deepest = depth;
+    } else if (c == ']' || c == '}') {
+      depth--;
+    }
+  }
+  return deepest;
+}

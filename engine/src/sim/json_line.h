@@ -84,6 +84,10 @@ void json_simd_free(json_simd *p);
  * accept the line, which the cJSON path then reads and words. */
 int json_simd_parse(json_simd *p, const char *s, size_t n, size_t readable, json_line *out);
 
+/* The deepest [ and { nesting of a JSON line, strings skipped (trace_reader.c
+ * checks it before parsing). */
+int json_depth(const char *s, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

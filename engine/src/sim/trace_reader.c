@@ -695,26 +695,6 @@ static int parse_object(reader *r, const json_line *o) {
   return parse_event(r, o, ev, gap);
 }
 
-/* The deepest [ and { nesting of a JSON line, strings skipped: checked
- * before cJSON parses, so a hostile line costs one pass and no recursion. */
-static int json_depth(const char *s, size_t n) {
-  int depth = 0, deepest = 0, in_string = 0;
-  for (size_t i = 0; i < n; i++) {
-    char c = s[i];
-    if (in_string) {
-      if (c == '\\') i++;
-      else if (c == '"') in_string = 0;
-    } else if (c == '"') {
-      in_string = 1;
-    } else if (c == '[' || c == '{') {
-      if (++depth > deepest) deepest = depth;
-    } else if (c == ']' || c == '}') {
-      depth--;
-    }
-  }
-  return deepest;
-}
-
 /* A line simdjson refused, read with cJSON, which words why: the nesting,
  * malformed JSON at a column, or text after the object; or reads it, for
  * what only cJSON holds (a number past 2^64, text that is not UTF-8). */
