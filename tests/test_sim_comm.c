@@ -145,6 +145,8 @@ TEST(sim_comm_multi_node_exposes_computed_time) {
   c.comm_nodes = 2;
   CHECK_OK(replay_text(text, &c, &two));
   c.nvlink_bytes_per_s = 0, c.nic_bytes_per_s = 0;
+  /* an untimed NIC: no time, and no share of a (slow) PCIe link either */
+  c.link = (ferry_link){1e6, 1e6, 0, 1.0};
   CHECK_OK(replay_text(text, &c, &free_));
   NEAR(one.step_us, 2000, 1e-6);
   NEAR(one.comm_exposed_us, 0, 1e-6);
