@@ -205,6 +205,7 @@
   X(sim_comm_multi_node_exposes_computed_time)                             \
   X(sim_comm_nic_shares_pcie_with_offload_copies)                          \
   X(sim_comm_tensor_parallel_adds_its_time)                                \
+  X(sim_comm_full_recompute_repeats_tensor_parallel_exchanges)             \
   X(sim_mfu_sensitivity_replays_at_both_rates)                             \
   X(sim_comm_trace_errors)                                                 \
   /* @@sim */                                                              \

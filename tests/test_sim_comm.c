@@ -258,6 +258,37 @@ TEST(sim_comm_tensor_parallel_adds_its_time) {
   return 0;
 }
 
+/* Full activation checkpointing runs a block's forward again before its
+ * backward, its row-parallel linears included, so their two exchanges of the
+ * activations happen again (Megatron's full recompute, torchtitan's full AC:
+ * the collectives are inside the checkpointed region). By hand, Llama 3 8B,
+ * tp 8: per checkpointed block 2 (forward) + 2 (recompute) + 2 (backward)
+ * all-reduces of 67,108,864 B; --checkpoint full: 6 x 32 = 192; full:4
+ * checkpoints blocks 4, 8, ..., 32: 4 x 32 + 2 x 8 = 144. With --sp on each
+ * is a reduce-scatter and an all-gather. */
+TEST(sim_comm_full_recompute_repeats_tensor_parallel_exchanges) {
+  synth_model m;
+  CHECK_EQ(synth_preset("llama3-8b", &m), 0);
+  m.shard = 1, m.tp = 8;
+  m.checkpoint = SYNTH_CKPT_FULL, m.ckpt_every = 1;
+  sim_trace *t = NULL;
+  uint64_t bytes = 0;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(count_colls(t, SIM_COLL_ALL_REDUCE, SIM_GROUP_TP, &bytes), 6 * 32);
+  CHECK_EQ(bytes, 6 * 32 * 67108864ull);
+  sim_trace_free(t);
+  m.ckpt_every = 4;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(count_colls(t, SIM_COLL_ALL_REDUCE, SIM_GROUP_TP, &bytes), 4 * 32 + 2 * 8);
+  sim_trace_free(t);
+  m.ckpt_every = 1, m.sp = 1;
+  CHECK_OK(trace_of(&m, &t));
+  CHECK_EQ(count_colls(t, SIM_COLL_REDUCE_SCATTER, SIM_GROUP_TP, &bytes), 6 * 32);
+  CHECK_EQ(count_colls(t, SIM_COLL_ALL_GATHER, SIM_GROUP_TP, &bytes), 6 * 32);
+  sim_trace_free(t);
+  return 0;
+}
+
 /* Bad collectives are refused with the line and the problem. */
 TEST(sim_comm_trace_errors) {
   static const struct {

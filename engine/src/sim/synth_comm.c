@@ -18,7 +18,10 @@
  *    parallelism each is a reduce-scatter and an all-gather of the same
  *    bytes (Korthikanti et al. 2022: the same traffic). Written at the end
  *    of the block's forward and backward: synchronous, their place in the
- *    block does not change the time.
+ *    block does not change the time. A fully checkpointed block runs its
+ *    forward again before its backward, exchanges included (Megatron's full
+ *    recompute, torchtitan's full AC: the collectives are inside the
+ *    checkpointed region), so it has two more.
  */
 #include <stdlib.h>
 
@@ -105,6 +108,8 @@ void synth_comm_block_backward_begin(synth_comm *c, int layer) {
   gather(c, layer - 1);
   gathered(c, layer);
 }
+
+void synth_comm_block_recompute(synth_comm *c, int layer) { tp_exchange(c, layer); }
 
 void synth_comm_block_backward_end(synth_comm *c, int layer) {
   tp_exchange(c, layer);

@@ -173,6 +173,7 @@ void synth_comm_block_forward_begin(synth_comm *c, int layer);
 void synth_comm_block_forward_end(synth_comm *c, int layer);
 void synth_comm_backward_begin(synth_comm *c);
 void synth_comm_block_backward_begin(synth_comm *c, int layer);
+void synth_comm_block_recompute(synth_comm *c, int layer); /* a full checkpoint's forward again */
 void synth_comm_block_backward_end(synth_comm *c, int layer);
 void synth_comm_backward_end(synth_comm *c);
 

@@ -490,6 +490,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     w_head_backward(&w, &post, &post_ids);
     for (int L = m->layers; L-- > 0;) {
       synth_comm_block_backward_begin(&comm, L);
+      if (layer_mode(m, L) == SYNTH_CKPT_FULL) synth_comm_block_recompute(&comm, L);
       w_block_backward(&w, &ctx, L, &blocks[L]);
       synth_comm_block_backward_end(&comm, L);
     }
