@@ -208,6 +208,7 @@
   X(sim_comm_full_recompute_repeats_tensor_parallel_exchanges)             \
   X(sim_mfu_sensitivity_replays_at_both_rates)                             \
   X(sim_comm_trace_errors)                                                 \
+  X(sim_comm_more_nodes_than_ranks_refused)                               \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -314,6 +314,32 @@ TEST(sim_comm_trace_errors) {
   return 0;
 }
 
+/* A data-parallel group of 8 ranks cannot span 16 nodes: a replay told so
+ * is refused with both numbers, not timed as if it could; 8 ranks on 8
+ * nodes (one a node) is fine. */
+TEST(sim_comm_more_nodes_than_ranks_refused) {
+  static const char text[] = T_HDR T_BEGIN T_COLL(1, "all_gather", 4000000, 8, "shard") T_WAIT(1)
+      T_EV("backward_begin") T_EV("backward_end") T_END;
+  sim_trace *t = NULL;
+  char err[512] = "";
+  CHECK_OK(sim_trace_parse("comm", text, strlen(text), &t, err, sizeof err));
+  sim_config c = {0};
+  c.link = (ferry_link){1e12, 1e12, 0, 1.0};
+  c.warmup = -1;
+  c.nvlink_bytes_per_s = c.nic_bytes_per_s = 1e9;
+  c.comm_nodes = 16;
+  sim_result r;
+  CHECK(sim_replay(t, &c, &r, err, sizeof err) != 0);
+  CHECK_STR_CONTAINS(err, "16 nodes");
+  CHECK_STR_CONTAINS(err, "8 ranks");
+  c.comm_nodes = 8;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  NEAR(r.comm_exposed_us, 3500, 1e-6); /* 7/8 of 4 MB at 1 GB/s */
+  sim_result_free(&r);
+  sim_trace_free(t);
+  return 0;
+}
+
 /* ---- sensitivity to the compute rate (issue 42 item 4) ---------------------------- */
 #define T_FLOPS(flops) "{\"ev\":\"compute\",\"t_us\":0,\"us\":1,\"flops\":" #flops "}\n"
 

@@ -139,6 +139,15 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     fprintf(stderr, "ferry sim: %s\n", err);
     return 1;
   }
+  if (o->nodes > 1) { /* say so when --nodes has nothing to act on */
+    uint32_t shard = 0;
+    for (uint32_t i = 0; i < t->n_collectives; i++) shard += t->collectives[i].group == SIM_GROUP_SHARD;
+    if (!shard)
+      fprintf(stderr,
+              "ferry sim: --nodes %u: the trace has no data-parallel collectives (shard 1, or "
+              "written before ferry modelled them): nothing is sent across nodes\n",
+              o->nodes);
+  }
   int want_tl = chrome || svg || html;
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = &hw};
   if (resolve_untracked(t, o, &hw, &info, err, sizeof err)) {

@@ -44,6 +44,15 @@ static int lane_on_pcie(const replay *r, int g) {
 int comm_open(replay *r) {
   const sim_trace *t = r->t;
   if (!t->n_collectives || !r->sim) return 0;
+  /* a group spans at most one node per rank: more is a mistaken --nodes */
+  for (uint32_t i = 0; r->c->comm_nodes > 1 && i < t->n_collectives; i++) {
+    const trace_collective *c = &t->collectives[i];
+    if (c->group == SIM_GROUP_SHARD && (uint32_t)c->ranks < r->c->comm_nodes)
+      return ferry_errbuf(r->err, r->errlen, FERRY_EINVAL,
+                          "the data-parallel group spans %u nodes (--nodes) but has %d ranks "
+                          "(trace line %u): at most one node per rank",
+                          r->c->comm_nodes, (int)c->ranks, c->line);
+  }
   comm_model *m = calloc(1, sizeof *m);
   if (!m || !(m->done = malloc(t->n_collectives * sizeof *m->done))) {
     free(m);
