@@ -314,6 +314,42 @@ TEST(sim_comm_trace_errors) {
   return 0;
 }
 
+/* Across nodes NCCL runs one ring per NIC, each entering and leaving a node
+ * through its own NIC, so a node's NICs carry a collective together: its
+ * bus bandwidth is the NICs of the group's GPUs on a node together, up to
+ * NVLink's (sjeaugey in NVIDIA/nccl#412: more NICs, more bandwidth, "up to
+ * 160GB/s which is the NVLink intra-node bandwidth" of an A100 node). By
+ * hand, a gather of 16,000,000 B over 16 ranks (15,000,000 B on the wire),
+ * NIC 1 GB/s a GPU, waited for at once:
+ *  - 2 nodes, 8 GPUs each, NVLink 10 GB/s: 8 GB/s, 1875 us;
+ *  - NVLink 4 GB/s: NVLink bounds it, 3750 us;
+ *  - 16 nodes, one GPU each: one NIC, 15000 us;
+ *  - 2 nodes, a PCIe link of 0.25 GB/s a direction: each GPU's NIC carries
+ *    an eighth through its own link, 8 x 0.25 = 2 GB/s, 7500 us. */
+TEST(sim_comm_across_nodes_uses_every_nic_of_a_node) {
+  static const char text[] = T_HDR T_BEGIN T_COLL(1, "all_gather", 16000000, 16, "shard")
+      T_WAIT(1) T_EV("backward_begin") T_EV("backward_end") T_END;
+  static const struct {
+    uint32_t nodes;
+    double nvlink, pcie, want_us;
+  } cases[] = {{2, 10e9, 1e12, 1875}, {2, 4e9, 1e12, 3750}, {16, 10e9, 1e12, 15000},
+               {2, 10e9, 0.25e9, 7500}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    sim_config c = {0};
+    c.link = (ferry_link){cases[i].pcie, cases[i].pcie, 0, 1.0};
+    c.warmup = -1;
+    c.nic_bytes_per_s = 1e9;
+    c.nvlink_bytes_per_s = cases[i].nvlink;
+    c.comm_nodes = cases[i].nodes;
+    sim_result r;
+    CHECK_OK(replay_text(text, &c, &r));
+    NEAR(r.comm_exposed_us, cases[i].want_us, 1e-6);
+    NEAR(r.step_us, cases[i].want_us, 1e-6);
+    sim_result_free(&r);
+  }
+  return 0;
+}
+
 /* A data-parallel group of 8 ranks cannot span 16 nodes: a replay told so
  * is refused with both numbers, not timed as if it could; 8 ranks on 8
  * nodes (one a node) is fine. */

@@ -80,13 +80,20 @@ void comm_close(replay *r) {
 }
 
 /* Lane g's rate for its head collective, bytes/µs (0: unlimited), and the
- * link sharing set for the piece to come. */
+ * link sharing set for the piece to come. Across nodes NCCL runs a ring per
+ * NIC, each leaving a node through its own NIC: the group's GPUs on a node
+ * (ranks / nodes) carry a collective with their NICs together, each NIC an
+ * equal part through its own GPU's PCIe link, and the rings' hops within
+ * the node keep NVLink's bound. */
 static double lane_rate(replay *r, int g, const unsigned active[2]) {
   const sim_config *c = r->c;
   if (!lane_inter(r, g)) return c->nvlink_bytes_per_s / 1e6;
   if (!lane_on_pcie(r, g)) return 0; /* an untimed NIC */
+  const comm_lane *l = &r->comm->lane[g];
+  const double per_node = (double)r->t->collectives[l->q[l->head]].ranks / (double)c->comm_nodes;
+  const double gpus = per_node > 1 ? per_node : 1;
   double rate = c->nic_bytes_per_s / 1e6;
-  /* the NIC's flow takes its share of each PCIe direction, both busy */
+  /* each GPU's NIC flow takes its share of each PCIe direction, both busy */
   const double pcie[2] = {c->link.d2h_bytes_per_s, c->link.h2d_bytes_per_s};
   const double dup[2] = {c->duplex_d2h > 0 ? c->duplex_d2h : c->link.duplex,
                          c->duplex_h2d > 0 ? c->duplex_h2d : c->link.duplex};
@@ -95,6 +102,8 @@ static double lane_rate(replay *r, int g, const unsigned active[2]) {
     double share = pcie[d] * dup[d] / (double)(active[d] + 1) / 1e6;
     if (share < rate) rate = share;
   }
+  rate *= gpus;
+  if (c->nvlink_bytes_per_s > 0 && c->nvlink_bytes_per_s / 1e6 < rate) rate = c->nvlink_bytes_per_s / 1e6;
   return rate;
 }
 
