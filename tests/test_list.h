@@ -210,6 +210,7 @@
   X(sim_comm_trace_errors)                                                 \
   X(sim_comm_more_nodes_than_ranks_refused)                               \
   X(sim_comm_across_nodes_uses_every_nic_of_a_node)                       \
+  X(sim_comm_nic_share_ends_with_its_collective)                          \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -350,6 +350,42 @@ TEST(sim_comm_across_nodes_uses_every_nic_of_a_node) {
   return 0;
 }
 
+/* The NIC's share of the PCIe link ends with its collective, also while the
+ * engine is waiting for a copy (nothing in the trace happens meanwhile).
+ * Link 1 GB/s each way, NIC 1 GB/s, one GPU a node. A tensor of 1,000,000 B
+ * is offloaded at 0 beside a gather with 100,000 B on the wire: 0.5 GB/s
+ * each until the gather ends at 200 us, then the copy alone at 1 GB/s, done
+ * at 1100 us; the unpack right after backward_begin waits for it (the
+ * buffer is still on the device: no reload), so the step is 1100 us.
+ * (Sharing to the end of the wait would give the copy 0.5 GB/s throughout:
+ * 2000 us.) */
+TEST(sim_comm_nic_share_ends_with_its_collective) {
+  static const char text[] = T_HDR T_BEGIN T_PACK(1, 1000000)
+      T_COLL(2, "all_gather", 200000, 2, "shard") T_EV("backward_begin") T_UNPACK(1)
+          T_EV("backward_end") T_WAIT(2) T_END;
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.warmup = -1;
+  c.policy_source = offload_all;
+  c.timeline = 1;
+  c.nvlink_bytes_per_s = c.nic_bytes_per_s = 1e9;
+  c.comm_nodes = 2;
+  sim_result r;
+  CHECK_OK(replay_text(text, &c, &r));
+  int found = 0;
+  for (size_t i = 0; i < r.tl.n_iv; i++) {
+    const sim_interval *iv = &r.tl.iv[i];
+    if (iv->lane != 1) continue; /* the D2H copy */
+    NEAR(iv->t1 - iv->t0, 1100, 1e-6);
+    found++;
+  }
+  CHECK_EQ(found, 1);
+  NEAR(r.step_us, 1100, 1e-6);
+  NEAR(r.comm_exposed_us, 0, 1e-6);
+  sim_result_free(&r);
+  return 0;
+}
+
 /* A data-parallel group of 8 ranks cannot span 16 nodes: a replay told so
  * is refused with both numbers, not timed as if it could; 8 ranks on 8
  * nodes (one a node) is fine. */

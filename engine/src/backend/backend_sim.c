@@ -67,7 +67,8 @@ typedef struct sim_backend {
   double link; /* the link has been simulated up to here (<= now, except
                   right after a wait ran it to the copy's end) */
   unsigned active[2];
-  unsigned foreign; /* other flows on each direction (sim_backend_share_link) */
+  unsigned foreign; /* other flows on each direction (sim_backend_share_link)... */
+  double foreign_until; /* ...until then */
   sim_stream *streams;
   sim_backend_stats st;
   sim_copy_listener listener;
@@ -165,6 +166,8 @@ static void finish_copy(sim_backend *sb, sim_stream *s) {
 static int link_step(sim_backend *sb, double until) {
   int changed = start_ready(sb);
   double next = until;
+  if (sb->foreign && sb->foreign_until <= sb->link) sb->foreign = 0; /* that traffic ended */
+  if (sb->foreign && sb->foreign_until < next) next = sb->foreign_until; /* the rates change */
   int any_active = sb->active[0] + sb->active[1] > 0;
   for (sim_stream *s = sb->streams; s; s = s->next) {
     if (s->active) {
@@ -648,11 +651,13 @@ void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes) {
   pthread_mutex_unlock(&sb->lock);
 }
 
-void sim_backend_share_link(ferry_backend *b, unsigned flows, unsigned active[2]) {
+void sim_backend_share_link(ferry_backend *b, unsigned flows, double until_us,
+                            unsigned active[2]) {
   sim_backend *sb = as_sim(b);
   pthread_mutex_lock(&sb->lock);
   link_run_to(sb, sb->now); /* the copies so far at the old share */
-  sb->foreign = flows;
+  sb->foreign = until_us > sb->link ? flows : 0;
+  sb->foreign_until = until_us;
   if (active) {
     active[0] = sb->active[0];
     active[1] = sb->active[1];

@@ -107,6 +107,15 @@ static double lane_rate(replay *r, int g, const unsigned active[2]) {
   return rate;
 }
 
+/* The data-parallel lane's queued work, µs at its present rate: when its
+ * NIC traffic ends if nothing changes the sharing meanwhile. */
+static double lane_time_left(replay *r, const unsigned active[2]) {
+  const comm_lane *l = &r->comm->lane[SIM_GROUP_SHARD];
+  double rate = lane_rate(r, SIM_GROUP_SHARD, active), bytes = l->left;
+  for (uint32_t k = 1; k < l->n; k++) bytes += wire_bytes(&r->t->collectives[l->q[l->head + k]]);
+  return rate > 0 ? bytes / rate : 0;
+}
+
 /* Runs the lanes from their time to `until`; move_clock: the compute runs
  * meanwhile (the clock advances with them), else the clock is there already
  * (a wait inside the engine moved it) and only the lanes catch up;
@@ -118,7 +127,9 @@ static void comm_run(replay *r, double until, int move_clock, int to_an_end) {
     double left = to_an_end ? INFINITY : until - m->t;
     int inter_busy = m->lane[SIM_GROUP_SHARD].n && lane_on_pcie(r, SIM_GROUP_SHARD);
     unsigned active[2] = {0, 0};
-    sim_backend_share_link(r->sim, inter_busy ? 1 : 0, active);
+    sim_backend_share_link(r->sim, inter_busy ? 1 : 0, INFINITY, active);
+    if (inter_busy) /* a wait inside the engine may outlast the lane's work */
+      sim_backend_share_link(r->sim, 1, m->t + lane_time_left(r, active), NULL);
     if (!(left > 1e-9) || (to_an_end && !m->lane[0].n && !m->lane[1].n)) break;
     double rate[2] = {0, 0}, piece = left;
     for (int g = 0; g < 2; g++) {
