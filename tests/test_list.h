@@ -214,6 +214,16 @@
   X(sim_synth_cp_quarters_activations_and_keeps_attention_flops)          \
   X(sim_policy_checkpointed_inputs_offloads_block_inputs_only)            \
   X(sim_optimizer_offload_shrinks_the_steps_transients)                    \
+  X(sim_comm_fsdp_single_node_hides_gathers)                               \
+  X(sim_comm_multi_node_exposes_computed_time)                             \
+  X(sim_comm_nic_shares_pcie_with_offload_copies)                          \
+  X(sim_comm_tensor_parallel_adds_its_time)                                \
+  X(sim_comm_full_recompute_repeats_tensor_parallel_exchanges)             \
+  X(sim_mfu_sensitivity_replays_at_both_rates)                             \
+  X(sim_comm_trace_errors)                                                 \
+  X(sim_comm_more_nodes_than_ranks_refused)                               \
+  X(sim_comm_across_nodes_uses_every_nic_of_a_node)                       \
+  X(sim_comm_nic_share_ends_with_its_collective)                          \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

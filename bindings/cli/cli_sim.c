@@ -100,6 +100,9 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.cpu_adam_params_per_s = o->cpu_adam;
   c.optimizer_serial = o->opt_serial;
   c.weight_single_buffer = o->w_single;
+  c.comm_nodes = o->nodes;
+  c.nvlink_bytes_per_s = o->nvlink >= 0 ? o->nvlink : hw->nvlink_bytes_per_s;
+  c.nic_bytes_per_s = o->nic >= 0 ? o->nic : hw->nic_bytes_per_s;
   return c;
 }
 
@@ -136,6 +139,15 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     fprintf(stderr, "ferry sim: %s\n", err);
     return 1;
   }
+  if (o->nodes > 1) { /* say so when --nodes has nothing to act on */
+    uint32_t shard = 0;
+    for (uint32_t i = 0; i < t->n_collectives; i++) shard += t->collectives[i].group == SIM_GROUP_SHARD;
+    if (!shard)
+      fprintf(stderr,
+              "ferry sim: --nodes %u: the trace has no data-parallel collectives (shard 1, or "
+              "written before ferry modelled them): nothing is sent across nodes\n",
+              o->nodes);
+  }
   int want_tl = chrome || svg || html;
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = &hw};
   if (resolve_untracked(t, o, &hw, &info, err, sizeof err)) {
@@ -152,6 +164,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     c.timeline = want_tl;
     c.progress = on_progress;
     c.progress_ud = &ps;
+    c.mfu_sensitivity = SIM_MFU_SENSITIVITY;
     if (i > 0) {
       sim_job *j = &jobs[i - 1];
       c.label = j->label;
@@ -445,6 +458,8 @@ int ferry_cli_sim(int argc, char **argv) {
       {"weight-layers", required_argument, 0, 'K'},
       {"weight-double-buffer", required_argument, 0, 'U'},
       {"untracked", required_argument, 0, 'u'},
+      {"nodes", required_argument, 0, 'N'},   {"nvlink", required_argument, 0, 'Z'},
+      {"nic", required_argument, 0, 'I'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -511,6 +526,19 @@ int ferry_cli_sim(int argc, char **argv) {
       else o.tflops = x;
       break;
     }
+    case 'N': {
+      long nodes;
+      if (cli_int("sim", "--nodes", optarg, 1, 100000, &nodes)) return 2;
+      o.nodes = (uint32_t)nodes;
+      break;
+    }
+    case 'Z':
+    case 'I': /* GB/s per GPU, NCCL's bus bandwidth */
+      if (cli_number("sim", c == 'Z' ? "--nvlink" : "--nic", optarg, FERRY_NUMBER_REAL, 0, 1e5, 0,
+                     c == 'Z' ? &o.nvlink : &o.nic))
+        return 2;
+      *(c == 'Z' ? &o.nvlink : &o.nic) *= 1e9;
+      break;
     case 'G': /* GB/s, as `ferry trace synth --hbm` takes it */
       if (cli_number("sim", "--hbm", optarg, FERRY_NUMBER_REAL, 0, 1e7, 1, &o.hbm)) return 2;
       o.hbm *= 1e9;

@@ -27,9 +27,15 @@ typedef struct sim_opts {
    * bytes given in untracked */
   enum { UNTRACKED_AUTO = 0, UNTRACKED_OFF, UNTRACKED_GIVEN } untracked_mode;
   uint64_t untracked;
+  /* collectives (docs/simulator.md, "Collectives"): the nodes the
+   * data-parallel group spans, and bus bandwidths per GPU in bytes/s
+   * overriding the preset's (-1: the preset's; 0: collectives take no time) */
+  uint32_t nodes;
+  double nvlink, nic;
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define SIM_OPTS_INIT                                                                      \
+  {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -1, -1}
 #define MAX_FRACTIONS 16
 #define MAX_WEIGHT_ITEMS 16
 #define MAX_BLOCK 1000000 /* a block index or count no trace reaches */

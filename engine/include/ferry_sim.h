@@ -26,14 +26,17 @@ typedef enum trace_ev_type {
   TEV_BACKWARD_END,
   TEV_COMPUTE,
   TEV_ALLOC, /* transient device memory: allocated... */
-  TEV_FREE   /* ...and freed (docs/trace-format.md, "alloc") */
+  TEV_FREE,  /* ...and freed (docs/trace-format.md, "alloc") */
+  TEV_COLLECTIVE,     /* a collective issued on its group's lane (trace_collective) */
+  TEV_COLLECTIVE_WAIT /* the compute stream waits for that collective */
 } trace_ev_type;
 
 typedef struct trace_ev {
   uint8_t type;    /* trace_ev_type */
   int32_t layer;   /* compute: its optional "layer", else -1 */
   uint32_t tensor; /* pack/unpack/discard: index into sim_trace.tensors;
-                      alloc/free: index into sim_trace.allocs */
+                      alloc/free: index into sim_trace.allocs;
+                      collective and its wait: into sim_trace.collectives */
   const char *op;  /* compute: its optional "op" name (owned by the trace) */
   double gap_us;   /* compute time before this event */
   double flops;    /* floating-point operations of that compute, -1 unknown */
@@ -78,6 +81,23 @@ typedef struct trace_alloc {
   uint32_t line;
 } trace_alloc;
 
+/* A collective of the step (docs/trace-format.md, "collective"): FSDP's
+ * all-gather of a block's parameters and reduce-scatter of its gradients,
+ * tensor parallelism's all-reduces. bytes is the whole buffer (the gathered
+ * or unsharded one); each rank moves bytes x (ranks - 1) / ranks (all-reduce:
+ * twice that), NCCL's bus-bandwidth factor. */
+enum { SIM_COLL_ALL_GATHER = 0, SIM_COLL_REDUCE_SCATTER, SIM_COLL_ALL_REDUCE };
+enum { SIM_GROUP_SHARD = 0, SIM_GROUP_TP = 1 }; /* data-parallel (FSDP) or tensor-parallel */
+typedef struct trace_collective {
+  uint64_t id;
+  uint64_t bytes;
+  int32_t ranks, layer;
+  uint8_t kind;   /* SIM_COLL_* */
+  uint8_t group;  /* SIM_GROUP_* */
+  uint8_t waited; /* a collective_wait names it */
+  uint32_t line;
+} trace_collective;
+
 typedef struct sim_trace {
   char *name;
   trace_ev *events;
@@ -91,6 +111,8 @@ typedef struct sim_trace {
   uint64_t resident_bytes;
   trace_alloc *allocs;
   uint32_t n_allocs;
+  trace_collective *collectives;
+  uint32_t n_collectives;
   int has_compute; /* synthesized: time comes from compute events */
   char backend[16]; /* the header's "backend": where it was recorded */
   uint32_t n_flops; /* events that carry "flops" */
@@ -191,6 +213,18 @@ typedef struct sim_config {
    * loss's transients, workspaces), counted in every peak as resident
    * memory is; sim_untracked_bytes learns it from a recorded run */
   uint64_t untracked_bytes;
+  /* sim: the communication lane (docs/simulator.md, "Collectives"): the
+   * data-parallel group spans comm_nodes nodes (0 or 1: one node, its
+   * collectives on NVLink; more: on the NIC, whose traffic crosses the
+   * GPU's PCIe link with the offload copies); the bus bandwidths per GPU,
+   * bytes/s (0 = none: collectives take no time) */
+  uint32_t comm_nodes;
+  double nvlink_bytes_per_s, nic_bytes_per_s;
+  /* the step's sensitivity to the compute rate: when > 0 (and compute is
+   * timed from FLOPs: tflops > 0), the replay is run twice more with tflops
+   * x (1 - this) and x (1 + this), and sim_result.sens_* get their steady
+   * step times (docs/simulator.md, "Sensitivity to the compute rate") */
+  double mfu_sensitivity;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -300,6 +334,14 @@ typedef struct sim_result {
   uint32_t gaps_from_flops, gaps_as_recorded;
   char compute_note[256];
   double bytes_d2h, bytes_h2d;
+  /* per steady step, the collectives (trace_collective): their number and
+   * bytes per rank on the wire, the time their lanes were busy, and the
+   * part of it the compute stream waited for (exposed: in step_us, not in
+   * stall_us) */
+  double comm_count, comm_bytes, comm_us, comm_exposed_us;
+  /* sim_config.mfu_sensitivity: the achieved TFLOP/s of the two extra
+   * replays (lower, higher) and their steady step times; 0 when not run */
+  double sens_tflops[2], sens_step_us[2];
   double tensors_packed, tensors_offloaded, tensors_kept;
   double prefetches, stash_hits;
   uint64_t policy_errors, policy_calls, policy_cache_hits, cap_fallbacks;
@@ -559,11 +601,18 @@ typedef struct sim_hw {
   /* what the device exposes to CUDA (torch.cuda's "total capacity", less
    * than the marketed size: ECC and the driver's reserve); 0 = device_bytes */
   double capacity_bytes;
+  /* collectives' bus bandwidth per GPU, bytes/s: within a node (NVLink,
+   * NCCL's measured busbw) and across nodes (the GPU's NIC) */
+  double nvlink_bytes_per_s, nic_bytes_per_s;
 } sim_hw;
 /* The default sustained fraction of peak (--mfu): 0.40; torchtitan's eager
  * Llama 3.1 8B on 8 H100s needs 0.38 to reproduce, Llama 3's 405B reports
  * 38-43% (docs/hardware.md, "Compute rate"). */
 #define SIM_DEFAULT_MFU 0.40
+/* `ferry sim` shows every run's step and overhead at the compute rate x
+ * (1 -+ 0.25) beside it (sim_config.mfu_sensitivity): MFU 0.30 and 0.50
+ * around the default, the spread of the published rates (hardware.md). */
+#define SIM_MFU_SENSITIVITY 0.25
 /* The fraction of the datasheet HBM bandwidth memory-bound ops reach
  * (--hbm overrides): 0.60, the synthesizer's 2000 GB/s on H100's 3.35 TB/s
  * (docs/hardware.md: a modelling choice, not a measurement). */

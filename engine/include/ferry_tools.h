@@ -380,6 +380,17 @@ FERRY_API int sim_backend_set_pinned_cost(ferry_backend *b, double alloc_us,
  * frees every step gets recycled pages, and PyTorch measured ~3 ms per
  * tensor whatever its size (docs/hardware.md). */
 FERRY_API void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes);
+/* Other traffic on the link (a NIC behind the GPU's PCIe switch: GPUDirect
+ * RDMA crosses it): from now on until `until_us` (the backend's clock; the
+ * caller's estimate of when that traffic ends, INFINITY: until told again),
+ * `flows` transfers besides the copies share each direction, as copies
+ * share it, and count as that direction busy for the duplex factor; a wait
+ * inside the backend that outlasts `until_us` sees the link free of them
+ * from then on. Returns the copies in progress now per direction
+ * (active[0] D2H, active[1] H2D; may be NULL), which the caller needs to
+ * know its own share (docs/simulator.md, "Collectives"). */
+FERRY_API void sim_backend_share_link(ferry_backend *b, unsigned flows, double until_us,
+                                      unsigned active[2]);
 
 
 /* ---- the pinned host arena: jemalloc or pool kind, hard cap, thread-safe

@@ -67,6 +67,8 @@ typedef struct sim_backend {
   double link; /* the link has been simulated up to here (<= now, except
                   right after a wait ran it to the copy's end) */
   unsigned active[2];
+  unsigned foreign; /* other flows on each direction (sim_backend_share_link)... */
+  double foreign_until; /* ...until then */
   sim_stream *streams;
   sim_backend_stats st;
   sim_copy_listener listener;
@@ -91,8 +93,8 @@ static int is_own_stream(sim_backend *sb, bk_stream s) {
 static double rate_of(const sim_backend *sb, int d) {
   double bw = sb->bytes_per_us[d];
   if (bw <= 0) return 0;
-  if (sb->active[1 - d]) bw *= sb->duplex[d];
-  return bw / (double)(sb->active[d] ? sb->active[d] : 1);
+  if (sb->active[1 - d] || sb->foreign) bw *= sb->duplex[d];
+  return bw / (double)(sb->active[d] + sb->foreign ? sb->active[d] + sb->foreign : 1);
 }
 
 static double copy_time_left(const sim_backend *sb, const sim_stream *s, int d) {
@@ -164,6 +166,8 @@ static void finish_copy(sim_backend *sb, sim_stream *s) {
 static int link_step(sim_backend *sb, double until) {
   int changed = start_ready(sb);
   double next = until;
+  if (sb->foreign && sb->foreign_until <= sb->link) sb->foreign = 0; /* that traffic ended */
+  if (sb->foreign && sb->foreign_until < next) next = sb->foreign_until; /* the rates change */
   int any_active = sb->active[0] + sb->active[1] > 0;
   for (sim_stream *s = sb->streams; s; s = s->next) {
     if (s->active) {
@@ -644,5 +648,19 @@ void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes) {
   sim_backend *sb = as_sim(b);
   pthread_mutex_lock(&sb->lock);
   charge_pinning(sb, bytes, 0);
+  pthread_mutex_unlock(&sb->lock);
+}
+
+void sim_backend_share_link(ferry_backend *b, unsigned flows, double until_us,
+                            unsigned active[2]) {
+  sim_backend *sb = as_sim(b);
+  pthread_mutex_lock(&sb->lock);
+  link_run_to(sb, sb->now); /* the copies so far at the old share */
+  sb->foreign = until_us > sb->link ? flows : 0;
+  sb->foreign_until = until_us;
+  if (active) {
+    active[0] = sb->active[0];
+    active[1] = sb->active[1];
+  }
   pthread_mutex_unlock(&sb->lock);
 }

@@ -20,6 +20,7 @@ const char *const json_key_names[JK_COUNT] = {
     [JK_VERSION] = "version", [JK_BACKEND] = "backend", [JK_WHAT] = "what",
     [JK_HBM_BYTES] = "hbm_bytes", [JK_MIN_US] = "min_us", [JK_LAYER_BYTES] = "layer_bytes",
     [JK_TRANSIENT] = "transient",
+    [JK_RANKS] = "ranks",
 };
 
 #define LEN(s) (sizeof s - 1)
@@ -34,6 +35,7 @@ static const uint8_t key_len[JK_COUNT] = {
     [JK_VERSION] = LEN("version"), [JK_BACKEND] = LEN("backend"), [JK_WHAT] = LEN("what"),
     [JK_HBM_BYTES] = LEN("hbm_bytes"), [JK_MIN_US] = LEN("min_us"),
     [JK_LAYER_BYTES] = LEN("layer_bytes"), [JK_TRANSIENT] = LEN("transient"),
+    [JK_RANKS] = LEN("ranks"),
 };
 
 /* By length and first letter, then one comparison: a pack line has fourteen
@@ -54,6 +56,7 @@ int json_key_find(const char *k, size_t n) {
   case 'l': key = n == 5 ? JK_LAYER : n == 6 ? JK_LAYERS : JK_LAYER_BYTES; break;
   case 'm': key = k[1] == 'i' ? JK_MIN_US : JK_MODULE; break;
   case 'o': key = JK_OP; break;
+  case 'r': key = JK_RANKS; break;
   case 'p': key = JK_PHASE; break;
   case 's': key = n == 4 ? JK_STEP : JK_SHAPE; break;
   case 't': key = n == 4 ? JK_T_US : JK_TRANSIENT; break;
@@ -100,4 +103,24 @@ void json_line_from_cjson(const cJSON *o, json_line *out) {
     for (const cJSON *x = m->child; x; x = x->next, out->shape_n++)
       if (out->shape_n < FERRY_MAX_DIMS) from_cjson(&out->shape[out->shape_n], x);
   }
+}
+
+/* The deepest [ and { nesting of a JSON line, strings skipped: checked
+ * before cJSON parses, so a hostile line costs one pass and no recursion. */
+int json_depth(const char *s, size_t n) {
+  int depth = 0, deepest = 0, in_string = 0;
+  for (size_t i = 0; i < n; i++) {
+    char c = s[i];
+    if (in_string) {
+      if (c == '\\') i++;
+      else if (c == '"') in_string = 0;
+    } else if (c == '"') {
+      in_string = 1;
+    } else if (c == '[' || c == '{') {
+      if (++depth > deepest) deepest = depth;
+    } else if (c == ']' || c == '}') {
+      depth--;
+    }
+  }
+  return deepest;
 }

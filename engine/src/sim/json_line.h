@@ -22,7 +22,7 @@ typedef enum json_key {
   JK_EV, JK_T_US, JK_ID, JK_STEP, JK_BYTES, JK_DTYPE, JK_SHAPE, JK_KIND, JK_PHASE, JK_LAYER,
   JK_LAYERS, JK_FLAGS, JK_MODULE, JK_CLASS, JK_DECISION, JK_ALIAS, JK_ALIAS_OF, JK_FLOPS, JK_US,
   JK_OP, JK_FORMAT, JK_VERSION, JK_BACKEND, JK_WHAT, JK_HBM_BYTES, JK_MIN_US, JK_LAYER_BYTES,
-  JK_TRANSIENT, JK_COUNT
+  JK_TRANSIENT, JK_RANKS, JK_COUNT
 } json_key;
 
 typedef enum json_type {
@@ -82,6 +82,10 @@ void json_simd_free(json_simd *p);
  * than n + JSON_LINE_PADDING the line is copied) into *out: 0, or -1 if simdjson did not
  * accept the line, which the cJSON path then reads and words. */
 int json_simd_parse(json_simd *p, const char *s, size_t n, size_t readable, json_line *out);
+
+/* The deepest [ and { nesting of a JSON line, strings skipped (trace_reader.c
+ * checks it before parsing). */
+int json_depth(const char *s, size_t n);
 
 #ifdef __cplusplus
 }

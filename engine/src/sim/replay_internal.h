@@ -109,6 +109,22 @@ typedef struct weight_model {
   double stall, d2h, h2d; /* this step: exposed waits, bytes each way */
 } weight_model;
 
+/* The communication lanes (replay_comm.c; docs/simulator.md,
+ * "Collectives"): per group (SIM_GROUP_*) a queue of issued collectives,
+ * the head's wire bytes left; per collective when it ended (-1: not yet);
+ * running sums for the steps. */
+typedef struct comm_lane {
+  uint32_t *q, head, n;
+  double left;
+} comm_lane;
+
+typedef struct comm_model {
+  comm_lane lane[2];
+  double *done;
+  double t;                          /* the lanes have run up to here */
+  double count, bytes, busy_us, exposed_us; /* so far */
+} comm_model;
+
 typedef struct replay {
   const sim_trace *t;
   const sim_config *c;
@@ -157,6 +173,7 @@ typedef struct replay {
    * at the peak (UINT32_MAX: none rose above the step's start) */
   uint32_t cur_ev, peak_ev;
   int cur_phase, peak_phase;
+  comm_model *comm;     /* collectives, NULL when the trace has none */
 } replay;
 
 /* The least exposed stall any schedule of a step's copies could have with
@@ -198,6 +215,7 @@ typedef struct step_sums {
   double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned, floor;
   double opt_d2h, opt_h2d, opt_stall;
   double w_d2h, w_h2d, w_stall;
+  double comm_n, comm_bytes, comm_us, comm_exposed;
   uint32_t n_steady;
   uint64_t peak;  /* one step's: its peak of saved bytes */
   int grew;       /* one step's: the pinned arena grew in it */
@@ -229,6 +247,12 @@ void w_tables(replay *r, uint32_t tsi);
 int w_before_gap(replay *r, uint32_t k, int phase);
 int w_before_event(replay *r, uint32_t k, int phase);
 int w_after_event(replay *r, uint32_t k, int phase);
+int comm_open(replay *r);
+void comm_close(replay *r);
+void comm_compute(replay *r, double us);
+void comm_issue(replay *r, uint32_t idx);
+void comm_wait(replay *r, uint32_t idx);
+void comm_drain(replay *r);
 void floor_compute(link_floor *f, double us);
 void floor_tensor(link_floor *f, int type, int out, int reloaded, int counted, double bytes);
 double floor_us(const link_floor *f, double peak);

@@ -133,6 +133,8 @@ void steady_sums(replay *r, uint32_t steps, step_sums *s) {
     s->pf += p->pf, s->hits += p->hits, s->pinned += p->pinned, s->floor += p->floor;
     s->opt_d2h += p->opt_d2h, s->opt_h2d += p->opt_h2d, s->opt_stall += p->opt_stall;
     s->w_d2h += p->w_d2h, s->w_h2d += p->w_h2d, s->w_stall += p->w_stall;
+    s->comm_n += p->comm_n, s->comm_bytes += p->comm_bytes, s->comm_us += p->comm_us;
+    s->comm_exposed += p->comm_exposed;
     if (p->peak > r->peak_steady) r->peak_steady = p->peak;
   }
 }
@@ -164,6 +166,10 @@ void finish_result(replay *r, const step_sums *s) {
     out->w_bytes_h2d = s->w_h2d / n;
     out->w_stall_us = s->w_stall / n;
   }
+  out->comm_count = s->comm_n / n;
+  out->comm_bytes = s->comm_bytes / n;
+  out->comm_us = s->comm_us / n;
+  out->comm_exposed_us = s->comm_exposed / n;
   compute_note(r);
   out->warmup = r->warmup;
   out->peak_saved_bytes = r->peak_steady;

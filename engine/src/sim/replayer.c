@@ -378,7 +378,7 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
   double a = replay_now(r), us = event_gap(r, ev) * r->gap_scale;
-  replay_compute(r, us);
+  comm_compute(r, us);
   if (!r->recording) return us;
   int32_t layer = r->cur_layer;
   const char *module = ev->type == TEV_COMPUTE ? ev->op : NULL;
@@ -564,11 +564,13 @@ static int replay_event_call(replay *r, const trace_ev *ev, double *t0) {
     if (r->recording) r->res->tl.t_backward = replay_now(r);
     return ferry_backward_begin(r->e);
   case TEV_BACKWARD_END: return ferry_backward_end(r->e);
-  case TEV_STEP_END: return replay_step_end(r);
+  case TEV_STEP_END: comm_drain(r); return replay_step_end(r);
   /* transient memory: counted on the device, never seen by the engine (no
    * pack: the trainer frees it itself), so no buffer either */
   case TEV_ALLOC: live_add(r, opt_alloc_bytes(r, &r->t->allocs[ev->tensor])); return 0;
   case TEV_FREE: live_sub(r, opt_alloc_bytes(r, &r->t->allocs[ev->tensor])); return 0;
+  case TEV_COLLECTIVE: comm_issue(r, ev->tensor); return 0;
+  case TEV_COLLECTIVE_WAIT: comm_wait(r, ev->tensor); return 0;
   default: return 0;
   }
 }
@@ -662,6 +664,9 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   double w0, st0 = sim_stall(r, &w0);
   double hs0 = r->host_stall, hw0 = r->host_wait;
   double pin0 = pinned_us(r);
+  const comm_model *cm = r->comm;
+  const double cm0[4] = {cm ? cm->count : 0, cm ? cm->bytes : 0, cm ? cm->busy_us : 0,
+                         cm ? cm->exposed_us : 0};
   double t0 = 0;
   int rc;
   r->cur_layer = -1;
@@ -756,6 +761,12 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       sums->w_stall += w->stall;
     }
     sums->pinned += pinned_us(r) - pin0;
+    if (cm) {
+      sums->comm_n = cm->count - cm0[0];
+      sums->comm_bytes = cm->bytes - cm0[1];
+      sums->comm_us = cm->busy_us - cm0[2];
+      sums->comm_exposed = cm->exposed_us - cm0[3];
+    }
     sums->floor += r->host ? 0 : floor_us(&fl, (double)r->step_peak);
   }
   sums->peak = r->step_peak;
@@ -767,6 +778,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
 /* Destroys the engine and frees the buffers the trainer still held (an
  * error stopped the step midway) and the tables. */
 static void replay_close(replay *r) {
+  comm_close(r);
   w_close(r);
   opt_close(r);
   if (r->e) ferry_engine_destroy(r->e);
@@ -810,6 +822,28 @@ static int replay_steps(replay *r, uint32_t steps) {
   return 0;
 }
 
+/* The same replay at the compute rate x (1 -+ mfu_sensitivity): the two
+ * steady step times into out->sens_*. Each is a full replay (the overheads
+ * are not linear in the rate: what hides behind compute at one rate is
+ * exposed at a faster one). */
+static int replay_sensitivity(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
+                              size_t errlen) {
+  for (int k = 0; k < 2; k++) {
+    sim_config cc = *c;
+    cc.mfu_sensitivity = 0;
+    cc.timeline = cc.record_decisions = 0;
+    cc.progress = NULL;
+    cc.tflops = c->tflops * (k ? 1 + c->mfu_sensitivity : 1 - c->mfu_sensitivity);
+    sim_result r;
+    int rc = sim_replay(t, &cc, &r, err, errlen);
+    if (rc) return rc;
+    out->sens_tflops[k] = cc.tflops;
+    out->sens_step_us[k] = r.step_us;
+    sim_result_free(&r);
+  }
+  return 0;
+}
+
 int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
                size_t errlen) {
   memset(out, 0, sizeof *out);
@@ -832,6 +866,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   if (!rc) rc = replay_tables(&r);
   if (!rc) rc = opt_open(&r);
   if (!rc) rc = w_open(&r);
+  if (!rc) rc = comm_open(&r);
   if (!rc) {
     out->resident_bytes = r.resident;
     out->untracked_bytes = c->untracked_bytes;
@@ -839,6 +874,9 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
     rc = replay_steps(&r, out->steps);
   }
   replay_close(&r);
+  if (!rc && c->mfu_sensitivity > 0 && c->mfu_sensitivity < 1 && c->tflops > 0 &&
+      out->gaps_from_flops > 0)
+    rc = replay_sensitivity(t, c, out, err, errlen);
   if (rc && rc != FERRY_EBACKEND) sim_result_free(out);
   return rc;
 }

@@ -24,27 +24,31 @@
  * out-of-memory message gives it: H100 80GB 79.11 GiB, H200 139.80 GiB,
  * A100 80GB 79.15 GiB, A100 40GB 39.39 GiB (the lowest seen: PCIe cards show
  * up to 39.59), GH200 480GB (96 GB HBM3) 94.50 GiB (vLLM issue #9630); sources
- * in docs/hardware.md. */
+ * in docs/hardware.md. Then the collectives' bus bandwidth per GPU: NVLink
+ * as NCCL measures it (H100/H200 360 GB/s: NVIDIA/nccl-tests issue #326,
+ * NCCL's maintainer; A100 240 GB/s, NVLink 3's 300 GB/s a direction at
+ * the same share), and the GPU's own NIC across nodes (DGX H100/H200: one
+ * 400 Gb/s ConnectX-7 per GPU, 50 GB/s; DGX A100: 200 Gb/s HDR, 25 GB/s). */
 #define GIB_ 1073741824.0
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8,
-     989, 3350 * GB, 79.11 * GIB_},
+     989, 3350 * GB, 79.11 * GIB_, 360 * GB, 50 * GB},
     {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 141 * GB,
      "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989, 4800 * GB,
-     139.80 * GIB_},
+     139.80 * GIB_, 360 * GB, 50 * GB},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB,
-     79.15 * GIB_},
+     79.15 * GIB_, 240 * GB, 25 * GB},
     /* the 40 GB A100 (SXM4): same host link; 1,555 GB/s HBM2 (A100
      * datasheet); torch reports "39.39 GiB total capacity" for it */
     {"a100-40", "A100 40GB, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 40 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 1555 * GB,
-     39.39 * GIB_},
+     39.39 * GIB_, 240 * GB, 25 * GB},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
      96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB,
-     94.50 * GIB_},
+     94.50 * GIB_, 360 * GB, 50 * GB},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
@@ -181,6 +185,8 @@ static void print_untracked(FILE *f, const sim_run_info *info) {
                "replayed here at %s\n", seen, rep);
 }
 
+static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, int n);
+
 void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_trace *t = info->trace;
   const sim_hw *hw = info->hw;
@@ -245,6 +251,22 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   fputc('\n', f);
   sim_print_optimizer(f, rs, n);
   sim_print_weights(f, rs, n);
+  if (n > 0 && rs[0].comm_count > 0) {
+    /* collectives run beside compute: only what the compute waited for
+     * lengthens the step (docs/simulator.md, "Collectives") */
+    fprintf(f, "\ncollectives per step (FSDP gathers and reduce-scatters, tensor-parallel "
+               "exchanges): exposed is the time compute waited for them, in the step time:");
+    for (int i = 0; i < n; i++) {
+      char ex[32], busy[32], by[32];
+      fmt_us(ex, sizeof ex, rs[i].comm_exposed_us);
+      fmt_us(busy, sizeof busy, rs[i].comm_us);
+      fmt_bytes(by, sizeof by, rs[i].comm_bytes);
+      fprintf(f, "\n  %-22.22s %.0f, %s per rank, lanes busy %s, exposed %s (%.1f%% of the step)",
+              rs[i].label, rs[i].comm_count, by, busy, ex,
+              rs[i].step_us > 0 ? 100.0 * rs[i].comm_exposed_us / rs[i].step_us : 0.0);
+    }
+    fputc('\n', f);
+  }
   if (n > 1 && !strcmp(rs[0].backend, "sim")) {
     fprintf(f, "\nstall floor (the least stall any schedule of the same copies could expose "
                "at the same peak, the link at full speed; docs/simulator.md):");
@@ -257,6 +279,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
     fputc('\n', f);
   }
   if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
+  print_sensitivity(f, hw, rs, n);
   if (hw->device_bytes > 0) {
     double usable = sim_hw_usable_bytes(hw);
     fprintf(f, "\n%s has %.0f GB of device memory, %.2f GiB exposed, %.2f GiB usable (%.2f GiB kept "
@@ -272,6 +295,40 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
     if (rs[i].policy_errors)
       fprintf(f, "policy %s: %llu error(s), last: %s\n", rs[i].label,
               (unsigned long long)rs[i].policy_errors, rs[i].policy_error);
+}
+
+/* The achieved rate as an MFU of hw's peak (or TFLOP/s without a peak). */
+static void fmt_rate(char *buf, size_t n, const sim_hw *hw, double tflops) {
+  if (hw && hw->peak_tflops > 0) snprintf(buf, n, "MFU %.2f", tflops / hw->peak_tflops);
+  else snprintf(buf, n, "%.0f TFLOP/s", tflops);
+}
+
+/* Step and overhead of every run at the compute rate x (1 -+ f) beside
+ * the rate used (sim_config.mfu_sensitivity): the rate is an input the
+ * simulator cannot know, and overheads depend on it. */
+static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, int n) {
+  if (n < 1 || !(rs[0].sens_tflops[0] > 0)) return;
+  double mid = (rs[0].sens_tflops[0] + rs[0].sens_tflops[1]) / 2;
+  char lo[32], md[32], hi[32];
+  fmt_rate(lo, sizeof lo, hw, rs[0].sens_tflops[0]);
+  fmt_rate(md, sizeof md, hw, mid);
+  fmt_rate(hi, sizeof hi, hw, rs[0].sens_tflops[1]);
+  fprintf(f, "\nsensitivity to the compute rate (an input, not a measurement: --mfu; "
+             "docs/simulator.md): step (overhead) at %s / %s / %s:", lo, md, hi);
+  for (int i = 0; i < n; i++) {
+    const sim_result *r = &rs[i];
+    if (!(r->sens_tflops[0] > 0)) continue;
+    const double st[3] = {r->sens_step_us[0], r->step_us, r->sens_step_us[1]};
+    const double bs[3] = {rs[0].sens_step_us[0], rs[0].step_us, rs[0].sens_step_us[1]};
+    fprintf(f, "\n  %-22.22s", r->label);
+    for (int k = 0; k < 3; k++) {
+      char t[32];
+      fmt_us(t, sizeof t, st[k]);
+      if (i) fprintf(f, " %10s (%+6.1f%%)%s", t, pct(st[k], bs[k]), k < 2 ? " /" : "");
+      else fprintf(f, " %10s%s", t, k < 2 ? " /" : "");
+    }
+  }
+  fputc('\n', f);
 }
 
 void sim_print_layers(FILE *f, const sim_result *rs, int n) {
@@ -330,6 +387,22 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
   cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
+  if (r->sens_tflops[0] > 0 && base->sens_tflops[0] > 0) {
+    /* the step at the compute rate x (1 -+ f): lower, then higher */
+    cJSON *sa = cJSON_AddArrayToObject(o, "compute_sensitivity");
+    for (int k = 0; k < 2; k++) {
+      cJSON *e = cJSON_CreateObject();
+      cJSON_AddNumberToObject(e, "tflops", r->sens_tflops[k]);
+      cJSON_AddNumberToObject(e, "step_us", r->sens_step_us[k]);
+      cJSON_AddNumberToObject(e, "step_us_baseline", base->sens_step_us[k]);
+      cJSON_AddNumberToObject(e, "step_overhead_pct", pct(r->sens_step_us[k], base->sens_step_us[k]));
+      cJSON_AddItemToArray(sa, e);
+    }
+  }
+  cJSON_AddNumberToObject(o, "comm_collectives", r->comm_count);
+  cJSON_AddNumberToObject(o, "comm_bytes", r->comm_bytes);
+  cJSON_AddNumberToObject(o, "comm_us", r->comm_us);
+  cJSON_AddNumberToObject(o, "comm_exposed_us", r->comm_exposed_us);
   cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
   cJSON_AddNumberToObject(o, "reload_stall_us", r->stall_us);
   cJSON_AddNumberToObject(o, "stall_floor_us", r->stall_floor_us);

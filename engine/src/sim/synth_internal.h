@@ -184,4 +184,25 @@ uint64_t layer_matrices(const synth_model *m, int active);
 uint64_t layer_norms(const synth_model *m);
 double optimizer_step_bytes(const synth_model *m, const synth_resident *r);
 
+/* The collectives of a step (synth_comm.c): FSDP's gathers and
+ * reduce-scatters per block, tensor parallelism's exchanges. */
+typedef struct synth_comm {
+  const synth_model *m;
+  FILE *f;
+  uint64_t next;                         /* the last collective id written */
+  uint64_t ag_bytes, rs_bytes, tp_bytes; /* a block's gather, its gradients, a TP exchange */
+  uint64_t *ag, *rs;                     /* per block: a gather issued, not waited for; its
+                                            reduce-scatter (NULL: not sharded) */
+} synth_comm;
+int synth_comm_init(synth_comm *c, const synth_model *m, FILE *f, uint64_t layer_param_bytes);
+void synth_comm_free(synth_comm *c);
+void synth_comm_step_begin(synth_comm *c);
+void synth_comm_block_forward_begin(synth_comm *c, int layer);
+void synth_comm_block_forward_end(synth_comm *c, int layer);
+void synth_comm_backward_begin(synth_comm *c);
+void synth_comm_block_backward_begin(synth_comm *c, int layer);
+void synth_comm_block_recompute(synth_comm *c, int layer); /* a full checkpoint's forward again */
+void synth_comm_block_backward_end(synth_comm *c, int layer);
+void synth_comm_backward_end(synth_comm *c);
+
 #endif

@@ -41,6 +41,9 @@ typedef struct reader {
   intern_table strs; /* owned strings, deduplicated */
   uint8_t *state; /* per tensor: TS_* */
   u64map alloc_ids;    /* alloc id -> index into t->allocs */
+  u64map coll_ids;     /* collective id -> index into t->collectives */
+  uint32_t cap_colls;
+  uint32_t step_first_coll; /* the open step's first collective */
   uint8_t *alloc_live; /* per alloc: not freed yet */
   uint32_t cap_events, cap_tensors, cap_steps, cap_resident, cap_allocs;
   uint32_t live_allocs; /* allocs of the open step not freed yet */
@@ -366,6 +369,7 @@ static int parse_step_begin(reader *r, const json_line *o, double gap) {
   r->step_first = r->t->n_events;
   r->live_in_step = 0;
   r->live_allocs = 0;
+  r->step_first_coll = r->t->n_collectives;
   return add_event(r, TEV_STEP_BEGIN, 0, gap);
 }
 
@@ -412,6 +416,65 @@ static int parse_alloc(reader *r, const json_line *o, double gap) {
   t->n_allocs++;
   r->live_allocs++;
   return add_event(r, TEV_ALLOC, idx, gap);
+}
+
+/* {"ev":"collective","id":N,"op":"all_gather"|"reduce_scatter"|"all_reduce",
+ * "bytes":B,"ranks":R,"what":"shard"|"tp"[,"layer":L]}: a collective issued
+ * here on its group's lane (docs/trace-format.md, "collective"). */
+static int parse_collective(reader *r, const json_line *o, double gap) {
+  sim_trace *t = r->t;
+  int64_t id, bytes, ranks, layer = -1;
+  const char *op, *what;
+  int rc;
+  if ((rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id)) ||
+      (rc = get_int(r, o, JK_BYTES, 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||
+      (rc = get_int(r, o, JK_RANKS, 1, 2, 1e6, &ranks)) || (rc = get_str(r, o, JK_OP, 1, &op)) ||
+      (rc = get_str(r, o, JK_WHAT, 1, &what)))
+    return rc;
+  if ((rc = get_int(r, o, JK_LAYER, 0, -1, MAX_LAYERS, &layer)) < 0) return rc;
+  int kind = !strcmp(op, "all_gather")       ? SIM_COLL_ALL_GATHER
+             : !strcmp(op, "reduce_scatter") ? SIM_COLL_REDUCE_SCATTER
+             : !strcmp(op, "all_reduce")     ? SIM_COLL_ALL_REDUCE
+                                             : -1;
+  if (kind < 0)
+    return reader_fail(r, "collective \"op\" \"%s\" is not all_gather, reduce_scatter or all_reduce", op);
+  int group = !strcmp(what, "shard") ? SIM_GROUP_SHARD : !strcmp(what, "tp") ? SIM_GROUP_TP : -1;
+  if (group < 0) return reader_fail(r, "collective \"what\" \"%s\" is not shard or tp", what);
+  if (!r->in_step) return reader_fail(r, "collective outside a step");
+  uint32_t dup;
+  if (u64map_find(&r->coll_ids, (uint64_t)id, &dup))
+    return reader_fail(r, "collective id %lld given twice (first at line %u)", (long long)id,
+                       t->collectives[dup].line);
+  uint32_t idx = t->n_collectives;
+  if (util_grow((void **)&t->collectives, &r->cap_colls, sizeof *t->collectives, idx + 1, 64) ||
+      u64map_insert(&r->coll_ids, (uint64_t)id, idx))
+    return reader_fail(r, "out of memory");
+  t->collectives[idx] = (trace_collective){.id = (uint64_t)id, .bytes = (uint64_t)bytes,
+                                           .ranks = (int32_t)ranks, .layer = (int32_t)layer,
+                                           .kind = (uint8_t)kind, .group = (uint8_t)group,
+                                           .line = r->line};
+  t->n_collectives++;
+  return add_event(r, TEV_COLLECTIVE, idx, gap);
+}
+
+/* {"ev":"collective_wait","id":N}: the compute stream waits for collective
+ * N of this step, issued before and not waited for yet. */
+static int parse_collective_wait(reader *r, const json_line *o, double gap) {
+  int64_t id;
+  int rc;
+  if ((rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id))) return rc;
+  if (!r->in_step) return reader_fail(r, "collective_wait outside a step");
+  uint32_t idx;
+  if (!u64map_find(&r->coll_ids, (uint64_t)id, &idx))
+    return reader_fail(r, "collective_wait of id %lld before its collective", (long long)id);
+  trace_collective *c = &r->t->collectives[idx];
+  if (c->waited)
+    return reader_fail(r, "collective_wait of id %lld given twice", (long long)id);
+  if (idx < r->step_first_coll)
+    return reader_fail(r, "collective_wait of id %lld: its collective (line %u) is in an earlier step",
+                       (long long)id, c->line);
+  c->waited = 1;
+  return add_event(r, TEV_COLLECTIVE_WAIT, idx, gap);
 }
 
 /* {"ev":"free","id":N}: the end of a live alloc of this step. */
@@ -599,7 +662,11 @@ static int parse_event(reader *r, const json_line *o, const char *ev, double gap
     if (!strcmp(ev, "unpack") || !strcmp(ev, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
     if (!strcmp(ev, "device_peak")) return parse_device_peak(r, o);
     break;
-  case 'c': if (!strcmp(ev, "compute")) return parse_compute(r, o); break;
+  case 'c':
+    if (!strcmp(ev, "compute")) return parse_compute(r, o);
+    if (!strcmp(ev, "collective")) return parse_collective(r, o, gap);
+    if (!strcmp(ev, "collective_wait")) return parse_collective_wait(r, o, gap);
+    break;
   case 's':
     if (!strcmp(ev, "step_begin")) return parse_step_begin(r, o, gap);
     if (!strcmp(ev, "step_end")) return parse_step_end(r, o, gap);
@@ -634,26 +701,6 @@ static int parse_object(reader *r, const json_line *o) {
     r->flops = fl->num;
   }
   return parse_event(r, o, ev, gap);
-}
-
-/* The deepest [ and { nesting of a JSON line, strings skipped: checked
- * before cJSON parses, so a hostile line costs one pass and no recursion. */
-static int json_depth(const char *s, size_t n) {
-  int depth = 0, deepest = 0, in_string = 0;
-  for (size_t i = 0; i < n; i++) {
-    char c = s[i];
-    if (in_string) {
-      if (c == '\\') i++;
-      else if (c == '"') in_string = 0;
-    } else if (c == '"') {
-      in_string = 1;
-    } else if (c == '[' || c == '{') {
-      if (++depth > deepest) deepest = depth;
-    } else if (c == ']' || c == '}') {
-      depth--;
-    }
-  }
-  return deepest;
 }
 
 /* A line simdjson refused, read with cJSON, which words why: the nesting,
@@ -702,6 +749,7 @@ void sim_trace_free(sim_trace *t) {
   for (uint32_t i = 0; i < t->n_resident; i++) free(t->resident[i].what);
   free(t->resident);
   free(t->allocs);
+  free(t->collectives);
   for (size_t i = 0; i < t->n_strings; i++) free(t->strings[i]);
   free(t->strings);
   free(t);
@@ -747,6 +795,7 @@ static int reader_finish(reader *r, int rc) {
   sim_trace *t = r->t;
   u64map_free(&r->ids);
   u64map_free(&r->alloc_ids);
+  u64map_free(&r->coll_ids);
   free(r->alloc_live);
   free(r->by_id);
   free(r->state);

@@ -597,6 +597,11 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   const double opt_bytes = optimizer_step_bytes(m, &res);
   uint64_t opt_sqrt_bytes, opt_cast_bytes;
   optimizer_transients(m, &res, &opt_sqrt_bytes, &opt_cast_bytes);
+  synth_comm comm;
+  if (synth_comm_init(&comm, m, f, res.layer_params)) {
+    synth_comm_free(&comm);
+    goto oom;
+  }
   for (int st = 1; st <= m->steps; st++) {
     w.step = (uint64_t)st;
     memset(w.model_bufid, 0, sizeof w.model_bufid);
@@ -606,17 +611,28 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     memset(post_store, 0, sizeof post_store);
     w_gather(&w, UNIT_EMBED);
     w_gather(&w, UNIT_BLOCK(0));
+    synth_comm_step_begin(&comm);
     for (int i = 0; i < pre.n; i++) {
       w_op(&w, &pre.ops[i], 1, -1, NULL);
       w_pack_op(&w, &pre.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&pre_ids, i), small_bufid);
     }
     w_reshard(&w, UNIT_EMBED);
-    for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
+    for (int L = 0; L < m->layers; L++) {
+      synth_comm_block_forward_begin(&comm, L);
+      w_block_forward(&w, &ctx, L, &blocks[L]);
+      synth_comm_block_forward_end(&comm, L);
+    }
     memset(small_bufid, 0, sizeof small_bufid);
     w_head_forward(&w, &post, &post_ids, small_bufid, post_out);
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
+    synth_comm_backward_begin(&comm);
     w_head_backward(&w, &post, &post_ids);
-    for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
+    for (int L = m->layers; L-- > 0;) {
+      synth_comm_block_backward_begin(&comm, L);
+      if (layer_mode(m, L) == SYNTH_CKPT_FULL) synth_comm_block_recompute(&comm, L);
+      w_block_backward(&w, &ctx, L, &blocks[L]);
+      synth_comm_block_backward_end(&comm, L);
+    }
     uint64_t pre_grad[MAX_SAVES] = {0};
     for (int i = pre.n; i-- > 0;) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
@@ -627,6 +643,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     w.resid_grad = 0;
     w_reduce_scatter(&w, w.u.embed_grad, pre_grad, pre.n < MAX_SAVES ? pre.n : MAX_SAVES);
     w_reshard(&w, UNIT_EMBED);
+    synth_comm_backward_end(&comm);
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
     /* the optimizer step: its transients around it, then zero_grad frees
      * the gradients */
@@ -639,6 +656,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     w.n_grads = 0;
     fprintf(f, "{\"ev\":\"step_end\",\"t_us\":0,\"step\":%d}\n", st);
   }
+  synth_comm_free(&comm);
   rc = 0;
   if (w.oom) goto oom;
   if (ferror(f)) {
