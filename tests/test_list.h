@@ -146,6 +146,9 @@
   X(resident_rejects_misuse)                                               \
   X(resident_threads_share_an_engine)                                      \
   /* @@resident */                                                         \
+  /* synchronous copies, the sync_copies knob (test_sync_copies.c) */       \
+  X(sim_sync_copy_blocks_compute_by_its_copy_time)                        \
+  X(sync_copies_engine_waits_for_each_copy)                               \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(sim_duplex_slows_both_directions_exactly)                           \

@@ -70,13 +70,14 @@ typedef struct ferry_policy ferry_policy;
  * only when its has_ flag is set. Validated at load. */
 typedef struct ferry_policy_knobs {
   int has_max_fwd_stash, has_prefetch_distance, has_min_offload_bytes;
-  int has_max_fwd_stash_bytes, has_release_when_copied, has_max_tail_prefetch;
+  int has_max_fwd_stash_bytes, has_release_when_copied, has_max_tail_prefetch, has_sync_copies;
   uint32_t max_fwd_stash;
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
   uint64_t max_fwd_stash_bytes;
   uint32_t release_when_copied; /* 0 or 1 */
   uint32_t max_tail_prefetch;
+  uint32_t sync_copies; /* FERRY_SYNC_* */
 } ferry_policy_knobs;
 
 typedef struct ferry_policy_stats {
