@@ -188,6 +188,13 @@ typedef struct sim_config {
    * loss's transients, workspaces), counted in every peak as resident
    * memory is; sim_untracked_bytes learns it from a recorded run */
   uint64_t untracked_bytes;
+  /* sim: node sharing (docs/simulator.md, "Time model"): this GPU's share
+   * of the host's memory bandwidth, which its copies of both directions
+   * share, bytes/s (0 = unlimited); and copy/compute contention: the
+   * device-memory bandwidth a copy takes its share of from a memory-bound
+   * kernel beside it, bytes/s (0 = no contention) */
+  double host_mem_bytes_per_s;
+  double contention_hbm_bytes_per_s;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -273,6 +280,9 @@ typedef struct sim_result {
   uint32_t arena_grew_step, steady_from;
   int arena_still_growing;
   double pinned_alloc_us;                /* per steady step: pinning host memory */
+  /* per steady step: compute time added by copies beside memory-bound
+   * kernels (sim_config.contention_hbm_bytes_per_s; in step_us) */
+  double contention_us;
   /* per steady step: the least exposed stall any schedule of the same
    * copies could have at this peak, the link at full speed (replayer.c,
    * link_floor); 0 on the host backend */

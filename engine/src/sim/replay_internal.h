@@ -150,6 +150,7 @@ typedef struct replay {
   uint8_t *went;        /* per tensor: offloaded when packed; once unpacked, reloaded */
   uint64_t resident;    /* the trace's resident bytes less what the optimizer offload frees */
   double gap_scale;     /* compute multiplier (the device's share of the optimizer step) */
+  int mem_bound;        /* the compute being replayed is a memory-bound kernel (contention) */
   opt_model *opt;       /* optimizer-state offload, NULL when off */
   weight_model *w;      /* weight offload, NULL when off */
 } replay;
@@ -190,7 +191,7 @@ typedef struct link_floor {
 } link_floor;
 /* Per-step sums over the steady steps (all but the first, unless one). */
 typedef struct step_sums {
-  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned, floor;
+  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned, floor, contention;
   double opt_d2h, opt_h2d, opt_stall;
   double w_d2h, w_h2d, w_stall;
   uint32_t n_steady;

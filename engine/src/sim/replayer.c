@@ -18,7 +18,8 @@ double replay_now(replay *r) {
 void replay_compute(replay *r, double us) {
   if (!(us > 0)) return;
   if (r->sim) {
-    sim_backend_advance(r->sim, us);
+    if (r->mem_bound) sim_backend_advance_memory_bound(r->sim, us);
+    else sim_backend_advance(r->sim, us);
     return;
   }
   /* The host backend's compute stream is this thread. Sleep through most of
@@ -311,6 +312,9 @@ static int replay_open_engine(replay *r) {
   if ((rc = sim_backend_set_pinned_cost(r->sim, c->pinned_alloc_us, c->pinned_touch_bytes_per_s,
                                              !c->pinned_no_pool)))
     return ferry_errbuf(r->err, r->errlen, rc, "%s", r->sim->err);
+  if ((c->host_mem_bytes_per_s > 0 || c->contention_hbm_bytes_per_s > 0) &&
+      (rc = sim_backend_set_node(r->sim, c->host_mem_bytes_per_s, c->contention_hbm_bytes_per_s)))
+    return ferry_errbuf(r->err, r->errlen, rc, "%s", r->sim->err);
   if ((c->duplex_d2h > 0 || c->duplex_h2d > 0) &&
       (rc = sim_backend_set_duplex(r->sim, c->duplex_d2h > 0 ? c->duplex_d2h : cfg.link.duplex,
                                    c->duplex_h2d > 0 ? c->duplex_h2d : cfg.link.duplex)))
@@ -360,6 +364,16 @@ double work_us(const replay *r, const trace_ev *ev) {
   return us > ev->min_us ? us : ev->min_us;
 }
 
+/* Whether ev's compute is a memory-bound kernel: timed from its work, its
+ * device-memory bytes setting its time (not its FLOPs or its least time). */
+static int memory_bound(const replay *r, const trace_ev *ev) {
+  if (!timed_from_work(r, ev) || !(ev->hbm_bytes > 0)) return 0;
+  double bw = r->c->hbm_bytes_per_s > 0 ? r->c->hbm_bytes_per_s : SIM_DEFAULT_HBM_BYTES_PER_S;
+  double mem = ev->hbm_bytes / bw * 1e6;
+  double flops = ev->flops > 0 ? ev->flops / (r->c->tflops * 1e6) : 0;
+  return mem >= flops && mem >= ev->min_us;
+}
+
 /* The compute time before ev: from its work at the simulated GPU's
  * achieved rates when both are known, else the trace's. */
 static double event_gap(replay *r, const trace_ev *ev) {
@@ -377,7 +391,9 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
   double a = replay_now(r), us = event_gap(r, ev) * r->gap_scale;
+  r->mem_bound = memory_bound(r, ev);
   replay_compute(r, us);
+  r->mem_bound = 0;
   if (!r->recording) return us;
   int32_t layer = r->cur_layer;
   const char *module = ev->type == TEV_COMPUTE ? ev->op : NULL;
@@ -645,6 +661,14 @@ static double pinned_us(replay *r) {
   return st.pinned_alloc_us;
 }
 
+/* Compute time added by contention so far (sim). */
+static double contention_us(replay *r) {
+  if (!r->sim) return 0;
+  sim_backend_stats st;
+  sim_backend_get_stats(r->sim, &st);
+  return st.contention_us;
+}
+
 /* Replays step si of steps (the trace's steps in a loop) and sums it up. */
 static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) {
   memset(sums, 0, sizeof *sums);
@@ -659,7 +683,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   ferry_get_stats(r->e, &s0, sizeof s0);
   double w0, st0 = sim_stall(r, &w0);
   double hs0 = r->host_stall, hw0 = r->host_wait;
-  double pin0 = pinned_us(r);
+  double pin0 = pinned_us(r), cont0 = contention_us(r);
   double t0 = 0;
   int rc;
   r->cur_layer = -1;
@@ -753,6 +777,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       sums->w_stall += w->stall;
     }
     sums->pinned += pinned_us(r) - pin0;
+    sums->contention += contention_us(r) - cont0;
     sums->floor += r->host ? 0 : floor_us(&fl, (double)r->step_peak);
   }
   sums->peak = r->step_peak;

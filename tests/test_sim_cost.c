@@ -1,0 +1,120 @@
+/* test_sim_cost.c — the simulator's cost terms beyond the link alone, each
+ * against a hand-computed trace (docs/simulator.md, "Time model"):
+ * copy/compute contention on device memory, and node sharing of host
+ * memory bandwidth. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ferry_tools.h"
+#include "test.h"
+
+#define NEAR(a, b)                                                                        \
+  do {                                                                                    \
+    double a_ = (a), b_ = (b);                                                            \
+    if (!(fabs(a_ - b_) <= 1e-6)) {                                                       \
+      fprintf(stderr, "%s:%d: %s = %.6f, want %.6f\n", __FILE__, __LINE__, #a, a_, b_); \
+      return 1;                                                                           \
+    }                                                                                     \
+  } while (0)
+
+#define HDR "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
+#define BEGIN "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
+#define END "{\"ev\":\"step_end\",\"t_us\":9,\"step\":1}\n"
+#define PACK(id, bytes)                                                                     \
+  "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":" #bytes ",\"dtype\":\"u8\"," \
+  "\"shape\":[" #bytes "],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"          \
+  "\"layers\":1,\"decision\":\"offload\"}\n"
+/* 1000 us of work at 1 TFLOP/s and 1000 B/us of device memory: a
+ * memory-bound kernel (1e6 bytes, no FLOPs) or a compute-bound one */
+#define MEM_KERNEL "{\"ev\":\"compute\",\"t_us\":0,\"us\":1,\"hbm_bytes\":1e6}\n"
+#define FLOP_KERNEL "{\"ev\":\"compute\",\"t_us\":0,\"us\":1,\"flops\":1e9}\n"
+#define UNPACK(id) "{\"ev\":\"unpack\",\"t_us\":0,\"id\":" #id "}\n"
+
+static const char *offload_big =
+    "return { api = 1, knobs = { min_offload_bytes = 1 },\n decide = function(t, ctx)\n"
+    " if t.bytes >= 65536 then return ferry.OFFLOAD, ferry.ON_USE end\n"
+    " return ferry.KEEP end }";
+
+/* A 1e6-byte offload over a 1000 B/us link (1000 us, no latency) beside a
+ * memory-bound kernel of 1000 us: with copies taking their bytes/s as a
+ * share of 10000 B/us of device memory (10%), the kernel progresses at 0.9
+ * while the copy runs ([0, 1000]: 900 us of its work) and does its last
+ * 100 us alone, ending at 1100. The rest of the step (a kept pack, three
+ * compute-bound kernels of 1000 us, the offloaded tensor a stash hit in
+ * backward) adds 3000 us: 4100, against 4000 without contention, and 4000
+ * with contention when the kernel beside the copy is compute-bound. */
+TEST(sim_copy_slows_a_concurrent_memory_bound_kernel) {
+  static const char *first[2] = {MEM_KERNEL, FLOP_KERNEL};
+  static const struct {
+    int kernel;
+    double hbm, step, contention;
+  } cases[] = {{0, 1e10, 4100, 100}, {0, 0, 4000, 0}, {1, 1e10, 4000, 0}, {0, 2e10, 4050, 50}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    char text[2048];
+    snprintf(text, sizeof text,
+             HDR BEGIN PACK(1, 1000000) "%s" PACK(2, 512) FLOP_KERNEL
+             "{\"ev\":\"backward_begin\",\"t_us\":0}\n" UNPACK(2) FLOP_KERNEL UNPACK(1) FLOP_KERNEL
+             "{\"ev\":\"backward_end\",\"t_us\":0}\n" END,
+             first[cases[k].kernel]);
+    sim_trace *t = NULL;
+    char err[512];
+    CHECK_OK(sim_trace_parse("contention", text, strlen(text), &t, err, sizeof err));
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 1;
+    c.tflops = 1;
+    c.hbm_bytes_per_s = 1e9;
+    c.contention_hbm_bytes_per_s = cases[k].hbm;
+    c.policy_source = offload_big;
+    sim_result r;
+    CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+    NEAR(r.tensors_offloaded, 1);
+    NEAR(r.stall_us, 0);
+    NEAR(r.step_us, cases[k].step);
+    NEAR(r.contention_us, cases[k].contention);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
+  return 0;
+}
+
+/* Node sharing: a GPU's copies of both directions together get at most its
+ * share of the host's memory bandwidth. Two 1e6-byte offloads over a 1000
+ * B/us link each way (no latency, duplex 1), 1000 us of compute between
+ * them, the first buffer released once copied: the first copy [0, 1000],
+ * the second from 1000 while backward's first unpack reloads the first at
+ * once. Alone on the node both take 1000 us (step 2000: 1000 of compute, a
+ * 1000 us reload stall; the second tensor is then a stash hit). With 8
+ * GPUs copying at once over 8000 B/us of host memory (1000 B/us each), the
+ * two directions together get 1000 B/us, 500 each: both end at 3000. At
+ * 2000 B/us each there is room for both: 2000 again. */
+TEST(sim_gpus_of_a_node_share_host_memory_bandwidth) {
+  static const char text[] =
+      HDR BEGIN PACK(1, 1000000) "{\"ev\":\"compute\",\"t_us\":0,\"us\":1000}\n" PACK(2, 1000000)
+      "{\"ev\":\"backward_begin\",\"t_us\":0}\n" UNPACK(1) UNPACK(2)
+      "{\"ev\":\"backward_end\",\"t_us\":0}\n" END;
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("node", text, strlen(text), &t, err, sizeof err));
+  static const struct {
+    double host_mem, step, stall;
+  } cases[] = {{0, 2000, 1000}, {1e9, 3000, 2000}, {2e9, 2000, 1000}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 1;
+    c.host_mem_bytes_per_s = cases[k].host_mem;
+    c.policy_source = "return { api = 1, knobs = { min_offload_bytes = 1, release_when_copied = 1 },\n"
+                      " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }";
+    sim_result r;
+    CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+    NEAR(r.tensors_offloaded, 2);
+    NEAR(r.bytes_h2d, 1000000);
+    NEAR(r.step_us, cases[k].step);
+    NEAR(r.stall_us + r.host_wait_us, cases[k].stall);
+    sim_result_free(&r);
+  }
+  sim_trace_free(t);
+  return 0;
+}
