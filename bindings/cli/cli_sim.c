@@ -100,6 +100,8 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.cpu_adam_params_per_s = o->cpu_adam;
   c.optimizer_serial = o->opt_serial;
   c.weight_single_buffer = o->w_single;
+  /* checked when the options were read (ferry_cli_sim) */
+  (void)sim_node_apply(hw, o->gpus, o->numa_far, !o->contention_off, &c, NULL, 0);
   return c;
 }
 
@@ -445,6 +447,8 @@ int ferry_cli_sim(int argc, char **argv) {
       {"weight-layers", required_argument, 0, 'K'},
       {"weight-double-buffer", required_argument, 0, 'U'},
       {"untracked", required_argument, 0, 'u'},
+      {"gpus-per-node", required_argument, 0, 'g'}, {"numa-far", required_argument, 0, 'N'},
+      {"contention", required_argument, 0, 'Z'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -545,6 +549,22 @@ int ferry_cli_sim(int argc, char **argv) {
       else if (cli_bytes("sim", "--untracked", optarg, 0, &o.untracked)) return 2;
       else o.untracked_mode = UNTRACKED_GIVEN;
       break;
+    case 'g': {
+      long g;
+      if (cli_int("sim", "--gpus-per-node", optarg, 1, 64, &g)) return 2;
+      o.gpus = (int)g;
+      break;
+    }
+    case 'N':
+      if (cli_number("sim", "--numa-far", optarg, FERRY_NUMBER_REAL, 0, 1, 1, &o.numa_far)) return 2;
+      break;
+    case 'Z':
+      if (strcmp(optarg, "on") && strcmp(optarg, "off")) {
+        fprintf(stderr, "ferry sim: --contention %s: expected on or off\n", optarg);
+        return 2;
+      }
+      o.contention_off = !strcmp(optarg, "off");
+      break;
     case 'L': layers_table = 0; break;
     case 'Y':
       if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
@@ -583,6 +603,11 @@ int ferry_cli_sim(int argc, char **argv) {
   sim_hw hw = *preset;
   char err[512];
   if (link && sim_parse_link(link, &hw, err, sizeof err)) {
+    fprintf(stderr, "ferry sim: %s\n", err);
+    return 2;
+  }
+  sim_config node_check = {0};
+  if (sim_node_apply(&hw, o.gpus, o.numa_far, 1, &node_check, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     return 2;
   }

@@ -27,9 +27,14 @@ typedef struct sim_opts {
    * bytes given in untracked */
   enum { UNTRACKED_AUTO = 0, UNTRACKED_OFF, UNTRACKED_GIVEN } untracked_mode;
   uint64_t untracked;
+  /* the node (sim_node_apply): GPUs copying at once, the NUMA-far factor,
+   * --contention off */
+  int gpus;
+  double numa_far;
+  int contention_off;
 } sim_opts;
 
-#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+#define SIM_OPTS_INIT {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1.0, 0}
 #define MAX_FRACTIONS 16
 #define MAX_WEIGHT_ITEMS 16
 #define MAX_BLOCK 1000000 /* a block index or count no trace reaches */

@@ -547,7 +547,21 @@ typedef struct sim_hw {
   /* what the device exposes to CUDA (torch.cuda's "total capacity", less
    * than the marketed size: ECC and the driver's reserve); 0 = device_bytes */
   double capacity_bytes;
+  /* the node (docs/hardware.md, "Node sharing"): its GPUs, how many share
+   * one PCIe uplink to the host (a switch's), and the host memory bandwidth
+   * of all its sockets, bytes/s (0 = not modelled) */
+  int gpus_per_node, gpus_per_switch;
+  double node_host_mem_bytes_per_s;
 } sim_hw;
+/* What `ferry sim --gpus-per-node N --numa-far F --contention on|off` sets
+ * in c for hw (sim_node.c): with N GPUs copying at once, each gets its
+ * link's bandwidth over the GPUs sharing its switch (at most N) and 1/N of
+ * the node's host memory bandwidth for both directions; times F (0 < F <=
+ * 1) when its pinned memory sits on the far socket; contention on: copies
+ * take their share of the preset's datasheet HBM bandwidth from memory-bound
+ * kernels. 0, or -1 with a message. */
+FERRY_API int sim_node_apply(const sim_hw *hw, int gpus, double numa_far, int contention,
+                             sim_config *c, char *err, size_t errlen);
 /* The default sustained fraction of peak (--mfu): 0.40; torchtitan's eager
  * Llama 3.1 8B on 8 H100s needs 0.38 to reproduce, Llama 3's 405B reports
  * 38-43% (docs/hardware.md, "Compute rate"). */

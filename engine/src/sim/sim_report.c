@@ -24,27 +24,32 @@
  * out-of-memory message gives it: H100 80GB 79.11 GiB, H200 139.80 GiB,
  * A100 80GB 79.15 GiB, A100 40GB 39.39 GiB (the lowest seen: PCIe cards show
  * up to 39.59), GH200 480GB (96 GB HBM3) 94.50 GiB (vLLM issue #9630); sources
- * in docs/hardware.md. */
+ * in docs/hardware.md. Last, the node (docs/hardware.md, "Node sharing"):
+ * DGX H100/H200 have 8 GPUs, each behind its own ConnectX-7's PCIe switch,
+ * and two Xeon 8480C sockets of 8 DDR5-4800 channels, ~300 GB/s each as
+ * Intel MLC measures such a socket; DGX A100 has 8 GPUs, two per PCIe
+ * switch, and two EPYC 7742 sockets of 8 DDR4-3200 channels (204.8 GB/s
+ * each); a GH200 is one GPU with its own Grace (host memory not modelled). */
 #define GIB_ 1073741824.0
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8,
-     989, 3350 * GB, 79.11 * GIB_},
+     989, 3350 * GB, 79.11 * GIB_, 8, 1, 600 * GB},
     {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 141 * GB,
      "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989, 4800 * GB,
-     139.80 * GIB_},
+     139.80 * GIB_, 8, 1, 600 * GB},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB,
-     79.15 * GIB_},
+     79.15 * GIB_, 8, 2, 409.6 * GB},
     /* the 40 GB A100 (SXM4): same host link; 1,555 GB/s HBM2 (A100
      * datasheet); torch reports "39.39 GiB total capacity" for it */
     {"a100-40", "A100 40GB, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 40 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 1555 * GB,
-     39.39 * GIB_},
+     39.39 * GIB_, 8, 2, 409.6 * GB},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
      96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB,
-     94.50 * GIB_},
+     94.50 * GIB_, 1, 1, 0},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
@@ -317,6 +322,7 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "gaps_from_flops", r->gaps_from_flops);
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
   cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
+  cJSON_AddNumberToObject(o, "contention_us", r->contention_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
   cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
   cJSON_AddNumberToObject(o, "reload_stall_us", r->stall_us);
