@@ -37,6 +37,8 @@ TABLE = [
     ("sim", "--cpu-adam", ["0", "1", "1e14"], "2e8"),
     ("sim", "--weight-layers", ["1.5", "2..1", "1..x", "..3"], "2"),
     ("sim", "--untracked", ["1.5", "auto2"], "2G"),
+    ("sim", "--gpus-per-node", ["0", "1.5", "9"], "8"),
+    ("sim", "--numa-far", ["0", "1.5"], "0.35"),
     ("check", "--layers", ["0", "2000"], "2"),
     ("check", "--steps", ["0", "101"], "1"),
     ("check", "--ram-pct", ["101"], "50"),
@@ -69,7 +71,8 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--qk-norm", "--tie-embeddings", "--loss", "--param-dtype", "--grad-dtype",
                "--master-weights", "--optimizer", "--sp", "--norm",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
-               "--optimizer-overlap", "--why", "--verbose", "--weight-double-buffer"}
+               "--optimizer-overlap", "--why", "--verbose", "--weight-double-buffer",
+               "--contention"}
 
 
 def argv(sub, flag, value, d):
