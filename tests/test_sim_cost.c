@@ -118,3 +118,79 @@ TEST(sim_gpus_of_a_node_share_host_memory_bandwidth) {
   sim_trace_free(t);
   return 0;
 }
+
+/* The host's cost per saved tensor (sim_config.host_overhead_us), on the
+ * host's own timeline: 100 us per tensor, 50 at its pack and 50 at its
+ * unpack. Two kept tensors, packed then unpacked with a kernel after each
+ * call: with 1000 us kernels the host stays ahead and only the first
+ * kernel waits for it (50 us: 4050 against 4000); with 10 us kernels the
+ * GPU waits for the host at every kernel (50, then 40 three times: 210
+ * against 40). The baseline (no policy: no hooks) pays nothing. */
+TEST(sim_host_overhead_counts_only_when_the_host_falls_behind) {
+  static const struct {
+    int us;
+    double overhead, step, bound;
+    int baseline;
+  } cases[] = {{1000, 100, 4050, 50, 0}, {1000, 0, 4000, 0, 0}, {10, 100, 210, 170, 0},
+               {10, 0, 40, 0, 0}, {10, 100, 40, 0, 1}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    char text[2048], kernel[96];
+    snprintf(kernel, sizeof kernel, "{\"ev\":\"compute\",\"t_us\":0,\"us\":%d}\n", cases[k].us);
+    snprintf(text, sizeof text,
+             HDR BEGIN PACK(1, 512) "%s" PACK(2, 512) "%s{\"ev\":\"backward_begin\",\"t_us\":0}\n"
+             UNPACK(2) "%s" UNPACK(1) "%s{\"ev\":\"backward_end\",\"t_us\":0}\n" END,
+             kernel, kernel, kernel, kernel);
+    sim_trace *t = NULL;
+    char err[512];
+    CHECK_OK(sim_trace_parse("host", text, strlen(text), &t, err, sizeof err));
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 1;
+    c.host_overhead_us = cases[k].overhead;
+    if (!cases[k].baseline) c.policy_source = offload_big;
+    sim_result r;
+    CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+    NEAR(r.step_us, cases[k].step);
+    NEAR(r.host_bound_us, cases[k].bound);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
+  return 0;
+}
+
+/* A reload stall makes only the GPU wait (issue 42 item 2): the host, 50
+ * us per call, runs on. Tensor 1 (1e6 bytes, 1000 us a copy) is offloaded
+ * with no forward stash, so its pack waits for the copy (host and GPU at
+ * 1000; the host then at 1050), tensor 2 is kept, 10 us kernels: the GPU
+ * waits 50 and 40 for the host in forward (1110), backward's reload of 1
+ * stalls the GPU 1000 us (2110) while the host stands at 1150, and the
+ * last two kernels find the host ahead: 2130, 90 us of it the host's. One
+ * clock for both would put the host at 2160 after that stall and the
+ * step at 2230. */
+TEST(sim_host_runs_ahead_through_a_reload_stall) {
+  static const char text[] =
+      HDR BEGIN PACK(1, 1000000) "{\"ev\":\"compute\",\"t_us\":0,\"us\":10}\n" PACK(2, 512)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10}\n{\"ev\":\"backward_begin\",\"t_us\":0}\n"
+      UNPACK(1) "{\"ev\":\"compute\",\"t_us\":0,\"us\":10}\n" UNPACK(2)
+      "{\"ev\":\"compute\",\"t_us\":0,\"us\":10}\n{\"ev\":\"backward_end\",\"t_us\":0}\n" END;
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("lead", text, strlen(text), &t, err, sizeof err));
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 1;
+  c.host_overhead_us = 100;
+  c.policy_source = "return { api = 1, knobs = { min_offload_bytes = 1, max_fwd_stash = 0 },\n"
+                    " decide = function(t, ctx)\n"
+                    " if t.bytes >= 65536 then return ferry.OFFLOAD, ferry.ON_USE end\n"
+                    " return ferry.KEEP end }";
+  sim_result r;
+  CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
+  NEAR(r.host_wait_us, 1000);
+  NEAR(r.stall_us, 1000);
+  NEAR(r.host_bound_us, 90);
+  NEAR(r.step_us, 2130);
+  sim_result_free(&r);
+  sim_trace_free(t);
+  return 0;
+}

@@ -102,6 +102,7 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.weight_single_buffer = o->w_single;
   /* checked when the options were read (ferry_cli_sim) */
   (void)sim_node_apply(hw, o->gpus, o->numa_far, !o->contention_off, &c, NULL, 0);
+  c.host_overhead_us = o->host_overhead_us;
   return c;
 }
 
@@ -448,7 +449,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"weight-double-buffer", required_argument, 0, 'U'},
       {"untracked", required_argument, 0, 'u'},
       {"gpus-per-node", required_argument, 0, 'g'}, {"numa-far", required_argument, 0, 'N'},
-      {"contention", required_argument, 0, 'Z'},
+      {"contention", required_argument, 0, 'Z'}, {"host-overhead", required_argument, 0, 'y'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -564,6 +565,13 @@ int ferry_cli_sim(int argc, char **argv) {
         return 2;
       }
       o.contention_off = !strcmp(optarg, "off");
+      break;
+    case 'y': /* µs per saved tensor, or a torch version's measured figure */
+      if (!strcmp(optarg, "torch2")) o.host_overhead_us = SIM_HOST_OVERHEAD_TORCH2_US;
+      else if (!strcmp(optarg, "torch1")) o.host_overhead_us = SIM_HOST_OVERHEAD_TORCH1_US;
+      else if (cli_number("sim", "--host-overhead", optarg, FERRY_NUMBER_REAL, 0, 1e6, 0,
+                          &o.host_overhead_us))
+        return 2;
       break;
     case 'L': layers_table = 0; break;
     case 'Y':

@@ -195,6 +195,11 @@ typedef struct sim_config {
    * kernel beside it, bytes/s (0 = no contention) */
   double host_mem_bytes_per_s;
   double contention_hbm_bytes_per_s;
+  /* sim: the host's cost per saved tensor of the pack/unpack path (the
+   * saved-tensor hooks, the engine's calls, a copy's launch), µs, half at
+   * its pack and half at its unpack, on the host's own timeline: it delays
+   * the GPU only when the host cannot stay ahead of it (0 = free) */
+  double host_overhead_us;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -283,6 +288,10 @@ typedef struct sim_result {
   /* per steady step: compute time added by copies beside memory-bound
    * kernels (sim_config.contention_hbm_bytes_per_s; in step_us) */
   double contention_us;
+  /* per steady step: the GPU idle because the host, paying
+   * sim_config.host_overhead_us per saved tensor, had not yet issued its
+   * work (in step_us) */
+  double host_bound_us;
   /* per steady step: the least exposed stall any schedule of the same
    * copies could have at this peak, the link at full speed (replayer.c,
    * link_floor); 0 on the host backend */
@@ -570,6 +579,13 @@ FERRY_API int sim_node_apply(const sim_hw *hw, int gpus, double numa_far, int co
  * (--hbm overrides): 0.60, the synthesizer's 2000 GB/s on H100's 3.35 TB/s
  * (docs/hardware.md: a modelling choice, not a measurement). */
 #define SIM_DEFAULT_HBM_FRACTION 0.60
+/* The host's cost per saved tensor of ferry's pack/unpack path (`ferry sim
+ * --host-overhead`): ferry's benchmark of the Python hooks' keep path
+ * (bench/bench_torch.py, torch_ferry_keep_overhead_us: saved-tensor hooks,
+ * the binding, the engine call), measured per torch version on the
+ * project's build machine (docs/hardware.md, "Host cost per tensor"). */
+#define SIM_HOST_OVERHEAD_TORCH2_US 10.0
+#define SIM_HOST_OVERHEAD_TORCH1_US 9.0
 /* sim_config.hbm_bytes_per_s when 0: the synthesizer's default, 2000 GB/s. */
 #define SIM_DEFAULT_HBM_BYTES_PER_S 2e12
 

@@ -39,6 +39,7 @@ TABLE = [
     ("sim", "--untracked", ["1.5", "auto2"], "2G"),
     ("sim", "--gpus-per-node", ["0", "1.5", "9"], "8"),
     ("sim", "--numa-far", ["0", "1.5"], "0.35"),
+    ("sim", "--host-overhead", ["1e7"], "12"),
     ("check", "--layers", ["0", "2000"], "2"),
     ("check", "--steps", ["0", "101"], "1"),
     ("check", "--ram-pct", ["101"], "50"),

@@ -218,6 +218,28 @@ static double sim_stall(replay *r, double *host_wait) {
   return st.stall_us;
 }
 
+/* The host's timeline (sim, with a host overhead): where the trainer's
+ * thread stands when a pack or unpack call returns. It pays half the
+ * per-tensor overhead at each; a wait of the host (an event, pinning: the
+ * one clock moved for it, its host_wait_us grew past waits_before) brings
+ * it up to the clock first. A reload stall makes only the GPU wait. */
+static void host_after_call(replay *r, double waits_before) {
+  double w;
+  sim_stall(r, &w);
+  if (w > waits_before && replay_now(r) > r->host_clock) r->host_clock = replay_now(r);
+  r->host_clock += r->host_overhead_us / 2;
+}
+
+/* Before the GPU runs work the host issues: it cannot start before the
+ * host issued it, so while the host is behind the GPU idles. */
+static void host_catch_up(replay *r) {
+  if (!r->sim || !(r->host_overhead_us > 0)) return;
+  double now = replay_now(r);
+  if (r->host_clock <= now) return;
+  sim_backend_advance(r->sim, r->host_clock - now);
+  r->host_bound_us += r->host_clock - now;
+}
+
 /* The file name of a path. */
 static const char *base_name(const char *path) {
   const char *s = strrchr(path, '/');
@@ -464,7 +486,9 @@ static int replay_pack(replay *r, uint32_t ti) {
   if (r->recording && tt->alias_of < 0)
     map_set(&r->dev_tensor, buf_ptr(b), ti + 1);
   uint64_t off0 = engine_offloaded(r->e);
-  double a = r->host ? util_now_us() : 0;
+  double a = r->host ? util_now_us() : 0, w0 = 0;
+  int host_cost = r->sim && r->host_overhead_us > 0;
+  if (host_cost) sim_stall(r, &w0);
   /* As ferry.torch packs: a site the policy keeps from its cache gets no
    * handle (the trainer holds the tensor), so its unpack starts no reload */
   int rc = 0;
@@ -472,6 +496,7 @@ static int replay_pack(replay *r, uint32_t ti) {
   if (!ferry_pack_cached_keep(r->e, d, buf_ptr(b)))
     rc = ferry_pack(r->e, d, buf_ptr(b), b, NULL, &r->handles[ti]);
   if (r->host) r->host_wait += util_now_us() - a;
+  if (host_cost) host_after_call(r, w0);
   if (rc) {
     buf_unref(r, b);
     return rc;
@@ -507,6 +532,7 @@ static int replay_unpack(replay *r, uint32_t ti) {
   double dt = host ? util_now_us() - a : 0;
   if (rc) return rc;
   r->host_stall += dt;
+  if (r->sim && r->host_overhead_us > 0) host_after_call(r, w);
   /* from here on: whether its bytes came back over the link */
   if (r->went[ti] && !ferry_get_stats(r->e, &st, sizeof st) && st.stash_hits != hits0)
     r->went[ti] = 0;
@@ -545,6 +571,7 @@ static void release_pending(replay *r) {
 /* A step_end event: ferry_step_end, timed on host. */
 static int replay_step_end(replay *r) {
   release_pending(r);
+  host_catch_up(r); /* the step's end waits for the host too (.item(), the optimizer) */
   double a = r->host ? util_now_us() : 0;
   int rc = ferry_step_end(r->e);
   if (r->host) r->host_wait += util_now_us() - a;
@@ -683,7 +710,8 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   ferry_get_stats(r->e, &s0, sizeof s0);
   double w0, st0 = sim_stall(r, &w0);
   double hs0 = r->host_stall, hw0 = r->host_wait;
-  double pin0 = pinned_us(r), cont0 = contention_us(r);
+  double pin0 = pinned_us(r), cont0 = contention_us(r), hb0 = r->host_bound_us;
+  r->host_clock = replay_now(r);
   double t0 = 0;
   int rc;
   r->cur_layer = -1;
@@ -711,6 +739,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       if (o && phase == 0 && (rc = opt_forward(r, done, gap_of(r, ev), o->fwd_us[tsi])))
         return rc;
       r->gap_scale = o && phase == 2 ? 1 - o->fraction : 1;
+      host_catch_up(r);
       double us = replay_gap(r, ts, k);
       r->gap_scale = 1;
       release_pending(r);
@@ -778,6 +807,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     }
     sums->pinned += pinned_us(r) - pin0;
     sums->contention += contention_us(r) - cont0;
+    sums->host_bound += r->host_bound_us - hb0;
     sums->floor += r->host ? 0 : floor_us(&fl, (double)r->step_peak);
   }
   sums->peak = r->step_peak;
@@ -849,6 +879,8 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   set_label(out, c);
   snprintf(out->backend, sizeof out->backend, "%s", r.host ? "host" : "sim");
   r.gap_scale = 1;
+  if (c->policy_path || c->policy_source || c->replay_decisions)
+    r.host_overhead_us = c->host_overhead_us > 0 ? c->host_overhead_us : 0;
   int rc = replay_open_engine(&r);
   if (!rc) rc = replay_tables(&r);
   if (!rc) rc = opt_open(&r);

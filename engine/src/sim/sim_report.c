@@ -323,6 +323,7 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
   cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
   cJSON_AddNumberToObject(o, "contention_us", r->contention_us);
+  cJSON_AddNumberToObject(o, "host_bound_us", r->host_bound_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
   cJSON_AddNumberToObject(o, "stall_us", r->stall_us + r->host_wait_us);
   cJSON_AddNumberToObject(o, "reload_stall_us", r->stall_us);
