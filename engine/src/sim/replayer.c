@@ -230,7 +230,8 @@ static void host_after_call(replay *r, double waits_before) {
   r->host_clock += r->host_overhead_us / 2;
 }
 
-/* Before the GPU runs work the host issues: it cannot start before the
+/* Before the GPU runs work the host issues (a kernel, or an event or wait
+ * a ferry call records on the compute stream): it cannot start before the
  * host issued it, so while the host is behind the GPU idles. */
 static void host_catch_up(replay *r) {
   if (!r->sim || !(r->host_overhead_us > 0)) return;
@@ -488,7 +489,10 @@ static int replay_pack(replay *r, uint32_t ti) {
   uint64_t off0 = engine_offloaded(r->e);
   double a = r->host ? util_now_us() : 0, w0 = 0;
   int host_cost = r->sim && r->host_overhead_us > 0;
-  if (host_cost) sim_stall(r, &w0);
+  if (host_cost) {
+    host_catch_up(r); /* what the call records on the compute stream is where the host is */
+    sim_stall(r, &w0);
+  }
   /* As ferry.torch packs: a site the policy keeps from its cache gets no
    * handle (the trainer holds the tensor), so its unpack starts no reload */
   int rc = 0;
@@ -516,6 +520,7 @@ static int replay_unpack(replay *r, uint32_t ti) {
   int host = r->host;
   r->cur_layer = t->tensors[ti].desc.layer;
   void *dev = NULL, *owner = NULL;
+  host_catch_up(r); /* the compute stream's wait is issued where the host is */
   double w, s_before = sim_stall(r, &w);
   ferry_stats st;
   /* a stash hit brings nothing back over the link: only asked of tensors
