@@ -154,6 +154,7 @@
   X(sim_gpus_of_a_node_share_host_memory_bandwidth)                       \
   X(sim_host_overhead_counts_only_when_the_host_falls_behind)             \
   X(sim_host_runs_ahead_through_a_reload_stall)                           \
+  X(sim_node_apply_shares_the_presets_node)                               \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(sim_duplex_slows_both_directions_exactly)                           \

@@ -194,3 +194,34 @@ TEST(sim_host_runs_ahead_through_a_reload_stall) {
   sim_trace_free(t);
   return 0;
 }
+
+/* `ferry sim --gpus-per-node N --numa-far F --contention on|off` on the
+ * presets (docs/hardware.md, "Node sharing"): h100's GPUs each have their
+ * own switch and share 600 GB/s of host memory, 75 GB/s each with 8
+ * copying; a100's two GPUs per switch halve its 25 GB/s link with 2 or
+ * more; a NUMA-far factor multiplies the link; contention takes the
+ * preset's datasheet HBM bandwidth; a count past the node is refused. */
+TEST(sim_node_apply_shares_the_presets_node) {
+  char err[256];
+  sim_config c = {0};
+  const sim_hw *h100 = sim_hw_preset("h100"), *a100 = sim_hw_preset("a100");
+  CHECK(h100 && a100);
+  c.link = h100->link;
+  CHECK_OK(sim_node_apply(h100, 8, 1.0, 1, &c, err, sizeof err));
+  NEAR(c.link.h2d_bytes_per_s, 55e9);
+  NEAR(c.host_mem_bytes_per_s, 75e9);
+  NEAR(c.contention_hbm_bytes_per_s, 3350e9);
+  c.link = a100->link;
+  CHECK_OK(sim_node_apply(a100, 8, 0.5, 0, &c, err, sizeof err));
+  NEAR(c.link.d2h_bytes_per_s, 25e9 / 2 * 0.5);
+  NEAR(c.host_mem_bytes_per_s, 409.6e9 / 8);
+  NEAR(c.contention_hbm_bytes_per_s, 0);
+  c.link = a100->link;
+  CHECK_OK(sim_node_apply(a100, 1, 1.0, 1, &c, err, sizeof err));
+  NEAR(c.link.d2h_bytes_per_s, 25e9);
+  CHECK(sim_node_apply(h100, 9, 1.0, 1, &c, err, sizeof err) != 0);
+  CHECK_STR_CONTAINS(err, "--gpus-per-node 9: h100 has 8 GPU(s) per node");
+  CHECK(sim_node_apply(h100, 1, 0.0, 1, &c, err, sizeof err) != 0);
+  CHECK_STR_CONTAINS(err, "--numa-far 0");
+  return 0;
+}
