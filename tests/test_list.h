@@ -149,6 +149,7 @@
   /* synchronous copies, the sync_copies knob (test_sync_copies.c) */       \
   X(sim_sync_copy_blocks_compute_by_its_copy_time)                        \
   X(sync_copies_engine_waits_for_each_copy)                               \
+  X(sync_copies_compute_waits_before_overwriting_the_saved_buffer)        \
   /* the simulator's cost terms (test_sim_cost.c) */                        \
   X(sim_copy_slows_a_concurrent_memory_bound_kernel)                      \
   X(sim_gpus_of_a_node_share_host_memory_bandwidth)                       \

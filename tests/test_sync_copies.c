@@ -166,3 +166,67 @@ TEST(sync_copies_engine_waits_for_each_copy) {
   }
   return 0;
 }
+
+/* What sync_copies 1 promises, checked by its effect on the CUDA double's
+ * ordering rule (9: two copies touching the same bytes with nothing
+ * ordering them): right after the pack, the trainer's next work on the
+ * compute stream may overwrite the saved buffer, because that stream now
+ * waits for the offload copy. The overwrite is an async copy on the compute
+ * stream into the tensor's device buffer, issued while the double's streams
+ * are paused (the offload copy still queued). With 0 it races the copy (a
+ * violation, the check's own control); with 1 it is ordered after it. The
+ * host backend has no streams: nothing to check there. */
+TEST(sync_copies_compute_waits_before_overwriting_the_saved_buffer) {
+#ifdef FERRY_TEST_CUDA_DOUBLE
+  if (test_backend_kind() != FERRY_BACKEND_CUDA) return 0;
+  enum { SZ = 1 << 16 };
+  void *pinned = NULL;
+  CHECK_EQ(cudaHostAlloc(&pinned, SZ, 0), cudaSuccess);
+  memset(pinned, 0x5a, SZ);
+  for (int mode = 0; mode <= 1; mode++) {
+    char src[256];
+    snprintf(src, sizeof src,
+             "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
+             " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
+    test_device_stats st = {0};
+    ferry_config c = test_engine_config(&st);
+    c.retain = test_device_retain_cb;
+    c.policy_source = src;
+    ferry_engine *e = NULL;
+    char err[512] = "";
+    CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+    test_buffer *b = test_buffer_new(SZ);
+    CHECK(b);
+    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+    d.bytes = SZ;
+    d.dtype = FERRY_DTYPE_U8;
+    d.kind = FERRY_KIND_ACTIVATION;
+    d.ndim = 1;
+    d.shape[0] = SZ;
+    CHECK_OK(ferry_step_begin(e));
+    cuda_double_clear_violations();
+    cuda_double_pause_streams(1);
+    ferry_handle h = 0;
+    CHECK_OK(ferry_pack(e, &d, b->ptr, b, NULL, &h));
+    /* the trainer's next kernel reuses the tensor's memory, on compute */
+    cudaError_t rc = cudaMemcpyAsync(b->ptr, pinned, SZ, cudaMemcpyHostToDevice, NULL);
+    long violations = cuda_double_violations();
+    cuda_double_pause_streams(0);
+    cuda_double_drain();
+    cuda_double_clear_violations();
+    if (mode == 0) {
+      CHECK(rc != cudaSuccess);
+      CHECK(violations > 0);
+    } else {
+      CHECK_EQ(rc, cudaSuccess);
+      CHECK_EQ(violations, 0);
+    }
+    CHECK_OK(ferry_discard(e, h));
+    CHECK_OK(ferry_step_end(e));
+    ferry_engine_destroy(e);
+    test_buffer_unref(b);
+  }
+  CHECK_EQ(cudaFreeHost(pinned), cudaSuccess);
+#endif
+  return 0;
+}
