@@ -569,7 +569,12 @@ int ferry_cli_sim(int argc, char **argv) {
     case 'y': /* µs per saved tensor, or a torch version's measured figure */
       if (!strcmp(optarg, "torch2")) o.host_overhead_us = SIM_HOST_OVERHEAD_TORCH2_US;
       else if (!strcmp(optarg, "torch1")) o.host_overhead_us = SIM_HOST_OVERHEAD_TORCH1_US;
-      else if (cli_number("sim", "--host-overhead", optarg, FERRY_NUMBER_REAL, 0, 1e6, 0,
+      else if (*optarg && strspn(optarg, "0123456789.+-eE") != strlen(optarg)) {
+        /* a word: name the words it takes, not only "a number" */
+        fprintf(stderr, "ferry sim: --host-overhead %s: expected US (microseconds per saved "
+                "tensor), torch1 or torch2\n", optarg);
+        return 2;
+      } else if (cli_number("sim", "--host-overhead", optarg, FERRY_NUMBER_REAL, 0, 1e6, 0,
                           &o.host_overhead_us))
         return 2;
       break;

@@ -135,6 +135,18 @@ def main():
                     print(f"FAIL ferry {sub} {flag} {good}: refused: {r.stderr.strip()[-300:]}")
                     failures += 1
             print(f"ok   ferry {sub} {flag}: {len(BAD) + len(extra)} bad values refused")
+        # a flag that takes words besides numbers names them when refused
+        for flag, value, words in (("--host-overhead", "torch3", "torch1 or torch2"),
+                                   ("--contention", "maybe", "on or off")):
+            r = subprocess.run([FERRY, *argv("sim", flag, value, d)], capture_output=True,
+                               text=True, timeout=30)
+            if r.returncode == 0 or f"ferry sim: {flag} {value}" not in r.stderr \
+                    or words not in r.stderr:
+                print(f"FAIL ferry sim {flag} {value!r}: exit {r.returncode}, stderr "
+                      f"{r.stderr.strip()[-300:]!r} (want the choices: {words})")
+                failures += 1
+            else:
+                print(f"ok   ferry sim {flag} {value}: refused, naming {words}")
     if failures:
         sys.exit(f"{failures} failure(s)")
 
