@@ -43,13 +43,16 @@ static const char *offload_big =
  * 100 us alone, ending at 1100. The rest of the step (a kept pack, three
  * compute-bound kernels of 1000 us, the offloaded tensor a stash hit in
  * backward) adds 3000 us: 4100, against 4000 without contention, and 4000
- * with contention when the kernel beside the copy is compute-bound. */
+ * with contention when the kernel beside the copy is compute-bound. A
+ * memory-bound kernel that starts as the copy ends (after a compute-bound
+ * one covering it) is not slowed: 5000, no contention. */
 TEST(sim_copy_slows_a_concurrent_memory_bound_kernel) {
-  static const char *first[2] = {MEM_KERNEL, FLOP_KERNEL};
+  static const char *first[3] = {MEM_KERNEL, FLOP_KERNEL, FLOP_KERNEL MEM_KERNEL};
   static const struct {
     int kernel;
     double hbm, step, contention;
-  } cases[] = {{0, 1e10, 4100, 100}, {0, 0, 4000, 0}, {1, 1e10, 4000, 0}, {0, 2e10, 4050, 50}};
+  } cases[] = {{0, 1e10, 4100, 100}, {0, 0, 4000, 0}, {1, 1e10, 4000, 0}, {0, 2e10, 4050, 50},
+                 {2, 1e10, 5000, 0}};
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
     char text[2048];
     snprintf(text, sizeof text,
