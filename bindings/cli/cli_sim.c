@@ -106,6 +106,18 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   return c;
 }
 
+/* The node the runs are priced on, for the reports (sim_run_info). */
+static void node_info(const sim_opts *o, const sim_hw *hw, sim_run_info *info) {
+  sim_config c = opts_config(o, hw);
+  info->gpus_per_node = o->gpus;
+  info->numa_far = o->numa_far;
+  info->contention = !o->contention_off;
+  info->host_overhead_us = o->host_overhead_us;
+  info->host_mem_bytes_per_s = c.host_mem_bytes_per_s;
+  info->h2d_bytes_per_s = c.link.h2d_bytes_per_s;
+  info->d2h_bytes_per_s = c.link.d2h_bytes_per_s;
+}
+
 /* --untracked for trace t into info (and so into every run's config): 0, or
  * 1 with a message in err. */
 static int resolve_untracked(const sim_trace *t, const sim_opts *o, const sim_hw *hw,
@@ -141,6 +153,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   }
   int want_tl = chrome || svg || html;
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = &hw};
+  node_info(o, &hw, &info);
   if (resolve_untracked(t, o, &hw, &info, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     sim_trace_free(t);
@@ -228,6 +241,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
     return 1;
   }
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = hw};
+  node_info(o, hw, &info);
   if (resolve_untracked(t, o, hw, &info, err, sizeof err)) {
     fprintf(stderr, "ferry sim --fit: %s\n", err);
     free(tmpl);

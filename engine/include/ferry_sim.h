@@ -616,6 +616,13 @@ typedef struct sim_run_info {
    * replayed peak */
   uint64_t untracked_bytes, untracked_observed, untracked_replayed;
   int untracked_given;
+  /* the node the runs were priced on (ferry sim --gpus-per-node, --numa-far,
+   * --contention, --host-overhead; sim_node_apply): the reports show this
+   * link, not the preset's, and name the settings. gpus_per_node 0: not
+   * given (the preset's link, no node line). */
+  int gpus_per_node, contention;
+  double numa_far, host_overhead_us, host_mem_bytes_per_s;
+  double h2d_bytes_per_s, d2h_bytes_per_s; /* the link each GPU gets */
 } sim_run_info;
 
 /* rs[0] is the baseline (no offload), rs[1..n-1] the policies. */

@@ -186,6 +186,12 @@ static void print_untracked(FILE *f, const sim_run_info *info) {
                "replayed here at %s\n", seen, rep);
 }
 
+/* The link rate of direction h2d the runs priced: the node's when given. */
+double sim_info_link(const sim_run_info *info, int h2d) {
+  if (info->gpus_per_node > 0) return h2d ? info->h2d_bytes_per_s : info->d2h_bytes_per_s;
+  return h2d ? info->hw->link.h2d_bytes_per_s : info->hw->link.d2h_bytes_per_s;
+}
+
 void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_trace *t = info->trace;
   const sim_hw *hw = info->hw;
@@ -198,9 +204,19 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   fprintf(f, "link %s: H2D %.1f GB/s, D2H %.1f GB/s, %.1f us per copy, duplex H2D %.2f D2H %.2f; "
              "host RAM %.0f GB; %u steps replayed, per-step figures and peaks are the steady "
              "state: steps %u..%u (--warmup %u)\n\n",
-          hw->name, hw->link.h2d_bytes_per_s / GB, hw->link.d2h_bytes_per_s / GB,
+          hw->name, sim_info_link(info, 1) / GB, sim_info_link(info, 0) / GB,
           hw->link.latency_us, hw->duplex_h2d, hw->duplex_d2h, (double)rs[0].host_ram_bytes / GB,
           rs[0].steps, w + 1, rs[0].steps, w);
+  /* only off the presets' own case (one GPU, NUMA-local), where the link differs */
+  if (info->gpus_per_node > 1 || (info->gpus_per_node > 0 && info->numa_far < 1)) {
+    char mem[48] = "no host-memory cap";
+    if (info->host_mem_bytes_per_s > 0)
+      snprintf(mem, sizeof mem, "host memory %.1f GB/s a GPU", info->host_mem_bytes_per_s / GB);
+    fprintf(f, "node: %d GPU%s copying at once, NUMA-far %.2f, %s; contention %s; host %.1f us "
+               "per saved tensor\n\n",
+            info->gpus_per_node, info->gpus_per_node == 1 ? "" : "s", info->numa_far, mem,
+            info->contention ? "on" : "off", info->host_overhead_us);
+  }
   fprintf(f, "%-22s %11s %7s %11s %8s %10s %10s %10s %10s %10s %8s %7s %6s\n", "policy",
           "peak dev", "reduct", "step", "overhead", "stall", "D2H/step", "H2D/step",
           "host peak", "host rsv", "offload", "kept", "errors");
@@ -405,11 +421,19 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   cJSON_AddStringToObject(root, "trace", info->trace_path);
   cJSON_AddStringToObject(root, "hw", info->hw->name);
   cJSON *link = cJSON_AddObjectToObject(root, "link");
-  cJSON_AddNumberToObject(link, "h2d_bytes_per_s", info->hw->link.h2d_bytes_per_s);
-  cJSON_AddNumberToObject(link, "d2h_bytes_per_s", info->hw->link.d2h_bytes_per_s);
+  cJSON_AddNumberToObject(link, "h2d_bytes_per_s", sim_info_link(info, 1));
+  cJSON_AddNumberToObject(link, "d2h_bytes_per_s", sim_info_link(info, 0));
   cJSON_AddNumberToObject(link, "latency_us", info->hw->link.latency_us);
   cJSON_AddNumberToObject(link, "duplex_h2d", info->hw->duplex_h2d);
   cJSON_AddNumberToObject(link, "duplex_d2h", info->hw->duplex_d2h);
+  if (info->gpus_per_node > 0) {
+    cJSON *node = cJSON_AddObjectToObject(root, "node");
+    cJSON_AddNumberToObject(node, "gpus_per_node", info->gpus_per_node);
+    cJSON_AddNumberToObject(node, "numa_far", info->numa_far);
+    cJSON_AddNumberToObject(node, "host_mem_bytes_per_s", info->host_mem_bytes_per_s);
+    cJSON_AddBoolToObject(node, "contention", info->contention);
+    cJSON_AddNumberToObject(node, "host_overhead_us", info->host_overhead_us);
+  }
   cJSON_AddNumberToObject(root, "device_bytes", info->hw->device_bytes);
   cJSON_AddNumberToObject(root, "device_capacity_bytes", info->hw->capacity_bytes > 0 ? info->hw->capacity_bytes
                                                                                    : info->hw->device_bytes);
