@@ -151,6 +151,16 @@
   X(resident_rejects_misuse)                                               \
   X(resident_threads_share_an_engine)                                      \
   /* @@resident */                                                         \
+  /* synchronous copies, the sync_copies knob (test_sync_copies.c) */       \
+  X(sim_sync_copy_blocks_compute_by_its_copy_time)                        \
+  X(sync_copies_engine_waits_for_each_copy)                               \
+  X(sync_copies_compute_waits_before_overwriting_the_saved_buffer)        \
+  /* the simulator's cost terms (test_sim_cost.c) */                        \
+  X(sim_copy_slows_a_concurrent_memory_bound_kernel)                      \
+  X(sim_gpus_of_a_node_share_host_memory_bandwidth)                       \
+  X(sim_host_overhead_counts_only_when_the_host_falls_behind)             \
+  X(sim_host_runs_ahead_through_a_reload_stall)                           \
+  X(sim_node_apply_shares_the_presets_node)                               \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(sim_duplex_slows_both_directions_exactly)                           \

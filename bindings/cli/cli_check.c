@@ -412,7 +412,8 @@ static void print_header(const char *path, ferry_policy *p, int trusted) {
   say("trusted  %s\n", trusted ? "yes (FFI allowed)" : "no");
   say("knobs   ");
   if (!k.has_max_fwd_stash && !k.has_prefetch_distance && !k.has_min_offload_bytes &&
-      !k.has_max_fwd_stash_bytes && !k.has_release_when_copied && !k.has_max_tail_prefetch)
+      !k.has_max_fwd_stash_bytes && !k.has_release_when_copied && !k.has_max_tail_prefetch &&
+      !k.has_sync_copies)
     say(" none (engine defaults)");
   if (k.has_max_fwd_stash) say(" max_fwd_stash=%u", k.max_fwd_stash);
   if (k.has_prefetch_distance) say(" prefetch_distance=%u", k.prefetch_distance);
@@ -422,6 +423,7 @@ static void print_header(const char *path, ferry_policy *p, int trusted) {
     say(" max_fwd_stash_bytes=%llu", (unsigned long long)k.max_fwd_stash_bytes);
   if (k.has_release_when_copied) say(" release_when_copied=%u", k.release_when_copied);
   if (k.has_max_tail_prefetch) say(" max_tail_prefetch=%u", k.max_tail_prefetch);
+  if (k.has_sync_copies) say(" sync_copies=%u", k.sync_copies);
   say("\n");
 }
 
@@ -440,6 +442,7 @@ static cJSON *knobs_json(const ferry_policy *p) {
     cJSON_AddNumberToObject(o, "release_when_copied", k.release_when_copied);
   if (k.has_max_tail_prefetch)
     cJSON_AddNumberToObject(o, "max_tail_prefetch", k.max_tail_prefetch);
+  if (k.has_sync_copies) cJSON_AddNumberToObject(o, "sync_copies", k.sync_copies);
   return o;
 }
 

@@ -103,7 +103,22 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
   c.comm_nodes = o->nodes;
   c.nvlink_bytes_per_s = o->nvlink >= 0 ? o->nvlink : hw->nvlink_bytes_per_s;
   c.nic_bytes_per_s = o->nic >= 0 ? o->nic : hw->nic_bytes_per_s;
+  /* checked when the options were read (ferry_cli_sim) */
+  (void)sim_node_apply(hw, o->gpus, o->numa_far, !o->contention_off, &c, NULL, 0);
+  c.host_overhead_us = o->host_overhead_us;
   return c;
+}
+
+/* The node the runs are priced on, for the reports (sim_run_info). */
+static void node_info(const sim_opts *o, const sim_hw *hw, sim_run_info *info) {
+  sim_config c = opts_config(o, hw);
+  info->gpus_per_node = o->gpus;
+  info->numa_far = o->numa_far;
+  info->contention = !o->contention_off;
+  info->host_overhead_us = o->host_overhead_us;
+  info->host_mem_bytes_per_s = c.host_mem_bytes_per_s;
+  info->h2d_bytes_per_s = c.link.h2d_bytes_per_s;
+  info->d2h_bytes_per_s = c.link.d2h_bytes_per_s;
 }
 
 /* --untracked for trace t into info (and so into every run's config): 0, or
@@ -150,6 +165,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   }
   int want_tl = chrome || svg || html;
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = &hw};
+  node_info(o, &hw, &info);
   if (resolve_untracked(t, o, &hw, &info, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     sim_trace_free(t);
@@ -238,6 +254,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
     return 1;
   }
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = hw};
+  node_info(o, hw, &info);
   if (resolve_untracked(t, o, hw, &info, err, sizeof err)) {
     fprintf(stderr, "ferry sim --fit: %s\n", err);
     free(tmpl);
@@ -460,6 +477,8 @@ int ferry_cli_sim(int argc, char **argv) {
       {"untracked", required_argument, 0, 'u'},
       {"nodes", required_argument, 0, 'N'},   {"nvlink", required_argument, 0, 'Z'},
       {"nic", required_argument, 0, 'I'},
+      {"gpus-per-node", required_argument, 0, 'g'}, {"numa-far", required_argument, 0, 'J'},
+      {"contention", required_argument, 0, 'Q'}, {"host-overhead", required_argument, 0, 'y'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -573,6 +592,34 @@ int ferry_cli_sim(int argc, char **argv) {
       else if (cli_bytes("sim", "--untracked", optarg, 0, &o.untracked)) return 2;
       else o.untracked_mode = UNTRACKED_GIVEN;
       break;
+    case 'g': {
+      long g;
+      if (cli_int("sim", "--gpus-per-node", optarg, 1, 64, &g)) return 2;
+      o.gpus = (int)g;
+      break;
+    }
+    case 'J':
+      if (cli_number("sim", "--numa-far", optarg, FERRY_NUMBER_REAL, 0, 1, 1, &o.numa_far)) return 2;
+      break;
+    case 'Q':
+      if (strcmp(optarg, "on") && strcmp(optarg, "off")) {
+        fprintf(stderr, "ferry sim: --contention %s: expected on or off\n", optarg);
+        return 2;
+      }
+      o.contention_off = !strcmp(optarg, "off");
+      break;
+    case 'y': /* µs per saved tensor, or a torch version's measured figure */
+      if (!strcmp(optarg, "torch2")) o.host_overhead_us = SIM_HOST_OVERHEAD_TORCH2_US;
+      else if (!strcmp(optarg, "torch1")) o.host_overhead_us = SIM_HOST_OVERHEAD_TORCH1_US;
+      else if (*optarg && strspn(optarg, "0123456789.+-eE") != strlen(optarg)) {
+        /* a word: name the words it takes, not only "a number" */
+        fprintf(stderr, "ferry sim: --host-overhead %s: expected US (microseconds per saved "
+                "tensor), torch1 or torch2\n", optarg);
+        return 2;
+      } else if (cli_number("sim", "--host-overhead", optarg, FERRY_NUMBER_REAL, 0, 1e6, 0,
+                          &o.host_overhead_us))
+        return 2;
+      break;
     case 'L': layers_table = 0; break;
     case 'Y':
       if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
@@ -611,6 +658,11 @@ int ferry_cli_sim(int argc, char **argv) {
   sim_hw hw = *preset;
   char err[512];
   if (link && sim_parse_link(link, &hw, err, sizeof err)) {
+    fprintf(stderr, "ferry sim: %s\n", err);
+    return 2;
+  }
+  sim_config node_check = {0};
+  if (sim_node_apply(&hw, o.gpus, o.numa_far, 1, &node_check, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     return 2;
   }

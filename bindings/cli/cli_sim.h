@@ -32,10 +32,17 @@ typedef struct sim_opts {
    * overriding the preset's (-1: the preset's; 0: collectives take no time) */
   uint32_t nodes;
   double nvlink, nic;
+  /* the node (sim_node_apply): GPUs copying at once, the NUMA-far factor,
+   * --contention off */
+  int gpus;
+  double numa_far;
+  int contention_off;
+  double host_overhead_us; /* per saved tensor, on the host's timeline */
 } sim_opts;
 
 #define SIM_OPTS_INIT                                                                      \
-  {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -1, -1}
+  {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -1, -1,    \
+   1, 1.0, 0, SIM_HOST_OVERHEAD_TORCH2_US}
 #define MAX_FRACTIONS 16
 #define MAX_WEIGHT_ITEMS 16
 #define MAX_BLOCK 1000000 /* a block index or count no trace reaches */

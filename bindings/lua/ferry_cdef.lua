@@ -174,7 +174,7 @@ uint64_t max_fwd_stash_bytes;
 uint32_t overruled;
 uint32_t release_when_copied;
 uint32_t max_tail_prefetch;
-uint32_t reserved;
+uint32_t sync_copies;
 }ferry_knobs;
 int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size);
 typedef struct ferry_snapshot ferry_snapshot;

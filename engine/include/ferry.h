@@ -642,8 +642,19 @@ typedef struct ferry_knobs {
    * but config.release_when_copied, which either one turns on). */
   uint32_t release_when_copied; /* 0 or 1 */
   uint32_t max_tail_prefetch;   /* UINT32_MAX: no cap */
-  uint32_t reserved;
+  /* FERRY_SYNC_*: who waits for each copy right after the engine issues
+   * it (the policy's knob sync_copies; no config field). Was `reserved`
+   * (0), so the size is unchanged. */
+  uint32_t sync_copies;
 } ferry_knobs;
+/* ferry_knobs.sync_copies. ASYNC: copies overlap compute (ferry's own).
+ * COMPUTE: the compute stream waits for each copy right after it is issued,
+ * the host runs on (a copy on the compute stream: save_on_cpu(pin_memory=
+ * True) in torch 2.x, compilers that wait on each copy at issue). HOST: the
+ * host waits too (a blocking copy: save_on_cpu()'s .cpu() and .to(device)). */
+#define FERRY_SYNC_ASYNC 0u
+#define FERRY_SYNC_COMPUTE 1u
+#define FERRY_SYNC_HOST 2u
 /* The first ferry_knobs (without max_fwd_stash_bytes); a smaller size is refused. */
 #define FERRY_KNOBS_SIZE_V1 16
 /* Fills at most size bytes of out (pass sizeof *out); FERRY_EINVAL if size is

@@ -225,6 +225,18 @@ typedef struct sim_config {
    * x (1 - this) and x (1 + this), and sim_result.sens_* get their steady
    * step times (docs/simulator.md, "Sensitivity to the compute rate") */
   double mfu_sensitivity;
+  /* sim: node sharing (docs/simulator.md, "Time model"): this GPU's share
+   * of the host's memory bandwidth, which its copies of both directions
+   * share, bytes/s (0 = unlimited); and copy/compute contention: the
+   * device-memory bandwidth a copy takes its share of from a memory-bound
+   * kernel beside it, bytes/s (0 = no contention) */
+  double host_mem_bytes_per_s;
+  double contention_hbm_bytes_per_s;
+  /* sim: the host's cost per saved tensor of the pack/unpack path (the
+   * saved-tensor hooks, the engine's calls, a copy's launch), µs, half at
+   * its pack and half at its unpack, on the host's own timeline: it delays
+   * the GPU only when the host cannot stay ahead of it (0 = free) */
+  double host_overhead_us;
   /* progress, called after each step (may be NULL) */
   void (*progress)(void *ud, uint32_t step, uint32_t steps);
   void *progress_ud;
@@ -323,6 +335,13 @@ typedef struct sim_result {
   uint32_t arena_grew_step, steady_from;
   int arena_still_growing;
   double pinned_alloc_us;                /* per steady step: pinning host memory */
+  /* per steady step: compute time added by copies beside memory-bound
+   * kernels (sim_config.contention_hbm_bytes_per_s; in step_us) */
+  double contention_us;
+  /* per steady step: the GPU idle because the host, paying
+   * sim_config.host_overhead_us per saved tensor, had not yet issued its
+   * work (in step_us) */
+  double host_bound_us;
   /* per steady step: the least exposed stall any schedule of the same
    * copies could have at this peak, the link at full speed (replayer.c,
    * link_floor); 0 on the host backend */
@@ -604,7 +623,21 @@ typedef struct sim_hw {
   /* collectives' bus bandwidth per GPU, bytes/s: within a node (NVLink,
    * NCCL's measured busbw) and across nodes (the GPU's NIC) */
   double nvlink_bytes_per_s, nic_bytes_per_s;
+  /* the node (docs/hardware.md, "Node sharing"): its GPUs, how many share
+   * one PCIe uplink to the host (a switch's), and the host memory bandwidth
+   * of all its sockets, bytes/s (0 = not modelled) */
+  int gpus_per_node, gpus_per_switch;
+  double node_host_mem_bytes_per_s;
 } sim_hw;
+/* What `ferry sim --gpus-per-node N --numa-far F --contention on|off` sets
+ * in c for hw (sim_node.c): with N GPUs copying at once, each gets its
+ * link's bandwidth over the GPUs sharing its switch (at most N) and 1/N of
+ * the node's host memory bandwidth for both directions; times F (0 < F <=
+ * 1) when its pinned memory sits on the far socket; contention on: copies
+ * take their share of the preset's datasheet HBM bandwidth from memory-bound
+ * kernels. 0, or -1 with a message. */
+FERRY_API int sim_node_apply(const sim_hw *hw, int gpus, double numa_far, int contention,
+                             sim_config *c, char *err, size_t errlen);
 /* The default sustained fraction of peak (--mfu): 0.40; torchtitan's eager
  * Llama 3.1 8B on 8 H100s needs 0.38 to reproduce, Llama 3's 405B reports
  * 38-43% (docs/hardware.md, "Compute rate"). */
@@ -617,6 +650,13 @@ typedef struct sim_hw {
  * (--hbm overrides): 0.60, the synthesizer's 2000 GB/s on H100's 3.35 TB/s
  * (docs/hardware.md: a modelling choice, not a measurement). */
 #define SIM_DEFAULT_HBM_FRACTION 0.60
+/* The host's cost per saved tensor of ferry's pack/unpack path (`ferry sim
+ * --host-overhead`): ferry's benchmark of the Python hooks' keep path
+ * (bench/bench_torch.py, torch_ferry_keep_overhead_us: saved-tensor hooks,
+ * the binding, the engine call), measured per torch version on the
+ * project's build machine (docs/hardware.md, "Host cost per tensor"). */
+#define SIM_HOST_OVERHEAD_TORCH2_US 10.0
+#define SIM_HOST_OVERHEAD_TORCH1_US 9.0
 /* sim_config.hbm_bytes_per_s when 0: the synthesizer's default, 2000 GB/s. */
 #define SIM_DEFAULT_HBM_BYTES_PER_S 2e12
 
@@ -647,6 +687,13 @@ typedef struct sim_run_info {
    * replayed peak */
   uint64_t untracked_bytes, untracked_observed, untracked_replayed;
   int untracked_given;
+  /* the node the runs were priced on (ferry sim --gpus-per-node, --numa-far,
+   * --contention, --host-overhead; sim_node_apply): the reports show this
+   * link, not the preset's, and name the settings. gpus_per_node 0: not
+   * given (the preset's link, no node line). */
+  int gpus_per_node, contention;
+  double numa_far, host_overhead_us, host_mem_bytes_per_s;
+  double h2d_bytes_per_s, d2h_bytes_per_s; /* the link each GPU gets */
 } sim_run_info;
 
 /* rs[0] is the baseline (no offload), rs[1..n-1] the policies. */

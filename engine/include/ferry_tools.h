@@ -70,13 +70,14 @@ typedef struct ferry_policy ferry_policy;
  * only when its has_ flag is set. Validated at load. */
 typedef struct ferry_policy_knobs {
   int has_max_fwd_stash, has_prefetch_distance, has_min_offload_bytes;
-  int has_max_fwd_stash_bytes, has_release_when_copied, has_max_tail_prefetch;
+  int has_max_fwd_stash_bytes, has_release_when_copied, has_max_tail_prefetch, has_sync_copies;
   uint32_t max_fwd_stash;
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
   uint64_t max_fwd_stash_bytes;
   uint32_t release_when_copied; /* 0 or 1 */
   uint32_t max_tail_prefetch;
+  uint32_t sync_copies; /* FERRY_SYNC_* */
 } ferry_policy_knobs;
 
 typedef struct ferry_policy_stats {
@@ -347,6 +348,8 @@ typedef struct sim_backend_stats {
   uint64_t host_reserved_bytes; /* address space handed out by host_alloc */
   uint64_t pinned_allocs;  /* host_alloc calls and sim_backend_pinned_alloc charges */
   double pinned_alloc_us;  /* host time they cost (also counted in host_wait_us) */
+  /* compute time added by copies beside memory-bound kernels (in now_us) */
+  double contention_us;
 } sim_backend_stats;
 
 /* dir: 0 = D2H, 1 = H2D; times in µs of the virtual clock; dev and host:
@@ -360,6 +363,17 @@ FERRY_API int sim_backend_is(const ferry_backend *b);
 
 /* The embedder's thread computes for us µs (us >= 0). */
 FERRY_API void sim_backend_advance(ferry_backend *b, double us);
+/* The same for a memory-bound kernel of us µs alone: while copies run it
+ * progresses at 1 - (their bytes/µs) / (the contention bandwidth), the
+ * share of device memory's bandwidth the copies take (sim_backend_set_node;
+ * none while that is 0). */
+FERRY_API void sim_backend_advance_memory_bound(ferry_backend *b, double us);
+/* Node sharing and contention (docs/simulator.md, "Time model"): the
+ * host-memory bandwidth this GPU's copies of both directions share, bytes/s
+ * (0 = unlimited), and the device-memory bandwidth that copies take their
+ * share of from memory-bound kernels, bytes/s (0 = no contention). */
+FERRY_API int sim_backend_set_node(ferry_backend *b, double host_mem_bytes_per_s,
+                                   double contention_hbm_bytes_per_s);
 FERRY_API double sim_backend_now(ferry_backend *b);
 /* Runs the link up to now, so that copies finished by now are counted. */
 FERRY_API void sim_backend_get_stats(ferry_backend *b, sim_backend_stats *out);

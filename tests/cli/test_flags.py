@@ -40,6 +40,9 @@ TABLE = [
     ("sim", "--cpu-adam", ["0", "1", "1e14"], "2e8"),
     ("sim", "--weight-layers", ["1.5", "2..1", "1..x", "..3"], "2"),
     ("sim", "--untracked", ["1.5", "auto2"], "2G"),
+    ("sim", "--gpus-per-node", ["0", "1.5", "9"], "8"),
+    ("sim", "--numa-far", ["0", "1.5"], "0.35"),
+    ("sim", "--host-overhead", ["1e7"], "12"),
     ("check", "--layers", ["0", "2000"], "2"),
     ("check", "--steps", ["0", "101"], "1"),
     ("check", "--ram-pct", ["101"], "50"),
@@ -73,7 +76,8 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--qk-norm", "--tie-embeddings", "--loss", "--param-dtype", "--grad-dtype",
                "--master-weights", "--optimizer", "--sp", "--norm",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
-               "--optimizer-overlap", "--why", "--verbose", "--weight-double-buffer"}
+               "--optimizer-overlap", "--why", "--verbose", "--weight-double-buffer",
+               "--contention"}
 
 
 def argv(sub, flag, value, d):
@@ -135,6 +139,18 @@ def main():
                     print(f"FAIL ferry {sub} {flag} {good}: refused: {r.stderr.strip()[-300:]}")
                     failures += 1
             print(f"ok   ferry {sub} {flag}: {len(BAD) + len(extra)} bad values refused")
+        # a flag that takes words besides numbers names them when refused
+        for flag, value, words in (("--host-overhead", "torch3", "torch1 or torch2"),
+                                   ("--contention", "maybe", "on or off")):
+            r = subprocess.run([FERRY, *argv("sim", flag, value, d)], capture_output=True,
+                               text=True, timeout=30)
+            if r.returncode == 0 or f"ferry sim: {flag} {value}" not in r.stderr \
+                    or words not in r.stderr:
+                print(f"FAIL ferry sim {flag} {value!r}: exit {r.returncode}, stderr "
+                      f"{r.stderr.strip()[-300:]!r} (want the choices: {words})")
+                failures += 1
+            else:
+                print(f"ok   ferry sim {flag} {value}: refused, naming {words}")
     if failures:
         sys.exit(f"{failures} failure(s)")
 

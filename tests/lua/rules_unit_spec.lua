@@ -351,6 +351,18 @@ describe("ferry.rules", function()
       [[return R.policy { reload = R.prefetch_bytes(0) }]])))
   end)
 
+  it("R.sync_copies sets the engine knob sync_copies; a bad value names the choices", function()
+    assert.equal(0, policy([[return R.policy { R.sync_copies("none") }]]).knobs.sync_copies)
+    assert.equal(1, policy([[return R.policy { R.sync_copies("compute") }]]).knobs.sync_copies)
+    assert.equal(2, policy([[return R.policy { R.sync_copies("host") }]]).knobs.sync_copies)
+    local ok, err = pcall(policy, [[return R.policy { R.sync_copies("always") }]])
+    assert.is_false(ok)
+    assert.matches('sync_copies: who must be "none", "compute" or "host", got "always"', err, 1, true)
+    ok, err = pcall(policy, [[return R.policy { knobs = { sync_copies = 3 } }]])
+    assert.is_false(ok)
+    assert.matches("knob sync_copies must be an integer within [0, 2], got 3", err, 1, true)
+  end)
+
   it("R.LOSS matches the loss outside the blocks: its module by name or class, or the root", function()
     local p = policy [[return R.policy { R.exclude_modules(R.LOSS) }]]
     assert.equal(KEEP, (run(p, { path = "loss" })))

@@ -75,6 +75,13 @@ typedef struct sim_backend {
   void *listener_ud;
   double pin_alloc_us, pin_touch_bytes_per_us; /* pinning cost, 0 = free */
   int pin_on_host_alloc;                       /* host_alloc pays it */
+  /* node sharing: host-memory bandwidth this GPU's copies of both
+   * directions share (its part of the node's when all GPUs copy at once),
+   * bytes/µs, 0 = unlimited */
+  double host_mem_bytes_per_us;
+  /* copy/compute contention: the device-memory bandwidth a copy's bytes
+   * take their share of while a memory-bound kernel runs, bytes/µs, 0 = off */
+  double contention_hbm_bytes_per_us;
 } sim_backend;
 
 static sim_backend *as_sim(ferry_backend *b) { return (sim_backend *)b; }
@@ -88,13 +95,30 @@ static int is_own_stream(sim_backend *sb, bk_stream s) {
 
 /* ---- the link -------------------------------------------------------------- */
 
-/* µs/byte rate of a copy of direction d with the current copies in progress;
- * 0 means unlimited. */
-static double rate_of(const sim_backend *sb, int d) {
+/* The bandwidth of direction d with the current copies in progress, bytes/µs
+ * (0 = unlimited): the link's, times the duplex factor while the other
+ * direction is busy. */
+static double dir_bandwidth(const sim_backend *sb, int d) {
   double bw = sb->bytes_per_us[d];
   if (bw <= 0) return 0;
   if (sb->active[1 - d] || sb->foreign) bw *= sb->duplex[d];
-  return bw / (double)(sb->active[d] + sb->foreign ? sb->active[d] + sb->foreign : 1);
+  return bw;
+}
+
+/* bytes/µs rate of a copy of direction d with the current copies in
+ * progress; 0 means unlimited. Copies of one direction share its bandwidth
+ * with any foreign flow (a collective crossing the PCIe link); both
+ * directions together get no more than this GPU's share of the host's
+ * memory bandwidth (node sharing), scaled down alike. */
+static double rate_of(const sim_backend *sb, int d) {
+  double bw = dir_bandwidth(sb, d);
+  if (bw <= 0) return 0;
+  if (sb->host_mem_bytes_per_us > 0) {
+    double both = bw + (sb->active[1 - d] ? dir_bandwidth(sb, 1 - d) : 0);
+    if (both > sb->host_mem_bytes_per_us) bw *= sb->host_mem_bytes_per_us / both;
+  }
+  int flows = sb->active[d] + sb->foreign;
+  return bw / (double)(flows ? flows : 1);
 }
 
 static double copy_time_left(const sim_backend *sb, const sim_stream *s, int d) {
@@ -235,6 +259,39 @@ static int link_run_until(sim_backend *sb, sim_stream *s, uint64_t target) {
     if (link_step(sb, INFINITY) < 0) return -1;
   }
   return 0;
+}
+
+/* ---- copy/compute contention ----------------------------------------------- */
+
+/* The least progress a memory-bound kernel makes beside copies (copies
+ * cannot take the whole of device memory's bandwidth; a guard against a
+ * contention bandwidth set below the link's). */
+#define SIM_MIN_PROGRESS 0.05
+
+/* bytes/µs the copies in progress move now (their latency paid). */
+static double link_copy_rate(const sim_backend *sb) {
+  double r = 0;
+  for (const sim_stream *s = sb->streams; s; s = s->next)
+    if (s->active && !(s->latency_left > 0) && s->bytes_left > 0)
+      r += rate_of(sb, s->ring[s->head].dir);
+  return r;
+}
+
+/* The next instant after the link's time at which the copies' rates may
+ * change (a latency paid, a copy done, a timed wait opening); INFINITY if
+ * none. */
+static double link_next_change(const sim_backend *sb) {
+  double next = INFINITY;
+  for (const sim_stream *s = sb->streams; s; s = s->next) {
+    double t = INFINITY;
+    if (s->active)
+      t = sb->link + (s->latency_left > 0 ? s->latency_left
+                                          : copy_time_left(sb, s, s->ring[s->head].dir));
+    else if (s->count && s->ring[s->head].kind == OP_WAIT_TIME && s->ring[s->head].t_us > sb->link)
+      t = s->ring[s->head].t_us;
+    if (t < next) next = t;
+  }
+  return next;
 }
 
 static int event_done(sim_backend *sb, const bk_event *ev) {
@@ -590,6 +647,48 @@ void sim_backend_advance(ferry_backend *b, double us) {
   pthread_mutex_lock(&sb->lock);
   sb->now += us;
   pthread_mutex_unlock(&sb->lock);
+}
+
+void sim_backend_advance_memory_bound(ferry_backend *b, double us) {
+  sim_backend *sb = as_sim(b);
+  if (!(us > 0)) return;
+  pthread_mutex_lock(&sb->lock);
+  double left = us; /* µs of the kernel's work at full bandwidth */
+  while (left > 0) {
+    link_run_to(sb, sb->now);
+    double p = 1;
+    if (sb->contention_hbm_bytes_per_us > 0)
+      p = 1 - link_copy_rate(sb) / sb->contention_hbm_bytes_per_us;
+    if (p < SIM_MIN_PROGRESS) p = SIM_MIN_PROGRESS;
+    double next = p < 1 ? link_next_change(sb) : INFINITY;
+    if (sb->now + left / p <= next) {
+      sb->st.contention_us += left / p - left;
+      sb->now += left / p;
+      break;
+    }
+    double dt = next - sb->now;
+    if (dt < SIM_EPS_US) dt = SIM_EPS_US; /* a change at now: the link takes it next turn */
+    left -= dt * p;
+    sb->st.contention_us += dt * (1 - p);
+    sb->now += dt;
+  }
+  pthread_mutex_unlock(&sb->lock);
+}
+
+int sim_backend_set_node(ferry_backend *b, double host_mem_bytes_per_s,
+                         double contention_hbm_bytes_per_s) {
+  sim_backend *sb = as_sim(b);
+  if (!(host_mem_bytes_per_s >= 0) || !isfinite(host_mem_bytes_per_s) ||
+      !(contention_hbm_bytes_per_s >= 0) || !isfinite(contention_hbm_bytes_per_s))
+    return backend_fail(b, FERRY_EINVAL,
+                        "sim node: host-memory and device-memory bandwidths must be finite and "
+                        ">= 0, got %g and %g", host_mem_bytes_per_s, contention_hbm_bytes_per_s);
+  pthread_mutex_lock(&sb->lock);
+  link_run_to(sb, sb->now);
+  sb->host_mem_bytes_per_us = host_mem_bytes_per_s / 1e6;
+  sb->contention_hbm_bytes_per_us = contention_hbm_bytes_per_s / 1e6;
+  pthread_mutex_unlock(&sb->lock);
+  return FERRY_OK;
 }
 
 double sim_backend_now(ferry_backend *b) {

@@ -175,12 +175,14 @@ static void apply_policy_knobs(ferry_engine *e) {
   e->max_fwd_stash_bytes = e->cfg.max_fwd_stash_bytes;
   e->release_when_copied = e->cfg.release_when_copied != 0;
   e->max_tail_prefetch = UINT32_MAX;
+  e->sync_copies = FERRY_SYNC_ASYNC;
   e->knobs_overruled = 0;
   if (!e->policy) return;
   ferry_policy_knobs k;
   ferry_policy_get_knobs(e->policy, &k);
   if (k.has_release_when_copied && k.release_when_copied) e->release_when_copied = 1;
   if (k.has_max_tail_prefetch) e->max_tail_prefetch = k.max_tail_prefetch;
+  if (k.has_sync_copies) e->sync_copies = k.sync_copies;
 #define KNOB(bit, name)                                          \
   if (k.has_##name) {                                            \
     if (!(fixed & (bit))) e->name = k.name;                      \
@@ -563,7 +565,7 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
   k.overruled = e->knobs_overruled;
   k.release_when_copied = (uint32_t)e->release_when_copied;
   k.max_tail_prefetch = e->max_tail_prefetch;
-  k.reserved = 0;
+  k.sync_copies = e->sync_copies;
   pthread_mutex_unlock(&e->lock);
   memcpy(out, &k, size < sizeof k ? size : sizeof k);
   return FERRY_OK;

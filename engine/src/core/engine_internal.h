@@ -119,6 +119,7 @@ struct ferry_engine {
   uint64_t max_fwd_stash_bytes; /* 0 = no byte bound */
   int release_when_copied;    /* the config's, or turned on by the policy's knob */
   uint32_t max_tail_prefetch; /* the policy's knob only (UINT32_MAX: no cap) */
+  uint32_t sync_copies;       /* FERRY_SYNC_*: the policy's knob only */
   uint32_t knobs_overruled;      /* FERRY_KNOB_* the policy lost to config.knobs_fixed */
   uint64_t fwd_bytes;           /* bytes of the STASHED entries */
 
@@ -302,5 +303,8 @@ void host_buffer_drop(ferry_engine *e, stash_entry *s, int copy_may_run);
 
 /* reload_wait.c: wait, lock held, until entry idx is not RELOADING. */
 void stash_wait_reloading(ferry_engine *e, uint32_t idx);
+/* sync_copies.c: with the sync_copies knob, make the compute stream (or the
+ * host) wait for the copy just issued, whose completion ev records. */
+int stash_sync_copy(ferry_engine *e, bk_event *ev, void *compute_stream);
 
 #endif

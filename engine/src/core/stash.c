@@ -408,6 +408,7 @@ static int issue_d2h(ferry_engine *e, stash_entry *s, void *compute_stream) {
     rc = o->copy_d2h(e->bk, s->host, s->dev_ptr, s->bytes, e->d2h);
     if (rc && obs_calls(e)) obs_copy(e, OBS_COPY_UNISSUE, 0, s, s->host, 0);
     if (!rc) rc = o->event_record(e->bk, s->ev, e->d2h);
+    if (!rc) rc = stash_sync_copy(e, s->ev, compute_stream);
   }
   if (rc) {
     engine_fail(e, rc, "offload copy failed, tensor kept on device: %s", e->bk->err);
@@ -711,6 +712,7 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
       rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d);
       if (rc && obs_calls(e)) obs_copy(e, OBS_COPY_UNISSUE, 1, s, s->host, prefetch);
       if (!rc) rc = o->event_record(e->bk, s->ev, e->h2d);
+      if (!rc) rc = stash_sync_copy(e, s->ev, compute_stream);
     }
     if (rc) {
       rc = engine_fail(e, rc, "reload copy failed; the handle stays valid: %s", e->bk->err);

@@ -91,6 +91,7 @@ static const knob_spec KNOBS[] = {
     {"max_fwd_stash_bytes", (double)KNOB_MAX_MIN_OFFLOAD_BYTES},
     {"release_when_copied", 1},
     {"max_tail_prefetch", KNOB_MAX_PREFETCH_DISTANCE},
+    {"sync_copies", FERRY_SYNC_HOST},
 };
 
 /* "file:line" of the function at the top of the stack into where (MSG_LEN
@@ -214,7 +215,7 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
         return load_fail(p, src, k, errbuf, errlen,
                          "unknown knob '%s' (known: max_fwd_stash, prefetch_distance, "
                          "min_offload_bytes, max_fwd_stash_bytes, release_when_copied, "
-                         "max_tail_prefetch)", k);
+                         "max_tail_prefetch, sync_copies)", k);
       double v = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : NAN;
       if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v))
         return load_fail(p, src, k, errbuf, errlen, "knob '%s' must be an integer, got %s", k,
@@ -237,9 +238,12 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
       } else if (which == 4) {
         p->knobs.has_release_when_copied = 1;
         p->knobs.release_when_copied = (uint32_t)v;
-      } else {
+      } else if (which == 5) {
         p->knobs.has_max_tail_prefetch = 1;
         p->knobs.max_tail_prefetch = (uint32_t)v;
+      } else {
+        p->knobs.has_sync_copies = 1;
+        p->knobs.sync_copies = (uint32_t)v;
       }
       lua_pop(L, 1);
     }

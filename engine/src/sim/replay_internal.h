@@ -166,6 +166,16 @@ typedef struct replay {
   uint8_t *went;        /* per tensor: offloaded when packed; once unpacked, reloaded */
   uint64_t resident;    /* the trace's resident bytes less what the optimizer offload frees */
   double gap_scale;     /* compute multiplier (the device's share of the optimizer step) */
+  int mem_bound;        /* the compute being replayed is a memory-bound kernel (contention) */
+  /* sim: the host's own timeline (docs/simulator.md, "The host's lead"):
+   * where the trainer's thread is, which runs ahead of the GPU's `now`
+   * while the GPU has work queued; and the GPU's time idle waiting for it
+   * so far */
+  double host_clock, host_bound_us;
+  /* the host's cost per saved tensor: sim_config.host_overhead_us with
+   * ferry's hooks in place (a policy, recorded decisions), 0 for the
+   * baseline, which trains without them */
+  double host_overhead_us;
   opt_model *opt;       /* optimizer-state offload, NULL when off */
   weight_model *w;      /* weight offload, NULL when off */
   /* where the last step's peak fell (peak_where): the event being replayed
@@ -212,7 +222,8 @@ typedef struct link_floor {
 } link_floor;
 /* Per-step sums over the steady steps (all but the first, unless one). */
 typedef struct step_sums {
-  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned, floor;
+  double step, stall, wait, d2h, h2d, packed, off, kept, pf, hits, pinned, floor, contention;
+  double host_bound;
   double opt_d2h, opt_h2d, opt_stall;
   double w_d2h, w_h2d, w_stall;
   double comm_n, comm_bytes, comm_us, comm_exposed;

@@ -131,6 +131,8 @@ void steady_sums(replay *r, uint32_t steps, step_sums *s) {
     s->step += p->step, s->stall += p->stall, s->wait += p->wait, s->d2h += p->d2h;
     s->h2d += p->h2d, s->packed += p->packed, s->off += p->off, s->kept += p->kept;
     s->pf += p->pf, s->hits += p->hits, s->pinned += p->pinned, s->floor += p->floor;
+    s->contention += p->contention;
+    s->host_bound += p->host_bound;
     s->opt_d2h += p->opt_d2h, s->opt_h2d += p->opt_h2d, s->opt_stall += p->opt_stall;
     s->w_d2h += p->w_d2h, s->w_h2d += p->w_h2d, s->w_stall += p->w_stall;
     s->comm_n += p->comm_n, s->comm_bytes += p->comm_bytes, s->comm_us += p->comm_us;
@@ -154,6 +156,8 @@ void finish_result(replay *r, const step_sums *s) {
   out->prefetches = s->pf / n;
   out->stash_hits = s->hits / n;
   out->pinned_alloc_us = s->pinned / n;
+  out->contention_us = s->contention / n;
+  out->host_bound_us = s->host_bound / n;
   out->stall_floor_us = s->floor / n;
   if (r->opt) {
     out->opt_bytes_d2h = s->opt_d2h / n;

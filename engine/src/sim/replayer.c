@@ -18,7 +18,8 @@ double replay_now(replay *r) {
 void replay_compute(replay *r, double us) {
   if (!(us > 0)) return;
   if (r->sim) {
-    sim_backend_advance(r->sim, us);
+    if (r->mem_bound) sim_backend_advance_memory_bound(r->sim, us);
+    else sim_backend_advance(r->sim, us);
     return;
   }
   /* The host backend's compute stream is this thread. Sleep through most of
@@ -218,6 +219,29 @@ static double sim_stall(replay *r, double *host_wait) {
   return st.stall_us;
 }
 
+/* The host's timeline (sim, with a host overhead): where the trainer's
+ * thread stands when a pack or unpack call returns. It pays half the
+ * per-tensor overhead at each; a wait of the host (an event, pinning: the
+ * one clock moved for it, its host_wait_us grew past waits_before) brings
+ * it up to the clock first. A reload stall makes only the GPU wait. */
+static void host_after_call(replay *r, double waits_before) {
+  double w;
+  sim_stall(r, &w);
+  if (w > waits_before && replay_now(r) > r->host_clock) r->host_clock = replay_now(r);
+  r->host_clock += r->host_overhead_us / 2;
+}
+
+/* Before the GPU runs work the host issues (a kernel, or an event or wait
+ * a ferry call records on the compute stream): it cannot start before the
+ * host issued it, so while the host is behind the GPU idles. */
+static void host_catch_up(replay *r) {
+  if (!r->sim || !(r->host_overhead_us > 0)) return;
+  double now = replay_now(r);
+  if (r->host_clock <= now) return;
+  sim_backend_advance(r->sim, r->host_clock - now);
+  r->host_bound_us += r->host_clock - now;
+}
+
 /* The file name of a path. */
 static const char *base_name(const char *path) {
   const char *s = strrchr(path, '/');
@@ -312,6 +336,9 @@ static int replay_open_engine(replay *r) {
   if ((rc = sim_backend_set_pinned_cost(r->sim, c->pinned_alloc_us, c->pinned_touch_bytes_per_s,
                                              !c->pinned_no_pool)))
     return ferry_errbuf(r->err, r->errlen, rc, "%s", r->sim->err);
+  if ((c->host_mem_bytes_per_s > 0 || c->contention_hbm_bytes_per_s > 0) &&
+      (rc = sim_backend_set_node(r->sim, c->host_mem_bytes_per_s, c->contention_hbm_bytes_per_s)))
+    return ferry_errbuf(r->err, r->errlen, rc, "%s", r->sim->err);
   if ((c->duplex_d2h > 0 || c->duplex_h2d > 0) &&
       (rc = sim_backend_set_duplex(r->sim, c->duplex_d2h > 0 ? c->duplex_d2h : cfg.link.duplex,
                                    c->duplex_h2d > 0 ? c->duplex_h2d : cfg.link.duplex)))
@@ -361,6 +388,16 @@ double work_us(const replay *r, const trace_ev *ev) {
   return us > ev->min_us ? us : ev->min_us;
 }
 
+/* Whether ev's compute is a memory-bound kernel: timed from its work, its
+ * device-memory bytes setting its time (not its FLOPs or its least time). */
+static int memory_bound(const replay *r, const trace_ev *ev) {
+  if (!timed_from_work(r, ev) || !(ev->hbm_bytes > 0)) return 0;
+  double bw = r->c->hbm_bytes_per_s > 0 ? r->c->hbm_bytes_per_s : SIM_DEFAULT_HBM_BYTES_PER_S;
+  double mem = ev->hbm_bytes / bw * 1e6;
+  double flops = ev->flops > 0 ? ev->flops / (r->c->tflops * 1e6) : 0;
+  return mem >= flops && mem >= ev->min_us;
+}
+
 /* The compute time before ev: from its work at the simulated GPU's
  * achieved rates when both are known, else the trace's. */
 static double event_gap(replay *r, const trace_ev *ev) {
@@ -378,7 +415,9 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
   double a = replay_now(r), us = event_gap(r, ev) * r->gap_scale;
+  r->mem_bound = memory_bound(r, ev);
   comm_compute(r, us);
+  r->mem_bound = 0;
   if (!r->recording) return us;
   int32_t layer = r->cur_layer;
   const char *module = ev->type == TEV_COMPUTE ? ev->op : NULL;
@@ -449,7 +488,12 @@ static int replay_pack(replay *r, uint32_t ti) {
   if (r->recording && tt->alias_of < 0)
     map_set(&r->dev_tensor, buf_ptr(b), ti + 1);
   uint64_t off0 = engine_offloaded(r->e);
-  double a = r->host ? util_now_us() : 0;
+  double a = r->host ? util_now_us() : 0, w0 = 0;
+  int host_cost = r->sim && r->host_overhead_us > 0;
+  if (host_cost) {
+    host_catch_up(r); /* what the call records on the compute stream is where the host is */
+    sim_stall(r, &w0);
+  }
   /* As ferry.torch packs: a site the policy keeps from its cache gets no
    * handle (the trainer holds the tensor), so its unpack starts no reload */
   int rc = 0;
@@ -457,6 +501,7 @@ static int replay_pack(replay *r, uint32_t ti) {
   if (!ferry_pack_cached_keep(r->e, d, buf_ptr(b)))
     rc = ferry_pack(r->e, d, buf_ptr(b), b, NULL, &r->handles[ti]);
   if (r->host) r->host_wait += util_now_us() - a;
+  if (host_cost) host_after_call(r, w0);
   if (rc) {
     buf_unref(r, b);
     return rc;
@@ -476,6 +521,7 @@ static int replay_unpack(replay *r, uint32_t ti) {
   int host = r->host;
   r->cur_layer = t->tensors[ti].desc.layer;
   void *dev = NULL, *owner = NULL;
+  host_catch_up(r); /* the compute stream's wait is issued where the host is */
   double w, s_before = sim_stall(r, &w);
   ferry_stats st;
   /* a stash hit brings nothing back over the link: only asked of tensors
@@ -492,6 +538,7 @@ static int replay_unpack(replay *r, uint32_t ti) {
   double dt = host ? util_now_us() - a : 0;
   if (rc) return rc;
   r->host_stall += dt;
+  if (r->sim && r->host_overhead_us > 0) host_after_call(r, w);
   /* from here on: whether its bytes came back over the link */
   if (r->went[ti] && !ferry_get_stats(r->e, &st, sizeof st) && st.stash_hits != hits0)
     r->went[ti] = 0;
@@ -530,6 +577,7 @@ static void release_pending(replay *r) {
 /* A step_end event: ferry_step_end, timed on host. */
 static int replay_step_end(replay *r) {
   release_pending(r);
+  host_catch_up(r); /* the step's end waits for the host too (.item(), the optimizer) */
   double a = r->host ? util_now_us() : 0;
   int rc = ferry_step_end(r->e);
   if (r->host) r->host_wait += util_now_us() - a;
@@ -648,6 +696,14 @@ static double pinned_us(replay *r) {
   return st.pinned_alloc_us;
 }
 
+/* Compute time added by contention so far (sim). */
+static double contention_us(replay *r) {
+  if (!r->sim) return 0;
+  sim_backend_stats st;
+  sim_backend_get_stats(r->sim, &st);
+  return st.contention_us;
+}
+
 /* Replays step si of steps (the trace's steps in a loop) and sums it up. */
 static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) {
   memset(sums, 0, sizeof *sums);
@@ -663,7 +719,8 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
   ferry_get_stats(r->e, &s0, sizeof s0);
   double w0, st0 = sim_stall(r, &w0);
   double hs0 = r->host_stall, hw0 = r->host_wait;
-  double pin0 = pinned_us(r);
+  double pin0 = pinned_us(r), cont0 = contention_us(r), hb0 = r->host_bound_us;
+  r->host_clock = replay_now(r);
   const comm_model *cm = r->comm;
   const double cm0[4] = {cm ? cm->count : 0, cm ? cm->bytes : 0, cm ? cm->busy_us : 0,
                          cm ? cm->exposed_us : 0};
@@ -695,6 +752,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       if (o && phase == 0 && (rc = opt_forward(r, done, gap_of(r, ev), o->fwd_us[tsi])))
         return rc;
       r->gap_scale = o && phase == 2 ? 1 - o->fraction : 1;
+      host_catch_up(r);
       double us = replay_gap(r, ts, k);
       r->gap_scale = 1;
       release_pending(r);
@@ -767,6 +825,8 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       sums->comm_us = cm->busy_us - cm0[2];
       sums->comm_exposed = cm->exposed_us - cm0[3];
     }
+    sums->contention += contention_us(r) - cont0;
+    sums->host_bound += r->host_bound_us - hb0;
     sums->floor += r->host ? 0 : floor_us(&fl, (double)r->step_peak);
   }
   sums->peak = r->step_peak;
@@ -862,6 +922,8 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
   set_label(out, c);
   snprintf(out->backend, sizeof out->backend, "%s", r.host ? "host" : "sim");
   r.gap_scale = 1;
+  if (c->policy_path || c->policy_source || c->replay_decisions)
+    r.host_overhead_us = c->host_overhead_us > 0 ? c->host_overhead_us : 0;
   int rc = replay_open_engine(&r);
   if (!rc) rc = replay_tables(&r);
   if (!rc) rc = opt_open(&r);

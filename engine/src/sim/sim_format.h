@@ -65,4 +65,8 @@ static inline int close_checked(FILE *f, const char *path, char *err, size_t err
   return 0;
 }
 
+/* sim_report.c: the link rate of one direction (h2d 1, d2h 0) the runs
+ * priced: the node's (sim_run_info) when given, else the preset's. */
+double sim_info_link(const sim_run_info *info, int h2d);
+
 #endif

@@ -181,8 +181,8 @@ int sim_write_html(const char *path, const sim_run_info *info, const sim_result 
     fprintf(f, "<p class=\"meta\">%d layers, %s resident; link H2D %.1f GB/s, D2H %.1f GB/s, "
                "%.1f us per copy, device %.0f GB; %u steps replayed, figures per steady step "
                "(after %u warm-up step(s)). The first row keeps everything on the device.</p>\n",
-            info->trace->layers, res, info->hw->link.h2d_bytes_per_s / GB,
-            info->hw->link.d2h_bytes_per_s / GB, info->hw->link.latency_us,
+            info->trace->layers, res, sim_info_link(info, 1) / GB,
+            sim_info_link(info, 0) / GB, info->hw->link.latency_us,
             info->hw->device_bytes / GB, n ? rs[0].steps : 0,
             n && rs[0].warmup < rs[0].steps ? rs[0].warmup : 0);
   }

@@ -28,27 +28,33 @@
  * as NCCL measures it (H100/H200 360 GB/s: NVIDIA/nccl-tests issue #326,
  * NCCL's maintainer; A100 240 GB/s, NVLink 3's 300 GB/s a direction at
  * the same share), and the GPU's own NIC across nodes (DGX H100/H200: one
- * 400 Gb/s ConnectX-7 per GPU, 50 GB/s; DGX A100: 200 Gb/s HDR, 25 GB/s). */
+ * 400 Gb/s ConnectX-7 per GPU, 50 GB/s; DGX A100: 200 Gb/s HDR, 25 GB/s).
+ * Last, the node (docs/hardware.md, "Node sharing"):
+ * DGX H100/H200 have 8 GPUs, each behind its own ConnectX-7's PCIe switch,
+ * and two Xeon 8480C sockets of 8 DDR5-4800 channels, ~300 GB/s each as
+ * Intel MLC measures such a socket; DGX A100 has 8 GPUs, two per PCIe
+ * switch, and two EPYC 7742 sockets of 8 DDR4-3200 channels (204.8 GB/s
+ * each); a GH200 is one GPU with its own Grace (host memory not modelled). */
 #define GIB_ 1073741824.0
 static const sim_hw presets[] = {
     {"h100", "H100 SXM, PCIe Gen5 host link, pinned", {55 * GB, 55 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 80 * GB, "nvbandwidth v0.10 on 8x H100 / Xeon 8462Y+", 2000 * GB / 8,
-     989, 3350 * GB, 79.11 * GIB_, 360 * GB, 50 * GB},
+     989, 3350 * GB, 79.11 * GIB_, 360 * GB, 50 * GB, 8, 1, 600 * GB},
     {"h200", "H200, PCIe Gen5 host link, pinned", {52.5 * GB, 54 * GB, 5.0, 50.0 / 55.0},
      50.0 / 55.0, 50.0 / 55.0, 141 * GB,
      "DeepSpeed PR #8283 (duplex not published: H100's figure)", 2000 * GB / 8, 989, 4800 * GB,
-     139.80 * GIB_, 360 * GB, 50 * GB},
+     139.80 * GIB_, 360 * GB, 50 * GB, 8, 1, 600 * GB},
     {"a100", "A100, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 80 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 2039 * GB,
-     79.15 * GIB_, 240 * GB, 25 * GB},
+     79.15 * GIB_, 240 * GB, 25 * GB, 8, 2, 409.6 * GB},
     /* the 40 GB A100 (SXM4): same host link; 1,555 GB/s HBM2 (A100
      * datasheet); torch reports "39.39 GiB total capacity" for it */
     {"a100-40", "A100 40GB, PCIe Gen4 host link, pinned", {25 * GB, 25 * GB, 5.0, 0.72}, 24.0 / 25.0,
      12.0 / 25.0, 40 * GB, "NVIDIA/nvbandwidth issues #11 and #53", 2000 * GB / 8, 312, 1555 * GB,
-     39.39 * GIB_, 240 * GB, 25 * GB},
+     39.39 * GIB_, 240 * GB, 25 * GB, 8, 2, 409.6 * GB},
     {"gh200", "GH200, NVLink-C2C", {290 * GB, 340 * GB, 5.0, 0.5}, 160.0 / 290.0, 160.0 / 340.0,
      96 * GB, "NVIDIA/nvbandwidth issues #23 and #41", 480 * GB, 989, 4000 * GB,
-     94.50 * GIB_, 360 * GB, 50 * GB},
+     94.50 * GIB_, 360 * GB, 50 * GB, 1, 1, 0},
 };
 
 const sim_hw *sim_hw_preset(const char *name) {
@@ -187,6 +193,12 @@ static void print_untracked(FILE *f, const sim_run_info *info) {
 
 static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, int n);
 
+/* The link rate of direction h2d the runs priced: the node's when given. */
+double sim_info_link(const sim_run_info *info, int h2d) {
+  if (info->gpus_per_node > 0) return h2d ? info->h2d_bytes_per_s : info->d2h_bytes_per_s;
+  return h2d ? info->hw->link.h2d_bytes_per_s : info->hw->link.d2h_bytes_per_s;
+}
+
 void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_trace *t = info->trace;
   const sim_hw *hw = info->hw;
@@ -199,9 +211,19 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   fprintf(f, "link %s: H2D %.1f GB/s, D2H %.1f GB/s, %.1f us per copy, duplex H2D %.2f D2H %.2f; "
              "host RAM %.0f GB; %u steps replayed, per-step figures and peaks are the steady "
              "state: steps %u..%u (--warmup %u)\n\n",
-          hw->name, hw->link.h2d_bytes_per_s / GB, hw->link.d2h_bytes_per_s / GB,
+          hw->name, sim_info_link(info, 1) / GB, sim_info_link(info, 0) / GB,
           hw->link.latency_us, hw->duplex_h2d, hw->duplex_d2h, (double)rs[0].host_ram_bytes / GB,
           rs[0].steps, w + 1, rs[0].steps, w);
+  /* only off the presets' own case (one GPU, NUMA-local), where the link differs */
+  if (info->gpus_per_node > 1 || (info->gpus_per_node > 0 && info->numa_far < 1)) {
+    char mem[48] = "no host-memory cap";
+    if (info->host_mem_bytes_per_s > 0)
+      snprintf(mem, sizeof mem, "host memory %.1f GB/s a GPU", info->host_mem_bytes_per_s / GB);
+    fprintf(f, "node: %d GPU%s copying at once, NUMA-far %.2f, %s; contention %s; host %.1f us "
+               "per saved tensor\n\n",
+            info->gpus_per_node, info->gpus_per_node == 1 ? "" : "s", info->numa_far, mem,
+            info->contention ? "on" : "off", info->host_overhead_us);
+  }
   fprintf(f, "%-22s %11s %7s %11s %8s %10s %10s %10s %10s %10s %8s %7s %6s\n", "policy",
           "peak dev", "reduct", "step", "overhead", "stall", "D2H/step", "H2D/step",
           "host peak", "host rsv", "offload", "kept", "errors");
@@ -386,6 +408,8 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "gaps_from_flops", r->gaps_from_flops);
   cJSON_AddNumberToObject(o, "gaps_as_recorded", r->gaps_as_recorded);
   cJSON_AddNumberToObject(o, "pinned_alloc_us", r->pinned_alloc_us);
+  cJSON_AddNumberToObject(o, "contention_us", r->contention_us);
+  cJSON_AddNumberToObject(o, "host_bound_us", r->host_bound_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
   if (r->sens_tflops[0] > 0 && base->sens_tflops[0] > 0) {
     /* the step at the compute rate x (1 -+ f): lower, then higher */
@@ -483,11 +507,19 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   cJSON_AddStringToObject(root, "trace", info->trace_path);
   cJSON_AddStringToObject(root, "hw", info->hw->name);
   cJSON *link = cJSON_AddObjectToObject(root, "link");
-  cJSON_AddNumberToObject(link, "h2d_bytes_per_s", info->hw->link.h2d_bytes_per_s);
-  cJSON_AddNumberToObject(link, "d2h_bytes_per_s", info->hw->link.d2h_bytes_per_s);
+  cJSON_AddNumberToObject(link, "h2d_bytes_per_s", sim_info_link(info, 1));
+  cJSON_AddNumberToObject(link, "d2h_bytes_per_s", sim_info_link(info, 0));
   cJSON_AddNumberToObject(link, "latency_us", info->hw->link.latency_us);
   cJSON_AddNumberToObject(link, "duplex_h2d", info->hw->duplex_h2d);
   cJSON_AddNumberToObject(link, "duplex_d2h", info->hw->duplex_d2h);
+  if (info->gpus_per_node > 0) {
+    cJSON *node = cJSON_AddObjectToObject(root, "node");
+    cJSON_AddNumberToObject(node, "gpus_per_node", info->gpus_per_node);
+    cJSON_AddNumberToObject(node, "numa_far", info->numa_far);
+    cJSON_AddNumberToObject(node, "host_mem_bytes_per_s", info->host_mem_bytes_per_s);
+    cJSON_AddBoolToObject(node, "contention", info->contention);
+    cJSON_AddNumberToObject(node, "host_overhead_us", info->host_overhead_us);
+  }
   cJSON_AddNumberToObject(root, "device_bytes", info->hw->device_bytes);
   cJSON_AddNumberToObject(root, "device_capacity_bytes", info->hw->capacity_bytes > 0 ? info->hw->capacity_bytes
                                                                                    : info->hw->device_bytes);

@@ -730,6 +730,22 @@ function R.max_stash_bytes(bytes)
                 knobs = { max_fwd_stash_bytes = bytes } }
 end
 
+-- Engine knob: who waits for each copy right after the engine issues it.
+-- "none": nobody, copies overlap compute (ferry's own, the default);
+-- "compute": the compute stream, the host runs on (a copy on the compute
+-- stream: save_on_cpu(pin_memory=True) in torch 2.x, compilers that wait on
+-- each copy at issue); "host": the host too (a blocking copy: save_on_cpu()'s
+-- .cpu() and .to(device)).
+local SYNC_COPIES = { none = 0, compute = 1, host = 2 }
+function R.sync_copies(who)
+  local v = SYNC_COPIES[who]
+  if v == nil then
+    fail("sync_copies", "who must be \"none\", \"compute\" or \"host\", got " ..
+      (type(who) == "string" and format("%q", who) or type(who)))
+  end
+  return rule { name = "sync_copies(" .. who .. ")", stage = 0, knobs = { sync_copies = v } }
+end
+
 -- ---------------------------------------------------------------------------
 -- reload specs (the policy's `reload` field)
 
