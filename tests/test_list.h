@@ -209,6 +209,8 @@
   /* policy host (test_policy.c) */                                        \
   X(policy_sees_descriptor_and_context)                            \
   X(policy_fields_follow_every_tensor)                             \
+  X(policy_rules_own_functions_get_the_views)                      \
+  X(policy_rules_fields_follow_every_tensor)                       \
   X(policy_sandbox_refuses_escapes)                                \
   X(policy_refuses_bytecode)                                       \
   X(policy_runtime_errors_carry_file_line)                         \

@@ -11,6 +11,12 @@ local host_chooser, forget_cached = h.host_chooser, h.forget_cached
 local RULE, RELOAD, MAX_BYTES = h.RULE, h.RELOAD, h.MAX_BYTES
 local KEEP, OFFLOAD, PARAMETER, BUFFER, FORWARD = h.KEEP, h.OFFLOAD, h.PARAMETER, h.BUFFER,
   h.FORWARD
+local OWN_TESTS = h.OWN_TESTS
+-- the host's views t and ctx, and the tables behind them (rules.lua); none
+-- outside the host
+local views = h.host_views or {}
+local HOST_T, HOST_T_FIELDS = views.t, views.t_fields
+local HOST_CTX, HOST_CTX_FIELDS = views.ctx, views.ctx_fields
 local type, tostring, tonumber, ipairs, pairs = type, tostring, tonumber, ipairs, pairs
 local getmetatable, setmetatable, next = getmetatable, setmetatable, next
 local floor, ceil = math.floor, math.ceil
@@ -34,6 +40,7 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
 local policy_where
 local function rule(spec)
   spec.where = policy_where
+  if spec.test then OWN_TESTS[spec.test] = true end
   return setmetatable(spec, RULE)
 end
 
@@ -200,7 +207,13 @@ function R.policy(spec, where)
     stages[1][#stages[1] + 1] = merged
   end
 
-  -- flatten into arrays the decide loop indexes by number
+  -- flatten into arrays the decide loop indexes by number. The tests run on
+  -- the host's field tables when decide got the host's t and ctx (fields
+  -- read directly); a test the policy wrote gets the read-only views.
+  local cur_t, cur_ctx -- decide's arguments
+  local function on_views(fn)
+    return function() return fn(cur_t, cur_ctx) end
+  end
   local tests, scopes, names = {}, {}, {}
   local selector = nil -- the last selector: the reason for an offload, if any
   local nfilter, nguard, nselect = 0, 0, 0
@@ -210,7 +223,9 @@ function R.policy(spec, where)
   for s = 1, 5 do
     for _, r in ipairs(stages[s]) do
       local i = #tests + 1
-      tests[i], scopes[i], names[i] = r.test, r.scope, r
+      local test = r.test
+      if test and not OWN_TESTS[test] then test = on_views(test) end
+      tests[i], scopes[i], names[i] = test, r.scope, r
       if r.discard then discards[#discards + 1] = r.discard end
       if s <= 3 then nfilter = nfilter + 1
       elseif s == 4 then
@@ -354,7 +369,8 @@ function R.policy(spec, where)
     for i = 1, nstep do on_steps[i](step, ctx) end
   end
 
-  -- the rules themselves -> action, distance, cacheable
+  -- the rules themselves -> action, distance, cacheable; t and ctx: the
+  -- host's field tables or the views (decide)
   local function live(t, ctx)
     local stable = not learning and not (window and not freed)
     for i = 1, nlearned do
@@ -401,12 +417,16 @@ function R.policy(spec, where)
   -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
   -- per call once the steps repeat.
   local function decide(t, ctx)
+    cur_t, cur_ctx = t, ctx
+    local tf, cf = t, ctx
+    if t == HOST_T then tf = HOST_T_FIELDS end
+    if ctx == HOST_CTX then cf = HOST_CTX_FIELDS end
     if nstep > 0 then
-      local step = tonumber(ctx.step)
+      local step = tonumber(cf.step)
       if step ~= current_step then run_steps(step, ctx) end
     end
     if frozen then
-      local code = frozen[site_id(t)]
+      local code = frozen[site_id(tf)]
       if code then
         local d, hi = code % 8192 - 1, floor(code / 8192)
         local action = hi % 2
@@ -416,8 +436,8 @@ function R.policy(spec, where)
       frozen, sig_prev, sig, sig_n, mixed, partial = nil, nil, {}, 0, true, true
       forget_cached()
     end
-    local action, dist, cacheable = live(t, ctx)
-    if freezable then note(t, action, dist) end
+    local action, dist, cacheable = live(tf, cf)
+    if freezable then note(tf, action, dist) end
     return action, rmode, dist, cacheable
   end
 
