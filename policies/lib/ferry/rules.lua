@@ -32,7 +32,8 @@ its reload distance, if learned, is known). Each rule's scope is written
 next to it below. See docs/policy-api.md for the full API.
 
 Cost: decide reads each descriptor field it needs once, calls t:path() at
-most once or twice, and allocates nothing per call in steady state (module
+most once (the library's tests get it as a third argument), and allocates
+nothing per call in steady state (module
 matches are memoized per path string; paths are interned Lua strings).
 ]]
 
@@ -126,8 +127,8 @@ end
 -- that keying a tensor by its site builds no string.
 local function site_keys()
   local by_path, by_class, n = {}, {}, 0
-  return function(t)
-    local root, k = by_path, t:path()
+  return function(t, path) -- path: t:path() if the caller has it
+    local root, k = by_path, path or t:path()
     if k == "" then root, k = by_class, t:class() end
     local a = root[k]
     if not a then a = {}; root[k] = a end
@@ -697,11 +698,11 @@ function R.host_budget(opts)
       stepno = step
       if learning then used = 0 end
     end,
-    test = function(t)
+    test = function(t, _, path)
       local count = t.layer_count
       if count > 0 and t.layer >= count - keep_last then return false end
       local b = tonumber(t.bytes)
-      local key = key_of(t)
+      local key = key_of(t, path)
       if learning then
         local n = packs[key]
         if not n then

@@ -177,8 +177,8 @@ function R.policy(spec, where)
     end
     local merged = rule {
       name = concat(names, ", "), stage = 1, scope = "site",
-      test = function(t)
-        local path = t:path()
+      test = function(t, _, path)
+        path = path or t:path()
         local v
         if path ~= "" then
           v = by_path[path]
@@ -346,9 +346,9 @@ function R.policy(spec, where)
     end
     nstep = #on_steps
   end
-  local function note(t, action, dist)
+  local function note(t, action, dist, path)
     if mixed then return end
-    local id = site_id(t)
+    local id = site_id(t, path)
     local code = (last_rule * 2 + action) * 8192 + (dist or -1) + 1
     local old = sig[id]
     if old == nil then
@@ -359,6 +359,21 @@ function R.policy(spec, where)
     end
   end
 
+  -- Whether the answers may be cached: once every learned part has
+  -- learned. That changes only in the step functions (a learned rule's
+  -- ready() turns true in its on_step), so it is found after them, not
+  -- per decision.
+  local function find_stable()
+    local s = not learning and not (window and not freed)
+    for i = 1, nlearned do
+      if not learned[i].ready() then s = false end
+    end
+    return s
+  end
+  local stable = find_stable()
+
+  local needs_path = #modules > 0 or nlearned > 0 or any_layer_scope or freezable
+
   local partial = false -- this step was counted from a thaw on
   local function run_steps(step, ctx)
     current_step = step
@@ -367,17 +382,14 @@ function R.policy(spec, where)
       for i = 1, #discards do discards[i]() end
     end
     for i = 1, nstep do on_steps[i](step, ctx) end
+    stable = find_stable()
   end
 
   -- the rules themselves -> action, distance, cacheable; t and ctx: the
-  -- host's field tables or the views (decide)
-  local function live(t, ctx)
-    local stable = not learning and not (window and not freed)
-    for i = 1, nlearned do
-      if not learned[i].ready() then stable = false end
-    end
+  -- host's field tables or the views (decide); path: t:path() or nil
+  local function live(t, ctx, path)
     for i = 1, ntest do
-      if not tests[i](t, ctx) then
+      if not tests[i](t, ctx, path) then
         if window and not freed then
           local kind = t.kind
           if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
@@ -389,7 +401,7 @@ function R.policy(spec, where)
           if scope == "site" then
             cacheable = true
           elseif scope == "layer" then
-            cacheable = t:path() ~= ""
+            cacheable = (path or t:path()) ~= ""
           end
         end
         last_rule = i
@@ -405,7 +417,9 @@ function R.policy(spec, where)
       end
     end
     local cacheable = offload_cacheable and stable
-    if cacheable and (any_layer_scope or nlearned > 0) then cacheable = t:path() ~= "" end
+    if cacheable and (any_layer_scope or nlearned > 0) then
+      cacheable = (path or t:path()) ~= ""
+    end
     last_rule = 0
     if window then
       return OFFLOAD, window_distance(tonumber(ctx.offloaded_this_step), tonumber(t.bytes)),
@@ -425,8 +439,10 @@ function R.policy(spec, where)
       local step = tonumber(cf.step)
       if step ~= current_step then run_steps(step, ctx) end
     end
+    -- t:path() is a C call: made once, here, when some part reads it
+    local path = needs_path and tf:path() or nil
     if frozen then
-      local code = frozen[site_id(tf)]
+      local code = frozen[site_id(tf, path)]
       if code then
         local d, hi = code % 8192 - 1, floor(code / 8192)
         local action = hi % 2
@@ -436,8 +452,8 @@ function R.policy(spec, where)
       frozen, sig_prev, sig, sig_n, mixed, partial = nil, nil, {}, 0, true, true
       forget_cached()
     end
-    local action, dist, cacheable = live(tf, cf)
-    if freezable then note(tf, action, dist) end
+    local action, dist, cacheable = live(tf, cf, path)
+    if freezable then note(tf, action, dist, path) end
     return action, rmode, dist, cacheable
   end
 
