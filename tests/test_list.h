@@ -148,6 +148,10 @@
   /* @@resident */                                                         \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
+  X(trace_fast_parser_takes_written_lines)                              \
+  X(trace_fast_parser_agrees_or_passes_on)                              \
+  X(trace_fast_parser_strings_of_every_length)                          \
+  X(trace_fast_parser_numbers_read_exactly)                             \
   X(sim_duplex_slows_both_directions_exactly)                           \
   X(sim_stream_waits_for_compute_event)                                 \
   X(sim_wait_on_a_later_stream_starts_at_once)                          \

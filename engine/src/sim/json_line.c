@@ -63,7 +63,11 @@ int json_key_find(const char *k, size_t n) {
   }
   /* "flags" and "flops" share length and letter: the comparison settles it */
   if (key == JK_FLAGS && n == 5 && k[2] == 'o') key = JK_FLOPS;
-  return key_len[key] == n && !memcmp(json_key_names[key], k, n) ? key : -1;
+  if (key_len[key] != n) return -1;
+  const char *name = json_key_names[key];
+  for (size_t i = 1; i < n; i++) /* short: a call to memcmp cost more */
+    if (name[i] != k[i]) return -1;
+  return key;
 }
 
 static void from_cjson(json_value *v, const cJSON *x) {

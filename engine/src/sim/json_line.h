@@ -1,9 +1,11 @@
 /*
  * json_line.h — one line of a JSON-lines trace, as the members the trace
- * reader knows. Two parsers fill it: simdjson (json_line_simd.cpp), fast, for
- * the lines it accepts, and cJSON (json_line.c) for the rest, which also
- * words the error of a malformed line with its column. Unknown members are
- * skipped; of a member given twice, the first counts (cJSON's lookup).
+ * reader knows. Three parsers fill it, each passing on what it does not
+ * take: a one-pass reader of the lines trace writers emit
+ * (json_line_fast.c), simdjson (json_line_simd.cpp), and cJSON
+ * (json_line.c), which also words the error of a malformed line with its
+ * column. Unknown members are skipped; of a member given twice, the first
+ * counts (cJSON's lookup).
  */
 #ifndef FERRY_SIM_JSON_LINE_H
 #define FERRY_SIM_JSON_LINE_H
@@ -69,6 +71,18 @@ static inline const json_value *json_line_get(const json_line *l, json_key key) 
  * *out's strings are used); is_object 0 if it is not an object. */
 struct cJSON;
 void json_line_from_cjson(const struct cJSON *o, json_line *out);
+
+/* The first parser (json_line_fast.c): flat objects of ASCII strings
+ * without escapes, numbers exact in a double as simdjson reads them, and
+ * arrays of those. 0, or -1 for any other line (then simdjson, then cJSON,
+ * decide); never accepts what simdjson would refuse. Strings live in *f
+ * until the next line. f starts zeroed; json_fast_free gives it back. */
+typedef struct json_fast {
+  char *buf;
+  size_t cap;
+} json_fast;
+int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_line *out);
+void json_fast_free(json_fast *f);
 
 /* Readable bytes a buffer keeps past its last line so that no line is
  * copied for simdjson (it reads up to this far past a document's end). */
