@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "sim/json_line.h"
+#include "ferry_sim.h"
 
 /* 10^0 .. 10^22: every one exact in a double */
 static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
@@ -207,4 +208,48 @@ int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_l
   if (skip_ws(p, e) != e) return -1;
   out->is_object = 1;
   return 0;
+}
+
+/* ---- the check the tests run (ferry_sim.h) ------------------------------------ */
+struct sim_line_check {
+  json_fast fast;
+  json_simd *simd;
+};
+
+sim_line_check *sim_line_check_new(void) {
+  sim_line_check *c = calloc(1, sizeof *c);
+  if (c && !(c->simd = json_simd_new(64))) {
+    free(c);
+    c = NULL;
+  }
+  return c;
+}
+
+void sim_line_check_free(sim_line_check *c) {
+  if (!c) return;
+  json_fast_free(&c->fast);
+  json_simd_free(c->simd);
+  free(c);
+}
+
+static int same_value(const json_value *a, const json_value *b) {
+  if (a->type != b->type) return 0;
+  if (a->type == JV_NUMBER) return memcmp(&a->num, &b->num, sizeof a->num) == 0;
+  if (a->type == JV_STRING) return strcmp(a->str, b->str) == 0;
+  return 1;
+}
+
+int sim_line_check_run(sim_line_check *c, const char *s, size_t n, int max_depth) {
+  json_line fast, slow;
+  if (!c) return -2;
+  if (json_fast_parse(&c->fast, s, n, max_depth, &fast)) return 0;
+  if (json_simd_parse(c->simd, s, n, n, &slow)) return -1;
+  if (fast.is_object != slow.is_object || fast.present != slow.present ||
+      fast.shape_n != slow.shape_n)
+    return -1;
+  for (int k = 0; k < JK_COUNT; k++)
+    if ((fast.present >> k & 1) && !same_value(&fast.v[k], &slow.v[k])) return -1;
+  for (uint32_t i = 0; i < fast.shape_n && i < FERRY_MAX_DIMS; i++)
+    if (!same_value(&fast.shape[i], &slow.shape[i])) return -1;
+  return 1;
 }
