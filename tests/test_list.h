@@ -215,6 +215,7 @@
   X(policy_fields_follow_every_tensor)                             \
   X(policy_rules_own_functions_get_the_views)                      \
   X(policy_rules_fields_follow_every_tensor)                       \
+  X(policy_rules_own_functions_reentrant_decide)                   \
   X(policy_sandbox_refuses_escapes)                                \
   X(policy_refuses_bytecode)                                       \
   X(policy_runtime_errors_carry_file_line)                         \

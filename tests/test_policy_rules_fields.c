@@ -120,3 +120,31 @@ TEST(policy_rules_fields_follow_every_tensor) {
   unlink(path);
   return 0;
 }
+
+/* A function the policy wrote may call the policy's own decide (to ask
+ * about another tensor): the functions after it in the outer decision
+ * still get the outer decision's t, not the tensor of the inner call. */
+TEST(policy_rules_own_functions_reentrant_decide) {
+  char path[256];
+  ferry_policy *p = load_rules_policy(
+      "local R = require 'ferry.rules'\n"
+      "local P\n"
+      "local function asks(t, ctx)\n"
+      "  if rawget(t, 'fake') == nil then P.decide({ fake = true, bytes = 7 }, ctx) end\n"
+      "  return true\n"
+      "end\n"
+      "local function real(t) return rawget(t, 'fake') == nil and t.bytes == 4096 end\n"
+      "P = R.policy { cache = false, R.when(asks), R.when(real) }\n"
+      "return P\n",
+      path, sizeof path);
+  CHECK(p != NULL);
+  ferry_tensor_desc d = tensor("model.a", FERRY_KIND_ACTIVATION, 4096, 0);
+  ferry_context c = {.step = 1};
+  ferry_decision out;
+  ferry_policy_decide(p, &d, &c, &out);
+  if (ferry_policy_last_error(p)[0]) fprintf(stderr, "%s\n", ferry_policy_last_error(p));
+  CHECK_EQ(out.action, FERRY_OFFLOAD);
+  ferry_policy_destroy(p);
+  unlink(path);
+  return 0;
+}

@@ -210,9 +210,14 @@ function R.policy(spec, where)
   -- flatten into arrays the decide loop indexes by number. The tests run on
   -- the host's field tables when decide got the host's t and ctx (fields
   -- read directly); a test the policy wrote gets the read-only views.
-  local cur_t, cur_ctx -- decide's arguments
+  -- The views are found from the arguments, not kept from decide: a
+  -- policy's function may call this decide again (about another tensor).
   local function on_views(fn)
-    return function() return fn(cur_t, cur_ctx) end
+    return function(t, ctx)
+      if t == HOST_T_FIELDS then t = HOST_T end
+      if ctx == HOST_CTX_FIELDS then ctx = HOST_CTX end
+      return fn(t, ctx)
+    end
   end
   local tests, scopes, names = {}, {}, {}
   local selector = nil -- the last selector: the reason for an offload, if any
@@ -431,7 +436,6 @@ function R.policy(spec, where)
   -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
   -- per call once the steps repeat.
   local function decide(t, ctx)
-    cur_t, cur_ctx = t, ctx
     local tf, cf = t, ctx
     if t == HOST_T then tf = HOST_T_FIELDS end
     if ctx == HOST_CTX then cf = HOST_CTX_FIELDS end
