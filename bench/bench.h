@@ -41,4 +41,7 @@ void bench_prefetch(bench_report *r);
 void bench_stress(bench_report *r);
 /* Instruction-count mode, run under callgrind (bench_engine.c). */
 int bench_engine_instr(const char *which, long iters);
+/* iters uncached decisions of the shipped policy `name`, after the steady
+ * steps bench_policy runs first (for callgrind: bench_main's --instr). */
+int bench_policy_instr(const char *name, long iters);
 #endif

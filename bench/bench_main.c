@@ -65,7 +65,11 @@ int main(int argc, char **argv) {
     switch (c) {
     case 'j': json_path = optarg; break;
     case 'o': only = optarg; break;
-    case 'i': return bench_engine_instr(optarg, optind < argc ? atol(argv[optind]) : 10000);
+    case 'i': {
+      long n = optind < argc ? atol(argv[optind]) : 10000;
+      if (!strncmp(optarg, "decide:", 7)) return bench_policy_instr(optarg + 7, n);
+      return bench_engine_instr(optarg, n);
+    }
     default:
       fprintf(stderr, "usage: ferry_bench [--json FILE] [--only engine|host_copy|cuda_copy|arena|policy|sim|snapshot|prefetch|stress]\n");
       return c == 'h' ? 0 : 2;
@@ -93,6 +97,13 @@ int main(int argc, char **argv) {
     } else {
       printf("  (valgrind not available: no instruction counts)\n");
     }
+  }
+  if (!only || !strcmp(only, "policy")) {
+    /* instructions do not move with the load of a shared machine as ns do */
+    double hb = callgrind_per_iter(argv[0], "decide:host_budget");
+    if (hb > 0)
+      bench_metric(r, "decide_uncached_instr_host_budget", hb, "instr",
+                   "callgrind, per uncached host_budget.lua decision, as measured in ns");
   }
   if (bench_report_close(r, json_path)) return 1;
   printf("wrote %s\n", json_path);

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <valgrind/callgrind.h>
+
 #include "bench.h"
 #include "ferry_tools.h"
 
@@ -134,6 +136,24 @@ static double steady_ns(ferry_policy *p, long steps) {
     for (int i = 0; i < STEP_SITES; i++) ferry_policy_decide(p, &d[i], &ctx, &out);
   }
   return (bench_now_ns() - t0) / (double)(steps * STEP_SITES);
+}
+
+int bench_policy_instr(const char *name, long iters) {
+  char path[1024], err[512];
+  ferry_policy *p = NULL;
+  if (ferry_policy_find(name, path, sizeof path, err, sizeof err) ||
+      ferry_policy_create(path, NULL, 0, &p, err, sizeof err)) {
+    fprintf(stderr, "bench_policy: %s: %s\n", name, err);
+    return 1;
+  }
+  ferry_tensor_desc d[N_SITES];
+  bench_fill(d);
+  steady_ns(p, 20); /* the state bench_shipped_policies measures in */
+  CALLGRIND_TOGGLE_COLLECT;
+  uncached_ns(p, d, iters);
+  CALLGRIND_TOGGLE_COLLECT;
+  ferry_policy_destroy(p);
+  return 0;
 }
 
 /* Every shipped policy, by name: decide_{uncached,steady}_ns_NAME and the

@@ -163,6 +163,10 @@
   X(sim_node_apply_shares_the_presets_node)                               \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
+  X(trace_fast_parser_takes_written_lines)                              \
+  X(trace_fast_parser_agrees_or_passes_on)                              \
+  X(trace_fast_parser_strings_of_every_length)                          \
+  X(trace_fast_parser_numbers_read_exactly)                             \
   X(sim_duplex_slows_both_directions_exactly)                           \
   X(sim_stream_waits_for_compute_event)                                 \
   X(sim_wait_on_a_later_stream_starts_at_once)                          \
@@ -242,6 +246,9 @@
   /* policy host (test_policy.c) */                                        \
   X(policy_sees_descriptor_and_context)                            \
   X(policy_fields_follow_every_tensor)                             \
+  X(policy_rules_own_functions_get_the_views)                      \
+  X(policy_rules_fields_follow_every_tensor)                       \
+  X(policy_rules_own_functions_reentrant_decide)                   \
   X(policy_sandbox_refuses_escapes)                                \
   X(policy_refuses_bytecode)                                       \
   X(policy_runtime_errors_carry_file_line)                         \

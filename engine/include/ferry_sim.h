@@ -142,6 +142,15 @@ FERRY_API int sim_trace_load_limited(const char *path, const sim_trace_limits *l
 FERRY_API int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **out, char *err,
                     size_t errlen);
 FERRY_API void sim_trace_free(sim_trace *t);
+/* For tests: the reader's first line parser (json_line_fast.c) against
+ * simdjson's on the n bytes at s: 1 if it took the line and read every
+ * member as simdjson does (numbers bit for bit), 0 if it passed the line
+ * on, -1 if it read it otherwise or took a line simdjson refuses. max_depth
+ * is the first parser's (simdjson's is 64); -2 out of memory. */
+typedef struct sim_line_check sim_line_check;
+FERRY_API sim_line_check *sim_line_check_new(void);
+FERRY_API int sim_line_check_run(sim_line_check *c, const char *s, size_t n, int max_depth);
+FERRY_API void sim_line_check_free(sim_line_check *c);
 
 /* ---- replay ------------------------------------------------------------------- */
 /* A DGX H100's 2 TB of system memory (NVIDIA DGX H100 datasheet) */

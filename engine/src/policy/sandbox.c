@@ -619,6 +619,21 @@ static int module_caller_where(lua_State *L) {
   return 1;
 }
 
+/* The third argument a module of ferry's own gets: { t, t_fields, ctx,
+ * ctx_fields }, the views decide is given and the tables they read from
+ * (ferry.rules's own tests read fields there: no metamethod per read). */
+static void push_views(lua_State *L) {
+  static const char *const keys[][2] = {{"t", "ferry.tensor"},
+                                         {"t_fields", "ferry.tensor_fields"},
+                                         {"ctx", "ferry.ctx"},
+                                         {"ctx_fields", "ferry.ctx_fields"}};
+  lua_createtable(L, 0, 4);
+  for (int i = 0; i < 4; i++) {
+    lua_getfield(L, LUA_REGISTRYINDEX, keys[i][1]);
+    lua_setfield(L, -2, keys[i][0]);
+  }
+}
+
 /* require, limited to ferry's own modules under the policy library dir
  * (and "ffi" for trusted policies). upvalues: loaded table, sandbox env. */
 static int sandbox_require(lua_State *L) {
@@ -665,7 +680,8 @@ static int sandbox_require(lua_State *L) {
   lua_setfield(L, lua_upvalueindex(1), name);
   lua_pushvalue(L, 1);
   lua_pushcfunction(L, module_caller_where);
-  lua_call(L, 2, 1); /* stack: name, result */
+  push_views(L);
+  lua_call(L, 3, 1); /* stack: name, result */
   if (lua_isnil(L, -1)) {
     lua_pop(L, 1);
     lua_pushboolean(L, 1);

@@ -24,7 +24,7 @@ const char *const json_key_names[JK_COUNT] = {
 };
 
 #define LEN(s) (sizeof s - 1)
-static const uint8_t key_len[JK_COUNT] = {
+const uint8_t json_key_len[JK_COUNT] = {
     [JK_EV] = LEN("ev"),         [JK_T_US] = LEN("t_us"),         [JK_ID] = LEN("id"),
     [JK_STEP] = LEN("step"),     [JK_BYTES] = LEN("bytes"),       [JK_DTYPE] = LEN("dtype"),
     [JK_SHAPE] = LEN("shape"),   [JK_KIND] = LEN("kind"),         [JK_PHASE] = LEN("phase"),
@@ -37,38 +37,6 @@ static const uint8_t key_len[JK_COUNT] = {
     [JK_LAYER_BYTES] = LEN("layer_bytes"), [JK_TRANSIENT] = LEN("transient"),
     [JK_RANKS] = LEN("ranks"),
 };
-
-/* By length and first letter, then one comparison: a pack line has fourteen
- * members, so this runs a few million times a second. */
-int json_key_find(const char *k, size_t n) {
-  int key = -1;
-  if (n == 0 || n > 11) return -1;
-  switch (k[0]) {
-  case 'a': key = n == 5 ? JK_ALIAS : JK_ALIAS_OF; break;
-  case 'b': key = n == 5 ? JK_BYTES : JK_BACKEND; break;
-  case 'c': key = JK_CLASS; break;
-  case 'd': key = n == 5 ? JK_DTYPE : JK_DECISION; break;
-  case 'e': key = JK_EV; break;
-  case 'f': key = n == 5 ? JK_FLAGS : n == 6 ? JK_FORMAT : JK_FLOPS; break;
-  case 'h': key = JK_HBM_BYTES; break;
-  case 'i': key = JK_ID; break;
-  case 'k': key = JK_KIND; break;
-  case 'l': key = n == 5 ? JK_LAYER : n == 6 ? JK_LAYERS : JK_LAYER_BYTES; break;
-  case 'm': key = k[1] == 'i' ? JK_MIN_US : JK_MODULE; break;
-  case 'o': key = JK_OP; break;
-  case 'r': key = JK_RANKS; break;
-  case 'p': key = JK_PHASE; break;
-  case 's': key = n == 4 ? JK_STEP : JK_SHAPE; break;
-  case 't': key = n == 4 ? JK_T_US : JK_TRANSIENT; break;
-  case 'u': key = JK_US; break;
-  case 'v': key = JK_VERSION; break;
-  case 'w': key = JK_WHAT; break;
-  default: return -1;
-  }
-  /* "flags" and "flops" share length and letter: the comparison settles it */
-  if (key == JK_FLAGS && n == 5 && k[2] == 'o') key = JK_FLOPS;
-  return key_len[key] == n && !memcmp(json_key_names[key], k, n) ? key : -1;
-}
 
 static void from_cjson(json_value *v, const cJSON *x) {
   if (cJSON_IsNumber(x)) {

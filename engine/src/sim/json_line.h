@@ -1,9 +1,11 @@
 /*
  * json_line.h — one line of a JSON-lines trace, as the members the trace
- * reader knows. Two parsers fill it: simdjson (json_line_simd.cpp), fast, for
- * the lines it accepts, and cJSON (json_line.c) for the rest, which also
- * words the error of a malformed line with its column. Unknown members are
- * skipped; of a member given twice, the first counts (cJSON's lookup).
+ * reader knows. Three parsers fill it, each passing on what it does not
+ * take: a one-pass reader of the lines trace writers emit
+ * (json_line_fast.c), simdjson (json_line_simd.cpp), and cJSON
+ * (json_line.c), which also words the error of a malformed line with its
+ * column. Unknown members are skipped; of a member given twice, the first
+ * counts (cJSON's lookup).
  */
 #ifndef FERRY_SIM_JSON_LINE_H
 #define FERRY_SIM_JSON_LINE_H
@@ -51,8 +53,47 @@ typedef struct json_line {
 /* The member's name, as the trace format spells it. */
 extern const char *const json_key_names[JK_COUNT];
 
-/* The key of name k (n bytes), or -1 for a member the reader ignores. */
-int json_key_find(const char *k, size_t n);
+/* The length of each member's name (json_line.c). */
+extern const uint8_t json_key_len[JK_COUNT];
+
+/* The key of name k (n bytes), or -1 for a member the reader ignores. By
+ * length and first letter, then one comparison: a pack line has fourteen
+ * members, so this runs a few million times a second (inline: the call
+ * was a fifth of it). */
+static inline int json_key_find(const char *k, size_t n) {
+  int key = -1;
+  if (n == 0 || n > 11) return -1;
+  switch (k[0]) {
+  case 'a': key = n == 5 ? JK_ALIAS : JK_ALIAS_OF; break;
+  case 'b': key = n == 5 ? JK_BYTES : JK_BACKEND; break;
+  case 'c': key = JK_CLASS; break;
+  case 'd': key = n == 5 ? JK_DTYPE : JK_DECISION; break;
+  case 'e': key = JK_EV; break;
+  case 'f': key = n == 5 ? JK_FLAGS : n == 6 ? JK_FORMAT : JK_FLOPS; break;
+  case 'h': key = JK_HBM_BYTES; break;
+  case 'i': key = JK_ID; break;
+  case 'k': key = JK_KIND; break;
+  case 'l': key = n == 5 ? JK_LAYER : n == 6 ? JK_LAYERS : JK_LAYER_BYTES; break;
+  case 'm': key = k[1] == 'i' ? JK_MIN_US : JK_MODULE; break;
+  case 'o': key = JK_OP; break;
+  case 'p': key = JK_PHASE; break;
+  case 'r': key = JK_RANKS; break;
+  case 's': key = n == 4 ? JK_STEP : JK_SHAPE; break;
+  case 't': key = n == 4 ? JK_T_US : JK_TRANSIENT; break;
+  case 'u': key = JK_US; break;
+  case 'v': key = JK_VERSION; break;
+  case 'w': key = JK_WHAT; break;
+  default: return -1;
+  }
+  /* "flags" and "flops" share length and letter: the comparison settles it */
+  if (key == JK_FLAGS && n == 5 && k[2] == 'o') key = JK_FLOPS;
+  if (json_key_len[key] != n) return -1;
+  const char *name = json_key_names[key];
+  for (size_t i = 1; i < n; i++) /* short: a call to memcmp cost more */
+    if (name[i] != k[i]) return -1;
+  return key;
+}
+
 
 /* Sets member key from its value, unless an earlier one was given. */
 static inline json_value *json_line_slot(json_line *l, int key) {
@@ -69,6 +110,18 @@ static inline const json_value *json_line_get(const json_line *l, json_key key) 
  * *out's strings are used); is_object 0 if it is not an object. */
 struct cJSON;
 void json_line_from_cjson(const struct cJSON *o, json_line *out);
+
+/* The first parser (json_line_fast.c): flat objects of ASCII strings
+ * without escapes, numbers exact in a double as simdjson reads them, and
+ * arrays of those. 0, or -1 for any other line (then simdjson, then cJSON,
+ * decide); never accepts what simdjson would refuse. Strings live in *f
+ * until the next line. f starts zeroed; json_fast_free gives it back. */
+typedef struct json_fast {
+  char *buf;
+  size_t cap;
+} json_fast;
+int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_line *out);
+void json_fast_free(json_fast *f);
 
 /* Readable bytes a buffer keeps past its last line so that no line is
  * copied for simdjson (it reads up to this far past a document's end). */

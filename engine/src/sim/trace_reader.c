@@ -57,7 +57,8 @@ typedef struct reader {
   int has_gap;   /* t_us moved at least once */
   int max_depth; /* deepest nesting a line may have */
   size_t max_line; /* longest line, in bytes */
-  json_simd *simd; /* the fast path; NULL: cJSON reads every line */
+  json_fast fast;  /* the first path (json_line_fast.c) */
+  json_simd *simd; /* the second; NULL: cJSON reads what the first passes on */
   json_line obj;   /* the line being read */
 } reader;
 
@@ -733,7 +734,8 @@ static int parse_line_slow(reader *r, const char *s, size_t n) {
 /* One non-blank line of n bytes at s, readable bytes from s on: one JSON
  * object and nothing after it. */
 static int parse_line(reader *r, const char *s, size_t n, size_t readable) {
-  if (r->simd && json_simd_parse(r->simd, s, n, readable, &r->obj) == 0)
+  if (json_fast_parse(&r->fast, s, n, r->max_depth, &r->obj) == 0 ||
+      (r->simd && json_simd_parse(r->simd, s, n, readable, &r->obj) == 0))
     return parse_object(r, &r->obj);
   return parse_line_slow(r, s, n);
 }
@@ -800,6 +802,7 @@ static int reader_finish(reader *r, int rc) {
   free(r->by_id);
   free(r->state);
   json_simd_free(r->simd);
+  json_fast_free(&r->fast);
   t->strings = NULL;
   t->n_strings = 0;
   if (r->strs.count) {

@@ -32,7 +32,8 @@ its reload distance, if learned, is known). Each rule's scope is written
 next to it below. See docs/policy-api.md for the full API.
 
 Cost: decide reads each descriptor field it needs once, calls t:path() at
-most once or twice, and allocates nothing per call in steady state (module
+most once (the library's tests get it as a third argument), and allocates
+nothing per call in steady state (module
 matches are memoized per path string; paths are interned Lua strings).
 ]]
 
@@ -42,7 +43,11 @@ local ferry = ferry -- the sandbox's global; a stand-in table outside it
 -- of the policy line that called into the module (where a rule is written,
 -- for explain and `ferry check`). Outside the host (the unit specs' test
 -- double) plain LuaJIT's debug library does the same.
-local caller_where = select(2, ...)
+-- It also passes the read-only views t and ctx it hands to decide, and the
+-- tables they read from: this library's own tests read those directly (a
+-- field through a view costs a metamethod call, several times a direct
+-- read); a policy's own functions only ever get the views (R.policy).
+local caller_where, host_views = select(2, ...)
 if type(caller_where) ~= "function" then
   local ok, dbg = pcall(function() return debug end) -- an error in the sandbox
   if ok and type(dbg) == "table" then
@@ -86,6 +91,10 @@ local forget_cached = F.forget_cached or function() end
 -- helpers
 
 local RULE = {} -- metatable that marks rule objects
+-- test functions this library wrote: they may be given the host's field
+-- tables instead of the views (they never write to them); a function a
+-- policy wrote, or put into a rule, is not in it
+local OWN_TESTS = setmetatable({}, { __mode = "k" })
 local RELOAD = {} -- metatable that marks reload specs
 
 local function fail(fn, msg, level)
@@ -109,6 +118,7 @@ end
 -- A rule remembers where the policy wrote it: "file:line", or nil.
 local function rule(spec)
   spec.where = caller_where()
+  if spec.test then OWN_TESTS[spec.test] = true end
   return setmetatable(spec, RULE)
 end
 
@@ -117,8 +127,8 @@ end
 -- that keying a tensor by its site builds no string.
 local function site_keys()
   local by_path, by_class, n = {}, {}, 0
-  return function(t)
-    local root, k = by_path, t:path()
+  return function(t, path) -- path: t:path() if the caller has it
+    local root, k = by_path, path or t:path()
     if k == "" then root, k = by_class, t:class() end
     local a = root[k]
     if not a then a = {}; root[k] = a end
@@ -474,11 +484,13 @@ function R.when(fn, opts)
   if type(fn) ~= "function" then fail("when", "expected a function(t, ctx), got " .. type(fn)) end
   opts = opts or {}
   if type(opts) ~= "table" then fail("when", "opts must be a table") end
-  return rule {
+  local r = rule {
     name = "when(" .. tostring(opts.name or "fn") .. ")", stage = 3,
     scope = opts.site and "site" or "tensor",
     test = fn,
   }
+  OWN_TESTS[fn] = nil -- the policy's function: it gets the views
+  return r
 end
 
 -- ---------------------------------------------------------------------------
@@ -686,11 +698,11 @@ function R.host_budget(opts)
       stepno = step
       if learning then used = 0 end
     end,
-    test = function(t)
+    test = function(t, _, path)
       local count = t.layer_count
       if count > 0 and t.layer >= count - keep_last then return false end
       local b = tonumber(t.bytes)
-      local key = key_of(t)
+      local key = key_of(t, path)
       if learning then
         local n = packs[key]
         if not n then
@@ -959,6 +971,7 @@ end
 require("ferry.rules_policy")(R, {
   fail = fail, site_keys = site_keys, host_chooser = host_chooser,
   forget_cached = forget_cached, RULE = RULE, RELOAD = RELOAD, MAX_BYTES = MAX_BYTES,
+  OWN_TESTS = OWN_TESTS, host_views = host_views,
   KEEP = KEEP, OFFLOAD = OFFLOAD, PARAMETER = PARAMETER, BUFFER = BUFFER, FORWARD = FORWARD,
 })
 local compose = R.policy

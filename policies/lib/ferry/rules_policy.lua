@@ -11,6 +11,12 @@ local host_chooser, forget_cached = h.host_chooser, h.forget_cached
 local RULE, RELOAD, MAX_BYTES = h.RULE, h.RELOAD, h.MAX_BYTES
 local KEEP, OFFLOAD, PARAMETER, BUFFER, FORWARD = h.KEEP, h.OFFLOAD, h.PARAMETER, h.BUFFER,
   h.FORWARD
+local OWN_TESTS = h.OWN_TESTS
+-- the host's views t and ctx, and the tables behind them (rules.lua); none
+-- outside the host
+local views = h.host_views or {}
+local HOST_T, HOST_T_FIELDS = views.t, views.t_fields
+local HOST_CTX, HOST_CTX_FIELDS = views.ctx, views.ctx_fields
 local type, tostring, tonumber, ipairs, pairs = type, tostring, tonumber, ipairs, pairs
 local getmetatable, setmetatable, next = getmetatable, setmetatable, next
 local floor, ceil = math.floor, math.ceil
@@ -35,6 +41,7 @@ local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
 local policy_where
 local function rule(spec)
   spec.where = policy_where
+  if spec.test then OWN_TESTS[spec.test] = true end
   return setmetatable(spec, RULE)
 end
 
@@ -171,8 +178,8 @@ function R.policy(spec, where)
     end
     local merged = rule {
       name = concat(names, ", "), stage = 1, scope = "site",
-      test = function(t)
-        local path = t:path()
+      test = function(t, _, path)
+        path = path or t:path()
         local v
         if path ~= "" then
           v = by_path[path]
@@ -201,7 +208,18 @@ function R.policy(spec, where)
     stages[1][#stages[1] + 1] = merged
   end
 
-  -- flatten into arrays the decide loop indexes by number
+  -- flatten into arrays the decide loop indexes by number. The tests run on
+  -- the host's field tables when decide got the host's t and ctx (fields
+  -- read directly); a test the policy wrote gets the read-only views.
+  -- The views are found from the arguments, not kept from decide: a
+  -- policy's function may call this decide again (about another tensor).
+  local function on_views(fn)
+    return function(t, ctx)
+      if t == HOST_T_FIELDS then t = HOST_T end
+      if ctx == HOST_CTX_FIELDS then ctx = HOST_CTX end
+      return fn(t, ctx)
+    end
+  end
   local tests, scopes, names = {}, {}, {}
   local selector = nil -- the last selector: the reason for an offload, if any
   local nfilter, nguard, nselect = 0, 0, 0
@@ -211,7 +229,9 @@ function R.policy(spec, where)
   for s = 1, 5 do
     for _, r in ipairs(stages[s]) do
       local i = #tests + 1
-      tests[i], scopes[i], names[i] = r.test, r.scope, r
+      local test = r.test
+      if test and not OWN_TESTS[test] then test = on_views(test) end
+      tests[i], scopes[i], names[i] = test, r.scope, r
       if r.discard then discards[#discards + 1] = r.discard end
       if s <= 3 then nfilter = nfilter + 1
       elseif s == 4 then
@@ -332,9 +352,9 @@ function R.policy(spec, where)
     end
     nstep = #on_steps
   end
-  local function note(t, action, dist)
+  local function note(t, action, dist, path)
     if mixed then return end
-    local id = site_id(t)
+    local id = site_id(t, path)
     local code = (last_rule * 2 + action) * 8192 + (dist or -1) + 1
     local old = sig[id]
     if old == nil then
@@ -345,6 +365,21 @@ function R.policy(spec, where)
     end
   end
 
+  -- Whether the answers may be cached: once every learned part has
+  -- learned. That changes only in the step functions (a learned rule's
+  -- ready() turns true in its on_step), so it is found after them, not
+  -- per decision.
+  local function find_stable()
+    local s = not learning and not (window and not freed)
+    for i = 1, nlearned do
+      if not learned[i].ready() then s = false end
+    end
+    return s
+  end
+  local stable = find_stable()
+
+  local needs_path = #modules > 0 or nlearned > 0 or any_layer_scope or freezable
+
   local partial = false -- this step was counted from a thaw on
   local function run_steps(step, ctx)
     current_step = step
@@ -353,16 +388,14 @@ function R.policy(spec, where)
       for i = 1, #discards do discards[i]() end
     end
     for i = 1, nstep do on_steps[i](step, ctx) end
+    stable = find_stable()
   end
 
-  -- the rules themselves -> action, distance, cacheable
-  local function live(t, ctx)
-    local stable = not learning and not (window and not freed)
-    for i = 1, nlearned do
-      if not learned[i].ready() then stable = false end
-    end
+  -- the rules themselves -> action, distance, cacheable; t and ctx: the
+  -- host's field tables or the views (decide); path: t:path() or nil
+  local function live(t, ctx, path)
     for i = 1, ntest do
-      if not tests[i](t, ctx) then
+      if not tests[i](t, ctx, path) then
         if window and not freed then
           local kind = t.kind
           if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
@@ -374,7 +407,7 @@ function R.policy(spec, where)
           if scope == "site" then
             cacheable = true
           elseif scope == "layer" then
-            cacheable = t:path() ~= ""
+            cacheable = (path or t:path()) ~= ""
           end
         end
         last_rule = i
@@ -390,7 +423,9 @@ function R.policy(spec, where)
       end
     end
     local cacheable = offload_cacheable and stable
-    if cacheable and (any_layer_scope or nlearned > 0) then cacheable = t:path() ~= "" end
+    if cacheable and (any_layer_scope or nlearned > 0) then
+      cacheable = (path or t:path()) ~= ""
+    end
     last_rule = 0
     if window then
       return OFFLOAD, window_distance(tonumber(ctx.offloaded_this_step), tonumber(t.bytes)),
@@ -402,12 +437,17 @@ function R.policy(spec, where)
   -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
   -- per call once the steps repeat.
   local function decide(t, ctx)
+    local tf, cf = t, ctx
+    if t == HOST_T then tf = HOST_T_FIELDS end
+    if ctx == HOST_CTX then cf = HOST_CTX_FIELDS end
     if nstep > 0 then
-      local step = tonumber(ctx.step)
+      local step = tonumber(cf.step)
       if step ~= current_step then run_steps(step, ctx) end
     end
+    -- t:path() is a C call: made once, here, when some part reads it
+    local path = needs_path and tf:path() or nil
     if frozen then
-      local code = frozen[site_id(t)]
+      local code = frozen[site_id(tf, path)]
       if code then
         local d, hi = code % 8192 - 1, floor(code / 8192)
         local action = hi % 2
@@ -417,8 +457,8 @@ function R.policy(spec, where)
       frozen, sig_prev, sig, sig_n, mixed, partial = nil, nil, {}, 0, true, true
       forget_cached()
     end
-    local action, dist, cacheable = live(t, ctx)
-    if freezable then note(t, action, dist) end
+    local action, dist, cacheable = live(tf, cf, path)
+    if freezable then note(tf, action, dist, path) end
     return action, rmode, dist, cacheable
   end
 
