@@ -6,6 +6,7 @@
  */
 
 #include "sim/replay_internal.h"
+#include "util/log.h"
 
 /* The replay's clock: virtual on sim, scaled wall time (less the
  * trainer's own work) on host. */
@@ -885,23 +886,27 @@ static int replay_steps(replay *r, uint32_t steps) {
 /* The same replay at the compute rate x (1 -+ mfu_sensitivity): the two
  * steady step times into out->sens_*. Each is a full replay (the overheads
  * are not linear in the rate: what hides behind compute at one rate is
- * exposed at a faster one). */
+ * exposed at a faster one), its policy's log lines and warnings muted: the
+ * first replay has said them. */
 static int replay_sensitivity(const sim_trace *t, const sim_config *c, sim_result *out, char *err,
                               size_t errlen) {
-  for (int k = 0; k < 2; k++) {
+  int was_quiet = util_log_quiet(1);
+  int rc = 0;
+  for (int k = 0; k < 2 && !rc; k++) {
     sim_config cc = *c;
     cc.mfu_sensitivity = 0;
     cc.timeline = cc.record_decisions = 0;
     cc.progress = NULL;
     cc.tflops = c->tflops * (k ? 1 + c->mfu_sensitivity : 1 - c->mfu_sensitivity);
     sim_result r;
-    int rc = sim_replay(t, &cc, &r, err, errlen);
-    if (rc) return rc;
+    rc = sim_replay(t, &cc, &r, err, errlen);
+    if (rc) break;
     out->sens_tflops[k] = cc.tflops;
     out->sens_step_us[k] = r.step_us;
     sim_result_free(&r);
   }
-  return 0;
+  util_log_quiet(was_quiet);
+  return rc;
 }
 
 int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *err,

@@ -254,7 +254,16 @@ int util_log_check_env(char *err, size_t errlen) {
   return rc;
 }
 
+static _Thread_local int thread_quiet;
+
+int util_log_quiet(int on) {
+  int old = thread_quiet;
+  thread_quiet = on != 0;
+  return old;
+}
+
 void util_log(int level, const char *fmt, ...) {
+  if (thread_quiet && level > FERRY_LOG_ERROR) return;
   char msg[LOG_LINE_MAX];
   va_list ap;
   va_start(ap, fmt);

@@ -11,5 +11,9 @@ void util_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 
 /* Applies FERRY_LOG_* once; FERRY_EINVAL with a message naming the variable
  * and its value when one is wrong (every later call says the same). */
 int util_log_check_env(char *err, size_t errlen);
+/* On: this thread's info and warning messages are dropped, errors kept (a
+ * simulator's extra replays, which would repeat the first one's lines).
+ * Returns the previous setting. */
+int util_log_quiet(int on);
 
 #endif
