@@ -20,6 +20,11 @@ the same:
 Without checkpointing nothing in a block is saved under the block's own path
 but its input-norm's input under some layouts; use it with
 `--checkpoint full` (torch.utils.checkpoint per block).
+In a real run the checkpoint must run inside the block's own module, as
+torchtitan's checkpoint_wrapper does: a checkpoint called from the parent's
+forward (`x = checkpoint(block, x)` in the model's loop) saves the input
+before the block's hooks run, so ferry sees it under the parent's path and
+this policy keeps it.
 
 Knobs: edit the lines below. ]]
 local KEEP_LAST = 1 -- blocks at the end whose input stays on the device

@@ -17,13 +17,49 @@ def make():
     return GPT(layers=LAYERS)
 
 
+class CheckpointWrapped(torch.nn.Module):
+    """A block under reentrant activation checkpointing, run from inside its
+    own module as torchtitan's checkpoint_wrapper does: the input the
+    checkpoint saves carries the block's path ("h.3")."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        return cp.checkpoint(self.block, x, use_reentrant=True)
+
+
+def make_checkpointed():
+    m = make()
+    for i, block in enumerate(m.h):
+        m.h[i] = CheckpointWrapped(block)
+    return m
+
+
+# Policies that only act under full activation checkpointing: trained with
+# it, and compared with a baseline trained with it.
+CHECKPOINTED = {"checkpointed_inputs"}
+
+
+def make_for(policy):
+    return make_checkpointed if policy in CHECKPOINTED else make
+
+
 @pytest.fixture(scope="module")
 def baseline():
     return train(make, gpt_batch, gpt_loss, steps=3)
 
 
+@pytest.fixture(scope="module")
+def baseline_checkpointed():
+    return train(make_checkpointed, gpt_batch, gpt_loss, steps=3)
+
+
 def run_policy(policy, trace):
-    mine = train(make, gpt_batch, gpt_loss, steps=3,
+    mine = train(make_for(policy), gpt_batch, gpt_loss, steps=3,
                  offload=lambda m: ft.offload(m, policy=policy, record_trace=trace))
     ft.step()
     s = ft.stats()
@@ -41,13 +77,16 @@ def test_all_shipped_policies_are_tested():
 
 
 @pytest.mark.parametrize("policy", SHIPPED_POLICIES)
-def test_policy_identical_gradients(policy, baseline, tmp_path):
+def test_policy_identical_gradients(policy, baseline, baseline_checkpointed, tmp_path):
     mine, s, packs = run_policy(policy, str(tmp_path / "trace.jsonl"))
-    assert_same_training(baseline, mine)
+    assert_same_training(baseline_checkpointed if policy in CHECKPOINTED else baseline, mine)
     assert s["live_handles"] == 0 and s["arena_in_use"] == 0 and s["device_bytes_held"] == 0, s
     assert s["policy_errors"] == 0, s["policy_error"]
     off = offloaded(packs)
     assert off, f"{policy} offloaded nothing"
+    if policy == "checkpointed_inputs":  # the blocks' saved inputs only, the last block's kept
+        assert all(p["module"] == "h.%d" % p["layer"] and p["layer"] < LAYERS - 1 for p in off), \
+            {(p["module"], p["layer"]) for p in off}
     # No shipped policy offloads parameters or buffers but save_on_cpu.lua,
     # which reproduces torch's hook: it copies every saved tensor.
     if policy != "save_on_cpu":
