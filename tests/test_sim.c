@@ -298,7 +298,8 @@ TEST(sim_trace_reader_names_line_and_problem) {
   BAD(HDR BEGIN PACK(1, 16) PACK(1, 16), "bad.jsonl:4: id 1 packed twice");
   BAD(HDR "{\"ev\":\"step_begin\",\"t_us\":5,\"step\":1}\n{\"ev\":\"step_end\",\"t_us\":4,\"step\":1}\n",
       "bad.jsonl:3: t_us 4.0 goes back in time");
-  BAD("{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":2}\n", "version 2 is newer");
+  BAD("{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":3}\n",
+      "version 3 is newer than this reader (2)");
   BAD(HDR "[1,2]\n", "bad.jsonl:2: a line must be a JSON object");
   BAD(HDR BEGIN "{\"ev\":\"compute\",\"t_us\":0,\"us\":-3}\n" END, "bad.jsonl:3: \"us\" must be");
   BAD(HDR BEGIN "{\"ev\":\"compute\",\"t_us\":0,\"us\":3,\"hbm_bytes\":-1}\n" END,
@@ -926,8 +927,12 @@ TEST(sim_synth_saved_tensors_per_op_fused_and_eager) {
   char *text = synth_text_of(&q, err, sizeof err);
   CHECK(text != NULL);
   int named = strstr(text, "\"norm\":\"eager\",") != NULL;
+  /* and the format version whose readers know transient gradients */
+  int v2 = strncmp(text, "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":2,",
+                   59) == 0;
   free(text);
   CHECK(named);
+  CHECK(v2);
   CHECK_EQ(synth_preset("gpt3-1.3b", &q), 0);
   q.norm = SYNTH_NORM_EAGER;
   CHECK_EQ(synth_validate(&q, err, sizeof err), -1);

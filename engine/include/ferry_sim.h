@@ -8,6 +8,13 @@
 
 #include "ferry_tools.h"
 
+/* The trace format version the reader takes (docs/trace-format.md): 2 adds
+ * `transient` on resident lines and the `collective` and `collective_wait`
+ * events, which the synthesizer writes; a reader of version 1 would count
+ * transient gradients twice, so it must refuse them. The recorder's lines
+ * are version 1's and it still writes 1. */
+#define SIM_TRACE_VERSION 2
+
 #ifdef __cplusplus
 extern "C" {
 #endif

@@ -335,9 +335,9 @@ static int parse_header(reader *r, const json_line *o, const char *ev) {
   if ((rc = get_str(r, o, JK_FORMAT, 1, &fmt))) return rc;
   if (strcmp(fmt, "ferry-trace")) return reader_fail(r, "format \"%s\" is not \"ferry-trace\"", fmt);
   if ((rc = get_int(r, o, JK_VERSION, 1, 1, 1e9, &version))) return rc;
-  if (version != 1)
-    return reader_fail(r, "trace format version %lld is newer than this reader (1)",
-                       (long long)version);
+  if (version > SIM_TRACE_VERSION)
+    return reader_fail(r, "trace format version %lld is newer than this reader (%d)",
+                       (long long)version, SIM_TRACE_VERSION);
   const char *backend = NULL;
   if ((rc = get_str(r, o, JK_BACKEND, 0, &backend)) < 0) return rc;
   if (backend) snprintf(r->t->backend, sizeof r->t->backend, "%s", backend);

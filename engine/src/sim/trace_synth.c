@@ -557,10 +557,10 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   ctx.keep = keep, ctx.bufid = bufid, ctx.held = held, ctx.first_saver = first_saver;
   ctx.wgrad = wgrad;
   fprintf(f,
-          "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1,\"ferry\":\"%s\","
+          "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":%d,\"ferry\":\"%s\","
           "\"backend\":\"synth\",\"model\":\"%s\",\"arch\":\"%s\",\"layers\":%d,\"hidden\":%d,"
           "\"heads\":%d,\"kv_heads\":%d,",
-          ferry_version_string(), m->name, m->arch == SYNTH_LLAMA ? "llama" : "gpt", m->layers,
+          SIM_TRACE_VERSION, ferry_version_string(), m->name, m->arch == SYNTH_LLAMA ? "llama" : "gpt", m->layers,
           m->hidden, m->heads, m->kv_heads);
   if (m->head_dim) fprintf(f, "\"head_dim\":%d,", m->head_dim);
   if (m->qk_norm) fprintf(f, "\"qk_norm\":true,");
