@@ -1,0 +1,67 @@
+/*
+ * trace_reader_internal.h — the trace reader's state, shared by what reads
+ * the lines (trace_reader.c) and what brings the bytes (trace_load.c).
+ */
+#ifndef FERRY_TRACE_READER_INTERNAL_H
+#define FERRY_TRACE_READER_INTERNAL_H
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <unistd.h>
+#include <sys/stat.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim/json_line.h"
+#include "util/errbuf.h"
+#include "ferry_tools.h"
+#include "core/core.h"
+#include "util/intern.h"
+#include "util/u64map.h"
+#include "util/util.h"
+
+#define MAX_TENSOR_BYTES (1ull << 50) /* the engine's own bound (stash.c) */
+#define MAX_LAYERS 1000000
+#define MAX_COMPUTE_US 3.6e9 /* an hour of compute in one event is a broken trace */
+#define MAX_ID 9007199254740992.0 /* 2^53: ids and steps are exact in a double */
+
+enum { TS_PACKED = 1, TS_DONE = 2 };
+
+typedef struct reader {
+  const char *name;
+  sim_trace *t;
+  char *err;
+  size_t errlen;
+  uint32_t line;
+  u64map ids; /* trace id -> tensor index, for ids past by_id */
+  uint32_t *by_id; /* id -> tensor index + 1 (0: none), for small ids */
+  size_t cap_by_id;
+  intern_table strs; /* owned strings, deduplicated */
+  uint8_t *state; /* per tensor: TS_* */
+  u64map alloc_ids;    /* alloc id -> index into t->allocs */
+  u64map coll_ids;     /* collective id -> index into t->collectives */
+  uint32_t cap_colls;
+  uint32_t step_first_coll; /* the open step's first collective */
+  uint8_t *alloc_live; /* per alloc: not freed yet */
+  uint32_t cap_events, cap_tensors, cap_steps, cap_resident, cap_allocs;
+  uint32_t live_allocs; /* allocs of the open step not freed yet */
+  int seen_header;
+  double flops; /* the current line's "flops", -1 if none */
+  int in_step, in_backward;
+  uint64_t step_number;
+  uint32_t step_first;
+  uint32_t live_in_step;
+  double last_t; /* t_us of the previous line */
+  int has_gap;   /* t_us moved at least once */
+  int max_depth; /* deepest nesting a line may have */
+  size_t max_line; /* longest line, in bytes */
+  json_fast fast;  /* the first path (json_line_fast.c) */
+  json_simd *simd; /* the second; NULL: cJSON reads what the first passes on */
+  json_line obj;   /* the line being read */
+} reader;
+
+#endif
