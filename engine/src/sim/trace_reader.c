@@ -5,9 +5,7 @@
  */
 #include "sim/trace_reader_internal.h"
 
-/* Writes "name:line: message" into the caller's buffer; FERRY_EPARSE. */
-static int reader_fail(reader *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int reader_fail(reader *r, const char *fmt, ...) {
+int reader_fail(reader *r, const char *fmt, ...) {
   if (r->err && r->errlen) {
     int n = r->line ? snprintf(r->err, r->errlen, "%s:%u: ", r->name, r->line)
                     : snprintf(r->err, r->errlen, "%s: ", r->name);
@@ -702,7 +700,7 @@ void sim_trace_free(sim_trace *t) {
 
 /* The complete lines in data[0, len) in turn (blank ones skipped); the
  * buffer stays readable up to end, which lets simdjson read past a line. */
-static int parse_lines(reader *r, const char *data, size_t len, const char *end) {
+int reader_parse_lines(reader *r, const char *data, size_t len, const char *end) {
   const char *nul = memchr(data, 0, len); /* one pass, not one per line */
   size_t pos = 0;
   int rc;
@@ -763,8 +761,8 @@ static int reader_finish(reader *r, int rc) {
 
 /* A reader of a trace named name (in messages) within lim; FERRY_OK, or
  * FERRY_ENOMEM with the message in err. */
-static int reader_start(reader *r, const char *name, const sim_trace_limits *lim, char *err,
-                        size_t errlen) {
+int reader_start(reader *r, const char *name, const sim_trace_limits *lim, char *err,
+                 size_t errlen) {
   if (err && errlen) err[0] = 0;
   memset(r, 0, sizeof *r);
   r->name = name ? name : "trace";
@@ -790,7 +788,7 @@ static int reader_start(reader *r, const char *name, const sim_trace_limits *lim
  * faults of each new copy, were a quarter of the reading). Untouched
  * reserved pages cost no memory; reader_done gives back the rest. A hint:
  * without it the arrays grow as needed. */
-static void reader_reserve(reader *r, uint64_t len) {
+void reader_reserve(reader *r, uint64_t len) {
   uint64_t events = len / 64 + 256, tensors = len / 160 + 256;
   if (events > (1u << 24)) events = 1u << 24;
   if (tensors > (1u << 23)) tensors = 1u << 23;
@@ -812,7 +810,7 @@ static void trace_shrink(sim_trace *t) {
 }
 
 /* Ends the reader: the trace in *out on success (rc 0), else freed. */
-static int reader_done(reader *r, int rc, sim_trace **out) {
+int reader_done(reader *r, int rc, sim_trace **out) {
   sim_trace *t = r->t;
   if (!rc) rc = parse_end(r);
   rc = reader_finish(r, rc);
@@ -839,7 +837,7 @@ int sim_trace_parse(const char *name, const char *data, size_t len, sim_trace **
   if (!data || len == 0) rc = reader_fail(&r, "empty trace (no header line)");
   else {
     reader_reserve(&r, len);
-    rc = parse_lines(&r, data, len, data + len);
+    rc = reader_parse_lines(&r, data, len, data + len);
   }
   return reader_done(&r, rc, out);
 }
@@ -914,7 +912,7 @@ static int load_lines(reader *r, int fd, const sim_trace_limits *lim) {
       break;
     }
     if (!complete) continue;
-    rc = parse_lines(r, buf, complete, buf + cap + JSON_LINE_PADDING);
+    rc = reader_parse_lines(r, buf, complete, buf + cap + JSON_LINE_PADDING);
     memmove(buf, buf + complete, have - complete);
     have -= complete;
   }

@@ -64,4 +64,20 @@ typedef struct reader {
   json_line obj;   /* the line being read */
 } reader;
 
+
+/* Writes "name:line: message" into the caller's buffer; FERRY_EPARSE. */
+int reader_fail(reader *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A reader of a trace named name (in messages) within lim; FERRY_OK, or
+ * FERRY_ENOMEM with the message in err. */
+int reader_start(reader *r, const char *name, const sim_trace_limits *lim, char *err,
+                 size_t errlen);
+/* Sizes r's tables for a trace of about len bytes (a hint: without it the
+ * arrays grow as needed). */
+void reader_reserve(reader *r, uint64_t len);
+/* The complete lines in data[0, len) in turn (blank ones skipped); the
+ * buffer stays readable up to end, which lets simdjson read past a line. */
+int reader_parse_lines(reader *r, const char *data, size_t len, const char *end);
+/* Ends the reader: the trace in *out on success (rc 0), else freed. */
+int reader_done(reader *r, int rc, sim_trace **out);
+
 #endif
