@@ -22,15 +22,6 @@ static double now_us(void) {
   return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
-#define NEAR(a, b)                                                                        \
-  do {                                                                                    \
-    double a_ = (a), b_ = (b);                                                            \
-    if (!(fabs(a_ - b_) <= 1e-6)) {                                                       \
-      fprintf(stderr, "%s:%d: %s = %.6f, want %.6f\n", __FILE__, __LINE__, #a, a_, b_); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
-
 #define PACK(id, bytes, layer)                                                              \
   "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":" #bytes ",\"dtype\":\"u8\"," \
   "\"shape\":[" #bytes "],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":" #layer "," \
@@ -76,11 +67,11 @@ TEST(sim_sync_copy_blocks_compute_by_its_copy_time) {
     c.policy_source = src;
     sim_result r;
     CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-    NEAR(r.tensors_offloaded, 2);
-    NEAR(r.bytes_h2d, 200000);
-    NEAR(r.step_us, cases[k].step);
-    NEAR(r.stall_us, cases[k].stall);
-    NEAR(r.host_wait_us, cases[k].host_wait);
+    CHECK_NEAR(r.tensors_offloaded, 2, 1e-6);
+    CHECK_NEAR(r.bytes_h2d, 200000, 1e-6);
+    CHECK_NEAR(r.step_us, cases[k].step, 1e-6);
+    CHECK_NEAR(r.stall_us, cases[k].stall, 1e-6);
+    CHECK_NEAR(r.host_wait_us, cases[k].host_wait, 1e-6);
     sim_result_free(&r);
   }
   /* save_on_cpu.lua's values: a bad one is refused at load, naming it */
