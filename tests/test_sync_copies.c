@@ -86,6 +86,36 @@ TEST(sim_sync_copy_blocks_compute_by_its_copy_time) {
   return 0;
 }
 
+/* An engine over the device under test whose policy offloads every tensor
+ * (used on backward) with the knob sync_copies = mode; link_bytes_per_s,
+ * when not 0, sets the link's speed both ways. */
+static int sync_engine(int mode, test_device_stats *st, double link_bytes_per_s,
+                       ferry_engine **e) {
+  char src[256];
+  snprintf(src, sizeof src,
+           "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
+           " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
+  ferry_config c = test_engine_config(st);
+  c.retain = test_device_retain_cb;
+  c.policy_source = src;
+  if (link_bytes_per_s) c.link.d2h_bytes_per_s = c.link.h2d_bytes_per_s = link_bytes_per_s;
+  char err[512] = "";
+  int rc = ferry_engine_create(&c, e, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  return rc;
+}
+
+/* A 1-D activation of bytes u8 elements. */
+static ferry_tensor_desc u8_activation(size_t bytes) {
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  d.bytes = bytes;
+  d.dtype = FERRY_DTYPE_U8;
+  d.kind = FERRY_KIND_ACTIVATION;
+  d.ndim = 1;
+  d.shape[0] = bytes;
+  return d;
+}
+
 /* The engine itself waits, on the backend under test: a 2 MiB offload and
  * its reload with sync_copies 0, 1 and 2. Host backend (a 100 MB/s link):
  * the compute stream is the calling thread, so a synchronous pack returns
@@ -96,20 +126,9 @@ TEST(sim_sync_copy_blocks_compute_by_its_copy_time) {
 TEST(sync_copies_engine_waits_for_each_copy) {
   enum { SZ = 2 << 20 };
   for (int mode = 0; mode <= 2; mode++) {
-    char src[256];
-    snprintf(src, sizeof src,
-             "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
-             " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
     test_device_stats st = {0};
-    ferry_config c = test_engine_config(&st);
-    c.retain = test_device_retain_cb;
-    c.policy_source = src;
-    c.link.d2h_bytes_per_s = c.link.h2d_bytes_per_s = 100e6;
     ferry_engine *e = NULL;
-    char err[512] = "";
-    int rc = ferry_engine_create(&c, &e, err, sizeof err);
-    if (rc) fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    CHECK_OK(sync_engine(mode, &st, 100e6, &e));
     ferry_knobs k;
     CHECK_OK(ferry_get_knobs(e, &k, sizeof k));
     CHECK_EQ(k.sync_copies, (uint32_t)mode);
@@ -118,12 +137,7 @@ TEST(sync_copies_engine_waits_for_each_copy) {
     static unsigned char bytes[SZ], back[SZ];
     for (size_t i = 0; i < SZ; i++) bytes[i] = (unsigned char)(i * 131u + (unsigned)mode);
     test_dev_write(b->ptr, bytes, SZ);
-    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-    d.bytes = SZ;
-    d.dtype = FERRY_DTYPE_U8;
-    d.kind = FERRY_KIND_ACTIVATION;
-    d.ndim = 1;
-    d.shape[0] = SZ;
+    ferry_tensor_desc d = u8_activation(SZ);
     CHECK_OK(ferry_step_begin(e));
 #ifdef FERRY_TEST_CUDA_DOUBLE
     long waits0 = cuda_double_calls("cudaStreamWaitEvent");
@@ -175,25 +189,12 @@ TEST(sync_copies_compute_waits_before_overwriting_the_saved_buffer) {
   CHECK_EQ(cudaHostAlloc(&pinned, SZ, 0), cudaSuccess);
   memset(pinned, 0x5a, SZ);
   for (int mode = 0; mode <= 1; mode++) {
-    char src[256];
-    snprintf(src, sizeof src,
-             "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
-             " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
     test_device_stats st = {0};
-    ferry_config c = test_engine_config(&st);
-    c.retain = test_device_retain_cb;
-    c.policy_source = src;
     ferry_engine *e = NULL;
-    char err[512] = "";
-    CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+    CHECK_OK(sync_engine(mode, &st, 0, &e));
     test_buffer *b = test_buffer_new(SZ);
     CHECK(b);
-    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-    d.bytes = SZ;
-    d.dtype = FERRY_DTYPE_U8;
-    d.kind = FERRY_KIND_ACTIVATION;
-    d.ndim = 1;
-    d.shape[0] = SZ;
+    ferry_tensor_desc d = u8_activation(SZ);
     CHECK_OK(ferry_step_begin(e));
     cuda_double_clear_violations();
     cuda_double_pause_streams(1);
