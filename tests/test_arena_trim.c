@@ -188,13 +188,8 @@ static int snapshot_one(ferry_engine *e, const char *path, void *dev, size_t byt
 TEST(arena_trim_after_snapshot) {
   test_device_stats dev;
   memset(&dev, 0, sizeof dev);
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(&dev);
   c.retain = test_device_retain_cb;
-  c.callback_ud = &dev;
   c.decide = offload_all;
   c.min_offload_bytes = 1;
   ferry_engine *e = NULL;
