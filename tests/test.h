@@ -6,6 +6,7 @@
 #define FERRY_TEST_H
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +37,18 @@
 /* Expect a ferry call to return a given code. */
 #define CHECK_RC(expr, code) CHECK_EQ((expr), (code))
 #define CHECK_OK(expr) CHECK_RC((expr), FERRY_OK)
+
+/* Expect two doubles within tol of each other. */
+#define CHECK_NEAR(a, b, tol)                                              \
+  do {                                                                     \
+    double a_ = (a), b_ = (b);                                             \
+    if (!(fabs(a_ - b_) <= (tol))) {                                       \
+      fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.6f, %s = %.6f "    \
+              "(tol %g)\n", __FILE__, __LINE__, #a, a_, #b, b_,            \
+              (double)(tol));                                              \
+      return 1;                                                            \
+    }                                                                      \
+  } while (0)
 
 #define CHECK_STR_CONTAINS(hay, needle)                                    \
   do {                                                                     \

@@ -1,10 +1,10 @@
 /* test_arena.c — the pinned host arena, both kinds (jemalloc and pool).
  *
- * The arena runs over a counting backend defined here: its host_alloc is
- * mmap and it counts calls and outstanding bytes, so the tests can
- * see every byte the arena takes from and gives back to a backend. The test
- * binary is linked with jemalloc, so both kinds are available and each test
- * forces each kind explicitly. */
+ * The arena runs over a counting backend defined here: its host_alloc maps
+ * fresh pages (test_pages_backend.h) and it counts calls and outstanding
+ * bytes, so the tests can see every byte the arena takes from and gives
+ * back to a backend. The test binary is linked with jemalloc, so both kinds
+ * are available and each test forces each kind explicitly. */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -13,6 +13,7 @@
 
 #include "ferry_tools.h"
 #include "test.h"
+#include "test_pages_backend.h"
 
 /* ---- counting backend ----------------------------------------------------- */
 
@@ -39,19 +40,8 @@ static int counting_host_alloc(ferry_backend *b, size_t bytes, size_t alignment,
     snprintf(b->err, sizeof b->err, "counting backend: failing on request");
     return FERRY_ENOMEM;
   }
-  /* mmap, not malloc: memory from jemalloc's own heap cannot back a
-   * jemalloc arena (its global extent map would hold the pages twice). */
-  size_t page = 4096, len = (bytes + page - 1) / page * page;
-  size_t slack = alignment > page ? alignment : 0;
-  uint8_t *base = mmap(NULL, len + slack, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) return FERRY_ENOMEM;
-  uint8_t *p = base;
-  if (slack) { /* trim to the alignment */
-    p = (uint8_t *)(((uintptr_t)base + alignment - 1) & ~(uintptr_t)(alignment - 1));
-    if (p > base) munmap(base, (size_t)(p - base));
-    if (p + len < base + len + slack) munmap(p + len, (size_t)(base + len + slack - (p + len)));
-  }
+  void *p = pages_map(bytes, alignment);
+  if (!p) return FERRY_ENOMEM;
   atomic_fetch_add(&cb->outstanding_bytes, (long long)bytes);
   pthread_mutex_lock(&cb->log_lock);
   if (cb->n_chunks < CHUNK_LOG) {
@@ -67,7 +57,7 @@ static int counting_host_free(ferry_backend *b, void *p, size_t bytes) {
   counting_backend *cb = (counting_backend *)b;
   atomic_fetch_add(&cb->frees, 1);
   atomic_fetch_sub(&cb->outstanding_bytes, (long long)bytes);
-  munmap(p, (bytes + 4095) / 4096 * 4096);
+  pages_unmap(p, bytes);
   return 0;
 }
 

@@ -6,57 +6,16 @@
  * test double, whose pinned-byte count must drop too). */
 #include <stdatomic.h>
 #include <stdint.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "ferry_tools.h"
 #include "test.h"
 #include "test_device.h"
+#include "test_pages_backend.h"
 #ifdef FERRY_TEST_CUDA_DOUBLE
 #include "cuda_double.h"
 #endif
-
-/* ---- a backend that counts what the arena holds ----------------------------- */
-typedef struct trim_backend {
-  ferry_backend base;
-  atomic_long allocs, frees;
-  atomic_llong outstanding;
-} trim_backend;
-
-static int trim_host_alloc(ferry_backend *b, size_t bytes, size_t alignment, void **out) {
-  trim_backend *tb = (trim_backend *)b;
-  /* mmap, not malloc: jemalloc's own heap cannot back a jemalloc arena. */
-  size_t page = 4096, len = (bytes + page - 1) / page * page;
-  size_t slack = alignment > page ? alignment : 0;
-  uint8_t *base = mmap(NULL, len + slack, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) return FERRY_ENOMEM;
-  uint8_t *p = base;
-  if (slack) {
-    p = (uint8_t *)(((uintptr_t)base + alignment - 1) & ~(uintptr_t)(alignment - 1));
-    if (p > base) munmap(base, (size_t)(p - base));
-    if (p + len < base + len + slack) munmap(p + len, (size_t)(base + len + slack - (p + len)));
-  }
-  atomic_fetch_add(&tb->allocs, 1);
-  atomic_fetch_add(&tb->outstanding, (long long)bytes);
-  *out = p;
-  return 0;
-}
-
-static int trim_host_free(ferry_backend *b, void *p, size_t bytes) {
-  trim_backend *tb = (trim_backend *)b;
-  atomic_fetch_add(&tb->frees, 1);
-  atomic_fetch_sub(&tb->outstanding, (long long)bytes);
-  munmap(p, (bytes + 4095) / 4096 * 4096);
-  return 0;
-}
-
-static const ferry_backend_ops trim_ops = {
-    .name = "trim-counting",
-    .host_alloc = trim_host_alloc,
-    .host_free = trim_host_free,
-};
 
 static uint8_t byte_at(uint64_t seed, size_t i) {
   uint64_t x = (seed + 1) * 0x9E3779B97F4A7C15ull + i;
@@ -83,9 +42,8 @@ static size_t size_of(int i) {
 TEST(arena_trim_gives_free_memory_back) {
   static const int kinds[2] = {FERRY_ARENA_JEMALLOC, FERRY_ARENA_POOL};
   for (int k = 0; k < 2; k++) {
-    trim_backend tb;
-    memset(&tb, 0, sizeof tb);
-    tb.base.ops = &trim_ops;
+    pages_backend tb;
+    pages_backend_init(&tb);
     ferry_arena *a = NULL;
     char err[256] = "";
     int rc = ferry_arena_create(&tb.base, kinds[k], 0, &a, err, sizeof err);
@@ -230,13 +188,8 @@ static int snapshot_one(ferry_engine *e, const char *path, void *dev, size_t byt
 TEST(arena_trim_after_snapshot) {
   test_device_stats dev;
   memset(&dev, 0, sizeof dev);
-  ferry_config c = FERRY_CONFIG_INIT;
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(&dev);
   c.retain = test_device_retain_cb;
-  c.callback_ud = &dev;
   c.decide = offload_all;
   c.min_offload_bytes = 1;
   ferry_engine *e = NULL;

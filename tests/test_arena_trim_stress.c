@@ -7,44 +7,10 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <sys/mman.h>
 
 #include "ferry_tools.h"
 #include "test.h"
-
-typedef struct stress_backend {
-  ferry_backend base;
-  atomic_llong outstanding;
-} stress_backend;
-
-static int stress_host_alloc(ferry_backend *b, size_t bytes, size_t alignment, void **out) {
-  size_t page = 4096, len = (bytes + page - 1) / page * page;
-  size_t slack = alignment > page ? alignment : 0;
-  uint8_t *base = mmap(NULL, len + slack, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) return FERRY_ENOMEM;
-  uint8_t *p = base;
-  if (slack) {
-    p = (uint8_t *)(((uintptr_t)base + alignment - 1) & ~(uintptr_t)(alignment - 1));
-    if (p > base) munmap(base, (size_t)(p - base));
-    if (p + len < base + len + slack) munmap(p + len, (size_t)(base + len + slack - (p + len)));
-  }
-  atomic_fetch_add(&((stress_backend *)b)->outstanding, (long long)bytes);
-  *out = p;
-  return 0;
-}
-
-static int stress_host_free(ferry_backend *b, void *p, size_t bytes) {
-  atomic_fetch_sub(&((stress_backend *)b)->outstanding, (long long)bytes);
-  munmap(p, (bytes + 4095) / 4096 * 4096);
-  return 0;
-}
-
-static const ferry_backend_ops stress_ops = {
-    .name = "trim-stress",
-    .host_alloc = stress_host_alloc,
-    .host_free = stress_host_free,
-};
+#include "test_pages_backend.h"
 
 enum { SLOTS = 48, ROUNDS = 1500 };
 
@@ -138,9 +104,8 @@ TEST(arena_trim_while_threads_allocate) {
   static const int kinds[2] = {FERRY_ARENA_JEMALLOC, FERRY_ARENA_POOL};
   for (int k = 0; k < 2; k++) {
     if (kinds[k] == FERRY_ARENA_JEMALLOC && !ferry_arena_jemalloc_available()) continue;
-    stress_backend sb;
-    memset(&sb, 0, sizeof sb);
-    sb.base.ops = &stress_ops;
+    pages_backend sb;
+    pages_backend_init(&sb);
     ferry_arena *a = NULL;
     char err[256] = "";
     int rc = ferry_arena_create(&sb.base, kinds[k], 0, &a, err, sizeof err);

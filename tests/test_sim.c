@@ -15,16 +15,6 @@
 #include "test.h"
 #include "test_synth.h"
 
-#define CHECK_NEAR(a, b, tol)                                                          \
-  do {                                                                                 \
-    double a_ = (a), b_ = (b);                                                         \
-    if (!(fabs(a_ - b_) <= (tol))) {                                                   \
-      fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.6f, %s = %.6f (tol %g)\n",     \
-              __FILE__, __LINE__, #a, a_, #b, b_, (double)(tol));                      \
-      return 1;                                                                        \
-    }                                                                                  \
-  } while (0)
-
 /* ---- the sim backend alone ------------------------------------------------------- */
 static ferry_backend *make_sim(double bytes_per_s, double latency_us, double duplex) {
   ferry_config c = FERRY_CONFIG_INIT;

@@ -13,29 +13,6 @@
 #include "test.h"
 #include "test_synth.h"
 
-#define NEAR(a, b, tol)                                                                   \
-  do {                                                                                    \
-    double a_ = (a), b_ = (b);                                                            \
-    if (!(fabs(a_ - b_) <= (tol))) {                                                      \
-      fprintf(stderr, "%s:%d: NEAR failed: %s = %.6f, %s = %.6f (tol %g)\n", __FILE__,    \
-              __LINE__, #a, a_, #b, b_, (double)(tol));                                   \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
-
-static int trace_of(const synth_model *m, sim_trace **t) {
-  char err[512] = "";
-  char *text = synth_text_of(m, err, sizeof err);
-  if (!text) {
-    fprintf(stderr, "synth: %s\n", err);
-    return -1;
-  }
-  int rc = sim_trace_parse("synth", text, strlen(text), t, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  free(text);
-  return rc;
-}
-
 /* Collectives of step 1 of kind/group: how many, and their bytes. */
 static int count_colls(const sim_trace *t, int kind, int group, uint64_t *bytes) {
   int n = 0;
@@ -85,10 +62,10 @@ TEST(sim_comm_fsdp_single_node_hides_gathers) {
   char err[512];
   sim_result r;
   CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-  NEAR(r.comm_count, 96, 0);
-  NEAR(r.comm_bytes, 96.0 * LLAMA8B_BLOCK_PARAMS * 2 * 7 / 8, 1);
+  CHECK_NEAR(r.comm_count, 96, 0);
+  CHECK_NEAR(r.comm_bytes, 96.0 * LLAMA8B_BLOCK_PARAMS * 2 * 7 / 8, 1);
   /* the lanes were busy 96 x 7/8 x 436,224,000 B at 360 GB/s */
-  NEAR(r.comm_us, 96.0 * LLAMA8B_BLOCK_PARAMS * 2 * 7 / 8 / 360e3, 1);
+  CHECK_NEAR(r.comm_us, 96.0 * LLAMA8B_BLOCK_PARAMS * 2 * 7 / 8 / 360e3, 1);
   CHECK(r.comm_exposed_us < 0.01 * r.step_us);
   /* the first gather, before block 0, waits through the embedding only:
    * something is exposed, less than one gather */
@@ -148,15 +125,15 @@ TEST(sim_comm_multi_node_exposes_computed_time) {
   /* an untimed NIC: no time, and no share of a (slow) PCIe link either */
   c.link = (ferry_link){1e6, 1e6, 0, 1.0};
   CHECK_OK(replay_text(text, &c, &free_));
-  NEAR(one.step_us, 2000, 1e-6);
-  NEAR(one.comm_exposed_us, 0, 1e-6);
-  NEAR(one.comm_us, 200, 1e-6);
-  NEAR(one.comm_bytes, 2000000, 0);
-  NEAR(two.step_us, 3000, 1e-6);
-  NEAR(two.comm_exposed_us, 1000, 1e-6);
-  NEAR(two.comm_us, 2000, 1e-6);
-  NEAR(two.stall_us, 0, 0); /* not an offload stall */
-  NEAR(free_.step_us, 2000, 1e-6);
+  CHECK_NEAR(one.step_us, 2000, 1e-6);
+  CHECK_NEAR(one.comm_exposed_us, 0, 1e-6);
+  CHECK_NEAR(one.comm_us, 200, 1e-6);
+  CHECK_NEAR(one.comm_bytes, 2000000, 0);
+  CHECK_NEAR(two.step_us, 3000, 1e-6);
+  CHECK_NEAR(two.comm_exposed_us, 1000, 1e-6);
+  CHECK_NEAR(two.comm_us, 2000, 1e-6);
+  CHECK_NEAR(two.stall_us, 0, 0); /* not an offload stall */
+  CHECK_NEAR(free_.step_us, 2000, 1e-6);
   sim_result_free(&one);
   sim_result_free(&two);
   sim_result_free(&free_);
@@ -186,12 +163,12 @@ TEST(sim_comm_nic_shares_pcie_with_offload_copies) {
     sim_result r;
     CHECK_OK(replay_text(text, &c, &r));
     const double both = nodes == 2 ? 2000 : 1000;
-    NEAR(r.comm_exposed_us, both - 10, 1e-6);
+    CHECK_NEAR(r.comm_exposed_us, both - 10, 1e-6);
     int found = 0;
     for (size_t i = 0; i < r.tl.n_iv; i++) {
       const sim_interval *iv = &r.tl.iv[i];
       if (iv->lane != 1) continue; /* the D2H copy */
-      NEAR(iv->t1 - iv->t0, both, 1e-6);
+      CHECK_NEAR(iv->t1 - iv->t0, both, 1e-6);
       found++;
     }
     CHECK_EQ(found, 1);
@@ -218,8 +195,8 @@ TEST(sim_comm_tensor_parallel_adds_its_time) {
   c.comm_nodes = 2; /* tensor parallelism stays within a node: NVLink */
   sim_result r;
   CHECK_OK(replay_text(text, &c, &r));
-  NEAR(r.step_us, 2500, 1e-6);
-  NEAR(r.comm_exposed_us, 1500, 1e-6);
+  CHECK_NEAR(r.step_us, 2500, 1e-6);
+  CHECK_NEAR(r.comm_exposed_us, 1500, 1e-6);
   sim_result_free(&r);
 
   synth_model m;
@@ -244,8 +221,8 @@ TEST(sim_comm_tensor_parallel_adds_its_time) {
   s.nvlink_bytes_per_s = 360e9;
   CHECK_OK(sim_replay(t, &s, &timed, err, sizeof err));
   const double hand_us = 128.0 * 117440512.0 / 360e3;
-  NEAR(timed.step_us - untimed.step_us, hand_us, 0.01);
-  NEAR(timed.comm_exposed_us, hand_us, 0.01);
+  CHECK_NEAR(timed.step_us - untimed.step_us, hand_us, 0.01);
+  CHECK_NEAR(timed.comm_exposed_us, hand_us, 0.01);
   sim_result_free(&untimed);
   sim_result_free(&timed);
   sim_trace_free(t);
@@ -343,8 +320,8 @@ TEST(sim_comm_across_nodes_uses_every_nic_of_a_node) {
     c.comm_nodes = cases[i].nodes;
     sim_result r;
     CHECK_OK(replay_text(text, &c, &r));
-    NEAR(r.comm_exposed_us, cases[i].want_us, 1e-6);
-    NEAR(r.step_us, cases[i].want_us, 1e-6);
+    CHECK_NEAR(r.comm_exposed_us, cases[i].want_us, 1e-6);
+    CHECK_NEAR(r.step_us, cases[i].want_us, 1e-6);
     sim_result_free(&r);
   }
   return 0;
@@ -376,12 +353,12 @@ TEST(sim_comm_nic_share_ends_with_its_collective) {
   for (size_t i = 0; i < r.tl.n_iv; i++) {
     const sim_interval *iv = &r.tl.iv[i];
     if (iv->lane != 1) continue; /* the D2H copy */
-    NEAR(iv->t1 - iv->t0, 1100, 1e-6);
+    CHECK_NEAR(iv->t1 - iv->t0, 1100, 1e-6);
     found++;
   }
   CHECK_EQ(found, 1);
-  NEAR(r.step_us, 1100, 1e-6);
-  NEAR(r.comm_exposed_us, 0, 1e-6);
+  CHECK_NEAR(r.step_us, 1100, 1e-6);
+  CHECK_NEAR(r.comm_exposed_us, 0, 1e-6);
   sim_result_free(&r);
   return 0;
 }
@@ -406,7 +383,7 @@ TEST(sim_comm_more_nodes_than_ranks_refused) {
   CHECK_STR_CONTAINS(err, "8 ranks");
   c.comm_nodes = 8;
   CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-  NEAR(r.comm_exposed_us, 3500, 1e-6); /* 7/8 of 4 MB at 1 GB/s */
+  CHECK_NEAR(r.comm_exposed_us, 3500, 1e-6); /* 7/8 of 4 MB at 1 GB/s */
   sim_result_free(&r);
   sim_trace_free(t);
   return 0;
@@ -429,16 +406,16 @@ TEST(sim_mfu_sensitivity_replays_at_both_rates) {
   c.mfu_sensitivity = 0.25;
   sim_result r;
   CHECK_OK(replay_text(plain, &c, &r));
-  NEAR(r.step_us, 1000, 1e-6);
-  NEAR(r.sens_tflops[0], 0.75, 1e-12);
-  NEAR(r.sens_tflops[1], 1.25, 1e-12);
-  NEAR(r.sens_step_us[0], 1000 / 0.75, 1e-6);
-  NEAR(r.sens_step_us[1], 800, 1e-6);
+  CHECK_NEAR(r.step_us, 1000, 1e-6);
+  CHECK_NEAR(r.sens_tflops[0], 0.75, 1e-12);
+  CHECK_NEAR(r.sens_tflops[1], 1.25, 1e-12);
+  CHECK_NEAR(r.sens_step_us[0], 1000 / 0.75, 1e-6);
+  CHECK_NEAR(r.sens_step_us[1], 800, 1e-6);
   sim_result_free(&r);
   /* without FLOPs (or without the option) nothing more is replayed */
   c.mfu_sensitivity = 0;
   CHECK_OK(replay_text(plain, &c, &r));
-  NEAR(r.sens_step_us[0], 0, 0);
+  CHECK_NEAR(r.sens_step_us[0], 0, 0);
   sim_result_free(&r);
 
   synth_model m;
@@ -463,8 +440,8 @@ TEST(sim_mfu_sensitivity_replays_at_both_rates) {
   CHECK_OK(sim_replay(t, &s, &lo, err, sizeof err));
   s.tflops = hw->peak_tflops * SIM_DEFAULT_MFU * 1.25;
   CHECK_OK(sim_replay(t, &s, &hi, err, sizeof err));
-  NEAR(rs[1].sens_step_us[0], lo.step_us, 1e-9);
-  NEAR(rs[1].sens_step_us[1], hi.step_us, 1e-9);
+  CHECK_NEAR(rs[1].sens_step_us[0], lo.step_us, 1e-9);
+  CHECK_NEAR(rs[1].sens_step_us[1], hi.step_us, 1e-9);
   CHECK(lo.step_us > rs[1].step_us && rs[1].step_us > hi.step_us);
 
   sim_run_info info = {.trace_path = "llama3-8b x2", .trace = t, .hw = hw};

@@ -9,15 +9,6 @@
 #include "ferry_tools.h"
 #include "test.h"
 
-#define NEAR(a, b)                                                                        \
-  do {                                                                                    \
-    double a_ = (a), b_ = (b);                                                            \
-    if (!(fabs(a_ - b_) <= 1e-6)) {                                                       \
-      fprintf(stderr, "%s:%d: %s = %.6f, want %.6f\n", __FILE__, __LINE__, #a, a_, b_); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
-
 #define HDR "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
 #define BEGIN "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
 #define END "{\"ev\":\"step_end\",\"t_us\":9,\"step\":1}\n"
@@ -72,10 +63,10 @@ TEST(sim_copy_slows_a_concurrent_memory_bound_kernel) {
     c.policy_source = offload_big;
     sim_result r;
     CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-    NEAR(r.tensors_offloaded, 1);
-    NEAR(r.stall_us, 0);
-    NEAR(r.step_us, cases[k].step);
-    NEAR(r.contention_us, cases[k].contention);
+    CHECK_NEAR(r.tensors_offloaded, 1, 1e-6);
+    CHECK_NEAR(r.stall_us, 0, 1e-6);
+    CHECK_NEAR(r.step_us, cases[k].step, 1e-6);
+    CHECK_NEAR(r.contention_us, cases[k].contention, 1e-6);
     sim_result_free(&r);
     sim_trace_free(t);
   }
@@ -112,10 +103,10 @@ TEST(sim_gpus_of_a_node_share_host_memory_bandwidth) {
                       " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }";
     sim_result r;
     CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-    NEAR(r.tensors_offloaded, 2);
-    NEAR(r.bytes_h2d, 1000000);
-    NEAR(r.step_us, cases[k].step);
-    NEAR(r.stall_us + r.host_wait_us, cases[k].stall);
+    CHECK_NEAR(r.tensors_offloaded, 2, 1e-6);
+    CHECK_NEAR(r.bytes_h2d, 1000000, 1e-6);
+    CHECK_NEAR(r.step_us, cases[k].step, 1e-6);
+    CHECK_NEAR(r.stall_us + r.host_wait_us, cases[k].stall, 1e-6);
     sim_result_free(&r);
   }
   sim_trace_free(t);
@@ -153,8 +144,8 @@ TEST(sim_host_overhead_counts_only_when_the_host_falls_behind) {
     if (!cases[k].baseline) c.policy_source = offload_big;
     sim_result r;
     CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-    NEAR(r.step_us, cases[k].step);
-    NEAR(r.host_bound_us, cases[k].bound);
+    CHECK_NEAR(r.step_us, cases[k].step, 1e-6);
+    CHECK_NEAR(r.host_bound_us, cases[k].bound, 1e-6);
     sim_result_free(&r);
     sim_trace_free(t);
   }
@@ -189,10 +180,10 @@ TEST(sim_host_runs_ahead_through_a_reload_stall) {
                     " return ferry.KEEP end }";
   sim_result r;
   CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-  NEAR(r.host_wait_us, 1000);
-  NEAR(r.stall_us, 1000);
-  NEAR(r.host_bound_us, 90);
-  NEAR(r.step_us, 2130);
+  CHECK_NEAR(r.host_wait_us, 1000, 1e-6);
+  CHECK_NEAR(r.stall_us, 1000, 1e-6);
+  CHECK_NEAR(r.host_bound_us, 90, 1e-6);
+  CHECK_NEAR(r.step_us, 2130, 1e-6);
   sim_result_free(&r);
   sim_trace_free(t);
   return 0;
@@ -211,17 +202,17 @@ TEST(sim_node_apply_shares_the_presets_node) {
   CHECK(h100 && a100);
   c.link = h100->link;
   CHECK_OK(sim_node_apply(h100, 8, 1.0, 1, &c, err, sizeof err));
-  NEAR(c.link.h2d_bytes_per_s, 55e9);
-  NEAR(c.host_mem_bytes_per_s, 75e9);
-  NEAR(c.contention_hbm_bytes_per_s, 3350e9);
+  CHECK_NEAR(c.link.h2d_bytes_per_s, 55e9, 1e-6);
+  CHECK_NEAR(c.host_mem_bytes_per_s, 75e9, 1e-6);
+  CHECK_NEAR(c.contention_hbm_bytes_per_s, 3350e9, 1e-6);
   c.link = a100->link;
   CHECK_OK(sim_node_apply(a100, 8, 0.5, 0, &c, err, sizeof err));
-  NEAR(c.link.d2h_bytes_per_s, 25e9 / 2 * 0.5);
-  NEAR(c.host_mem_bytes_per_s, 409.6e9 / 8);
-  NEAR(c.contention_hbm_bytes_per_s, 0);
+  CHECK_NEAR(c.link.d2h_bytes_per_s, 25e9 / 2 * 0.5, 1e-6);
+  CHECK_NEAR(c.host_mem_bytes_per_s, 409.6e9 / 8, 1e-6);
+  CHECK_NEAR(c.contention_hbm_bytes_per_s, 0, 1e-6);
   c.link = a100->link;
   CHECK_OK(sim_node_apply(a100, 1, 1.0, 1, &c, err, sizeof err));
-  NEAR(c.link.d2h_bytes_per_s, 25e9);
+  CHECK_NEAR(c.link.d2h_bytes_per_s, 25e9, 1e-6);
   CHECK(sim_node_apply(h100, 9, 1.0, 1, &c, err, sizeof err) != 0);
   CHECK_STR_CONTAINS(err, "--gpus-per-node 9: h100 has 8 GPU(s) per node");
   CHECK(sim_node_apply(h100, 1, 0.0, 1, &c, err, sizeof err) != 0);

@@ -12,29 +12,6 @@
 #include "test.h"
 #include "test_synth.h"
 
-#define NEAR(a, b, tol)                                                                   \
-  do {                                                                                    \
-    double a_ = (a), b_ = (b);                                                            \
-    if (!(fabs(a_ - b_) <= (tol))) {                                                      \
-      fprintf(stderr, "%s:%d: NEAR failed: %s = %.6f, %s = %.6f (tol %g)\n", __FILE__,    \
-              __LINE__, #a, a_, #b, b_, (double)(tol));                                   \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
-
-static int trace_of(const synth_model *m, sim_trace **t) {
-  char err[512] = "";
-  char *text = synth_text_of(m, err, sizeof err);
-  if (!text) {
-    fprintf(stderr, "synth: %s\n", err);
-    return -1;
-  }
-  int rc = sim_trace_parse("synth", text, strlen(text), t, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  free(text);
-  return rc;
-}
-
 /* Distinct activation bytes (alias packs once) of layer's packs in phase
  * (layer -2: every layer and none). */
 static uint64_t pack_bytes(const sim_trace *t, int layer, int phase) {
@@ -246,11 +223,11 @@ TEST(sim_steady_state_begins_after_the_arena_stopped_growing) {
   /* step 3: A's copy out (100 us) hides under the compute and its unpack is
    * served from the forward stash: the compute alone, 1000 us (and so the
    * same replay without pinning cost) */
-  NEAR(three.step_us, 1000.0, 1e-6);
-  NEAR(four.step_us, 1000.0, 1e-6);
-  NEAR(plain.step_us, 1000.0, 1e-6);
-  NEAR(three.pinned_alloc_us, 0, 0);
-  NEAR(three.bytes_d2h, 100000, 0);
+  CHECK_NEAR(three.step_us, 1000.0, 1e-6);
+  CHECK_NEAR(four.step_us, 1000.0, 1e-6);
+  CHECK_NEAR(plain.step_us, 1000.0, 1e-6);
+  CHECK_NEAR(three.pinned_alloc_us, 0, 0);
+  CHECK_NEAR(three.bytes_d2h, 100000, 0);
   CHECK_EQ(three.peak_saved_bytes, 100000);
   sim_result_free(&three);
   sim_result_free(&four);
@@ -348,12 +325,12 @@ TEST(sim_synth_flash_backward_is_2_5x_forward) {
     if (ev->type == TEV_BACKWARD_BEGIN) in_bwd = 1;
     if (ev->type != TEV_COMPUTE || !ev->op) continue;
     if (!strcmp(ev->op, "self_attn.attention")) {
-      NEAR(ev->flops, in_bwd ? 83886080.0 : 33554432.0, 0);
+      CHECK_NEAR(ev->flops, in_bwd ? 83886080.0 : 33554432.0, 0);
       if (in_bwd) seen_b++;
       else seen_f++;
     }
     if (in_bwd && !strcmp(ev->op, "self_attn.q_proj")) {
-      NEAR(ev->flops, 67108864.0, 0);
+      CHECK_NEAR(ev->flops, 67108864.0, 0);
       seen_q++;
     }
   }
@@ -371,22 +348,22 @@ TEST(sim_synth_flash_backward_is_2_5x_forward) {
  * parts and 124.8 GiB on the H200). A run peaking at 75 GiB fits an H100. */
 TEST(sim_fits_is_exposed_capacity_less_the_allowance) {
   const double GiB = 1073741824.0;
-  NEAR(sim_hw_usable_bytes(sim_hw_preset("h100")) / GiB, 76.31, 1e-9);
-  NEAR(sim_hw_usable_bytes(sim_hw_preset("h200")) / GiB, 137.00, 1e-9);
-  NEAR(sim_hw_usable_bytes(sim_hw_preset("a100")) / GiB, 76.35, 1e-9);
+  CHECK_NEAR(sim_hw_usable_bytes(sim_hw_preset("h100")) / GiB, 76.31, 1e-9);
+  CHECK_NEAR(sim_hw_usable_bytes(sim_hw_preset("h200")) / GiB, 137.00, 1e-9);
+  CHECK_NEAR(sim_hw_usable_bytes(sim_hw_preset("a100")) / GiB, 76.35, 1e-9);
   /* the 40 GB A100: 39.39 GiB exposed, 36.59 usable (not the 80 GB one's) */
   CHECK(sim_hw_preset("a100-40") != NULL);
-  NEAR(sim_hw_usable_bytes(sim_hw_preset("a100-40")) / GiB, 36.59, 1e-9);
-  NEAR(sim_hw_preset("a100-40")->device_bytes, 40e9, 0);
+  CHECK_NEAR(sim_hw_usable_bytes(sim_hw_preset("a100-40")) / GiB, 36.59, 1e-9);
+  CHECK_NEAR(sim_hw_preset("a100-40")->device_bytes, 40e9, 0);
   /* GH200 480GB: vLLM #9630's 94.50 GiB, not H100's ratio (94.93) */
-  NEAR(sim_hw_usable_bytes(sim_hw_preset("gh200")) / GiB, 91.70, 1e-9);
+  CHECK_NEAR(sim_hw_usable_bytes(sim_hw_preset("gh200")) / GiB, 91.70, 1e-9);
   CHECK(75 * GiB <= sim_hw_usable_bytes(sim_hw_preset("h100")));
   /* a preset without a published capacity takes its nominal bytes */
   sim_hw custom = *sim_hw_preset("h100");
   custom.capacity_bytes = 0, custom.device_bytes = 10 * GiB;
-  NEAR(sim_hw_usable_bytes(&custom) / GiB, 7.2, 1e-9);
+  CHECK_NEAR(sim_hw_usable_bytes(&custom) / GiB, 7.2, 1e-9);
   custom.device_bytes = 1 * GiB;
-  NEAR(sim_hw_usable_bytes(&custom), 0, 0);
+  CHECK_NEAR(sim_hw_usable_bytes(&custom), 0, 0);
   return 0;
 }
 
@@ -459,7 +436,7 @@ TEST(sim_synth_optimizer_traffic_and_gpt3_preset) {
   for (uint32_t k = 0; k < t->n_events; k++) {
     const trace_ev *ev = &t->events[k];
     if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "optimizer")) {
-      NEAR(ev->hbm_bytes, 102 * per_rank, 1e-6 * per_rank);
+      CHECK_NEAR(ev->hbm_bytes, 102 * per_rank, 1e-6 * per_rank);
       seen++;
     }
   }
@@ -474,7 +451,7 @@ TEST(sim_synth_optimizer_traffic_and_gpt3_preset) {
   for (uint32_t k = 0; k < t->n_events; k++) {
     const trace_ev *ev = &t->events[k];
     if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "optimizer")) {
-      NEAR(ev->hbm_bytes, 102 * per_rank, 1e-6 * per_rank);
+      CHECK_NEAR(ev->hbm_bytes, 102 * per_rank, 1e-6 * per_rank);
       seen++;
     }
   }
@@ -488,7 +465,7 @@ TEST(sim_synth_optimizer_traffic_and_gpt3_preset) {
   for (uint32_t k = 0; k < t->n_events; k++) {
     const trace_ev *ev = &t->events[k];
     if (ev->type == TEV_COMPUTE && ev->op && !strcmp(ev->op, "optimizer"))
-      NEAR(ev->hbm_bytes, 28 * per_rank, 1e-6 * per_rank);
+      CHECK_NEAR(ev->hbm_bytes, 28 * per_rank, 1e-6 * per_rank);
   }
   sim_trace_free(t);
   CHECK_EQ(synth_preset("gpt3-1.3b", &m), 0);
@@ -787,8 +764,8 @@ TEST(sim_synth_cp_quarters_activations_and_keeps_attention_flops) {
     }
   }
   CHECK_EQ(n_fwd, 2);
-  NEAR(attn_cp, 2 * 134217728.0, 0.5);
-  NEAR(attn_cp * 4, attn_full, 0.5);
+  CHECK_NEAR(attn_cp, 2 * 134217728.0, 0.5);
+  CHECK_NEAR(attn_cp * 4, attn_full, 0.5);
   int n = 0;
   CHECK_EQ(alloc_bytes(cp, "ring attention: K/V receive buffers", &n), (uint64_t)(2 * 2) * 262144);
   CHECK_EQ(n, 4);
@@ -842,8 +819,8 @@ TEST(sim_policy_checkpointed_inputs_offloads_block_inputs_only) {
     if (rc) fprintf(stderr, "%s\n", err);
     CHECK_OK(rc);
     CHECK_EQ(r.policy_errors, 0);
-    NEAR(r.tensors_offloaded, i < 2 ? 3 : 0, 1e-9);
-    NEAR(r.bytes_d2h, i < 2 ? 3 * 131072.0 : 0, 1e-6);
+    CHECK_NEAR(r.tensors_offloaded, i < 2 ? 3 : 0, 1e-9);
+    CHECK_NEAR(r.bytes_d2h, i < 2 ? 3 * 131072.0 : 0, 1e-6);
     sim_result_free(&r);
     sim_trace_free(t);
   }

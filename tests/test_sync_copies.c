@@ -22,15 +22,6 @@ static double now_us(void) {
   return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
-#define NEAR(a, b)                                                                        \
-  do {                                                                                    \
-    double a_ = (a), b_ = (b);                                                            \
-    if (!(fabs(a_ - b_) <= 1e-6)) {                                                       \
-      fprintf(stderr, "%s:%d: %s = %.6f, want %.6f\n", __FILE__, __LINE__, #a, a_, b_); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
-
 #define PACK(id, bytes, layer)                                                              \
   "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":" #bytes ",\"dtype\":\"u8\"," \
   "\"shape\":[" #bytes "],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":" #layer "," \
@@ -76,11 +67,11 @@ TEST(sim_sync_copy_blocks_compute_by_its_copy_time) {
     c.policy_source = src;
     sim_result r;
     CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));
-    NEAR(r.tensors_offloaded, 2);
-    NEAR(r.bytes_h2d, 200000);
-    NEAR(r.step_us, cases[k].step);
-    NEAR(r.stall_us, cases[k].stall);
-    NEAR(r.host_wait_us, cases[k].host_wait);
+    CHECK_NEAR(r.tensors_offloaded, 2, 1e-6);
+    CHECK_NEAR(r.bytes_h2d, 200000, 1e-6);
+    CHECK_NEAR(r.step_us, cases[k].step, 1e-6);
+    CHECK_NEAR(r.stall_us, cases[k].stall, 1e-6);
+    CHECK_NEAR(r.host_wait_us, cases[k].host_wait, 1e-6);
     sim_result_free(&r);
   }
   /* save_on_cpu.lua's values: a bad one is refused at load, naming it */
@@ -95,6 +86,36 @@ TEST(sim_sync_copy_blocks_compute_by_its_copy_time) {
   return 0;
 }
 
+/* An engine over the device under test whose policy offloads every tensor
+ * (used on backward) with the knob sync_copies = mode; link_bytes_per_s,
+ * when not 0, sets the link's speed both ways. */
+static int sync_engine(int mode, test_device_stats *st, double link_bytes_per_s,
+                       ferry_engine **e) {
+  char src[256];
+  snprintf(src, sizeof src,
+           "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
+           " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
+  ferry_config c = test_engine_config(st);
+  c.retain = test_device_retain_cb;
+  c.policy_source = src;
+  if (link_bytes_per_s) c.link.d2h_bytes_per_s = c.link.h2d_bytes_per_s = link_bytes_per_s;
+  char err[512] = "";
+  int rc = ferry_engine_create(&c, e, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  return rc;
+}
+
+/* A 1-D activation of bytes u8 elements. */
+static ferry_tensor_desc u8_activation(size_t bytes) {
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  d.bytes = bytes;
+  d.dtype = FERRY_DTYPE_U8;
+  d.kind = FERRY_KIND_ACTIVATION;
+  d.ndim = 1;
+  d.shape[0] = bytes;
+  return d;
+}
+
 /* The engine itself waits, on the backend under test: a 2 MiB offload and
  * its reload with sync_copies 0, 1 and 2. Host backend (a 100 MB/s link):
  * the compute stream is the calling thread, so a synchronous pack returns
@@ -105,20 +126,9 @@ TEST(sim_sync_copy_blocks_compute_by_its_copy_time) {
 TEST(sync_copies_engine_waits_for_each_copy) {
   enum { SZ = 2 << 20 };
   for (int mode = 0; mode <= 2; mode++) {
-    char src[256];
-    snprintf(src, sizeof src,
-             "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
-             " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
     test_device_stats st = {0};
-    ferry_config c = test_engine_config(&st);
-    c.retain = test_device_retain_cb;
-    c.policy_source = src;
-    c.link.d2h_bytes_per_s = c.link.h2d_bytes_per_s = 100e6;
     ferry_engine *e = NULL;
-    char err[512] = "";
-    int rc = ferry_engine_create(&c, &e, err, sizeof err);
-    if (rc) fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    CHECK_OK(sync_engine(mode, &st, 100e6, &e));
     ferry_knobs k;
     CHECK_OK(ferry_get_knobs(e, &k, sizeof k));
     CHECK_EQ(k.sync_copies, (uint32_t)mode);
@@ -127,12 +137,7 @@ TEST(sync_copies_engine_waits_for_each_copy) {
     static unsigned char bytes[SZ], back[SZ];
     for (size_t i = 0; i < SZ; i++) bytes[i] = (unsigned char)(i * 131u + (unsigned)mode);
     test_dev_write(b->ptr, bytes, SZ);
-    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-    d.bytes = SZ;
-    d.dtype = FERRY_DTYPE_U8;
-    d.kind = FERRY_KIND_ACTIVATION;
-    d.ndim = 1;
-    d.shape[0] = SZ;
+    ferry_tensor_desc d = u8_activation(SZ);
     CHECK_OK(ferry_step_begin(e));
 #ifdef FERRY_TEST_CUDA_DOUBLE
     long waits0 = cuda_double_calls("cudaStreamWaitEvent");
@@ -184,25 +189,12 @@ TEST(sync_copies_compute_waits_before_overwriting_the_saved_buffer) {
   CHECK_EQ(cudaHostAlloc(&pinned, SZ, 0), cudaSuccess);
   memset(pinned, 0x5a, SZ);
   for (int mode = 0; mode <= 1; mode++) {
-    char src[256];
-    snprintf(src, sizeof src,
-             "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
-             " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
     test_device_stats st = {0};
-    ferry_config c = test_engine_config(&st);
-    c.retain = test_device_retain_cb;
-    c.policy_source = src;
     ferry_engine *e = NULL;
-    char err[512] = "";
-    CHECK_OK(ferry_engine_create(&c, &e, err, sizeof err));
+    CHECK_OK(sync_engine(mode, &st, 0, &e));
     test_buffer *b = test_buffer_new(SZ);
     CHECK(b);
-    ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-    d.bytes = SZ;
-    d.dtype = FERRY_DTYPE_U8;
-    d.kind = FERRY_KIND_ACTIVATION;
-    d.ndim = 1;
-    d.shape[0] = SZ;
+    ferry_tensor_desc d = u8_activation(SZ);
     CHECK_OK(ferry_step_begin(e));
     cuda_double_clear_violations();
     cuda_double_pause_streams(1);

@@ -1,9 +1,11 @@
-/* test_synth.h — the synthesizer's text of a model, for the sim tests. */
+/* test_synth.h — the synthesizer's text and trace of a model, for the sim
+ * tests. */
 #ifndef FERRY_TEST_SYNTH_H
 #define FERRY_TEST_SYNTH_H
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ferry_tools.h"
 
@@ -20,6 +22,21 @@ static inline char *synth_text_of(const synth_model *m, char *err, size_t errlen
     return NULL;
   }
   return buf;
+}
+
+/* The parsed trace of m's synthesized text; nonzero (the error printed) on
+ * failure. */
+static inline int trace_of(const synth_model *m, sim_trace **t) {
+  char err[512] = "";
+  char *text = synth_text_of(m, err, sizeof err);
+  if (!text) {
+    fprintf(stderr, "synth: %s\n", err);
+    return -1;
+  }
+  int rc = sim_trace_parse("synth", text, strlen(text), t, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  free(text);
+  return rc;
 }
 
 #endif

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 
+from cli_report import finish
+
 FERRY = sys.argv[1]
 GB = 1e9
 
@@ -56,11 +58,7 @@ def main():
         if node.get("gpus_per_node") != 1 or node.get("contention") is not True or \
                 node.get("host_overhead_us") != 10:
             failures.append(f"default node = {node!r}")
-    for f in failures:
-        print("FAIL", f)
-    if failures:
-        sys.exit(f"{len(failures)} failure(s)")
-    print("ok   ferry sim reports the priced link and the node settings")
+    finish(failures, "ok   ferry sim reports the priced link and the node settings")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 
+from cli_report import finish
+
 FERRY = sys.argv[1]
 
 
@@ -41,11 +43,8 @@ def main():
         r = sim(eight, "--nodes", "16")
         if r.returncode == 0 or "spans 16 nodes (--nodes) but has 8 ranks" not in r.stderr:
             failures.append(f"s8 --nodes 16: exit {r.returncode}, stderr {r.stderr[-300:]!r}")
-    for f in failures:
-        print("FAIL", f)
-    if failures:
-        sys.exit(f"{len(failures)} failure(s)")
-    print("ok   ferry sim --nodes: a trace with nothing to send is named; too many nodes refused")
+    finish(failures, "ok   ferry sim --nodes: a trace with nothing to send is named; "
+           "too many nodes refused")
 
 
 if __name__ == "__main__":

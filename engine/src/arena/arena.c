@@ -108,6 +108,13 @@ uint64_t arena_backend_release(ferry_arena *a, uintptr_t addr, size_t size) {
   return size;
 }
 
+uint64_t arena_release_chunks(ferry_arena *a, arena_chunk *gone, size_t n) {
+  uint64_t released = 0;
+  for (size_t i = 0; i < n; i++) released += arena_backend_release(a, gone[i].addr, gone[i].size);
+  free(gone);
+  return released;
+}
+
 const arena_chunk *arena_ledger_find_locked(ferry_arena *a, uintptr_t addr) {
   size_t at = ledger_upper_bound(a, addr);
   if (at == 0) return NULL;

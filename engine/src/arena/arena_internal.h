@@ -83,6 +83,9 @@ void *arena_backend_reserve(ferry_arena *a, size_t bytes, size_t alignment,
  * shared budget told. Returns its size, 0 when addr is not a chunk's start
  * or size is not its size (logged). Call without a->lock held. */
 uint64_t arena_backend_release(ferry_arena *a, uintptr_t addr, size_t size);
+/* A trim's end: gives each of gone[0..n) back (arena_backend_release), frees
+ * gone and returns the bytes given back. Call without a->lock held. */
+uint64_t arena_release_chunks(ferry_arena *a, arena_chunk *gone, size_t n);
 /* The ledger chunk holding addr, or NULL. Caller holds a->lock; the pointer
  * is valid until the ledger changes. */
 const arena_chunk *arena_ledger_find_locked(ferry_arena *a, uintptr_t addr);

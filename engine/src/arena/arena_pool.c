@@ -335,11 +335,7 @@ static uint64_t pool_trim(ferry_arena *a, uint64_t keep_bytes) {
     }
   }
   pthread_mutex_unlock(&a->lock);
-  uint64_t released = 0;
-  for (size_t i = 0; i < n_gone; i++)
-    released += arena_backend_release(a, gone[i].addr, gone[i].size);
-  free(gone);
-  return released;
+  return arena_release_chunks(a, gone, n_gone);
 }
 
 static const arena_kind_ops pool_kind_ops = {
