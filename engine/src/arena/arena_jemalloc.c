@@ -14,6 +14,7 @@
 #include <jemalloc/jemalloc.h>
 
 #include "arena/arena_internal.h"
+#include "util/util.h"
 #include "util/log.h"
 
 /* Where retained grows do happen (see je_hook_alloc), grow by no more than
@@ -72,18 +73,13 @@ typedef struct je_arena {
    * first; a trim gives each chunk they wholly cover back to the backend.
    * Under owner->lock. */
   arena_chunk *spare;
-  size_t n_spare, spare_cap;
+  uint32_t n_spare, spare_cap;
 } je_arena;
 
 /* Caller holds owner->lock. 0, or -1 when the list cannot grow. */
 static int je_spare_add(je_arena *ja, uintptr_t addr, size_t size) {
-  if (ja->n_spare == ja->spare_cap) {
-    size_t cap = ja->spare_cap ? ja->spare_cap * 2 : 32;
-    arena_chunk *grown = realloc(ja->spare, cap * sizeof *grown);
-    if (!grown) return -1;
-    ja->spare = grown;
-    ja->spare_cap = cap;
-  }
+  if (util_grow((void **)&ja->spare, &ja->spare_cap, sizeof *ja->spare, ja->n_spare + 1, 32))
+    return -1;
   ja->spare[ja->n_spare++] = (arena_chunk){addr, size};
   return 0;
 }
@@ -95,7 +91,7 @@ static void *je_spare_take(je_arena *ja, size_t size, size_t alignment) {
   ferry_arena *a = ja->owner;
   void *p = NULL;
   pthread_mutex_lock(&a->lock);
-  for (size_t i = 0; i < ja->n_spare && !p; i++) {
+  for (uint32_t i = 0; i < ja->n_spare && !p; i++) {
     arena_chunk sp = ja->spare[i];
     uintptr_t start = (sp.addr + alignment - 1) & ~(uintptr_t)(alignment - 1);
     if (start - sp.addr > sp.size || sp.size - (start - sp.addr) < size) continue;
@@ -239,8 +235,8 @@ static uint64_t je_trim(ferry_arena *a, uint64_t keep_bytes) {
   size_t n_gone = 0;
   if (gone) {
     qsort(ja->spare, ja->n_spare, sizeof *ja->spare, cmp_spare);
-    size_t n = 0;
-    for (size_t i = 0; i < ja->n_spare; i++) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < ja->n_spare; i++) {
       arena_chunk sp = ja->spare[i];
       const arena_chunk *c = arena_ledger_find_locked(a, sp.addr);
       if (n && c && ja->spare[n - 1].addr + ja->spare[n - 1].size == sp.addr &&
@@ -252,7 +248,7 @@ static uint64_t je_trim(ferry_arena *a, uint64_t keep_bytes) {
     ja->n_spare = n;
     uint64_t reserved = a->stats.reserved;
     n = 0;
-    for (size_t i = 0; i < ja->n_spare; i++) {
+    for (uint32_t i = 0; i < ja->n_spare; i++) {
       arena_chunk sp = ja->spare[i];
       const arena_chunk *c = arena_ledger_find_locked(a, sp.addr);
       if (c && c->addr == sp.addr && c->size == sp.size && reserved >= sp.size &&
