@@ -44,4 +44,9 @@ int bench_engine_instr(const char *which, long iters);
 /* iters uncached decisions of the shipped policy `name`, after the steady
  * steps bench_policy runs first (for callgrind: bench_main's --instr). */
 int bench_policy_instr(const char *name, long iters);
+/* A trace of `steps` steps read (which "parse"), replayed ("replay") or
+ * both ("whole"), only that counted (bench_sim.c). */
+int bench_sim_instr(const char *which, long steps);
+/* Trace events per step of the trace bench_sim_instr reads; -1 on failure. */
+double bench_sim_events_per_step(void);
 #endif

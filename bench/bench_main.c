@@ -23,8 +23,8 @@ extern char **environ;
 /* Instructions per iteration of `which`, from two callgrind runs of
  * different lengths (their difference cancels start-up costs). -1 if
  * valgrind is not available. */
-static double callgrind_per_iter(const char *self, const char *which) {
-  long iters[2] = {20000, 60000};
+static double callgrind_per_iter_of(const char *self, const char *which, long lo, long hi) {
+  long iters[2] = {lo, hi};
   double total[2];
   for (int k = 0; k < 2; k++) {
     char out[] = "/tmp/ferry-callgrind-XXXXXX";
@@ -53,6 +53,10 @@ static double callgrind_per_iter(const char *self, const char *which) {
   return (total[1] - total[0]) / (double)(iters[1] - iters[0]);
 }
 
+static double callgrind_per_iter(const char *self, const char *which) {
+  return callgrind_per_iter_of(self, which, 20000, 60000);
+}
+
 int main(int argc, char **argv) {
   const char *json_path = "build/bench.json", *only = NULL;
   static const struct option opts[] = {{"json", required_argument, 0, 'j'},
@@ -68,6 +72,7 @@ int main(int argc, char **argv) {
     case 'i': {
       long n = optind < argc ? atol(argv[optind]) : 10000;
       if (!strncmp(optarg, "decide:", 7)) return bench_policy_instr(optarg + 7, n);
+      if (!strncmp(optarg, "sim:", 4)) return bench_sim_instr(optarg + 4, n);
       return bench_engine_instr(optarg, n);
     }
     default:
@@ -104,6 +109,23 @@ int main(int argc, char **argv) {
     if (hb > 0)
       bench_metric(r, "decide_uncached_instr_host_budget", hb, "instr",
                    "callgrind, per uncached host_budget.lua decision, as measured in ns");
+  }
+  if (!only || !strcmp(only, "sim")) {
+    /* per trace event, over the steps between a 2- and a 6-step trace */
+    static const char *const parts[3][2] = {{"parse", "sim_parse_instr_per_event"},
+                                            {"replay", "sim_replay_instr_per_event"},
+                                            {"whole", "sim_instr_per_event"}};
+    double per_step = bench_sim_events_per_step();
+    for (int k = 0; k < 3 && per_step > 0; k++) {
+      char which[32];
+      snprintf(which, sizeof which, "sim:%s", parts[k][0]);
+      double instr = callgrind_per_iter_of(argv[0], which, 2, 6);
+      if (instr > 0)
+        bench_metric(r, parts[k][1], instr / per_step, "instr",
+                     k == 0   ? "callgrind, sim_trace_load per trace event (llama3-8b)"
+                     : k == 1 ? "callgrind, sim_replay per trace event, default.lua, h100"
+                              : "callgrind, both: what sim_events_per_s times");
+    }
   }
   if (bench_report_close(r, json_path)) return 1;
   printf("wrote %s\n", json_path);

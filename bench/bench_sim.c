@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <valgrind/callgrind.h>
 
 #include "bench.h"
 #include "ferry_tools.h"
@@ -95,6 +96,87 @@ static void bench_floor(bench_report *r) {
                "budget.lua's peak / default.lua's (<= 1: at least its memory reduction)");
   for (int i = 0; i < 2; i++) sim_result_free(&res[i]);
   sim_trace_free(t);
+}
+
+/* The preset's trace of `steps` steps written to a temporary file (its path
+ * in path); 0, or -1 with the reason printed. */
+static int synth_file(int steps, char *path, size_t n) {
+  synth_model m;
+  synth_preset("llama3-8b", &m);
+  m.steps = steps;
+  size_t len = 0;
+  char *buf = synth_text(&m, &len);
+  if (!buf) return -1;
+  const char *tmp = getenv("TMPDIR");
+  snprintf(path, n, "%s/ferry-bench-sim-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+  int fd = mkstemp(path);
+  int wrote = fd >= 0 && write(fd, buf, len) == (ssize_t)len;
+  if (fd >= 0) close(fd);
+  free(buf);
+  if (!wrote) {
+    fprintf(stderr, "bench_sim: cannot write the trace to %s\n", path);
+    if (fd >= 0) unlink(path);
+    return -1;
+  }
+  return 0;
+}
+
+/* Trace events per step of the preset (the difference of two lengths, so
+ * the lines before the first step do not count). */
+double bench_sim_events_per_step(void) {
+  uint32_t events[2] = {0, 0};
+  for (int k = 0; k < 2; k++) {
+    synth_model m;
+    synth_preset("llama3-8b", &m);
+    m.steps = 1 + k;
+    size_t len = 0;
+    char *buf = synth_text(&m, &len), err[256];
+    sim_trace *t = NULL;
+    if (!buf || sim_trace_parse("llama3-8b", buf, len, &t, err, sizeof err)) {
+      free(buf);
+      return -1;
+    }
+    events[k] = t->n_events;
+    sim_trace_free(t);
+    free(buf);
+  }
+  return (double)(events[1] - events[0]);
+}
+
+/* Instruction-count mode (bench_main's --instr sim:WHICH STEPS, under
+ * callgrind): a trace of `steps` steps read from its file (parse: only
+ * sim_trace_load is counted), replayed (replay: only sim_replay), or both
+ * (whole), as bench_sim times them. */
+int bench_sim_instr(const char *which, long steps) {
+  char path[1200], err[512], policy[1200];
+  int parse = !strcmp(which, "parse"), replay = !strcmp(which, "replay");
+  if (!parse && !replay && strcmp(which, "whole")) {
+    fprintf(stderr, "bench_sim: --instr sim:parse|replay|whole, not sim:%s\n", which);
+    return 1;
+  }
+  if (synth_file((int)steps, path, sizeof path)) return 1;
+  policy_path("default", policy, sizeof policy);
+  const sim_hw *hw = sim_hw_preset("h100");
+  sim_config c = {0};
+  c.link = hw->link;
+  c.duplex_d2h = hw->duplex_d2h;
+  c.duplex_h2d = hw->duplex_h2d;
+  c.policy_path = policy;
+  sim_trace *t = NULL;
+  sim_result res;
+  if (!replay) CALLGRIND_TOGGLE_COLLECT;
+  int rc = sim_trace_load(path, &t, err, sizeof err);
+  if (!replay) CALLGRIND_TOGGLE_COLLECT;
+  unlink(path);
+  if (!rc) {
+    if (!parse) CALLGRIND_TOGGLE_COLLECT;
+    rc = sim_replay(t, &c, &res, err, sizeof err);
+    if (!parse) CALLGRIND_TOGGLE_COLLECT;
+    if (!rc) sim_result_free(&res);
+  }
+  sim_trace_free(t);
+  if (rc) fprintf(stderr, "bench_sim: %s\n", err);
+  return rc ? 1 : 0;
 }
 
 void bench_sim(bench_report *r) {

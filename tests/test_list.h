@@ -167,6 +167,8 @@
   X(trace_fast_parser_agrees_or_passes_on)                              \
   X(trace_fast_parser_strings_of_every_length)                          \
   X(trace_fast_parser_numbers_read_exactly)                             \
+  X(trace_fast_parser_mutants_read_as_simdjson_reads)                  \
+  X(trace_fast_parser_member_names_exactly)                            \
   X(sim_duplex_slows_both_directions_exactly)                           \
   X(sim_stream_waits_for_compute_event)                                 \
   X(sim_wait_on_a_later_stream_starts_at_once)                          \

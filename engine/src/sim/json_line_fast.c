@@ -20,67 +20,71 @@ static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
                                  1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
                                  1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 
-/* Each function takes the position and the end of the line and returns the
- * position after what it read, or NULL to pass the line on: the position
- * stays in a register. */
+/* The line is copied into f->buf with NUL bytes after it, so that no scan
+ * tests for the end: a NUL is no byte of any JSON token, so every scan
+ * stops there and the line is passed on, unless the object closed exactly
+ * at the end. (A NUL inside the line stops the scan the same way.) Strings
+ * are then ended in place, their closing quote overwritten. Each function
+ * takes the position and returns the position after what it read, or NULL
+ * to pass the line on. */
+#define TAIL 16 /* NUL bytes after the copy: the 8-byte loads stay in it */
 
-static inline int is_digit(char c) { return c >= '0' && c <= '9'; }
+static inline int is_digit(char c) { return (unsigned char)(c - '0') < 10; }
 
-/* JSON's whitespace; the first test passes over the usual case (none):
- * every whitespace byte is at most ' ' */
-static inline const char *skip_ws(const char *p, const char *e) {
-  while (p < e && (unsigned char)*p <= ' ' && (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n'))
-    p++;
+/* JSON's whitespace (the NUL after the line is none) */
+static inline char *skip_ws(char *p) {
+  while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++;
   return p;
 }
 
-/* The number at p into *out. */
-static inline const char *number(const char *p, const char *e, double *out) {
+/* The number at p into *out. Every digit goes into w (wrapping past 19
+ * digits, when the number is passed on anyway). */
+static inline char *number(char *p, double *out) {
   int neg = *p == '-';
   p += neg;
-  if (p >= e || !is_digit(*p)) return NULL;
   uint64_t w = 0;
-  int digits = 0, exp10 = 0, is_int = 1;
+  const char *first = p;
   if (*p == '0') {
     p++;
-    if (p < e && is_digit(*p)) return NULL; /* a leading zero: not JSON */
+    if (is_digit(*p)) return NULL; /* a leading zero: not JSON */
   } else {
-    for (; p < e && is_digit(*p); p++, digits++)
-      if (digits < 19) w = w * 10 + (uint64_t)(*p - '0');
+    for (; is_digit(*p); p++) w = w * 10 + (uint64_t)(*p - '0');
+    if (p == first) return NULL;
   }
-  if (p < e && *p == '.') {
-    is_int = 0;
-    p++;
-    if (p >= e || !is_digit(*p)) return NULL;
-    for (; p < e && is_digit(*p); p++, digits++, exp10--)
-      if (digits < 19) w = w * 10 + (uint64_t)(*p - '0');
+  int digits = (int)(p - first) - (*first == '0'), exp10 = 0; /* as w holds them */
+  if (*p != '.' && (*p | 0x20) != 'e') { /* an integer: the usual case */
+    if (digits > 18) return NULL;
+    *out = (double)(neg ? -(int64_t)w : (int64_t)w); /* simdjson's int64, converted */
+    return p;
   }
-  if (p < e && (*p == 'e' || *p == 'E')) {
-    is_int = 0;
+  if (*p == '.') {
+    const char *frac = ++p;
+    for (; is_digit(*p); p++) w = w * 10 + (uint64_t)(*p - '0');
+    if (p == frac) return NULL;
+    exp10 = -(int)(p - frac);
+    digits -= exp10;
+  }
+  if ((*p | 0x20) == 'e') {
     p++;
     int eneg = 0;
-    if (p < e && (*p == '+' || *p == '-')) eneg = *p++ == '-';
-    if (p >= e || !is_digit(*p)) return NULL;
+    if (*p == '+' || *p == '-') eneg = *p++ == '-';
+    if (!is_digit(*p)) return NULL;
     int x = 0;
-    for (; p < e && is_digit(*p); p++)
+    for (; is_digit(*p); p++)
       if (x < 100000) x = x * 10 + (*p - '0');
     exp10 += eneg ? -x : x;
   }
   if (digits > 19) return NULL; /* w did not keep every digit */
-  if (is_int) {
-    if (digits > 18) return NULL;
-    *out = (double)(neg ? -(int64_t)w : (int64_t)w); /* simdjson's int64, converted */
-  } else {
-    if (w > (1ull << 53) || exp10 < -22 || exp10 > 22) return NULL;
-    double v = exp10 < 0 ? (double)w / POW10[-exp10] : (double)w * POW10[exp10];
-    *out = neg ? -v : v;
-  }
+  if (w > (1ull << 53) || exp10 < -22 || exp10 > 22) return NULL;
+  double v = exp10 < 0 ? (double)w / POW10[-exp10] : (double)w * POW10[exp10];
+  *out = neg ? -v : v;
   return p;
 }
 
 /* The bytes of x (little-endian: lowest first) that end a string or that
- * this path passes on: '"', '\\', below 0x20 (controls), from 0x80 (UTF-8).
- * Their high bits; the lowest set one marks the first such byte exactly. */
+ * this path passes on: '"', '\\', below 0x20 (controls, the NUL after the
+ * line), from 0x80 (UTF-8). Their high bits; the lowest set one marks the
+ * first such byte exactly. */
 static inline uint64_t string_stops(uint64_t x) {
   const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
   uint64_t quote = x ^ (ones * '"'), slash = x ^ (ones * '\\');
@@ -89,68 +93,123 @@ static inline uint64_t string_stops(uint64_t x) {
   return (zero_quote | zero_slash | below_space | x) & highs;
 }
 
-/* The closing quote of the string whose text starts at p. */
-static inline const char *string_end(const char *p, const char *e) {
-  for (;;) {
-    if (p + 8 <= e) { /* 8 bytes a test */
-      uint64_t x;
-      memcpy(&x, p, 8);
-      uint64_t stops = string_stops(x);
-      if (!stops) {
-        p += 8;
-        continue;
-      }
-      p += __builtin_ctzll(stops) >> 3;
-    } else {
-      while (p < e && *p != '"' && *p != '\\' && (unsigned char)*p >= 0x20 &&
-             (unsigned char)*p < 0x80)
-        p++;
-      if (p >= e) return NULL;
+static inline uint64_t load8(const char *p) {
+  uint64_t x;
+  memcpy(&x, p, 8);
+  return x;
+}
+
+/* The closing quote of the string whose text starts at p, 8 bytes a test
+ * (the NUL after the line stops it); NULL for an escape, a control or
+ * UTF-8, which are passed on. */
+static inline char *string_end(char *p) {
+  uint64_t stops;
+  while (!(stops = string_stops(load8(p)))) p += 8;
+  p += __builtin_ctzll(stops) >> 3;
+  return *p == '"' ? p : NULL;
+}
+
+/* The bytes of a name of up to 8 letters, as a little-endian load reads them. */
+#define K8(a, b, c, d, e, f, g, h)                                                             \
+  ((uint64_t)(a) | (uint64_t)(b) << 8 | (uint64_t)(c) << 16 | (uint64_t)(d) << 24 |            \
+   (uint64_t)(e) << 32 | (uint64_t)(f) << 40 | (uint64_t)(g) << 48 | (uint64_t)(h) << 56)
+
+/* The key of the member name at p (after its quote), and *end its closing
+ * quote; -1 for a name the reader ignores, NULL *end for one this path
+ * passes on. A name of at most 8 bytes is one masked load compared as a
+ * number (the switch is a few comparisons); a longer one, a word more. */
+static inline int member_key(char *p, char **end) {
+  uint64_t w = load8(p), stops = string_stops(w);
+  if (!stops) { /* 8 bytes or more */
+    *end = string_end(p + 8);
+    if (!*end) return -1;
+    size_t n = (size_t)(*end - p);
+    if (n == 8) {
+      if (w == K8('d', 'e', 'c', 'i', 's', 'i', 'o', 'n')) return JK_DECISION;
+      if (w == K8('a', 'l', 'i', 'a', 's', '_', 'o', 'f')) return JK_ALIAS_OF;
+      return -1;
     }
-    /* an escape, a control or UTF-8: passed on */
-    return *p == '"' ? p : NULL;
+    if (n > 16) return -1;
+    uint64_t w2 = load8(p + 8) & (~0ull >> (64 - 8 * (n - 8))); /* the bytes after the 8th */
+    if (w == K8('h', 'b', 'm', '_', 'b', 'y', 't', 'e') && w2 == 's') return JK_HBM_BYTES;
+    if (w == K8('t', 'r', 'a', 'n', 's', 'i', 'e', 'n') && w2 == 't') return JK_TRANSIENT;
+    if (w == K8('l', 'a', 'y', 'e', 'r', '_', 'b', 'y') && w2 == K8('t', 'e', 's', 0, 0, 0, 0, 0))
+      return JK_LAYER_BYTES;
+    return -1;
+  }
+  int at = __builtin_ctzll(stops) >> 3;
+  *end = p + at;
+  if (p[at] != '"') {
+    *end = NULL;
+    return -1;
+  }
+  w &= at ? ~0ull >> (64 - 8 * at) : 0;
+  switch (w) {
+  case K8('e', 'v', 0, 0, 0, 0, 0, 0): return JK_EV;
+  case K8('t', '_', 'u', 's', 0, 0, 0, 0): return JK_T_US;
+  case K8('i', 'd', 0, 0, 0, 0, 0, 0): return JK_ID;
+  case K8('s', 't', 'e', 'p', 0, 0, 0, 0): return JK_STEP;
+  case K8('b', 'y', 't', 'e', 's', 0, 0, 0): return JK_BYTES;
+  case K8('d', 't', 'y', 'p', 'e', 0, 0, 0): return JK_DTYPE;
+  case K8('s', 'h', 'a', 'p', 'e', 0, 0, 0): return JK_SHAPE;
+  case K8('k', 'i', 'n', 'd', 0, 0, 0, 0): return JK_KIND;
+  case K8('p', 'h', 'a', 's', 'e', 0, 0, 0): return JK_PHASE;
+  case K8('l', 'a', 'y', 'e', 'r', 0, 0, 0): return JK_LAYER;
+  case K8('l', 'a', 'y', 'e', 'r', 's', 0, 0): return JK_LAYERS;
+  case K8('f', 'l', 'a', 'g', 's', 0, 0, 0): return JK_FLAGS;
+  case K8('m', 'o', 'd', 'u', 'l', 'e', 0, 0): return JK_MODULE;
+  case K8('c', 'l', 'a', 's', 's', 0, 0, 0): return JK_CLASS;
+  case K8('a', 'l', 'i', 'a', 's', 0, 0, 0): return JK_ALIAS;
+  case K8('f', 'l', 'o', 'p', 's', 0, 0, 0): return JK_FLOPS;
+  case K8('u', 's', 0, 0, 0, 0, 0, 0): return JK_US;
+  case K8('o', 'p', 0, 0, 0, 0, 0, 0): return JK_OP;
+  case K8('f', 'o', 'r', 'm', 'a', 't', 0, 0): return JK_FORMAT;
+  case K8('v', 'e', 'r', 's', 'i', 'o', 'n', 0): return JK_VERSION;
+  case K8('b', 'a', 'c', 'k', 'e', 'n', 'd', 0): return JK_BACKEND;
+  case K8('w', 'h', 'a', 't', 0, 0, 0, 0): return JK_WHAT;
+  case K8('m', 'i', 'n', '_', 'u', 's', 0, 0): return JK_MIN_US;
+  case K8('r', 'a', 'n', 'k', 's', 0, 0, 0): return JK_RANKS;
+  default: return -1;
   }
 }
 
-/* A scalar at p into *v, its string copied to *strs (v NULL: checked only). */
-static inline const char *scalar(const char *p, const char *e, json_value *v, char **strs) {
+/* A scalar at p into *v (v NULL: checked only); a string is ended in place. */
+static inline char *scalar(char *p, json_value *v) {
   json_value scratch;
   if (!v) v = &scratch;
   switch (*p) {
   case '"': {
-    const char *end = string_end(p + 1, e);
+    char *end = string_end(p + 1);
     if (!end) return NULL;
+    *end = 0;
     v->type = JV_STRING;
-    if (v != &scratch) {
-      size_t len = (size_t)(end - p - 1);
-      memcpy(*strs, p + 1, len);
-      (*strs)[len] = 0;
-      v->str = *strs;
-      *strs += len + 1;
-    }
+    v->str = p + 1;
     return end + 1;
   }
-  case 't': v->type = JV_TRUE; return e - p >= 4 && !memcmp(p, "true", 4) ? p + 4 : NULL;
-  case 'f': v->type = JV_FALSE; return e - p >= 5 && !memcmp(p, "false", 5) ? p + 5 : NULL;
-  case 'n': v->type = JV_OTHER; return e - p >= 4 && !memcmp(p, "null", 4) ? p + 4 : NULL;
-  default: v->type = JV_NUMBER; return number(p, e, &v->num);
+  case 't': v->type = JV_TRUE; return !memcmp(p, "true", 4) ? p + 4 : NULL;
+  case 'f': v->type = JV_FALSE; return !memcmp(p, "false", 5) ? p + 5 : NULL;
+  case 'n': v->type = JV_OTHER; return !memcmp(p, "null", 4) ? p + 4 : NULL;
+  default: v->type = JV_NUMBER; return number(p, &v->num);
   }
 }
 
 /* An array of scalars after its '[' (its items kept in out->shape if keep). */
-static const char *array(const char *p, const char *e, json_line *out, int keep, char **strs) {
-  p = skip_ws(p + 1, e);
-  if (p < e && *p == ']') return p + 1;
+static char *array(char *p, json_line *out, int keep) {
+  p = skip_ws(p + 1);
+  if (*p == ']') return p + 1;
   for (;;) {
-    if (p >= e || *p == '[' || *p == '{') return NULL;
+    if (*p == '[' || *p == '{') return NULL;
     json_value *v = keep && out->shape_n < FERRY_MAX_DIMS ? &out->shape[out->shape_n] : NULL;
-    if (!(p = scalar(p, e, v, strs))) return NULL;
+    if (!(p = scalar(p, v))) return NULL;
     if (keep) out->shape_n++;
-    p = skip_ws(p, e);
-    if (p >= e) return NULL;
+    if (*p == ',') {
+      p = skip_ws(p + 1);
+      continue;
+    }
+    p = skip_ws(p);
     if (*p == ']') return p + 1;
     if (*p != ',') return NULL;
-    p = skip_ws(p + 1, e);
+    p = skip_ws(p + 1);
   }
 }
 
@@ -165,47 +224,53 @@ int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_l
   out->shape_n = 0;
   out->is_object = 0;
   if (max_depth < 1) return -1;
-  /* every string's copy and its NUL fit in the line's length plus one */
-  if (f->cap < n + 1) {
-    char *b = realloc(f->buf, n + 1);
+  if (f->cap < n + TAIL) {
+    char *b = realloc(f->buf, n + TAIL);
     if (!b) return -1;
     f->buf = b;
-    f->cap = n + 1;
+    f->cap = n + TAIL;
   }
-  char *strs = f->buf;
-  const char *p = skip_ws(s, s + n), *e = s + n;
-  if (p >= e || *p != '{') return -1;
-  p = skip_ws(p + 1, e);
-  if (p < e && *p == '}') {
+  char *p = f->buf, *e = f->buf + n;
+  memcpy(p, s, n);
+  memset(e, 0, TAIL);
+  p = skip_ws(p);
+  if (*p != '{') return -1;
+  p = skip_ws(p + 1);
+  if (*p == '}') {
     p++;
   } else {
     for (;;) {
-      if (p >= e || *p != '"') return -1;
-      const char *k = p + 1, *kend = string_end(k, e);
+      if (*p != '"') return -1;
+      char *kend;
+      int key = member_key(p + 1, &kend);
       if (!kend) return -1;
-      int key = json_key_find(k, (size_t)(kend - k));
-      p = skip_ws(kend + 1, e);
-      if (p >= e || *p != ':') return -1;
-      p = skip_ws(p + 1, e);
-      if (p >= e) return -1;
+      p = kend + 1;
+      if (*p != ':') {
+        p = skip_ws(p);
+        if (*p != ':') return -1;
+      }
+      p = skip_ws(p + 1);
       json_value *v = json_line_slot(out, key);
       if (*p == '[') {
-        if (max_depth < 2 || !(p = array(p, e, out, key == JK_SHAPE && v, &strs))) return -1;
+        if (max_depth < 2 || !(p = array(p, out, key == JK_SHAPE && v))) return -1;
         if (v) v->type = JV_ARRAY;
-      } else if (*p == '{' || !(p = scalar(p, e, v, &strs))) {
+      } else if (*p == '{' || !(p = scalar(p, v))) {
         return -1;
       }
-      p = skip_ws(p, e);
-      if (p >= e) return -1;
+      if (*p == ',') {
+        p = skip_ws(p + 1);
+        continue;
+      }
+      p = skip_ws(p);
       if (*p == '}') {
         p++;
         break;
       }
       if (*p != ',') return -1;
-      p = skip_ws(p + 1, e);
+      p = skip_ws(p + 1);
     }
   }
-  if (skip_ws(p, e) != e) return -1;
+  if (skip_ws(p) != e) return -1;
   out->is_object = 1;
   return 0;
 }
