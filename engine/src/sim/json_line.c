@@ -45,6 +45,7 @@ static void from_cjson(json_value *v, const cJSON *x) {
   } else if (cJSON_IsString(x) && x->valuestring) {
     v->type = JV_STRING;
     v->str = x->valuestring;
+    v->len = (uint32_t)strlen(x->valuestring);
   } else if (cJSON_IsTrue(x)) {
     v->type = JV_TRUE;
   } else if (cJSON_IsFalse(x)) {

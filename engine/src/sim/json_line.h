@@ -38,6 +38,7 @@ typedef enum json_type {
 
 typedef struct json_value {
   uint8_t type;    /* json_type */
+  uint32_t len;    /* JV_STRING: strlen(str) */
   double num;      /* JV_NUMBER */
   const char *str; /* JV_STRING: valid until the next line is parsed */
 } json_value;
@@ -117,8 +118,16 @@ void json_line_from_cjson(const struct cJSON *o, json_line *out);
  * decide); never accepts what simdjson would refuse. Strings live in *f
  * until the next line. f starts zeroed; json_fast_free gives it back. */
 typedef struct json_fast {
-  char *buf;
+  char *buf; /* the line's copy */
   size_t cap;
+  /* `"name":` of each member as two little-endian words and their masks
+   * (built on the first line), and the member that followed each member
+   * last time (next[JK_COUNT]: the first of a line): tried first, by
+   * comparing those bytes */
+  uint64_t name_word[JK_COUNT][2], name_mask[JK_COUNT][2];
+  uint8_t name_len[JK_COUNT];
+  uint8_t next[JK_COUNT + 1];
+  int ready;
 } json_fast;
 int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_line *out);
 void json_fast_free(json_fast *f);

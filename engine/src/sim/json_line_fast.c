@@ -37,20 +37,68 @@ static inline char *skip_ws(char *p) {
   return p;
 }
 
-/* The number at p into *out. Every digit goes into w (wrapping past 19
- * digits, when the number is passed on anyway). */
+/* The bytes of x (little-endian: lowest first) that end a string or that
+ * this path passes on: '"', '\\', below 0x20 (controls, the NUL after the
+ * line), from 0x80 (UTF-8). Their high bits; the lowest set one marks the
+ * first such byte exactly. */
+static inline uint64_t string_stops(uint64_t x) {
+  const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+  uint64_t quote = x ^ (ones * '"'), slash = x ^ (ones * '\\');
+  uint64_t zero_quote = (quote - ones) & ~quote, zero_slash = (slash - ones) & ~slash;
+  uint64_t below_space = (x - ones * 0x20) & ~x;
+  return (zero_quote | zero_slash | below_space | x) & highs;
+}
+
+static inline uint64_t load8(const char *p) {
+  uint64_t x;
+  memcpy(&x, p, 8);
+  return x;
+}
+
+/* The count of digits x (8 bytes, the first lowest) starts with: a byte
+ * is a digit when its high nibble is 3 before and after adding 6 (a carry
+ * out of a byte that is not a digit reaches only later bytes). */
+static inline int digit_run(uint64_t x) {
+  const uint64_t highs = 0xF0F0F0F0F0F0F0F0ull, threes = 0x3030303030303030ull;
+  uint64_t not_digit = ((x & highs) ^ threes) | (((x + 0x0606060606060606ull) & highs) ^ threes);
+  return not_digit ? __builtin_ctzll(not_digit) >> 3 : 8;
+}
+
+/* The value of the d (1 to 8) digits x starts with: shifted to the top
+ * (the bytes below read as zeros, leading digits), then pairs, fours and
+ * eights summed in three multiplications. */
+static inline uint64_t digits_value(uint64_t x, int d) {
+  x = (x << (8 * (8 - d))) & 0x0F0F0F0F0F0F0F0Full;
+  x = x * 10 + (x >> 8);
+  x = ((x & 0x000000FF000000FFull) * (100 + (1000000ull << 32)) +
+       ((x >> 16 & 0x000000FF000000FFull) * (1 + (10000ull << 32)))) >> 32;
+  return x & 0xFFFFFFFFu;
+}
+
+static const uint64_t POW10_INT[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000,
+                                      100000000};
+
+/* The run of digits at p, 8 a step, added to *w (wrapping past 19 digits,
+ * when the number is passed on anyway); the position after it. */
+static inline char *digit_run_into(char *p, uint64_t *w) {
+  for (;;) {
+    uint64_t x = load8(p);
+    int d = digit_run(x);
+    if (!d) return p;
+    *w = *w * POW10_INT[d] + digits_value(x, d);
+    p += d;
+    if (d < 8) return p;
+  }
+}
+
+/* The number at p into *out. */
 static inline char *number(char *p, double *out) {
   int neg = *p == '-';
   p += neg;
   uint64_t w = 0;
-  const char *first = p;
-  if (*p == '0') {
-    p++;
-    if (is_digit(*p)) return NULL; /* a leading zero: not JSON */
-  } else {
-    for (; is_digit(*p); p++) w = w * 10 + (uint64_t)(*p - '0');
-    if (p == first) return NULL;
-  }
+  char *first = p;
+  p = digit_run_into(p, &w);
+  if (p == first || (*first == '0' && p - first > 1)) return NULL; /* none, or a leading zero */
   int digits = (int)(p - first) - (*first == '0'), exp10 = 0; /* as w holds them */
   if (*p != '.' && (*p | 0x20) != 'e') { /* an integer: the usual case */
     if (digits > 18) return NULL;
@@ -58,8 +106,8 @@ static inline char *number(char *p, double *out) {
     return p;
   }
   if (*p == '.') {
-    const char *frac = ++p;
-    for (; is_digit(*p); p++) w = w * 10 + (uint64_t)(*p - '0');
+    char *frac = ++p;
+    p = digit_run_into(p, &w);
     if (p == frac) return NULL;
     exp10 = -(int)(p - frac);
     digits -= exp10;
@@ -79,24 +127,6 @@ static inline char *number(char *p, double *out) {
   double v = exp10 < 0 ? (double)w / POW10[-exp10] : (double)w * POW10[exp10];
   *out = neg ? -v : v;
   return p;
-}
-
-/* The bytes of x (little-endian: lowest first) that end a string or that
- * this path passes on: '"', '\\', below 0x20 (controls, the NUL after the
- * line), from 0x80 (UTF-8). Their high bits; the lowest set one marks the
- * first such byte exactly. */
-static inline uint64_t string_stops(uint64_t x) {
-  const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
-  uint64_t quote = x ^ (ones * '"'), slash = x ^ (ones * '\\');
-  uint64_t zero_quote = (quote - ones) & ~quote, zero_slash = (slash - ones) & ~slash;
-  uint64_t below_space = (x - ones * 0x20) & ~x;
-  return (zero_quote | zero_slash | below_space | x) & highs;
-}
-
-static inline uint64_t load8(const char *p) {
-  uint64_t x;
-  memcpy(&x, p, 8);
-  return x;
 }
 
 /* The closing quote of the string whose text starts at p, 8 bytes a test
@@ -174,7 +204,7 @@ static inline int member_key(char *p, char **end) {
 }
 
 /* A scalar at p into *v (v NULL: checked only); a string is ended in place. */
-static inline char *scalar(char *p, json_value *v) {
+static inline __attribute__((always_inline)) char *scalar(char *p, json_value *v) {
   json_value scratch;
   if (!v) v = &scratch;
   switch (*p) {
@@ -184,12 +214,25 @@ static inline char *scalar(char *p, json_value *v) {
     *end = 0;
     v->type = JV_STRING;
     v->str = p + 1;
+    v->len = (uint32_t)(end - p - 1);
     return end + 1;
   }
   case 't': v->type = JV_TRUE; return !memcmp(p, "true", 4) ? p + 4 : NULL;
   case 'f': v->type = JV_FALSE; return !memcmp(p, "false", 5) ? p + 5 : NULL;
   case 'n': v->type = JV_OTHER; return !memcmp(p, "null", 4) ? p + 4 : NULL;
-  default: v->type = JV_NUMBER; return number(p, &v->num);
+  default: {
+    v->type = JV_NUMBER;
+    /* a non-negative integer of at most 7 digits (ids, sizes, layers):
+     * one load, no loop */
+    uint64_t x = load8(p);
+    int d = digit_run(x);
+    char after = p[d];
+    if (d && d < 8 && (*p != '0' || d == 1) && after != '.' && (after | 0x20) != 'e') {
+      v->num = d == 1 ? (double)(*p - '0') : (double)digits_value(x, d);
+      return p + d;
+    }
+    return number(p, &v->num);
+  }
   }
 }
 
@@ -219,6 +262,26 @@ void json_fast_free(json_fast *f) {
   f->cap = 0;
 }
 
+/* The words name_word/name_mask compare: `"name":` of each member. */
+static void names_ready(json_fast *f) {
+  for (int k = 0; k < JK_COUNT; k++) {
+    char pat[16] = {0}, mask[16] = {0};
+    size_t n = json_key_len[k];
+    pat[0] = '"';
+    memcpy(pat + 1, json_key_names[k], n);
+    pat[n + 1] = '"';
+    pat[n + 2] = ':';
+    memset(mask, 0xFF, n + 3); /* at most 11 + 3 bytes */
+    for (int i = 0; i < 2; i++) {
+      memcpy(&f->name_word[k][i], pat + 8 * i, 8);
+      memcpy(&f->name_mask[k][i], mask + 8 * i, 8);
+    }
+    f->name_len[k] = (uint8_t)(n + 3);
+  }
+  memset(f->next, 0xFF, sizeof f->next);
+  f->ready = 1;
+}
+
 int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_line *out) {
   out->present = 0;
   out->shape_n = 0;
@@ -230,6 +293,7 @@ int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_l
     f->buf = b;
     f->cap = n + TAIL;
   }
+  if (!f->ready) names_ready(f);
   char *p = f->buf, *e = f->buf + n;
   memcpy(p, s, n);
   memset(e, 0, TAIL);
@@ -239,17 +303,28 @@ int json_fast_parse(json_fast *f, const char *s, size_t n, int max_depth, json_l
   if (*p == '}') {
     p++;
   } else {
+    int after = JK_COUNT; /* the member before this one (JK_COUNT: none) */
     for (;;) {
-      if (*p != '"') return -1;
-      char *kend;
-      int key = member_key(p + 1, &kend);
-      if (!kend) return -1;
-      p = kend + 1;
-      if (*p != ':') {
-        p = skip_ws(p);
-        if (*p != ':') return -1;
+      int key = f->next[after];
+      /* the member that followed last time, its bytes compared at once */
+      if (key < JK_COUNT && !(((load8(p) ^ f->name_word[key][0]) & f->name_mask[key][0]) |
+                              ((load8(p + 8) ^ f->name_word[key][1]) & f->name_mask[key][1]))) {
+        p += f->name_len[key];
+      } else {
+        if (*p != '"') return -1;
+        char *kend;
+        key = member_key(p + 1, &kend);
+        if (!kend) return -1;
+        p = kend + 1;
+        if (*p != ':') {
+          p = skip_ws(p);
+          if (*p != ':') return -1;
+        }
+        p++;
+        if (key >= 0) f->next[after] = (uint8_t)key;
       }
-      p = skip_ws(p + 1);
+      if (key >= 0) after = key;
+      p = skip_ws(p);
       json_value *v = json_line_slot(out, key);
       if (*p == '[') {
         if (max_depth < 2 || !(p = array(p, out, key == JK_SHAPE && v))) return -1;

@@ -46,7 +46,11 @@ static void set_value(json_value *v, simdjson::dom::element e) {
   case element_type::INT64: v->type = JV_NUMBER; v->num = (double)e.get_int64().value_unsafe(); break;
   case element_type::UINT64: v->type = JV_NUMBER; v->num = (double)e.get_uint64().value_unsafe(); break;
   case element_type::DOUBLE: v->type = JV_NUMBER; v->num = e.get_double().value_unsafe(); break;
-  case element_type::STRING: v->type = JV_STRING; v->str = e.get_c_str().value_unsafe(); break;
+  case element_type::STRING:
+    v->type = JV_STRING;
+    v->str = e.get_c_str().value_unsafe();
+    v->len = (uint32_t)std::strlen(v->str); /* to its first NUL, as C reads it */
+    break;
   case element_type::BOOL: v->type = e.get_bool().value_unsafe() ? JV_TRUE : JV_FALSE; break;
   case element_type::ARRAY: v->type = JV_ARRAY; break;
   default: v->type = JV_OTHER; break;

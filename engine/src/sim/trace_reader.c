@@ -20,17 +20,14 @@ int reader_fail(reader *r, const char *fmt, ...) {
   return FERRY_EPARSE;
 }
 
-/* An owned copy of s, shared by equal strings; NULL out of memory. */
-static const char *str_own(reader *r, const char *s) { return intern_get(&r->strs, s); }
-
 
 /* ---- members ------------------------------------------------------------------ */
 
-/* An integer member within [lo, hi]; 1 if absent and not required. */
-static int get_int(reader *r, const json_line *o, json_key k, int required, double lo, double hi,
-                   int64_t *out) {
+/* get_int's checks in turn, each with its error. */
+static __attribute__((noinline)) int get_int_checked(reader *r, const json_value *v, json_key k,
+                                                     int required, double lo, double hi,
+                                                     int64_t *out) {
   const char *key = json_key_names[k];
-  const json_value *v = json_line_get(o, k);
   if (!v) {
     if (required) return reader_fail(r, "missing member \"%s\"", key);
     return 1;
@@ -45,6 +42,27 @@ static int get_int(reader *r, const json_line *o, json_key k, int required, doub
   return 0;
 }
 
+/* An integer member within [lo, hi]; 1 if absent and not required. */
+static inline int get_int(reader *r, const json_line *o, json_key k, int required, double lo,
+                          double hi, int64_t *out) {
+  const json_value *v = json_line_get(o, k);
+  /* the usual case in one test: lo and hi lie within 2^53, where the
+   * conversion is exact (NaN fails the comparisons) */
+  if (v && v->type == JV_NUMBER && v->num >= lo && v->num <= hi &&
+      v->num == (double)(int64_t)v->num) {
+    *out = (int64_t)v->num;
+    return 0;
+  }
+  return get_int_checked(r, v, k, required, lo, hi, out);
+}
+
+/* Whether string v is the literal lit (n bytes: a constant, so the
+ * comparison is a load or two). */
+static inline int str_is(const json_value *v, const char *lit, size_t n) {
+  return v->len == n && !memcmp(v->str, lit, n);
+}
+#define STR_IS(v, lit) str_is(v, lit, sizeof lit - 1)
+
 /* A string member; 1 if absent and not required. */
 static int get_str(reader *r, const json_line *o, json_key k, int required, const char **out) {
   const json_value *v = json_line_get(o, k);
@@ -52,6 +70,17 @@ static int get_str(reader *r, const json_line *o, json_key k, int required, cons
   if (!v) return required ? reader_fail(r, "missing member \"%s\"", json_key_names[k]) : 1;
   if (v->type != JV_STRING) return reader_fail(r, "\"%s\" must be a string", json_key_names[k]);
   *out = v->str;
+  return 0;
+}
+
+/* A string member as its value (length known); 1 if absent and not required. */
+static inline int get_sv(reader *r, const json_line *o, json_key k, int required,
+                         const json_value **out) {
+  const json_value *v = json_line_get(o, k);
+  *out = NULL;
+  if (!v) return required ? reader_fail(r, "missing member \"%s\"", json_key_names[k]) : 1;
+  if (v->type != JV_STRING) return reader_fail(r, "\"%s\" must be a string", json_key_names[k]);
+  *out = v;
   return 0;
 }
 
@@ -122,8 +151,9 @@ static int get_shape(reader *r, const json_line *o, ferry_tensor_desc *d) {
   d->ndim = (int)o->shape_n;
   for (int i = 0; i < d->ndim; i++) {
     const json_value *x = &o->shape[i];
-    if (x->type != JV_NUMBER || !isfinite(x->num) || x->num != floor(x->num) || x->num < 0 ||
-        x->num > MAX_ID)
+    /* (within [0, 2^53] the conversion is exact; NaN fails the comparisons) */
+    if (x->type != JV_NUMBER || !(x->num >= 0 && x->num <= MAX_ID) ||
+        x->num != (double)(int64_t)x->num)
       return reader_fail(r, "\"shape\"[%d] must be a non-negative integer", i);
     d->shape[i] = (int64_t)x->num;
   }
@@ -133,26 +163,28 @@ static int get_shape(reader *r, const json_line *o, ferry_tensor_desc *d) {
 /* A pack's string members (dtype, kind, phase, decision, module, class) and
  * shape into *d and *dec, checked in the order the errors name them. */
 static int get_pack_desc(reader *r, const json_line *o, ferry_tensor_desc *d, uint8_t *dec) {
-  const char *dtype, *kind, *phase, *decision, *module = NULL, *cls = NULL;
+  const json_value *dtype, *kind, *phase, *decision, *module = NULL, *cls = NULL;
   int rc;
-  if ((rc = get_str(r, o, JK_DTYPE, 1, &dtype)) || (rc = get_str(r, o, JK_KIND, 1, &kind)) ||
-      (rc = get_str(r, o, JK_PHASE, 1, &phase)) || (rc = get_str(r, o, JK_DECISION, 1, &decision)))
+  if ((rc = get_sv(r, o, JK_DTYPE, 1, &dtype)) || (rc = get_sv(r, o, JK_KIND, 1, &kind)) ||
+      (rc = get_sv(r, o, JK_PHASE, 1, &phase)) || (rc = get_sv(r, o, JK_DECISION, 1, &decision)))
     return rc;
-  if ((rc = get_str(r, o, JK_MODULE, 0, &module)) < 0 || (rc = get_str(r, o, JK_CLASS, 0, &cls)) < 0)
+  if ((rc = get_sv(r, o, JK_MODULE, 0, &module)) < 0 || (rc = get_sv(r, o, JK_CLASS, 0, &cls)) < 0)
     return rc;
-  if ((d->dtype = ferry_dtype_from_name(dtype)) < 0)
-    return reader_fail(r, "unknown dtype \"%s\"", dtype);
-  if ((d->kind = ferry_kind_parse(kind)) < 0) return reader_fail(r, "unknown kind \"%s\"", kind);
-  if ((d->phase = ferry_phase_parse(phase)) < 0) return reader_fail(r, "unknown phase \"%s\"", phase);
-  if (!strcmp(decision, "keep")) *dec = FERRY_KEEP;
-  else if (!strcmp(decision, "offload")) *dec = FERRY_OFFLOAD;
-  else return reader_fail(r, "decision must be \"keep\" or \"offload\", got \"%s\"", decision);
+  if ((d->dtype = reader_name_code(&r->dtype_memo, dtype, ferry_dtype_from_name)) < 0)
+    return reader_fail(r, "unknown dtype \"%s\"", dtype->str);
+  if ((d->kind = reader_name_code(&r->kind_memo, kind, ferry_kind_parse)) < 0)
+    return reader_fail(r, "unknown kind \"%s\"", kind->str);
+  if ((d->phase = reader_name_code(&r->phase_memo, phase, ferry_phase_parse)) < 0)
+    return reader_fail(r, "unknown phase \"%s\"", phase->str);
+  if (STR_IS(decision, "keep")) *dec = FERRY_KEEP;
+  else if (STR_IS(decision, "offload")) *dec = FERRY_OFFLOAD;
+  else return reader_fail(r, "decision must be \"keep\" or \"offload\", got \"%s\"", decision->str);
   if ((rc = get_shape(r, o, d))) return rc;
   if (d->layer_count && d->layer >= d->layer_count)
     return reader_fail(r, "layer %lld is not below layers %lld", (long long)d->layer,
                        (long long)d->layer_count);
-  if (module && !(d->module_path = str_own(r, module))) return reader_fail(r, "out of memory");
-  if (cls && !(d->module_class = str_own(r, cls))) return reader_fail(r, "out of memory");
+  if (module && !(d->module_path = reader_own(r, module))) return reader_fail(r, "out of memory");
+  if (cls && !(d->module_class = reader_own(r, cls))) return reader_fail(r, "out of memory");
   return 0;
 }
 
@@ -332,11 +364,11 @@ static int fail_allocs_at_step_end(reader *r, int64_t step) {
 static int parse_alloc(reader *r, const json_line *o, double gap) {
   sim_trace *t = r->t;
   int64_t id, bytes;
-  const char *what;
+  const json_value *what;
   int rc;
   if ((rc = get_int(r, o, JK_ID, 1, 1, MAX_ID, &id)) ||
       (rc = get_int(r, o, JK_BYTES, 1, 1, (double)MAX_TENSOR_BYTES, &bytes)) ||
-      (rc = get_str(r, o, JK_WHAT, 1, &what)))
+      (rc = get_sv(r, o, JK_WHAT, 1, &what)))
     return rc;
   if (!r->in_step) return reader_fail(r, "alloc outside a step");
   uint32_t dup;
@@ -351,7 +383,7 @@ static int parse_alloc(reader *r, const json_line *o, double gap) {
     if (!live) return reader_fail(r, "out of memory");
     r->alloc_live = live;
   }
-  const char *owned = str_own(r, what);
+  const char *owned = reader_own(r, what);
   if (!owned || u64map_insert(&r->alloc_ids, (uint64_t)id, idx)) return reader_fail(r, "out of memory");
   t->allocs[idx] = (trace_alloc){(uint64_t)id, (uint64_t)bytes, owned, r->line};
   r->alloc_live[idx] = 1;
@@ -491,10 +523,10 @@ static int parse_compute(reader *r, const json_line *o) {
     return reader_fail(r, "\"us\" must be a number within [0, %.0f] (an hour)", MAX_COMPUTE_US);
   if (!r->in_step) return reader_fail(r, "compute outside a step");
   int64_t layer = -1;
-  const char *op = NULL;
+  const json_value *op = NULL;
   int rc;
   if ((rc = get_int(r, o, JK_LAYER, 0, -1, MAX_LAYERS, &layer)) < 0) return rc;
-  if ((rc = get_str(r, o, JK_OP, 0, &op)) < 0) return rc;
+  if ((rc = get_sv(r, o, JK_OP, 0, &op)) < 0) return rc;
   /* optional roofline terms (synthesized traces): the bytes the compute
    * moves through device memory, and the least time it takes on any GPU */
   const json_value *hb = json_line_get(o, JK_HBM_BYTES), *mu = json_line_get(o, JK_MIN_US);
@@ -511,7 +543,7 @@ static int parse_compute(reader *r, const json_line *o) {
     t->n_hbm++;
   }
   if (mu) ev->min_us = mu->num;
-  if (op && !(ev->op = str_own(r, op))) return reader_fail(r, "out of memory");
+  if (op && !(ev->op = reader_own(r, op))) return reader_fail(r, "out of memory");
   return 0;
 }
 
@@ -596,30 +628,31 @@ static int get_time(reader *r, const json_line *o, double *gap) {
   return 0;
 }
 
-/* One event (after the header) to its parser by its "ev". */
-static int parse_event(reader *r, const json_line *o, const char *ev, double gap) {
-  switch (ev[0]) { /* by first letter: one comparison per line */
-  case 'p': if (!strcmp(ev, "pack")) return parse_pack(r, o, gap); break;
+/* One event (after the header) to its parser by its "ev" (ev: its text). */
+static int parse_event(reader *r, const json_line *o, const json_value *evv, double gap) {
+  const char *ev = evv->str;
+  switch (ev[0]) { /* by first letter and length: one comparison per line */
+  case 'p': if (STR_IS(evv, "pack")) return parse_pack(r, o, gap); break;
   case 'u': case 'd':
-    if (!strcmp(ev, "unpack") || !strcmp(ev, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
-    if (!strcmp(ev, "device_peak")) return parse_device_peak(r, o);
+    if (STR_IS(evv, "unpack") || STR_IS(evv, "discard")) return parse_unpack_or_discard(r, o, ev, gap);
+    if (STR_IS(evv, "device_peak")) return parse_device_peak(r, o);
     break;
   case 'c':
-    if (!strcmp(ev, "compute")) return parse_compute(r, o);
-    if (!strcmp(ev, "collective")) return parse_collective(r, o, gap);
-    if (!strcmp(ev, "collective_wait")) return parse_collective_wait(r, o, gap);
+    if (STR_IS(evv, "compute")) return parse_compute(r, o);
+    if (STR_IS(evv, "collective")) return parse_collective(r, o, gap);
+    if (STR_IS(evv, "collective_wait")) return parse_collective_wait(r, o, gap);
     break;
   case 's':
-    if (!strcmp(ev, "step_begin")) return parse_step_begin(r, o, gap);
-    if (!strcmp(ev, "step_end")) return parse_step_end(r, o, gap);
+    if (STR_IS(evv, "step_begin")) return parse_step_begin(r, o, gap);
+    if (STR_IS(evv, "step_end")) return parse_step_end(r, o, gap);
     break;
   case 'b':
-    if (!strcmp(ev, "backward_begin") || !strcmp(ev, "backward_end")) return parse_backward(r, ev, gap);
+    if (STR_IS(evv, "backward_begin") || STR_IS(evv, "backward_end")) return parse_backward(r, ev, gap);
     break;
-  case 'r': if (!strcmp(ev, "resident")) return parse_resident(r, o); break;
-  case 'a': if (!strcmp(ev, "alloc")) return parse_alloc(r, o, gap); break;
-  case 'f': if (!strcmp(ev, "free")) return parse_free(r, o, gap); break;
-  case 'h': if (!strcmp(ev, "header")) return reader_fail(r, "a second header"); break;
+  case 'r': if (STR_IS(evv, "resident")) return parse_resident(r, o); break;
+  case 'a': if (STR_IS(evv, "alloc")) return parse_alloc(r, o, gap); break;
+  case 'f': if (STR_IS(evv, "free")) return parse_free(r, o, gap); break;
+  case 'h': if (STR_IS(evv, "header")) return reader_fail(r, "a second header"); break;
   }
   return reader_fail(r, "unknown event \"%s\"", ev);
 }
@@ -627,18 +660,18 @@ static int parse_event(reader *r, const json_line *o, const char *ev, double gap
 /* A parsed line's object: its ev and t_us, then the header or an event. */
 static int parse_object(reader *r, const json_line *o) {
   if (!o->is_object) return reader_fail(r, "a line must be a JSON object");
-  const char *ev;
+  const json_value *ev;
   double gap = 0;
   int rc;
-  if ((rc = get_str(r, o, JK_EV, 1, &ev))) return rc;
+  if ((rc = get_sv(r, o, JK_EV, 1, &ev))) return rc;
   if ((rc = get_time(r, o, &gap))) return rc;
-  if (!r->seen_header) return parse_header(r, o, ev);
+  if (!r->seen_header) return parse_header(r, o, ev->str);
   /* optional "flops": the floating-point work of the compute before this
    * event (recorded traces) or of this compute event (synthesized) */
   const json_value *fl = json_line_get(o, JK_FLOPS);
   r->flops = -1;
   if (fl) {
-    if (fl->type != JV_NUMBER || !isfinite(fl->num) || fl->num < 0 || fl->num > 1e21)
+    if (fl->type != JV_NUMBER || !(fl->num >= 0 && fl->num <= 1e21)) /* (NaN fails) */
       return reader_fail(r, "\"flops\" must be a number within [0, 1e21]");
     r->flops = fl->num;
   }

@@ -31,6 +31,20 @@
 
 enum { TS_PACKED = 1, TS_DONE = 2 };
 
+/* A string the reader owns, found again by its bytes (trace_strings.c). */
+#define READER_STR_SLOTS 1024
+typedef struct reader_str_slot {
+  const char *owned; /* NULL: empty */
+  uint32_t len;
+} reader_str_slot;
+
+/* The last text given for one member (dtype, kind, phase) and its code. */
+typedef struct reader_name_memo {
+  char text[16];
+  uint32_t len; /* 0 with no text yet: no name is empty */
+  int code;
+} reader_name_memo;
+
 typedef struct reader {
   const char *name;
   sim_trace *t;
@@ -62,6 +76,8 @@ typedef struct reader {
   json_fast fast;  /* the first path (json_line_fast.c) */
   json_simd *simd; /* the second; NULL: cJSON reads what the first passes on */
   json_line obj;   /* the line being read */
+  reader_str_slot str_slots[READER_STR_SLOTS];
+  reader_name_memo dtype_memo, kind_memo, phase_memo;
 } reader;
 
 
@@ -79,5 +95,9 @@ void reader_reserve(reader *r, uint64_t len);
 int reader_parse_lines(reader *r, const char *data, size_t len, const char *end);
 /* Ends the reader: the trace in *out on success (rc 0), else freed. */
 int reader_done(reader *r, int rc, sim_trace **out);
+/* The owned copy of string v (interned in r->strs); NULL out of memory. */
+const char *reader_own(reader *r, const json_value *v);
+/* parse(v->str), or the code it gave for the same text last time. */
+int reader_name_code(reader_name_memo *m, const json_value *v, int (*parse)(const char *));
 
 #endif
