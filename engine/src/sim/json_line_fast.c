@@ -33,7 +33,8 @@ static inline int is_digit(char c) { return (unsigned char)(c - '0') < 10; }
 
 /* JSON's whitespace (the NUL after the line is none) */
 static inline char *skip_ws(char *p) {
-  while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') p++;
+  /* the first test passes over the usual case: no whitespace */
+  while ((unsigned char)*p <= ' ' && (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n')) p++;
   return p;
 }
 
@@ -222,13 +223,22 @@ static inline __attribute__((always_inline)) char *scalar(char *p, json_value *v
   case 'n': v->type = JV_OTHER; return !memcmp(p, "null", 4) ? p + 4 : NULL;
   default: {
     v->type = JV_NUMBER;
-    /* a non-negative integer of at most 7 digits (ids, sizes, layers):
-     * one load, no loop */
-    uint64_t x = load8(p);
+    /* a non-negative integer of at most 15 digits (ids, sizes, layers):
+     * a load or two, no loop */
+    uint64_t x = load8(p), w;
     int d = digit_run(x);
+    if (d < 8) {
+      w = d == 1 ? (uint64_t)(*p - '0') : d ? digits_value(x, d) : 0;
+    } else {
+      uint64_t x2 = load8(p + 8);
+      int d2 = digit_run(x2);
+      if (d2 == 8) return number(p, &v->num);
+      w = digits_value(x, 8) * POW10_INT[d2] + (d2 ? digits_value(x2, d2) : 0);
+      d += d2;
+    }
     char after = p[d];
-    if (d && d < 8 && (*p != '0' || d == 1) && after != '.' && (after | 0x20) != 'e') {
-      v->num = d == 1 ? (double)(*p - '0') : (double)digits_value(x, d);
+    if (d && (*p != '0' || d == 1) && after != '.' && (after | 0x20) != 'e') {
+      v->num = (double)w;
       return p + d;
     }
     return number(p, &v->num);
