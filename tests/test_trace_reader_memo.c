@@ -55,19 +55,24 @@ TEST(trace_reader_remembered_names_are_exact) {
 }
 
 /* Module paths of every layer (they differ only in the middle), of every
- * length around the 8-byte words hashed, each packed twice: each tensor
- * keeps its own text, and equal texts one copy. */
+ * length around the 8-byte words hashed, and ones that differ only in the
+ * last byte (enough of them that some share a remembered slot), each packed
+ * twice: each tensor keeps its own text, and equal texts one copy. */
 TEST(trace_reader_owned_strings_stay_apart) {
-  enum { LAYERS = 100, LENGTHS = 40 };
-  size_t cap = 1 << 20, n = 0;
+  enum { LAYERS = 100, LENGTHS = 40, LASTS = 20 * 62 };
+  static const char last[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+  size_t cap = 4 << 20, n = 0;
   char *text = malloc(cap);
   CHECK(text != NULL);
-  static char module[LAYERS + LENGTHS][96];
+  static char module[LAYERS + LENGTHS + LASTS][96];
   n += (size_t)snprintf(text + n, cap - n, HDR BEGIN);
   int id = 1;
-  for (int k = 0; k < LAYERS + LENGTHS; k++) {
+  for (int k = 0; k < LAYERS + LENGTHS + LASTS; k++) {
     if (k < LAYERS) {
       snprintf(module[k], sizeof module[k], "model.layers.%d.self_attn.q_proj", k);
+    } else if (k >= LAYERS + LENGTHS) {
+      int j = k - LAYERS - LENGTHS;
+      snprintf(module[k], sizeof module[k], "model.layers.%02d.mlp_%c", j / 62, last[j % 62]);
     } else { /* "a", "ab", ... : lengths 1 to 40 */
       int len = k - LAYERS + 1;
       for (int i = 0; i < len; i++) module[k][i] = (char)('a' + i % 26);
@@ -85,8 +90,8 @@ TEST(trace_reader_owned_strings_stay_apart) {
   int rc = sim_trace_parse("memo.jsonl", text, n, &t, err, sizeof err);
   if (rc) fprintf(stderr, "  %s\n", err);
   CHECK_EQ(rc, 0);
-  CHECK_EQ(t->n_tensors, (uint32_t)(2 * (LAYERS + LENGTHS)));
-  for (int k = 0; k < LAYERS + LENGTHS; k++) {
+  CHECK_EQ(t->n_tensors, (uint32_t)(2 * (LAYERS + LENGTHS + LASTS)));
+  for (int k = 0; k < LAYERS + LENGTHS + LASTS; k++) {
     const trace_tensor *a = &t->tensors[2 * k], *b = &t->tensors[2 * k + 1];
     CHECK(a->desc.module_path && !strcmp(a->desc.module_path, module[k]));
     CHECK(a->desc.module_path == b->desc.module_path); /* one copy */
