@@ -516,6 +516,15 @@ static int replay_pack(replay *r, uint32_t ti) {
   return 0;
 }
 
+/* The engine's stash hits so far: one counter read under the lock, where
+ * ferry_get_stats copies every counter and asks the arena and the policy. */
+static uint64_t stash_hits(ferry_engine *e) {
+  engine_lock(e);
+  uint64_t hits = engine_stats(e)->stash_hits;
+  engine_unlock(e);
+  return hits;
+}
+
 /* An unpack event: ferry_unpack, its bytes checked on host, its stall counted. */
 static int replay_unpack(replay *r, uint32_t ti) {
   const sim_trace *t = r->t;
@@ -524,10 +533,9 @@ static int replay_unpack(replay *r, uint32_t ti) {
   void *dev = NULL, *owner = NULL;
   host_catch_up(r); /* the compute stream's wait is issued where the host is */
   double w, s_before = sim_stall(r, &w);
-  ferry_stats st;
   /* a stash hit brings nothing back over the link: only asked of tensors
-   * that went out (the stats are a copy of every counter under the lock) */
-  uint64_t hits0 = r->went[ti] && !ferry_get_stats(r->e, &st, sizeof st) ? st.stash_hits : 0;
+   * that went out */
+  uint64_t hits0 = r->went[ti] ? stash_hits(r->e) : 0;
   double a = host ? util_now_us() : 0;
   int rc = 0;
   if (r->handles[ti]) {
@@ -541,8 +549,7 @@ static int replay_unpack(replay *r, uint32_t ti) {
   r->host_stall += dt;
   if (r->sim && r->host_overhead_us > 0) host_after_call(r, w);
   /* from here on: whether its bytes came back over the link */
-  if (r->went[ti] && !ferry_get_stats(r->e, &st, sizeof st) && st.stash_hits != hits0)
-    r->went[ti] = 0;
+  if (r->went[ti] && stash_hits(r->e) != hits0) r->went[ti] = 0;
   sim_buf *b = owner;
   /* an alias hands back its primary's buffer */
   uint32_t src = t->tensors[ti].alias_of >= 0 ? (uint32_t)t->tensors[ti].alias_of : ti;
