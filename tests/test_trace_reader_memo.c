@@ -2,7 +2,9 @@
  * (trace_strings.c: dtype, kind and phase codes by their last text, owned
  * strings by a hash of their bytes) never stands for another text: near
  * names still fail with their file:line, module paths that differ only in
- * the middle or the length stay apart, equal ones share one copy. */
+ * the middle or the length stay apart, equal ones share one copy. And the
+ * checks rewritten beside it (names by length and one comparison, numbers
+ * in one range test) refuse near misses with their old messages. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,5 +101,64 @@ TEST(trace_reader_owned_strings_stay_apart) {
   }
   sim_trace_free(t);
   free(text);
+  return 0;
+}
+
+/* The reader's rewritten checks (events and decisions told apart by length
+ * and one comparison; integers, shape items and flops taken in one range
+ * test) still refuse near misses with the messages they had: a name of the
+ * same first letter and length as a real one, numbers just outside. */
+static int line_fails(const char *line, const char *want) {
+  char text[2048], err[512] = "";
+  int n = snprintf(text, sizeof text, HDR BEGIN "%s\n", line);
+  sim_trace *t = NULL;
+  int rc = sim_trace_parse("near.jsonl", text, (size_t)n, &t, err, sizeof err);
+  sim_trace_free(t);
+  if (rc != FERRY_EPARSE || strcmp(err, want)) {
+    fprintf(stderr, "  %s\n  want \"%s\", got rc %d \"%s\"\n", line, want, rc, err);
+    return -1;
+  }
+  return 0;
+}
+
+#define PACK_WITH(id, shape, decision)                                                         \
+  "{\"ev\":\"pack\",\"t_us\":1,\"id\":" id ",\"step\":1,\"bytes\":16,\"dtype\":\"bf16\","      \
+  "\"shape\":" shape ",\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":0,"              \
+  "\"layers\":2,\"decision\":\"" decision "\"}"
+
+TEST(trace_reader_near_names_and_numbers_keep_their_errors) {
+  /* every event's name with its last letter changed: same length, same first letter */
+  static const char *const events[] = {
+      "pack", "unpack", "discard", "device_peak", "compute", "collective", "collective_wait",
+      "step_begin", "step_end", "backward_begin", "backward_end", "resident", "alloc", "free",
+      "header"};
+  char line[256], want[256];
+  for (size_t i = 0; i < sizeof events / sizeof events[0]; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "%s", events[i]);
+    name[strlen(name) - 1] ^= 0x01;
+    snprintf(line, sizeof line, "{\"ev\":\"%s\",\"t_us\":1}", name);
+    snprintf(want, sizeof want, "near.jsonl:3: unknown event \"%s\"", name);
+    CHECK_EQ(line_fails(line, want), 0);
+  }
+  CHECK_EQ(line_fails(PACK_WITH("1", "[4]", "kept"),
+                      "near.jsonl:3: decision must be \"keep\" or \"offload\", got \"kept\""), 0);
+  CHECK_EQ(line_fails(PACK_WITH("1", "[4]", "offlaod"),
+                      "near.jsonl:3: decision must be \"keep\" or \"offload\", got \"offlaod\""), 0);
+  CHECK_EQ(line_fails(PACK_WITH("1.5", "[4]", "keep"), "near.jsonl:3: \"id\" must be an integer, got 1.5"), 0);
+  CHECK_EQ(line_fails(PACK_WITH("9007199254740994", "[4]", "keep"),
+                      "near.jsonl:3: \"id\" = 9007199254740994 is absurd (allowed 1 .. 9007199254740992)"), 0);
+  CHECK_EQ(line_fails(PACK_WITH("0", "[4]", "keep"),
+                      "near.jsonl:3: \"id\" = 0 is too small (allowed 1 .. 9007199254740992)"), 0);
+  static const char *const shapes[] = {"[4.5]", "[-1]", "[1e300]", "[9007199254740994]", "[\"4\"]"};
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    snprintf(line, sizeof line, PACK_WITH("1", "%s", "keep"), shapes[i]);
+    CHECK_EQ(line_fails(line, "near.jsonl:3: \"shape\"[0] must be a non-negative integer"), 0);
+  }
+  static const char *const flops[] = {"-1", "-1e-300", "1.0000001e21", "1e400", "\"1\""};
+  for (size_t i = 0; i < sizeof flops / sizeof flops[0]; i++) {
+    snprintf(line, sizeof line, "{\"ev\":\"compute\",\"t_us\":1,\"us\":1,\"flops\":%s}", flops[i]);
+    CHECK_EQ(line_fails(line, "near.jsonl:3: \"flops\" must be a number within [0, 1e21]"), 0);
+  }
   return 0;
 }
