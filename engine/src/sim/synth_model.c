@@ -174,6 +174,21 @@ static int validate_tp(const synth_model *m, char *err, size_t errlen) {
  * per K/V chunk. */
 static int validate_cp(const synth_model *m, char *err, size_t errlen) {
   if (m->cp < 0 || m->cp > 1 << 16) BAD("cp %d must be within 1..65536", m->cp);
+  if (m->cp_impl != SYNTH_CP_RING && m->cp_impl != SYNTH_CP_ULYSSES)
+    BAD("cp_impl %d is not ring (0) or ulysses (1)", m->cp_impl);
+  if (ulysses_of(m)) {
+    /* each rank attends with heads / cp of the whole sequence: the heads,
+     * the KV heads (per tensor-parallel rank) and the sequence split evenly */
+    const int t = m->tp > 1 ? m->tp : 1;
+    if ((m->heads / t) % m->cp || (m->kv_heads / t) % m->cp)
+      BAD("--cp-impl ulysses: --cp %d must divide the heads (%d) and the KV heads (%d)%s: each rank "
+          "attends with heads / cp", m->cp, m->heads / t, m->kv_heads / t, t > 1 ? " per --tp rank" : "");
+    if (m->seq % m->cp) BAD("--cp-impl ulysses: --cp %d must divide seq %d", m->cp, m->seq);
+    if (!m->flash)
+      BAD("--cp-impl ulysses with --cp %d needs --flash on (eager attention would hold the whole "
+          "sequence's s x s scores)", m->cp);
+    return 0;
+  }
   if (m->cp > 1 && m->seq % (2 * m->cp))
     BAD("cp %d: 2 x cp must divide seq %d (ring attention's load balancing gives each rank two "
         "chunks of seq / 2cp tokens)", m->cp, m->seq);
