@@ -32,11 +32,11 @@ static int count_colls(const sim_trace *t, int kind, int group, uint64_t *bytes)
 /* Llama 3 8B's block: q and o 4096 x 4096, k and v 4096 x 1024, three MLP
  * linears 4096 x 14336, two norms of 4096: 218,112,000 parameters. The
  * root module's units (torchtitan wraps them apart): the embedding, 128256
- * x 4096 = 525,336,576; the final norm (2h, as the parameter count takes
- * it) with the head, 525,344,768. */
+ * x 4096 = 525,336,576; the final norm (RMSNorm: a weight of 4096) with
+ * the head, 525,340,672 (the model 8,030,261,248 parameters, Meta's count). */
 #define LLAMA8B_BLOCK_PARAMS 218112000ull
 #define LLAMA8B_EMBED_PARAMS 525336576ull
-#define LLAMA8B_HEAD_PARAMS 525344768ull
+#define LLAMA8B_HEAD_PARAMS 525340672ull
 
 /* FSDP over 8 GPUs on one node (NVLink, 360 GB/s): the synthesizer gathers
  * every block twice (forward, backward: 436,224,000 B of bf16 each), the

@@ -16,11 +16,11 @@
  * 512, vocab 1024, bf16, 2 layers, untied. Its units in bf16 (as
  * test_sim_model's sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients
  * computes them): embedding 1024 x 256 = 524288 B; a block 589824 + 512
- * parameters = 1180672 B; final norm (2h, the parameter count's) and head
- * 1024 x 256: 525312 B. */
+ * parameters = 1180672 B; final norm (RMSNorm: a weight, h) and head
+ * 1024 x 256: 524800 B. */
 #define EMBED 524288ull
 #define BLOCK 1180672ull
-#define HEAD 525312ull
+#define HEAD 524800ull
 
 static void tiny2(synth_model *m) {
   synth_preset("tiny", m);

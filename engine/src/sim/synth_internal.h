@@ -184,6 +184,7 @@ uint64_t sharded_grad_bytes(const synth_model *m, uint64_t n);
 uint64_t op_weight_elems(const op *o);
 uint64_t layer_matrices(const synth_model *m, int active);
 uint64_t layer_norms(const synth_model *m);
+uint64_t final_norm_params(const synth_model *m);
 double optimizer_step_bytes(const synth_model *m, const synth_resident *r);
 
 /* FSDP's units (synth_comm.c): one list, as torchtitan wraps the model,

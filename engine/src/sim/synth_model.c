@@ -302,6 +302,12 @@ uint64_t layer_norms(const synth_model *m) {
   return norms;
 }
 
+/* The final norm's weights: RMSNorm a weight (h), LayerNorm a weight and a
+ * bias (2h). */
+uint64_t final_norm_params(const synth_model *m) {
+  return (m->arch == SYNTH_LLAMA ? 1u : 2u) * (uint64_t)m->hidden;
+}
+
 static uint64_t layer_params(const synth_model *m, int active) {
   return layer_matrices(m, active) + layer_norms(m);
 }
@@ -310,7 +316,7 @@ static uint64_t params(const synth_model *m, int active) {
   const uint64_t h = (uint64_t)m->hidden, V = (uint64_t)m->vocab;
   return V * h /* embedding */ + (uint64_t)m->positions * h /* learned positions */ +
          (uint64_t)m->layers * layer_params(m, active) +
-         2 * h /* final norm */ + (m->tie_embeddings ? 0 : V * h) /* head */;
+         final_norm_params(m) + (m->tie_embeddings ? 0 : V * h) /* head */;
 }
 
 uint64_t synth_param_count(const synth_model *m) { return params(m, 0); }
@@ -321,8 +327,8 @@ uint64_t synth_active_param_count(const synth_model *m) { return params(m, 1); }
  * vocabulary (V / t rows, rounded up), the norms replicated. */
 static uint64_t local_params(const synth_model *m) {
   const uint64_t h = (uint64_t)m->hidden, t = (uint64_t)tp_of(m), V = (uint64_t)vocab_local_of(m);
-  return V * h + (uint64_t)m->positions * h + (uint64_t)m->layers * (layer_matrices(m, 0) / t + layer_norms(m)) + 2 * h +
-         (m->tie_embeddings ? 0 : V * h);
+  return V * h + (uint64_t)m->positions * h + (uint64_t)m->layers * (layer_matrices(m, 0) / t + layer_norms(m)) +
+         final_norm_params(m) + (m->tie_embeddings ? 0 : V * h);
 }
 
 /* Optimizer state bytes per trainable parameter, whole bytes: the states
@@ -362,7 +368,7 @@ void unit_sizes_of(const synth_model *m, unit_sizes *u) {
   const uint64_t table = V * h + (uint64_t)m->positions * h;
   u->embed = table;
   u->block = layer_matrices(m, 0) / (uint64_t)tp_of(m) + layer_norms(m);
-  u->head = 2 * h + V * h;
+  u->head = final_norm_params(m) + V * h;
   u->embed_grad = m->tie_embeddings ? (uint64_t)m->positions * h : table;
   u->block_grad = u->block;
   u->head_grad = u->head;

@@ -160,6 +160,7 @@ static void attention_in_ops(layer_shape *ls, op_list *l) {
     save(o, sv(B_X, dt, ACT, 0, 3, b, ss, h, 0));
     save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, ss, 2, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+    o->extra_wgrad = h; /* LayerNorm's bias: a gradient, nothing saved */
   }
   if (ls->llama) {
     const int64_t qdims[4] = {b, s, ls->a, ls->d}, kdims[4] = {b, s, ls->kv, ls->d};
@@ -308,6 +309,7 @@ static void attention_out_ops(layer_shape *ls, op_list *l) {
     save(o, sv(B_H1, dt, ACT, 0, 3, b, ss, h, 0));
     save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, ss, 2, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+    o->extra_wgrad = h; /* LayerNorm's bias */
   }
 }
 
@@ -612,6 +614,7 @@ int post_ops(const synth_model *m, op_list *l) {
     save(o, sv(1, dt, ACT, 0, 3, b, s, h, 0));
     save(o, sv(2, F32, ACT, 0, 3, b, s, 2, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+    o->extra_wgrad = h; /* LayerNorm's bias */
   }
   if (m->loss == SYNTH_LOSS_CHUNKED) loss_chunked_ops(m, l);
   else loss_full_ops(m, l);
