@@ -241,6 +241,7 @@
   X(sim_fsdp_units_memory_and_lane_agree)                                 \
   X(sim_fsdp_units_root_on_the_lane)                                      \
   X(sim_fsdp_reduce_scatter_moves_what_backward_wrote)                    \
+  X(sim_fsdp_tied_embedding_is_one_unit)                                  \
   X(sim_synth_ulysses_saves_flops_and_all_to_alls)                        \
   X(sim_synth_ulysses_needs_cp_to_divide_the_heads)                       \
   /* @@sim */                                                              \

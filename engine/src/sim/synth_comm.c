@@ -72,9 +72,16 @@ int synth_comm_init(synth_comm *c, const synth_model *m, FILE *f, uint64_t *allo
     const uint64_t e = (uint64_t)ferry_dtype_size(m->dtype); /* gathered in the compute dtype */
     for (int k = 0; k < c->n_units; k++) {
       fsdp_unit *x = &c->units[k];
-      if (k == UNIT_EMBED) {
+      if (k == UNIT_EMBED && m->tie_embeddings) {
+        /* one group: its post-forward runs after its last module (the head),
+         * which keeps it for backward as torchtitan keeps [norm, output] */
+        *x = (fsdp_unit){.what = "gathered parameters: embedding, norm and head (tied)", .layer = -1,
+                         .gather_bytes = u.embed * e, .grad_params = u.embed_grad, .reshard_after_forward = 0};
+      } else if (k == UNIT_EMBED) {
         *x = (fsdp_unit){.what = "gathered parameters: embedding", .layer = -1, .gather_bytes = u.embed * e,
                          .grad_params = u.embed_grad, .reshard_after_forward = 1};
+      } else if (k == UNIT_HEAD(m) && m->tie_embeddings) {
+        *x = (fsdp_unit){.layer = -1, .tied = 1};
       } else if (k == UNIT_HEAD(m)) {
         /* torchtitan: reshard_after_forward=(policy == "always") for [norm, output] */
         *x = (fsdp_unit){.what = "gathered parameters: norm and head", .layer = -1, .gather_bytes = u.head * e,
@@ -100,8 +107,14 @@ int synth_comm_init(synth_comm *c, const synth_model *m, FILE *f, uint64_t *allo
 
 void synth_comm_free(synth_comm *c) { free(c->units); }
 
+/* A unit by number; the tied head's is the embedding's. */
 static fsdp_unit *unit_of(synth_comm *c, int unit) {
-  return c->units && unit >= 0 && unit < c->n_units ? &c->units[unit] : NULL;
+  if (!c->units || unit < 0 || unit >= c->n_units) return NULL;
+  return c->units[unit].tied ? &c->units[UNIT_EMBED] : &c->units[unit];
+}
+
+static int is_tied_head(const synth_comm *c, int unit) {
+  return c->units && unit >= 0 && unit < c->n_units && c->units[unit].tied;
 }
 
 void fsdp_prefetch(synth_comm *c, int unit) {
@@ -121,7 +134,7 @@ void fsdp_unshard(synth_comm *c, int unit) {
 
 void fsdp_reshard(synth_comm *c, int unit) {
   fsdp_unit *x = unit_of(c, unit);
-  if (!x) return;
+  if (!x || is_tied_head(c, unit)) return; /* the embedding's backward still needs it */
   mem_free(c, x->mem);
   x->mem = 0;
 }
@@ -134,6 +147,15 @@ void fsdp_post_forward(synth_comm *c, int unit) {
 uint64_t fsdp_reduce_scatter(synth_comm *c, int unit, uint64_t *unsharded, int n) {
   fsdp_unit *x = unit_of(c, unit);
   if (!x) return 0;
+  if (is_tied_head(c, unit)) {
+    /* the table's gradient is complete after the embedding's backward adds
+     * to it: held until the unit's one reduce-scatter there */
+    for (int i = 0; i < n; i++) {
+      if (unsharded[i] && x->n_deferred < (int)(sizeof x->deferred / sizeof *x->deferred))
+        x->deferred[x->n_deferred++] = unsharded[i], unsharded[i] = 0;
+    }
+    return 0;
+  }
   uint64_t shard_id = 0;
   const uint64_t trained = trained_of(c->m, x->grad_params);
   if (trained) {
@@ -146,6 +168,8 @@ uint64_t fsdp_reduce_scatter(synth_comm *c, int unit, uint64_t *unsharded, int n
     mem_free(c, unsharded[i]);
     unsharded[i] = 0;
   }
+  for (int i = 0; i < x->n_deferred; i++) mem_free(c, x->deferred[i]);
+  x->n_deferred = 0;
   return shard_id;
 }
 

@@ -170,8 +170,9 @@ int hook_sees_recomputed(const synth_model *m);
 /* FSDP's units' sizes per tensor-parallel rank, as torchtitan wraps them
  * (fully_shard on the embedding, on each block, on the final norm with the
  * head): the parameters each all-gathers, and those whose gradients it
- * reduce-scatters (a tied head's weight is the embedding's: gathered by
- * both, its gradient written by the head's backward first). */
+ * reduce-scatters. Tied embeddings: the embedding, the final norm and the
+ * head are one unit (embed; head 0), FSDP2 keeping a shared parameter in
+ * one group. */
 typedef struct unit_sizes {
   uint64_t embed, block, head;                /* parameters gathered */
   uint64_t embed_grad, block_grad, head_grad; /* parameters with a gradient */
@@ -203,6 +204,10 @@ typedef struct fsdp_unit {
                                 compute one), the tensor-parallel rank's share */
   uint64_t grad_params;      /* its parameters with a gradient, before sharding */
   int reshard_after_forward; /* freed when its forward returns (else kept for backward) */
+  int tied;                  /* the head's unit with tied embeddings: the embedding's unit */
+  uint64_t deferred[8];      /* the tied unit's head gradients, reduce-scattered with the
+                                embedding's after its backward */
+  int n_deferred;
   uint64_t mem;              /* in a step: its gathered copy's alloc id (0: sharded) */
   uint64_t ag, rs;           /* its all-gather issued and not waited for; its reduce-scatter */
 } fsdp_unit;

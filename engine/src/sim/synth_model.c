@@ -369,7 +369,13 @@ void unit_sizes_of(const synth_model *m, unit_sizes *u) {
   u->embed = table;
   u->block = layer_matrices(m, 0) / (uint64_t)tp_of(m) + layer_norms(m);
   u->head = final_norm_params(m) + V * h;
-  u->embed_grad = m->tie_embeddings ? (uint64_t)m->positions * h : table;
+  if (m->tie_embeddings) {
+    /* one unit: FSDP2 lets a shared parameter live in one group only
+     * (fully_shard([embedding, norm, head]), as Accelerate groups them) */
+    u->embed = table + final_norm_params(m);
+    u->head = 0;
+  }
+  u->embed_grad = u->embed;
   u->block_grad = u->block;
   u->head_grad = u->head;
 }
@@ -426,6 +432,7 @@ void synth_resident_parts(const synth_model *m, synth_resident *r) {
     unit_sizes_of(m, &u);
     uint64_t most = 2 * u.block; /* a block and the one prefetched */
     if (m->layers < 2) most = u.block;
+    if (m->tie_embeddings) most += u.embed; /* the tied unit is held from forward to backward */
     if (u.embed + u.block > most) most = u.embed + u.block;
     if (u.head + u.block > most) most = u.head + u.block;
     r->gathered = most * (uint64_t)ferry_dtype_size(m->dtype);
