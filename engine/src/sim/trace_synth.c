@@ -284,7 +284,7 @@ static void w_keep_grad(writer *w, uint64_t id) {
 /* The gradients of op o's weights, allocated by its backward (one alloc for
  * them; 0 if none). Unsharded training: they are the gradients, kept until
  * the optimizer step. Sharded (FSDP, ZeRO-3): the unsharded ones, which the
- * unit's reduce-scatter replaces by the rank's shard (w_reduce_scatter). */
+ * unit's reduce-scatter replaces by the rank's shard (w_unit_backward_end). */
 static uint64_t w_weight_grads(writer *w, const op *o) {
   const uint64_t n = trained_of(w->m, op_weight_elems(o));
   if (!n) return 0;
