@@ -91,6 +91,18 @@ for bad in "--optimizer adam" "--sp on" "--tp 3" "--param-dtype fp32 --master-we
   [ "$rc" = 2 ] || { echo "$bad: exit $rc"; exit 1; }
 done
 "$FERRY" trace synth --help | grep -q -- '--tp N'
+# Ulysses: the header says so, its all-to-alls are on the lane; a bad --cp-impl, or a --cp that
+# does not divide tiny's 2 KV heads, is refused naming the flag
+"$FERRY" trace synth --preset tiny --seq 1024 --cp 2 --cp-impl ulysses -q -o "$D/uly.jsonl"
+head -1 "$D/uly.jsonl" | grep -q '"cp":2,"cp_impl":"ulysses",'
+grep -q '"op":"all_to_all",.*"ranks":2,"what":"cp"' "$D/uly.jsonl"
+for bad in "--cp 2 --cp-impl ulysess" "--cp 4 --cp-impl ulysses"; do
+  rc=0
+  # shellcheck disable=SC2086
+  "$FERRY" trace synth --preset tiny --seq 1024 $bad -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?
+  [ "$rc" = 2 ] || { echo "$bad: exit $rc"; exit 1; }
+  grep -q -- '--cp-impl' "$D/err.txt" || { echo "$bad: $(cat "$D/err.txt")"; exit 1; }
+done
 # a small MoE with QK-norm under torchtitan's policy, compiled (what it keeps is packed), replays
 "$FERRY" trace synth --preset tiny --experts 4 --top-k 2 --expert-ffn 128 --qk-norm on \
   --head-dim 32 --checkpoint selective-op --checkpoint-impl compiled -q -o "$D/moe.jsonl"

@@ -243,6 +243,12 @@
   X(sim_comm_more_nodes_than_ranks_refused)                               \
   X(sim_comm_across_nodes_uses_every_nic_of_a_node)                       \
   X(sim_comm_nic_share_ends_with_its_collective)                          \
+  X(sim_fsdp_units_memory_and_lane_agree)                                 \
+  X(sim_fsdp_units_root_on_the_lane)                                      \
+  X(sim_fsdp_reduce_scatter_moves_what_backward_wrote)                    \
+  X(sim_fsdp_tied_embedding_is_one_unit)                                  \
+  X(sim_synth_ulysses_saves_flops_and_all_to_alls)                        \
+  X(sim_synth_ulysses_needs_cp_to_divide_the_heads)                       \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

@@ -1318,7 +1318,7 @@ TEST(sim_synth_moe_router_and_experts) {
   sim_trace_free(tr);
   /* parameters: attention, two norms, QK-norm, router, experts */
   const uint64_t per_layer_attn = (uint64_t)(h * qd + 2 * h * kvd + qd * h + 2 * h + 2 * 48 + h * E);
-  const uint64_t base = 2 * (uint64_t)m.vocab * (uint64_t)h + 2 * (uint64_t)h;
+  const uint64_t base = 2 * (uint64_t)m.vocab * (uint64_t)h + (uint64_t)h; /* final RMSNorm: h */
   CHECK_EQ(synth_param_count(&m), base + 2 * (per_layer_attn + (uint64_t)(E * 3 * h * fe)));
   CHECK_EQ(synth_active_param_count(&m), base + 2 * (per_layer_attn + (uint64_t)(k * 3 * h * fe)));
   /* torchtitan's per-op policy (compiled: what it keeps is packed) */
@@ -1507,9 +1507,9 @@ static int check_parts(const synth_model *m, uint64_t P, uint64_t T, uint64_t p,
  *  - fp32 parameters: no master copy (auto), 4+4+8; bf16 gradients 4+2+8;
  *  - LoRA 1%: T = round(0.01 P) trained: 2P + (2+4+8) T;
  *  - tp 2: the blocks' linears, the embedding and the head halved, the
- *    norms (2h per layer and the final 2h) kept: P/2 + the norms/2;
+ *    norms (2h per layer and the final RMSNorm's h) kept: P/2 + the norms/2;
  *  - shard 8: every part / 8; gathered, the most FSDP holds at once: the
- *    final norm with the head (2h + V/2 h) and the last block (its linears
+ *    final norm with the head (h + V/2 h) and the last block (its linears
  *    / 2 + its norms 2h) in bf16, in the loss's backward. */
 TEST(sim_synth_resident_knobs_match_hand_arithmetic) {
   synth_model m;
@@ -1545,7 +1545,7 @@ TEST(sim_synth_resident_knobs_match_hand_arithmetic) {
   CHECK_EQ(check_parts(&m, P, T, 2, 2, 4, 8 * T), 0);
   m.lora = 0;
   m.tp = 2;
-  const uint64_t norms = (uint64_t)m.layers * 2 * (uint64_t)m.hidden + 2 * (uint64_t)m.hidden;
+  const uint64_t norms = (uint64_t)m.layers * 2 * (uint64_t)m.hidden + (uint64_t)m.hidden;
   const uint64_t P2 = (P - norms) / 2 + norms;
   CHECK_EQ(check_parts(&m, P2, P2, 2, 2, 4, 8 * P2), 0);
   /* sharded: each part over 8, and the head's unit with a block gathered
@@ -1557,7 +1557,7 @@ TEST(sim_synth_resident_knobs_match_hand_arithmetic) {
   const uint64_t block = 2 * h * h + 2 * h * kvd + 3 * h * f;
   CHECK_EQ(r.params, P2 * 2 / 8);
   CHECK_EQ(r.states, P2 * 8 / 8);
-  CHECK_EQ(r.gathered, ((2 * h + 64128 * h) + (block / 2 + 2 * h)) * 2);
+  CHECK_EQ(r.gathered, ((h + 64128 * h) + (block / 2 + 2 * h)) * 2);
   /* the trace declares the parts, master weights apart from the states,
    * and skips the optimizer step without an optimizer */
   CHECK_EQ(synth_preset("tiny", &m), 0);

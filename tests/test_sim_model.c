@@ -522,9 +522,8 @@ TEST(sim_synth_gradients_appear_per_layer) {
   CHECK_EQ(live_at(t, "gradient: weights", "optimizer", 2, 0), head + 2 * block + embed);
   synth_resident r;
   synth_resident_parts(&m, &r);
-  /* the parameter count takes the final norm as 2h (LayerNorm's weight and
-   * bias), RMSNorm's backward writes h: 512 B apart */
-  CHECK_EQ(r.grads, head + 2 * block + embed + 512);
+  /* the parameter count's final RMSNorm is the h its backward writes */
+  CHECK_EQ(r.grads, head + 2 * block + embed);
   CHECK_EQ(t->resident_bytes, r.params + r.master + r.states);
   sim_trace_free(t);
   return 0;
@@ -538,24 +537,24 @@ TEST(sim_synth_gradients_appear_per_layer) {
  * block 0 are gathered (524288 + 1180672); at block 0's q_proj blocks 0 and
  * 1; at block 1's blocks 1 and the head's unit; at lm_head's forward the
  * head's unit alone, its unsharded size (the parameter count's final norm
- * 2h + lm_head: 525312 B; on 338c69c a flat 2 blocks'
+ * h (RMSNorm: a weight) + lm_head: 524800 B; on 338c69c a flat 2 blocks'
  * linears, 2359296 B, all step); in backward at the loss the head's unit and
  * block 1; the most at once (synth_resident_parts' gathered) two blocks.
  * Gradients: at block
  * 0's down_proj backward the unsharded ones are down_proj's alone (262144;
  * block 1's and the head's were freed at their reduce-scatters) and the
- * sharded ones the head's and block 1's halves (262656 + 590336). At the
+ * sharded ones the head's and block 1's halves (262400 + 590336). At the
  * optimizer step foreach AdamW's sqrt of the fp32 states and the fp32 cast
- * of the gradients: 4 x 1705472 / 2 = 3410944 each (P = 1705472 with the
- * final norm as 2h). */
+ * of the gradients: 4 x 1705216 / 2 = 3410432 each (P = 1705216, the
+ * final norm's h included). */
 TEST(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients) {
   synth_model m;
   tiny(&m);
   m.shard = 2;
   sim_trace *t = NULL;
   CHECK_OK(trace_of(&m, &t));
-  /* the head's unit as the parameter count has it: the final norm 2h */
-  const uint64_t block = 1180672, head = 525312, embed = 524288;
+  /* the head's unit: the final RMSNorm's h and lm_head */
+  const uint64_t block = 1180672, head = 524800, embed = 524288;
   const char *g = "gathered parameters";
   CHECK_EQ(live_at(t, g, "model.embed_tokens", 0, 0), embed + block);
   CHECK_EQ(live_at(t, g, "self_attn.q_proj", 0, 0), 2 * block);
@@ -574,8 +573,8 @@ TEST(sim_synth_fsdp_gathers_per_unit_and_frees_unsharded_gradients) {
   CHECK_EQ(live_at(t, "gradient: weights (sharded)", "mlp.down_proj", 1, 1), head / 2 + block / 2);
   CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "optimizer", 2, 0), 0);
   CHECK_EQ(live_at(t, "gradient: weights (sharded)", "optimizer", 2, 0), (head + 2 * block + embed) / 2);
-  CHECK_EQ(live_at(t, "optimizer: foreach sqrt(exp_avg_sq)", "optimizer", 2, 0), 3410944);
-  CHECK_EQ(live_at(t, "optimizer: gradients cast to fp32", "optimizer", 2, 0), 3410944);
+  CHECK_EQ(live_at(t, "optimizer: foreach sqrt(exp_avg_sq)", "optimizer", 2, 0), 3410432);
+  CHECK_EQ(live_at(t, "optimizer: gradients cast to fp32", "optimizer", 2, 0), 3410432);
   /* replayed without offloading, with SGD (AdamW's transients put tiny's
    * peak at its optimizer step), the step peaks at log_softmax's backward:
    * every forward pack (F) but what nll_loss alone saved, released after
@@ -684,7 +683,7 @@ TEST(sim_synth_fsdp_unsharded_gradients_in_the_compute_dtype) {
   sim_trace *t = NULL;
   CHECK_OK(trace_of(&m, &t));
   CHECK_EQ(live_at(t, "gradient: weights (unsharded)", "mlp.down_proj", 1, 1), 262144);
-  const uint64_t params = (1180672 * 2 + 525312 + 524288) / 2; /* elements */
+  const uint64_t params = (1180672 * 2 + 524800 + 524288) / 2; /* elements */
   CHECK_EQ(live_at(t, "gradient: weights (sharded)", "optimizer", 2, 0), params * 4 / 2);
   sim_trace_free(t);
   return 0;

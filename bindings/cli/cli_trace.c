@@ -78,6 +78,10 @@ static void synth_usage(FILE *f) {
           "  --cp N               context parallelism (ring attention): each GPU holds seq/N\n"
           "                       tokens, attends over all keys (the causal work / N) and\n"
           "                       holds the ring's K/V receive buffers (default 1)\n"
+          "  --cp-impl ring|ulysses  how --cp splits attention: ring (default), or\n"
+          "                       DeepSpeed-Ulysses: all-to-alls around attention give each\n"
+          "                       GPU the whole sequence of heads/N (N must divide the\n"
+          "                       heads and the KV heads)\n"
           "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
           "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
           "  --steps N            steps in the trace (default 1)\n"
@@ -251,6 +255,7 @@ static int trace_synth_main(int argc, char **argv) {
       {"param-dtype", required_argument, 0, 'p'}, {"grad-dtype", required_argument, 0, 'g'},
       {"master-weights", required_argument, 0, 'M'}, {"optimizer", required_argument, 0, 'O'},
       {"lora", required_argument, 0, 'R'}, {"tp", required_argument, 0, 'x'}, {"cp", required_argument, 0, 'J'},
+      {"cp-impl", required_argument, 0, 'U'},
       {"sp", required_argument, 0, 'y'},     {"norm", required_argument, 0, 'r'},
       {"checkpoint-impl", required_argument, 0, 'I'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
@@ -321,6 +326,14 @@ static int trace_synth_main(int argc, char **argv) {
     case 'x': bad |= int_arg("--tp", optarg, &m.tp) != 0; break;
     case 'J': bad |= int_arg("--cp", optarg, &m.cp) != 0; break;
     case 'y': bad |= on_off("--sp", optarg, &m.sp) != 0; break;
+    case 'U':
+      if (!strcmp(optarg, "ring")) m.cp_impl = SYNTH_CP_RING;
+      else if (!strcmp(optarg, "ulysses")) m.cp_impl = SYNTH_CP_ULYSSES;
+      else {
+        fprintf(stderr, "ferry trace synth: --cp-impl %s: ring or ulysses\n", optarg);
+        bad = 1;
+      }
+      break;
     case 'r':
       if (!strcmp(optarg, "fused")) m.norm = SYNTH_NORM_FUSED;
       else if (!strcmp(optarg, "eager")) m.norm = SYNTH_NORM_EAGER;

@@ -93,8 +93,10 @@ typedef struct trace_alloc {
  * tensor parallelism's all-reduces. bytes is the whole buffer (the gathered
  * or unsharded one); each rank moves bytes x (ranks - 1) / ranks (all-reduce:
  * twice that), NCCL's bus-bandwidth factor. */
-enum { SIM_COLL_ALL_GATHER = 0, SIM_COLL_REDUCE_SCATTER, SIM_COLL_ALL_REDUCE };
-enum { SIM_GROUP_SHARD = 0, SIM_GROUP_TP = 1 }; /* data-parallel (FSDP) or tensor-parallel */
+enum { SIM_COLL_ALL_GATHER = 0, SIM_COLL_REDUCE_SCATTER, SIM_COLL_ALL_REDUCE, SIM_COLL_ALL_TO_ALL };
+/* data-parallel (FSDP) or within a node: tensor parallelism's exchanges and
+ * Ulysses' all-to-alls ("what" "tp" or "cp") share the intra-node lane */
+enum { SIM_GROUP_SHARD = 0, SIM_GROUP_TP = 1 };
 typedef struct trace_collective {
   uint64_t id;
   uint64_t bytes;
@@ -480,6 +482,11 @@ enum { SYNTH_MASTER_AUTO = 0, SYNTH_MASTER_ON = 1, SYNTH_MASTER_OFF = 2 };
  * (the fp32 input, rstd, the normalized tensor: what a CPU run or a GPU run
  * without fused kernels saves). */
 enum { SYNTH_NORM_FUSED = 0, SYNTH_NORM_EAGER = 1 };
+/* How --cp splits the sequence (docs/simulator.md, "Long context"): ring
+ * attention (each rank's queries over every rank's K/V chunks) or
+ * DeepSpeed-Ulysses (all-to-alls around attention turn seq / cp tokens of
+ * every head into the whole sequence of heads / cp). */
+enum { SYNTH_CP_RING = 0, SYNTH_CP_ULYSSES = 1 };
 /* What selective checkpointing recomputes (bit mask). */
 enum {
   SYNTH_RECOMPUTE_ATTN_CORE = 1u << 0, /* softmax & co: the s^2 tensors */
@@ -515,6 +522,7 @@ typedef struct synth_model {
   int sp;             /* sequence parallelism (needs tp > 1) */
   int cp;             /* context parallelism (ring attention) degree; 0 or 1 = none: each
                          rank holds seq / cp tokens and attends over all keys */
+  int cp_impl;        /* SYNTH_CP_*: ring attention (default) or Ulysses */
   int norm;           /* SYNTH_NORM_*: the RMSNorms' kernels (llama arch) */
   int ckpt_impl;      /* SYNTH_CKPT_IMPL_* */
   int positions;      /* learned position embeddings (GPT): rows of hidden; 0 = none (rotary) */

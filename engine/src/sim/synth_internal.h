@@ -110,6 +110,7 @@ static inline int64_t seq_local_of(const synth_model *m) { return m->seq / cp_of
 static inline int64_t seq_region_of(const synth_model *m) {
   return m->sp ? seq_local_of(m) / tp_of(m) : seq_local_of(m);
 }
+static inline int ulysses_of(const synth_model *m) { return m->cp > 1 && m->cp_impl == SYNTH_CP_ULYSSES; }
 static inline int64_t vocab_local_of(const synth_model *m) { return (m->vocab + tp_of(m) - 1) / tp_of(m); }
 
 enum { /* layer-local activation buffers */
@@ -117,7 +118,7 @@ enum { /* layer-local activation buffers */
   B_QKV, B_SOFT32, B_PROBS, B_DMASK, B_DOUT, B_AMASK, B_FC1, B_GELU, B_MMASK, B_LSE, B_RSTD1,
   B_RSTD2, B_QP, B_KP, B_QRSTD, B_KRSTD, B_OP, B_DOWN, B_FC2, B_SCORES, B_RLOGITS, B_RPROBS,
   B_RIDX, B_RW, B_RDEN, B_COS, B_SIN, B_X32_1, B_NRM1, B_X32_2, B_NRM2, B_QX32, B_QNRM, B_KX32,
-  B_KNRM, B_DENSE_END,
+  B_KNRM, B_UOUT, B_DENSE_END,
   /* expert e's buffers: B_DENSE_END + e * EB_N + EB_* */
   EB_IDX = 0, EB_SLOT, EB_IN, EB_GATE, EB_ACT, EB_UP, EB_PROD, EB_DOWN, EB_RW, EB_N
 };
@@ -131,6 +132,7 @@ typedef struct layer_shape {
   int64_t ss;                            /* sequence outside the TP region (sp: s / t) */
   int64_t skv, cp;                       /* keys each query attends over (cp: all of the
                                             sequence, s x cp); the context-parallel degree */
+  int ulysses;                           /* cp by Ulysses' all-to-alls, not a ring */
   double tokens, stokens, e;             /* b * s; b * ss; bytes per element */
   int dt, llama, qwen, mixtral;          /* the model's dtype; Llama (else GPT-2); Hugging
                                             Face's Qwen3 or Mixtral class and module names */
@@ -165,11 +167,12 @@ int ckpt_impl_of(const synth_model *m);
 const char *ckpt_impl_name(int impl);
 int hook_sees_kept(const synth_model *m);
 int hook_sees_recomputed(const synth_model *m);
-/* FSDP's units per tensor-parallel rank, as torchtitan wraps them
+/* FSDP's units' sizes per tensor-parallel rank, as torchtitan wraps them
  * (fully_shard on the embedding, on each block, on the final norm with the
  * head): the parameters each all-gathers, and those whose gradients it
- * reduce-scatters (a tied head's weight is the embedding's: gathered by
- * both, its gradient written by the head's backward first). */
+ * reduce-scatters. Tied embeddings: the embedding, the final norm and the
+ * head are one unit (embed; head 0), FSDP2 keeping a shared parameter in
+ * one group. */
 typedef struct unit_sizes {
   uint64_t embed, block, head;                /* parameters gathered */
   uint64_t embed_grad, block_grad, head_grad; /* parameters with a gradient */
@@ -182,27 +185,59 @@ uint64_t sharded_grad_bytes(const synth_model *m, uint64_t n);
 uint64_t op_weight_elems(const op *o);
 uint64_t layer_matrices(const synth_model *m, int active);
 uint64_t layer_norms(const synth_model *m);
+uint64_t final_norm_params(const synth_model *m);
 double optimizer_step_bytes(const synth_model *m, const synth_resident *r);
 
+/* FSDP's units (synth_comm.c): one list, as torchtitan wraps the model,
+ * drives both the gathered parameters' memory (alloc and free lines) and the
+ * communication lane's all-gathers and reduce-scatters, so the two cannot
+ * disagree. Unit 0 is the embedding, 1 + L block L, 1 + layers the final
+ * norm with the head. */
+#define UNIT_EMBED 0
+#define UNIT_BLOCK(L) (1 + (L))
+#define UNIT_HEAD(m) (1 + (m)->layers)
+
+typedef struct fsdp_unit {
+  const char *what;          /* its gathered copy's alloc name */
+  int layer;                 /* its collectives' layer: the block's; -1 for the root's units */
+  uint64_t gather_bytes;     /* its parameters in the gather dtype (FSDP2's param_dtype: the
+                                compute one), the tensor-parallel rank's share */
+  uint64_t grad_params;      /* its parameters with a gradient, before sharding */
+  int reshard_after_forward; /* freed when its forward returns (else kept for backward) */
+  int tied;                  /* the head's unit with tied embeddings: the embedding's unit */
+  uint64_t deferred[8];      /* the tied unit's head gradients, reduce-scattered with the
+                                embedding's after its backward */
+  int n_deferred;
+  uint64_t mem;              /* in a step: its gathered copy's alloc id (0: sharded) */
+  uint64_t ag, rs;           /* its all-gather issued and not waited for; its reduce-scatter */
+} fsdp_unit;
+
 /* The collectives of a step (synth_comm.c): FSDP's gathers and
- * reduce-scatters per block, tensor parallelism's exchanges. */
+ * reduce-scatters per unit, tensor parallelism's exchanges. */
 typedef struct synth_comm {
   const synth_model *m;
   FILE *f;
-  uint64_t next;                         /* the last collective id written */
-  uint64_t ag_bytes, rs_bytes, tp_bytes; /* a block's gather, its gradients, a TP exchange */
-  uint64_t *ag, *rs;                     /* per block: a gather issued, not waited for; its
-                                            reduce-scatter (NULL: not sharded) */
+  uint64_t next;      /* the last collective id written */
+  uint64_t *alloc_id; /* the writer's id counter, for the units' alloc lines */
+  uint64_t tp_bytes;  /* a TP exchange */
+  uint64_t ulysses_q, ulysses_kv; /* Ulysses: a rank's q (or attention output), k or v */
+  fsdp_unit *units;   /* [layers + 2] (NULL: not sharded) */
+  int n_units;
 } synth_comm;
-int synth_comm_init(synth_comm *c, const synth_model *m, FILE *f, uint64_t layer_param_bytes);
+int synth_comm_init(synth_comm *c, const synth_model *m, FILE *f, uint64_t *alloc_id);
 void synth_comm_free(synth_comm *c);
-void synth_comm_step_begin(synth_comm *c);
-void synth_comm_block_forward_begin(synth_comm *c, int layer);
-void synth_comm_block_forward_end(synth_comm *c, int layer);
-void synth_comm_backward_begin(synth_comm *c);
-void synth_comm_block_backward_begin(synth_comm *c, int layer);
-void synth_comm_block_recompute(synth_comm *c, int layer); /* a full checkpoint's forward again */
-void synth_comm_block_backward_end(synth_comm *c, int layer);
+void fsdp_prefetch(synth_comm *c, int unit);   /* gathered ahead: alloc, all-gather issued */
+void fsdp_unshard(synth_comm *c, int unit);    /* needed now: the compute waits for its gather */
+void fsdp_post_forward(synth_comm *c, int unit); /* freed if it reshards after forward */
+void fsdp_reshard(synth_comm *c, int unit);
+/* After a unit's backward: its gradients reduce-scattered, the rank's
+ * shard allocated (its id returned, 0 if none), the unsharded ones
+ * (unsharded[n]) freed. */
+uint64_t fsdp_reduce_scatter(synth_comm *c, int unit, uint64_t *unsharded, int n);
+void synth_comm_tp_exchange(synth_comm *c, int layer); /* two synchronous TP exchanges */
+/* Ulysses' four synchronous all-to-alls around a block's attention (q, k,
+ * v in, the output out; in backward their gradients the other way). */
+void synth_comm_ulysses_exchange(synth_comm *c, int layer);
 void synth_comm_backward_end(synth_comm *c);
 
 #endif

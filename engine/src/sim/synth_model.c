@@ -174,6 +174,21 @@ static int validate_tp(const synth_model *m, char *err, size_t errlen) {
  * per K/V chunk. */
 static int validate_cp(const synth_model *m, char *err, size_t errlen) {
   if (m->cp < 0 || m->cp > 1 << 16) BAD("cp %d must be within 1..65536", m->cp);
+  if (m->cp_impl != SYNTH_CP_RING && m->cp_impl != SYNTH_CP_ULYSSES)
+    BAD("cp_impl %d is not ring (0) or ulysses (1)", m->cp_impl);
+  if (ulysses_of(m)) {
+    /* each rank attends with heads / cp of the whole sequence: the heads,
+     * the KV heads (per tensor-parallel rank) and the sequence split evenly */
+    const int t = m->tp > 1 ? m->tp : 1;
+    if ((m->heads / t) % m->cp || (m->kv_heads / t) % m->cp)
+      BAD("--cp-impl ulysses: --cp %d must divide the heads (%d) and the KV heads (%d)%s: each rank "
+          "attends with heads / cp", m->cp, m->heads / t, m->kv_heads / t, t > 1 ? " per --tp rank" : "");
+    if (m->seq % m->cp) BAD("--cp-impl ulysses: --cp %d must divide seq %d", m->cp, m->seq);
+    if (!m->flash)
+      BAD("--cp-impl ulysses with --cp %d needs --flash on (eager attention would hold the whole "
+          "sequence's s x s scores)", m->cp);
+    return 0;
+  }
   if (m->cp > 1 && m->seq % (2 * m->cp))
     BAD("cp %d: 2 x cp must divide seq %d (ring attention's load balancing gives each rank two "
         "chunks of seq / 2cp tokens)", m->cp, m->seq);
@@ -287,6 +302,12 @@ uint64_t layer_norms(const synth_model *m) {
   return norms;
 }
 
+/* The final norm's weights: RMSNorm a weight (h), LayerNorm a weight and a
+ * bias (2h). */
+uint64_t final_norm_params(const synth_model *m) {
+  return (m->arch == SYNTH_LLAMA ? 1u : 2u) * (uint64_t)m->hidden;
+}
+
 static uint64_t layer_params(const synth_model *m, int active) {
   return layer_matrices(m, active) + layer_norms(m);
 }
@@ -295,7 +316,7 @@ static uint64_t params(const synth_model *m, int active) {
   const uint64_t h = (uint64_t)m->hidden, V = (uint64_t)m->vocab;
   return V * h /* embedding */ + (uint64_t)m->positions * h /* learned positions */ +
          (uint64_t)m->layers * layer_params(m, active) +
-         2 * h /* final norm */ + (m->tie_embeddings ? 0 : V * h) /* head */;
+         final_norm_params(m) + (m->tie_embeddings ? 0 : V * h) /* head */;
 }
 
 uint64_t synth_param_count(const synth_model *m) { return params(m, 0); }
@@ -306,8 +327,8 @@ uint64_t synth_active_param_count(const synth_model *m) { return params(m, 1); }
  * vocabulary (V / t rows, rounded up), the norms replicated. */
 static uint64_t local_params(const synth_model *m) {
   const uint64_t h = (uint64_t)m->hidden, t = (uint64_t)tp_of(m), V = (uint64_t)vocab_local_of(m);
-  return V * h + (uint64_t)m->positions * h + (uint64_t)m->layers * (layer_matrices(m, 0) / t + layer_norms(m)) + 2 * h +
-         (m->tie_embeddings ? 0 : V * h);
+  return V * h + (uint64_t)m->positions * h + (uint64_t)m->layers * (layer_matrices(m, 0) / t + layer_norms(m)) +
+         final_norm_params(m) + (m->tie_embeddings ? 0 : V * h);
 }
 
 /* Optimizer state bytes per trainable parameter, whole bytes: the states
@@ -347,8 +368,14 @@ void unit_sizes_of(const synth_model *m, unit_sizes *u) {
   const uint64_t table = V * h + (uint64_t)m->positions * h;
   u->embed = table;
   u->block = layer_matrices(m, 0) / (uint64_t)tp_of(m) + layer_norms(m);
-  u->head = 2 * h + V * h;
-  u->embed_grad = m->tie_embeddings ? (uint64_t)m->positions * h : table;
+  u->head = final_norm_params(m) + V * h;
+  if (m->tie_embeddings) {
+    /* one unit: FSDP2 lets a shared parameter live in one group only
+     * (fully_shard([embedding, norm, head]), as Accelerate groups them) */
+    u->embed = table + final_norm_params(m);
+    u->head = 0;
+  }
+  u->embed_grad = u->embed;
   u->block_grad = u->block;
   u->head_grad = u->head;
 }
@@ -405,6 +432,7 @@ void synth_resident_parts(const synth_model *m, synth_resident *r) {
     unit_sizes_of(m, &u);
     uint64_t most = 2 * u.block; /* a block and the one prefetched */
     if (m->layers < 2) most = u.block;
+    if (m->tie_embeddings) most += u.embed; /* the tied unit is held from forward to backward */
     if (u.embed + u.block > most) most = u.embed + u.block;
     if (u.head + u.block > most) most = u.head + u.block;
     r->gathered = most * (uint64_t)ferry_dtype_size(m->dtype);

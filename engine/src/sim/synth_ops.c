@@ -160,6 +160,7 @@ static void attention_in_ops(layer_shape *ls, op_list *l) {
     save(o, sv(B_X, dt, ACT, 0, 3, b, ss, h, 0));
     save(o, sv(B_RSTD1, F32, ACT, 0, 3, b, ss, 2, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+    o->extra_wgrad = h; /* LayerNorm's bias: a gradient, nothing saved */
   }
   if (ls->llama) {
     const int64_t qdims[4] = {b, s, ls->a, ls->d}, kdims[4] = {b, s, ls->kv, ls->d};
@@ -217,22 +218,27 @@ static void attention_core_ops(layer_shape *ls, int flash, op_list *l) {
     /* ring attention (cp > 1): this rank's queries over every rank's keys,
      * the K/V chunks read as they arrive; with load balancing (each rank two
      * mirrored chunks) the causal work is the total / cp */
+    /* Ulysses (cp > 1): after the all-to-alls the rank attends over the
+     * whole sequence (S = s x cp) with heads / cp: the same causal work,
+     * its own q, k, v read once; what it saves is (b, heads / cp, S, d),
+     * the same bytes as its s tokens of every head */
     o = add_op(l, "self_attn.attention", "FlashAttention", 2 * tokens * ls->skv * qd,
-               (2 * tokens * qd + 2 * tokens * kvd * ls->cp) * e);
+               (2 * tokens * qd + 2 * tokens * kvd * (ls->ulysses ? 1 : ls->cp)) * e);
     if (llama) in_module(o, "self_attn", ls_class(ls, CLS_ATTN));
-    if (ls->cp > 1) /* K and V of one chunk, double-buffered: one computed on, one received */
+    if (ls->cp > 1 && !ls->ulysses) /* K and V of one chunk, double-buffered: one computed on, one received */
       tmp(o, TMP_RING, (uint64_t)(2 * 2 * tokens * (double)kvd * e), "ring attention: K/V receive buffers");
     /* its backward runs 5 matmuls (recomputed scores, dV, dP, dQ, dK) for the
      * forward's 2: 2.5x the FLOPs (FlashAttention-2, Dao 2023, section 3.1;
      * torch's FLOP counter counts SDPA's backward so), twice the bytes */
     o->own_bwd = 1, o->bwd_flops = 2.5 * o->flops, o->bwd_bytes = 2 * o->bytes;
-    save(o, sv(B_Q, dt, ACT, 0, 4, b, a, s, d));
-    save(o, sv(B_K, dt, ACT, 0, 4, b, kvd / d, s, d));
-    save(o, sv(B_V, dt, ACT, 0, 4, b, kvd / d, s, d));
-    save(o, sv(B_ATTN, dt, ACT, 0, 4, b, a, s, d));
-    save(o, sv(B_LSE, F32, ACT, 0, 3, b, a, s, 0));
-    out(o, SAC_SAVE, sv(B_ATTN, dt, ACT, 0, 4, b, a, s, d));
-    out(o, SAC_SAVE, sv(B_LSE, F32, ACT, 0, 3, b, a, s, 0));
+    const int64_t u = ls->ulysses ? ls->cp : 1, S = s * u, ah = a / u, kh = kvd / d / u;
+    save(o, sv(B_Q, dt, ACT, 0, 4, b, ah, S, d));
+    save(o, sv(B_K, dt, ACT, 0, 4, b, kh, S, d));
+    save(o, sv(B_V, dt, ACT, 0, 4, b, kh, S, d));
+    save(o, sv(B_ATTN, dt, ACT, 0, 4, b, ah, S, d));
+    save(o, sv(B_LSE, F32, ACT, 0, 3, b, ah, S, 0));
+    out(o, SAC_SAVE, sv(B_ATTN, dt, ACT, 0, 4, b, ah, S, d));
+    out(o, SAC_SAVE, sv(B_LSE, F32, ACT, 0, 3, b, ah, S, 0));
   } else if (llama) {
     /* Hugging Face's eager_attention_forward: repeat_kv copies k and v to
      * every head (GQA; itself when kv heads = heads), matmul(q, k^T) runs as
@@ -285,7 +291,9 @@ static void attention_out_ops(layer_shape *ls, op_list *l) {
    * flash's output is laid out so already (the same buffer), eager's is
    * copied (.transpose(1, 2).contiguous()), a buffer of its own */
   o = add_op(l, "self_attn.o_proj", "Linear", 2 * tokens * qd * h, (tokens * qd + qd * h + tokens * h) * e);
-  linear_saves(o, dt, B_ATTN, b * s, qd, h);
+  /* Ulysses: the all-to-all's output back in s tokens of every head, a
+   * tensor apart from the attention's (b, heads / cp, S, d) one */
+  linear_saves(o, dt, ls->ulysses ? B_UOUT : B_ATTN, b * s, qd, h);
   out(o, SAC_MM, sv(B_OP, dt, ACT, 0, 3, b, s, h, 0));
   if (!ls->llama) {
     o = add_op(l, "self_attn.resid_dropout", "Dropout", 0, 3 * ls->stokens * h * e);
@@ -301,6 +309,7 @@ static void attention_out_ops(layer_shape *ls, op_list *l) {
     save(o, sv(B_H1, dt, ACT, 0, 3, b, ss, h, 0));
     save(o, sv(B_RSTD2, F32, ACT, 0, 3, b, ss, 2, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+    o->extra_wgrad = h; /* LayerNorm's bias */
   }
 }
 
@@ -459,6 +468,7 @@ int layer_ops(const synth_model *m, op_list *l) {
   ls.s = seq_local_of(m);
   ls.ss = seq_region_of(m);
   ls.cp = cp_of(m);
+  ls.ulysses = ulysses_of(m);
   ls.skv = m->seq;
   ls.h = m->hidden;
   ls.a = m->heads / t;
@@ -604,6 +614,7 @@ int post_ops(const synth_model *m, op_list *l) {
     save(o, sv(1, dt, ACT, 0, 3, b, s, h, 0));
     save(o, sv(2, F32, ACT, 0, 3, b, s, 2, 0));
     save(o, sv(B_PARAM, dt, PARAM, 0, 1, h, 0, 0, 0));
+    o->extra_wgrad = h; /* LayerNorm's bias */
   }
   if (m->loss == SYNTH_LOSS_CHUNKED) loss_chunked_ops(m, l);
   else loss_full_ops(m, l);

@@ -392,8 +392,8 @@ static int parse_alloc(reader *r, const json_line *o, double gap) {
   return add_event(r, TEV_ALLOC, idx, gap);
 }
 
-/* {"ev":"collective","id":N,"op":"all_gather"|"reduce_scatter"|"all_reduce",
- * "bytes":B,"ranks":R,"what":"shard"|"tp"[,"layer":L]}: a collective issued
+/* {"ev":"collective","id":N,"op":"all_gather"|"reduce_scatter"|"all_reduce"|"all_to_all",
+ * "bytes":B,"ranks":R,"what":"shard"|"tp"|"cp"[,"layer":L]}: a collective issued
  * here on its group's lane (docs/trace-format.md, "collective"). */
 static int parse_collective(reader *r, const json_line *o, double gap) {
   sim_trace *t = r->t;
@@ -409,11 +409,16 @@ static int parse_collective(reader *r, const json_line *o, double gap) {
   int kind = !strcmp(op, "all_gather")       ? SIM_COLL_ALL_GATHER
              : !strcmp(op, "reduce_scatter") ? SIM_COLL_REDUCE_SCATTER
              : !strcmp(op, "all_reduce")     ? SIM_COLL_ALL_REDUCE
+             : !strcmp(op, "all_to_all")     ? SIM_COLL_ALL_TO_ALL
                                              : -1;
   if (kind < 0)
-    return reader_fail(r, "collective \"op\" \"%s\" is not all_gather, reduce_scatter or all_reduce", op);
-  int group = !strcmp(what, "shard") ? SIM_GROUP_SHARD : !strcmp(what, "tp") ? SIM_GROUP_TP : -1;
-  if (group < 0) return reader_fail(r, "collective \"what\" \"%s\" is not shard or tp", what);
+    return reader_fail(r, "collective \"op\" \"%s\" is not all_gather, reduce_scatter, all_reduce or all_to_all",
+                       op);
+  /* Ulysses' all-to-alls (cp) run within a node, on tensor parallelism's lane */
+  int group = !strcmp(what, "shard") ? SIM_GROUP_SHARD
+              : !strcmp(what, "tp") || !strcmp(what, "cp") ? SIM_GROUP_TP
+                                                         : -1;
+  if (group < 0) return reader_fail(r, "collective \"what\" \"%s\" is not shard, tp or cp", what);
   if (!r->in_step) return reader_fail(r, "collective outside a step");
   uint32_t dup;
   if (u64map_find(&r->coll_ids, (uint64_t)id, &dup))

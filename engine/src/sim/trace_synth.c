@@ -18,17 +18,11 @@ typedef struct writer {
   uint64_t step;
   uint64_t model_bufid[2]; /* this step's first forward packs of the rotary tables (B_COS, B_SIN) */
   uint64_t resid_grad;     /* backward: the gradient of the residual stream coming down */
-  unit_sizes u;            /* FSDP's units (sharded training gathers them) */
-  uint64_t *gathered;      /* [layers + 2]: a unit's gathered copy's alloc id (0: none):
-                              UNIT_EMBED, UNIT_BLOCK(L), UNIT_HEAD */
+  synth_comm *comm;        /* the collectives, and FSDP's units' gathers (synth_comm.c) */
   uint64_t *grads;         /* the gradients written this step, freed after the optimizer */
   size_t n_grads, cap_grads;
   int oom;
 } writer;
-
-#define UNIT_EMBED 0
-#define UNIT_BLOCK(L) (1 + (L))
-#define UNIT_HEAD(m) (1 + (m)->layers)
 
 static double op_us(const synth_model *m, const op *o) {
   double t_flops = o->flops / (m->tflops * 1e12);
@@ -290,7 +284,7 @@ static void w_keep_grad(writer *w, uint64_t id) {
 /* The gradients of op o's weights, allocated by its backward (one alloc for
  * them; 0 if none). Unsharded training: they are the gradients, kept until
  * the optimizer step. Sharded (FSDP, ZeRO-3): the unsharded ones, which the
- * unit's reduce-scatter replaces by the rank's shard (w_reduce_scatter). */
+ * unit's reduce-scatter replaces by the rank's shard (w_unit_backward_end). */
 static uint64_t w_weight_grads(writer *w, const op *o) {
   const uint64_t n = trained_of(w->m, op_weight_elems(o));
   if (!n) return 0;
@@ -307,37 +301,11 @@ static uint64_t w_weight_grads(writer *w, const op *o) {
 
 /* After a unit's backward, sharded: the reduce-scatter writes the rank's
  * shard of its gradients (kept), then the unsharded ones are freed (FSDP2's
- * post-backward). n_params: the unit's parameters with a gradient. */
-static void w_reduce_scatter(writer *w, uint64_t n_params, uint64_t *unsharded, int n) {
+ * post-backward), and the unit's gathered copy goes. */
+static void w_unit_backward_end(writer *w, int unit, uint64_t *unsharded, int n) {
   if (w->m->shard <= 1) return;
-  uint64_t bytes = sharded_grad_bytes(w->m, n_params);
-  if (bytes) w_keep_grad(w, w_alloc(w, bytes, "gradient: weights (sharded)"));
-  for (int i = 0; i < n; i++) {
-    w_free(w, unsharded[i]);
-    unsharded[i] = 0;
-  }
-}
-
-static uint64_t unit_bytes(const writer *w, int unit) {
-  const uint64_t n = unit == UNIT_EMBED ? w->u.embed : unit == UNIT_HEAD(w->m) ? w->u.head : w->u.block;
-  return n * (uint64_t)ferry_dtype_size(w->m->dtype);
-}
-
-/* Sharded training all-gathers a unit's parameters (in the compute dtype,
- * the tensor-parallel rank's share) before it runs or when it is
- * prefetched: an alloc until w_reshard. Unsharded: nothing. */
-static void w_gather(writer *w, int unit) {
-  if (w->m->shard <= 1 || unit < 0 || unit > UNIT_HEAD(w->m) || w->gathered[unit]) return;
-  static const char *const names[3] = {"gathered parameters: embedding", "gathered parameters: block",
-                                       "gathered parameters: norm and head"};
-  const char *what = names[unit == UNIT_EMBED ? 0 : unit == UNIT_HEAD(w->m) ? 2 : 1];
-  w->gathered[unit] = w_alloc(w, unit_bytes(w, unit), what);
-}
-
-static void w_reshard(writer *w, int unit) {
-  if (w->m->shard <= 1 || unit < 0 || unit > UNIT_HEAD(w->m)) return;
-  w_free(w, w->gathered[unit]);
-  w->gathered[unit] = 0;
+  w_keep_grad(w, fsdp_reduce_scatter(w->comm, unit, unsharded, n));
+  fsdp_reshard(w->comm, unit);
 }
 
 /* foreach AdamW's transients at the step (torch.optim.adamw, _multi_tensor_adam):
@@ -360,10 +328,12 @@ static void optimizer_transients(const synth_model *m, const synth_resident *r, 
  * all-gather issued as it runs (forward prefetch of one unit), its own
  * freed when it returns. */
 static void w_block_forward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
-  w_gather(w, UNIT_BLOCK(layer));
-  w_gather(w, UNIT_BLOCK(layer + 1)); /* past the last block: the head's unit */
+  fsdp_unshard(w->comm, UNIT_BLOCK(layer));
+  fsdp_prefetch(w->comm, UNIT_BLOCK(layer + 1)); /* past the last block: the head's unit */
   w_block_forward_ops(w, c, layer, bi);
-  w_reshard(w, UNIT_BLOCK(layer));
+  synth_comm_ulysses_exchange(w->comm, layer);
+  synth_comm_tp_exchange(w->comm, layer);
+  fsdp_post_forward(w->comm, UNIT_BLOCK(layer));
 }
 
 static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids *bi) {
@@ -372,8 +342,13 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
   const int mode = layer_mode(m, layer);
   /* FSDP2's backward prefetch: the unit below is gathered as this one's
    * backward begins */
-  w_gather(w, UNIT_BLOCK(layer));
-  w_gather(w, layer > 0 ? UNIT_BLOCK(layer - 1) : UNIT_EMBED);
+  fsdp_unshard(w->comm, UNIT_BLOCK(layer));
+  fsdp_prefetch(w->comm, layer > 0 ? UNIT_BLOCK(layer - 1) : UNIT_EMBED);
+  /* a full checkpoint's forward again, its exchanges included */
+  if (mode == SYNTH_CKPT_FULL) {
+    synth_comm_ulysses_exchange(w->comm, layer);
+    synth_comm_tp_exchange(w->comm, layer);
+  }
   /* the gradient of the block's input, written as its backward runs; the
    * one of its output (from the block above, or the head) lives until it ends */
   const uint64_t grad_in = w_alloc(w, (uint64_t)m->micro_batch * (uint64_t)seq_region_of(m) *
@@ -424,8 +399,9 @@ static void w_block_backward(writer *w, const layer_ctx *c, int layer, block_ids
     w_op_backward(w, o, layer, NULL);
     w_release_held(w, c, i);
   }
-  w_reduce_scatter(w, w->u.block_grad, c->wgrad, l->n);
-  w_reshard(w, UNIT_BLOCK(layer));
+  synth_comm_ulysses_exchange(w->comm, layer);
+  synth_comm_tp_exchange(w->comm, layer);
+  w_unit_backward_end(w, UNIT_BLOCK(layer), c->wgrad, l->n);
   w_free(w, w->resid_grad);
   w->resid_grad = grad_in;
 }
@@ -438,7 +414,7 @@ static void w_head_forward(writer *w, const op_list *l, block_ids *bi, uint64_t 
                            uint64_t *out) {
   /* torchtitan shards the final norm with the head, not resharded after
    * forward (backward needs it at once) */
-  w_gather(w, UNIT_HEAD(w->m));
+  fsdp_unshard(w->comm, UNIT_HEAD(w->m));
   for (int i = 0; i < l->n; i++) {
     const op *o = &l->ops[i];
     uint64_t work[MAX_TMPS];
@@ -449,6 +425,7 @@ static void w_head_forward(writer *w, const op_list *l, block_ids *bi, uint64_t 
     w_alloc_tmps(w, o, TMP_OUT, &out[(size_t)i * MAX_TMPS]);
   }
   for (size_t j = (size_t)l->n * MAX_TMPS; j-- > 0;) w_free(w, out[j]);
+  fsdp_post_forward(w->comm, UNIT_HEAD(w->m));
 }
 
 /* Their backward, last op first: the gradient of an op's input is
@@ -463,7 +440,10 @@ static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
     /* FSDP2's backward prefetch of the last block comes from the head
      * unit's pre-backward hook, on the gradient of the unit's output: after
      * the loss's backward (the loss is no module of the unit) */
-    if (strcmp(o->suffix, "loss")) w_gather(w, UNIT_BLOCK(w->m->layers - 1));
+    if (strcmp(o->suffix, "loss")) {
+      fsdp_unshard(w->comm, UNIT_HEAD(w->m)); /* kept from forward: nothing to gather */
+      fsdp_prefetch(w->comm, UNIT_BLOCK(w->m->layers - 1));
+    }
     w_alloc_tmps(w, o, TMP_GRAD, grad);
     w_unpack_op(w, o, IDS(bi, i));
     if (i < 8 && !o->wgrad_handed) wgrad[i] = w_weight_grads(w, o);
@@ -472,8 +452,7 @@ static void w_head_backward(writer *w, const op_list *l, block_ids *bi) {
     for (int k = 0; k < MAX_TMPS; k++) w_free(w, incoming[k]);
     memcpy(incoming, grad, sizeof grad);
   }
-  w_reduce_scatter(w, w->u.head_grad, wgrad, l->n < 8 ? l->n : 8);
-  w_reshard(w, UNIT_HEAD(w->m));
+  w_unit_backward_end(w, UNIT_HEAD(w->m), wgrad, l->n < 8 ? l->n : 8);
   /* the gradient of the final norm's input flows into the last block */
   w->resid_grad = 0;
   for (int k = 0; k < MAX_TMPS; k++)
@@ -521,7 +500,6 @@ static void w_resident_transient(FILE *f, uint64_t bytes, const char *what, int 
 int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   if (synth_validate(m, err, errlen)) return -1;
   writer w = {.m = m, .f = f};
-  unit_sizes_of(m, &w.u);
   op_list layer = {0}, pre = {0}, post = {0};
   block_ids *blocks = calloc((size_t)m->layers, sizeof *blocks);
   uint64_t pre_store[MAX_SAVES], post_store[8 * MAX_SAVES], post_out[8 * MAX_TMPS];
@@ -539,7 +517,6 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   size_t n = 0;
   int rc = -1;
   if (!blocks || layer_ops(m, &layer) || pre_ops(m, &pre) || post_ops(m, &post)) goto oom;
-  if (!(w.gathered = calloc((size_t)m->layers + 2, sizeof *w.gathered))) goto oom;
   n = (size_t)layer.n;
   if (!(bufid = calloc((size_t)layer.n_bufs, sizeof *bufid)) || !(keep = calloc(n, 1)) ||
       !(held = calloc((size_t)layer.n_bufs, sizeof *held)) || !(wgrad = calloc(n, sizeof *wgrad)) ||
@@ -584,7 +561,8 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
           master_of(m) ? "true" : "false", synth_optimizer_name(m->optimizer));
   if (m->lora > 0) fprintf(f, "\"lora\":%g,", m->lora);
   if (tp_of(m) > 1) fprintf(f, "\"tp\":%d,\"sp\":%s,", m->tp, m->sp ? "true" : "false");
-  if (cp_of(m) > 1) fprintf(f, "\"cp\":%d,", m->cp);
+  if (cp_of(m) > 1)
+    fprintf(f, "\"cp\":%d,\"cp_impl\":\"%s\",", m->cp, ulysses_of(m) ? "ulysses" : "ring");
   fprintf(f, "\"shard\":%d,\"tflops\":%g,\"hbm_gbps\":%g}\n", m->shard, m->tflops, m->hbm_gbps);
   synth_resident res;
   synth_resident_parts(m, &res);
@@ -598,7 +576,8 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
   uint64_t opt_sqrt_bytes, opt_cast_bytes;
   optimizer_transients(m, &res, &opt_sqrt_bytes, &opt_cast_bytes);
   synth_comm comm;
-  if (synth_comm_init(&comm, m, f, res.layer_params)) {
+  w.comm = &comm;
+  if (synth_comm_init(&comm, m, f, &w.next_id)) {
     synth_comm_free(&comm);
     goto oom;
   }
@@ -609,31 +588,21 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     uint64_t small_bufid[POST_BUFS] = {0};
     memset(pre_store, 0, sizeof pre_store);
     memset(post_store, 0, sizeof post_store);
-    w_gather(&w, UNIT_EMBED);
-    w_gather(&w, UNIT_BLOCK(0));
-    synth_comm_step_begin(&comm);
+    fsdp_unshard(&comm, UNIT_EMBED);
+    fsdp_prefetch(&comm, UNIT_BLOCK(0));
     for (int i = 0; i < pre.n; i++) {
       w_op(&w, &pre.ops[i], 1, -1, NULL);
       w_pack_op(&w, &pre.ops[i], -1, FERRY_PHASE_FORWARD, P_ALL, 0, IDS(&pre_ids, i), small_bufid);
     }
-    w_reshard(&w, UNIT_EMBED);
-    for (int L = 0; L < m->layers; L++) {
-      synth_comm_block_forward_begin(&comm, L);
-      w_block_forward(&w, &ctx, L, &blocks[L]);
-      synth_comm_block_forward_end(&comm, L);
-    }
+    fsdp_post_forward(&comm, UNIT_EMBED);
+    for (int L = 0; L < m->layers; L++) w_block_forward(&w, &ctx, L, &blocks[L]);
     memset(small_bufid, 0, sizeof small_bufid);
     w_head_forward(&w, &post, &post_ids, small_bufid, post_out);
     fprintf(f, "{\"ev\":\"backward_begin\",\"t_us\":0}\n");
-    synth_comm_backward_begin(&comm);
     w_head_backward(&w, &post, &post_ids);
-    for (int L = m->layers; L-- > 0;) {
-      synth_comm_block_backward_begin(&comm, L);
-      if (layer_mode(m, L) == SYNTH_CKPT_FULL) synth_comm_block_recompute(&comm, L);
-      w_block_backward(&w, &ctx, L, &blocks[L]);
-      synth_comm_block_backward_end(&comm, L);
-    }
+    for (int L = m->layers; L-- > 0;) w_block_backward(&w, &ctx, L, &blocks[L]);
     uint64_t pre_grad[MAX_SAVES] = {0};
+    fsdp_unshard(&comm, UNIT_EMBED);
     for (int i = pre.n; i-- > 0;) {
       w_unpack_op(&w, &pre.ops[i], IDS(&pre_ids, i));
       if (i < MAX_SAVES) pre_grad[i] = w_weight_grads(&w, &pre.ops[i]);
@@ -641,8 +610,7 @@ int synth_write(const synth_model *m, FILE *f, char *err, size_t errlen) {
     }
     w_free(&w, w.resid_grad); /* the embedding's backward consumed it */
     w.resid_grad = 0;
-    w_reduce_scatter(&w, w.u.embed_grad, pre_grad, pre.n < MAX_SAVES ? pre.n : MAX_SAVES);
-    w_reshard(&w, UNIT_EMBED);
+    w_unit_backward_end(&w, UNIT_EMBED, pre_grad, pre.n < MAX_SAVES ? pre.n : MAX_SAVES);
     synth_comm_backward_end(&comm);
     fprintf(f, "{\"ev\":\"backward_end\",\"t_us\":0}\n");
     /* the optimizer step: its transients around it, then zero_grad frees
@@ -673,7 +641,6 @@ done:
       free(blocks[L].outs);
     }
   free(blocks);
-  free(w.gathered);
   free(w.grads);
   free(bufid);
   free(held);
