@@ -363,6 +363,13 @@ describe("ferry.rules", function()
     assert.matches("knob sync_copies must be an integer within [0, 2], got 3", err, 1, true)
   end)
 
+  it("R.one_copy_stream sets the engine knob one_copy_stream; a bad value names its range", function()
+    assert.equal(1, policy([[return R.policy { R.one_copy_stream() }]]).knobs.one_copy_stream)
+    local ok, err = pcall(policy, [[return R.policy { knobs = { one_copy_stream = 2 } }]])
+    assert.is_false(ok)
+    assert.matches("knob one_copy_stream must be an integer within [0, 1], got 2", err, 1, true)
+  end)
+
   it("R.LOSS matches the loss outside the blocks: its module by name or class, or the root", function()
     local p = policy [[return R.policy { R.exclude_modules(R.LOSS) }]]
     assert.equal(KEEP, (run(p, { path = "loss" })))

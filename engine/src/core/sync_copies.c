@@ -18,3 +18,9 @@ int stash_sync_copy(ferry_engine *e, bk_event *ev, void *compute_stream) {
   }
   return o->stream_wait_event(e->bk, compute_stream, ev);
 }
+
+/* The one_copy_stream knob: the peers that offload on a single side stream
+ * (torchtune's and TRL's OffloadActivations, axolotl's hidden_states
+ * offload, PyTorch's ao::offload/reload ops) put a reload behind the
+ * offloads issued before it; with two streams it runs beside them. */
+bk_stream stash_reload_stream(ferry_engine *e) { return e->one_copy_stream ? e->d2h : e->h2d; }

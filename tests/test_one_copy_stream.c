@@ -1,0 +1,124 @@
+/* test_one_copy_stream.c — the policy knob one_copy_stream (ferry.h,
+ * ferry_knobs.one_copy_stream): the peers that offload on one side stream
+ * (torchtune's and TRL's OffloadActivations, axolotl's hidden_states
+ * offload, PyTorch's ao::offload/reload ops) put a reload behind the
+ * offloads issued before it. The simulator replays the real engine on the
+ * sim backend, so the reload's stream is the engine's choice. */
+#include <stdio.h>
+#include <string.h>
+
+#include "ferry_tools.h"
+#include "test.h"
+#include "test_synth.h"
+
+#define PACK(id, bytes, layer)                                                              \
+  "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":" #bytes ",\"dtype\":\"u8\"," \
+  "\"shape\":[" #bytes "],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":" #layer "," \
+  "\"layers\":2,\"decision\":\"offload\"}\n"
+#define COMPUTE "{\"ev\":\"compute\",\"t_us\":0,\"us\":300}\n"
+#define UNPACK(id) "{\"ev\":\"unpack\",\"t_us\":0,\"id\":" #id "}\n"
+
+/* A 1000 B/us link each way, no latency, no duplex loss; 300 us of compute
+ * after each event. Pack 1 (100000 B) copies over [0, 100]; pack 2 (400000
+ * B) at 300 over [300, 700], and pushes 1's buffer (copied) out of the
+ * one-deep stash. Backward
+ * begins at 600 and unpacks 1: its reload is 100 us. Two streams: it runs
+ * beside 2's offload, [600, 700], 100 us of stall. One stream: it waits for
+ * 2's offload, [700, 800], 200 us of stall. Then 300 us of compute, 2 is
+ * still in the stash (no reload), 300 more: 1300 us against 1400. */
+TEST(sim_one_copy_stream_queues_a_reload_behind_the_offloads) {
+  static const char text[] =
+      "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
+      "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n" PACK(1, 100000, 0) COMPUTE
+      PACK(2, 400000, 1) COMPUTE "{\"ev\":\"backward_begin\",\"t_us\":0}\n" UNPACK(1) COMPUTE
+      UNPACK(2) COMPUTE "{\"ev\":\"backward_end\",\"t_us\":0}\n"
+      "{\"ev\":\"step_end\",\"t_us\":9,\"step\":1}\n";
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("one_stream", text, strlen(text), &t, err, sizeof err));
+  static const struct {
+    const char *knob;
+    double step, stall;
+  } cases[] = {{"", 1300, 100}, {", one_copy_stream = 0", 1300, 100},
+               {", one_copy_stream = 1", 1400, 200}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    char src[512];
+    snprintf(src, sizeof src,
+             "return { api = 1, knobs = { max_fwd_stash = 1, min_offload_bytes = 1%s },\n"
+             " decide = function(t, ctx)\n"
+             " return ferry.OFFLOAD, ferry.ON_USE end }",
+             cases[k].knob);
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 1;
+    c.policy_source = src;
+    sim_result r;
+    int rc = sim_replay(t, &c, &r, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_NEAR(r.tensors_offloaded, 2, 1e-6);
+    CHECK_NEAR(r.bytes_h2d, 100000, 1e-6); /* 2 was a stash hit */
+    CHECK_NEAR(r.step_us, cases[k].step, 1e-6);
+    CHECK_NEAR(r.stall_us, cases[k].stall, 1e-6);
+    sim_result_free(&r);
+  }
+  /* a bad value is refused at load, naming the knob and its range */
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.policy_source = "return { api = 1,\n knobs = { one_copy_stream = 2 },\n"
+                    " decide = function(t, ctx) return ferry.KEEP end }";
+  sim_result r;
+  CHECK(sim_replay(t, &c, &r, err, sizeof err) != 0);
+  CHECK_STR_CONTAINS(err, "policy:2: knob 'one_copy_stream' must be within [0, 1], got 2");
+  sim_trace_free(t);
+  return 0;
+}
+
+/* policies/hidden_states.lua, axolotl's two implementations: the same
+ * tensors (each block's own input, the last block's too: tiny has 4 layers,
+ * T = 256, h 256, bf16, 2Th = 131072 B an input), one copy stream; the
+ * non-reentrant one reloads each input when backward unpacks it, the
+ * reentrant one reloads the next one ahead (prefetches). */
+TEST(sim_policy_hidden_states_mirrors_axolotl) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s", __FILE__);
+  char *slash = strrchr(path, '/');
+  if (slash) *slash = 0;
+  strncat(path, "/../policies/hidden_states.lua", sizeof path - strlen(path) - 1);
+  for (int reentrant = 0; reentrant <= 1; reentrant++) {
+    synth_model m;
+    synth_preset("tiny", &m);
+    m.checkpoint = SYNTH_CKPT_FULL;
+    m.ckpt_impl = reentrant ? SYNTH_CKPT_IMPL_REENTRANT : SYNTH_CKPT_IMPL_AUTO;
+    sim_trace *t = NULL;
+    CHECK_OK(trace_of(&m, &t));
+    char err[512];
+    char src[4096];
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL);
+    size_t n = fread(src, 1, sizeof src - 1, f);
+    fclose(f);
+    src[n] = 0;
+    if (reentrant) {
+      char *knob = strstr(src, "local REENTRANT = false");
+      CHECK(knob != NULL);
+      memcpy(knob + strlen("local REENTRANT = "), "true; ", 6);
+    }
+    sim_config c = {0};
+    c.link = sim_hw_preset("h100")->link;
+    c.steps = 3;
+    c.policy_source = src;
+    c.label = "hidden_states";
+    sim_result r;
+    int rc = sim_replay(t, &c, &r, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_EQ(r.policy_errors, 0);
+    CHECK_NEAR(r.tensors_offloaded, 4, 1e-9);
+    CHECK_NEAR(r.bytes_d2h, 4 * 131072.0, 1e-6);
+    CHECK(reentrant ? r.prefetches > 0 : r.prefetches == 0);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
+  return 0;
+}
