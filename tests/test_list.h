@@ -158,6 +158,7 @@
   /* one copy stream for both directions (test_one_copy_stream.c) */    \
   X(sim_one_copy_stream_queues_a_reload_behind_the_offloads)              \
   X(sim_policy_hidden_states_mirrors_axolotl)                             \
+  X(one_copy_stream_engine_round_trips_the_bytes)                         \
   /* the simulator's cost terms (test_sim_cost.c) */                        \
   X(sim_copy_slows_a_concurrent_memory_bound_kernel)                      \
   X(sim_gpus_of_a_node_share_host_memory_bandwidth)                       \

@@ -10,6 +10,7 @@
 #include "ferry_tools.h"
 #include "test.h"
 #include "test_synth.h"
+#include "test_device.h"
 
 #define PACK(id, bytes, layer)                                                              \
   "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":" #bytes ",\"dtype\":\"u8\"," \
@@ -76,7 +77,8 @@ TEST(sim_one_copy_stream_queues_a_reload_behind_the_offloads) {
 
 /* policies/hidden_states.lua, axolotl's two implementations: the same
  * tensors (each block's own input, the last block's too: tiny has 4 layers,
- * T = 256, h 256, bf16, 2Th = 131072 B an input), one copy stream; the
+ * T = 256, h 256, bf16, 2Th = 131072 B an input), one copy stream, two
+ * copies held; the
  * non-reentrant one reloads each input when backward unpacks it, the
  * reentrant one reloads the next one ahead (prefetches). */
 TEST(sim_policy_hidden_states_mirrors_axolotl) {
@@ -85,6 +87,15 @@ TEST(sim_policy_hidden_states_mirrors_axolotl) {
   char *slash = strrchr(path, '/');
   if (slash) *slash = 0;
   strncat(path, "/../policies/hidden_states.lua", sizeof path - strlen(path) - 1);
+  /* the peers' knobs: one copy stream, 2 copies held while they run */
+  ferry_policy *pol = NULL;
+  char perr[512];
+  CHECK_OK(ferry_policy_create(path, NULL, 0, &pol, perr, sizeof perr));
+  ferry_policy_knobs k;
+  ferry_policy_get_knobs(pol, &k);
+  CHECK(k.has_one_copy_stream && k.one_copy_stream == 1);
+  CHECK(k.has_max_fwd_stash && k.max_fwd_stash == 2);
+  ferry_policy_destroy(pol);
   for (int reentrant = 0; reentrant <= 1; reentrant++) {
     synth_model m;
     synth_preset("tiny", &m);
@@ -119,6 +130,67 @@ TEST(sim_policy_hidden_states_mirrors_axolotl) {
     CHECK(reentrant ? r.prefetches > 0 : r.prefetches == 0);
     sim_result_free(&r);
     sim_trace_free(t);
+  }
+  return 0;
+}
+
+/* On the device under test (the host backend's threads, or the CUDA test
+ * double with its ordering checks), a reload issued on the offloads'
+ * stream still brings the bytes back, and ferry_get_knobs reports the
+ * knob: two 1 MiB activations offloaded, the first's buffer pushed out of a
+ * one-deep stash by the second, both unpacked in backward. */
+TEST(one_copy_stream_engine_round_trips_the_bytes) {
+  enum { SZ = 1 << 20 };
+  for (int one = 0; one <= 1; one++) {
+    char src[256];
+    snprintf(src, sizeof src,
+             "return { api = 1, knobs = { max_fwd_stash = 1, one_copy_stream = %d },\n"
+             " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", one);
+    test_device_stats st = {0};
+    ferry_config c = test_engine_config(&st);
+    c.retain = test_device_retain_cb;
+    c.policy_source = src;
+    ferry_engine *e = NULL;
+    char err[512] = "";
+    int rc = ferry_engine_create(&c, &e, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    ferry_knobs k;
+    CHECK_OK(ferry_get_knobs(e, &k, sizeof k));
+    CHECK_EQ(k.one_copy_stream, (uint32_t)one);
+    static unsigned char bytes[2][SZ], back[SZ];
+    test_buffer *b[2];
+    ferry_handle h[2] = {0, 0};
+    CHECK_OK(ferry_step_begin(e));
+    for (int i = 0; i < 2; i++) {
+      b[i] = test_buffer_new(SZ);
+      CHECK(b[i]);
+      for (size_t j = 0; j < SZ; j++) bytes[i][j] = (unsigned char)(j * 7u + (unsigned)(i + one));
+      test_dev_write(b[i]->ptr, bytes[i], SZ);
+      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+      d.bytes = SZ;
+      d.dtype = FERRY_DTYPE_U8;
+      d.kind = FERRY_KIND_ACTIVATION;
+      d.ndim = 1;
+      d.shape[0] = SZ;
+      CHECK_OK(ferry_pack(e, &d, b[i]->ptr, b[i], NULL, &h[i]));
+    }
+    CHECK_OK(ferry_backward_begin(e));
+    for (int i = 1; i >= 0; i--) {
+      void *dev = NULL, *owner = NULL;
+      CHECK_OK(ferry_unpack(e, h[i], NULL, &dev, &owner));
+      CHECK(dev != NULL);
+      test_dev_read(back, dev, SZ);
+      CHECK(!memcmp(back, bytes[i], SZ));
+      test_device_release_cb(&st, owner);
+    }
+    ferry_stats s;
+    CHECK_OK(ferry_get_stats(e, &s, sizeof s));
+    CHECK_EQ(s.tensors_offloaded, 2);
+    CHECK_OK(ferry_backward_end(e));
+    CHECK_OK(ferry_step_end(e));
+    ferry_engine_destroy(e);
+    for (int i = 0; i < 2; i++) test_buffer_unref(b[i]);
   }
   return 0;
 }
