@@ -4,7 +4,8 @@
  * copy on the compute stream makes later kernels wait: save_on_cpu with
  * pin_memory=True in torch 2.x, compilers that wait at issue), or the host
  * waits for it too (a blocking copy: save_on_cpu()'s .cpu() and
- * .to(device)). Its own file to keep stash.c under the size limit.
+ * .to(device)); and the one_copy_stream knob, the stream a reload goes on.
+ * Its own file to keep stash.c under the size limit.
  */
 #include "engine_internal.h"
 
