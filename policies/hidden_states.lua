@@ -16,19 +16,22 @@ and they differ in how they wait and when they reload:
   - reentrant (`use_reentrant: true`, axolotl PR #3733, "ALST-style",
     src/axolotl/monkeypatch/activation_offload_checkpoint.py,
     HiddenStatesOffloadCheckpoint): the same tensor on the same kind of side
-    stream; with more than max_inflight = 2 copies in flight the host waits
-    for the oldest (Event.synchronize()); in backward the layer's input is
-    restored and the next one (the layer before) is prefetched, so only the
-    first reload of backward is on demand.
+    stream; a device input is dropped at the next offload once its copy is
+    done (ev.query()), and with more than max_inflight = 2 copies in flight
+    the host waits for the oldest (Event.synchronize()); in backward the
+    layer's input is restored and the next one (the layer before) is
+    prefetched, so only the first reload of backward is on demand.
 Both use ONE side stream for both directions (a reload queues behind the
 offloads still on it): R.one_copy_stream().
 
 Here: a repeated block's own saved input (as checkpointed_inputs.lua), the
-last block's included, parameters never; 2 device buffers kept while their
-copies run (ferry's stash bound makes the host wait for the oldest, as the
-reentrant version does; the non-reentrant one makes only the GPU wait, which
-costs the same GPU time); reload on use (non-reentrant) or one tensor ahead
-(reentrant). Use it with `--checkpoint full` (non-reentrant) or
+last block's included, parameters never; at most 2 device buffers kept
+(ferry's stash bound makes the host wait for the oldest, as the reentrant
+version does; the non-reentrant one makes only the GPU wait, which costs the
+same GPU time): the non-reentrant one keeps the 2 newest whether copied or
+not (a tensor still there at unpack is used as is), the reentrant one drops
+each once its copy is done (release_when_copied); reload on use
+(non-reentrant) or one tensor ahead (reentrant). Use it with `--checkpoint full` (non-reentrant) or
 `--checkpoint full --checkpoint-impl reentrant`.
 Not modelled: the reentrant checkpoint's own cost beside the default one
 (docs/simulator.md, "Validation: memory and cost").
@@ -48,5 +51,6 @@ return R.policy {
   R.only_modules(BLOCK),
   R.max_stash(FWD_STASH),
   R.one_copy_stream(),
+  knobs = REENTRANT and { release_when_copied = 1 } or nil,
   reload = REENTRANT and R.prefetch(1) or R.on_use(),
 }

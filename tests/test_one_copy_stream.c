@@ -80,7 +80,8 @@ TEST(sim_one_copy_stream_queues_a_reload_behind_the_offloads) {
  * T = 256, h 256, bf16, 2Th = 131072 B an input), one copy stream, two
  * copies held; the
  * non-reentrant one reloads each input when backward unpacks it, the
- * reentrant one reloads the next one ahead (prefetches). */
+ * reentrant one reloads the next one ahead (prefetches) and drops a device
+ * input once its copy is done (release_when_copied). */
 TEST(sim_policy_hidden_states_mirrors_axolotl) {
   char path[1200];
   snprintf(path, sizeof path, "%s", __FILE__);
@@ -104,17 +105,22 @@ TEST(sim_policy_hidden_states_mirrors_axolotl) {
     sim_trace *t = NULL;
     CHECK_OK(trace_of(&m, &t));
     char err[512];
-    char src[4096];
+    char src[8192];
     FILE *f = fopen(path, "r");
     CHECK(f != NULL);
     size_t n = fread(src, 1, sizeof src - 1, f);
     fclose(f);
+    CHECK(n < sizeof src - 1); /* the whole file */
     src[n] = 0;
     if (reentrant) {
       char *knob = strstr(src, "local REENTRANT = false");
       CHECK(knob != NULL);
       memcpy(knob + strlen("local REENTRANT = "), "true; ", 6);
     }
+    CHECK_OK(ferry_policy_create(NULL, src, 0, &pol, perr, sizeof perr));
+    ferry_policy_get_knobs(pol, &k);
+    CHECK_EQ(k.has_release_when_copied && k.release_when_copied, reentrant);
+    ferry_policy_destroy(pol);
     sim_config c = {0};
     c.link = sim_hw_preset("h100")->link;
     c.steps = 3;
@@ -128,6 +134,11 @@ TEST(sim_policy_hidden_states_mirrors_axolotl) {
     CHECK_NEAR(r.tensors_offloaded, 4, 1e-9);
     CHECK_NEAR(r.bytes_d2h, 4 * 131072.0, 1e-6);
     CHECK(reentrant ? r.prefetches > 0 : r.prefetches == 0);
+    /* the non-reentrant one keeps its 2 newest inputs on the device, copied
+     * or not, and uses them as they are at unpack; the reentrant one drops
+     * each input once its copy is done: only the last one (no pack after
+     * it) is still there when backward begins */
+    CHECK_NEAR(r.bytes_h2d, (reentrant ? 3 : 2) * 131072.0, 1e-6);
     sim_result_free(&r);
     sim_trace_free(t);
   }
