@@ -5,6 +5,7 @@
  * offloads issued before it. The simulator replays the real engine on the
  * sim backend, so the reload's stream is the engine's choice. */
 #include <stdio.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "ferry_tools.h"
@@ -203,5 +204,45 @@ TEST(one_copy_stream_engine_round_trips_the_bytes) {
     ferry_engine_destroy(e);
     for (int i = 0; i < 2; i++) test_buffer_unref(b[i]);
   }
+  return 0;
+}
+
+/* Fill the stack below the caller with a pattern, so a struct the next
+ * call leaves partly unwritten shows it. */
+static __attribute__((noinline)) void dirty_stack(void) {
+  volatile unsigned char junk[8192];
+  for (size_t i = 0; i < sizeof junk; i++) junk[i] = 0xA5;
+}
+
+/* ferry_knobs grew to 44 bytes of fields in 48: the caller gets every byte
+ * of its size defined (the tail padding zero, not the engine's stack), and
+ * a caller of the previous layout (40 bytes, up to sync_copies) gets only
+ * its own bytes written. */
+TEST(get_knobs_fills_every_byte_of_the_callers_size) {
+  test_device_stats st = {0};
+  ferry_config c = test_engine_config(&st);
+  c.policy_source = "return { api = 1, knobs = { one_copy_stream = 1 },\n"
+                    " decide = function(t, ctx) return ferry.KEEP end }";
+  ferry_engine *e = NULL;
+  char err[512] = "";
+  int rc = ferry_engine_create(&c, &e, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  CHECK_OK(rc);
+  unsigned char raw[sizeof(ferry_knobs)];
+  memset(raw, 0x5A, sizeof raw);
+  dirty_stack();
+  CHECK_OK(ferry_get_knobs(e, (ferry_knobs *)(void *)raw, sizeof raw));
+  ferry_knobs k;
+  memcpy(&k, raw, sizeof k);
+  CHECK_EQ(k.one_copy_stream, 1);
+  for (size_t i = offsetof(ferry_knobs, one_copy_stream) + sizeof k.one_copy_stream;
+       i < sizeof raw; i++)
+    CHECK_EQ(raw[i], 0);
+  /* the previous ferry_knobs ended at sync_copies */
+  memset(raw, 0x5A, sizeof raw);
+  CHECK_OK(ferry_get_knobs(e, (ferry_knobs *)(void *)raw, offsetof(ferry_knobs, one_copy_stream)));
+  for (size_t i = offsetof(ferry_knobs, one_copy_stream); i < sizeof raw; i++)
+    CHECK_EQ(raw[i], 0x5A);
+  ferry_engine_destroy(e);
   return 0;
 }

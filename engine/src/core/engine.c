@@ -559,6 +559,7 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
     return engine_fail_unlocked(e, FERRY_EINVAL, "ferry_get_knobs: size %zu is smaller than the first ferry_knobs (%zu bytes)",
                        size, (size_t)FERRY_KNOBS_SIZE_V1);
   ferry_knobs k;
+  memset(&k, 0, sizeof k); /* the tail padding too: the caller gets every byte defined */
   pthread_mutex_lock(&e->lock);
   k.max_fwd_stash = e->max_fwd_stash;
   k.prefetch_distance = e->prefetch_distance;
