@@ -12,7 +12,11 @@ and they differ in how they wait and when they reload:
     at most max_fwd_stash_size = 2 device copies are held while their copies
     run, older ones are waited for (s0.wait_event); the reload is issued at
     unpack, when backward needs the tensor, and the compute stream waits for
-    it: no prefetch. Host buffers come from its own pool, exact sizes.
+    it: no prefetch; but the side stream does not wait for compute first, so
+    a host running ahead of the GPU starts it early (ferry's R.on_use()
+    below waits for compute: the latest placement; docs/simulator.md
+    brackets it with a reload one ahead). Host buffers come from its own
+    pool, exact sizes.
   - reentrant (`use_reentrant: true`, axolotl PR #3733, "ALST-style",
     src/axolotl/monkeypatch/activation_offload_checkpoint.py,
     HiddenStatesOffloadCheckpoint): the same tensor on the same kind of side
