@@ -155,6 +155,11 @@
   X(sim_sync_copy_blocks_compute_by_its_copy_time)                        \
   X(sync_copies_engine_waits_for_each_copy)                               \
   X(sync_copies_compute_waits_before_overwriting_the_saved_buffer)        \
+  /* one copy stream for both directions (test_one_copy_stream.c) */    \
+  X(sim_one_copy_stream_queues_a_reload_behind_the_offloads)              \
+  X(sim_policy_hidden_states_mirrors_axolotl)                             \
+  X(one_copy_stream_engine_round_trips_the_bytes)                         \
+  X(get_knobs_fills_every_byte_of_the_callers_size)                        \
   /* the simulator's cost terms (test_sim_cost.c) */                        \
   X(sim_copy_slows_a_concurrent_memory_bound_kernel)                      \
   X(sim_gpus_of_a_node_share_host_memory_bandwidth)                       \

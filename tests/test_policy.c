@@ -479,7 +479,7 @@ TEST(policy_bad_knobs) {
   } cases[] = {
       {"max_stash = 4", "unknown knob 'max_stash' (known: max_fwd_stash, prefetch_distance, "
                         "min_offload_bytes, max_fwd_stash_bytes, release_when_copied, "
-                        "max_tail_prefetch, sync_copies)"},
+                        "max_tail_prefetch, sync_copies, one_copy_stream)"},
       {"sync_copies = 3", "knob 'sync_copies' must be within [0, 2], got 3"},
       {"release_when_copied = 2", "knob 'release_when_copied' must be within [0, 1], got 2"},
       {"max_fwd_stash = -1", "knob 'max_fwd_stash' must be within [0, 1048576], got -1"},

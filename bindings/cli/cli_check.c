@@ -413,7 +413,7 @@ static void print_header(const char *path, ferry_policy *p, int trusted) {
   say("knobs   ");
   if (!k.has_max_fwd_stash && !k.has_prefetch_distance && !k.has_min_offload_bytes &&
       !k.has_max_fwd_stash_bytes && !k.has_release_when_copied && !k.has_max_tail_prefetch &&
-      !k.has_sync_copies)
+      !k.has_sync_copies && !k.has_one_copy_stream)
     say(" none (engine defaults)");
   if (k.has_max_fwd_stash) say(" max_fwd_stash=%u", k.max_fwd_stash);
   if (k.has_prefetch_distance) say(" prefetch_distance=%u", k.prefetch_distance);
@@ -424,6 +424,7 @@ static void print_header(const char *path, ferry_policy *p, int trusted) {
   if (k.has_release_when_copied) say(" release_when_copied=%u", k.release_when_copied);
   if (k.has_max_tail_prefetch) say(" max_tail_prefetch=%u", k.max_tail_prefetch);
   if (k.has_sync_copies) say(" sync_copies=%u", k.sync_copies);
+  if (k.has_one_copy_stream) say(" one_copy_stream=%u", k.one_copy_stream);
   say("\n");
 }
 
@@ -443,6 +444,8 @@ static cJSON *knobs_json(const ferry_policy *p) {
   if (k.has_max_tail_prefetch)
     cJSON_AddNumberToObject(o, "max_tail_prefetch", k.max_tail_prefetch);
   if (k.has_sync_copies) cJSON_AddNumberToObject(o, "sync_copies", k.sync_copies);
+  if (k.has_one_copy_stream)
+    cJSON_AddNumberToObject(o, "one_copy_stream", k.one_copy_stream);
   return o;
 }
 

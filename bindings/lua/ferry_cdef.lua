@@ -175,6 +175,7 @@ uint32_t overruled;
 uint32_t release_when_copied;
 uint32_t max_tail_prefetch;
 uint32_t sync_copies;
+uint32_t one_copy_stream;
 }ferry_knobs;
 int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size);
 typedef struct ferry_snapshot ferry_snapshot;

@@ -646,6 +646,12 @@ typedef struct ferry_knobs {
    * it (the policy's knob sync_copies; no config field). Was `reserved`
    * (0), so the size is unchanged. */
   uint32_t sync_copies;
+  /* Appended: 1 when one copy stream carries both directions, reloads in
+   * issue order behind the offloads still on it (the policy's knob
+   * one_copy_stream; torchtune's and TRL's OffloadActivations, axolotl's
+   * hidden_states offload and PyTorch's ao::offload/reload ops each use one
+   * side stream); 0: a stream each way (ferry's own). */
+  uint32_t one_copy_stream;
 } ferry_knobs;
 /* ferry_knobs.sync_copies. ASYNC: copies overlap compute (ferry's own).
  * COMPUTE: the compute stream waits for each copy right after it is issued,

@@ -71,6 +71,7 @@ typedef struct ferry_policy ferry_policy;
 typedef struct ferry_policy_knobs {
   int has_max_fwd_stash, has_prefetch_distance, has_min_offload_bytes;
   int has_max_fwd_stash_bytes, has_release_when_copied, has_max_tail_prefetch, has_sync_copies;
+  int has_one_copy_stream;
   uint32_t max_fwd_stash;
   uint32_t prefetch_distance;
   uint64_t min_offload_bytes;
@@ -78,6 +79,7 @@ typedef struct ferry_policy_knobs {
   uint32_t release_when_copied; /* 0 or 1 */
   uint32_t max_tail_prefetch;
   uint32_t sync_copies; /* FERRY_SYNC_* */
+  uint32_t one_copy_stream; /* 0 or 1 (ferry_knobs.one_copy_stream) */
 } ferry_policy_knobs;
 
 typedef struct ferry_policy_stats {

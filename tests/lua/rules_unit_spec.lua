@@ -363,6 +363,19 @@ describe("ferry.rules", function()
     assert.matches("knob sync_copies must be an integer within [0, 2], got 3", err, 1, true)
   end)
 
+  it("R.one_copy_stream sets the engine knob one_copy_stream; a bad value names its range", function()
+    assert.equal(1, policy([[return R.policy { R.one_copy_stream() }]]).knobs.one_copy_stream)
+    local ok, err = pcall(policy, [[return R.policy { knobs = { one_copy_stream = 2 } }]])
+    assert.is_false(ok)
+    assert.matches("knob one_copy_stream must be an integer within [0, 1], got 2", err, 1, true)
+    -- it takes no switch: R.one_copy_stream(false) or (0) must not turn it on
+    for _, arg in ipairs({ "false", "0", "1" }) do
+      ok, err = pcall(policy, "return R.policy { R.one_copy_stream(" .. arg .. ") }")
+      assert.is_false(ok)
+      assert.matches("ferry.rules.one_copy_stream: takes no argument", err, 1, true)
+    end
+  end)
+
   it("R.LOSS matches the loss outside the blocks: its module by name or class, or the root", function()
     local p = policy [[return R.policy { R.exclude_modules(R.LOSS) }]]
     assert.equal(KEEP, (run(p, { path = "loss" })))

@@ -41,7 +41,7 @@ def make_checkpointed():
 
 # Policies that only act under full activation checkpointing: trained with
 # it, and compared with a baseline trained with it.
-CHECKPOINTED = {"checkpointed_inputs"}
+CHECKPOINTED = {"checkpointed_inputs", "hidden_states"}
 
 
 def make_for(policy):
@@ -87,6 +87,9 @@ def test_policy_identical_gradients(policy, baseline, baseline_checkpointed, tmp
     if policy == "checkpointed_inputs":  # the blocks' saved inputs only, the last block's kept
         assert all(p["module"] == "h.%d" % p["layer"] and p["layer"] < LAYERS - 1 for p in off), \
             {(p["module"], p["layer"]) for p in off}
+    if policy == "hidden_states":  # axolotl's: every block's saved input, the last block's too
+        assert {(p["module"], p["layer"]) for p in off if p["step"] == 3} == \
+            {("h.%d" % i, i) for i in range(LAYERS)}, {(p["module"], p["layer"]) for p in off}
     # No shipped policy offloads parameters or buffers but save_on_cpu.lua,
     # which reproduces torch's hook: it copies every saved tensor.
     if policy != "save_on_cpu":
@@ -198,3 +201,32 @@ def test_stats_keys_and_policy_by_path():
         assert k in s
     assert s["backend"] == "host"
     assert s["kept_small"] > 0  # tiny tensors took the fast path
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hidden_states_one_copy_stream_identical_gradients(reentrant, baseline_checkpointed,
+                                                           tmp_path):
+    # hidden_states.lua's two implementations under real autograd: reloads on
+    # the offloads' own stream (one_copy_stream), on use or one block ahead.
+    src = open(ferry.policy_path("hidden_states")).read()
+    assert "local REENTRANT = false" in src
+    pol = tmp_path / "hidden_states_variant.lua"
+    pol.write_text(src.replace("local REENTRANT = false",
+                               "local REENTRANT = " + ("true" if reentrant else "false")))
+    contexts = []
+
+    def offload(m):
+        contexts.append(ft.offload(m, policy=str(pol)))
+        return contexts[-1]
+
+    mine = train(make_checkpointed, gpt_batch, gpt_loss, steps=3, offload=offload)
+    ft.step()
+    s = ft.stats()
+    knobs = contexts[-1].engine.knobs()
+    ft.close()
+    assert_same_training(baseline_checkpointed, mine)
+    assert knobs["one_copy_stream"] == 1 and knobs["max_fwd_stash"] == 2, knobs
+    # the last 2 inputs are still in the 2-deep stash when backward begins
+    assert s["tensors_offloaded"] == 3 * LAYERS and 0 < s["bytes_h2d"] < s["bytes_d2h"], s
+    assert (s["prefetches"] > 0) == reentrant, s
+    assert s["live_handles"] == 0 and s["arena_in_use"] == 0 and s["device_bytes_held"] == 0, s

@@ -742,12 +742,13 @@ static PyObject *engine_knobs(EngineObject *self, PyObject *unused) {
     Py_DECREF(over);
     return NULL;
   }
-  return Py_BuildValue("{sIsIsKsKsNsNsIsN}", "max_fwd_stash", k.max_fwd_stash, "prefetch_distance",
+  return Py_BuildValue("{sIsIsKsKsNsNsIsIsN}", "max_fwd_stash", k.max_fwd_stash, "prefetch_distance",
                        k.prefetch_distance, "min_offload_bytes",
                        (unsigned long long)k.min_offload_bytes, "max_fwd_stash_bytes",
                        (unsigned long long)k.max_fwd_stash_bytes, "release_when_copied",
                        PyBool_FromLong(k.release_when_copied), "max_tail_prefetch", tail,
-                       "sync_copies", k.sync_copies, "overruled", over);
+                       "sync_copies", k.sync_copies, "one_copy_stream", k.one_copy_stream, "overruled",
+                       over);
 }
 
 static PyObject *engine_get_closed(EngineObject *self, void *unused) {

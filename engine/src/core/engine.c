@@ -176,6 +176,7 @@ static void apply_policy_knobs(ferry_engine *e) {
   e->release_when_copied = e->cfg.release_when_copied != 0;
   e->max_tail_prefetch = UINT32_MAX;
   e->sync_copies = FERRY_SYNC_ASYNC;
+  e->one_copy_stream = 0;
   e->knobs_overruled = 0;
   if (!e->policy) return;
   ferry_policy_knobs k;
@@ -183,6 +184,7 @@ static void apply_policy_knobs(ferry_engine *e) {
   if (k.has_release_when_copied && k.release_when_copied) e->release_when_copied = 1;
   if (k.has_max_tail_prefetch) e->max_tail_prefetch = k.max_tail_prefetch;
   if (k.has_sync_copies) e->sync_copies = k.sync_copies;
+  if (k.has_one_copy_stream) e->one_copy_stream = k.one_copy_stream;
 #define KNOB(bit, name)                                          \
   if (k.has_##name) {                                            \
     if (!(fixed & (bit))) e->name = k.name;                      \
@@ -557,6 +559,7 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
     return engine_fail_unlocked(e, FERRY_EINVAL, "ferry_get_knobs: size %zu is smaller than the first ferry_knobs (%zu bytes)",
                        size, (size_t)FERRY_KNOBS_SIZE_V1);
   ferry_knobs k;
+  memset(&k, 0, sizeof k); /* the tail padding too: the caller gets every byte defined */
   pthread_mutex_lock(&e->lock);
   k.max_fwd_stash = e->max_fwd_stash;
   k.prefetch_distance = e->prefetch_distance;
@@ -566,6 +569,7 @@ int ferry_get_knobs(ferry_engine *e, ferry_knobs *out, size_t size) {
   k.release_when_copied = (uint32_t)e->release_when_copied;
   k.max_tail_prefetch = e->max_tail_prefetch;
   k.sync_copies = e->sync_copies;
+  k.one_copy_stream = e->one_copy_stream;
   pthread_mutex_unlock(&e->lock);
   memcpy(out, &k, size < sizeof k ? size : sizeof k);
   return FERRY_OK;

@@ -120,6 +120,7 @@ struct ferry_engine {
   int release_when_copied;    /* the config's, or turned on by the policy's knob */
   uint32_t max_tail_prefetch; /* the policy's knob only (UINT32_MAX: no cap) */
   uint32_t sync_copies;       /* FERRY_SYNC_*: the policy's knob only */
+  uint32_t one_copy_stream;   /* reloads on the D2H stream: the policy's knob only */
   uint32_t knobs_overruled;      /* FERRY_KNOB_* the policy lost to config.knobs_fixed */
   uint64_t fwd_bytes;           /* bytes of the STASHED entries */
 
@@ -306,5 +307,8 @@ void stash_wait_reloading(ferry_engine *e, uint32_t idx);
 /* sync_copies.c: with the sync_copies knob, make the compute stream (or the
  * host) wait for the copy just issued, whose completion ev records. */
 int stash_sync_copy(ferry_engine *e, bk_event *ev, void *compute_stream);
+/* The stream activation reloads go on: the H2D stream, or with the
+ * one_copy_stream knob the D2H stream, behind the offloads on it. */
+bk_stream stash_reload_stream(ferry_engine *e);
 
 #endif

@@ -706,19 +706,20 @@ static int reload(ferry_engine *e, uint32_t idx, void *compute_stream, int prefe
     }
   } else {
     const ferry_backend_ops *o = e->bk->ops;
+    bk_stream copy_stream = stash_reload_stream(e);
     if (!(rc = o->event_record(e->bk, e->ev_scratch, compute_stream)) &&
-        !(rc = o->stream_wait_event(e->bk, e->h2d, e->ev_scratch))) {
+        !(rc = o->stream_wait_event(e->bk, copy_stream, e->ev_scratch))) {
       if (obs_calls(e)) obs_copy(e, OBS_COPY_ISSUE, 1, s, s->host, prefetch);
-      rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, e->h2d);
+      rc = o->copy_h2d(e->bk, dev, s->host, s->bytes, copy_stream);
       if (rc && obs_calls(e)) obs_copy(e, OBS_COPY_UNISSUE, 1, s, s->host, prefetch);
-      if (!rc) rc = o->event_record(e->bk, s->ev, e->h2d);
+      if (!rc) rc = o->event_record(e->bk, s->ev, copy_stream);
       if (!rc) rc = stash_sync_copy(e, s->ev, compute_stream);
     }
     if (rc) {
       rc = engine_fail(e, rc, "reload copy failed; the handle stays valid: %s", e->bk->err);
       /* A failed issue may have left a copy running into dev, with no event
        * after it: drain the stream before dev goes back. */
-      o->stream_synchronize(e->bk, e->h2d);
+      o->stream_synchronize(e->bk, copy_stream);
       s->state = ENTRY_OFFLOADED;
       pthread_mutex_unlock(&e->lock);
       e->cfg.release(e->cfg.callback_ud, owner);

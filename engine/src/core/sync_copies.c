@@ -4,7 +4,8 @@
  * copy on the compute stream makes later kernels wait: save_on_cpu with
  * pin_memory=True in torch 2.x, compilers that wait at issue), or the host
  * waits for it too (a blocking copy: save_on_cpu()'s .cpu() and
- * .to(device)). Its own file to keep stash.c under the size limit.
+ * .to(device)); and the one_copy_stream knob, the stream a reload goes on.
+ * Its own file to keep stash.c under the size limit.
  */
 #include "engine_internal.h"
 
@@ -18,3 +19,9 @@ int stash_sync_copy(ferry_engine *e, bk_event *ev, void *compute_stream) {
   }
   return o->stream_wait_event(e->bk, compute_stream, ev);
 }
+
+/* The one_copy_stream knob: the peers that offload on a single side stream
+ * (torchtune's and TRL's OffloadActivations, axolotl's hidden_states
+ * offload, PyTorch's ao::offload/reload ops) put a reload behind the
+ * offloads issued before it; with two streams it runs beside them. */
+bk_stream stash_reload_stream(ferry_engine *e) { return e->one_copy_stream ? e->d2h : e->h2d; }

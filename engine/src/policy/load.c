@@ -92,6 +92,7 @@ static const knob_spec KNOBS[] = {
     {"release_when_copied", 1},
     {"max_tail_prefetch", KNOB_MAX_PREFETCH_DISTANCE},
     {"sync_copies", FERRY_SYNC_HOST},
+    {"one_copy_stream", 1},
 };
 
 /* "file:line" of the function at the top of the stack into where (MSG_LEN
@@ -215,7 +216,7 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
         return load_fail(p, src, k, errbuf, errlen,
                          "unknown knob '%s' (known: max_fwd_stash, prefetch_distance, "
                          "min_offload_bytes, max_fwd_stash_bytes, release_when_copied, "
-                         "max_tail_prefetch, sync_copies)", k);
+                         "max_tail_prefetch, sync_copies, one_copy_stream)", k);
       double v = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : NAN;
       if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v))
         return load_fail(p, src, k, errbuf, errlen, "knob '%s' must be an integer, got %s", k,
@@ -241,9 +242,12 @@ static int validate_policy_table(ferry_policy *p, const char *src, char *errbuf,
       } else if (which == 5) {
         p->knobs.has_max_tail_prefetch = 1;
         p->knobs.max_tail_prefetch = (uint32_t)v;
-      } else {
+      } else if (which == 6) {
         p->knobs.has_sync_copies = 1;
         p->knobs.sync_copies = (uint32_t)v;
+      } else {
+        p->knobs.has_one_copy_stream = 1;
+        p->knobs.one_copy_stream = (uint32_t)v;
       }
       lua_pop(L, 1);
     }

@@ -758,6 +758,17 @@ function R.sync_copies(who)
   return rule { name = "sync_copies(" .. who .. ")", stage = 0, knobs = { sync_copies = v } }
 end
 
+-- Engine knob: one copy stream for both directions (the peers' single side
+-- stream): a reload waits behind the offloads issued before it. No switch:
+-- R.one_copy_stream(false) would read as "off" and turn it on.
+function R.one_copy_stream(...)
+  if select("#", ...) > 0 then
+    fail("one_copy_stream", "takes no argument (leave the rule out for a stream each " ..
+      "way), got " .. tostring((...)))
+  end
+  return rule { name = "one_copy_stream()", stage = 0, knobs = { one_copy_stream = 1 } }
+end
+
 -- ---------------------------------------------------------------------------
 -- reload specs (the policy's `reload` field)
 

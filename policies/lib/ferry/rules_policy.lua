@@ -31,6 +31,7 @@ local KNOB_LIMITS = {
   release_when_copied = { 0, 1 },
   max_tail_prefetch = { 0, 4096 },
   sync_copies = { 0, 2 },
+  one_copy_stream = { 0, 1 },
 }
 
 local MEMO_LIMIT = 65536 -- distinct module paths remembered before a reset
@@ -115,7 +116,8 @@ function R.policy(spec, where)
     if not lim then
       fail("policy", "unknown knob '" .. tostring(k) ..
         "' (known: max_fwd_stash, prefetch_distance, min_offload_bytes, " ..
-        "max_fwd_stash_bytes, release_when_copied, max_tail_prefetch, sync_copies)", 3)
+        "max_fwd_stash_bytes, release_when_copied, max_tail_prefetch, sync_copies, " ..
+        "one_copy_stream)", 3)
     end
     if type(v) ~= "number" or v ~= floor(v) or v < lim[1] or v > lim[2] then
       fail("policy", format("knob %s must be an integer within [%d, %.0f], got %s",
