@@ -161,6 +161,8 @@
   X(sim_host_overhead_counts_only_when_the_host_falls_behind)             \
   X(sim_host_runs_ahead_through_a_reload_stall)                           \
   X(sim_node_apply_shares_the_presets_node)                               \
+  /* the stall floor's instants in backward (test_sim_floor.c) */          \
+  X(sim_floor_holds_past_backwards_kept_unpacks)                          \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \

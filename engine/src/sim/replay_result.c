@@ -26,7 +26,7 @@ void floor_tensor(link_floor *f, int type, int out, int reloaded, int counted,
     f->kept += type == TEV_PACK ? bytes : -bytes;
   }
   double fast = f->d2h_per_us > f->h2d_per_us ? f->d2h_per_us : f->h2d_per_us;
-  if (f->in_backward && type == TEV_UNPACK) f->bwd_unpacks++;
+  if (f->in_backward && type == TEV_UNPACK && out) f->bwd_out_unpacks++;
   if (type == TEV_PACK && f->offloaded > 0 && f->d2h_per_us > 0 && !f->no_instant) {
     double b = (f->offloaded + f->kept) / f->d2h_per_us - f->fwd_compute - f->bwd_compute;
     double *bound = f->in_backward ? &f->late_bound : &f->fwd_bound;

@@ -786,7 +786,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
                    (double)d->bytes);
     } else if (ev->type == TEV_ALLOC || ev->type == TEV_FREE) {
       /* transient bytes count as kept ones: on device, never copied */
-      fl.no_instant = fl.in_backward && fl.bwd_unpacks > 0;
+      fl.no_instant = fl.in_backward && fl.bwd_out_unpacks > 0;
       floor_tensor(&fl, ev->type == TEV_ALLOC ? TEV_PACK : TEV_DISCARD, 0, 0, 1,
                    (double)t->allocs[ev->tensor].bytes);
       fl.no_instant = 0;

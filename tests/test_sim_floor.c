@@ -1,0 +1,87 @@
+/* test_sim_floor.c — the stall floor's instants in backward (docs/simulator.md,
+ * "Stall floor"), against a hand-computed trace. */
+#include <stdio.h>
+#include <string.h>
+
+#include "ferry_tools.h"
+#include "test.h"
+
+#define HDR "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
+#define BEGIN "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
+#define END "{\"ev\":\"step_end\",\"t_us\":9,\"step\":1}\n"
+
+/* Four 100000-byte offloads with 50 us of compute after each, then the
+ * loss's 4-byte scalar, which the policy keeps; a forward stash of one
+ * buffer. Backward unpacks the kept scalar first (nll_loss's backward
+ * reads it, as the synthesized loss does), then allocates a 300000-byte
+ * transient (log_softmax's gradient) for bwd_us of compute before the
+ * offloaded unpacks. Link 1000 B/us, no latency. As in test_sim.c's
+ * sim_floor_holds_at_backwards_transients, copy 4 is in flight when forward
+ * ends, so the step peaks at the transient: 100000 + 4 + 300000. Any
+ * schedule at that peak must have copied D + K - P = 400000 + 300000 -
+ * 400004 B by then (the floor takes the scalar out of K at its unpack,
+ * though the replayer lets it go after the next compute: 4 bytes on the
+ * safe side), with 200 us of compute since the first offload to hide it:
+ * 99.996 us, plus max(0, 300 - bwd_us) for the three reloads after it. The
+ * scalar's unpack before the transient changes none of this: a kept
+ * tensor's bytes are in K, and nothing offloaded has come back or been let
+ * go yet. A floor that stops its instants at backward's first unpack of
+ * any tensor misses the transient: max(0, 300 - bwd_us). */
+static const char *kept_unpack_then_transient(int bwd_us) {
+  static char buf[4096];
+  int n = snprintf(buf, sizeof buf, "%s", HDR BEGIN);
+  for (int i = 1; i <= 4; i++)
+    n += snprintf(buf + n, sizeof buf - (size_t)n,
+                  "{\"ev\":\"pack\",\"t_us\":0,\"id\":%d,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
+                  "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":%d,"
+                  "\"layers\":4,\"decision\":\"offload\"}\n{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n",
+                  i, i - 1);
+  n += snprintf(buf + n, sizeof buf - (size_t)n,
+                "{\"ev\":\"pack\",\"t_us\":0,\"id\":5,\"step\":1,\"bytes\":4,\"dtype\":\"f32\","
+                "\"shape\":[],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":-1,"
+                "\"layers\":4,\"module\":\"loss\",\"decision\":\"keep\"}\n"
+                "{\"ev\":\"backward_begin\",\"t_us\":0}\n"
+                "{\"ev\":\"unpack\",\"t_us\":0,\"id\":5}\n"
+                "{\"ev\":\"alloc\",\"t_us\":0,\"id\":9,\"bytes\":300000,\"what\":\"loss grad\"}\n"
+                "{\"ev\":\"compute\",\"t_us\":0,\"us\":%d}\n"
+                "{\"ev\":\"free\",\"t_us\":0,\"id\":9}\n",
+                bwd_us);
+  for (int i = 4; i >= 1; i--)
+    n += snprintf(buf + n, sizeof buf - (size_t)n, "{\"ev\":\"unpack\",\"t_us\":0,\"id\":%d}\n", i);
+  snprintf(buf + n, sizeof buf - (size_t)n, "{\"ev\":\"backward_end\",\"t_us\":0}\n" END);
+  return buf;
+}
+
+TEST(sim_floor_holds_past_backwards_kept_unpacks) {
+  static const struct { int bwd_us; double floor; } cases[] = {{400, 99.996}, {100, 299.996}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    const char *text = kept_unpack_then_transient(cases[k].bwd_us);
+    sim_trace *t = NULL;
+    char err[512];
+    int rc = sim_trace_parse("kept", text, strlen(text), &t, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 1;
+    c.policy_source =
+        "return { api = 1, name = 'stash1', knobs = { max_fwd_stash = 1, min_offload_bytes = 1 },\n"
+        "  decide = function(t, ctx)\n"
+        "    if t.bytes < 100000 then return ferry.KEEP end\n"
+        "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
+    sim_result r;
+    rc = sim_replay(t, &c, &r, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_NEAR(r.tensors_offloaded, 4, 0);
+    CHECK_NEAR(r.tensors_kept, 1, 0);
+    CHECK_EQ(r.peak_saved_bytes, 400004);
+    CHECK_NEAR(r.host_wait_us, 150.0, 1e-6);
+    CHECK_NEAR(r.stall_us, 300.0, 1e-6);
+    CHECK_NEAR(r.stall_floor_us, cases[k].floor, 1e-6);
+    CHECK(r.stall_us + r.host_wait_us >= r.stall_floor_us);
+    sim_result_free(&r);
+    sim_trace_free(t);
+  }
+  return 0;
+}
