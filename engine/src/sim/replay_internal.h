@@ -210,7 +210,7 @@ typedef struct link_floor {
   double late_bound;               /* max over backward's packs and allocations of
                                     * (D + K) / link - compute since the first offload */
   /* the same instants x with the reloads after them (floor_us): the max over
-   * x of bound + backward compute by x + reloads by x / the faster link
+   * x of bound + backward compute by x - reloads by x / the faster link
    * (-inf before the first x), and the max over unpacks u of that + reloads
    * by u / the faster link - backward compute by u */
   double late_anchor, late_reload;
