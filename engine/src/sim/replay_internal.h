@@ -203,7 +203,10 @@ typedef struct replay {
 typedef struct link_floor {
   double h2d_per_us, d2h_per_us;
   int in_backward;
-  double fwd_compute, bwd_compute; /* µs: since the first offload; since backward began */
+  /* µs the GPU was not stalled on the offloads (compute, its waits for the
+   * host or collectives: the link copies on): since the first offload;
+   * since backward began */
+  double fwd_compute, bwd_compute;
   double offloaded, kept;          /* forward bytes: offloaded; kept and still held */
   double fwd_bound;                /* max over forward packs of (D + K) / link - compute */
   double h2d_bytes, h2d_bound;     /* reloaded so far; max over unpacks */
