@@ -165,6 +165,7 @@
   X(sim_floor_holds_past_backwards_kept_unpacks)                          \
   X(sim_floor_counts_reloads_before_a_recompute_pack_once)                \
   X(sim_floor_counts_the_gpus_wait_for_the_host_as_hiding_time)           \
+  X(sim_floor_counts_an_optimizer_transient_at_its_device_share)          \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \

@@ -804,10 +804,12 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       floor_tensor(&fl, ev->type, out, ev->type == TEV_UNPACK && r->went[ev->tensor], counted,
                    (double)d->bytes);
     } else if (ev->type == TEV_ALLOC || ev->type == TEV_FREE) {
-      /* transient bytes count as kept ones: on device, never copied */
+      /* transient bytes count as kept ones: on device, never copied; as
+       * many as the device holds (the optimizer offload's share of the
+       * optimizer step's own is on the host) */
       fl.no_instant = fl.in_backward && fl.bwd_out_unpacks > 0;
       floor_tensor(&fl, ev->type == TEV_ALLOC ? TEV_PACK : TEV_DISCARD, 0, 0, 1,
-                   (double)t->allocs[ev->tensor].bytes);
+                   (double)opt_alloc_bytes(r, &t->allocs[ev->tensor]));
       fl.no_instant = 0;
     }
   }
