@@ -166,6 +166,12 @@
   X(sim_host_overhead_counts_only_when_the_host_falls_behind)             \
   X(sim_host_runs_ahead_through_a_reload_stall)                           \
   X(sim_node_apply_shares_the_presets_node)                               \
+  /* the stall floor's instants in backward (test_sim_floor.c) */          \
+  X(sim_floor_holds_past_backwards_kept_unpacks)                          \
+  X(sim_floor_counts_reloads_before_a_recompute_pack_once)                \
+  X(sim_floor_takes_only_the_reloads_after_a_recompute_pack)              \
+  X(sim_floor_counts_the_gpus_wait_for_the_host_as_hiding_time)           \
+  X(sim_floor_counts_an_optimizer_transient_at_its_device_share)          \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \

@@ -192,9 +192,10 @@ typedef struct replay {
  *  - forward: at each pack the saved bytes on device, kept (K) plus
  *    offloaded (D) less those copied, are at most the step's peak P, so
  *    D + K - P bytes were copied within the compute since the first offload;
- *  - the same holds at backward's packs and transient allocations (the loss's
- *    gradients, where a step with offloading peaks): offloads still in flight
- *    when backward begins are on the device there, reloads not counted;
+ *  - the same holds at backward's packs and at its transient allocations
+ *    until it unpacks an offloaded tensor (the loss's gradients, where a step
+ *    with offloading peaks): offloads still in flight when backward begins
+ *    are on the device there, reloads not counted;
  *  - backward: the reloads a prefix of backward's unpacks needs (stash hits
  *    need none) arrive within the backward compute before the last of them.
  * A real schedule adds queueing, latency per copy, the duplex slowdown and
@@ -202,22 +203,30 @@ typedef struct replay {
 typedef struct link_floor {
   double h2d_per_us, d2h_per_us;
   int in_backward;
-  double fwd_compute, bwd_compute; /* µs: since the first offload; since backward began */
+  /* µs the GPU was not stalled on the offloads (compute, its waits for the
+   * host or collectives: the link copies on): since the first offload;
+   * since backward began */
+  double fwd_compute, bwd_compute;
   double offloaded, kept;          /* forward bytes: offloaded; kept and still held */
   double fwd_bound;                /* max over forward packs of (D + K) / link - compute */
   double h2d_bytes, h2d_bound;     /* reloaded so far; max over unpacks */
   double late_bound;               /* max over backward's packs and allocations of
                                     * (D + K) / link - compute since the first offload */
   /* the same instants x with the reloads after them (floor_us): the max over
-   * x of bound + backward compute by x + reloads by x / the faster link
+   * x of bound + backward compute by x - reloads by x / the faster link
    * (-inf before the first x), and the max over unpacks u of that + reloads
    * by u / the faster link - backward compute by u */
   double late_anchor, late_reload;
-  /* backward's unpacks so far, and whether the tensor now counted is an
-   * allocation after them: from there on a block's gradients come and go
-   * beside reloaded and stash-held buffers, whose bytes the bound cannot
-   * place, so such allocations count in K without being instants of it */
-  uint32_t bwd_unpacks;
+  /* backward's unpacks of offloaded tensors so far, and whether the tensor
+   * now counted is an allocation after them: from there on a block's
+   * gradients come and go beside reloaded and stash-held buffers, whose
+   * bytes the bound cannot place, so such allocations count in K without
+   * being instants of it. Unpacks of kept tensors do not end the instants:
+   * their bytes are in K (taken out at the unpack, before the replayer lets
+   * them go), so the loss's backward, which reads its kept scalar and
+   * targets before log_softmax's backward allocates at the step's peak,
+   * still bounds the stall there. */
+  uint32_t bwd_out_unpacks;
   int no_instant;
 } link_floor;
 /* Per-step sums over the steady steps (all but the first, unless one). */

@@ -26,12 +26,14 @@ void floor_tensor(link_floor *f, int type, int out, int reloaded, int counted,
     f->kept += type == TEV_PACK ? bytes : -bytes;
   }
   double fast = f->d2h_per_us > f->h2d_per_us ? f->d2h_per_us : f->h2d_per_us;
-  if (f->in_backward && type == TEV_UNPACK) f->bwd_unpacks++;
+  if (f->in_backward && type == TEV_UNPACK && out) f->bwd_out_unpacks++;
   if (type == TEV_PACK && f->offloaded > 0 && f->d2h_per_us > 0 && !f->no_instant) {
     double b = (f->offloaded + f->kept) / f->d2h_per_us - f->fwd_compute - f->bwd_compute;
     double *bound = f->in_backward ? &f->late_bound : &f->fwd_bound;
     if (b > *bound) *bound = b;
-    double a = b + f->bwd_compute + f->h2d_bytes / fast;
+    /* less the reloads before x: their copies took link time before x,
+     * but none of the stall this anchor's pack bound (floor_us) */
+    double a = b + f->bwd_compute - f->h2d_bytes / fast;
     if (f->in_backward && a > f->late_anchor) f->late_anchor = a;
   }
   if (f->in_backward && type == TEV_UNPACK && reloaded && f->h2d_per_us > 0) {
@@ -45,12 +47,14 @@ void floor_tensor(link_floor *f, int type, int out, int reloaded, int counted,
 
 /* Forward's stall and backward's reload stall happen at different times and
  * add up. At a backward instant x the offloads not yet copied plus the
- * reloads already made (R) fit under the peak, so the stall before x is at
- * least late(x) + R / d2h link; the reloads after x up to an unpack u, what
- * u needs less R, take the stall after x beyond the compute between them.
- * Added, R drops out with both links at the faster one's speed: late(x) +
- * (reloads between x and u) / faster link - compute between them bounds
- * the total too. */
+ * reloads made but not yet unpacked (R, prefetches) fit under the peak, so
+ * the stall before x is at least late(x) + R / d2h link; the reloads after
+ * x up to an unpack u, what the unpacks between x and u need less R, take
+ * the stall after x beyond the compute between them. Added, R drops out
+ * with both links at the faster one's speed: late(x) + (reloads unpacked
+ * between x and u) / faster link - compute between them bounds the total
+ * too. Reloads unpacked before x are in neither term: the room they took
+ * was given back before x. */
 double floor_us(const link_floor *f, double peak) {
   if (f->d2h_per_us <= 0) return f->h2d_bound > 0 ? f->h2d_bound : 0;
   double fwd = f->fwd_bound - peak / f->d2h_per_us;

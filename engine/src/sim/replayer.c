@@ -712,6 +712,24 @@ static double contention_us(replay *r) {
   return st.contention_us;
 }
 
+/* The offloads' stall so far as a step reports it: reload stalls and host
+ * waits, less the optimizer offload's own waits. */
+static double offload_stall(replay *r) {
+  double w, st = sim_stall(r, &w);
+  return st + w - (r->opt ? r->opt->host_wait : 0);
+}
+
+/* The stall floor's time to hide copies behind (docs/simulator.md, "Stall
+ * floor") since at = {clock, offload_stall}: the clock's advance less the
+ * offloads' stall in it. The link copies through compute and through the
+ * GPU's other waits (for the host, a collective, the weights) alike. */
+static void floor_clock(replay *r, link_floor *fl, double at[2]) {
+  double now = replay_now(r), st = offload_stall(r);
+  double us = (now - at[0]) - (st - at[1]);
+  if (us > 0) floor_compute(fl, us);
+  at[0] = now, at[1] = st;
+}
+
 /* Replays step si of steps (the trace's steps in a loop) and sums it up. */
 static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) {
   memset(sums, 0, sizeof *sums);
@@ -752,6 +770,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     o->synced = 0;
     o->stall = o->host_wait = 0;
   }
+  double fl_at[2] = {replay_now(r), offload_stall(r)};
   for (uint32_t k = ts->first; k < ts->end; k++) {
     const trace_ev *ev = &t->events[k];
     r->cur_ev = k, r->cur_phase = phase;
@@ -764,7 +783,6 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       double us = replay_gap(r, ts, k);
       r->gap_scale = 1;
       release_pending(r);
-      floor_compute(&fl, us);
       done += us;
       if (o && phase == 1 && (rc = opt_backward(r, done, o->bwd_us[tsi]))) return rc;
     }
@@ -783,6 +801,7 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
     }
     if (o && ev->type == TEV_BACKWARD_END && (rc = opt_sync(r))) return rc;
     if (o && ev->type == TEV_STEP_END && (rc = opt_after_step(r))) return rc;
+    floor_clock(r, &fl, fl_at);
     if (ev->type == TEV_BACKWARD_BEGIN) fl.in_backward = 1;
     if (ev->type == TEV_PACK || ev->type == TEV_UNPACK || ev->type == TEV_DISCARD) {
       const ferry_tensor_desc *d = &t->tensors[ev->tensor].desc;
@@ -792,10 +811,12 @@ static int replay_step(replay *r, uint32_t si, uint32_t steps, step_sums *sums) 
       floor_tensor(&fl, ev->type, out, ev->type == TEV_UNPACK && r->went[ev->tensor], counted,
                    (double)d->bytes);
     } else if (ev->type == TEV_ALLOC || ev->type == TEV_FREE) {
-      /* transient bytes count as kept ones: on device, never copied */
-      fl.no_instant = fl.in_backward && fl.bwd_unpacks > 0;
+      /* transient bytes count as kept ones: on device, never copied; as
+       * many as the device holds (the optimizer offload's share of the
+       * optimizer step's own is on the host) */
+      fl.no_instant = fl.in_backward && fl.bwd_out_unpacks > 0;
       floor_tensor(&fl, ev->type == TEV_ALLOC ? TEV_PACK : TEV_DISCARD, 0, 0, 1,
-                   (double)t->allocs[ev->tensor].bytes);
+                   (double)opt_alloc_bytes(r, &t->allocs[ev->tensor]));
       fl.no_instant = 0;
     }
   }
