@@ -1,6 +1,7 @@
 /*
  * replay_internal.h — what the replayer's files share: the replay's state
- * (replayer.c: the engine driver and steps), optimizer-state offload
+ * (replayer.c: the engine driver and steps; replay_engine.c: the device
+ * buffers, callbacks and engine it drives), optimizer-state offload
  * (replay_opt.c), weight offload (replay_weights.c) and the result with its
  * link floor (replay_result.c); docs/internals.md.
  */
@@ -247,6 +248,14 @@ double replay_now(replay *r);
 void replay_compute(replay *r, double us);
 void live_add(replay *r, uint64_t bytes);
 void live_sub(replay *r, uint64_t bytes);
+/* replay_engine.c: the timeline, device buffers and the engine a replay drives. */
+int timeline_push(sim_timeline *tl, sim_interval iv);
+void mem_sample(replay *r);
+int map_set(u64map *m, const void *key, uint32_t val);
+sim_buf *buf_new(replay *r, uint64_t bytes, int counted);
+void buf_unref(replay *r, sim_buf *b);
+void *buf_ptr(sim_buf *b);
+int replay_open_engine(replay *r);
 int timed_from_work(const replay *r, const trace_ev *ev);
 double work_us(const replay *r, const trace_ev *ev);
 size_t grown(size_t cap);
