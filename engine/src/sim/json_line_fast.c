@@ -15,6 +15,11 @@
 #include "sim/json_line.h"
 #include "ferry_sim.h"
 
+/* The 8-byte loads below read names and digits in little-endian order. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "json_line_fast.c reads 8 bytes at a time as a little-endian CPU does"
+#endif
+
 /* 10^0 .. 10^22: every one exact in a double */
 static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
                                  1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
