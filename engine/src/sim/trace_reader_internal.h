@@ -79,5 +79,9 @@ void reader_reserve(reader *r, uint64_t len);
 int reader_parse_lines(reader *r, const char *data, size_t len, const char *end);
 /* Ends the reader: the trace in *out on success (rc 0), else freed. */
 int reader_done(reader *r, int rc, sim_trace **out);
+/* sim_bands.c: the run a header line of n bytes describes (its "seq",
+ * "cp", "shard", "tp", "checkpoint_impl") into t->run_*; what it lacks or
+ * cannot be read stays 0. */
+void sim_trace_read_run(sim_trace *t, const char *line, size_t n);
 
 #endif
