@@ -161,6 +161,12 @@
   X(sim_host_overhead_counts_only_when_the_host_falls_behind)             \
   X(sim_host_runs_ahead_through_a_reload_stall)                           \
   X(sim_node_apply_shares_the_presets_node)                               \
+  /* the error bands from the validation table (test_sim_bands.c) */         \
+  X(sim_band_one_gpu_eager_long_context_picks_the_axolotl_rows)           \
+  X(sim_band_eight_gpu_compiled_picks_the_compiled_rows)                  \
+  X(sim_band_falls_back_to_all_rows_when_none_alike)                      \
+  X(sim_band_class_from_the_trace_header)                                 \
+  X(sim_band_lo_never_above_hi)                                           \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \
