@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Every simulated memory saving and step overhead of `ferry sim` carries its
+error band from docs/simulator.md's validation table (sim_bands.c), in the
+text report, the JSON (`band`, docs/simulator.md "Outputs") and the HTML
+table: a 1-GPU eager long-context trace gets axolotl #3733's rows, an
+8-GPU compiled one torchtitan's (copies hidden) or DeepSpeed's and
+PyTorch's (copy-bound), and an optimizer-offload run all rows, said so.
+  test_sim_bands.py FERRY"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from cli_report import finish
+
+FERRY = sys.argv[1]
+AX = "axolotl-ai-cloud/axolotl#3733"
+
+
+def run(*args):
+    r = subprocess.run([FERRY, *args], capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        sys.exit(f"FAIL ferry {' '.join(args)}: exit {r.returncode}: {r.stderr[-400:]}")
+    return r.stdout
+
+
+def sim(d, trace, policies, *extra):
+    j, h = os.path.join(d, "r.json"), os.path.join(d, "r.html")
+    out = run("sim", "--trace", trace, "--policy", policies, "--hw", "h100", "--steps", "2",
+              "--no-layers", "--json", j, "--html", h, *extra)
+    with open(j) as f:
+        rep = json.load(f)
+    with open(h) as f:
+        html = f.read()
+    return out, rep, html
+
+
+def check_band(failures, name, pol):
+    """The band's figures agree with the policy's own: value, and the real
+    range = value - points (an overhead's clamped at 0)."""
+    band = pol.get("band")
+    if not band:
+        failures.append(f"{name}: no band")
+        return
+    for fig, key in (("memory", "device_reduction_pct"), ("overhead", "step_overhead_pct")):
+        b = band[fig]
+        lo, hi = b["points"]
+        if lo > hi:
+            failures.append(f"{name} {fig}: points {lo} > {hi}")
+        if abs(b["value_pct"] - pol[key]) > 1e-6:
+            failures.append(f"{name} {fig}: value_pct {b['value_pct']} != {key} {pol[key]}")
+        want = [pol[key] - hi, pol[key] - lo]
+        if fig == "overhead":
+            want = [max(0.0, w) for w in want]
+        if any(abs(a - w) > 1e-6 for a, w in zip(b["real_pct"], want)):
+            failures.append(f"{name} {fig}: real_pct {b['real_pct']}, want {want}")
+        if b["runs"] < 2 or len(b["rows"]) < b["runs"]:
+            failures.append(f"{name} {fig}: {b['runs']} runs, rows {b['rows']}")
+    copy = pol["step_overhead_pct"] >= 5
+    if band["run"]["copy_bound"] != copy:
+        failures.append(f"{name}: copy_bound {band['run']['copy_bound']} at overhead "
+                        f"{pol['step_overhead_pct']}")
+
+
+def html_points(html):
+    """(figure, lo, hi) of every band in the HTML table, in order."""
+    return [(m.group(1), float(m.group(2)), float(m.group(3))) for m in
+            re.finditer(r'<small class="band" data-figure="(\w+)" data-points="([-\d.]+),([-\d.]+)"',
+                        html)]
+
+
+def main():
+    failures = []
+    with tempfile.TemporaryDirectory() as d:
+        # 1 GPU, eager (reentrant checkpoint), seq 16384: long context
+        t1 = os.path.join(d, "long.jsonl")
+        run("trace", "synth", "-q", "--preset", "tiny", "--seq", "16384", "--shard", "1",
+            "--checkpoint", "full", "--checkpoint-impl", "reentrant", "-o", t1)
+        out, rep, html = sim(d, t1, "checkpointed_inputs,default")
+        if "this trace: 1 GPU, eager, seq 16384 (long context)" not in out:
+            failures.append("text: no class line for the 1-GPU long trace")
+        ci = rep["policies"][0]
+        if ci["name"] != "checkpointed_inputs" or ci["step_overhead_pct"] >= 5:
+            failures.append(f"setup: checkpointed_inputs overhead {ci['step_overhead_pct']}")
+        mem = ci["band"]["memory"]
+        if mem["points"] != [-3.4, -0.5] or mem["all"] or \
+                mem["rows"] != [f"{AX} hidden_states, seq 16k", f"{AX} hidden_states, seq 32k"]:
+            failures.append(f"1 GPU eager long: memory band {mem}")
+        run_ = ci["band"]["run"]
+        if run_ != {"gpus": 1, "compiled": False, "seq": 16384, "cp": 1, "long_context": True,
+                    "copy_bound": False, "other_offload": False}:
+            failures.append(f"band.run {run_}")
+        line = re.search(r"\n  checkpointed_inputs +memory saved ([\d.]+)%: -3\.4 to -0\.5 points "
+                         r"on 2 published runs \(1 GPU, eager, long context, copies hidden\) -> "
+                         r"a real run: ([\d.]+)% to ([\d.]+)%\n", out)
+        if not line:
+            failures.append("text: no memory band line for checkpointed_inputs")
+        elif abs(float(line.group(2)) - (float(line.group(1)) + 0.5)) > 0.051:
+            failures.append(f"text: real run {line.group(2)} for saved {line.group(1)}")
+        if not re.search(r"\n {25}step overhead [+-][\d.]+%: -3\.7 to -0\.6 points on 2 published "
+                         r"runs \(long context, copies hidden\)", out):
+            failures.append("text: no overhead band line for checkpointed_inputs")
+        for i, p in enumerate(rep["policies"]):
+            check_band(failures, f"1-GPU policy {p['name']}", p)
+        if rep.get("band") != ci["band"]:
+            failures.append("the top level's band is not the first policy's")
+        if "band" in rep["baseline"]:
+            failures.append("the baseline (no offload) carries a band")
+        want = []
+        for p in rep["policies"]:
+            for fig in ("memory", "overhead"):
+                want.append((fig, *[round(x, 1) for x in p["band"][fig]["points"]]))
+        if html_points(html) != want:
+            failures.append(f"HTML bands {html_points(html)}, JSON {want}")
+        if "how sure" not in html:
+            failures.append("HTML: the text report lacks the bands")
+
+        # 8 GPUs, compiled (selective-op, compiled), seq 4096: torchtitan's
+        # rows for a policy whose copies hide, DeepSpeed's and PyTorch's for
+        # a copy-bound one
+        t8 = os.path.join(d, "c8.jsonl")
+        run("trace", "synth", "-q", "--preset", "tiny", "--seq", "4096", "--shard", "8",
+            "--checkpoint", "selective-op", "--checkpoint-impl", "compiled", "-o", t8)
+        out, rep, _ = sim(d, t8, "checkpointed_inputs,default", "--gpus-per-node", "8")
+        hidden, bound = rep["policies"]
+        if hidden["step_overhead_pct"] >= 5 or bound["step_overhead_pct"] < 5:
+            failures.append(f"setup: overheads {hidden['step_overhead_pct']}, "
+                            f"{bound['step_overhead_pct']}")
+        tt = [r for r in hidden["band"]["memory"]["rows"] if r.startswith("pytorch/torchtitan#")]
+        if len(tt) != 4 or hidden["band"]["memory"]["rows"] != tt:
+            failures.append(f"8 GPUs compiled, hidden: memory rows {hidden['band']['memory']['rows']}")
+        ov = bound["band"]["overhead"]
+        if sorted(r.split()[0] for r in ov["rows"]) != ["deepspeedai/DeepSpeed#8255"] * 2 + \
+                ["pytorch/pytorch#186161"] or ov["points"] != [-13.7, 66.6]:
+            failures.append(f"8 GPUs compiled, copy-bound: overhead band {ov}")
+        if bound["band"]["run"]["compiled"] is not True or bound["band"]["run"]["gpus"] != 8:
+            failures.append(f"8 GPUs compiled: run {bound['band']['run']}")
+        for p in rep["policies"]:
+            check_band(failures, f"8-GPU policy {p['name']}", p)
+
+        # optimizer-state offload: no published run does it, so all rows, said so
+        out, rep, _ = sim(d, t1, "default", "--optimizer-fraction", "0.5")
+        b = rep["policies"][0]["band"]
+        if not (b["memory"]["all"] and b["overhead"]["all"] and b["run"]["other_offload"]):
+            failures.append(f"optimizer offload: band {b}")
+        if "on all 11 published runs (none offloads optimizer states or weights)" not in out:
+            failures.append("text: the fallback is not said")
+    finish(failures, "ok: bands in text, JSON and HTML; rows like the run; fallback said")
+
+
+if __name__ == "__main__":
+    main()
