@@ -129,8 +129,8 @@ TEST(sim_band_falls_back_to_all_rows_when_none_alike) {
 }
 
 /* The header's seq, cp, shard, tp and checkpoint_impl make the class;
- * --gpus-per-node raises the GPUs; a header without them leaves them
- * unknown. */
+ * --gpus-per-node, when given, raises the GPUs; a header without them
+ * leaves them unknown. */
 TEST(sim_band_class_from_the_trace_header) {
   static const char *with =
       "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":2,\"backend\":\"synth\","
@@ -151,12 +151,14 @@ TEST(sim_band_class_from_the_trace_header) {
   CHECK_EQ(c.seq, 32768);
   CHECK_EQ(c.cp, 4);
   info.gpus_per_node = 8;
+  info.gpus_given = 1;
   sim_run_class_of(&info, NULL, 0, &c);
   CHECK_EQ(c.gpus, 8);
   sim_trace_free(t);
   t = NULL;
   CHECK_OK(sim_trace_parse("without", without, strlen(without), &t, err, sizeof err));
-  info = (sim_run_info){.trace = t};
+  /* --gpus-per-node's default, not given: still not known */
+  info = (sim_run_info){.trace = t, .gpus_per_node = 1};
   sim_run_class_of(&info, NULL, 0, &c);
   CHECK_EQ(c.gpus, 0);
   CHECK_EQ(c.compiled, -1);

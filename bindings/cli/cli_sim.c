@@ -113,6 +113,7 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
 static void node_info(const sim_opts *o, const sim_hw *hw, sim_run_info *info) {
   sim_config c = opts_config(o, hw);
   info->gpus_per_node = o->gpus;
+  info->gpus_given = o->gpus_given;
   info->numa_far = o->numa_far;
   info->contention = !o->contention_off;
   info->host_overhead_us = o->host_overhead_us;
@@ -631,6 +632,7 @@ int ferry_cli_sim(int argc, char **argv) {
       long g;
       if (cli_int("sim", "--gpus-per-node", optarg, 1, 64, &g)) return 2;
       o.gpus = (int)g;
+      o.gpus_given = 1;
       break;
     }
     case 'J':

@@ -711,8 +711,10 @@ typedef struct sim_run_info {
   /* the node the runs were priced on (ferry sim --gpus-per-node, --numa-far,
    * --contention, --host-overhead; sim_node_apply): the reports show this
    * link, not the preset's, and name the settings. gpus_per_node 0: not
-   * given (the preset's link, no node line). */
-  int gpus_per_node, contention;
+   * given (the preset's link, no node line). gpus_given: --gpus-per-node was
+   * given, so the error bands take it for the run's GPUs (its default of 1
+   * says nothing about the run). */
+  int gpus_per_node, contention, gpus_given;
   double numa_far, host_overhead_us, host_mem_bytes_per_s;
   double h2d_bytes_per_s, d2h_bytes_per_s; /* the link each GPU gets */
 } sim_run_info;

@@ -71,6 +71,22 @@ def html_points(html):
                         html)]
 
 
+def recorded_trace_gpus(failures, d):
+    """A trace recorded by ferry.torch (version 1: no seq, shard or tp in its
+    header) says nothing of its GPUs: --gpus-per-node's default of 1 must not
+    class it as a 1-GPU run; given, it does."""
+    rec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded_h200", "trace.jsonl")
+    out, rep, _ = sim(d, rec, "layers", "--hw", "h200")
+    run_ = rep["policies"][0]["band"]["run"]
+    if run_["gpus"] is not None or run_["compiled"] is not None or run_["seq"] is not None:
+        failures.append(f"recorded trace: band.run {run_} (its header gives no GPUs, compile, seq)")
+    if "this trace: GPUs not given (--gpus-per-node)" not in out:
+        failures.append("recorded trace: the class line does not say the GPUs are not given")
+    _, rep, _ = sim(d, rec, "layers", "--hw", "h200", "--gpus-per-node", "1")
+    if rep["policies"][0]["band"]["run"]["gpus"] != 1:
+        failures.append(f"recorded trace, --gpus-per-node 1: {rep['policies'][0]['band']['run']}")
+
+
 def main():
     failures = []
     with tempfile.TemporaryDirectory() as d:
@@ -147,6 +163,7 @@ def main():
             failures.append(f"optimizer offload: band {b}")
         if "on all 11 published runs (none offloads optimizer states or weights)" not in out:
             failures.append("text: the fallback is not said")
+        recorded_trace_gpus(failures, d)
     finish(failures, "ok: bands in text, JSON and HTML; rows like the run; fallback said")
 
 

@@ -86,7 +86,9 @@ void sim_run_class_of(const sim_run_info *info, const sim_result *rs, int i, sim
     c->seq = t->run_seq;
     c->cp = t->run_cp;
   }
-  if (info && info->gpus_per_node > c->gpus) c->gpus = info->gpus_per_node;
+  /* --gpus-per-node's default (1) is no word on the run: a recorded trace
+   * of one rank of an 8-GPU job replays with it */
+  if (info && info->gpus_given && info->gpus_per_node > c->gpus) c->gpus = info->gpus_per_node;
   if (rs && i > 0) {
     c->overhead_pct = overhead_of(rs, i);
     c->other_offload = rs[i].opt_fraction > 0 || rs[i].w_count > 0;
