@@ -22,7 +22,7 @@ grep -q ' fits  <- recommended: host_budget.lua' "$D/out.txt"
 grep -q 'DOES NOT FIT' "$D/out.txt"
 # every figure with its error band: the report's, --fit's choice and the summary's
 for name in default layers budget fit.lua; do
-  grep -q "^  $name  *memory saved [0-9.-]*%: .* points on .*published runs (.*) -> a real run: " "$D/out.txt" ||
+  grep -q "^  $name  *memory saved [0-9.-]*%: .* points on .*published runs from [0-9]* publications (.*) -> a real run: " "$D/out.txt" ||
     { echo "no memory band for $name" >&2; exit 1; }
 done
 [ "$(grep -c '^  .*step overhead [+-][0-9.]*%: [+-][0-9.]* to [+-][0-9.]* points on ' "$D/out.txt")" = 8 ] ||

@@ -167,6 +167,7 @@
   X(sim_band_falls_back_to_all_rows_when_none_alike)                      \
   X(sim_band_class_from_the_trace_header)                                 \
   X(sim_band_lo_never_above_hi)                                           \
+  X(sim_band_needs_two_publications_not_two_runs)                         \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \

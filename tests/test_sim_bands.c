@@ -29,23 +29,27 @@ static uint32_t bit(const char *source, const char *label) {
 #define TT "pytorch/torchtitan#3521"
 
 /* 1 GPU, eager, seq 16384, copies hidden: axolotl #3733's two long rows
- * for memory (-3.4, -0.5); for overhead only its 16k row gives a number,
- * so GPUs are given up: that row and accelerate's CP 8 run (-0.6). */
+ * are one publication, so GPUs are given up: with accelerate's CP 8 run,
+ * -3.4 .. +17.4 for memory; for overhead only #3733's 16k row gives a
+ * number: that row and accelerate's (-0.6). */
 TEST(sim_band_one_gpu_eager_long_context_picks_the_axolotl_rows) {
   sim_run_class c = {.gpus = 1, .compiled = 0, .seq = 16384, .cp = 1, .overhead_pct = 0.5};
   sim_band b;
   sim_band_pick(&c, SIM_BAND_MEMORY, &b);
-  CHECK_EQ(b.runs, 2);
+  CHECK_EQ(b.runs, 3);
+  CHECK_EQ(b.publications, 2);
   CHECK_EQ(b.all, 0);
-  CHECK_EQ(b.rows, bit(AX3733, "hidden_states, seq 16k") | bit(AX3733, "hidden_states, seq 32k"));
+  CHECK_EQ(b.rows, bit(AX3733, "hidden_states, seq 16k") | bit(AX3733, "hidden_states, seq 32k") |
+                       bit("huggingface/accelerate#4175", "Qwen3-0.6B, 1M tokens over CP 8"));
   CHECK_NEAR(b.lo, -3.4, 1e-9);
-  CHECK_NEAR(b.hi, -0.5, 1e-9);
-  CHECK_STR_CONTAINS(b.like, "1 GPU, eager, long context, copies hidden");
+  CHECK_NEAR(b.hi, 17.4, 1e-9);
+  CHECK_STR_CONTAINS(b.like, "long context, copies hidden");
+  CHECK(!strstr(b.like, "GPU"));
   char text[384];
-  /* a real run saved 10 - (-0.5) .. 10 - (-3.4) */
+  /* a real run saved 10 - 17.4 .. 10 - (-3.4) */
   sim_band_text(&b, SIM_BAND_MEMORY, 10.0, text, sizeof text);
-  CHECK_STR_CONTAINS(text, "-3.4 to -0.5 points on 2 published runs");
-  CHECK_STR_CONTAINS(text, "a real run: 10.5% to 13.4%");
+  CHECK_STR_CONTAINS(text, "-3.4 to +17.4 points on 3 published runs from 2 publications");
+  CHECK_STR_CONTAINS(text, "a real run: -7.4% to 13.4%");
   sim_band_pick(&c, SIM_BAND_OVERHEAD, &b);
   CHECK_EQ(b.runs, 2);
   CHECK_EQ(b.rows, bit(AX3733, "hidden_states, seq 16k") |
@@ -112,7 +116,7 @@ TEST(sim_band_falls_back_to_all_rows_when_none_alike) {
   CHECK_STR_CONTAINS(b.like, "none like this one");
   char text[384];
   sim_band_text(&b, SIM_BAND_MEMORY, 50.0, text, sizeof text);
-  CHECK_STR_CONTAINS(text, "on all 11 published runs (none like this one)");
+  CHECK_STR_CONTAINS(text, "on all 11 published runs from 6 publications (none like this one)");
   sim_run_class o = {.gpus = 1, .compiled = 0, .seq = 16384, .cp = 1, .other_offload = 1};
   sim_band_pick(&o, SIM_BAND_OVERHEAD, &b);
   CHECK_EQ(b.all, 1);
@@ -182,6 +186,47 @@ TEST(sim_band_lo_never_above_hi) {
             CHECK(b.runs >= 2);
             CHECK(b.lo <= b.hi);
             CHECK(b.bounds_inside <= b.bounds);
+          }
+  return 0;
+}
+
+/* The source (PR) of row i. */
+static const char *source_of(int i) {
+  const sim_band_row *rows;
+  sim_band_rows(&rows);
+  return rows[i].source;
+}
+
+/* A band stands on two publications, never on one publication's runs
+ * (axolotl #3733's 16k and 32k rows are one benchmark at two lengths):
+ * in every class, the rows with a number come from two sources or more,
+ * and publications counts them. */
+TEST(sim_band_needs_two_publications_not_two_runs) {
+  const sim_band_row *rows;
+  int n = sim_band_rows(&rows);
+  for (int g = 0; g < 2; g++)
+    for (int k = 0; k < 2; k++)
+      for (int l = 0; l < 2; l++)
+        for (int o = 0; o < 2; o++)
+          for (int fig = 0; fig < 2; fig++) {
+            sim_run_class c = {.gpus = g ? 8 : 1, .compiled = k, .seq = l ? 65536 : 4096,
+                               .cp = 1, .overhead_pct = o ? 50 : 0};
+            sim_band b;
+            sim_band_pick(&c, fig, &b);
+            int sources = 0;
+            for (int i = 0; i < n; i++) {
+              int kind = fig == SIM_BAND_MEMORY ? rows[i].memory_kind : rows[i].overhead_kind;
+              if (!(b.rows >> i & 1u) || kind != SIM_BAND_NUMBER) continue;
+              int seen = 0;
+              for (int j = 0; j < i; j++) {
+                int kj = fig == SIM_BAND_MEMORY ? rows[j].memory_kind : rows[j].overhead_kind;
+                seen |= (b.rows >> j & 1u) && kj == SIM_BAND_NUMBER &&
+                        !strcmp(source_of(j), source_of(i));
+              }
+              sources += !seen;
+            }
+            CHECK(sources >= 2);
+            CHECK_EQ(b.publications, sources);
           }
   return 0;
 }

@@ -782,14 +782,18 @@ enum {
  * the rows that share every attribute in matched with the run, lo..hi the
  * least and most error in points over the runs that gave a number, bounds
  * the runs that gave only a bound (bounds_inside: the simulated figure
- * within it). all: fewer than two runs were alike even on copy-bound
- * alone, so every row counts. like: the shared attributes in words. */
+ * within it). all: fewer than two publications were alike even on
+ * copy-bound alone, so every row counts. like: the shared attributes in words. */
 enum { SIM_BAND_MEMORY = 0, SIM_BAND_OVERHEAD = 1 };
 typedef struct sim_band {
-  int runs, bounds, bounds_inside, all;
+  /* publications: the distinct sources (PRs) among the runs: a
+   * publication's runs share its hardware and harness, so they are not
+   * independent; two publications, not two runs, make a band */
+  int runs, publications, bounds, bounds_inside, all;
   double lo, hi;
   unsigned matched;
-  uint32_t rows; /* bit i: row i counted (a number or a bound) */
+  uint32_t rows;     /* bit i: row i counted (a number or a bound) */
+  uint32_t numbered; /* bit i: row i counted with a number */
   char like[128];
 } sim_band;
 /* The class of run i (rs[0] the baseline) of a report. */

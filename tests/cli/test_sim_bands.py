@@ -56,7 +56,7 @@ def check_band(failures, name, pol):
             want = [max(0.0, w) for w in want]
         if any(abs(a - w) > 1e-6 for a, w in zip(b["real_pct"], want)):
             failures.append(f"{name} {fig}: real_pct {b['real_pct']}, want {want}")
-        if b["runs"] < 2 or len(b["rows"]) < b["runs"]:
+        if b["runs"] < 2 or b["publications"] < 2 or len(b["rows"]) < b["runs"]:
             failures.append(f"{name} {fig}: {b['runs']} runs, rows {b['rows']}")
     copy = pol["step_overhead_pct"] >= 5
     if band["run"]["copy_bound"] != copy:
@@ -101,22 +101,26 @@ def main():
         if ci["name"] != "checkpointed_inputs" or ci["step_overhead_pct"] >= 5:
             failures.append(f"setup: checkpointed_inputs overhead {ci['step_overhead_pct']}")
         mem = ci["band"]["memory"]
-        if mem["points"] != [-3.4, -0.5] or mem["all"] or \
-                mem["rows"] != [f"{AX} hidden_states, seq 16k", f"{AX} hidden_states, seq 32k"]:
+        # axolotl #3733's two long rows are one publication: accelerate's CP 8
+        # run joins them, GPUs given up
+        if mem["points"] != [-3.4, 17.4] or mem["all"] or mem["publications"] != 2 or \
+                mem["rows"] != ["huggingface/accelerate#4175 Qwen3-0.6B, 1M tokens over CP 8",
+                                f"{AX} hidden_states, seq 16k", f"{AX} hidden_states, seq 32k"]:
             failures.append(f"1 GPU eager long: memory band {mem}")
         run_ = ci["band"]["run"]
         if run_ != {"gpus": 1, "compiled": False, "seq": 16384, "cp": 1, "long_context": True,
                     "copy_bound": False, "other_offload": False}:
             failures.append(f"band.run {run_}")
-        line = re.search(r"\n  checkpointed_inputs +memory saved ([\d.]+)%: -3\.4 to -0\.5 points "
-                         r"on 2 published runs \(1 GPU, eager, long context, copies hidden\) -> "
-                         r"a real run: ([\d.]+)% to ([\d.]+)%\n", out)
+        line = re.search(r"\n  checkpointed_inputs +memory saved ([\d.]+)%: -3\.4 to \+17\.4 points "
+                         r"on 3 published runs from 2 publications \(long context, copies hidden\) "
+                         r"-> a real run: (-?[\d.]+)% to ([\d.]+)%\n", out)
         if not line:
             failures.append("text: no memory band line for checkpointed_inputs")
-        elif abs(float(line.group(2)) - (float(line.group(1)) + 0.5)) > 0.051:
+        elif abs(float(line.group(2)) - (float(line.group(1)) - 17.4)) > 0.051 or \
+                abs(float(line.group(3)) - (float(line.group(1)) + 3.4)) > 0.051:
             failures.append(f"text: real run {line.group(2)} for saved {line.group(1)}")
         if not re.search(r"\n {25}step overhead [+-][\d.]+%: -3\.7 to -0\.6 points on 2 published "
-                         r"runs \(long context, copies hidden\)", out):
+                         r"runs from 2 publications \(long context, copies hidden\)", out):
             failures.append("text: no overhead band line for checkpointed_inputs")
         for i, p in enumerate(rep["policies"]):
             check_band(failures, f"1-GPU policy {p['name']}", p)
@@ -161,7 +165,8 @@ def main():
         b = rep["policies"][0]["band"]
         if not (b["memory"]["all"] and b["overhead"]["all"] and b["run"]["other_offload"]):
             failures.append(f"optimizer offload: band {b}")
-        if "on all 11 published runs (none offloads optimizer states or weights)" not in out:
+        if "on all 11 published runs from 6 publications (none offloads optimizer states or " \
+                "weights)" not in out:
             failures.append("text: the fallback is not said")
         recorded_trace_gpus(failures, d)
     finish(failures, "ok: bands in text, JSON and HTML; rows like the run; fallback said")

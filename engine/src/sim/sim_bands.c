@@ -131,7 +131,8 @@ static void like_words(unsigned bits, unsigned mask, char *b, size_t n) {
 }
 
 /* The rows of figure that share mask's bits of bits into *out; the count of
- * those with a number. */
+ * the publications among those with a number (a publication's runs share
+ * one setup: they are not independent). */
 static int gather(unsigned bits, unsigned mask, int figure, sim_band *out) {
   memset(out, 0, sizeof *out);
   for (int i = 0; i < N_ROWS; i++) {
@@ -148,15 +149,21 @@ static int gather(unsigned bits, unsigned mask, int figure, sim_band *out) {
     if (!out->runs || v < out->lo) out->lo = v;
     if (!out->runs || v > out->hi) out->hi = v;
     out->runs++;
+    int seen = 0;
+    for (int k = 0; k < i && !seen; k++)
+      seen = (out->numbered >> k & 1u) && !strcmp(rows[k].source, r->source);
+    out->numbered |= 1u << i;
+    out->publications += !seen;
   }
   out->matched = mask;
-  return out->runs;
+  return out->publications;
 }
 
 void sim_band_pick(const sim_run_class *c, int figure, sim_band *out) {
   unsigned known, bits = run_bits(c, &known);
   /* give up compiled, then GPUs, then long context, keeping copy-bound the
-   * longest: the validation's large overhead errors are the copy-bound runs' */
+   * longest: the validation's large overhead errors are the copy-bound runs'.
+   * Two publications make a band: one publication's runs are one setup. */
   static const unsigned drop[4] = {0, SIM_BAND_ATTR_COMPILED,
                                    SIM_BAND_ATTR_COMPILED | SIM_BAND_ATTR_GPUS,
                                    SIM_BAND_ATTR_COMPILED | SIM_BAND_ATTR_GPUS | SIM_BAND_ATTR_LONG};
@@ -214,8 +221,11 @@ void sim_band_text(const sim_band *b, int figure, double value, char *buf, size_
     snprintf(a, sizeof a, "%+.1f%%", rl);
     snprintf(z, sizeof z, "%+.1f%%", rh);
   }
-  snprintf(buf, n, "%s to %s points on %s%d published run%s (%s%s) -> a real run: %s to %s", lo, hi,
-           b->all ? "all " : "", b->runs, b->runs == 1 ? "" : "s", b->like, bounds, a, z);
+  snprintf(buf, n,
+           "%s to %s points on %s%d published run%s from %d publication%s (%s%s) -> a real "
+           "run: %s to %s",
+           lo, hi, b->all ? "all " : "", b->runs, b->runs == 1 ? "" : "s", b->publications,
+           b->publications == 1 ? "" : "s", b->like, bounds, a, z);
 }
 
 /* The run's class as the report's header line says it. */
@@ -269,6 +279,7 @@ static void band_json(cJSON *o, const char *name, const sim_band *b, int figure,
     cJSON_AddItemToArray(r, cJSON_CreateNumber(rh));
   }
   cJSON_AddNumberToObject(x, "runs", b->runs);
+  cJSON_AddNumberToObject(x, "publications", b->publications);
   if (figure == SIM_BAND_OVERHEAD) {
     cJSON_AddNumberToObject(x, "bounds", b->bounds);
     cJSON_AddNumberToObject(x, "bounds_inside", b->bounds_inside);

@@ -47,8 +47,9 @@ static void html_band(FILE *f, const sim_run_info *info, const sim_result *rs, i
   fprintf(f, "<small class=\"band\" data-figure=\"%s\" data-points=\"%.1f,%.1f\" data-runs=\"%d\" "
              "title=\"", figure == SIM_BAND_MEMORY ? "memory" : "overhead", b.lo, b.hi, b.runs);
   xml_text(f, text);
-  fprintf(f, "\">%+.1f to %+.1f pts<br/>%s%d run%s</small>", b.lo, b.hi, b.all ? "all " : "", b.runs,
-          b.runs == 1 ? "" : "s");
+  fprintf(f, "\">%+.1f to %+.1f pts<br/>%s%d run%s, %d source%s</small>", b.lo, b.hi,
+          b.all ? "all " : "", b.runs, b.runs == 1 ? "" : "s", b.publications,
+          b.publications == 1 ? "" : "s");
 }
 
 /* The comparison table, the columns of the text report's. */
