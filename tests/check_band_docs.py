@@ -5,6 +5,8 @@ GPUs, eager or compiled, seq and CP, the simulated overhead (which makes a
 row copy-bound), and the memory and overhead errors in points (or the
 published bound, or none). When the table's figures change (the model
 improved), this fails and names the row and field to update in sim_bands.c.
+Each error must also be its row's simulated - published figure, so a
+simulated or published figure changed without its error fails too.
 
 Usage: check_band_docs.py LIBFERRY_SO DOC"""
 import ctypes
@@ -12,6 +14,8 @@ import re
 import sys
 
 NONE, NUMBER, BOUND = 0, 1, 2
+# each of simulated, published and error is rounded to the table's digits
+ERROR_ROUNDING = 0.1 + 1e-9
 
 
 class Row(ctypes.Structure):  # sim_band_row (ferry_sim.h)
@@ -66,7 +70,7 @@ def documented_rows(doc):
     if head[c_mem + 2] != "error" or head[c_ovh + 1] != "simulated" or head[c_ovh + 2] != "error":
         sys.exit(f"{doc}: expected 'published | simulated | error' after {head[c_mem]!r} and "
                  f"{head[c_ovh]!r}: {head}")
-    out, prev = [], {}
+    out, prev, inconsistent = [], {}, []
     for cells in body:
         def cell(i):
             return cells[i] if i < len(cells) else ""
@@ -89,6 +93,15 @@ def documented_rows(doc):
             ovh = (NONE, 0.0)
         else:
             ovh = (NUMBER, number(ovh_err))
+        # the error is simulated - published: a figure changed without its
+        # error (or the other way) is a table at odds with itself
+        for what, c in (("memory saved", c_mem), ("overhead", c_ovh)):
+            pub, sim, err = (number(cell(c + k)) for k in range(3))
+            if None in (pub, sim, err) or cell(c + 2).startswith("a bound"):
+                continue
+            if abs(err - (sim - pub)) > ERROR_ROUNDING:
+                inconsistent.append(f"{source} ({cell(c_src)[:60]}...): {what}: error {err:+.1f} "
+                                    f"is not simulated {sim} - published {pub} = {sim - pub:+.2f}")
         row = {"source": source, "gpus": gpus, "cp": cp, "seq": int(seq) if seq else None,
                "compiled": 1 if cell(c_mode).startswith("compiled") else 0,
                "sim_overhead_pct": number(ovh_sim),
@@ -96,14 +109,14 @@ def documented_rows(doc):
                "overhead": ovh}
         out.append(row)
         prev = row
-    return out
+    return out, inconsistent
 
 
 def main():
     lib, doc = sys.argv[1], sys.argv[2]
-    have, said = library_rows(lib), documented_rows(doc)
+    have, (said, inconsistent) = library_rows(lib), documented_rows(doc)
     where = "engine/src/sim/sim_bands.c's rows"
-    bad = []
+    bad = list(inconsistent)
     if len(have) != len(said):
         bad.append(f"{doc} has {len(said)} validation rows, {where} {len(have)}")
     for i, (h, d) in enumerate(zip(have, said)):
