@@ -45,7 +45,10 @@ def number(text):
 def table(doc):
     """The validation table's header cells and rows (lists of cells)."""
     lines = open(doc, encoding="utf-8").read().split("\n")
-    start = lines.index("## Validation: memory and cost")
+    section = "## Validation: memory and cost"
+    if section not in lines:
+        sys.exit(f"{doc}: no \"{section}\" section (the error bands' rows come from its table)")
+    start = lines.index(section)
     rows = []
     for line in lines[start + 1:]:
         if line.startswith("## "):
@@ -54,6 +57,8 @@ def table(doc):
             rows.append([c.strip() for c in line.strip().strip("|").split("|")])
         elif rows:
             break
+    if len(rows) < 2:
+        sys.exit(f"{doc}: no table under \"{section}\" (a header line and its |---| line)")
     return rows[0], [r for r in rows[2:]]
 
 

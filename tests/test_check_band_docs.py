@@ -2,7 +2,7 @@
 """check_band_docs.py catches drift: it passes on docs/simulator.md as it
 is and fails on copies of it with a changed error, a changed simulated or
 published figure whose error was left alone, a row removed, a row added and
-two rows swapped.
+two rows swapped; a page without the section or its table gets a message.
 
 Usage: test_check_band_docs.py LIBFERRY_SO DOC"""
 import os
@@ -76,6 +76,21 @@ def main():
                 f.write(mutant)
             if check(lib, path).returncode == 0:
                 failures.append(f"{what}: check_band_docs.py passes")
+    # a page without the section, or the section without its table: a
+    # message naming what is missing, not a traceback
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "simulator.md")
+        top = text.index("## Validation: memory and cost")
+        for what, mutant, want in (
+                ("no section", text.replace("## Validation: memory and cost", "## Validation"),
+                 "no \"## Validation: memory and cost\" section"),
+                ("no table", text[:top] + "## Validation: memory and cost\n\nsoon.\n",
+                 "no table under \"## Validation: memory and cost\"")):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(mutant)
+            r = check(lib, path)
+            if r.returncode == 0 or "Traceback" in r.stderr or want not in r.stdout + r.stderr:
+                failures.append(f"{what}: exit {r.returncode}, {(r.stdout + r.stderr)[-300:]!r}")
     for f in failures:
         print("FAIL " + f)
     if failures:
