@@ -44,9 +44,15 @@ static void html_band(FILE *f, const sim_run_info *info, const sim_result *rs, i
                                              : 0;
   char text[384];
   sim_band_text(&b, figure, value, text, sizeof text);
-  fprintf(f, "<small class=\"band\" data-figure=\"%s\" data-points=\"%.1f,%.1f\" data-runs=\"%d\" "
-             "title=\"", figure == SIM_BAND_MEMORY ? "memory" : "overhead", b.lo, b.hi, b.runs);
+  fprintf(f, "<small class=\"band\" data-figure=\"%s\" ",
+          figure == SIM_BAND_MEMORY ? "memory" : "overhead");
+  if (b.runs) fprintf(f, "data-points=\"%.1f,%.1f\" ", b.lo, b.hi); /* none: no band */
+  fprintf(f, "data-runs=\"%d\" title=\"", b.runs);
   xml_text(f, text);
+  if (!b.runs) {
+    fputs("\">no band<br/>not validated</small>", f);
+    return;
+  }
   fprintf(f, "\">%+.1f to %+.1f pts<br/>%s%d run%s, %d source%s</small>", b.lo, b.hi,
           b.all ? "all " : "", b.runs, b.runs == 1 ? "" : "s", b.publications,
           b.publications == 1 ? "" : "s");
