@@ -169,6 +169,7 @@
   X(sim_band_lo_never_above_hi)                                           \
   X(sim_band_needs_two_publications_not_two_runs)                         \
   X(sim_band_none_for_optimizer_or_weight_offload)                        \
+  X(sim_band_copy_bound_line_only_widens)                                 \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \

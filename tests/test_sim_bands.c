@@ -244,3 +244,26 @@ TEST(sim_band_none_for_optimizer_or_weight_offload) {
   }
   return 0;
 }
+
+/* The copy-bound line flips a band at 5%, but only ever to a wider one that
+ * holds the narrower (docs/simulator.md, "How sure"): on either side of
+ * the line, for every class, the error points and the real run's range
+ * of the copy-bound side hold those of the copies-hidden side. */
+TEST(sim_band_copy_bound_line_only_widens) {
+  const double below = SIM_BAND_COPY_BOUND_PCT - 0.01, at = SIM_BAND_COPY_BOUND_PCT;
+  for (int g = 0; g < 3; g++)
+    for (int k = -1; k < 2; k++)
+      for (int l = 0; l < 3; l++)
+        for (int fig = 0; fig < 2; fig++) {
+          sim_run_class c = {.gpus = g == 2 ? 0 : g ? 8 : 1, .compiled = k,
+                             .seq = l == 2 ? 0 : l ? 65536 : 4096, .cp = l == 2 ? 0 : 1};
+          sim_band lo_side, hi_side;
+          c.overhead_pct = below;
+          sim_band_pick(&c, fig, &lo_side);
+          c.overhead_pct = at;
+          sim_band_pick(&c, fig, &hi_side);
+          CHECK(hi_side.lo <= lo_side.lo + 1e-9);
+          CHECK(hi_side.hi >= lo_side.hi - 1e-9);
+        }
+  return 0;
+}
