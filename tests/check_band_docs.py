@@ -24,7 +24,8 @@ class Row(ctypes.Structure):  # sim_band_row (ferry_sim.h)
                 ("seq", ctypes.c_int32), ("cp", ctypes.c_int32),
                 ("sim_overhead_pct", ctypes.c_double),
                 ("memory_kind", ctypes.c_int32), ("memory_points", ctypes.c_double),
-                ("overhead_kind", ctypes.c_int32), ("overhead_points", ctypes.c_double)]
+                ("overhead_kind", ctypes.c_int32), ("overhead_points", ctypes.c_double),
+                ("publication", ctypes.c_char_p)]
 
 
 def library_rows(path):

@@ -170,6 +170,7 @@
   X(sim_band_needs_two_publications_not_two_runs)                         \
   X(sim_band_none_for_optimizer_or_weight_offload)                        \
   X(sim_band_copy_bound_line_only_widens)                                 \
+  X(sim_band_torchtitan_sweep_is_one_publication)                         \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \

@@ -62,21 +62,22 @@ TEST(sim_band_one_gpu_eager_long_context_picks_the_axolotl_rows) {
   return 0;
 }
 
-/* 8 GPUs, compiled, seq 8192: with copies hidden, torchtitan's sweep for
- * memory (0.0 .. +2.7); its overheads are bounds only, so the overhead
- * band gives up compiled and GPUs (axolotl's two short hidden rows and
+/* 8 GPUs, compiled, seq 8192: with copies hidden, torchtitan's sweep (one
+ * publication) and Megatron's row for memory (-0.6 .. +2.7); its overheads
+ * are bounds only, so the overhead band gives up compiled and GPUs (axolotl's two short hidden rows and
  * Megatron: -5.9 .. +0.4) and still counts the four bounds, all kept. A
  * copy-bound one: DeepSpeed's two rows and PyTorch #186161 for overhead. */
 TEST(sim_band_eight_gpu_compiled_picks_the_compiled_rows) {
   sim_run_class c = {.gpus = 8, .compiled = 1, .seq = 8192, .cp = 1, .overhead_pct = 0.1};
   sim_band b;
   sim_band_pick(&c, SIM_BAND_MEMORY, &b);
-  CHECK_EQ(b.runs, 4);
+  CHECK_EQ(b.runs, 5);
   CHECK_EQ(b.rows, bit(TT, "budget 5 GB") | bit(TT, "budget 8 GB") | bit(TT, "budget 10 GB") |
-                       bit("pytorch/torchtitan#3522", "budget 100 GB"));
-  CHECK_NEAR(b.lo, 0.0, 1e-9);
+                       bit("pytorch/torchtitan#3522", "budget 100 GB") |
+                       bit("NVIDIA/Megatron-LM#1752", "QKV input only"));
+  CHECK_NEAR(b.lo, -0.6, 1e-9);
   CHECK_NEAR(b.hi, 2.7, 1e-9);
-  CHECK_STR_CONTAINS(b.like, "several GPUs, compiled, short context, copies hidden");
+  CHECK_STR_CONTAINS(b.like, "several GPUs, short context, copies hidden");
   sim_band_pick(&c, SIM_BAND_OVERHEAD, &b);
   CHECK_EQ(b.runs, 3);
   CHECK_EQ(b.bounds, 4);
@@ -116,7 +117,7 @@ TEST(sim_band_falls_back_to_all_rows_when_none_alike) {
   CHECK_STR_CONTAINS(b.like, "none like this one");
   char text[384];
   sim_band_text(&b, SIM_BAND_MEMORY, 50.0, text, sizeof text);
-  CHECK_STR_CONTAINS(text, "on all 11 published runs from 6 publications (none like this one)");
+  CHECK_STR_CONTAINS(text, "on all 11 published runs from 5 publications (none like this one)");
   /* attributes not known match any row: no GPUs, no compile, no seq */
   sim_run_class u = {.gpus = 0, .compiled = -1, .seq = 0, .cp = 0, .overhead_pct = 0};
   sim_band_pick(&u, SIM_BAND_MEMORY, &b);
@@ -184,17 +185,18 @@ TEST(sim_band_lo_never_above_hi) {
   return 0;
 }
 
-/* The source (PR) of row i. */
-static const char *source_of(int i) {
+/* The publication row i counts as. */
+static const char *publication_of(int i) {
   const sim_band_row *rows;
   sim_band_rows(&rows);
-  return rows[i].source;
+  return rows[i].publication;
 }
 
 /* A band stands on two publications, never on one publication's runs
  * (axolotl #3733's 16k and 32k rows are one benchmark at two lengths):
- * in every class, the rows with a number come from two sources or more,
- * and publications counts them. */
+ * in every class, the rows with a number come from two publications or
+ * more, and publications counts them. A row's publication is its source
+ * but for torchtitan #3522, which carries #3521's sweep on. */
 TEST(sim_band_needs_two_publications_not_two_runs) {
   const sim_band_row *rows;
   int n = sim_band_rows(&rows);
@@ -215,7 +217,7 @@ TEST(sim_band_needs_two_publications_not_two_runs) {
               for (int j = 0; j < i; j++) {
                 int kj = fig == SIM_BAND_MEMORY ? rows[j].memory_kind : rows[j].overhead_kind;
                 seen |= (b.rows >> j & 1u) && kj == SIM_BAND_NUMBER &&
-                        !strcmp(source_of(j), source_of(i));
+                        !strcmp(publication_of(j), publication_of(i));
               }
               sources += !seen;
             }
@@ -265,5 +267,23 @@ TEST(sim_band_copy_bound_line_only_widens) {
           CHECK(hi_side.lo <= lo_side.lo + 1e-9);
           CHECK(hi_side.hi >= lo_side.hi - 1e-9);
         }
+  return 0;
+}
+
+/* torchtitan's four budget rows are one sweep over two PRs: one
+ * publication, so an 8-GPU compiled run's memory band does not stand on
+ * them alone: compiled is given up and Megatron's row joins them. */
+TEST(sim_band_torchtitan_sweep_is_one_publication) {
+  const sim_band_row *rows;
+  int n = sim_band_rows(&rows);
+  int i3521 = row_of(TT, "budget 5 GB"), i3522 = row_of("pytorch/torchtitan#3522", "budget 100 GB");
+  CHECK(i3521 >= 0 && i3522 >= 0 && i3522 < n);
+  CHECK(!strcmp(rows[i3522].publication, rows[i3521].publication));
+  sim_run_class c = {.gpus = 8, .compiled = 1, .seq = 8192, .cp = 1, .overhead_pct = 0.1};
+  sim_band b;
+  sim_band_pick(&c, SIM_BAND_MEMORY, &b);
+  CHECK_EQ(b.publications, 2);
+  CHECK(b.rows & bit("NVIDIA/Megatron-LM#1752", "QKV input only"));
+  CHECK(!(b.matched & SIM_BAND_ATTR_COMPILED));
   return 0;
 }

@@ -750,6 +750,9 @@ typedef struct sim_band_row {
    * publication gave only an upper bound, overhead_points % */
   int32_t overhead_kind;
   double overhead_points;
+  /* the publication the row counts as, for independence: its source, or
+   * the first of a series of PRs that share one setting */
+  const char *publication;
 } sim_band_row;
 /* A run whose simulated overhead is this or more is copy-bound: its copies
  * do not hide behind compute (the class the validation's large overhead
@@ -786,9 +789,9 @@ enum {
  * copy-bound alone, so every row counts. like: the shared attributes in words. */
 enum { SIM_BAND_MEMORY = 0, SIM_BAND_OVERHEAD = 1 };
 typedef struct sim_band {
-  /* publications: the distinct sources (PRs) among the runs: a
-   * publication's runs share its hardware and harness, so they are not
-   * independent; two publications, not two runs, make a band */
+  /* publications: the distinct publications among the runs (the rows'
+   * publication): a publication's runs share its hardware and harness, so
+   * they are not independent; two publications, not two runs, make a band */
   int runs, publications, bounds, bounds_inside, all;
   double lo, hi;
   unsigned matched;

@@ -53,7 +53,7 @@ static void html_band(FILE *f, const sim_run_info *info, const sim_result *rs, i
     fputs("\">no band<br/>not validated</small>", f);
     return;
   }
-  fprintf(f, "\">%+.1f to %+.1f pts<br/>%s%d run%s, %d source%s</small>", b.lo, b.hi,
+  fprintf(f, "\">%+.1f to %+.1f pts<br/>%s%d run%s, %d publication%s</small>", b.lo, b.hi,
           b.all ? "all " : "", b.runs, b.runs == 1 ? "" : "s", b.publications,
           b.publications == 1 ? "" : "s");
 }
