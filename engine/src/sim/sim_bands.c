@@ -214,12 +214,18 @@ void sim_band_text(const sim_band *b, int figure, double value, char *buf, size_
              b->like[0] ? b->like : "no published run gives this figure");
     return;
   }
-  char lo[16], hi[16], bounds[96] = "", a[16], z[16];
+  char lo[16], hi[16], bounds[128] = "", a[16], z[16];
   signed1(lo, sizeof lo, b->lo);
   signed1(hi, sizeof hi, b->hi);
-  if (b->bounds)
-    snprintf(bounds, sizeof bounds, "; %d more gave only a bound, the simulated figure inside %d",
-             b->bounds, b->bounds_inside);
+  /* the simulator's figures for those runs met their bounds, not this one */
+  if (b->bounds && b->bounds == b->bounds_inside)
+    snprintf(bounds, sizeof bounds,
+             "; %d more gave only an upper bound, which the simulator met on those %d", b->bounds,
+             b->bounds);
+  else if (b->bounds)
+    snprintf(bounds, sizeof bounds,
+             "; %d more gave only an upper bound, which the simulator met on %d of those %d", b->bounds,
+             b->bounds_inside, b->bounds);
   double rl, rh;
   real_range(b, figure, value, &rl, &rh);
   if (figure == SIM_BAND_MEMORY) {
