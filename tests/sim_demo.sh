@@ -20,6 +20,15 @@ awk -v b="$base" -v d="$device" -v u="$usable" 'BEGIN { exit !(b > d && u < d &&
 grep -q '^  no offload .*: does NOT fit without offloading$' "$D/out.txt"
 grep -q ' fits  <- recommended: host_budget.lua' "$D/out.txt"
 grep -q 'DOES NOT FIT' "$D/out.txt"
+# every figure with its error band: the report's, --fit's choice and the summary's
+for name in default layers budget fit.lua; do
+  grep -q "^  $name  *memory saved [0-9.-]*%: .* points on .*published runs from [0-9]* publications (.*) -> a real run: " "$D/out.txt" ||
+    { echo "no memory band for $name" >&2; exit 1; }
+done
+[ "$(grep -c '^  .*step overhead [+-][0-9.]*%: [+-][0-9.]* to [+-][0-9.]* points on ' "$D/out.txt")" = 8 ] ||
+  { echo "not 8 overhead bands (3 report, best, 4 summary)" >&2; exit 1; }
+grep -q '"band"' "$D/demo/sim.json"
+grep -q 'class="band"' "$D/demo/report.html"
 # the printed commands, as printed
 check=$(sed -n 's/^check it:  //p' "$D/out.txt")
 use=$(sed -n 's/^use it:    //p' "$D/out.txt")

@@ -172,6 +172,16 @@
   X(sim_floor_takes_only_the_reloads_after_a_recompute_pack)              \
   X(sim_floor_counts_the_gpus_wait_for_the_host_as_hiding_time)           \
   X(sim_floor_counts_an_optimizer_transient_at_its_device_share)          \
+  /* the error bands from the validation table (test_sim_bands.c) */         \
+  X(sim_band_one_gpu_eager_long_context_picks_the_axolotl_rows)           \
+  X(sim_band_eight_gpu_compiled_picks_the_compiled_rows)                  \
+  X(sim_band_falls_back_to_all_rows_when_none_alike)                      \
+  X(sim_band_class_from_the_trace_header)                                 \
+  X(sim_band_lo_never_above_hi)                                           \
+  X(sim_band_needs_two_publications_not_two_runs)                         \
+  X(sim_band_none_for_optimizer_or_weight_offload)                        \
+  X(sim_band_copy_bound_line_only_widens)                                 \
+  X(sim_band_torchtitan_sweep_is_one_publication)                         \
   /* simulator (test_sim.c) */                                             \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \

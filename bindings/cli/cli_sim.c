@@ -113,6 +113,7 @@ static sim_config opts_config(const sim_opts *o, const sim_hw *hw) {
 static void node_info(const sim_opts *o, const sim_hw *hw, sim_run_info *info) {
   sim_config c = opts_config(o, hw);
   info->gpus_per_node = o->gpus;
+  info->gpus_given = o->gpus_given;
   info->numa_far = o->numa_far;
   info->contention = !o->contention_off;
   info->host_overhead_us = o->host_overhead_us;
@@ -143,7 +144,25 @@ static int resolve_untracked(const sim_trace *t, const sim_opts *o, const sim_hw
 typedef struct run_summary {
   uint64_t peak_device_bytes;
   double step_us;
+  sim_run_class cls; /* for the error bands */
 } run_summary;
+
+/* A run's memory saved and step overhead over base, each with its error
+ * band on published runs like it (sim_bands.c), on two lines. */
+static void print_bands(const char *name, const sim_run_class *cls, double peak, double step,
+                        double base_peak, double base_step) {
+  sim_run_class c = *cls;
+  c.overhead_pct = base_step > 0 ? 100.0 * (step - base_step) / base_step : 0;
+  double saved = base_peak > 0 ? 100.0 * (base_peak - peak) / base_peak : 0;
+  sim_band b;
+  char t[384];
+  sim_band_pick(&c, SIM_BAND_MEMORY, &b);
+  sim_band_text(&b, SIM_BAND_MEMORY, saved, t, sizeof t);
+  printf("  %-11s memory saved %.1f%%: %s\n", name, saved, t);
+  sim_band_pick(&c, SIM_BAND_OVERHEAD, &b);
+  sim_band_text(&b, SIM_BAND_OVERHEAD, c.overhead_pct, t, sizeof t);
+  printf("  %-11s step overhead %+.1f%%: %s\n", "", c.overhead_pct, t);
+}
 
 static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs, const sim_opts *o,
                    const char *json, const char *chrome, const char *svg, const char *html,
@@ -225,7 +244,8 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     for (int i = 1; i <= n_jobs && !rc; i++)
       if (rs[i].policy_errors) rc = 3; /* a policy that faulted is worth a non-zero exit */
     for (int i = 0; runs && i <= n_jobs; i++)
-      runs[i] = (run_summary){rs[i].peak_device_bytes, rs[i].step_us};
+      runs[i] = (run_summary){rs[i].peak_device_bytes, rs[i].step_us, {0}};
+    for (int i = 0; runs && i <= n_jobs; i++) sim_run_class_of(&info, rs, i, &runs[i].cls);
   }
   for (int i = 0; i <= n_jobs; i++) sim_result_free(&rs[i]);
   free(rs);
@@ -324,6 +344,12 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
            b->keep_last, b->fwd_stash, b->prefetch_layers,
            (double)b->peak_device_bytes / (1u << 30), (double)b->host_reserved_bytes / (1u << 30),
            b->step_us / 1e3, 100.0 * (b->step_us - base.step_us) / base.step_us);
+    sim_run_class cls;
+    sim_run_class_of(&info, NULL, 0, &cls);
+    printf("how sure (docs/simulator.md, \"Validation: memory and cost\": the simulator's error "
+           "on published runs like this one):\n");
+    print_bands("best", &cls, (double)b->peak_device_bytes, b->step_us,
+                (double)base.peak_device_bytes, base.step_us);
     if (chosen) *chosen = *b;
     char *src = sim_fit_source(tmpl, b);
     char hdr[512];
@@ -442,6 +468,16 @@ static int demo(const char *dir) {
              (double)best.host_bytes / (1u << 30), best.keep_last, best.fwd_stash,
              best.prefetch_layers, (double)best.host_reserved_bytes / (1u << 30));
     putchar('\n');
+  }
+  printf("how sure (docs/simulator.md, \"Validation: memory and cost\": the simulator's error "
+         "on published runs like each, and where a real run like them landed):\n");
+  for (int i = 1; i <= 4; i++) {
+    if (i == 4 && !best.fits) break;
+    const char *name = i < 4 ? names[i - 1] : base_name;
+    print_bands(name, &runs[0].cls,
+                i < 4 ? (double)runs[i].peak_device_bytes : (double)best.peak_device_bytes,
+                i < 4 ? runs[i].step_us : best.step_us, (double)runs[0].peak_device_bytes,
+                runs[0].step_us);
   }
   if (!best.fits) {
     printf("nothing in --fit's search fits: see above\n");
@@ -596,6 +632,7 @@ int ferry_cli_sim(int argc, char **argv) {
       long g;
       if (cli_int("sim", "--gpus-per-node", optarg, 1, 64, &g)) return 2;
       o.gpus = (int)g;
+      o.gpus_given = 1;
       break;
     }
     case 'J':

@@ -132,6 +132,11 @@ typedef struct sim_trace {
   uint64_t device_peak;
   char **strings;  /* owned strings (module paths, classes) */
   size_t n_strings, cap_strings;
+  /* the run the header describes (the synthesizer writes it; 0 where not
+   * given): "seq", "cp", "shard", "tp", and "checkpoint_impl" as 1 eager
+   * (reentrant, non-reentrant) or 2 compiled. The error bands use them
+   * (sim_run_class_of). */
+  int32_t run_seq, run_cp, run_shard, run_tp, run_ckpt_impl;
 } sim_trace;
 
 /* Read a trace file. On failure *out is NULL and err holds "FILE:LINE: ...". */
@@ -714,8 +719,10 @@ typedef struct sim_run_info {
   /* the node the runs were priced on (ferry sim --gpus-per-node, --numa-far,
    * --contention, --host-overhead; sim_node_apply): the reports show this
    * link, not the preset's, and name the settings. gpus_per_node 0: not
-   * given (the preset's link, no node line). */
-  int gpus_per_node, contention;
+   * given (the preset's link, no node line). gpus_given: --gpus-per-node was
+   * given, so the error bands take it for the run's GPUs (its default of 1
+   * says nothing about the run). */
+  int gpus_per_node, contention, gpus_given;
   double numa_far, host_overhead_us, host_mem_bytes_per_s;
   double h2d_bytes_per_s, d2h_bytes_per_s; /* the link each GPU gets */
 } sim_run_info;
@@ -732,6 +739,85 @@ FERRY_API int sim_write_chrome_trace(const char *path, const sim_result *rs, int
  * (sim_plot.c; docs/simulator.md, "Outputs"). Needs sim_config.timeline. */
 FERRY_API int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
                   char *err, size_t errlen);
+/* ---- error bands (sim_bands.c; docs/simulator.md, "Validation: memory and cost") ---- */
+/* A row of the validation table: a published run, how it was set up (its
+ * class) and the simulator's error on it, simulated - published in points.
+ * The table in docs/simulator.md is the source; tests/check_band_docs.py
+ * fails when these rows disagree with it. */
+enum { SIM_BAND_NONE = 0, SIM_BAND_NUMBER = 1, SIM_BAND_BOUND = 2 };
+typedef struct sim_band_row {
+  const char *source; /* "owner/repo#PR" */
+  const char *label;  /* which of the publication's runs */
+  int32_t gpus;       /* GPUs of the run */
+  int32_t compiled;   /* 1 compiled, 0 eager */
+  int32_t seq, cp;    /* sequence length (the one taken where not given), context parallel */
+  double sim_overhead_pct; /* the simulated overhead: copy-bound at SIM_BAND_COPY_BOUND_PCT */
+  int32_t memory_kind;     /* SIM_BAND_NUMBER or SIM_BAND_NONE (not published) */
+  double memory_points;
+  /* SIM_BAND_NUMBER: overhead_points is the error; SIM_BAND_BOUND: the
+   * publication gave only an upper bound, overhead_points % */
+  int32_t overhead_kind;
+  double overhead_points;
+  /* the publication the row counts as, for independence: its source, or
+   * the first of a series of PRs that share one setting */
+  const char *publication;
+} sim_band_row;
+/* A run whose simulated overhead is this or more is copy-bound: its copies
+ * do not hide behind compute (the class the validation's large overhead
+ * errors fall in). */
+#define SIM_BAND_COPY_BOUND_PCT 5.0
+/* Long context: this sequence length or more, or context parallelism. */
+#define SIM_BAND_LONG_SEQ 16384
+/* The rows; their number. */
+FERRY_API int sim_band_rows(const sim_band_row **rows);
+
+/* What a simulated run is, as far as the trace and the options say: GPUs
+ * (0 not known), compiled (1), eager (0) or not known (-1), sequence length
+ * (0 not known) and context parallelism, its simulated overhead, and
+ * whether it offloads optimizer states or weights (no published run does). */
+typedef struct sim_run_class {
+  int gpus, compiled, seq, cp;
+  double overhead_pct;
+  int other_offload;
+} sim_run_class;
+/* The attributes, in the order they are given up when too few rows share
+ * them all: compiled first, copy-bound last. */
+enum {
+  SIM_BAND_ATTR_COMPILED = 1,
+  SIM_BAND_ATTR_GPUS = 2,
+  SIM_BAND_ATTR_LONG = 4,
+  SIM_BAND_ATTR_COPY = 8
+};
+/* The error band of one figure (SIM_BAND_MEMORY: memory saved;
+ * SIM_BAND_OVERHEAD: step overhead) over the published runs like this one:
+ * the rows that share every attribute in matched with the run, lo..hi the
+ * least and most error in points over the runs that gave a number, bounds
+ * the runs that gave only a bound (bounds_inside: the simulated figure
+ * within it). all: fewer than two publications were alike even on
+ * copy-bound alone, so every row counts. like: the shared attributes in words. */
+enum { SIM_BAND_MEMORY = 0, SIM_BAND_OVERHEAD = 1 };
+typedef struct sim_band {
+  /* publications: the distinct publications among the runs (the rows'
+   * publication): a publication's runs share its hardware and harness, so
+   * they are not independent; two publications, not two runs, make a band */
+  int runs, publications, bounds, bounds_inside, all;
+  double lo, hi;
+  unsigned matched;
+  uint32_t rows;     /* bit i: row i counted (a number or a bound) */
+  uint32_t numbered; /* bit i: row i counted with a number */
+  char like[128];
+} sim_band;
+/* The class of run i (rs[0] the baseline) of a report. */
+FERRY_API void sim_run_class_of(const sim_run_info *info, const sim_result *rs, int i,
+                                sim_run_class *c);
+FERRY_API void sim_band_pick(const sim_run_class *c, int figure, sim_band *out);
+/* "-0.6 to +2.7 points, 5 runs (8 GPUs, short context) -> 57.4% to 60.7%":
+ * the band of figure value (memory saved %, or overhead %), where a real
+ * run like those would have landed. */
+FERRY_API void sim_band_text(const sim_band *b, int figure, double value, char *buf, size_t n);
+/* The bands of every policy of a report, as a block of the text report. */
+FERRY_API void sim_print_bands(FILE *f, const sim_run_info *info, const sim_result *rs, int n);
+
 /* One self-contained page (no script, font or URL loaded): the comparison
  * table, the text report, the SVG inline and per-layer bars of bytes
  * offloaded and kept per policy. */

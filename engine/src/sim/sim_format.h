@@ -69,4 +69,8 @@ static inline int close_checked(FILE *f, const char *path, char *err, size_t err
  * priced: the node's (sim_run_info) when given, else the preset's. */
 double sim_info_link(const sim_run_info *info, int h2d);
 
+/* sim_bands.c: run i's error bands (i >= 1) as the JSON report's "band". */
+struct cJSON;
+void sim_band_json(struct cJSON *o, const sim_run_info *info, const sim_result *rs, int i);
+
 #endif

@@ -28,7 +28,35 @@ static const char html_style[] =
     ".bar span{display:inline-block;height:12px}\n"
     "td.cell{text-align:left}td.cell small{color:#555;margin-left:6px;font-size:11px}\n"
     "pre{font-size:12px;background:#f8f8f8;padding:10px;overflow-x:auto}\n"
-    ".bad{color:#b00;font-weight:bold}\n";
+    ".bad{color:#b00;font-weight:bold}\n"
+    "small.band{display:block;color:#666;font-size:11px}\n";
+
+/* Under a policy's memory saved or overhead: its error band in points on
+ * published runs like this one; the whole sentence on hover. */
+static void html_band(FILE *f, const sim_run_info *info, const sim_result *rs, int i, int figure) {
+  sim_run_class c;
+  sim_run_class_of(info, rs, i, &c);
+  sim_band b;
+  sim_band_pick(&c, figure, &b);
+  double b0 = (double)rs[0].peak_device_bytes;
+  double value = figure == SIM_BAND_OVERHEAD ? c.overhead_pct
+                 : b0 > 0                    ? 100.0 * (b0 - (double)rs[i].peak_device_bytes) / b0
+                                             : 0;
+  char text[384];
+  sim_band_text(&b, figure, value, text, sizeof text);
+  fprintf(f, "<small class=\"band\" data-figure=\"%s\" ",
+          figure == SIM_BAND_MEMORY ? "memory" : "overhead");
+  if (b.runs) fprintf(f, "data-points=\"%.1f,%.1f\" ", b.lo, b.hi); /* none: no band */
+  fprintf(f, "data-runs=\"%d\" title=\"", b.runs);
+  xml_text(f, text);
+  if (!b.runs) {
+    fputs("\">no band<br/>not validated</small>", f);
+    return;
+  }
+  fprintf(f, "\">%+.1f to %+.1f pts<br/>%s%d run%s, %d publication%s</small>", b.lo, b.hi,
+          b.all ? "all " : "", b.runs, b.runs == 1 ? "" : "s", b.publications,
+          b.publications == 1 ? "" : "s");
+}
 
 /* The comparison table, the columns of the text report's. */
 static void html_table(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
@@ -55,10 +83,14 @@ static void html_table(FILE *f, const sim_run_info *info, const sim_result *rs, 
     fprintf(f, "\"><td class=\"name\"><span class=\"sw\" style=\"background:%s\"></span>",
             run_color(i));
     xml_text(f, r->label);
-    fprintf(f, "</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td>"
+    fprintf(f, "</td><td>%s</td><td>%s", c.peak, red);
+    if (i > 0) html_band(f, info, rs, i, SIM_BAND_MEMORY);
+    fprintf(f, "</td><td>%s</td><td>%s", c.step, ovh);
+    if (i > 0) html_band(f, info, rs, i, SIM_BAND_OVERHEAD);
+    fprintf(f, "</td><td>%s</td><td>%s</td>"
                "<td>%s</td><td>%s</td><td>%s</td><td>%.0f</td><td>%.0f</td><td%s>%llu</td>"
                "<td%s>%s</td></tr>\n",
-            c.peak, red, c.step, ovh, c.stall, c.d2h, c.h2d, c.host_peak, c.host_reserved,
+            c.stall, c.d2h, c.h2d, c.host_peak, c.host_reserved,
             r->tensors_offloaded, r->tensors_kept,
             r->policy_errors ? " class=\"bad\"" : "", (unsigned long long)r->policy_errors,
             fits == 0 ? " class=\"bad\"" : "", fits < 0 ? "?" : fits ? "yes" : "no");
@@ -188,6 +220,11 @@ int sim_write_html(const char *path, const sim_run_info *info, const sim_result 
   }
   fputs("<h2>Comparison</h2>\n", f);
   html_table(f, info, rs, n);
+  if (n > 1)
+    fputs("<p>Under each memory saving and overhead: the simulator's error (simulated \u2212 "
+          "published, in points) on the published runs like this one, from docs/simulator.md's "
+          "\"Validation: memory and cost\"; hover it for which runs and where a real run like "
+          "them landed (the text report below says the same).</p>\n", f);
   fputs("<p>Where the device peak falls (last step):</p>\n<ul>\n", f);
   for (int i = 0; i < n; i++) {
     char where[256];

@@ -245,6 +245,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
             r->tensors_offloaded, r->tensors_kept,
             (unsigned long long)r->policy_errors);
   }
+  sim_print_bands(f, info, rs, n);
   fprintf(f, "\nfirst step (warm-up: caches, learning policies, the pinned arena growing):");
   for (int i = 0; i < n; i++) {
     char st[32], pk[32], pin[32];
@@ -529,6 +530,7 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   const sim_result *first = n > 1 ? &rs[1] : &rs[0];
   cJSON *top = cJSON_CreateObject();
   add_metrics(top, first, &rs[0]);
+  if (n > 1) sim_band_json(top, info, rs, 1);
   for (cJSON *x = top->child; x; x = x->next)
     if (strcmp(x->string, "layers")) cJSON_AddItemToObject(root, x->string, cJSON_Duplicate(x, 1));
   cJSON_Delete(top);
@@ -538,6 +540,7 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
   for (int i = 1; i < n; i++) {
     cJSON *o = cJSON_CreateObject();
     add_metrics(o, &rs[i], &rs[0]);
+    sim_band_json(o, info, rs, i);
     cJSON_AddItemToArray(arr, o);
   }
   char *text = cJSON_Print(root);

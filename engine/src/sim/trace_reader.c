@@ -713,6 +713,7 @@ static int parse_line_slow(reader *r, const char *s, size_t n) {
 /* One non-blank line of n bytes at s, readable bytes from s on: one JSON
  * object and nothing after it. */
 static int parse_line(reader *r, const char *s, size_t n, size_t readable) {
+  if (!r->seen_header) sim_trace_read_run(r->t, s, n); /* once: for the error bands */
   if (json_fast_parse(&r->fast, s, n, r->max_depth, &r->obj) == 0 ||
       (r->simd && json_simd_parse(r->simd, s, n, readable, &r->obj) == 0))
     return parse_object(r, &r->obj);

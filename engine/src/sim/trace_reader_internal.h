@@ -99,5 +99,9 @@ int reader_done(reader *r, int rc, sim_trace **out);
 const char *reader_own(reader *r, const json_value *v);
 /* parse(v->str), or the code it gave for the same text last time. */
 int reader_name_code(reader_name_memo *m, const json_value *v, int (*parse)(const char *));
+/* sim_bands.c: the run a header line of n bytes describes (its "seq",
+ * "cp", "shard", "tp", "checkpoint_impl") into t->run_*; what it lacks or
+ * cannot be read stays 0. */
+void sim_trace_read_run(sim_trace *t, const char *line, size_t n);
 
 #endif
