@@ -24,19 +24,19 @@
 #define BOUND SIM_BAND_BOUND
 #define NONE SIM_BAND_NONE
 static const sim_band_row rows[] = {
-    {"huggingface/accelerate#4175", "Qwen3-0.6B, 1M tokens over CP 8", 8, 0, 1048576, 8, 0.0, NUM, 17.4, NUM, -0.6, "huggingface/accelerate#4175"},
-    {"axolotl-ai-cloud/axolotl#3776", "checkpoint_hs", 1, 0, 8192, 1, 0.0, NUM, -0.4, NUM, 0.4, "axolotl-ai-cloud/axolotl#3776"},
+    {"huggingface/accelerate#4175", "Qwen3-0.6B, 1M tokens over CP 8", 8, 0, 1048576, 8, 0.2, NUM, 17.6, NUM, -0.4, "huggingface/accelerate#4175"},
+    {"axolotl-ai-cloud/axolotl#3776", "checkpoint_hs", 1, 0, 8192, 1, 2.6, NUM, -0.4, NUM, 3.1, "axolotl-ai-cloud/axolotl#3776"},
     {"axolotl-ai-cloud/axolotl#3776", "alst", 1, 0, 8192, 1, 0.0, NUM, 0.3, NUM, -5.9, "axolotl-ai-cloud/axolotl#3776"},
     {"axolotl-ai-cloud/axolotl#3776", "trl_all", 1, 0, 8192, 1, 64.1, NUM, 89.4, NUM, -21.0, "axolotl-ai-cloud/axolotl#3776"},
-    {"axolotl-ai-cloud/axolotl#3733", "hidden_states, seq 16k", 1, 0, 16384, 1, 0.0, NUM, -0.5, NUM, -3.7, "axolotl-ai-cloud/axolotl#3733"},
-    {"axolotl-ai-cloud/axolotl#3733", "hidden_states, seq 32k", 1, 0, 32768, 1, 0.0, NUM, -3.4, NONE, 0, "axolotl-ai-cloud/axolotl#3733"},
+    {"axolotl-ai-cloud/axolotl#3733", "hidden_states, seq 16k", 1, 0, 16384, 1, 0.0, NUM, -0.1, NUM, -3.7, "axolotl-ai-cloud/axolotl#3733"},
+    {"axolotl-ai-cloud/axolotl#3733", "hidden_states, seq 32k", 1, 0, 32768, 1, 0.0, NUM, -2.9, NONE, 0, "axolotl-ai-cloud/axolotl#3733"},
     {"pytorch/torchtitan#3521", "budget 5 GB", 8, 1, 8192, 1, 0.0, NUM, 0.0, BOUND, 1, "pytorch/torchtitan#3521"},
     {"pytorch/torchtitan#3521", "budget 8 GB", 8, 1, 8192, 1, 0.0, NUM, 0.6, BOUND, 5, "pytorch/torchtitan#3521"},
     {"pytorch/torchtitan#3521", "budget 10 GB", 8, 1, 8192, 1, 0.0, NUM, 1.6, BOUND, 7, "pytorch/torchtitan#3521"},
     {"pytorch/torchtitan#3522", "budget 100 GB", 8, 1, 8192, 1, 0.1, NUM, 2.7, BOUND, 23, "pytorch/torchtitan#3521"},
-    {"deepspeedai/DeepSpeed#8255", "forced-all, seq 2048", 8, 1, 2048, 1, 108.6, NONE, 0, NUM, 66.6, "deepspeedai/DeepSpeed#8255"},
-    {"deepspeedai/DeepSpeed#8255", "forced-all, seq 3072", 8, 1, 3072, 1, 108.1, NONE, 0, NUM, 65.1, "deepspeedai/DeepSpeed#8255"},
-    {"pytorch/pytorch#186161", "with the pool", 8, 1, 4096, 1, 14.5, NONE, 0, NUM, -13.7, "pytorch/pytorch#186161"},
+    {"deepspeedai/DeepSpeed#8255", "forced-all, seq 2048", 8, 1, 2048, 1, 108.2, NONE, 0, NUM, 66.2, "deepspeedai/DeepSpeed#8255"},
+    {"deepspeedai/DeepSpeed#8255", "forced-all, seq 3072", 8, 1, 3072, 1, 107.8, NONE, 0, NUM, 64.8, "deepspeedai/DeepSpeed#8255"},
+    {"pytorch/pytorch#186161", "with the pool", 8, 1, 4096, 1, 14.3, NONE, 0, NUM, -13.9, "pytorch/pytorch#186161"},
     {"NVIDIA/Megatron-LM#1752", "QKV input only", 8, 0, 8192, 1, 0.0, NUM, -0.6, NUM, -0.3, "NVIDIA/Megatron-LM#1752"},
 };
 #undef NUM
