@@ -77,7 +77,7 @@ NOT_NUMERIC = {"--policy", "--trace", "--hw", "--json", "--chrome-trace", "--svg
                "--master-weights", "--optimizer", "--sp", "--norm",
                "--output", "--trusted", "--link", "--pinned", "--trace-out",
                "--optimizer-overlap", "--why", "--verbose", "--weight-double-buffer",
-               "--contention"}
+               "--contention", "--cp-impl"}
 
 
 def argv(sub, flag, value, d):
