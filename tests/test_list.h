@@ -141,6 +141,9 @@
   X(snapshot_rejects_bad_input)                                            \
   X(snapshot_target_must_be_regular)                                       \
   X(snapshot_two_processes_one_path)                                       \
+  X(snapshot_direct_on_disk)                                               \
+  X(snapshot_direct_falls_back)                                            \
+  X(snapshot_direct_layouts)                                               \
   /* @@snapshot */                                                         \
   /* resident buffers (test_resident.c) */                                 \
   X(resident_round_trip_bit_identical)                                     \

@@ -739,6 +739,11 @@ typedef struct ferry_stats {
   /* Appended: packs kept by ferry_pack_cached_keep (also in tensors_packed
    * and tensors_kept), never held by the engine. */
   uint64_t tensors_kept_unheld;
+  /* Appended: bytes of snapshot files written with O_DIRECT (from the
+   * staged file image, no copy into the page cache) and with buffered
+   * writes (tmpfs, a file system that refused O_DIRECT, host records only). */
+  uint64_t snapshot_bytes_direct;
+  uint64_t snapshot_bytes_buffered;
 } ferry_stats;
 
 /* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). No
