@@ -51,4 +51,12 @@ int snap_out_write(snap_out *o, void *buf, size_t len, size_t cap, uint64_t off)
 /* The file is file_size bytes long (cuts a padded last block). */
 int snap_out_end(snap_out *o, uint64_t file_size);
 
+/* snapshot_files.c: fsync of path's directory (0 or an errno); the
+ * process's umask, read without changing it; "a directory", "a FIFO", ...
+ * for a file that is not regular. */
+#include <sys/types.h>
+int snap_fsync_parent_dir(const char *path);
+mode_t snap_process_umask(void);
+const char *snap_file_type(mode_t m);
+
 #endif

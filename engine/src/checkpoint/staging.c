@@ -433,47 +433,6 @@ static int write_image(ferry_snapshot *s, snap_out *o) {
   return rc;
 }
 
-/* The directory of path, for the fsync that makes the rename durable. */
-static int fsync_parent_dir(const char *path) {
-  const char *slash = strrchr(path, '/');
-  char dir[PATH_MAX];
-  if (!slash) {
-    strcpy(dir, ".");
-  } else if (slash == path) {
-    strcpy(dir, "/");
-  } else {
-    size_t len = (size_t)(slash - path);
-    if (len >= sizeof dir) return ENAMETOOLONG;
-    memcpy(dir, path, len);
-    dir[len] = '\0';
-  }
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return errno;
-  int rc = fsync(fd) ? errno : 0;
-  close(fd);
-  return rc;
-}
-
-/* The process's umask, read without changing it (umask() would, racily). */
-static mode_t process_umask(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  unsigned mask = 022;
-  char line[128];
-  while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "Umask: %o", &mask) == 1) break;
-  if (f) fclose(f);
-  return (mode_t)mask;
-}
-
-static const char *file_type(mode_t m) {
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISFIFO(m)) return "a FIFO";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a regular file";
-}
-
 /* The file a snapshot to path replaces: path itself when it does not exist,
  * is a regular file or is a symbolic link (the link is replaced by the new
  * file, as TorchCheckpointIO's rename does; the file it named is never
@@ -491,7 +450,7 @@ static int resolve_target(ferry_snapshot *s) {
      * fails the same way, and reports it */
   } else if (!S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode)) {
     return snap_fail(s, FERRY_EINVAL, "%s exists and is %s; refusing to replace it", path,
-                     file_type(st.st_mode));
+                     snap_file_type(st.st_mode));
   }
   size_t len = strlen(path);
   if (!(s->target = malloc(len + 1)) || !(s->tmp_path = malloc(len + 24)))
@@ -520,7 +479,7 @@ static int create_tmp(ferry_snapshot *s) {
     memcpy(s->tmp_path, template_path, len + 1);
   free(template_path);
   if (fd < 0) return io_fail(s, "creating", err);
-  fchmod(fd, 0666 & ~process_umask()); /* as open(0666) would */
+  fchmod(fd, 0666 & ~snap_process_umask()); /* as open(0666) would */
   s->fd = fd;
   return FERRY_OK;
 }
@@ -588,7 +547,7 @@ static void write_snapshot(ferry_snapshot *s) {
                    s->tmp_path, s->target, strerror(errno));
   if (rc != FERRY_OK) {
     if (created) unlink(s->tmp_path);
-  } else if ((err = fsync_parent_dir(s->target))) {
+  } else if ((err = snap_fsync_parent_dir(s->target))) {
     snap_fail(s, FERRY_EIO,
               "snapshot %s: the file is complete and renamed into place, but the fsync of "
               "its directory failed: %s; the rename may not survive a crash",
