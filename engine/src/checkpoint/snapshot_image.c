@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -40,6 +41,8 @@ void snap_out_init(snap_out *o, int fd) {
   memset(o, 0, sizeof *o);
   o->fd = fd;
   if (atomic_load(&dio_mode) == FERRY_SNAP_DIO_OFF) return;
+  const char *env = getenv("FERRY_SNAPSHOT_DIRECT"); /* "0": buffered (docs/checkpoints.md) */
+  if (env && strcmp(env, "0") == 0) return;
   struct statfs sf;
   if (fstatfs(fd, &sf) == 0 &&
       ((unsigned long)sf.f_type == TMPFS_MAGIC_ || (unsigned long)sf.f_type == RAMFS_MAGIC_))

@@ -41,7 +41,8 @@ typedef struct snap_out {
 
 /* Sets O_DIRECT on fd where it can help: not on tmpfs or ramfs (their
  * pages are the file: O_DIRECT is a copy there too, and kernels before 6.6
- * refuse it), not when snap_set_direct_io turned it off. */
+ * refuse it), not when ferry_snapshot_set_direct_io or the environment
+ * (FERRY_SNAPSHOT_DIRECT=0) turned it off. */
 void snap_out_init(snap_out *o, int fd);
 /* Writes the window buf[0, len) at file offset off; buf holds cap bytes
  * (cap >= len rounded up to SNAP_IMAGE_ALIGN, for the padding of the last
