@@ -55,7 +55,8 @@ Metrics (merged into the flat JSON object of --json):
   torch_snapshot_memcpy_GBps       state bytes / sync copy time
   torch_snapshot_disk_write_GBps   the same bytes written as a snapshot writes
                                    them: a new temporary file, write, fsync,
-                                   rename over the target, directory fsync
+                                   rename over the target, directory fsync;
+                                   in every round right after the snapshot
   torch_snapshot_write_vs_disk     disk baseline time / snapshot start to
                                    durable (target >= 0.8); _busy: both with
                                    one spinning process per CPU (target >= 0.8),

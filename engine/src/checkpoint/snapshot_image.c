@@ -90,7 +90,7 @@ int snap_out_write(snap_out *o, void *buf, size_t len, size_t cap, uint64_t off)
       return 0;
     }
     if (err != EINVAL) {
-      o->failed_op = "O_DIRECT write to";
+      o->failed_op = "write to";
       return err;
     }
     direct_off(o); /* refused (alignment the file system wants, or none): buffered */
