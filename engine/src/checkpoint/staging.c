@@ -34,7 +34,7 @@ typedef struct snap_slot {
   size_t cap;
   bk_event *ev; /* recorded after the copies of the slot's current batch */
   void *mem;    /* the arena allocation holding buf */
-  size_t mem_bytes;
+  size_t mem_bytes; /* 0: mem is heap memory (the image's tail, take_slots) */
 } snap_slot;
 
 typedef struct snap_batch { /* a window of the file image */
@@ -149,6 +149,7 @@ static int take_slots(ferry_snapshot *s) {
       s->dev_total ? (s->file_size + SNAP_IMAGE_ALIGN - 1) & ~(uint64_t)(SNAP_IMAGE_ALIGN - 1) : 0;
   size_t want = SNAP_CHUNK_MAX;
   uint32_t cap = 0;
+  uint64_t arena_taken = 0;
   while (remaining) {
     size_t size = remaining < want ? (size_t)remaining : want;
     /* a power of two, which every arena's size classes hold exactly (4 MiB
@@ -156,12 +157,18 @@ static int take_slots(ferry_snapshot *s) {
      * under SNAP_CHUNK_MIN as it is */
     while (size > SNAP_CHUNK_MIN && (size & (size - 1))) size &= size - 1;
     void *p = ferry_arena_alloc(engine_arena(e), size);
-    size_t mem_bytes = size;
+    size_t mem_bytes = size, usable = size;
     if (p && (uintptr_t)p % SNAP_IMAGE_ALIGN) {
-      /* the pool arena aligns to 256 bytes: O_DIRECT wants the block */
-      ferry_arena_free(engine_arena(e), p, size);
-      mem_bytes = size + SNAP_IMAGE_ALIGN;
-      p = ferry_arena_alloc(engine_arena(e), mem_bytes);
+      /* the pool arena aligns to 256 bytes: O_DIRECT wants the block. The
+       * buffer starts at the next block and stages a block less (asking
+       * for a block more would not fit a cap that held the state) */
+      if (size >= 2 * SNAP_IMAGE_ALIGN) {
+        usable = size - SNAP_IMAGE_ALIGN;
+      } else {
+        ferry_arena_free(engine_arena(e), p, size);
+        mem_bytes = size + SNAP_IMAGE_ALIGN;
+        p = ferry_arena_alloc(engine_arena(e), mem_bytes);
+      }
     }
     if (!p) {
       if (size <= SNAP_CHUNK_MIN) break;
@@ -179,14 +186,40 @@ static int take_slots(ferry_snapshot *s) {
       cap = ncap;
     }
     uintptr_t aligned = ((uintptr_t)p + SNAP_IMAGE_ALIGN - 1) & ~(uintptr_t)(SNAP_IMAGE_ALIGN - 1);
-    s->slots[s->n_slots++] = (snap_slot){(void *)aligned, size, NULL, p, mem_bytes};
-    remaining -= size;
+    s->slots[s->n_slots++] = (snap_slot){(void *)aligned, usable, NULL, p, mem_bytes};
+    remaining -= usable;
+    arena_taken += mem_bytes;
+  }
+  /* The arena gave as much as the device records' bytes (what a cap had
+   * to hold before the image was staged) but not the whole image: the
+   * rest, the headers, host records (heap memory before) and the blocks
+   * lost to alignment, goes to the heap, so that a cap that held the state
+   * still stages it at once (no streaming: fence does not wait for the
+   * disk, and the writer runs niced). */
+  if (remaining && s->n_slots && arena_taken >= s->dev_total) {
+    void *p = NULL;
+    if (posix_memalign(&p, SNAP_IMAGE_ALIGN, (size_t)remaining)) p = NULL; /* then streamed */
+    if (p && s->n_slots == cap) {
+      snap_slot *n = realloc(s->slots, (cap + 1) * sizeof *n);
+      if (!n) {
+        free(p);
+        return FERRY_ENOMEM;
+      }
+      s->slots = n;
+    }
+    if (p) s->slots[s->n_slots++] = (snap_slot){p, (size_t)remaining, NULL, p, 0};
   }
   if (s->n_slots) {
     s->queue = calloc(s->n_slots, sizeof *s->queue);
     if (!s->queue) return FERRY_ENOMEM;
   }
   return FERRY_OK;
+}
+
+static void slot_free(ferry_engine *e, snap_slot *slot) {
+  if (slot->mem_bytes) ferry_arena_free(engine_arena(e), slot->mem, slot->mem_bytes);
+  else free(slot->mem);
+  slot->buf = NULL;
 }
 
 /* Issue the next window of the file image into slot i: the copies of the
@@ -256,8 +289,7 @@ static void release_slots(ferry_snapshot *s) {
     snap_slot *slot = &s->slots[i];
     if (!slot->buf) continue;
     if (slot->ev) engine_backend(e)->ops->event_synchronize(engine_backend(e), slot->ev);
-    ferry_arena_free(engine_arena(e), slot->mem, slot->mem_bytes);
-    slot->buf = NULL;
+    slot_free(e, slot);
   }
 }
 
@@ -348,8 +380,7 @@ static int batch_written(ferry_snapshot *s, batch_cursor *c) {
     return FERRY_OK;
   }
   snap_slot *slot = &s->slots[c->slot];
-  ferry_arena_free(engine_arena(e), slot->mem, slot->mem_bytes);
-  slot->buf = NULL;
+  slot_free(e, slot);
   return FERRY_OK;
 }
 
