@@ -66,6 +66,10 @@ static int same_bytes(const char *a, const char *b) {
 TEST(snapshot_cap_of_the_device_bytes_stages_at_once) {
   enum { N = 4, HOST = 3000 };
   const size_t mib = (size_t)1 << 20;
+  if (test_backend_kind() == FERRY_BACKEND_CUDA) {
+    printf("  skipped: on CUDA the cap must hold the whole image (staging.c, take_slots)\n");
+    return 0;
+  }
   char dir[] = "/var/tmp/ferry-cap-XXXXXX";
   CHECK(mkdtemp(dir) != NULL);
   ferry_snapshot_record rec[N + 1];

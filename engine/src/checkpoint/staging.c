@@ -195,8 +195,11 @@ static int take_slots(ferry_snapshot *s) {
    * rest, the headers, host records (heap memory before) and the blocks
    * lost to alignment, goes to the heap, so that a cap that held the state
    * still stages it at once (no streaming: fence does not wait for the
-   * disk, and the writer runs niced). */
-  if (remaining && s->n_slots && arena_taken >= s->dev_total) {
+   * disk, and the writer runs niced). Not on CUDA: a copy into pageable
+   * memory returns when done, after the compute stream and every copy
+   * before it, which would block start; there the cap must hold the image. */
+  if (remaining && s->n_slots && arena_taken >= s->dev_total &&
+      engine_backend_kind(e) != FERRY_BACKEND_CUDA) {
     void *p = NULL;
     if (posix_memalign(&p, SNAP_IMAGE_ALIGN, (size_t)remaining)) p = NULL; /* then streamed */
     if (p && s->n_slots == cap) {
