@@ -159,9 +159,8 @@ static int take_slots(ferry_snapshot *s) {
     void *p = ferry_arena_alloc(engine_arena(e), size);
     size_t mem_bytes = size, usable = size;
     if (p && (uintptr_t)p % SNAP_IMAGE_ALIGN) {
-      /* the pool arena aligns to 256 bytes: O_DIRECT wants the block. The
-       * buffer starts at the next block and stages a block less (asking
-       * for a block more would not fit a cap that held the state) */
+      /* pool blocks are 256-byte aligned, O_DIRECT wants 4096: stage a
+       * block less from the next boundary (a block more may pass the cap) */
       if (size >= 2 * SNAP_IMAGE_ALIGN) {
         usable = size - SNAP_IMAGE_ALIGN;
       } else {
@@ -190,14 +189,11 @@ static int take_slots(ferry_snapshot *s) {
     remaining -= usable;
     arena_taken += mem_bytes;
   }
-  /* The arena gave as much as the device records' bytes (what a cap had
-   * to hold before the image was staged) but not the whole image: the
-   * rest, the headers, host records (heap memory before) and the blocks
-   * lost to alignment, goes to the heap, so that a cap that held the state
-   * still stages it at once (no streaming: fence does not wait for the
-   * disk, and the writer runs niced). Not on CUDA: a copy into pageable
-   * memory returns when done, after the compute stream and every copy
-   * before it, which would block start; there the cap must hold the image. */
+  /* The arena gave the device records' bytes (what a cap held before the
+   * image) but not the whole image: the rest (headers, host records, blocks
+   * lost to alignment) goes to the heap, so such a cap still stages at once
+   * (fence never waits for the disk). Not on CUDA: a copy into pageable
+   * memory returns when done, which would block start until the GPU. */
   if (remaining && s->n_slots && arena_taken >= s->dev_total &&
       engine_backend_kind(e) != FERRY_BACKEND_CUDA) {
     void *p = NULL;
