@@ -150,7 +150,8 @@ static int take_slots(ferry_snapshot *s) {
   size_t want = SNAP_CHUNK_MAX;
   uint32_t cap = 0;
   uint64_t arena_taken = 0;
-  while (remaining) {
+  int heap_tail = engine_backend_kind(e) != FERRY_BACKEND_CUDA;
+  while (remaining && !(heap_tail && arena_taken >= s->dev_total)) {
     size_t size = remaining < want ? (size_t)remaining : want;
     /* a power of two, which every arena's size classes hold exactly (4 MiB
      * and 2 KiB of headers would take jemalloc's 5 MiB class); the tail
@@ -189,13 +190,12 @@ static int take_slots(ferry_snapshot *s) {
     remaining -= usable;
     arena_taken += mem_bytes;
   }
-  /* The arena gave the device records' bytes (what a cap held before the
-   * image) but not the whole image: the rest (headers, host records, blocks
-   * lost to alignment) goes to the heap, so such a cap still stages at once
-   * (fence never waits for the disk). Not on CUDA: a copy into pageable
-   * memory returns when done, which would block start until the GPU. */
-  if (remaining && s->n_slots && arena_taken >= s->dev_total &&
-      engine_backend_kind(e) != FERRY_BACKEND_CUDA) {
+  /* The arena holds as much as the device records' bytes, as before the
+   * image was staged (a cap, reserve() or a trim's keep sized to the state
+   * still fit); the rest (headers, host records, blocks lost to alignment)
+   * goes to the heap. Not on CUDA: a copy into pageable memory returns when
+   * done, which would block start until the GPU; there the arena holds all. */
+  if (remaining && s->n_slots && heap_tail && arena_taken >= s->dev_total) {
     void *p = NULL;
     if (posix_memalign(&p, SNAP_IMAGE_ALIGN, (size_t)remaining)) p = NULL; /* then streamed */
     if (p && s->n_slots == cap) {
