@@ -153,6 +153,8 @@ static int take_slots(ferry_snapshot *s) {
   int heap_tail = engine_backend_kind(e) != FERRY_BACKEND_CUDA;
   while (remaining && !(heap_tail && arena_taken >= s->dev_total)) {
     size_t size = remaining < want ? (size_t)remaining : want;
+    if (heap_tail && size > s->dev_total - arena_taken) /* no more than the device bytes */
+      size = (size_t)((s->dev_total - arena_taken + SNAP_IMAGE_ALIGN - 1) & ~(uint64_t)(SNAP_IMAGE_ALIGN - 1));
     /* a power of two, which every arena's size classes hold exactly (4 MiB
      * and 2 KiB of headers would take jemalloc's 5 MiB class); the tail
      * under SNAP_CHUNK_MIN as it is */
@@ -198,15 +200,11 @@ static int take_slots(ferry_snapshot *s) {
   if (remaining && s->n_slots && heap_tail && arena_taken >= s->dev_total) {
     void *p = NULL;
     if (posix_memalign(&p, SNAP_IMAGE_ALIGN, (size_t)remaining)) p = NULL; /* then streamed */
-    if (p && s->n_slots == cap) {
-      snap_slot *n = realloc(s->slots, (cap + 1) * sizeof *n);
-      if (!n) {
-        free(p);
-        return FERRY_ENOMEM;
-      }
-      s->slots = n;
-    }
-    if (p) s->slots[s->n_slots++] = (snap_slot){p, (size_t)remaining, NULL, p, 0};
+    snap_slot *n = p ? realloc(s->slots, (s->n_slots + 1) * sizeof *n) : NULL;
+    if (p && !n) free(p);
+    if (p && !n) return FERRY_ENOMEM;
+    if (n) s->slots = n;
+    if (n) s->slots[s->n_slots++] = (snap_slot){p, (size_t)remaining, NULL, p, 0};
   }
   if (s->n_slots) {
     s->queue = calloc(s->n_slots, sizeof *s->queue);
@@ -217,7 +215,7 @@ static int take_slots(ferry_snapshot *s) {
 
 static void slot_free(ferry_engine *e, snap_slot *slot) {
   if (slot->mem_bytes) ferry_arena_free(engine_arena(e), slot->mem, slot->mem_bytes);
-  else free(slot->mem);
+  else free(slot->mem); /* the heap tail */
   slot->buf = NULL;
 }
 
