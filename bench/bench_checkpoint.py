@@ -55,7 +55,8 @@ Metrics (merged into the flat JSON object of --json):
   torch_snapshot_memcpy_GBps       state bytes / sync copy time
   torch_snapshot_disk_write_GBps   the same bytes written as a snapshot writes
                                    them: a new temporary file, write, fsync,
-                                   rename over the target, directory fsync
+                                   rename over the target, directory fsync;
+                                   in every round right after the snapshot
   torch_snapshot_write_vs_disk     disk baseline time / snapshot start to
                                    durable (target >= 0.8); _busy: both with
                                    one spinning process per CPU (target >= 0.8),
@@ -171,6 +172,9 @@ def main():
     path = os.path.join(workdir, "ckpt.pt")
     ferry.torch.snapshot(state(), path, optimizer=opt).wait()  # engine and arena warm
 
+    # the disk baseline's bytes (random: nothing on the way can shortcut them)
+    payload = os.urandom(min(nbytes, 64 << 20))
+    disk = []
     plain, overlapped, first_overlapped, blocked, call_ms, fence_ms = [], [], [], [], [], []
     sync_ms, clone_ms, save_ms, total_s, drain_steps, ratios, lost_ms = [], [], [], [], [], [], []
 
@@ -233,9 +237,10 @@ def main():
         ferry.torch.snapshot(obj, path, optimizer=opt).wait()
         del obj
         total_s.append(time.perf_counter() - t0)
+        # the baseline right after, in the same conditions (it ran three
+        # times after all rounds before: the load of a shared machine drifts)
+        disk.append(disk_baseline_s(path + ".raw", payload, nbytes))
 
-    payload = os.urandom(min(nbytes, 64 << 20))
-    disk = [disk_baseline_s(path + ".raw", payload, nbytes) for _ in range(3)]
     # start-to-durable and the baseline again with every core busy (as
     # DataLoader workers keep them): one spinning process per CPU
     busy_total, busy_disk = [], []

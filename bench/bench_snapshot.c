@@ -5,6 +5,7 @@
  * steps that overlap a snapshot's drain. Definitions (the same as
  * bench/bench_checkpoint.py's): bench/README.md, "Checkpoint benchmarks".
  */
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -90,6 +91,34 @@ static double disk_baseline_ms(const char *path, uint64_t **state) {
   return ok ? (bench_now_ns() - t0) / 1e6 : -1;
 }
 
+/* CPU time (ns, from schedstat) of this process's threads whose name
+ * starts with prefix: the writer threads ("ferry-snapshot"); -1 if unknown. */
+static double threads_cpu_ns(const char *prefix) {
+  DIR *d = opendir("/proc/self/task");
+  if (!d) return -1;
+  double total = 0;
+  for (struct dirent *ent; (ent = readdir(d));) {
+    if (ent->d_name[0] == '.') continue;
+    char p[320], comm[64] = "";
+    snprintf(p, sizeof p, "/proc/self/task/%s/comm", ent->d_name);
+    FILE *f = fopen(p, "r");
+    if (f) {
+      if (!fgets(comm, sizeof comm, f)) comm[0] = 0;
+      fclose(f);
+    }
+    if (strncmp(comm, prefix, strlen(prefix)) != 0) continue;
+    snprintf(p, sizeof p, "/proc/self/task/%s/schedstat", ent->d_name);
+    unsigned long long ns = 0;
+    if ((f = fopen(p, "r"))) {
+      if (fscanf(f, "%llu", &ns) != 1) ns = 0;
+      fclose(f);
+    }
+    total += (double)ns;
+  }
+  closedir(d);
+  return total;
+}
+
 /* Every core busy, as DataLoader workers keep them: one spinning thread
  * per online CPU at the process's priority. */
 static atomic_int spin_stop;
@@ -157,12 +186,15 @@ void bench_snapshot(bench_report *r) {
 
   /* Throughput: staging, memcpy, archive write, raw write. */
   double stage_ms[ROUNDS], memcpy_ms[ROUNDS], write_ms[ROUNDS], raw_ms[ROUNDS];
+  double writer_cpu_ms[ROUNDS];
   for (int round = 0; round < ROUNDS; round++) {
+    double cpu0 = threads_cpu_ns("ferry-snapshot");
     double t0 = bench_now_ns();
     if (snapshot(e, path, rec, &s) || ferry_snapshot_fence(s, NULL)) goto out;
     double t1 = bench_now_ns();
     if (finish(s)) goto out;
     double t2 = bench_now_ns();
+    writer_cpu_ms[round] = (threads_cpu_ns("ferry-snapshot") - cpu0) / 1e6;
     stage_ms[round] = (t1 - t0) / 1e6;
     write_ms[round] = (t2 - t0) / 1e6;
     t0 = bench_now_ns();
@@ -206,6 +238,8 @@ void bench_snapshot(bench_report *r) {
                "same bytes: temp file, write, fsync, rename, dir fsync");
   bench_metric(r, "engine_snapshot_write_vs_disk", write_gbps / disk_gbps, "ratio",
                "start-to-durable / disk baseline, idle");
+  bench_metric(r, "engine_snapshot_writer_cpu_ms", bench_median(writer_cpu_ms, ROUNDS), "ms",
+               "CPU time of the writer thread per snapshot, idle (schedstat)");
   double busy_vs = bench_median(busy_raw_ms, ROUNDS) / bench_median(busy_write_ms, ROUNDS);
   bench_metric(r, "engine_snapshot_busy_write_ms", bench_median(busy_write_ms, ROUNDS), "ms",
                "start to durable, every core spinning");

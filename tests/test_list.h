@@ -141,6 +141,10 @@
   X(snapshot_rejects_bad_input)                                            \
   X(snapshot_target_must_be_regular)                                       \
   X(snapshot_two_processes_one_path)                                       \
+  X(snapshot_direct_on_disk)                                               \
+  X(snapshot_direct_falls_back)                                            \
+  X(snapshot_direct_layouts)                                               \
+  X(snapshot_cap_of_the_device_bytes_stages_at_once)                      \
   /* @@snapshot */                                                         \
   /* resident buffers (test_resident.c) */                                 \
   X(resident_round_trip_bit_identical)                                     \

@@ -799,14 +799,16 @@ TEST(snapshot_writer_threads_are_reused) {
   fixture f;
   ferry_config c = fixture_config(&f);
   c.link.d2h_bytes_per_s = 200e6; /* 4 MiB: ~20 ms, long enough to overlap */
-  c.host_cap_bytes = 6u << 20;
+  /* the file image, host records too, is staged: two small ones fit with
+   * room for the arena's extents */
+  c.host_cap_bytes = 16u << 20;
   CHECK_OK(fixture_open(&f, &c));
   char dir[64], path[4][128];
   CHECK(make_dir(dir, sizeof dir) == 0);
   for (int i = 0; i < 4; i++) snprintf(path[i], sizeof path[i], "%s/ckpt%d.pt", dir, i);
   state small, big;
-  CHECK(state_make(&small, 4, size_1m, 2, 5) == 0); /* 2 MiB staged: fits, all issued */
-  CHECK(state_make(&big, 12, size_1m, 0, 6) == 0);  /* 12 MiB past a 6 MiB cap: chunked */
+  CHECK(state_make(&small, 4, size_1m, 2, 5) == 0); /* 4 MiB staged: fits, all issued */
+  CHECK(state_make(&big, 24, size_1m, 0, 6) == 0);  /* 24 MiB past a 16 MiB cap: chunked */
 
   for (int round = 0; round < 3; round++) { /* one after another: one thread */
     CHECK_OK(snapshot_and_check(&f, dir, path[0], &small));

@@ -224,6 +224,8 @@ uint64_t resident_to_device;
 uint64_t resident_bytes_d2h;
 uint64_t resident_bytes_h2d;
 uint64_t tensors_kept_unheld;
+uint64_t snapshot_bytes_direct;
+uint64_t snapshot_bytes_buffered;
 }ferry_stats;
 int ferry_get_stats(ferry_engine *e, ferry_stats *out, size_t size);
 typedef struct ferry_breakdown_row {

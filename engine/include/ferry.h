@@ -687,9 +687,11 @@ typedef struct ferry_snapshot_record {
 } ferry_snapshot_record;
 
 /* Start a snapshot of n records. Device records are copied after the work
- * already enqueued on compute_stream; nothing is added to device memory. If
- * the arena cannot hold everything under its cap, records are staged in
- * chunks as the writer drains them. */
+ * already enqueued on compute_stream; nothing is added to device memory.
+ * The arena stages the file itself (the records at their offsets in the
+ * archive, headers and host records included), written with O_DIRECT where
+ * the file system takes it (docs/checkpoints.md). If the arena cannot hold
+ * it all under its cap, it is staged in windows as the writer drains them. */
 FERRY_API int ferry_snapshot_start(ferry_engine *e, const char *path,
                                    const ferry_snapshot_record *records,
                                    size_t n, void *compute_stream,
@@ -745,6 +747,11 @@ typedef struct ferry_stats {
   /* Appended: packs kept by ferry_pack_cached_keep (also in tensors_packed
    * and tensors_kept), never held by the engine. */
   uint64_t tensors_kept_unheld;
+  /* Appended: bytes of snapshot files written with O_DIRECT (from the
+   * staged file image, no copy into the page cache) and with buffered
+   * writes (tmpfs, a file system that refused O_DIRECT, host records only). */
+  uint64_t snapshot_bytes_direct;
+  uint64_t snapshot_bytes_buffered;
 } ferry_stats;
 
 /* Copy at most `size` bytes of the stats (pass sizeof(ferry_stats)). No

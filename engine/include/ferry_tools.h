@@ -474,12 +474,20 @@ typedef struct zip_writer {
   const char *failed_op;     /* "write", "pwrite", ... after an error */
 } zip_writer;
 
-/* fd: a new, empty file opened for writing (not closed by the writer). */
+/* fd: a new, empty file opened for writing (not closed by the writer). fd
+ * -1: memory mode, for a caller that lays the file out itself (checkpoint
+ * staging's file image): the headers, descriptors and end records gather in
+ * z->buf (z->buf_len bytes, at archive offset z->offset - z->buf_len); the
+ * caller takes them and sets buf_len to 0. */
 FERRY_API int zipw_init(zip_writer *z, int fd);
 /* Frees the writer's memory; does not close fd. */
 FERRY_API void zipw_free(zip_writer *z);
 FERRY_API int zipw_begin_entry(zip_writer *z, const char *name, uint64_t size);
 FERRY_API int zipw_write(zip_writer *z, const void *data, size_t n);
+/* n bytes of the open entry's data that the caller placed at the archive's
+ * offset itself (memory mode): counted, checksummed from data (NULL: not
+ * checksummed, for a layout computed ahead), not emitted. */
+FERRY_API int zipw_place(zip_writer *z, const void *data, size_t n);
 /* EINVAL if fewer or more bytes than declared were written. */
 FERRY_API int zipw_end_entry(zip_writer *z);
 /* Central directory and end records; everything is in the file afterwards. */
@@ -489,6 +497,13 @@ FERRY_API int zipw_finish(zip_writer *z);
  * 0xffffffff, the spec's). Tests lower it to exercise the ZIP64 paths with
  * small files; it applies to archives begun after the call. */
 FERRY_API void zipw_set_zip64_threshold(uint64_t threshold);
+/* How checkpoint staging writes its file image (tests; applies to snapshots
+ * whose writer starts after the call): AUTO (O_DIRECT where the file system
+ * takes it, the default), OFF (buffered write()s, as before O_DIRECT), or
+ * REFUSED (as AUTO, but the first direct write behaves as if the kernel
+ * refused it with EINVAL: the fallback path on any file system). */
+enum { FERRY_SNAP_DIO_AUTO = 0, FERRY_SNAP_DIO_OFF = 1, FERRY_SNAP_DIO_REFUSED = 2 };
+FERRY_API void ferry_snapshot_set_direct_io(int mode);
 /* The CRC-32 of the archives (zlib's: crc32(crc32(0, a), b) = crc32(0, ab)),
  * computed by libdeflate where libdeflate.so.0 is found, else zlib; which
  * one: "libdeflate" or "zlib" (FERRY_CRC32=zlib forces zlib). */

@@ -570,6 +570,7 @@ static PyObject *engine_stats(EngineObject *self, PyObject *unused) {
   S(arena_peak); S(arena_reserved); S(arena_cap); S(backend_pinned_allocs); S(waits);
   S(cap_fallbacks); S(alloc_failures); S(policy_errors); S(policy_calls);
   S(policy_cache_hits); S(policy_disabled); S(tensors_kept_unheld);
+  S(snapshot_bytes_direct); S(snapshot_bytes_buffered);
 #undef S
   for (int i = 0; i < KEEP_REASONS_; i++) PUT(keep_reason_names[i], self->kept[i]);
   PUT("recompute_packs", self->recompute_packs);

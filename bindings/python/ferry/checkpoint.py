@@ -168,6 +168,9 @@ class Snapshot:
         self._exc = None
         self._ok = c_handle is None
         self._trimmer = None  # trim=: the thread that trims once the file is durable
+        # the ferry.Engine that wrote it (its stats() say how: snapshot_bytes_direct,
+        # snapshot_bytes_buffered); None for a snapshot no engine wrote
+        self.engine = None
 
     # -- hooks that fence automatically
     def _arm(self, optimizers, modules, global_step, global_forward):
@@ -921,6 +924,7 @@ def snapshot(
                  skipped=desc["skipped"], pickle_bytes=pickle_bytes, backend=backend,
                  policy=policy_path)
     h = Snapshot(path, c, stats)
+    h.engine = engine
     _arm(h, optimizer, module, fence_hooks)
     if keep_bytes is not None:
         h._start_trimmer(engine, keep_bytes)

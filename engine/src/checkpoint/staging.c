@@ -21,6 +21,7 @@
 
 #include "core/core.h"
 #include "ferry_tools.h"
+#include "snapshot_image.h"
 
 #define SNAP_CHUNK_MAX ((size_t)16 << 20) /* largest staging buffer */
 #define SNAP_CHUNK_MIN ((size_t)256 << 10) /* smallest, unless the state is smaller */
@@ -28,22 +29,17 @@
 #define SNAP_MSG 768
 #define WRITER_NICE 10 /* added to the process's nice value for a background writer */
 
-typedef struct snap_record {
-  char *name;
-  void *host;      /* our copy of host_data */
-  const void *dev; /* device bytes, staged through the arena */
-  uint64_t bytes;
-} snap_record;
-
 typedef struct snap_slot {
-  void *buf; /* arena memory; NULL once given back */
+  void *buf; /* in arena memory, SNAP_IMAGE_ALIGN-aligned; NULL once given back */
   size_t cap;
   bk_event *ev; /* recorded after the copies of the slot's current batch */
+  void *mem;    /* the arena allocation holding buf */
+  size_t mem_bytes; /* 0: mem is heap memory (the image's tail, take_slots) */
 } snap_slot;
 
-typedef struct snap_batch {
+typedef struct snap_batch { /* a window of the file image */
   uint32_t slot;
-  uint64_t len;
+  uint64_t len, start; /* the file's bytes [start, start + len) */
 } snap_batch;
 
 struct ferry_snapshot {
@@ -56,6 +52,7 @@ struct ferry_snapshot {
   snap_record *rec;
   size_t n;
   uint64_t dev_total; /* bytes of all device records */
+  uint64_t file_size; /* of the archive (snap_layout), when dev_total */
   int fd;
 
   /* Staging. Owned by start, then by the writer thread alone, except that
@@ -64,8 +61,9 @@ struct ferry_snapshot {
   uint32_t n_slots;
   snap_batch *queue; /* ring of n_slots: batches issued, not yet written */
   uint32_t q_head, q_count;
-  uint64_t issued;  /* bytes of the device stream issued so far */
-  size_t issue_rec; /* where the next window starts */
+  uint64_t issued;  /* bytes of the file image handed to slots so far */
+  uint64_t dev_issued; /* bytes of device records whose copies were issued */
+  size_t issue_rec; /* the next device bytes to copy */
   uint64_t issue_off;
   bk_event *last_issued_ev;
 
@@ -141,16 +139,39 @@ static void snapshot_free_memory(ferry_snapshot *s) {
 }
 
 /* ---- staging -------------------------------------------------------------- */
-/* Take staging buffers from the arena: the whole device stream if it fits,
- * else as much as the cap gives, halving the request on each refusal. */
+/* Take staging buffers from the arena: the whole file image if it fits,
+ * else as much as the cap gives, halving the request on each refusal. Every
+ * buffer is a multiple of SNAP_IMAGE_ALIGN, so every window of the file
+ * starts aligned (O_DIRECT). A snapshot of host records only takes none. */
 static int take_slots(ferry_snapshot *s) {
   ferry_engine *e = s->e;
-  uint64_t remaining = s->dev_total;
+  uint64_t remaining =
+      s->dev_total ? (s->file_size + SNAP_IMAGE_ALIGN - 1) & ~(uint64_t)(SNAP_IMAGE_ALIGN - 1) : 0;
   size_t want = SNAP_CHUNK_MAX;
   uint32_t cap = 0;
-  while (remaining) {
+  uint64_t arena_taken = 0;
+  int heap_tail = engine_backend_kind(e) != FERRY_BACKEND_CUDA;
+  while (remaining && !(heap_tail && arena_taken >= s->dev_total)) {
     size_t size = remaining < want ? (size_t)remaining : want;
+    if (heap_tail && size > s->dev_total - arena_taken) /* no more than the device bytes */
+      size = (size_t)((s->dev_total - arena_taken + SNAP_IMAGE_ALIGN - 1) & ~(uint64_t)(SNAP_IMAGE_ALIGN - 1));
+    /* a power of two, which every arena's size classes hold exactly (4 MiB
+     * and 2 KiB of headers would take jemalloc's 5 MiB class); the tail
+     * under SNAP_CHUNK_MIN as it is */
+    while (size > SNAP_CHUNK_MIN && (size & (size - 1))) size &= size - 1;
     void *p = ferry_arena_alloc(engine_arena(e), size);
+    size_t mem_bytes = size, usable = size;
+    if (p && (uintptr_t)p % SNAP_IMAGE_ALIGN) {
+      /* pool blocks are 256-byte aligned, O_DIRECT wants 4096: stage a
+       * block less from the next boundary (a block more may pass the cap) */
+      if (size >= 2 * SNAP_IMAGE_ALIGN) {
+        usable = size - SNAP_IMAGE_ALIGN;
+      } else {
+        ferry_arena_free(engine_arena(e), p, size);
+        mem_bytes = size + SNAP_IMAGE_ALIGN;
+        p = ferry_arena_alloc(engine_arena(e), mem_bytes);
+      }
+    }
     if (!p) {
       if (size <= SNAP_CHUNK_MIN) break;
       want = size / 2;
@@ -160,14 +181,30 @@ static int take_slots(ferry_snapshot *s) {
       uint32_t ncap = cap ? cap * 2 : 16;
       snap_slot *n = realloc(s->slots, ncap * sizeof *n);
       if (!n) {
-        ferry_arena_free(engine_arena(e), p, size);
+        ferry_arena_free(engine_arena(e), p, mem_bytes);
         return FERRY_ENOMEM;
       }
       s->slots = n;
       cap = ncap;
     }
-    s->slots[s->n_slots++] = (snap_slot){p, size, NULL};
-    remaining -= size;
+    uintptr_t aligned = ((uintptr_t)p + SNAP_IMAGE_ALIGN - 1) & ~(uintptr_t)(SNAP_IMAGE_ALIGN - 1);
+    s->slots[s->n_slots++] = (snap_slot){(void *)aligned, usable, NULL, p, mem_bytes};
+    remaining -= usable;
+    arena_taken += mem_bytes;
+  }
+  /* The arena holds as much as the device records' bytes, as before the
+   * image was staged (a cap, reserve() or a trim's keep sized to the state
+   * still fit); the rest (headers, host records, blocks lost to alignment)
+   * goes to the heap. Not on CUDA: a copy into pageable memory returns when
+   * done, which would block start until the GPU; there the arena holds all. */
+  if (remaining && s->n_slots && heap_tail && arena_taken >= s->dev_total) {
+    void *p = NULL;
+    if (posix_memalign(&p, SNAP_IMAGE_ALIGN, (size_t)remaining)) p = NULL; /* then streamed */
+    snap_slot *n = p ? realloc(s->slots, (s->n_slots + 1) * sizeof *n) : NULL;
+    if (p && !n) free(p);
+    if (p && !n) return FERRY_ENOMEM;
+    if (n) s->slots = n;
+    if (n) s->slots[s->n_slots++] = (snap_slot){p, (size_t)remaining, NULL, p, 0};
   }
   if (s->n_slots) {
     s->queue = calloc(s->n_slots, sizeof *s->queue);
@@ -176,28 +213,37 @@ static int take_slots(ferry_snapshot *s) {
   return FERRY_OK;
 }
 
-/* Issue the next window of the device stream into slot i: its copies, then
- * its event. Called with the engine lock held. */
+static void slot_free(ferry_engine *e, snap_slot *slot) {
+  if (slot->mem_bytes) ferry_arena_free(engine_arena(e), slot->mem, slot->mem_bytes);
+  else free(slot->mem); /* the heap tail */
+  slot->buf = NULL;
+}
+
+/* Issue the next window of the file image into slot i: the copies of the
+ * device bytes that land in it, at their file offsets (the writer fills in
+ * the rest), then its event. Called with the engine lock held. */
 static int issue_batch(ferry_snapshot *s, uint32_t i) {
   ferry_engine *e = s->e;
   const ferry_backend_ops *o = engine_backend(e)->ops;
   snap_slot *slot = &s->slots[i];
-  uint64_t left = s->dev_total - s->issued;
-  uint64_t len = left < slot->cap ? left : slot->cap;
+  uint64_t w0 = s->issued, left = s->file_size - w0;
+  uint64_t len = left < slot->cap ? left : slot->cap, w1 = w0 + len;
   int rc = FERRY_OK;
-  for (uint64_t off = 0; off < len && !rc;) {
+  while (!rc && s->issue_rec < s->n) {
     snap_record *r = &s->rec[s->issue_rec];
     if (!r->dev || s->issue_off == r->bytes) { /* host record or exhausted */
       s->issue_rec++;
       s->issue_off = 0;
       continue;
     }
+    uint64_t from = r->data_off + s->issue_off; /* >= w0: windows are issued in order */
+    if (from >= w1) break;
     uint64_t piece = r->bytes - s->issue_off;
-    if (piece > len - off) piece = len - off;
-    rc = o->copy_d2h(engine_backend(e), (char *)slot->buf + off, (const char *)r->dev + s->issue_off,
-                     (size_t)piece, engine_d2h_stream(e));
-    off += piece;
+    if (piece > w1 - from) piece = w1 - from;
+    rc = o->copy_d2h(engine_backend(e), (char *)slot->buf + (from - w0),
+                     (const char *)r->dev + s->issue_off, (size_t)piece, engine_d2h_stream(e));
     s->issue_off += piece;
+    s->dev_issued += piece;
   }
   /* Recorded even after a failed copy: it then covers whatever was issued,
    * so waiting on it makes the buffer safe to give back. If the record
@@ -207,14 +253,16 @@ static int issue_batch(ferry_snapshot *s, uint32_t i) {
   if (rc2 == FERRY_OK) s->last_issued_ev = slot->ev;
   else o->stream_synchronize(engine_backend(e), engine_d2h_stream(e));
   if (rc) return rc;
-  s->issued += len;
-  s->queue[(s->q_head + s->q_count) % s->n_slots] = (snap_batch){i, len};
+  s->issued = w1;
+  s->queue[(s->q_head + s->q_count) % s->n_slots] = (snap_batch){i, len, w0};
   s->q_count++;
-  if (s->issued == s->dev_total) {
+  if (s->dev_issued == s->dev_total) { /* later windows (the end records) copy nothing */
     pthread_mutex_lock(&s->mu);
-    s->issue_done = 1;
-    s->last_ev = slot->ev;
-    pthread_cond_broadcast(&s->cv);
+    if (!s->issue_done) {
+      s->issue_done = 1;
+      s->last_ev = slot->ev;
+      pthread_cond_broadcast(&s->cv);
+    }
     pthread_mutex_unlock(&s->mu);
   }
   return FERRY_OK;
@@ -238,16 +286,44 @@ static void release_slots(ferry_snapshot *s) {
     snap_slot *slot = &s->slots[i];
     if (!slot->buf) continue;
     if (slot->ev) engine_backend(e)->ops->event_synchronize(engine_backend(e), slot->ev);
-    ferry_arena_free(engine_arena(e), slot->buf, slot->cap);
-    slot->buf = NULL;
+    slot_free(e, slot);
   }
+}
+
+/* The caller's host records are copied before start returns: into the
+ * windows issued at start where they lie wholly inside them (the image
+ * holds them: no second copy), else into memory of their own. */
+static int keep_host_records(ferry_snapshot *s) {
+  for (size_t i = 0; i < s->n; i++) {
+    snap_record *r = &s->rec[i];
+    if (!r->src) continue;
+    const unsigned char *src = r->src;
+    r->src = NULL;
+    if (s->n_slots && r->data_off + r->bytes <= s->issued) {
+      uint64_t off = r->data_off, n = r->bytes;
+      for (uint32_t k = 0; k < s->q_count && n; k++) {
+        const snap_batch *b = &s->queue[(s->q_head + k) % s->n_slots];
+        if (off < b->start || off >= b->start + b->len) continue;
+        uint64_t take = b->start + b->len - off < n ? b->start + b->len - off : n;
+        memcpy((char *)s->slots[b->slot].buf + (off - b->start), src, (size_t)take);
+        off += take;
+        src += take;
+        n -= take;
+      }
+      r->placed = 1;
+    } else {
+      if (!(r->host = malloc((size_t)r->bytes))) return FERRY_ENOMEM;
+      memcpy(r->host, src, (size_t)r->bytes);
+    }
+  }
+  return FERRY_OK;
 }
 
 /* ---- the writer thread ---------------------------------------------------- */
 typedef struct batch_cursor {
   int have;
   uint32_t slot;
-  uint64_t len, off;
+  uint64_t len, off, start;
 } batch_cursor;
 
 static int io_fail(ferry_snapshot *s, const char *what, int err) {
@@ -281,7 +357,7 @@ static int next_batch(ferry_snapshot *s, batch_cursor *c) {
     return snap_fail(s, rc, "snapshot %s: waiting for a staging copy failed: %s", s->path,
                      bk_msg);
   }
-  *c = (batch_cursor){1, b.slot, b.len, 0};
+  *c = (batch_cursor){1, b.slot, b.len, 0, b.start};
   return FERRY_OK;
 }
 
@@ -290,7 +366,7 @@ static int next_batch(ferry_snapshot *s, batch_cursor *c) {
 static int batch_written(ferry_snapshot *s, batch_cursor *c) {
   ferry_engine *e = s->e;
   c->have = 0;
-  if (s->issued < s->dev_total) {
+  if (s->issued < s->file_size) {
     engine_lock(e);
     int rc = issue_batch(s, c->slot);
     char bk_msg[256] = "";
@@ -301,78 +377,88 @@ static int batch_written(ferry_snapshot *s, batch_cursor *c) {
     return FERRY_OK;
   }
   snap_slot *slot = &s->slots[c->slot];
-  ferry_arena_free(engine_arena(e), slot->buf, slot->cap);
-  slot->buf = NULL;
+  slot_free(e, slot);
   return FERRY_OK;
 }
 
-static int write_records(ferry_snapshot *s, zip_writer *z) {
-  batch_cursor c = {0};
+/* A snapshot of host records only: streamed through the zip writer. */
+static int write_host_records(ferry_snapshot *s, zip_writer *z) {
   int err;
   for (size_t i = 0; i < s->n; i++) {
     snap_record *r = &s->rec[i];
     if ((err = zipw_begin_entry(z, r->name, r->bytes))) return zip_fail(s, z, err);
-    if (r->dev) {
-      uint64_t left = r->bytes;
-      while (left) {
-        int rc;
-        if (!c.have && (rc = next_batch(s, &c))) return rc;
-        uint64_t take = c.len - c.off < left ? c.len - c.off : left;
-        const char *p = (const char *)s->slots[c.slot].buf + c.off;
-        if ((err = zipw_write(z, p, (size_t)take))) return zip_fail(s, z, err);
-        c.off += take;
-        left -= take;
-        if (c.off == c.len && (rc = batch_written(s, &c))) return rc;
-      }
-    } else if (r->bytes && (err = zipw_write(z, r->host, (size_t)r->bytes))) {
-      return zip_fail(s, z, err);
-    }
+    if (r->bytes && (err = zipw_write(z, r->host, (size_t)r->bytes))) return zip_fail(s, z, err);
     if ((err = zipw_end_entry(z))) return zip_fail(s, z, err);
-    if (failed(s)) return failed(s);
   }
   if ((err = zipw_finish(z))) return zip_fail(s, z, err);
   return FERRY_OK;
 }
 
-/* The directory of path, for the fsync that makes the rename durable. */
-static int fsync_parent_dir(const char *path) {
-  const char *slash = strrchr(path, '/');
-  char dir[PATH_MAX];
-  if (!slash) {
-    strcpy(dir, ".");
-  } else if (slash == path) {
-    strcpy(dir, "/");
-  } else {
-    size_t len = (size_t)(slash - path);
-    if (len >= sizeof dir) return ENAMETOOLONG;
-    memcpy(dir, path, len);
-    dir[len] = '\0';
+/* The current window is complete: write it, then reuse or give back its slot. */
+static int window_done(ferry_snapshot *s, batch_cursor *c, snap_out *o) {
+  snap_slot *slot = &s->slots[c->slot];
+  int err = snap_out_write(o, slot->buf, (size_t)c->len, slot->cap, c->start);
+  if (err) return io_fail(s, o->failed_op, err);
+  return batch_written(s, c);
+}
+
+/* n bytes of the file at the cursor: copied from src, or (src NULL) staged
+ * there already; z: the bytes are an entry's data, checksummed. */
+static int image_put(ferry_snapshot *s, batch_cursor *c, snap_out *o, zip_writer *z,
+                     const unsigned char *src, uint64_t n) {
+  while (n) {
+    int rc, err;
+    if (!c->have && (rc = next_batch(s, c))) return rc;
+    uint64_t take = c->len - c->off < n ? c->len - c->off : n;
+    unsigned char *dst = (unsigned char *)s->slots[c->slot].buf + c->off;
+    if (src) {
+      memcpy(dst, src, (size_t)take);
+      src += take;
+    }
+    if (z && (err = zipw_place(z, dst, (size_t)take))) return zip_fail(s, z, err);
+    c->off += take;
+    n -= take;
+    if (c->off == c->len && (rc = window_done(s, c, o))) return rc;
   }
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return errno;
-  int rc = fsync(fd) ? errno : 0;
-  close(fd);
+  return FERRY_OK;
+}
+
+/* What the zip writer produced (headers, descriptors, end records). */
+static int image_put_meta(ferry_snapshot *s, batch_cursor *c, snap_out *o, zip_writer *z) {
+  int rc = image_put(s, c, o, NULL, z->buf, z->buf_len);
+  z->buf_len = 0;
   return rc;
 }
 
-/* The process's umask, read without changing it (umask() would, racily). */
-static mode_t process_umask(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  unsigned mask = 022;
-  char line[128];
-  while (f && fgets(line, sizeof line, f))
-    if (sscanf(line, "Umask: %o", &mask) == 1) break;
-  if (f) fclose(f);
-  return (mode_t)mask;
-}
-
-static const char *file_type(mode_t m) {
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISFIFO(m)) return "a FIFO";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a regular file";
+/* The file image, window by window in file order: the staging copies put
+ * the device records' data at their offsets; this thread adds the rest,
+ * checksums the data where it lies and writes each window whole (O_DIRECT
+ * where it can: no copy into the page cache). */
+static int write_image(ferry_snapshot *s, snap_out *o) {
+  zip_writer z;
+  batch_cursor c = {0};
+  int err = zipw_init(&z, -1), rc = FERRY_OK;
+  if (err) return io_fail(s, "allocating the writer for", err);
+  for (size_t i = 0; i < s->n && !rc; i++) {
+    snap_record *r = &s->rec[i];
+    if ((err = zipw_begin_entry(&z, r->name, r->bytes))) rc = zip_fail(s, &z, err);
+    else if (z.offset != r->data_off)
+      rc = snap_fail(s, FERRY_ESTATE, "snapshot %s: internal error: record %s is not where "
+                     "its layout put it", s->path, r->name);
+    if (!rc) rc = image_put_meta(s, &c, o, &z);
+    if (!rc) rc = image_put(s, &c, o, &z, r->placed ? NULL : r->host, r->bytes);
+    if (!rc && (err = zipw_end_entry(&z))) rc = zip_fail(s, &z, err);
+    if (!rc) rc = image_put_meta(s, &c, o, &z);
+    if (!rc) rc = failed(s);
+  }
+  if (!rc && (err = zipw_finish(&z))) rc = zip_fail(s, &z, err);
+  if (!rc) rc = image_put_meta(s, &c, o, &z);
+  if (!rc && (z.offset != s->file_size || c.have))
+    rc = snap_fail(s, FERRY_ESTATE, "snapshot %s: internal error: the file is not its layout's "
+                   "size", s->path);
+  if (!rc && (err = snap_out_end(o, s->file_size))) rc = io_fail(s, o->failed_op, err);
+  zipw_free(&z);
+  return rc;
 }
 
 /* The file a snapshot to path replaces: path itself when it does not exist,
@@ -392,7 +478,7 @@ static int resolve_target(ferry_snapshot *s) {
      * fails the same way, and reports it */
   } else if (!S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode)) {
     return snap_fail(s, FERRY_EINVAL, "%s exists and is %s; refusing to replace it", path,
-                     file_type(st.st_mode));
+                     snap_file_type(st.st_mode));
   }
   size_t len = strlen(path);
   if (!(s->target = malloc(len + 1)) || !(s->tmp_path = malloc(len + 24)))
@@ -421,7 +507,7 @@ static int create_tmp(ferry_snapshot *s) {
     memcpy(s->tmp_path, template_path, len + 1);
   free(template_path);
   if (fd < 0) return io_fail(s, "creating", err);
-  fchmod(fd, 0666 & ~process_umask()); /* as open(0666) would */
+  fchmod(fd, 0666 & ~snap_process_umask()); /* as open(0666) would */
   s->fd = fd;
   return FERRY_OK;
 }
@@ -456,10 +542,23 @@ static void writer_to_background(void) {
 static void write_snapshot(ferry_snapshot *s) {
   int rc = resolve_target(s), err;
   if (rc == FERRY_OK) rc = create_tmp(s);
-  if (rc == FERRY_OK) {
+  if (rc == FERRY_OK && s->n_slots) {
+    snap_out o;
+    snap_out_init(&o, s->fd);
+    rc = write_image(s, &o);
+    engine_lock(s->e);
+    engine_stats(s->e)->snapshot_bytes_direct += o.bytes_direct;
+    engine_stats(s->e)->snapshot_bytes_buffered += o.bytes_buffered;
+    engine_unlock(s->e);
+  } else if (rc == FERRY_OK) {
     zip_writer z;
     err = zipw_init(&z, s->fd);
-    rc = err ? io_fail(s, "allocating the writer for", err) : write_records(s, &z);
+    rc = err ? io_fail(s, "allocating the writer for", err) : write_host_records(s, &z);
+    if (rc == FERRY_OK) {
+      engine_lock(s->e);
+      engine_stats(s->e)->snapshot_bytes_buffered += z.offset;
+      engine_unlock(s->e);
+    }
     zipw_free(&z);
   }
   /* Whatever happened, no copy may still target the slots when they go. */
@@ -476,7 +575,7 @@ static void write_snapshot(ferry_snapshot *s) {
                    s->tmp_path, s->target, strerror(errno));
   if (rc != FERRY_OK) {
     if (created) unlink(s->tmp_path);
-  } else if ((err = fsync_parent_dir(s->target))) {
+  } else if ((err = snap_fsync_parent_dir(s->target))) {
     snap_fail(s, FERRY_EIO,
               "snapshot %s: the file is complete and renamed into place, but the fsync of "
               "its directory failed: %s; the rename may not survive a crash",
@@ -662,8 +761,8 @@ static ferry_snapshot *snapshot_new(ferry_engine *e, const char *path,
       r->dev = in->device_ptr;
       s->dev_total += in->bytes;
     } else {
-      if (in->bytes > SIZE_MAX || !(r->host = malloc((size_t)in->bytes))) goto oom;
-      memcpy(r->host, in->host_data, (size_t)in->bytes);
+      if (in->bytes > SIZE_MAX) goto oom;
+      r->src = in->host_data; /* copied by keep_host_records before start returns */
     }
   }
   return s;
@@ -748,6 +847,10 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
   if ((rc = validate(e, path, records, n, out))) return rc;
   ferry_snapshot *s = snapshot_new(e, path, records, n);
   if (!s) return start_fail(e, FERRY_ENOMEM, "out of host memory copying the records");
+  if (s->dev_total && snap_layout(s->rec, s->n, &s->file_size)) {
+    snapshot_free_memory(s);
+    return start_fail(e, FERRY_ENOMEM, "out of host memory laying out the file");
+  }
   if ((rc = register_snapshot(e, s))) {
     snapshot_free_memory(s);
     return rc;
@@ -762,7 +865,7 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
   if (s->dev_total && !s->n_slots) {
     ferry_arena_stats a;
     ferry_arena_get_stats(engine_arena(e), &a);
-    uint64_t need = s->dev_total;
+    uint64_t need = s->file_size;
     abandon(e, s);
     return start_fail(e, FERRY_ECAP,
                       "the pinned arena has no room to stage %llu bytes (cap %llu, reserved "
@@ -789,6 +892,10 @@ int ferry_snapshot_start(ferry_engine *e, const char *path, const ferry_snapshot
     return rc;
   }
 
+  if (keep_host_records(s)) {
+    abandon(e, s);
+    return start_fail(e, FERRY_ENOMEM, "out of host memory copying the records");
+  }
   pthread_mutex_lock(&s->mu);
   s->to_idle = s->issue_done;
   pthread_mutex_unlock(&s->mu);

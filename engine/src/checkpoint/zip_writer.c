@@ -120,7 +120,7 @@ static int write_all(zip_writer *z, const void *data, size_t n) {
 }
 
 static int flush(zip_writer *z) {
-  if (!z->buf_len) return 0;
+  if (!z->buf_len || z->fd < 0) return 0; /* memory mode: the caller takes them */
   int rc = write_all(z, z->buf, z->buf_len);
   z->buf_len = 0;
   return rc;
@@ -128,7 +128,20 @@ static int flush(zip_writer *z) {
 
 static int emit(zip_writer *z, const void *data, size_t n) {
   int rc;
-  if (n >= DIRECT_WRITE_MIN) {
+  if (z->fd < 0) { /* memory mode: everything gathers until taken */
+    if (z->buf_len + n > z->buf_cap) {
+      size_t ncap = z->buf_cap * 2 > z->buf_len + n ? z->buf_cap * 2 : z->buf_len + n;
+      unsigned char *nb = realloc(z->buf, ncap);
+      if (!nb) {
+        z->failed_op = "malloc";
+        return ENOMEM;
+      }
+      z->buf = nb;
+      z->buf_cap = ncap;
+    }
+    memcpy(z->buf + z->buf_len, data, n);
+    z->buf_len += n;
+  } else if (n >= DIRECT_WRITE_MIN) {
     if ((rc = flush(z)) || (rc = write_all(z, data, n))) return rc;
   } else {
     if (z->buf_len + n > z->buf_cap && (rc = flush(z))) return rc;
@@ -239,7 +252,7 @@ int zipw_begin_entry(zip_writer *z, const char *name, uint64_t size) {
   return 0;
 }
 
-int zipw_write(zip_writer *z, const void *data, size_t n) {
+static int check_data(zip_writer *z, size_t n) {
   if (!z->open) {
     z->failed_op = "write_entry (no entry is open)";
     return EINVAL;
@@ -249,6 +262,25 @@ int zipw_write(zip_writer *z, const void *data, size_t n) {
     z->failed_op = "write_entry (more bytes than declared)";
     return EINVAL;
   }
+  return 0;
+}
+
+int zipw_place(zip_writer *z, const void *data, size_t n) {
+  int rc = check_data(z, n);
+  if (rc) return rc;
+  if (z->fd >= 0) {
+    z->failed_op = "place (not in memory mode)";
+    return EINVAL;
+  }
+  if (data && n) z->crc = zipw_crc32(z->crc, data, n);
+  z->written_in_entry += n;
+  z->offset += n;
+  return 0;
+}
+
+int zipw_write(zip_writer *z, const void *data, size_t n) {
+  int rc0 = check_data(z, n);
+  if (rc0) return rc0;
   if (!n) return 0;
   const unsigned char *p = data;
   z->written_in_entry += n;

@@ -19,6 +19,7 @@ void engine_unlock(ferry_engine *e);
 
 ferry_backend *engine_backend(ferry_engine *e);
 ferry_arena *engine_arena(ferry_engine *e);
+int engine_backend_kind(ferry_engine *e); /* the config's FERRY_BACKEND_* */
 bk_stream engine_d2h_stream(ferry_engine *e);
 bk_stream engine_h2d_stream(ferry_engine *e);
 /* The engine's counters (ferry_get_stats copies them); under the lock. */

@@ -397,6 +397,7 @@ void engine_lock(ferry_engine *e) { pthread_mutex_lock(&e->lock); }
 void engine_unlock(ferry_engine *e) { pthread_mutex_unlock(&e->lock); }
 ferry_backend *engine_backend(ferry_engine *e) { return e->bk; }
 ferry_arena *engine_arena(ferry_engine *e) { return e->arena; }
+int engine_backend_kind(ferry_engine *e) { return (int)e->cfg.backend; }
 bk_stream engine_d2h_stream(ferry_engine *e) { return e->d2h; }
 bk_stream engine_h2d_stream(ferry_engine *e) { return e->h2d; }
 ferry_stats *engine_stats(ferry_engine *e) { return &e->stats; }
