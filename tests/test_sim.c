@@ -13,6 +13,7 @@
 #include <valgrind/valgrind.h>
 
 #include "test.h"
+#include "test_four_offloads.h"
 #include "test_synth.h"
 
 /* ---- the sim backend alone ------------------------------------------------------- */
@@ -1686,13 +1687,7 @@ static const char *six_tensors(void) {
  * ignoring the transient, max(0, 300 - bwd_us). */
 static const char *loss_at_backward(int bwd_us) {
   static char buf[4096];
-  int n = snprintf(buf, sizeof buf, "%s", HDR BEGIN);
-  for (int i = 1; i <= 4; i++)
-    n += snprintf(buf + n, sizeof buf - (size_t)n,
-                  "{\"ev\":\"pack\",\"t_us\":0,\"id\":%d,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
-                  "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":%d,"
-                  "\"layers\":4,\"decision\":\"offload\"}\n{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n",
-                  i, i - 1);
+  int n = four_offloads_50us_apart(buf, sizeof buf);
   n += snprintf(buf + n, sizeof buf - (size_t)n,
                 "{\"ev\":\"backward_begin\",\"t_us\":0}\n" ALLOC(9, 300000)
                 "{\"ev\":\"compute\",\"t_us\":0,\"us\":%d}\n" FREE(9), bwd_us);

@@ -5,10 +5,35 @@
 
 #include "ferry_tools.h"
 #include "test.h"
+#include "test_four_offloads.h"
 
 #define HDR "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
 #define BEGIN "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n"
 #define END "{\"ev\":\"step_end\",\"t_us\":9,\"step\":1}\n"
+
+/* Every trace here replays one step over a 1000 B/us link, no latency. */
+static sim_config floor_config(const char *policy_source) {
+  sim_config c = {0};
+  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+  c.steps = 1;
+  c.policy_source = policy_source;
+  return c;
+}
+
+/* Parses text and replays it under c, printing either step's error. */
+static int parse_and_replay(const char *name, const char *text, const sim_config *c, sim_result *r) {
+  sim_trace *t = NULL;
+  char err[512];
+  int rc = sim_trace_parse(name, text, strlen(text), &t, err, sizeof err);
+  if (rc) {
+    fprintf(stderr, "%s\n", err);
+    return rc;
+  }
+  rc = sim_replay(t, c, r, err, sizeof err);
+  if (rc) fprintf(stderr, "%s\n", err);
+  sim_trace_free(t);
+  return rc;
+}
 
 /* Four 100000-byte offloads with 50 us of compute after each, then the
  * loss's 4-byte scalar, which the policy keeps; a forward stash of one
@@ -29,13 +54,7 @@
  * any tensor misses the transient: max(0, 300 - bwd_us). */
 static const char *kept_unpack_then_transient(int bwd_us) {
   static char buf[4096];
-  int n = snprintf(buf, sizeof buf, "%s", HDR BEGIN);
-  for (int i = 1; i <= 4; i++)
-    n += snprintf(buf + n, sizeof buf - (size_t)n,
-                  "{\"ev\":\"pack\",\"t_us\":0,\"id\":%d,\"step\":1,\"bytes\":100000,\"dtype\":\"u8\","
-                  "\"shape\":[100000],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":%d,"
-                  "\"layers\":4,\"decision\":\"offload\"}\n{\"ev\":\"compute\",\"t_us\":0,\"us\":50}\n",
-                  i, i - 1);
+  int n = four_offloads_50us_apart(buf, sizeof buf);
   n += snprintf(buf + n, sizeof buf - (size_t)n,
                 "{\"ev\":\"pack\",\"t_us\":0,\"id\":5,\"step\":1,\"bytes\":4,\"dtype\":\"f32\","
                 "\"shape\":[],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":-1,"
@@ -55,24 +74,13 @@ static const char *kept_unpack_then_transient(int bwd_us) {
 TEST(sim_floor_holds_past_backwards_kept_unpacks) {
   static const struct { int bwd_us; double floor; } cases[] = {{400, 99.996}, {100, 299.996}};
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-    const char *text = kept_unpack_then_transient(cases[k].bwd_us);
-    sim_trace *t = NULL;
-    char err[512];
-    int rc = sim_trace_parse("kept", text, strlen(text), &t, err, sizeof err);
-    if (rc) fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
-    sim_config c = {0};
-    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-    c.steps = 1;
-    c.policy_source =
+    sim_config c = floor_config(
         "return { api = 1, name = 'stash1', knobs = { max_fwd_stash = 1, min_offload_bytes = 1 },\n"
         "  decide = function(t, ctx)\n"
         "    if t.bytes < 100000 then return ferry.KEEP end\n"
-        "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
+        "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }");
     sim_result r;
-    rc = sim_replay(t, &c, &r, err, sizeof err);
-    if (rc) fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    CHECK_OK(parse_and_replay("kept", kept_unpack_then_transient(cases[k].bwd_us), &c, &r));
     CHECK_NEAR(r.tensors_offloaded, 4, 0);
     CHECK_NEAR(r.tensors_kept, 1, 0);
     CHECK_EQ(r.peak_saved_bytes, 400004);
@@ -81,7 +89,6 @@ TEST(sim_floor_holds_past_backwards_kept_unpacks) {
     CHECK_NEAR(r.stall_floor_us, cases[k].floor, 1e-6);
     CHECK(r.stall_us + r.host_wait_us >= r.stall_floor_us);
     sim_result_free(&r);
-    sim_trace_free(t);
   }
   return 0;
 }
@@ -125,25 +132,14 @@ static const char *recompute_after_reload(void) {
 }
 
 TEST(sim_floor_counts_reloads_before_a_recompute_pack_once) {
-  const char *text = recompute_after_reload();
-  sim_trace *t = NULL;
-  char err[512];
-  int rc = sim_trace_parse("recompute", text, strlen(text), &t, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-  c.steps = 1;
-  c.release_when_copied = 1;
-  c.policy_source =
+  sim_config c = floor_config(
       "return { api = 1, name = 'stash1', knobs = { max_fwd_stash = 1, min_offload_bytes = 1 },\n"
       "  decide = function(t, ctx)\n"
       "    if t.bytes == 4 or t.bytes == 99999 then return ferry.KEEP end\n"
-      "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
+      "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }");
+  c.release_when_copied = 1;
   sim_result r;
-  rc = sim_replay(t, &c, &r, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
+  CHECK_OK(parse_and_replay("recompute", recompute_after_reload(), &c, &r));
   CHECK_NEAR(r.tensors_offloaded, 2, 0);
   CHECK_NEAR(r.bytes_h2d, 110000, 0);
   CHECK_NEAR(r.stash_hits, 0, 0);
@@ -152,7 +148,6 @@ TEST(sim_floor_counts_reloads_before_a_recompute_pack_once) {
   CHECK_NEAR(r.stall_floor_us, 108.0, 1e-6);
   CHECK(r.stall_us + r.host_wait_us >= r.stall_floor_us);
   sim_result_free(&r);
-  sim_trace_free(t);
   return 0;
 }
 
@@ -187,27 +182,16 @@ static const char *copy_behind_the_hosts_lag(void) {
 }
 
 TEST(sim_floor_counts_the_gpus_wait_for_the_host_as_hiding_time) {
-  const char *text = copy_behind_the_hosts_lag();
-  sim_trace *t = NULL;
-  char err[512];
-  int rc = sim_trace_parse("host lag", text, strlen(text), &t, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-  c.steps = 1;
-  c.release_when_copied = 1;
-  c.prefetch_at_backward_begin = 1;
-  c.host_overhead_us = 200;
-  c.policy_source =
+  sim_config c = floor_config(
       "return { api = 1, name = 'prefetch', knobs = { max_fwd_stash = 1, min_offload_bytes = 1 },\n"
       "  decide = function(t, ctx)\n"
       "    if t.bytes < 100000 then return ferry.KEEP end\n"
-      "    return ferry.OFFLOAD, ferry.PREFETCH, 1, true end }";
+      "    return ferry.OFFLOAD, ferry.PREFETCH, 1, true end }");
+  c.release_when_copied = 1;
+  c.prefetch_at_backward_begin = 1;
+  c.host_overhead_us = 200;
   sim_result r;
-  rc = sim_replay(t, &c, &r, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
+  CHECK_OK(parse_and_replay("host lag", copy_behind_the_hosts_lag(), &c, &r));
   CHECK_NEAR(r.tensors_offloaded, 1, 0);
   CHECK_NEAR(r.bytes_h2d, 100000, 0);
   CHECK_EQ(r.peak_saved_bytes, 100004);
@@ -215,7 +199,6 @@ TEST(sim_floor_counts_the_gpus_wait_for_the_host_as_hiding_time) {
   CHECK_NEAR(r.stall_us + r.host_wait_us, 0.0, 1e-6);
   CHECK_NEAR(r.stall_floor_us, 0.0, 1e-6);
   sim_result_free(&r);
-  sim_trace_free(t);
   return 0;
 }
 
@@ -263,32 +246,20 @@ static const char *optimizer_transient_after_a_discard(void) {
 }
 
 TEST(sim_floor_counts_an_optimizer_transient_at_its_device_share) {
-  const char *text = optimizer_transient_after_a_discard();
-  sim_trace *t = NULL;
-  char err[512];
-  int rc = sim_trace_parse("optimizer", text, strlen(text), &t, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-  c.steps = 1;
-  c.optimizer_fraction = 0.5;
-  c.policy_source =
+  sim_config c = floor_config(
       "return { api = 1, name = 'out', knobs = { max_fwd_stash = 1, min_offload_bytes = 1 },\n"
       "  decide = function(t, ctx)\n"
       "    if t.bytes < 100000 then return ferry.KEEP end\n"
-      "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
+      "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }");
+  c.optimizer_fraction = 0.5;
   sim_result r;
-  rc = sim_replay(t, &c, &r, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
+  CHECK_OK(parse_and_replay("optimizer", optimizer_transient_after_a_discard(), &c, &r));
   CHECK_NEAR(r.tensors_offloaded, 1, 0);
   CHECK_EQ(r.peak_saved_bytes, 500000);
   CHECK_NEAR(r.stall_us + r.host_wait_us, 98.0, 1e-6);
   CHECK(r.stall_us + r.host_wait_us >= r.stall_floor_us);
   CHECK(r.stall_floor_us < 98.0);
   sim_result_free(&r);
-  sim_trace_free(t);
   return 0;
 }
 
@@ -339,31 +310,19 @@ static const char *recompute_between_reloads(void) {
 }
 
 TEST(sim_floor_takes_only_the_reloads_after_a_recompute_pack) {
-  const char *text = recompute_between_reloads();
-  sim_trace *t = NULL;
-  char err[512];
-  int rc = sim_trace_parse("recompute2", text, strlen(text), &t, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
-  sim_config c = {0};
-  c.link = (ferry_link){1e9, 1e9, 0, 1.0};
-  c.steps = 1;
-  c.release_when_copied = 1;
-  c.policy_source =
+  sim_config c = floor_config(
       "return { api = 1, name = 'stash2', knobs = { max_fwd_stash = 2, min_offload_bytes = 1 },\n"
       "  decide = function(t, ctx)\n"
       "    if t.bytes ~= 100000 then return ferry.KEEP end\n"
-      "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }";
+      "    return ferry.OFFLOAD, ferry.ON_USE, nil, true end }");
+  c.release_when_copied = 1;
   sim_result r;
-  rc = sim_replay(t, &c, &r, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  CHECK_OK(rc);
+  CHECK_OK(parse_and_replay("recompute2", recompute_between_reloads(), &c, &r));
   CHECK_NEAR(r.bytes_h2d, 200000, 0);
   CHECK_NEAR(r.stash_hits, 0, 0);
   CHECK_EQ(r.peak_saved_bytes, 300012);
   CHECK_NEAR(r.stall_us + r.host_wait_us, 200.0, 1e-6);
   CHECK_NEAR(r.stall_floor_us, 98.0, 1e-6);
   sim_result_free(&r);
-  sim_trace_free(t);
   return 0;
 }
