@@ -11,14 +11,8 @@
 #include "ferry_tools.h"
 #include "test.h"
 #include "test_synth.h"
+#include "test_copy_knobs.h"
 #include "test_device.h"
-
-#define PACK(id, bytes, layer)                                                              \
-  "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":" #bytes ",\"dtype\":\"u8\"," \
-  "\"shape\":[" #bytes "],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":" #layer "," \
-  "\"layers\":2,\"decision\":\"offload\"}\n"
-#define COMPUTE "{\"ev\":\"compute\",\"t_us\":0,\"us\":300}\n"
-#define UNPACK(id) "{\"ev\":\"unpack\",\"t_us\":0,\"id\":" #id "}\n"
 
 /* A 1000 B/us link each way, no latency, no duplex loss; 300 us of compute
  * after each event. Pack 1 (100000 B) copies over [0, 100]; pack 2 (400000
@@ -30,11 +24,8 @@
  * still in the stash (no reload), 300 more: 1300 us against 1400. */
 TEST(sim_one_copy_stream_queues_a_reload_behind_the_offloads) {
   static const char text[] =
-      "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
-      "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n" PACK(1, 100000, 0) COMPUTE
-      PACK(2, 400000, 1) COMPUTE "{\"ev\":\"backward_begin\",\"t_us\":0}\n" UNPACK(1) COMPUTE
-      UNPACK(2) COMPUTE "{\"ev\":\"backward_end\",\"t_us\":0}\n"
-      "{\"ev\":\"step_end\",\"t_us\":9,\"step\":1}\n";
+      TRACE_START PACK(1, 100000, 0) COMPUTE PACK(2, 400000, 1) COMPUTE BACKWARD_BEGIN UNPACK(1)
+      COMPUTE UNPACK(2) COMPUTE TRACE_STOP;
   sim_trace *t = NULL;
   char err[512];
   CHECK_OK(sim_trace_parse("one_stream", text, strlen(text), &t, err, sizeof err));
@@ -159,14 +150,8 @@ TEST(one_copy_stream_engine_round_trips_the_bytes) {
              "return { api = 1, knobs = { max_fwd_stash = 1, one_copy_stream = %d },\n"
              " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", one);
     test_device_stats st = {0};
-    ferry_config c = test_engine_config(&st);
-    c.retain = test_device_retain_cb;
-    c.policy_source = src;
     ferry_engine *e = NULL;
-    char err[512] = "";
-    int rc = ferry_engine_create(&c, &e, err, sizeof err);
-    if (rc) fprintf(stderr, "%s\n", err);
-    CHECK_OK(rc);
+    CHECK_OK(copy_knob_engine(src, &st, 0, &e));
     ferry_knobs k;
     CHECK_OK(ferry_get_knobs(e, &k, sizeof k));
     CHECK_EQ(k.one_copy_stream, (uint32_t)one);
@@ -179,12 +164,7 @@ TEST(one_copy_stream_engine_round_trips_the_bytes) {
       CHECK(b[i]);
       for (size_t j = 0; j < SZ; j++) bytes[i][j] = (unsigned char)(j * 7u + (unsigned)(i + one));
       test_dev_write(b[i]->ptr, bytes[i], SZ);
-      ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-      d.bytes = SZ;
-      d.dtype = FERRY_DTYPE_U8;
-      d.kind = FERRY_KIND_ACTIVATION;
-      d.ndim = 1;
-      d.shape[0] = SZ;
+      ferry_tensor_desc d = u8_activation(SZ);
       CHECK_OK(ferry_pack(e, &d, b[i]->ptr, b[i], NULL, &h[i]));
     }
     CHECK_OK(ferry_backward_begin(e));

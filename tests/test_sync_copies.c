@@ -9,6 +9,7 @@
 
 #include "ferry_tools.h"
 #include "test.h"
+#include "test_copy_knobs.h"
 #include "test_device.h"
 #include <time.h>
 
@@ -22,13 +23,6 @@ static double now_us(void) {
   return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
-#define PACK(id, bytes, layer)                                                              \
-  "{\"ev\":\"pack\",\"t_us\":0,\"id\":" #id ",\"step\":1,\"bytes\":" #bytes ",\"dtype\":\"u8\"," \
-  "\"shape\":[" #bytes "],\"kind\":\"activation\",\"phase\":\"forward\",\"layer\":" #layer "," \
-  "\"layers\":2,\"decision\":\"offload\"}\n"
-#define COMPUTE "{\"ev\":\"compute\",\"t_us\":0,\"us\":300}\n"
-#define UNPACK(id) "{\"ev\":\"unpack\",\"t_us\":0,\"id\":" #id "}\n"
-
 /* Two 100000-byte activations offloaded over a 1000 B/us link (100 us a
  * copy, no latency), 300 us of compute after each event, a 512-byte loss
  * kept. Asynchronous (stash 4, a buffer released once copied): the copies
@@ -40,11 +34,8 @@ static double now_us(void) {
  * the host's waits. */
 TEST(sim_sync_copy_blocks_compute_by_its_copy_time) {
   static const char text[] =
-      "{\"ev\":\"header\",\"t_us\":0,\"format\":\"ferry-trace\",\"version\":1}\n"
-      "{\"ev\":\"step_begin\",\"t_us\":0,\"step\":1}\n" PACK(1, 100000, 0) COMPUTE
-      PACK(2, 100000, 1) COMPUTE PACK(3, 512, 1) COMPUTE
-      "{\"ev\":\"backward_begin\",\"t_us\":0}\n" UNPACK(3) COMPUTE UNPACK(2) COMPUTE UNPACK(1)
-      COMPUTE "{\"ev\":\"backward_end\",\"t_us\":0}\n{\"ev\":\"step_end\",\"t_us\":9,\"step\":1}\n";
+      TRACE_START PACK(1, 100000, 0) COMPUTE PACK(2, 100000, 1) COMPUTE PACK(3, 512, 1) COMPUTE
+      BACKWARD_BEGIN UNPACK(3) COMPUTE UNPACK(2) COMPUTE UNPACK(1) COMPUTE TRACE_STOP;
   sim_trace *t = NULL;
   char err[512];
   CHECK_OK(sim_trace_parse("sync", text, strlen(text), &t, err, sizeof err));
@@ -95,25 +86,7 @@ static int sync_engine(int mode, test_device_stats *st, double link_bytes_per_s,
   snprintf(src, sizeof src,
            "return { api = 1, knobs = { max_fwd_stash = 4, sync_copies = %d },\n"
            " decide = function(t, ctx) return ferry.OFFLOAD, ferry.ON_USE end }", mode);
-  ferry_config c = test_engine_config(st);
-  c.retain = test_device_retain_cb;
-  c.policy_source = src;
-  if (link_bytes_per_s) c.link.d2h_bytes_per_s = c.link.h2d_bytes_per_s = link_bytes_per_s;
-  char err[512] = "";
-  int rc = ferry_engine_create(&c, e, err, sizeof err);
-  if (rc) fprintf(stderr, "%s\n", err);
-  return rc;
-}
-
-/* A 1-D activation of bytes u8 elements. */
-static ferry_tensor_desc u8_activation(size_t bytes) {
-  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
-  d.bytes = bytes;
-  d.dtype = FERRY_DTYPE_U8;
-  d.kind = FERRY_KIND_ACTIVATION;
-  d.ndim = 1;
-  d.shape[0] = bytes;
-  return d;
+  return copy_knob_engine(src, st, link_bytes_per_s, e);
 }
 
 /* The engine itself waits, on the backend under test: a 2 MiB offload and
