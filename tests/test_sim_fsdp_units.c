@@ -161,11 +161,7 @@ TEST(sim_fsdp_units_root_on_the_lane) {
   CHECK(waited_before_norm);
   CHECK_EQ(pending_root, 0);
   /* replayed: the lane moves every buffer's (n - 1) / n = half */
-  sim_config c = {0};
-  c.link = sim_hw_preset("h100")->link;
-  c.steps = 2;
-  c.comm_nodes = 1;
-  c.nvlink_bytes_per_s = sim_hw_preset("h100")->nvlink_bytes_per_s;
+  sim_config c = h100_node_config();
   sim_result r;
   char err[512];
   CHECK_OK(sim_replay(t, &c, &r, err, sizeof err));

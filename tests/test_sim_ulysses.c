@@ -102,11 +102,7 @@ TEST(sim_synth_ulysses_saves_flops_and_all_to_alls) {
   sim_trace *ckpt = NULL;
   CHECK_OK(trace_of(&m, &ckpt));
   CHECK_EQ(all_to_alls(ckpt, &bytes, &ranks), 24);
-  sim_config c = {0};
-  c.link = sim_hw_preset("h100")->link;
-  c.steps = 2;
-  c.comm_nodes = 1;
-  c.nvlink_bytes_per_s = sim_hw_preset("h100")->nvlink_bytes_per_s;
+  sim_config c = h100_node_config();
   sim_result r;
   char err[512];
   CHECK_OK(sim_replay(uly, &c, &r, err, sizeof err));

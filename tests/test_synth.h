@@ -39,4 +39,15 @@ static inline int trace_of(const synth_model *m, sim_trace **t) {
   return rc;
 }
 
+/* A config that replays a synthesized trace on one node of H100s: the
+ * preset's PCIe link and NVLink, two steps. */
+static inline sim_config h100_node_config(void) {
+  sim_config c = {0};
+  c.link = sim_hw_preset("h100")->link;
+  c.steps = 2;
+  c.comm_nodes = 1;
+  c.nvlink_bytes_per_s = sim_hw_preset("h100")->nvlink_bytes_per_s;
+  return c;
+}
+
 #endif
