@@ -13,6 +13,7 @@
 #include "ferry_tools.h"
 #include "test.h"
 #include "test_device.h"
+#include "test_reference_zip.h"
 
 /* The nice value of thread tid of this process (/proc/self/task/tid/stat). */
 static int thread_nice(const char *tid) {
@@ -93,28 +94,12 @@ TEST(snapshot_cap_of_the_device_bytes_stages_at_once) {
   char ref[96], path[96];
   snprintf(ref, sizeof ref, "%s/reference.pt", dir);
   snprintf(path, sizeof path, "%s/ckpt.pt", dir);
-  int fd = open(ref, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  CHECK(fd >= 0);
-  zip_writer z;
-  int err = zipw_init(&z, fd);
-  for (int i = 0; i <= N && !err; i++) {
-    err = zipw_begin_entry(&z, names[i], rec[i].bytes);
-    if (!err) err = zipw_write(&z, bytes[i], (size_t)rec[i].bytes);
-    if (!err) err = zipw_end_entry(&z);
-  }
-  if (!err) err = zipw_finish(&z);
-  zipw_free(&z);
-  close(fd);
-  CHECK_EQ(err, 0);
+  CHECK_EQ(write_reference_zip(ref, rec, bytes, N + 1), 0);
 
-  ferry_config c = FERRY_CONFIG_INIT;
   test_device_stats ds = {0};
-  c.backend = test_backend_kind();
+  ferry_config c = test_engine_config(&ds);
   c.arena = FERRY_ARENA_POOL; /* always there; a cap of exactly the state held it */
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
   c.retain = test_device_retain_cb;
-  c.callback_ud = &ds;
   c.host_cap_bytes = N * mib;
   ferry_engine *e = NULL;
   char msg[512];

@@ -15,6 +15,7 @@
 #include "ferry_tools.h"
 #include "test.h"
 #include "test_device.h"
+#include "test_reference_zip.h"
 
 #define TMPFS_MAGIC_ 0x01021994
 
@@ -69,19 +70,7 @@ static void dstate_free(dstate *st) {
 
 /* The reference: the same records through the streaming zip writer. */
 static int write_reference(const char *path, const dstate *st) {
-  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return -1;
-  zip_writer z;
-  int err = zipw_init(&z, fd);
-  for (size_t i = 0; i < st->n && !err; i++) {
-    err = zipw_begin_entry(&z, st->rec[i].name, st->rec[i].bytes);
-    if (!err) err = zipw_write(&z, st->bytes[i], (size_t)st->rec[i].bytes);
-    if (!err) err = zipw_end_entry(&z);
-  }
-  if (!err) err = zipw_finish(&z);
-  zipw_free(&z);
-  close(fd);
-  return err ? -1 : 0;
+  return write_reference_zip(path, st->rec, st->bytes, st->n);
 }
 
 static long long file_size(const char *path) {
@@ -116,14 +105,9 @@ typedef struct run_result {
  * the reference file; the bytes written each way in *out. */
 static int snapshot_once(const char *dir, const char *name, const dstate *st, uint64_t cap,
                          const char *reference, run_result *out) {
-  ferry_config c = FERRY_CONFIG_INIT;
   test_device_stats dev = {0};
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(&dev);
   c.retain = test_device_retain_cb;
-  c.callback_ud = &dev;
   c.host_cap_bytes = cap;
   ferry_engine *e = NULL;
   char err[512], path[256];
@@ -274,30 +258,19 @@ TEST(snapshot_direct_layouts) {
   uint64_t rng = 5;
   for (size_t i = 0; i < n * 300; i++) bytes[i] = (unsigned char)splitmix(&rng);
   test_dev_write(dev, bytes, n * 300);
-  int fd = open(ref, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  CHECK(fd >= 0);
-  zip_writer z;
-  int err = zipw_init(&z, fd);
+  unsigned char **data = calloc(n, sizeof *data);
+  CHECK(data);
   for (size_t i = 0; i < n; i++) {
     snprintf(names[i], sizeof names[i], "m/data/%zu", i);
     rec[i] = (ferry_snapshot_record){.name = names[i], .bytes = 1 + i % 300,
                                      .device_ptr = (char *)dev + i * 300};
-    if (!err) err = zipw_begin_entry(&z, names[i], rec[i].bytes);
-    if (!err) err = zipw_write(&z, bytes + i * 300, (size_t)rec[i].bytes);
-    if (!err) err = zipw_end_entry(&z);
+    data[i] = bytes + i * 300;
   }
-  if (!err) err = zipw_finish(&z);
-  zipw_free(&z);
-  close(fd);
-  CHECK_EQ(err, 0);
-  ferry_config c = FERRY_CONFIG_INIT;
+  CHECK_EQ(write_reference_zip(ref, rec, data, n), 0);
+  free(data);
   test_device_stats ds = {0};
-  c.backend = test_backend_kind();
-  c.arena = test_arena_kind();
-  c.device_alloc = test_device_alloc_cb;
-  c.release = test_device_release_cb;
+  ferry_config c = test_engine_config(&ds);
   c.retain = test_device_retain_cb;
-  c.callback_ud = &ds;
   c.host_cap_bytes = 1u << 20;
   ferry_engine *e = NULL;
   char msg[512], path[256];

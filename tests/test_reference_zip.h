@@ -1,0 +1,30 @@
+/* test_reference_zip.h — the reference a snapshot test compares its file
+ * with: the same records written by the streaming zip writer. */
+#ifndef FERRY_TEST_REFERENCE_ZIP_H
+#define FERRY_TEST_REFERENCE_ZIP_H
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "ferry_tools.h"
+
+/* Writes rec[0..n) (names and sizes) with the bytes data[i] to path;
+ * 0 on success. */
+static inline int write_reference_zip(const char *path, const ferry_snapshot_record *rec,
+                                      unsigned char *const *data, size_t n) {
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return -1;
+  zip_writer z;
+  int err = zipw_init(&z, fd);
+  for (size_t i = 0; i < n && !err; i++) {
+    err = zipw_begin_entry(&z, rec[i].name, rec[i].bytes);
+    if (!err) err = zipw_write(&z, data[i], (size_t)rec[i].bytes);
+    if (!err) err = zipw_end_entry(&z);
+  }
+  if (!err) err = zipw_finish(&z);
+  zipw_free(&z);
+  close(fd);
+  return err ? -1 : 0;
+}
+
+#endif
