@@ -499,7 +499,10 @@ static double offload_stall(replay *r) {
  * offloads' stall in it. The link copies through compute and through the
  * GPU's other waits (for the host, a collective, the weights) alike. */
 static void floor_clock(replay *r, link_floor *fl, double at[2]) {
-  double now = replay_now(r), st = offload_stall(r);
+  double now = replay_now(r);
+  /* a stall or wait moves the clock with it: none here, so nothing to add */
+  if (now == at[0]) return;
+  double st = offload_stall(r);
   double us = (now - at[0]) - (st - at[1]);
   if (us > 0) floor_compute(fl, us);
   at[0] = now, at[1] = st;
