@@ -226,7 +226,12 @@ def test_hidden_states_one_copy_stream_identical_gradients(reentrant, baseline_c
     ft.close()
     assert_same_training(baseline_checkpointed, mine)
     assert knobs["one_copy_stream"] == 1 and knobs["max_fwd_stash"] == 2, knobs
-    # the last 2 inputs are still in the 2-deep stash when backward begins
-    assert s["tensors_offloaded"] == 3 * LAYERS and 0 < s["bytes_h2d"] < s["bytes_d2h"], s
+    assert s["tensors_offloaded"] == 3 * LAYERS and 0 < s["bytes_h2d"] <= s["bytes_d2h"], s
+    if not reentrant:
+        # the last 2 inputs are still in the 2-deep stash when backward begins
+        assert s["bytes_h2d"] < s["bytes_d2h"], s
+    # reentrant (ALST) drops a device input once its copy is done
+    # (release_when_copied): whether the last ones are gone by backward
+    # depends on when the copy thread finished, so all may come back
     assert (s["prefetches"] > 0) == reentrant, s
     assert s["live_handles"] == 0 and s["arena_in_use"] == 0 and s["device_bytes_held"] == 0, s
