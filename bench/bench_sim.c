@@ -147,6 +147,18 @@ double bench_sim_events_per_step(void) {
  * callgrind): a trace of `steps` steps read from its file (parse: only
  * sim_trace_load is counted), replayed (replay: only sim_replay), or both
  * (whole), as bench_sim times them. */
+/* The replay's configuration on h100's link, as `ferry sim --hw h100` sets
+ * it (compute and HBM rates left to the caller). */
+static sim_config h100_config(const char *policy) {
+  const sim_hw *hw = sim_hw_preset("h100");
+  sim_config c = {0};
+  c.link = hw->link;
+  c.duplex_d2h = hw->duplex_d2h;
+  c.duplex_h2d = hw->duplex_h2d;
+  c.policy_path = policy;
+  return c;
+}
+
 int bench_sim_instr(const char *which, long steps) {
   char path[1200], err[512], policy[1200];
   int parse = !strcmp(which, "parse"), replay = !strcmp(which, "replay");
@@ -156,12 +168,7 @@ int bench_sim_instr(const char *which, long steps) {
   }
   if (synth_file((int)steps, path, sizeof path)) return 1;
   policy_path("default", policy, sizeof policy);
-  const sim_hw *hw = sim_hw_preset("h100");
-  sim_config c = {0};
-  c.link = hw->link;
-  c.duplex_d2h = hw->duplex_d2h;
-  c.duplex_h2d = hw->duplex_h2d;
-  c.policy_path = policy;
+  sim_config c = h100_config(policy);
   sim_trace *t = NULL;
   sim_result res;
   if (!replay) CALLGRIND_TOGGLE_COLLECT;
@@ -218,12 +225,7 @@ void bench_sim(bench_report *r) {
   }
   char policy[1200];
   policy_path("default", policy, sizeof policy);
-  const sim_hw *hw = sim_hw_preset("h100");
-  sim_config c = {0};
-  c.link = hw->link;
-  c.duplex_d2h = hw->duplex_d2h;
-  c.duplex_h2d = hw->duplex_h2d;
-  c.policy_path = policy;
+  sim_config c = h100_config(policy);
   sim_result res;
   if (sim_replay(t, &c, &res, err, sizeof err)) {
     fprintf(stderr, "bench_sim: %s\n", err);
