@@ -798,7 +798,7 @@ TEST(snapshot_writer_threads_are_reused) {
   CHECK_EQ(writer_threads(&idle), 0);
   fixture f;
   ferry_config c = fixture_config(&f);
-  c.link.d2h_bytes_per_s = 200e6; /* 4 MiB: ~20 ms, long enough to overlap */
+  c.link.d2h_bytes_per_s = c.link.h2d_bytes_per_s = 200e6;
   /* the file image, host records too, is staged: two small ones fit with
    * room for the arena's extents */
   c.host_cap_bytes = 16u << 20;
@@ -817,14 +817,28 @@ TEST(snapshot_writer_threads_are_reused) {
   int can_idle = idle == 1; /* niceness is best effort (19 already) */
   printf("  writer niced: %s\n", can_idle ? "yes" : "no (refused here)");
 
-  ferry_snapshot *a = NULL, *b = NULL; /* at once: a second thread */
-  CHECK_OK(ferry_snapshot_start(f.e, path[1], small.rec, small.n, NULL, &a));
+  /* at once: a second thread. a's copies wait behind ~160 ms of work on
+   * its compute stream, so a is still running when b starts however slowly
+   * this host runs (TSan, a loaded CI machine: 20 ms of staging was not) */
+  ferry_backend *bk = ferry_engine_backend(f.e);
+  bk_stream compute = NULL;
+  CHECK_OK(bk->ops->stream_create(bk, &compute));
+  const size_t busy_bytes = 32u << 20;
+  void *busy = NULL, *scratch = test_dev_malloc(busy_bytes);
+  CHECK_OK(bk->ops->host_alloc(bk, busy_bytes, 4096, &busy));
+  CHECK_OK(bk->ops->copy_h2d(bk, scratch, busy, busy_bytes, compute));
+  ferry_snapshot *a = NULL, *b = NULL;
+  CHECK_OK(ferry_snapshot_start(f.e, path[1], small.rec, small.n, compute, &a));
   CHECK_OK(ferry_snapshot_start(f.e, path[2], small.rec, small.n, NULL, &b));
-  CHECK_EQ(ferry_snapshot_poll(a), 1); /* still staging over the slow link */
+  CHECK_EQ(ferry_snapshot_poll(a), 1);
   CHECK_OK(ferry_snapshot_wait(a));
   CHECK_OK(ferry_snapshot_wait(b));
   ferry_snapshot_free(a);
   ferry_snapshot_free(b);
+  CHECK_OK(bk->ops->stream_synchronize(bk, compute));
+  CHECK_OK(bk->ops->host_free(bk, busy, busy_bytes));
+  test_dev_free(scratch);
+  CHECK_OK(bk->ops->stream_destroy(bk, compute));
   CHECK_EQ(writer_threads(&idle), 2);
   CHECK(check_archive(dir, path[1], &small) == 0);
   CHECK(check_archive(dir, path[2], &small) == 0);
