@@ -1,5 +1,5 @@
 /* test_four_offloads.h — the opening of the stall floor's hand traces
- * (test_sim.c's loss_at_backward, test_sim_floor.c's
+ * (test_sim_replay.c's loss_at_backward, test_sim_floor.c's
  * kept_unpack_then_transient). */
 #ifndef FERRY_TEST_FOUR_OFFLOADS_H
 #define FERRY_TEST_FOUR_OFFLOADS_H

@@ -87,7 +87,7 @@
   X(node_budget_reclaims_a_killed_process)                                 \
   X(node_budget_rejects_bad_arguments)                                     \
   /* @@node_budget */                                                      \
-  /* stash manager (test_stash.c) */                                       \
+  /* stash manager (test_stash*.c) */                                      \
   X(stash_roundtrip_random)                                                \
   X(stash_roundtrip_any_order)                                             \
   X(stash_fwd_bound_and_release_after_event)                               \
@@ -111,7 +111,7 @@
   X(stash_cached_keep_on_two_threads)                                      \
   X(stash_policy_swapped_back_without_reload)                              \
   /* @@stash */                                                            \
-  /* trace recorder (test_trace.c) */                                      \
+  /* trace recorder (test_trace_recorder.c) */                             \
   X(trace_records_every_event)                                             \
   X(chrome_trace_times_copies_and_joins_them)                              \
   X(chrome_trace_one_file_per_engine)                                      \
@@ -124,7 +124,7 @@
   /* only in ferry_tests_cuda_double: */                                   \
   FERRY_CUDA_DOUBLE_TEST_LIST(X)                                           \
   /* @@cuda */                                                             \
-  /* checkpoint staging (test_snapshot.c) */                               \
+  /* checkpoint staging (test_snapshot*.c) */                              \
   X(snapshot_round_trip_random)                                            \
   X(snapshot_consistent_after_fence)                                       \
   X(snapshot_staging_waits_for_the_compute_stream)                         \
@@ -186,7 +186,7 @@
   X(sim_band_none_for_optimizer_or_weight_offload)                        \
   X(sim_band_copy_bound_line_only_widens)                                 \
   X(sim_band_torchtitan_sweep_is_one_publication)                         \
-  /* simulator (test_sim.c) */                                             \
+  /* simulator (test_sim*.c) */                                            \
   X(sim_copy_takes_latency_plus_bytes_over_bandwidth)                   \
   X(trace_fast_parser_takes_written_lines)                              \
   X(trace_fast_parser_agrees_or_passes_on)                              \
@@ -279,7 +279,7 @@
   X(policy_found_by_shipped_name)                                          \
   X(policy_dir_env_comes_first)                                            \
   X(suggest_finds_typos_only)                                              \
-  /* policy host (test_policy.c) */                                        \
+  /* policy host (test_policy*.c) */                                       \
   X(policy_sees_descriptor_and_context)                            \
   X(policy_fields_follow_every_tensor)                             \
   X(policy_rules_own_functions_get_the_views)                      \

@@ -4,7 +4,7 @@
  * decisions, sim backend) without an engine error.
  *
  * Build and run: tests/fuzz/run.sh [SECONDS]. Without libFuzzer, the test
- * sim_fuzz_corpus_replays_clean (tests/test_sim.c) feeds corpus/ through
+ * sim_fuzz_corpus_replays_clean (tests/test_sim_replay.c) feeds corpus/ through
  * the same function in every `make test`. */
 #include <stddef.h>
 #include <stdint.h>
