@@ -185,6 +185,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   int want_tl = chrome || svg || html;
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = &hw};
   node_info(o, &hw, &info);
+  info.mfu_sensitivity = o->mfu_sensitivity > 0 ? o->mfu_sensitivity : -1;
   if (resolve_untracked(t, o, &hw, &info, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     sim_trace_free(t);
@@ -199,7 +200,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     c.timeline = want_tl;
     c.progress = on_progress;
     c.progress_ud = &ps;
-    c.mfu_sensitivity = SIM_MFU_SENSITIVITY;
+    c.mfu_sensitivity = o->mfu_sensitivity;
     if (i > 0) {
       sim_job *j = &jobs[i - 1];
       c.label = j->label;
@@ -515,6 +516,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"nic", required_argument, 0, 'I'},
       {"gpus-per-node", required_argument, 0, 'g'}, {"numa-far", required_argument, 0, 'J'},
       {"contention", required_argument, 0, 'Q'}, {"host-overhead", required_argument, 0, 'y'},
+      {"mfu-sensitivity", required_argument, 0, 'e'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -523,7 +525,7 @@ int ferry_cli_sim(int argc, char **argv) {
   int recorded = 0, layers_table = 1, c;
   sim_opts o = SIM_OPTS_INIT;
   uint64_t fit = 0, fit_host = 0, line_limit;
-  int fit_device = 0;
+  int fit_device = 0, mfu_sensitivity_given = 0;
   const char *fit_out = "fit.lua";
   double fractions[MAX_FRACTIONS];
   int n_fractions = 0;
@@ -657,6 +659,10 @@ int ferry_cli_sim(int argc, char **argv) {
                           &o.host_overhead_us))
         return 2;
       break;
+    case 'e':
+      if (sim_parse_mfu_sensitivity(optarg, &o.mfu_sensitivity)) return 2;
+      mfu_sensitivity_given = 1;
+      break;
     case 'L': layers_table = 0; break;
     case 'Y':
       if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
@@ -720,6 +726,11 @@ int ferry_cli_sim(int argc, char **argv) {
   if (fit && n_witems) {
     fprintf(stderr, "ferry sim: --fit does not search --weight-layers (yet): run --fit, "
                     "then check its policy with --weight-layers\n");
+    return 2;
+  }
+  if (fit && mfu_sensitivity_given) {
+    fprintf(stderr, "ferry sim: --mfu-sensitivity with --fit: the search replays each setting "
+                    "once and reports no sensitivity; check its policy with --mfu-sensitivity\n");
     return 2;
   }
   if (fit)

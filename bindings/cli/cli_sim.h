@@ -39,11 +39,12 @@ typedef struct sim_opts {
   int contention_off;
   double host_overhead_us; /* per saved tensor, on the host's timeline */
   int gpus_given;          /* --gpus-per-node given (else 1, not the run's GPUs) */
+  double mfu_sensitivity;  /* --mfu-sensitivity: 0 off, else F (replays at x (1 -+ F)) */
 } sim_opts;
 
 #define SIM_OPTS_INIT                                                                      \
   {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -1, -1,    \
-   1, 1.0, 0, SIM_HOST_OVERHEAD_TORCH2_US, 0}
+   1, 1.0, 0, SIM_HOST_OVERHEAD_TORCH2_US, 0, SIM_MFU_SENSITIVITY}
 #define MAX_FRACTIONS 16
 #define MAX_WEIGHT_ITEMS 16
 #define MAX_BLOCK 1000000 /* a block index or count no trace reaches */
@@ -59,5 +60,6 @@ void sim_usage(FILE *f);
 int sim_parse_pinned(const char *spec, sim_opts *o);
 int sim_parse_fractions(const char *spec, double *out);
 int sim_parse_weight_layers(const char *spec, weight_item *out);
+int sim_parse_mfu_sensitivity(const char *spec, double *out);
 
 #endif

@@ -285,6 +285,9 @@ typedef struct sim_interval {
                               compute: the op of a compute event, else the
                               module of the next tensor event; NULL if none */
   double flops, hbm_bytes; /* compute: its work as the trace gives it, -1 unknown */
+  /* an H2D copy (lane 2) that ran on the D2H stream, behind the offloads:
+   * a reload under the one_copy_stream knob; drawn on that stream's lane */
+  int32_t one_stream;
 } sim_interval;
 
 typedef struct sim_mem_sample {
@@ -384,6 +387,10 @@ typedef struct sim_result {
   /* sim_config.mfu_sensitivity: the achieved TFLOP/s of the two extra
    * replays (lower, higher) and their steady step times; 0 when not run */
   double sens_tflops[2], sens_step_us[2];
+  /* full replays of the trace this result took: 1, and 2 more when the
+   * sensitivity replays ran (a run's cost; `ferry sim --mfu-sensitivity
+   * off` keeps it at 1) */
+  uint32_t replays;
   double tensors_packed, tensors_offloaded, tensors_kept;
   double prefetches, stash_hits;
   uint64_t policy_errors, policy_calls, policy_cache_hits, cap_fallbacks;
@@ -725,6 +732,11 @@ typedef struct sim_run_info {
   int gpus_per_node, contention, gpus_given;
   double numa_far, host_overhead_us, host_mem_bytes_per_s;
   double h2d_bytes_per_s, d2h_bytes_per_s; /* the link each GPU gets */
+  /* ferry sim --mfu-sensitivity: the factor of the runs' replays at the
+   * compute rate x (1 -+ it) (sim_config.mfu_sensitivity), which the JSON
+   * names; -1: off, which every report says; 0: not stated (the reports
+   * show the sensitivity where the results carry it) */
+  double mfu_sensitivity;
 } sim_run_info;
 
 /* rs[0] is the baseline (no offload), rs[1..n-1] the policies. */

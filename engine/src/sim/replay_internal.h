@@ -185,6 +185,9 @@ typedef struct replay {
   uint32_t cur_ev, peak_ev;
   int cur_phase, peak_phase;
   comm_model *comm;     /* collectives, NULL when the trace has none */
+  /* the policy's one_copy_stream knob: the stash's reloads run on the
+   * offloads' stream, and the timeline draws them there */
+  int one_copy_stream;
 } replay;
 
 /* The least exposed stall any schedule of a step's copies could have with

@@ -709,6 +709,7 @@ static int replay_sensitivity(const sim_trace *t, const sim_config *c, sim_resul
     if (rc) break;
     out->sens_tflops[k] = cc.tflops;
     out->sens_step_us[k] = r.step_us;
+    out->replays += r.replays;
     sim_result_free(&r);
   }
   util_log_quiet(was_quiet);
@@ -747,6 +748,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
     rc = replay_steps(&r, out->steps);
   }
   replay_close(&r);
+  if (!rc) out->replays = 1;
   if (!rc && c->mfu_sensitivity > 0 && c->mfu_sensitivity < 1 && c->tflops > 0 &&
       out->gaps_from_flops > 0)
     rc = replay_sensitivity(t, c, out, err, errlen);
