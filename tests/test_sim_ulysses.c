@@ -1,7 +1,7 @@
 /* test_sim_ulysses.c — issue 34 item 4: DeepSpeed-Ulysses sequence
  * parallelism in the synthesizer (--cp N --cp-impl ulysses), its saved
  * tensors, FLOPs and all-to-alls against a hand computation on the tiny
- * Llama, and its errors. docs/simulator.md, "Long context". */
+ * Llama, and its errors. docs/sim-synth.md, "Long context". */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -347,7 +347,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
            b->step_us / 1e3, 100.0 * (b->step_us - base.step_us) / base.step_us);
     sim_run_class cls;
     sim_run_class_of(&info, NULL, 0, &cls);
-    printf("how sure (docs/simulator.md, \"Validation: memory and cost\": the simulator's error "
+    printf("how sure (docs/sim-validation.md, \"Validation: memory and cost\": the simulator's error "
            "on published runs like this one):\n");
     print_bands("best", &cls, (double)b->peak_device_bytes, b->step_us,
                 (double)base.peak_device_bytes, base.step_us);
@@ -389,7 +389,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
 /* The demo's scenario: what a user would run that does not fit without
  * offloading. Qwen3-14B (the qwen3-14b preset), seq 8192, no activation
  * checkpointing, FSDP over the 8 GPUs of one H100 node: 99.9 GiB at peak on
- * an 80 GB H100 (docs/simulator.md, "The demo"). */
+ * an 80 GB H100 (docs/sim-model.md, "The demo"). */
 #define DEMO_PRESET "qwen3-14b"
 #define DEMO_NAME "Qwen3-14B"
 #define DEMO_HW "h100"
@@ -470,7 +470,7 @@ static int demo(const char *dir) {
              best.prefetch_layers, (double)best.host_reserved_bytes / (1u << 30));
     putchar('\n');
   }
-  printf("how sure (docs/simulator.md, \"Validation: memory and cost\": the simulator's error "
+  printf("how sure (docs/sim-validation.md, \"Validation: memory and cost\": the simulator's error "
          "on published runs like each, and where a real run like them landed):\n");
   for (int i = 1; i <= 4; i++) {
     if (i == 4 && !best.fits) break;

@@ -27,7 +27,7 @@ typedef struct sim_opts {
    * bytes given in untracked */
   enum { UNTRACKED_AUTO = 0, UNTRACKED_OFF, UNTRACKED_GIVEN } untracked_mode;
   uint64_t untracked;
-  /* collectives (docs/simulator.md, "Collectives"): the nodes the
+  /* collectives (docs/sim-model.md, "Collectives"): the nodes the
    * data-parallel group spans, and bus bandwidths per GPU in bytes/s
    * overriding the preset's (-1: the preset's; 0: collectives take no time) */
   uint32_t nodes;

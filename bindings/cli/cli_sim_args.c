@@ -89,7 +89,7 @@ void sim_usage(FILE *f) {
           "                      (without --policy: no activation offload)\n"
           "  --weight-double-buffer on|off  on (default): a block's reload issues its\n"
           "                      neighbour's behind it (double_buffer=True)\n"
-          "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
+          "  --json FILE         the report as JSON (keys in docs/sim-outputs.md)\n"
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          memory over the last step: device (baseline and each\n"
           "                      policy), pinned host, exposed stalls, backward's start, peaks\n"

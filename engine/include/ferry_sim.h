@@ -214,7 +214,7 @@ typedef struct sim_config {
   int pinned_no_pool;
   int release_when_copied; /* ferry_config.release_when_copied */
   int prefetch_at_backward_begin; /* ferry_config.prefetch_at_backward_begin */
-  /* sim: optimizer-state offload (docs/simulator.md, "Optimizer-state
+  /* sim: optimizer-state offload (docs/sim-model.md, "Optimizer-state
    * offload"), as ferry.torch.offload_optimizer does it: the share of the
    * trace's resident "optimizer states" (and "master weights") kept on the
    * host, 0..1 (0 = none); the host's Adam rate in parameters per second
@@ -224,7 +224,7 @@ typedef struct sim_config {
   double optimizer_fraction;
   double cpu_adam_params_per_s;
   int optimizer_serial;
-  /* sim: weight offload (docs/simulator.md, "Weight offload"), as
+  /* sim: weight offload (docs/sim-model.md, "Weight offload"), as
    * ferry.torch.offload_weights does it: the weights of the repeated blocks
    * weight_first .. weight_first + weight_count - 1 (weight_count 0 = none)
    * go to the host after each forward and come back before their backward,
@@ -236,7 +236,7 @@ typedef struct sim_config {
    * loss's transients, workspaces), counted in every peak as resident
    * memory is; sim_untracked_bytes learns it from a recorded run */
   uint64_t untracked_bytes;
-  /* sim: the communication lane (docs/simulator.md, "Collectives"): the
+  /* sim: the communication lane (docs/sim-model.md, "Collectives"): the
    * data-parallel group spans comm_nodes nodes (0 or 1: one node, its
    * collectives on NVLink; more: on the NIC, whose traffic crosses the
    * GPU's PCIe link with the offload copies); the bus bandwidths per GPU,
@@ -246,9 +246,9 @@ typedef struct sim_config {
   /* the step's sensitivity to the compute rate: when > 0 (and compute is
    * timed from FLOPs: tflops > 0), the replay is run twice more with tflops
    * x (1 - this) and x (1 + this), and sim_result.sens_* get their steady
-   * step times (docs/simulator.md, "Sensitivity to the compute rate") */
+   * step times (docs/sim-model.md, "Sensitivity to the compute rate") */
   double mfu_sensitivity;
-  /* sim: node sharing (docs/simulator.md, "Time model"): this GPU's share
+  /* sim: node sharing (docs/sim-model.md, "Time model"): this GPU's share
    * of the host's memory bandwidth, which its copies of both directions
    * share, bytes/s (0 = unlimited); and copy/compute contention: the
    * device-memory bandwidth a copy takes its share of from a memory-bound
@@ -441,11 +441,11 @@ FERRY_API int sim_untracked_bytes(const sim_trace *t, const sim_config *c, uint6
 FERRY_API void sim_result_free(sim_result *r);
 
 
-/* ---- the trace synthesizer: a decoder-only transformer's training step from its shape (docs/simulator.md)
+/* ---- the trace synthesizer: a decoder-only transformer's training step from its shape (docs/sim-synth.md)
  */
 
 enum { SYNTH_LLAMA = 0, SYNTH_GPT = 1 };
-/* Activation checkpointing (docs/simulator.md, "Activation checkpointing"):
+/* Activation checkpointing (docs/sim-synth.md, "Activation checkpointing"):
  * none; full (every ckpt_every-th block keeps only its input and is
  * recomputed before its backward); selective (Megatron-LM's: the groups in
  * `recompute` are dropped and recomputed); selective-op (torchtitan's
@@ -458,7 +458,7 @@ enum {
   SYNTH_CKPT_SELECTIVE_OP = 3
 };
 /* Which checkpoint implementation runs it, which decides what a saved-tensor
- * hook (ferry) receives (docs/simulator.md, "What a policy can see"):
+ * hook (ferry) receives (docs/sim-synth.md, "What a policy can see"):
  * reentrant (torch.utils.checkpoint use_reentrant=True, Hugging Face's
  * default, Megatron's): the block input and every recomputed tensor;
  * non-reentrant (use_reentrant=False, torchtitan's): none of the checkpoint's
@@ -472,12 +472,12 @@ enum {
   SYNTH_CKPT_IMPL_NON_REENTRANT = 2,
   SYNTH_CKPT_IMPL_COMPILED = 3
 };
-/* The loss (docs/simulator.md, "The loss working set"): full is Hugging
+/* The loss (docs/sim-synth.md, "The loss working set"): full is Hugging
  * Face's (lm_head's bf16 logits, their fp32 copy, log-softmax + NLL);
  * chunked a fused linear cross-entropy (Liger's): the logits exist a chunk
  * of tokens at a time and the gradients are computed in forward. */
 enum { SYNTH_LOSS_FULL = 0, SYNTH_LOSS_CHUNKED = 1 };
-/* Training state on the device (docs/simulator.md, "Resident memory"):
+/* Training state on the device (docs/sim-synth.md, "Resident memory"):
  * the optimizer's state bytes per trainable parameter and whether an fp32
  * master copy is kept (auto: when the parameters are 16-bit). */
 enum {
@@ -488,13 +488,13 @@ enum {
   SYNTH_OPT_NONE          /* no optimizer step at all */
 };
 enum { SYNTH_MASTER_AUTO = 0, SYNTH_MASTER_ON = 1, SYNTH_MASTER_OFF = 2 };
-/* What an RMSNorm saves (docs/simulator.md, "Saved tensors per op"): fused,
+/* What an RMSNorm saves (docs/sim-synth.md, "Saved tensors per op"): fused,
  * one kernel (torch's _fused_rms_norm, Liger's RMSNorm: the input, its rstd
  * and the weight); eager, Hugging Face's LlamaRMSNorm as written, op by op
  * (the fp32 input, rstd, the normalized tensor: what a CPU run or a GPU run
  * without fused kernels saves). */
 enum { SYNTH_NORM_FUSED = 0, SYNTH_NORM_EAGER = 1 };
-/* How --cp splits the sequence (docs/simulator.md, "Long context"): ring
+/* How --cp splits the sequence (docs/sim-synth.md, "Long context"): ring
  * attention (each rank's queries over every rank's K/V chunks) or
  * DeepSpeed-Ulysses (all-to-alls around attention turn seq / cp tokens of
  * every head into the whole sequence of heads / cp). */
@@ -604,7 +604,7 @@ FERRY_API int synth_optimizer_parse(const char *name);
 
 /* ---- "what fits?" (sim_fit.c): a policy template's knobs searched for the
  * lowest step time whose steady peak fits the device and whose pinned host
- * memory fits the host budget (docs/simulator.md, `ferry sim --fit`) */
+ * memory fits the host budget (docs/sim-model.md, `ferry sim --fit`) */
 typedef struct sim_fit_setting {
   uint64_t host_bytes;  /* HOST_BYTES: offloaded bytes per step, at most */
   int keep_last;        /* KEEP_LAST: layers kept on device */
@@ -748,13 +748,13 @@ FERRY_API int sim_write_chrome_trace(const char *path, const sim_result *rs, int
                            size_t errlen);
 /* Device memory over the last step per run (left axis), pinned host memory
  * in use (right axis), the exposed waits, backward's start and the peaks
- * (sim_plot.c; docs/simulator.md, "Outputs"). Needs sim_config.timeline. */
+ * (sim_plot.c; docs/sim-outputs.md, "Outputs"). Needs sim_config.timeline. */
 FERRY_API int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
                   char *err, size_t errlen);
-/* ---- error bands (sim_bands.c; docs/simulator.md, "Validation: memory and cost") ---- */
+/* ---- error bands (sim_bands.c; docs/sim-validation.md, "Validation: memory and cost") ---- */
 /* A row of the validation table: a published run, how it was set up (its
  * class) and the simulator's error on it, simulated - published in points.
- * The table in docs/simulator.md is the source; tests/check_band_docs.py
+ * The table in docs/sim-validation.md is the source; tests/check_band_docs.py
  * fails when these rows disagree with it. */
 enum { SIM_BAND_NONE = 0, SIM_BAND_NUMBER = 1, SIM_BAND_BOUND = 2 };
 typedef struct sim_band_row {

@@ -494,7 +494,7 @@ static double offload_stall(replay *r) {
   return st + w - (r->opt ? r->opt->host_wait : 0);
 }
 
-/* The stall floor's time to hide copies behind (docs/simulator.md, "Stall
+/* The stall floor's time to hide copies behind (docs/sim-model.md, "Stall
  * floor") since at = {clock, offload_stall}: the clock's advance less the
  * offloads' stall in it. The link copies through compute and through the
  * GPU's other waits (for the host, a collective, the weights) alike. */

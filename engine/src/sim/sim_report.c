@@ -16,7 +16,7 @@
 
 #define GB 1e9
 
-/* Published measurements (docs/simulator.md gives the sources). latency is
+/* Published measurements (docs/sim-model.md gives the sources). latency is
  * the per-copy fixed cost: 3-7 us of host submission for cudaMemcpyAsync. */
 /* Then dense BF16 peak (TFLOP/s) and HBM bandwidth, from the vendors'
  * datasheets (H100 SXM 3.35 TB/s, H200 4.8, A100 80GB SXM 2.039, GH200 96 GB
@@ -129,7 +129,7 @@ static void sim_print_optimizer(FILE *f, const sim_result *rs, int n) {
   int any = 0;
   for (int i = 0; i < n; i++) any |= rs[i].opt_fraction > 0;
   if (!any) return;
-  fprintf(f, "\noptimizer-state offload (docs/simulator.md): the host steps a share of the "
+  fprintf(f, "\noptimizer-state offload (docs/sim-model.md): the host steps a share of the "
              "parameters; per steady step:");
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
@@ -155,7 +155,7 @@ static void sim_print_weights(FILE *f, const sim_result *rs, int n) {
   int any = 0;
   for (int i = 0; i < n; i++) any |= rs[i].w_count > 0;
   if (!any) return;
-  fprintf(f, "\nweights (docs/simulator.md, \"Weight offload\"): blocks' weights D2H after their "
+  fprintf(f, "\nweights (docs/sim-model.md, \"Weight offload\"): blocks' weights D2H after their "
              "forward, H2D before their backward; per steady step, in D2H/H2D and stall above:");
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
@@ -276,7 +276,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   sim_print_weights(f, rs, n);
   if (n > 0 && rs[0].comm_count > 0) {
     /* collectives run beside compute: only what the compute waited for
-     * lengthens the step (docs/simulator.md, "Collectives") */
+     * lengthens the step (docs/sim-model.md, "Collectives") */
     fprintf(f, "\ncollectives per step (FSDP gathers and reduce-scatters, tensor-parallel "
                "exchanges): exposed is the time compute waited for them, in the step time:");
     for (int i = 0; i < n; i++) {
@@ -292,7 +292,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   }
   if (n > 1 && !strcmp(rs[0].backend, "sim")) {
     fprintf(f, "\nstall floor (the least stall any schedule of the same copies could expose "
-               "at the same peak, the link at full speed; docs/simulator.md):");
+               "at the same peak, the link at full speed; docs/sim-model.md):");
     for (int i = 1; i < n; i++) {
       char fl[32], sl[32];
       fmt_us(fl, sizeof fl, rs[i].stall_floor_us);
@@ -335,7 +335,7 @@ static void print_sensitivity(FILE *f, const sim_run_info *info, const sim_resul
   if (n >= 1 && !(rs[0].sens_tflops[0] > 0) && info->mfu_sensitivity < 0) {
     fprintf(f, "
 sensitivity to the compute rate: off (--mfu-sensitivity off: no replays at "
-               "other rates; docs/simulator.md)
+               "other rates; docs/sim-model.md)
 ");
     return;
   }
@@ -346,7 +346,7 @@ sensitivity to the compute rate: off (--mfu-sensitivity off: no replays at "
   fmt_rate(md, sizeof md, hw, mid);
   fmt_rate(hi, sizeof hi, hw, rs[0].sens_tflops[1]);
   fprintf(f, "\nsensitivity to the compute rate (an input, not a measurement: --mfu; "
-             "docs/simulator.md): step (overhead) at %s / %s / %s:", lo, md, hi);
+             "docs/sim-model.md): step (overhead) at %s / %s / %s:", lo, md, hi);
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
     if (!(r->sens_tflops[0] > 0)) continue;

@@ -1,6 +1,6 @@
 /*
  * synth_model.c — the trace synthesizer's presets, validation and
- * parameter arithmetic (declared in ferry_tools.h; docs/simulator.md).
+ * parameter arithmetic (declared in ferry_tools.h; docs/sim-synth.md).
  */
 #include <math.h>
 #include <stdio.h>
