@@ -230,7 +230,7 @@ def sim_trace(ferry, d):
     report(problems, events, nflows, "ferry sim --chrome-trace --weight-layers --optimizer-fraction")
     # one_copy_stream: the reloads on the offloads' lane; default's unchanged beside it
     subprocess.run([ferry, "sim", "--trace", trace, "--policy", "default," + one_stream_policy(d),
-                    "--no-layers", "--mfu-sensitivity", "off", "--chrome-trace", out],
+                    "--no-layers", "--chrome-trace", out],
                    check=True, capture_output=True)
     events = load(out)
     problems, nflows = check(events)

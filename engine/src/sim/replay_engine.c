@@ -51,7 +51,7 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
   replay *r = ud;
   if (!r->recording) return;
   sim_timeline *tl = &r->res->tl;
-  sim_interval iv = {t0, t1, bytes, 1 + dir, -1, 0, 0, NULL, -1, -1};
+  sim_interval iv = {t0, t1, bytes, 1 + dir, -1, 0, 0, NULL, -1, -1, 0};
   uint32_t v = 0;
   int weights = r->w && (const char *)dev >= r->w->dev && (const char *)dev < r->w->dev + r->w->count;
   if (dir == 0) {

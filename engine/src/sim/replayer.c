@@ -206,7 +206,7 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
       break;
     }
   timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer, 0, 0, module,
-                                            ev->flops, ev->hbm_bytes});
+                                            ev->flops, ev->hbm_bytes, 0});
   return us;
 }
 

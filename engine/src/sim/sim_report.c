@@ -333,10 +333,8 @@ static void fmt_rate(char *buf, size_t n, const sim_hw *hw, double tflops) {
 static void print_sensitivity(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
   const sim_hw *hw = info->hw;
   if (n >= 1 && !(rs[0].sens_tflops[0] > 0) && info->mfu_sensitivity < 0) {
-    fprintf(f, "
-sensitivity to the compute rate: off (--mfu-sensitivity off: no replays at "
-               "other rates; docs/sim-model.md)
-");
+    fprintf(f, "\nsensitivity to the compute rate: off (--mfu-sensitivity off: no replays at "
+               "other rates; docs/sim-model.md)\n");
     return;
   }
   if (n < 1 || !(rs[0].sens_tflops[0] > 0)) return;
