@@ -526,6 +526,7 @@ int ferry_cli_sim(int argc, char **argv) {
   sim_opts o = SIM_OPTS_INIT;
   uint64_t fit = 0, fit_host = 0, line_limit;
   int fit_device = 0, mfu_sensitivity_given = 0;
+  const char *fit_host_arg = NULL, *fit_out_arg = NULL; /* given: --fit's own options */
   const char *fit_out = "fit.lua";
   double fractions[MAX_FRACTIONS];
   int n_fractions = 0;
@@ -569,8 +570,9 @@ int ferry_cli_sim(int argc, char **argv) {
       break;
     case 'H':
       if (cli_bytes("sim", "--fit-host", optarg, 1, &fit_host)) return 2;
+      fit_host_arg = optarg;
       break;
-    case 'O': fit_out = optarg; break;
+    case 'O': fit_out = fit_out_arg = optarg; break;
     case 'X': o.release_copied = 1; break;
     case 'B': o.prefetch_bwd = 1; break;
     case 'M':
@@ -726,6 +728,13 @@ int ferry_cli_sim(int argc, char **argv) {
   if (fit && n_witems) {
     fprintf(stderr, "ferry sim: --fit does not search --weight-layers (yet): run --fit, "
                     "then check its policy with --weight-layers\n");
+    return 2;
+  }
+  if (!fit && (fit_host_arg || fit_out_arg)) { /* else ignored: no search runs */
+    fprintf(stderr, "ferry sim: %s %s: only with --fit (the search's %s); add --fit BYTES or "
+                    "--fit device\n", fit_host_arg ? "--fit-host" : "--fit-out",
+            fit_host_arg ? fit_host_arg : fit_out_arg,
+            fit_host_arg ? "host budget" : "policy file");
     return 2;
   }
   if (fit && mfu_sensitivity_given) {
