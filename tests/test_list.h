@@ -163,6 +163,7 @@
   X(sim_one_copy_stream_queues_a_reload_behind_the_offloads)              \
   X(sim_policy_hidden_states_mirrors_axolotl)                             \
   X(one_copy_stream_engine_round_trips_the_bytes)                         \
+  X(chrome_trace_one_copy_stream_follows_a_swapped_policy)                \
   X(get_knobs_fills_every_byte_of_the_callers_size)                        \
   /* the simulator's cost terms (test_sim_cost.c) */                        \
   X(sim_copy_slows_a_concurrent_memory_bound_kernel)                      \
