@@ -1669,7 +1669,7 @@ static const char *six_tensors(void) {
 }
 
 /* The floor at the peak a step with offloading reaches in backward
- * (docs/simulator.md, "Stall floor"). Four 100000-byte offloads with 50 us
+ * (docs/sim-model.md, "Stall floor"). Four 100000-byte offloads with 50 us
  * of compute after each, a forward stash of one buffer; backward begins
  * with a 300000-byte transient (the loss's gradients) for bwd_us of compute
  * before the unpacks. Link 1000 B/us, no latency. The engine: copies
@@ -2086,7 +2086,7 @@ TEST(sim_fuzz_corpus_replays_clean) {
  * clock (deterministic): on the Llama-3-8B-like trace at seq 8192 on h100,
  * budget.lua reaches at least default.lua's peak reduction with well under
  * half its exposed stall. (The issue's 1/5 is below what the link allows
- * here: docs/simulator.md, "Policy quality".) */
+ * here: docs/sim-validation.md, "Policy quality".) */
 TEST(sim_budget_beats_default_on_llama3_8b) {
   synth_model m;
   CHECK_EQ(synth_preset("llama3-8b", &m), 0);
