@@ -39,15 +39,18 @@ static double num_of(const cJSON *e, const char *key) {
   return cJSON_GetNumberValue(cJSON_GetObjectItem(e, key));
 }
 
-/* One step: three 64 KiB packs (each pushes the one before out of the
- * one-deep stash), backward unpacks them newest first. */
+/* One step: three 64 KiB packs of known bytes (each pushes the one before out of the
+ * one-deep stash), backward unpacks them newest first and reads them back. */
 static int one_step(ferry_engine *e, test_device_stats *st) {
   enum { N = 3, SZ = 1 << 16 };
   ferry_handle h[N];
+  static unsigned char bytes[N][SZ], back[SZ];
   CHECK_OK(ferry_step_begin(e));
   for (int i = 0; i < N; i++) {
     test_buffer *b = test_buffer_new(SZ);
     CHECK(b);
+    for (size_t j = 0; j < SZ; j++) bytes[i][j] = (unsigned char)(j * 5u + (unsigned)i);
+    test_dev_write(b->ptr, bytes[i], SZ);
     ferry_tensor_desc d = u8_activation(SZ);
     d.module_path = "model.layers.0.mlp";
     CHECK_OK(ferry_pack(e, &d, b->ptr, b, NULL, &h[i]));
@@ -56,6 +59,10 @@ static int one_step(ferry_engine *e, test_device_stats *st) {
   for (int i = N - 1; i >= 0; i--) {
     void *dev = NULL, *owner = NULL;
     CHECK_OK(ferry_unpack(e, h[i], NULL, &dev, &owner));
+    /* the read waits for the copies (the CUDA double refuses a free under
+     * one still reading the buffer, as the caller's allocator would wait) */
+    test_dev_read(back, dev, SZ);
+    CHECK(!memcmp(back, bytes[i], SZ));
     test_device_release_cb(st, owner);
   }
   CHECK_OK(ferry_backward_end(e));
