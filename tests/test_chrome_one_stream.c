@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ferry_sim.h"
 #include "test.h"
 #include "test_copy_knobs.h"
 #include "test_device.h"
@@ -140,5 +141,54 @@ TEST(chrome_trace_one_copy_stream_follows_a_swapped_policy) {
   CHECK(ends > 0);
   CHECK_EQ(ends_on_slice, ends);
   cJSON_Delete(root);
+  return 0;
+}
+
+/* The simulator's trace names the lane as a real run's does: by the knob,
+ * not by whether a reload happened. A policy with one_copy_stream that keeps
+ * everything (no reload in the step) still gets "copies (one stream)"; one
+ * without the knob keeps "D2H copies". */
+TEST(sim_chrome_trace_names_the_one_stream_lane_by_the_knob) {
+  static const char text[] =
+      TRACE_START PACK(1, 100000, 0) COMPUTE PACK(2, 400000, 1) COMPUTE BACKWARD_BEGIN UNPACK(1)
+      COMPUTE UNPACK(2) COMPUTE TRACE_STOP;
+  sim_trace *t = NULL;
+  char err[512];
+  CHECK_OK(sim_trace_parse("keep_one_stream", text, strlen(text), &t, err, sizeof err));
+  for (int one = 0; one < 2; one++) {
+    sim_config c = {0};
+    c.link = (ferry_link){1e9, 1e9, 0, 1.0};
+    c.steps = 1;
+    c.timeline = 1;
+    c.policy_source = one ? "return { api = 1, knobs = { one_copy_stream = 1 },\n"
+                            " decide = function(t, ctx) return ferry.KEEP end }"
+                          : "return { api = 1,\n decide = function(t, ctx) return ferry.KEEP end }";
+    sim_result r;
+    int rc = sim_replay(t, &c, &r, err, sizeof err);
+    if (rc) fprintf(stderr, "%s\n", err);
+    CHECK_OK(rc);
+    CHECK_NEAR(r.bytes_h2d, 0, 1e-9); /* nothing reloaded */
+    char path[] = "/tmp/ferry-sim-ct-one-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    close(fd);
+    CHECK_OK(sim_write_chrome_trace(path, &r, 1, err, sizeof err));
+    char *json = read_all(path);
+    unlink(path);
+    CHECK(json);
+    cJSON *root = cJSON_Parse(json);
+    free(json);
+    CHECK(root);
+    const char *d2h = NULL;
+    const cJSON *x;
+    cJSON_ArrayForEach(x, cJSON_GetObjectItem(root, "traceEvents"))
+      if (!strcmp(str_of(x, "ph"), "M") && !strcmp(str_of(x, "name"), "thread_name") &&
+          num_of(x, "tid") == 2)
+        d2h = cJSON_GetStringValue(cJSON_GetObjectItem(cJSON_GetObjectItem(x, "args"), "name"));
+    CHECK(d2h && !strcmp(d2h, one ? "copies (one stream)" : "D2H copies"));
+    cJSON_Delete(root);
+    sim_result_free(&r);
+  }
+  sim_trace_free(t);
   return 0;
 }

@@ -164,6 +164,7 @@
   X(sim_policy_hidden_states_mirrors_axolotl)                             \
   X(one_copy_stream_engine_round_trips_the_bytes)                         \
   X(chrome_trace_one_copy_stream_follows_a_swapped_policy)                \
+  X(sim_chrome_trace_names_the_one_stream_lane_by_the_knob)                \
   X(get_knobs_fills_every_byte_of_the_callers_size)                        \
   /* the simulator's cost terms (test_sim_cost.c) */                        \
   X(sim_copy_slows_a_concurrent_memory_bound_kernel)                      \

@@ -320,6 +320,10 @@ typedef struct sim_timeline {
   size_t n_waits, cap_waits;
   sim_mem_sample *host;
   size_t n_host, cap_host;
+  /* the policy's one_copy_stream knob: its reloads run on the D2H stream,
+   * whose Chrome-trace lane is named for both directions (as a real run's,
+   * reloads or not) */
+  int one_stream;
 } sim_timeline;
 
 /* sim_result.peak_phase */

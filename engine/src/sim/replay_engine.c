@@ -225,6 +225,7 @@ int replay_open_engine(replay *r) {
   if (!r->sim) return 0;
   ferry_knobs k;
   if (ferry_get_knobs(r->e, &k, sizeof k) == FERRY_OK) r->one_copy_stream = k.one_copy_stream != 0;
+  r->res->tl.one_stream = r->one_copy_stream;
   sim_backend_set_listener(r->sim, on_copy, r);
   if ((rc = sim_backend_set_pinned_cost(r->sim, c->pinned_alloc_us, c->pinned_touch_bytes_per_s,
                                              !c->pinned_no_pool)))

@@ -588,7 +588,8 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
     const sim_timeline *tl = &r->tl;
     int pid = i + 1;
     ct_process(&w, pid, r->label, i);
-    int one_stream = 0;
+    /* the knob names the lane, as in a real run's trace, reloads or not */
+    int one_stream = tl->one_stream;
     for (size_t k = 0; k < tl->n_iv && !one_stream; k++) one_stream = tl->iv[k].one_stream;
     for (int k = 0; k < 3; k++)
       ct_thread(&w, pid, k + 1, k == 1 && one_stream ? CT_LANE_ONE_STREAM : lanes[k], -1);
