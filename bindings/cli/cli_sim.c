@@ -225,6 +225,12 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     }
   }
   cli_progress_end();
+  /* asked for, yet no replay at other rates ran: say why rather than
+   * leave the reports without the paragraph */
+  if (!rc && o->mfu_sensitivity_given && o->mfu_sensitivity > 0 && !(rs[0].sens_tflops[0] > 0))
+    fprintf(stderr, "ferry sim: --mfu-sensitivity: not run: no compute in this trace is timed "
+                    "from FLOPs at a compute rate (--mfu, --tflops), so the rate changes "
+                    "nothing; its times are the trace's own\n");
   if (!rc) {
     sim_print_table(stdout, &info, rs, n_jobs + 1);
     if (layers_table && n_jobs <= 4) sim_print_layers(stdout, rs, n_jobs + 1);
@@ -663,7 +669,7 @@ int ferry_cli_sim(int argc, char **argv) {
       break;
     case 'e':
       if (sim_parse_mfu_sensitivity(optarg, &o.mfu_sensitivity)) return 2;
-      mfu_sensitivity_given = 1;
+      mfu_sensitivity_given = o.mfu_sensitivity_given = 1;
       break;
     case 'L': layers_table = 0; break;
     case 'Y':

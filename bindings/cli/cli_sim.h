@@ -40,11 +40,12 @@ typedef struct sim_opts {
   double host_overhead_us; /* per saved tensor, on the host's timeline */
   int gpus_given;          /* --gpus-per-node given (else 1, not the run's GPUs) */
   double mfu_sensitivity;  /* --mfu-sensitivity: 0 off, else F (replays at x (1 -+ F)) */
+  int mfu_sensitivity_given; /* ... given on the command line (else the default) */
 } sim_opts;
 
 #define SIM_OPTS_INIT                                                                      \
   {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -1, -1,    \
-   1, 1.0, 0, SIM_HOST_OVERHEAD_TORCH2_US, 0, SIM_MFU_SENSITIVITY}
+   1, 1.0, 0, SIM_HOST_OVERHEAD_TORCH2_US, 0, SIM_MFU_SENSITIVITY, 0}
 #define MAX_FRACTIONS 16
 #define MAX_WEIGHT_ITEMS 16
 #define MAX_BLOCK 1000000 /* a block index or count no trace reaches */

@@ -18,6 +18,21 @@ from cli_report import finish
 FERRY = sys.argv[1]
 
 
+# two packs and four 300 us compute events without FLOPs: timed as recorded
+NO_FLOPS_TRACE = "".join(json.dumps(e) + "\n" for e in [
+    {"ev": "header", "t_us": 0, "format": "ferry-trace", "version": 1},
+    {"ev": "step_begin", "t_us": 0, "step": 1},
+    *[e for i, b in ((1, 100000), (2, 400000)) for e in (
+        {"ev": "pack", "t_us": 0, "id": i, "step": 1, "bytes": b, "dtype": "u8", "shape": [b],
+         "kind": "activation", "phase": "forward", "layer": i - 1, "layers": 2,
+         "decision": "offload"},
+        {"ev": "compute", "t_us": 0, "us": 300})],
+    {"ev": "backward_begin", "t_us": 0},
+    *[e for i in (1, 2) for e in ({"ev": "unpack", "t_us": 0, "id": i},
+                                  {"ev": "compute", "t_us": 0, "us": 300})],
+    {"ev": "backward_end", "t_us": 0}, {"ev": "step_end", "t_us": 9, "step": 1}])
+
+
 def sim(d, *args):
     j, h = os.path.join(d, "r.json"), os.path.join(d, "r.html")
     r = subprocess.run([FERRY, "sim", "--policy", "default,layers", "--trace",
@@ -82,8 +97,21 @@ def main():
                                capture_output=True, text=True, timeout=60)
             if r.returncode != 2 or f"ferry sim: {want}" not in r.stderr:
                 failures.append(f"{' '.join(args)}: exit {r.returncode}, {r.stderr.strip()!r}")
+        # asked for on a trace whose compute is not timed from FLOPs (recorded
+        # times): no replay at other rates can run, and the run says so
+        noflops = os.path.join(d, "noflops.jsonl")
+        with open(noflops, "w") as f:
+            f.write(NO_FLOPS_TRACE)
+        for args, said in (([], False), (["--mfu-sensitivity", "0.2"], True),
+                           (["--mfu-sensitivity", "off"], False)):
+            r = subprocess.run([FERRY, "sim", "--policy", "default", "--trace", noflops,
+                                "--no-layers", *args], capture_output=True, text=True, timeout=60)
+            note = "--mfu-sensitivity: not run: no compute in this trace is timed from FLOPs"
+            if r.returncode != 0 or (note in r.stderr) != said:
+                failures.append(f"no FLOPs, {' '.join(args) or 'default'}: exit {r.returncode}, "
+                                f"want the note {'' if said else 'not '}said: {r.stderr.strip()!r}")
     finish(failures, "ok   ferry sim --mfu-sensitivity: on 3 replays a run, off 1 and said so, "
-                     "F sets the rates, bad values refused")
+                     "F sets the rates, bad values refused, not run on a trace without FLOPs said")
 
 
 if __name__ == "__main__":
