@@ -227,7 +227,8 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   cli_progress_end();
   /* asked for, yet no replay at other rates ran: say why rather than
    * leave the reports without the paragraph */
-  if (!rc && o->mfu_sensitivity_given && o->mfu_sensitivity > 0 && !(rs[0].sens_tflops[0] > 0))
+  if (!rc && o->mfu_sensitivity_given && o->mfu_sensitivity > 0 && !(rs[0].sens_tflops[0] > 0) &&
+      cli_verbosity >= 0) /* a warning: -q keeps errors only */
     fprintf(stderr, "ferry sim: --mfu-sensitivity: not run: no compute in this trace is timed "
                     "from FLOPs at a compute rate (--mfu, --tflops), so the rate changes "
                     "nothing; its times are the trace's own\n");

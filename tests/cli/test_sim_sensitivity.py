@@ -103,7 +103,8 @@ def main():
         with open(noflops, "w") as f:
             f.write(NO_FLOPS_TRACE)
         for args, said in (([], False), (["--mfu-sensitivity", "0.2"], True),
-                           (["--mfu-sensitivity", "off"], False)):
+                           (["--mfu-sensitivity", "off"], False),
+                           (["--mfu-sensitivity", "0.2", "-q"], False)):
             r = subprocess.run([FERRY, "sim", "--policy", "default", "--trace", noflops,
                                 "--no-layers", *args], capture_output=True, text=True, timeout=60)
             note = "--mfu-sensitivity: not run: no compute in this trace is timed from FLOPs"
