@@ -26,7 +26,7 @@ Ratios (numerator / denominator named):
   gpu_ferry_default_peak_vs_none        = ferry_default peak / none peak
 --trace FILE records one ferry_default step's JSONL trace (FLOPs and the
 optimizer's resident memory included) for `ferry sim --hw h200` to replay
-against the measured figures (docs/simulator.md).
+against the measured figures (docs/sim-validation.md).
 Needs a CUDA device; without one it says so and writes nothing.
 
 Usage: python bench/bench_gpu.py [--json build/bench.json] [--trace FILE]

@@ -10,7 +10,7 @@
  * reading, parsing and replay (engine, policy host, sim backend) together;
  * each is also reported alone, and parsing the same text from memory.
  *
- * Floor: the run of docs/simulator.md's "Policy quality" (the same preset,
+ * Floor: the run of docs/sim-validation.md's "Policy quality" (the same preset,
  * one step replayed 3 times, h100 with `ferry sim`'s default GPU speed:
  * peak x MFU 0.40 and 0.60 of its HBM): budget.lua's exposed stall (reload waits + host
  * waits per steady step) / the floor the simulator reports for the bytes it

@@ -6,7 +6,7 @@ of backward. Everything still on device then counts: kept tensors,
 offloaded ones whose copies have not finished, and the loss's own saved
 log-probabilities (fp32, sequence x vocabulary: 3.9 GiB for Llama-3-8B at
 8192 tokens) with the logits and gradients around them (another 7.8 GiB
-in its backward, docs/simulator.md "The loss working set"), which exist
+in its backward, docs/sim-synth.md "The loss working set"), which exist
 there whatever a policy does. So:
   - the loss is kept (R.LOSS): offloading it cannot lower the peak, and
     backward needs it first — default.lua pays two 3.9 GiB copies for it;

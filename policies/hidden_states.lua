@@ -14,7 +14,7 @@ and they differ in how they wait and when they reload:
     unpack, when backward needs the tensor, and the compute stream waits for
     it: no prefetch; but the side stream does not wait for compute first, so
     a host running ahead of the GPU starts it early (ferry's R.on_use()
-    below waits for compute: the latest placement; docs/simulator.md
+    below waits for compute: the latest placement; docs/sim-validation.md
     brackets it with a reload one ahead). Host buffers come from its own
     pool, exact sizes.
   - reentrant (`use_reentrant: true`, axolotl PR #3733, "ALST-style",
@@ -38,7 +38,7 @@ each once its copy is done (release_when_copied); reload on use
 (non-reentrant) or one tensor ahead (reentrant). Use it with `--checkpoint full` (non-reentrant) or
 `--checkpoint full --checkpoint-impl reentrant`.
 Not modelled: the reentrant checkpoint's own cost beside the default one
-(docs/simulator.md, "Validation: memory and cost").
+(docs/sim-validation.md, "Validation: memory and cost").
 
 Knobs: edit the lines below. ]]
 local REENTRANT = false -- true: the reentrant (ALST-style) implementation

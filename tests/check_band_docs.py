@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The error bands' rows (engine/src/sim/sim_bands.c) are docs/simulator.md's
+"""The error bands' rows (engine/src/sim/sim_bands.c) are docs/sim-validation.md's
 validation table ("## Validation: memory and cost"), row for row: source,
 GPUs, eager or compiled, seq and CP, the simulated overhead (which makes a
 row copy-bound), and the memory and overhead errors in points (or the

@@ -96,7 +96,9 @@ done
 "$FERRY" trace synth --preset tiny --seq 1024 --cp 2 --cp-impl ulysses -q -o "$D/uly.jsonl"
 head -1 "$D/uly.jsonl" | grep -q '"cp":2,"cp_impl":"ulysses",'
 grep -q '"op":"all_to_all",.*"ranks":2,"what":"cp"' "$D/uly.jsonl"
-for bad in "--cp 2 --cp-impl ulysess" "--cp 4 --cp-impl ulysses"; do
+# --cp-impl without context parallelism (no --cp, or --cp 1) would be ignored: refused too
+for bad in "--cp 2 --cp-impl ulysess" "--cp 4 --cp-impl ulysses" "--cp-impl ulysses" \
+           "--cp 1 --cp-impl ulysses" "--cp-impl ring"; do
   rc=0
   # shellcheck disable=SC2086
   "$FERRY" trace synth --preset tiny --seq 1024 $bad -o "$D/b.jsonl" 2> "$D/err.txt" || rc=$?

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""check_band_docs.py catches drift: it passes on docs/simulator.md as it
+"""check_band_docs.py catches drift: it passes on docs/sim-validation.md as it
 is and fails on copies of it with a changed error, a changed simulated or
 published figure whose error was left alone, a row removed, a row added and
 two rows swapped; a page without the section or its table gets a message.
@@ -71,7 +71,7 @@ def main():
             if mutant == text:
                 failures.append(f"setup: {what}: the copy is unchanged")
                 continue
-            path = os.path.join(d, "simulator.md")
+            path = os.path.join(d, "sim-validation.md")
             with open(path, "w", encoding="utf-8") as f:
                 f.write(mutant)
             if check(lib, path).returncode == 0:
@@ -79,7 +79,7 @@ def main():
     # a page without the section, or the section without its table: a
     # message naming what is missing, not a traceback
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "simulator.md")
+        path = os.path.join(d, "sim-validation.md")
         top = text.index("## Validation: memory and cost")
         for what, mutant, want in (
                 ("no section", text.replace("## Validation: memory and cost", "## Validation"),

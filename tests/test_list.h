@@ -163,6 +163,8 @@
   X(sim_one_copy_stream_queues_a_reload_behind_the_offloads)              \
   X(sim_policy_hidden_states_mirrors_axolotl)                             \
   X(one_copy_stream_engine_round_trips_the_bytes)                         \
+  X(chrome_trace_one_copy_stream_follows_a_swapped_policy)                \
+  X(sim_chrome_trace_names_the_one_stream_lane_by_the_knob)                \
   X(get_knobs_fills_every_byte_of_the_callers_size)                        \
   /* the simulator's cost terms (test_sim_cost.c) */                        \
   X(sim_copy_slows_a_concurrent_memory_bound_kernel)                      \
@@ -264,6 +266,8 @@
   X(sim_comm_tensor_parallel_adds_its_time)                                \
   X(sim_comm_full_recompute_repeats_tensor_parallel_exchanges)             \
   X(sim_mfu_sensitivity_replays_at_both_rates)                             \
+  X(sim_mfu_sensitivity_off_replays_once_and_says_so)                      \
+  X(sim_chrome_trace_draws_one_stream_reloads_on_its_lane)                 \
   X(sim_comm_trace_errors)                                                 \
   X(sim_comm_more_nodes_than_ranks_refused)                               \
   X(sim_comm_across_nodes_uses_every_nic_of_a_node)                       \
@@ -274,6 +278,7 @@
   X(sim_fsdp_tied_embedding_is_one_unit)                                  \
   X(sim_synth_ulysses_saves_flops_and_all_to_alls)                        \
   X(sim_synth_ulysses_needs_cp_to_divide_the_heads)                       \
+  X(sim_synth_ulysses_without_cp_refused)                                 \
   /* @@sim */                                                              \
   /* policies by name (test_policy_files.c) */                             \
   X(policy_found_by_shipped_name)                                          \

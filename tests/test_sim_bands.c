@@ -1,4 +1,4 @@
-/* test_sim_bands.c — the error bands (sim_bands.c; docs/simulator.md,
+/* test_sim_bands.c — the error bands (sim_bands.c; docs/sim-validation.md,
  * "Validation: memory and cost"): a run's band comes from the published
  * runs like it, falls back to all of them when fewer than two are alike,
  * and the trace's header says what the run is. The expected rows and
@@ -251,7 +251,7 @@ TEST(sim_band_none_for_optimizer_or_weight_offload) {
 }
 
 /* The copy-bound line flips a band at 5%, but only ever to a wider one that
- * holds the narrower (docs/simulator.md, "How sure"): on either side of
+ * holds the narrower (docs/sim-validation.md, "How sure"): on either side of
  * the line, for every class, the error points and the real run's range
  * of the copy-bound side hold those of the copies-hidden side. */
 TEST(sim_band_copy_bound_line_only_widens) {

@@ -2,7 +2,7 @@
  * the synthesizer's collectives and their bytes, and the replay's lanes
  * (exposed time within a node and across nodes, the NIC sharing the PCIe
  * link with an offload copy, tensor parallelism's synchronous exchanges),
- * each against a hand computation. docs/simulator.md, "Collectives". */
+ * each against a hand computation. docs/sim-model.md, "Collectives". */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /* test_sim_cost.c — the simulator's cost terms beyond the link alone, each
- * against a hand-computed trace (docs/simulator.md, "Time model"):
+ * against a hand-computed trace (docs/sim-model.md, "Time model"):
  * copy/compute contention on device memory, and node sharing of host
  * memory bandwidth. */
 #include <math.h>

@@ -1,4 +1,4 @@
-/* test_sim_floor.c — the stall floor's instants in backward (docs/simulator.md,
+/* test_sim_floor.c — the stall floor's instants in backward (docs/sim-model.md,
  * "Stall floor"), against a hand-computed trace. */
 #include <stdio.h>
 #include <string.h>

@@ -2,7 +2,7 @@
  * backward wrote: the unsharded weight gradients allocated since the unit
  * below's (or the loss's) last reduce-scatter, in the same dtype. A
  * Llama's final RMSNorm has a weight only (h), a GPT's LayerNorms a weight
- * and a bias (2h each). docs/simulator.md, "Collectives". */
+ * and a bias (2h each). docs/sim-model.md, "Collectives". */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

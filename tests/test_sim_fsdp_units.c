@@ -1,7 +1,7 @@
 /* test_sim_fsdp_units.c — issue 34: one description of FSDP's units drives
  * both the gathered parameters' memory and the communication lane, the
  * root module's units (embedding; final norm with the head) included, each
- * against a hand computation on the tiny Llama. docs/simulator.md,
+ * against a hand computation on the tiny Llama. docs/sim-model.md,
  * "Collectives" and "Gradients, gathered parameters and the optimizer's
  * transients". */
 #include <stdio.h>

@@ -15,7 +15,7 @@
  * clock (deterministic): on the Llama-3-8B-like trace at seq 8192 on h100,
  * budget.lua reaches at least default.lua's peak reduction with well under
  * half its exposed stall. (The issue's 1/5 is below what the link allows
- * here: docs/simulator.md, "Policy quality".) */
+ * here: docs/sim-validation.md, "Policy quality".) */
 TEST(sim_budget_beats_default_on_llama3_8b) {
   synth_model m;
   CHECK_EQ(synth_preset("llama3-8b", &m), 0);

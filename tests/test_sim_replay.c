@@ -18,7 +18,7 @@
 /* ---- replays ------------------------------------------------------------------- */
 
 /* The floor at the peak a step with offloading reaches in backward
- * (docs/simulator.md, "Stall floor"). Four 100000-byte offloads with 50 us
+ * (docs/sim-model.md, "Stall floor"). Four 100000-byte offloads with 50 us
  * of compute after each, a forward stash of one buffer; backward begins
  * with a 300000-byte transient (the loss's gradients) for bwd_us of compute
  * before the unpacks. Link 1000 B/us, no latency. The engine: copies

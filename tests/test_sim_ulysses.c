@@ -1,7 +1,7 @@
 /* test_sim_ulysses.c — issue 34 item 4: DeepSpeed-Ulysses sequence
  * parallelism in the synthesizer (--cp N --cp-impl ulysses), its saved
  * tensors, FLOPs and all-to-alls against a hand computation on the tiny
- * Llama, and its errors. docs/simulator.md, "Long context". */
+ * Llama, and its errors. docs/sim-synth.md, "Long context". */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -133,5 +133,20 @@ TEST(sim_synth_ulysses_needs_cp_to_divide_the_heads) {
   CHECK_STR_CONTAINS(err, "needs --flash on");
   m.flash = 1;
   CHECK_EQ(synth_validate(&m, err, sizeof err), 0);
+  return 0;
+}
+
+/* Ulysses without context parallelism would be dropped silently (the trace
+ * would be cp 1's, its header "ring"): refused, naming the flag. */
+TEST(sim_synth_ulysses_without_cp_refused) {
+  synth_model m;
+  tiny_long(&m);
+  m.cp_impl = SYNTH_CP_ULYSSES;
+  char err[256];
+  for (int cp = 0; cp <= 2; cp++) {
+    m.cp = cp;
+    CHECK_EQ(synth_validate(&m, err, sizeof err), cp == 2 ? 0 : -1);
+    if (cp < 2) CHECK_STR_CONTAINS(err, "--cp-impl ulysses needs --cp N with N > 1");
+  }
   return 0;
 }

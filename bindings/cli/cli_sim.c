@@ -185,6 +185,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
   int want_tl = chrome || svg || html;
   sim_run_info info = {.trace_path = trace_path, .trace = t, .hw = &hw};
   node_info(o, &hw, &info);
+  info.mfu_sensitivity = o->mfu_sensitivity > 0 ? o->mfu_sensitivity : -1;
   if (resolve_untracked(t, o, &hw, &info, err, sizeof err)) {
     fprintf(stderr, "ferry sim: %s\n", err);
     sim_trace_free(t);
@@ -199,7 +200,7 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     c.timeline = want_tl;
     c.progress = on_progress;
     c.progress_ud = &ps;
-    c.mfu_sensitivity = SIM_MFU_SENSITIVITY;
+    c.mfu_sensitivity = o->mfu_sensitivity;
     if (i > 0) {
       sim_job *j = &jobs[i - 1];
       c.label = j->label;
@@ -224,6 +225,13 @@ static int run_sim(const char *trace_path, sim_hw hw, sim_job *jobs, int n_jobs,
     }
   }
   cli_progress_end();
+  /* asked for, yet no replay at other rates ran: say why rather than
+   * leave the reports without the paragraph */
+  if (!rc && o->mfu_sensitivity_given && o->mfu_sensitivity > 0 && !(rs[0].sens_tflops[0] > 0) &&
+      cli_verbosity >= 0) /* a warning: -q keeps errors only */
+    fprintf(stderr, "ferry sim: --mfu-sensitivity: not run: no compute in this trace is timed "
+                    "from FLOPs at a compute rate (--mfu, --tflops), so the rate changes "
+                    "nothing; its times are the trace's own\n");
   if (!rc) {
     sim_print_table(stdout, &info, rs, n_jobs + 1);
     if (layers_table && n_jobs <= 4) sim_print_layers(stdout, rs, n_jobs + 1);
@@ -346,7 +354,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
            b->step_us / 1e3, 100.0 * (b->step_us - base.step_us) / base.step_us);
     sim_run_class cls;
     sim_run_class_of(&info, NULL, 0, &cls);
-    printf("how sure (docs/simulator.md, \"Validation: memory and cost\": the simulator's error "
+    printf("how sure (docs/sim-validation.md, \"Validation: memory and cost\": the simulator's error "
            "on published runs like this one):\n");
     print_bands("best", &cls, (double)b->peak_device_bytes, b->step_us,
                 (double)base.peak_device_bytes, base.step_us);
@@ -388,7 +396,7 @@ static int run_fit(const char *trace_path, const char *hw_arg, const sim_hw *hw,
 /* The demo's scenario: what a user would run that does not fit without
  * offloading. Qwen3-14B (the qwen3-14b preset), seq 8192, no activation
  * checkpointing, FSDP over the 8 GPUs of one H100 node: 99.9 GiB at peak on
- * an 80 GB H100 (docs/simulator.md, "The demo"). */
+ * an 80 GB H100 (docs/sim-model.md, "The demo"). */
 #define DEMO_PRESET "qwen3-14b"
 #define DEMO_NAME "Qwen3-14B"
 #define DEMO_HW "h100"
@@ -469,7 +477,7 @@ static int demo(const char *dir) {
              best.prefetch_layers, (double)best.host_reserved_bytes / (1u << 30));
     putchar('\n');
   }
-  printf("how sure (docs/simulator.md, \"Validation: memory and cost\": the simulator's error "
+  printf("how sure (docs/sim-validation.md, \"Validation: memory and cost\": the simulator's error "
          "on published runs like each, and where a real run like them landed):\n");
   for (int i = 1; i <= 4; i++) {
     if (i == 4 && !best.fits) break;
@@ -515,6 +523,7 @@ int ferry_cli_sim(int argc, char **argv) {
       {"nic", required_argument, 0, 'I'},
       {"gpus-per-node", required_argument, 0, 'g'}, {"numa-far", required_argument, 0, 'J'},
       {"contention", required_argument, 0, 'Q'}, {"host-overhead", required_argument, 0, 'y'},
+      {"mfu-sensitivity", required_argument, 0, 'e'},
       {0, 0, 0, 0}};
   const char *policies = NULL, *trace = NULL, *hw_name = "h100", *link = NULL, *json = NULL,
              *chrome = NULL, *svg = NULL, *html = NULL, *sweep = NULL, *demo_dir = NULL;
@@ -523,7 +532,8 @@ int ferry_cli_sim(int argc, char **argv) {
   int recorded = 0, layers_table = 1, c;
   sim_opts o = SIM_OPTS_INIT;
   uint64_t fit = 0, fit_host = 0, line_limit;
-  int fit_device = 0;
+  int fit_device = 0, mfu_sensitivity_given = 0;
+  const char *fit_host_arg = NULL, *fit_out_arg = NULL; /* given: --fit's own options */
   const char *fit_out = "fit.lua";
   double fractions[MAX_FRACTIONS];
   int n_fractions = 0;
@@ -567,8 +577,9 @@ int ferry_cli_sim(int argc, char **argv) {
       break;
     case 'H':
       if (cli_bytes("sim", "--fit-host", optarg, 1, &fit_host)) return 2;
+      fit_host_arg = optarg;
       break;
-    case 'O': fit_out = optarg; break;
+    case 'O': fit_out = fit_out_arg = optarg; break;
     case 'X': o.release_copied = 1; break;
     case 'B': o.prefetch_bwd = 1; break;
     case 'M':
@@ -657,6 +668,10 @@ int ferry_cli_sim(int argc, char **argv) {
                           &o.host_overhead_us))
         return 2;
       break;
+    case 'e':
+      if (sim_parse_mfu_sensitivity(optarg, &o.mfu_sensitivity)) return 2;
+      mfu_sensitivity_given = o.mfu_sensitivity_given = 1;
+      break;
     case 'L': layers_table = 0; break;
     case 'Y':
       if (cli_bytes("sim", "--max-line", optarg, 64, &line_limit)) return 2;
@@ -720,6 +735,18 @@ int ferry_cli_sim(int argc, char **argv) {
   if (fit && n_witems) {
     fprintf(stderr, "ferry sim: --fit does not search --weight-layers (yet): run --fit, "
                     "then check its policy with --weight-layers\n");
+    return 2;
+  }
+  if (!fit && (fit_host_arg || fit_out_arg)) { /* else ignored: no search runs */
+    fprintf(stderr, "ferry sim: %s %s: only with --fit (the search's %s); add --fit BYTES or "
+                    "--fit device\n", fit_host_arg ? "--fit-host" : "--fit-out",
+            fit_host_arg ? fit_host_arg : fit_out_arg,
+            fit_host_arg ? "host budget" : "policy file");
+    return 2;
+  }
+  if (fit && mfu_sensitivity_given) {
+    fprintf(stderr, "ferry sim: --mfu-sensitivity with --fit: the search replays each setting "
+                    "once and reports no sensitivity; check its policy with --mfu-sensitivity\n");
     return 2;
   }
   if (fit)

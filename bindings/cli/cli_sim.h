@@ -27,7 +27,7 @@ typedef struct sim_opts {
    * bytes given in untracked */
   enum { UNTRACKED_AUTO = 0, UNTRACKED_OFF, UNTRACKED_GIVEN } untracked_mode;
   uint64_t untracked;
-  /* collectives (docs/simulator.md, "Collectives"): the nodes the
+  /* collectives (docs/sim-model.md, "Collectives"): the nodes the
    * data-parallel group spans, and bus bandwidths per GPU in bytes/s
    * overriding the preset's (-1: the preset's; 0: collectives take no time) */
   uint32_t nodes;
@@ -39,11 +39,13 @@ typedef struct sim_opts {
   int contention_off;
   double host_overhead_us; /* per saved tensor, on the host's timeline */
   int gpus_given;          /* --gpus-per-node given (else 1, not the run's GPUs) */
+  double mfu_sensitivity;  /* --mfu-sensitivity: 0 off, else F (replays at x (1 -+ F)) */
+  int mfu_sensitivity_given; /* ... given on the command line (else the default) */
 } sim_opts;
 
 #define SIM_OPTS_INIT                                                                      \
   {3, 0, 0, 0, 3000.0, 2.5e9, 0, SIM_DEFAULT_MFU, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, -1, -1,    \
-   1, 1.0, 0, SIM_HOST_OVERHEAD_TORCH2_US, 0}
+   1, 1.0, 0, SIM_HOST_OVERHEAD_TORCH2_US, 0, SIM_MFU_SENSITIVITY, 0}
 #define MAX_FRACTIONS 16
 #define MAX_WEIGHT_ITEMS 16
 #define MAX_BLOCK 1000000 /* a block index or count no trace reaches */
@@ -59,5 +61,6 @@ void sim_usage(FILE *f);
 int sim_parse_pinned(const char *spec, sim_opts *o);
 int sim_parse_fractions(const char *spec, double *out);
 int sim_parse_weight_layers(const char *spec, weight_item *out);
+int sim_parse_mfu_sensitivity(const char *spec, double *out);
 
 #endif

@@ -35,6 +35,10 @@ void sim_usage(FILE *f) {
           "                      carries FLOPs in the trace, synthesized traces included\n"
           "                      (default 0.40: Llama 3 on H100)\n"
           "  --tflops X          achieved TFLOP/s instead (overrides --mfu)\n"
+          "  --mfu-sensitivity on|off|F  on (default): each run is replayed twice more, at\n"
+          "                      the compute rate x 0.75 and x 1.25, for the reports'\n"
+          "                      sensitivity (three times the cost); F: at x (1 -+ F),\n"
+          "                      0 < F <= 0.9; off: once (the reports say so)\n"
           "  --hbm GBPS          achieved device-memory bandwidth, GB/s, for the memory-bound\n"
           "                      ops of synthesized traces (default: 0.60 of the preset's)\n"
           "  --nodes N           the data-parallel (FSDP) group spans N nodes: its collectives\n"
@@ -85,7 +89,7 @@ void sim_usage(FILE *f) {
           "                      (without --policy: no activation offload)\n"
           "  --weight-double-buffer on|off  on (default): a block's reload issues its\n"
           "                      neighbour's behind it (double_buffer=True)\n"
-          "  --json FILE         the report as JSON (keys in docs/simulator.md)\n"
+          "  --json FILE         the report as JSON (keys in docs/sim-outputs.md)\n"
           "  --chrome-trace FILE compute, D2H and H2D lanes of the last step (Perfetto)\n"
           "  --svg FILE          memory over the last step: device (baseline and each\n"
           "                      policy), pinned host, exposed stalls, backward's start, peaks\n"
@@ -119,6 +123,22 @@ void sim_usage(FILE *f) {
           "  ferry sim --policy budget --sweep FWD_STASH=1..8 --trace t.jsonl --no-layers\n"
           "  ferry sim --fit device --trace t.jsonl --hw h100 --fit-out fit.lua\n",
           sim_hw_names(), SIM_DEFAULT_CPU_ADAM);
+}
+
+/* --mfu-sensitivity on|off|F: the factor of the extra replays, 0 = off.
+ * 0, or -1 after a message naming the flag and the value. */
+int sim_parse_mfu_sensitivity(const char *spec, double *out) {
+  if (!strcmp(spec, "on")) *out = SIM_MFU_SENSITIVITY;
+  else if (!strcmp(spec, "off")) *out = 0;
+  else if (*spec && strspn(spec, "0123456789.+-eE") != strlen(spec)) {
+    /* a word: name the words it takes, not only "a number" */
+    fprintf(stderr, "ferry sim: --mfu-sensitivity %s: expected on, off or a factor F "
+                    "(0 < F <= 0.9: replays at the compute rate x (1 -+ F))\n", spec);
+    return -1;
+  } else if (cli_number("sim", "--mfu-sensitivity", spec, FERRY_NUMBER_REAL, 0, 0.9, 1, out)) {
+    return -1;
+  }
+  return 0;
 }
 
 /* "pool=on|off,alloc=3ms,touch=2.5GB/s" over *o. 0, or -1 with a message. */

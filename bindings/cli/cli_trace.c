@@ -38,7 +38,7 @@ static void synth_usage(FILE *f) {
           "                       kernel: input, rstd; eager: Hugging Face's LlamaRMSNorm op\n"
           "                       by op: the fp32 input, rstd, the normalized tensor (a CPU\n"
           "                       run, or a GPU run without fused kernels)\n"
-          "  --checkpoint MODE    activation checkpointing (docs/simulator.md):\n"
+          "  --checkpoint MODE    activation checkpointing (docs/sim-synth.md):\n"
           "                       none (default; also off)\n"
           "                       full: every block keeps only its input, recomputed\n"
           "                         before its backward\n"
@@ -56,7 +56,7 @@ static void synth_usage(FILE *f) {
           "                       non-reentrant (torchtitan's: none of them; the default\n"
           "                       for full and selective-op), compiled (the input and\n"
           "                       selective-op's kept outputs)\n"
-          "  --loss MODE          the loss after lm_head (docs/simulator.md):\n"
+          "  --loss MODE          the loss after lm_head (docs/sim-synth.md):\n"
           "                       full (default): Hugging Face's: bf16 logits, their fp32\n"
           "                         copy and log-softmax, the gradients in backward\n"
           "                       chunked[:N]: a fused linear cross-entropy (Liger's):\n"
@@ -78,10 +78,10 @@ static void synth_usage(FILE *f) {
           "  --cp N               context parallelism (ring attention): each GPU holds seq/N\n"
           "                       tokens, attends over all keys (the causal work / N) and\n"
           "                       holds the ring's K/V receive buffers (default 1)\n"
-          "  --cp-impl ring|ulysses  how --cp splits attention: ring (default), or\n"
-          "                       DeepSpeed-Ulysses: all-to-alls around attention give each\n"
-          "                       GPU the whole sequence of heads/N (N must divide the\n"
-          "                       heads and the KV heads)\n"
+          "  --cp-impl ring|ulysses  how --cp N (N > 1: refused without) splits attention:\n"
+          "                       ring (default), or DeepSpeed-Ulysses: all-to-alls around\n"
+          "                       attention give each GPU the whole sequence of heads/N\n"
+          "                       (N must divide the heads and the KV heads)\n"
           "  --tflops X           achieved matmul throughput in TFLOP/s (default 400)\n"
           "  --hbm GBPS           achieved element-wise bandwidth in GB/s (default 2000)\n"
           "  --steps N            steps in the trace (default 1)\n"
@@ -260,7 +260,7 @@ static int trace_synth_main(int argc, char **argv) {
       {"checkpoint-impl", required_argument, 0, 'I'},
       {"quiet", no_argument, 0, 'q'},        {"verbose", no_argument, 0, 'v'},
       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
-  const char *out = NULL;
+  const char *out = NULL, *cp_impl = NULL;
   int c, bad = 0;
   optind = 1;
   opterr = 0; /* cli_bad_option names the flag and a close one */
@@ -327,6 +327,7 @@ static int trace_synth_main(int argc, char **argv) {
     case 'J': bad |= int_arg("--cp", optarg, &m.cp) != 0; break;
     case 'y': bad |= on_off("--sp", optarg, &m.sp) != 0; break;
     case 'U':
+      cp_impl = optarg;
       if (!strcmp(optarg, "ring")) m.cp_impl = SYNTH_CP_RING;
       else if (!strcmp(optarg, "ulysses")) m.cp_impl = SYNTH_CP_ULYSSES;
       else {
@@ -361,6 +362,13 @@ static int trace_synth_main(int argc, char **argv) {
   }
   if (!out) {
     fprintf(stderr, "ferry trace synth: -o FILE is required\n");
+    return 2;
+  }
+  /* ring is the default: given without context parallelism it would be
+   * ignored as silently as ulysses */
+  if (cp_impl && m.cp <= 1) {
+    fprintf(stderr, "ferry trace synth: --cp-impl %s: needs --cp N with N > 1 (without it there "
+                    "is no context parallelism to split)\n", cp_impl);
     return 2;
   }
   char err[512];

@@ -214,7 +214,7 @@ typedef struct sim_config {
   int pinned_no_pool;
   int release_when_copied; /* ferry_config.release_when_copied */
   int prefetch_at_backward_begin; /* ferry_config.prefetch_at_backward_begin */
-  /* sim: optimizer-state offload (docs/simulator.md, "Optimizer-state
+  /* sim: optimizer-state offload (docs/sim-model.md, "Optimizer-state
    * offload"), as ferry.torch.offload_optimizer does it: the share of the
    * trace's resident "optimizer states" (and "master weights") kept on the
    * host, 0..1 (0 = none); the host's Adam rate in parameters per second
@@ -224,7 +224,7 @@ typedef struct sim_config {
   double optimizer_fraction;
   double cpu_adam_params_per_s;
   int optimizer_serial;
-  /* sim: weight offload (docs/simulator.md, "Weight offload"), as
+  /* sim: weight offload (docs/sim-model.md, "Weight offload"), as
    * ferry.torch.offload_weights does it: the weights of the repeated blocks
    * weight_first .. weight_first + weight_count - 1 (weight_count 0 = none)
    * go to the host after each forward and come back before their backward,
@@ -236,7 +236,7 @@ typedef struct sim_config {
    * loss's transients, workspaces), counted in every peak as resident
    * memory is; sim_untracked_bytes learns it from a recorded run */
   uint64_t untracked_bytes;
-  /* sim: the communication lane (docs/simulator.md, "Collectives"): the
+  /* sim: the communication lane (docs/sim-model.md, "Collectives"): the
    * data-parallel group spans comm_nodes nodes (0 or 1: one node, its
    * collectives on NVLink; more: on the NIC, whose traffic crosses the
    * GPU's PCIe link with the offload copies); the bus bandwidths per GPU,
@@ -246,9 +246,9 @@ typedef struct sim_config {
   /* the step's sensitivity to the compute rate: when > 0 (and compute is
    * timed from FLOPs: tflops > 0), the replay is run twice more with tflops
    * x (1 - this) and x (1 + this), and sim_result.sens_* get their steady
-   * step times (docs/simulator.md, "Sensitivity to the compute rate") */
+   * step times (docs/sim-model.md, "Sensitivity to the compute rate") */
   double mfu_sensitivity;
-  /* sim: node sharing (docs/simulator.md, "Time model"): this GPU's share
+  /* sim: node sharing (docs/sim-model.md, "Time model"): this GPU's share
    * of the host's memory bandwidth, which its copies of both directions
    * share, bytes/s (0 = unlimited); and copy/compute contention: the
    * device-memory bandwidth a copy takes its share of from a memory-bound
@@ -285,6 +285,9 @@ typedef struct sim_interval {
                               compute: the op of a compute event, else the
                               module of the next tensor event; NULL if none */
   double flops, hbm_bytes; /* compute: its work as the trace gives it, -1 unknown */
+  /* an H2D copy (lane 2) that ran on the D2H stream, behind the offloads:
+   * a reload under the one_copy_stream knob; drawn on that stream's lane */
+  int32_t one_stream;
 } sim_interval;
 
 typedef struct sim_mem_sample {
@@ -317,6 +320,10 @@ typedef struct sim_timeline {
   size_t n_waits, cap_waits;
   sim_mem_sample *host;
   size_t n_host, cap_host;
+  /* the policy's one_copy_stream knob: its reloads run on the D2H stream,
+   * whose Chrome-trace lane is named for both directions (as a real run's,
+   * reloads or not) */
+  int one_stream;
 } sim_timeline;
 
 /* sim_result.peak_phase */
@@ -384,6 +391,10 @@ typedef struct sim_result {
   /* sim_config.mfu_sensitivity: the achieved TFLOP/s of the two extra
    * replays (lower, higher) and their steady step times; 0 when not run */
   double sens_tflops[2], sens_step_us[2];
+  /* full replays of the trace this result took: 1, and 2 more when the
+   * sensitivity replays ran (a run's cost; `ferry sim --mfu-sensitivity
+   * off` keeps it at 1) */
+  uint32_t replays;
   double tensors_packed, tensors_offloaded, tensors_kept;
   double prefetches, stash_hits;
   uint64_t policy_errors, policy_calls, policy_cache_hits, cap_fallbacks;
@@ -434,11 +445,11 @@ FERRY_API int sim_untracked_bytes(const sim_trace *t, const sim_config *c, uint6
 FERRY_API void sim_result_free(sim_result *r);
 
 
-/* ---- the trace synthesizer: a decoder-only transformer's training step from its shape (docs/simulator.md)
+/* ---- the trace synthesizer: a decoder-only transformer's training step from its shape (docs/sim-synth.md)
  */
 
 enum { SYNTH_LLAMA = 0, SYNTH_GPT = 1 };
-/* Activation checkpointing (docs/simulator.md, "Activation checkpointing"):
+/* Activation checkpointing (docs/sim-synth.md, "Activation checkpointing"):
  * none; full (every ckpt_every-th block keeps only its input and is
  * recomputed before its backward); selective (Megatron-LM's: the groups in
  * `recompute` are dropped and recomputed); selective-op (torchtitan's
@@ -451,7 +462,7 @@ enum {
   SYNTH_CKPT_SELECTIVE_OP = 3
 };
 /* Which checkpoint implementation runs it, which decides what a saved-tensor
- * hook (ferry) receives (docs/simulator.md, "What a policy can see"):
+ * hook (ferry) receives (docs/sim-synth.md, "What a policy can see"):
  * reentrant (torch.utils.checkpoint use_reentrant=True, Hugging Face's
  * default, Megatron's): the block input and every recomputed tensor;
  * non-reentrant (use_reentrant=False, torchtitan's): none of the checkpoint's
@@ -465,12 +476,12 @@ enum {
   SYNTH_CKPT_IMPL_NON_REENTRANT = 2,
   SYNTH_CKPT_IMPL_COMPILED = 3
 };
-/* The loss (docs/simulator.md, "The loss working set"): full is Hugging
+/* The loss (docs/sim-synth.md, "The loss working set"): full is Hugging
  * Face's (lm_head's bf16 logits, their fp32 copy, log-softmax + NLL);
  * chunked a fused linear cross-entropy (Liger's): the logits exist a chunk
  * of tokens at a time and the gradients are computed in forward. */
 enum { SYNTH_LOSS_FULL = 0, SYNTH_LOSS_CHUNKED = 1 };
-/* Training state on the device (docs/simulator.md, "Resident memory"):
+/* Training state on the device (docs/sim-synth.md, "Resident memory"):
  * the optimizer's state bytes per trainable parameter and whether an fp32
  * master copy is kept (auto: when the parameters are 16-bit). */
 enum {
@@ -481,13 +492,13 @@ enum {
   SYNTH_OPT_NONE          /* no optimizer step at all */
 };
 enum { SYNTH_MASTER_AUTO = 0, SYNTH_MASTER_ON = 1, SYNTH_MASTER_OFF = 2 };
-/* What an RMSNorm saves (docs/simulator.md, "Saved tensors per op"): fused,
+/* What an RMSNorm saves (docs/sim-synth.md, "Saved tensors per op"): fused,
  * one kernel (torch's _fused_rms_norm, Liger's RMSNorm: the input, its rstd
  * and the weight); eager, Hugging Face's LlamaRMSNorm as written, op by op
  * (the fp32 input, rstd, the normalized tensor: what a CPU run or a GPU run
  * without fused kernels saves). */
 enum { SYNTH_NORM_FUSED = 0, SYNTH_NORM_EAGER = 1 };
-/* How --cp splits the sequence (docs/simulator.md, "Long context"): ring
+/* How --cp splits the sequence (docs/sim-synth.md, "Long context"): ring
  * attention (each rank's queries over every rank's K/V chunks) or
  * DeepSpeed-Ulysses (all-to-alls around attention turn seq / cp tokens of
  * every head into the whole sequence of heads / cp). */
@@ -597,7 +608,7 @@ FERRY_API int synth_optimizer_parse(const char *name);
 
 /* ---- "what fits?" (sim_fit.c): a policy template's knobs searched for the
  * lowest step time whose steady peak fits the device and whose pinned host
- * memory fits the host budget (docs/simulator.md, `ferry sim --fit`) */
+ * memory fits the host budget (docs/sim-model.md, `ferry sim --fit`) */
 typedef struct sim_fit_setting {
   uint64_t host_bytes;  /* HOST_BYTES: offloaded bytes per step, at most */
   int keep_last;        /* KEEP_LAST: layers kept on device */
@@ -725,6 +736,11 @@ typedef struct sim_run_info {
   int gpus_per_node, contention, gpus_given;
   double numa_far, host_overhead_us, host_mem_bytes_per_s;
   double h2d_bytes_per_s, d2h_bytes_per_s; /* the link each GPU gets */
+  /* ferry sim --mfu-sensitivity: the factor of the runs' replays at the
+   * compute rate x (1 -+ it) (sim_config.mfu_sensitivity), which the JSON
+   * names; -1: off, which every report says; 0: not stated (the reports
+   * show the sensitivity where the results carry it) */
+  double mfu_sensitivity;
 } sim_run_info;
 
 /* rs[0] is the baseline (no offload), rs[1..n-1] the policies. */
@@ -736,13 +752,13 @@ FERRY_API int sim_write_chrome_trace(const char *path, const sim_result *rs, int
                            size_t errlen);
 /* Device memory over the last step per run (left axis), pinned host memory
  * in use (right axis), the exposed waits, backward's start and the peaks
- * (sim_plot.c; docs/simulator.md, "Outputs"). Needs sim_config.timeline. */
+ * (sim_plot.c; docs/sim-outputs.md, "Outputs"). Needs sim_config.timeline. */
 FERRY_API int sim_write_svg(const char *path, const sim_run_info *info, const sim_result *rs, int n,
                   char *err, size_t errlen);
-/* ---- error bands (sim_bands.c; docs/simulator.md, "Validation: memory and cost") ---- */
+/* ---- error bands (sim_bands.c; docs/sim-validation.md, "Validation: memory and cost") ---- */
 /* A row of the validation table: a published run, how it was set up (its
  * class) and the simulator's error on it, simulated - published in points.
- * The table in docs/simulator.md is the source; tests/check_band_docs.py
+ * The table in docs/sim-validation.md is the source; tests/check_band_docs.py
  * fails when these rows disagree with it. */
 enum { SIM_BAND_NONE = 0, SIM_BAND_NUMBER = 1, SIM_BAND_BOUND = 2 };
 typedef struct sim_band_row {

@@ -337,7 +337,7 @@ FERRY_API uint64_t ferry_backend_faults_injected(const ferry_backend *b);
 /* ... of an engine created with config.faults (0 otherwise). */
 FERRY_API uint64_t ferry_faults_injected(ferry_engine *e);
 
-/* ---- the sim backend's virtual clock, stall counters and copy listener (docs/simulator.md)
+/* ---- the sim backend's virtual clock, stall counters and copy listener (docs/sim-model.md)
  */
 
 typedef struct sim_backend_stats {
@@ -370,7 +370,7 @@ FERRY_API void sim_backend_advance(ferry_backend *b, double us);
  * share of device memory's bandwidth the copies take (sim_backend_set_node;
  * none while that is 0). */
 FERRY_API void sim_backend_advance_memory_bound(ferry_backend *b, double us);
-/* Node sharing and contention (docs/simulator.md, "Time model"): the
+/* Node sharing and contention (docs/sim-model.md, "Time model"): the
  * host-memory bandwidth this GPU's copies of both directions share, bytes/s
  * (0 = unlimited), and the device-memory bandwidth that copies take their
  * share of from memory-bound kernels, bytes/s (0 = no contention). */
@@ -404,7 +404,7 @@ FERRY_API void sim_backend_pinned_alloc(ferry_backend *b, uint64_t bytes);
  * inside the backend that outlasts `until_us` sees the link free of them
  * from then on. Returns the copies in progress now per direction
  * (active[0] D2H, active[1] H2D; may be NULL), which the caller needs to
- * know its own share (docs/simulator.md, "Collectives"). */
+ * know its own share (docs/sim-model.md, "Collectives"). */
 FERRY_API void sim_backend_share_link(ferry_backend *b, unsigned flows, double until_us,
                                       unsigned active[2]);
 

@@ -38,6 +38,11 @@ import tempfile
 
 SIM_LANES = {"compute", "D2H copies", "H2D copies"}
 COPY_LANES = {"D2H copies", "H2D copies"}
+# the one_copy_stream knob: reloads run on the offloads' stream, drawn on its
+# lane, named for both (a run's, or a simulated run's, D2H lane renamed)
+ONE_STREAM = "copies (one stream)"
+SIM_LANES_ONE = {"compute", ONE_STREAM, "H2D copies"}
+ALL_COPY_LANES = COPY_LANES | {ONE_STREAM}
 THREAD_LANE = re.compile(r"compute thread \d+( \(.*\))?")
 ENGINE_CALLS = {"pack", "unpack", "discard", "step end"}
 REAL_COUNTERS = {"device bytes held (saved tensors)", "pinned host bytes in use",
@@ -55,11 +60,19 @@ def check(events, real=False, synth=True):
         if e["ph"] == "M" and e["name"] == "thread_name":
             lanes[(e["pid"], e["tid"])] = e["args"]["name"]
     names = set(lanes.values())
-    if not real and names != SIM_LANES:
-        problems.append(f"lanes {sorted(names)}")
-    if real and (not COPY_LANES <= names or not any(THREAD_LANE.fullmatch(n) for n in names)
-                 or any(n not in COPY_LANES and not THREAD_LANE.fullmatch(n) for n in names)):
-        problems.append(f"lanes {sorted(names)}: want D2H copies, H2D copies and compute threads")
+    per_pid = collections.defaultdict(set)
+    for (pid, _), name in lanes.items():
+        per_pid[pid].add(name)
+    for pid, pnames in per_pid.items():
+        if not real and pnames not in (SIM_LANES, SIM_LANES_ONE):
+            problems.append(f"pid {pid}: lanes {sorted(pnames)}")
+        copy_lanes = pnames & ALL_COPY_LANES
+        if real and (copy_lanes not in (COPY_LANES, {ONE_STREAM, "H2D copies"})
+                     or not any(THREAD_LANE.fullmatch(n) for n in pnames)
+                     or any(n not in ALL_COPY_LANES and not THREAD_LANE.fullmatch(n)
+                            for n in pnames)):
+            problems.append(f"lanes {sorted(pnames)}: want D2H copies (or {ONE_STREAM}), "
+                            "H2D copies and compute threads")
     slices_at = {}  # (pid, tid, ts) -> slice
     packed = set()
     by_lane = collections.defaultdict(list)
@@ -89,7 +102,7 @@ def check(events, real=False, synth=True):
             for k in ("flops", "bytes"):
                 if k in a and not (isinstance(a[k], (int, float)) and a[k] >= 0):
                     problems.append(f"compute slice {k} {a[k]!r}: {e}")
-        elif real and lane not in COPY_LANES:  # a calling thread's lane
+        elif real and lane not in ALL_COPY_LANES:  # a calling thread's lane
             if e["cat"] == "wait":
                 if not e["name"].startswith("wait for "):
                     problems.append(f"wait slice name {e['name']!r}")
@@ -109,10 +122,12 @@ def check(events, real=False, synth=True):
             if not real and (e["name"] != "weights" or "layer" not in a) and \
                     e["name"] not in ("optimizer: gradients", "optimizer: parameters"):
                 problems.append(f"other copy named {e['name']!r}: {e}")
-            if lane not in COPY_LANES or a.get("bytes", 0) <= 0:
+            if lane not in ALL_COPY_LANES or a.get("bytes", 0) <= 0:
                 problems.append(f"other copy off the copy lanes or without bytes: {e}")
         else:
-            if e["cat"] != ("offload" if lane == "D2H copies" else "reload"):
+            # the one stream's lane carries both; the others one direction each
+            if e["cat"] not in (("offload", "reload") if lane == ONE_STREAM else
+                                ("offload",) if lane == "D2H copies" else ("reload",)):
                 problems.append(f"copy category: {e}")
             if a.get("bytes", 0) <= 0 or "tensor" not in a:
                 problems.append(f"copy without its tensor: {e}")
@@ -131,7 +146,7 @@ def check(events, real=False, synth=True):
                     problems.append(f"copy args: {e}")
     if real:  # a stream runs its copies one after the other
         for (pid, tid), sl in by_lane.items():
-            if lanes[(pid, tid)] not in COPY_LANES:
+            if lanes[(pid, tid)] not in ALL_COPY_LANES:
                 continue
             for prev, cur in zip(sl, sl[1:]):
                 if cur["ts"] + EPS < prev["ts"] + prev["dur"]:
@@ -213,6 +228,80 @@ def sim_trace(ferry, d):
     if names["weights"] != 4 or names["optimizer: gradients"] == 0:
         problems.append(f"resident copies of the weights and the optimizer: {dict(names)}")
     report(problems, events, nflows, "ferry sim --chrome-trace --weight-layers --optimizer-fraction")
+    # one_copy_stream: the reloads on the offloads' lane; default's unchanged beside it
+    subprocess.run([ferry, "sim", "--trace", trace, "--policy", "default," + one_stream_policy(d),
+                    "--no-layers", "--chrome-trace", out],
+                   check=True, capture_output=True)
+    events = load(out)
+    problems, nflows = check(events)
+    cats, ends = copy_lanes_by_process(events)
+    problems += one_stream_lanes(cats, ends, "one_stream", True)
+    problems += one_stream_lanes(cats, ends, "default", False)
+    report(problems, events, nflows, "ferry sim --chrome-trace, a policy with one_copy_stream")
+
+
+def one_stream_policy(d):
+    """policies/default.lua with R.one_copy_stream(): reloads on the offloads' stream."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(repo, "policies", "default.lua")) as f:
+        src = f.read()
+    anchor = "  R.max_stash(FWD_STASH),\n"
+    if anchor not in src:
+        sys.exit("policies/default.lua has no R.max_stash(FWD_STASH) line to add the rule after")
+    path = os.path.join(d, "one_stream.lua")
+    with open(path, "w") as f:
+        f.write(src.replace(anchor, anchor + "  R.one_copy_stream(),\n", 1))
+    return path
+
+
+def copy_lanes_by_process(events):
+    """{process name: {lane name: Counter of copy categories}}, and the flow
+    ends ("f": the reload's) by process and lane."""
+    procs, lanes = {}, {}
+    for e in events:
+        if e["ph"] == "M" and e["name"] == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        if e["ph"] == "M" and e["name"] == "thread_name":
+            lanes[(e["pid"], e["tid"])] = e["args"]["name"]
+    cats = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+    for pid, name in procs.items():  # every declared lane, slices or not
+        for (p, _), lane in lanes.items():
+            if p == pid:
+                cats[name][lane].update()
+    flow_ends = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e["ph"] == "X" and e.get("cat") in ("offload", "reload", "other"):
+            cats[procs[e["pid"]]][lanes[(e["pid"], e["tid"])]][e["cat"]] += 1
+        if e["ph"] == "f":
+            flow_ends[procs[e["pid"]]][lanes[(e["pid"], e["tid"])]] += 1
+    return cats, flow_ends
+
+
+def one_stream_lanes(cats, flow_ends, name, one_stream):
+    """Problems with process name's copy lanes: with one_stream, its reloads
+    (and every arrow's end) on the shared lane and nothing on the H2D lane;
+    without, the two lanes as ever."""
+    lanes, ends = cats.get(name), flow_ends.get(name, {})
+    if lanes is None:
+        return [f"no process {name!r} in {sorted(cats)}"]
+    problems = []
+    if one_stream:
+        shared = lanes.get(ONE_STREAM, collections.Counter())
+        if "D2H copies" in lanes:
+            problems.append(f"{name}: a D2H copies lane beside {ONE_STREAM!r}: {dict(lanes)}")
+        if shared["reload"] == 0 or shared["offload"] == 0:
+            problems.append(f"{name}: want offloads and reloads on {ONE_STREAM!r}: {dict(lanes)}")
+        if sum(lanes.get("H2D copies", collections.Counter()).values()):
+            problems.append(f"{name}: slices on the H2D lane: {dict(lanes['H2D copies'])}")
+        if not ends or set(ends) != {ONE_STREAM}:
+            problems.append(f"{name}: arrows end on {dict(ends)}: want {ONE_STREAM!r}")
+    else:
+        if ONE_STREAM in lanes:
+            problems.append(f"{name}: a {ONE_STREAM!r} lane without the knob")
+        if lanes.get("H2D copies", {}).get("reload", 0) == 0 or \
+                lanes.get("D2H copies", {}).get("reload", 0):
+            problems.append(f"{name}: reloads not on the H2D lane: {dict(lanes)}")
+    return problems
 
 
 def compute_modules(events, with_work):
@@ -315,6 +404,16 @@ def cuda_trace(ferry, trainer, d):
     if nflows == 0:
         problems.append("no flow arrows")
     report(problems, events, nflows, "ferry run --trace-out -- trainer_cuda (CUDA double)")
+    # the same with one_copy_stream: the reloads drawn on the offloads' stream
+    r = subprocess.run([ferry, "run", "--policy", one_stream_policy(d), "--trace-out", out, "--",
+                        trainer, "--steps", "3"], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        sys.exit(f"trainer failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    events = load(out)
+    problems, nflows = check(events, real=True)
+    cats, ends = copy_lanes_by_process(events)
+    problems += one_stream_lanes(cats, ends, next(iter(cats)), True)
+    report(problems, events, nflows, "ferry run --trace-out -- trainer_cuda, one_copy_stream")
 
 
 def main():

@@ -43,6 +43,7 @@ TABLE = [
     ("sim", "--gpus-per-node", ["0", "1.5", "9"], "8"),
     ("sim", "--numa-far", ["0", "1.5"], "0.35"),
     ("sim", "--host-overhead", ["1e7"], "12"),
+    ("sim", "--mfu-sensitivity", ["0", "0.95", "1"], "0.1"),
     ("check", "--layers", ["0", "2000"], "2"),
     ("check", "--steps", ["0", "101"], "1"),
     ("check", "--ram-pct", ["101"], "50"),
@@ -141,7 +142,8 @@ def main():
             print(f"ok   ferry {sub} {flag}: {len(BAD) + len(extra)} bad values refused")
         # a flag that takes words besides numbers names them when refused
         for flag, value, words in (("--host-overhead", "torch3", "torch1 or torch2"),
-                                   ("--contention", "maybe", "on or off")):
+                                   ("--contention", "maybe", "on or off"),
+                                   ("--mfu-sensitivity", "maybe", "on, off or a factor")):
             r = subprocess.run([FERRY, *argv("sim", flag, value, d)], capture_output=True,
                                text=True, timeout=30)
             if r.returncode == 0 or f"ferry sim: {flag} {value}" not in r.stderr \

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The simulator against a real GPU run (docs/simulator.md, "Validated
+"""The simulator against a real GPU run (docs/sim-validation.md, "Validated
 against a real GPU run"): recorded_h200/ holds the trace that
 bench/bench_gpu.py recorded on an NVIDIA H200 and the figures it measured
 in the same run (measured.json). `ferry sim --hw h200` replays the trace

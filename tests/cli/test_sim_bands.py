@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every simulated memory saving and step overhead of `ferry sim` carries its
-error band from docs/simulator.md's validation table (sim_bands.c), in the
-text report, the JSON (`band`, docs/simulator.md "Outputs") and the HTML
+error band from docs/sim-validation.md's validation table (sim_bands.c), in the
+text report, the JSON (`band`, docs/sim-outputs.md "Outputs") and the HTML
 table: a 1-GPU eager long-context trace gets axolotl #3733's rows, an
 8-GPU compiled one torchtitan's (copies hidden) or DeepSpeed's and
 PyTorch's (copy-bound), and an optimizer-offload run no band, said so.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The SVG and the HTML report of `ferry sim` against what a reader needs
-(docs/simulator.md, "Outputs"), without a browser:
+(docs/sim-outputs.md, "Outputs"), without a browser:
 
 SVG: one device curve per run (the baseline and each policy), a pinned
 host curve for each run that pins memory, the right axis with its title

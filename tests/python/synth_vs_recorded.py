@@ -20,7 +20,7 @@ transformers):
 
 prints the side-by-side table and exits 1 when a layer's bytes differ by more
 than 5% or the lists differ. tests/python/test_synth_vs_recorded.py runs the
-same comparison under pytest; docs/simulator.md, "Validated against a
+same comparison under pytest; docs/sim-synth.md, "Validated against a
 recorded run", shows its tables.
 """
 import argparse

@@ -1,5 +1,5 @@
 """What ferry's saved-tensor hook receives of a checkpointed block, per
-implementation: the simulator's --checkpoint-impl table (docs/simulator.md,
+implementation: the simulator's --checkpoint-impl table (docs/sim-synth.md,
 "What a policy can see") rests on it. Reentrant: the block's input
 (CheckpointFunction's save_for_backward) and, in backward, the recomputed
 saves. Non-reentrant, torch 2: the block's input too (saved through

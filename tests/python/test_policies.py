@@ -140,7 +140,7 @@ def test_fraction_policy_only_selected_modules(tmp_path):
 
 
 def test_budget_policy_offloads_eligible_and_prefetches(tmp_path):
-    # budget.lua's default budget is 0 bytes kept (docs/simulator.md, "Policy
+    # budget.lua's default budget is 0 bytes kept (docs/sim-validation.md, "Policy
     # quality"): every eligible activation goes, the head's inputs included,
     # parameters never, and reloads are prefetched. The loss (cross_entropy,
     # called outside the model: no module) is kept (R.LOSS).

@@ -6,7 +6,9 @@
  *   - one process (the real pid), lanes: each thread that calls the engine
  *     ("compute thread TID (NAME)": pack, unpack, discard and step-end
  *     slices, with the host's waits nested in them), then "D2H copies" and
- *     "H2D copies" (the copy streams);
+ *     "H2D copies" (the copy streams); with the one_copy_stream knob the
+ *     reloads run on the D2H stream and are drawn there, its lane named
+ *     "copies (one stream)";
  *   - copies named by their tensor's module path, with the start and end
  *     the backend observed (the host backend's worker: when it began and
  *     finished the copy; bk_copy_listener), args tensor (the pack number, the
@@ -51,6 +53,7 @@ typedef struct ct_copy {
   const char *module;   /* interned by the engine, NULL if none */
   int32_t layer;
   uint8_t prefetch;     /* reload: started ahead of its unpack */
+  uint8_t one_stream;   /* reload: issued on the D2H stream (one_copy_stream) */
   double issued_us;     /* when the engine issued it */
   double start_us;      /* offload done: its slice's start */
   uint32_t next_free;
@@ -64,6 +67,7 @@ typedef struct ct_recorder {
   uint64_t gen;          /* tells this recorder's lanes from an earlier one's */
   int next_lane;
   int timed;             /* the backend tells copy times */
+  int one_stream_named;  /* the D2H lane is named for both directions */
   char error[160];       /* first write error, reported at close */
   ct_copy *copies;
   uint32_t n_copies, cap_copies, free_head; /* free list through next_free, 0 = none */
@@ -154,10 +158,22 @@ static void note_error(ct_recorder *r) {
 }
 
 /* ---- copies ---------------------------------------------------------------------- */
+/* The lane of copy c of direction dir: its stream's. A reload on the D2H
+ * stream renames that lane (once) for the two directions it carries. */
+static int copy_lane(ct_recorder *r, int dir, const ct_copy *c) {
+  if (!dir) return LANE_D2H;
+  if (!c->one_stream) return LANE_H2D;
+  if (!r->one_stream_named) {
+    ct_thread(&r->w, r->pid, LANE_D2H, CT_LANE_ONE_STREAM, 100);
+    r->one_stream_named = 1;
+  }
+  return LANE_D2H;
+}
+
 static void copy_slice(ct_recorder *r, int dir, const ct_copy *c, double start, double end,
                        int observed) {
   const char *name = c->module && *c->module ? c->module : dir ? "reload" : "offload";
-  cJSON *e = ct_slice(name, dir ? "reload" : "offload", r->pid, dir ? LANE_H2D : LANE_D2H,
+  cJSON *e = ct_slice(name, dir ? "reload" : "offload", r->pid, copy_lane(r, dir, c),
                       rel(r, start), end - start);
   cJSON *a = ct_args(e);
   if (a) {
@@ -198,7 +214,8 @@ static void copy_done(ct_recorder *r, int dir, double start, double end, const v
   if (o && r->copies[o - 1].tensor == c->tensor) {
     ct_flow(&r->w, 1, "offload -> reload", (double)c->tensor, r->pid, LANE_D2H,
             rel(r, r->copies[o - 1].start_us));
-    ct_flow(&r->w, 0, "offload -> reload", (double)c->tensor, r->pid, LANE_H2D, rel(r, start));
+    ct_flow(&r->w, 0, "offload -> reload", (double)c->tensor, r->pid, copy_lane(r, 1, c),
+            rel(r, start));
   }
   if (o) slot_free(r, o);
   slot_free(r, s);
@@ -216,7 +233,7 @@ static void on_copy(void *ud, int dir, double start_us, double end_us, uint64_t 
 }
 
 static void copy_issue(ct_recorder *r, int dir, const stash_entry *s, const stash_cold *c,
-                       const void *host, int prefetch) {
+                       const void *host, int prefetch, int one_stream) {
   pthread_mutex_lock(&r->lock);
   uint32_t old = take(&r->pending[dir], host), slot = old ? old : slot_new(r);
   if (slot) {
@@ -225,6 +242,7 @@ static void copy_issue(ct_recorder *r, int dir, const stash_entry *s, const stas
                                     .module = c->module_path,
                                     .layer = s->layer,
                                     .prefetch = (uint8_t)prefetch,
+                                    .one_stream = (uint8_t)(dir && one_stream),
                                     .issued_us = util_now_us()};
     if (u64map_insert(&r->pending[dir], (uintptr_t)host, slot)) slot_free(r, slot);
   }
@@ -378,7 +396,12 @@ int ctrace_open(ferry_engine *e, const char *path_spec) {
            e->policy ? ferry_policy_name(e->policy) : e->decide ? "decide callback" : "no policy",
            e->bk->ops->name);
   ct_process(&r->w, r->pid, name, 0);
-  for (int d = 0; d < 2; d++) ct_thread(&r->w, r->pid, LANE_D2H + d, LANE_NAME[d], 100 + d);
+  /* the D2H lane carries the reloads too under the one_copy_stream knob (a
+   * policy swapped in later with it renames the lane at its first reload) */
+  r->one_stream_named = e->one_copy_stream != 0;
+  for (int d = 0; d < 2; d++)
+    ct_thread(&r->w, r->pid, LANE_D2H + d,
+              d == 0 && r->one_stream_named ? CT_LANE_ONE_STREAM : LANE_NAME[d], 100 + d);
   if (e->bk->ops->set_copy_listener &&
       e->bk->ops->set_copy_listener(e->bk, on_copy, r) == FERRY_OK)
     r->timed = 1;
@@ -437,7 +460,9 @@ static void ctrace_on(void *self, ferry_engine *e, const obs_event *ev) {
     break;
   case OBS_WAIT: wait_slice(r, ev->what, ev->t0); break;
   case OBS_COPY_ISSUE:
-    copy_issue(r, ev->dir, ev->entry, cold_of(e, ev->entry), ev->host, ev->prefetch);
+    /* the engine's lock is held: the knob is the one this copy was issued under */
+    copy_issue(r, ev->dir, ev->entry, cold_of(e, ev->entry), ev->host, ev->prefetch,
+               e->one_copy_stream != 0);
     break;
   case OBS_COPY_UNISSUE: copy_unissue(r, ev->dir, ev->host); break;
   case OBS_COPY_OBSERVED: copy_observed(r, ev->dir, ev->host); break;

@@ -1,5 +1,5 @@
 /*
- * replay_comm.c — the communication lanes of a replay (docs/simulator.md,
+ * replay_comm.c — the communication lanes of a replay (docs/sim-model.md,
  * "Collectives"): the trace's collectives (FSDP's all-gathers and
  * reduce-scatters, tensor parallelism's all-reduces) run on a lane per
  * group, in issue order, concurrently with compute; a collective_wait makes

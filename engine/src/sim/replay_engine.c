@@ -51,7 +51,7 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
   replay *r = ud;
   if (!r->recording) return;
   sim_timeline *tl = &r->res->tl;
-  sim_interval iv = {t0, t1, bytes, 1 + dir, -1, 0, 0, NULL, -1, -1};
+  sim_interval iv = {t0, t1, bytes, 1 + dir, -1, 0, 0, NULL, -1, -1, 0};
   uint32_t v = 0;
   int weights = r->w && (const char *)dev >= r->w->dev && (const char *)dev < r->w->dev + r->w->count;
   if (dir == 0) {
@@ -78,6 +78,10 @@ static void on_copy(void *ud, int dir, double t0, double t1, uint64_t bytes, con
     iv.module_path = "weights";
     iv.layer = r->w->first + (int32_t)((const char *)dev - r->w->dev);
   }
+  /* a saved tensor's reload goes on the offloads' stream under the knob
+   * (stash_reload_stream); the weights' and the optimizer's have their own */
+  if (dir == 1 && r->one_copy_stream && !weights && (iv.tensor || !iv.module_path))
+    iv.one_stream = 1;
   timeline_push(tl, iv);
 }
 
@@ -219,6 +223,9 @@ int replay_open_engine(replay *r) {
   if (rc) return ferry_errbuf(r->err, r->errlen, rc, "%s: %s", r->res->label, msg);
   r->sim = r->host || !sim_backend_is(engine_backend(r->e)) ? NULL : engine_backend(r->e);
   if (!r->sim) return 0;
+  ferry_knobs k;
+  if (ferry_get_knobs(r->e, &k, sizeof k) == FERRY_OK) r->one_copy_stream = k.one_copy_stream != 0;
+  r->res->tl.one_stream = r->one_copy_stream;
   sim_backend_set_listener(r->sim, on_copy, r);
   if ((rc = sim_backend_set_pinned_cost(r->sim, c->pinned_alloc_us, c->pinned_touch_bytes_per_s,
                                              !c->pinned_no_pool)))

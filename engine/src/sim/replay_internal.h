@@ -35,7 +35,7 @@ typedef struct sim_buf {
 
 #define BUF_SLAB 1024
 
-/* Optimizer-state offload (sim_config.optimizer_fraction; docs/simulator.md,
+/* Optimizer-state offload (sim_config.optimizer_fraction; docs/sim-model.md,
  * "Optimizer-state offload"): what ferry.torch.offload_optimizer does per
  * step, through the engine's resident buffers, on the engine's streams:
  *  - backward: the share's gradients go D2H a layer's worth at a time as
@@ -66,7 +66,7 @@ typedef struct opt_model {
   double stall, host_wait;       /* this step: exposed; of it, host waits */
 } opt_model;
 
-/* Weight offload (sim_config.weight_count; docs/simulator.md, "Weight
+/* Weight offload (sim_config.weight_count; docs/sim-model.md, "Weight
  * offload"): what ferry.torch.offload_weights does, through the engine's
  * resident buffers on its D2H and H2D streams, for the blocks first ..
  * first + count - 1, each `bytes` of weights:
@@ -110,7 +110,7 @@ typedef struct weight_model {
   double stall, d2h, h2d; /* this step: exposed waits, bytes each way */
 } weight_model;
 
-/* The communication lanes (replay_comm.c; docs/simulator.md,
+/* The communication lanes (replay_comm.c; docs/sim-model.md,
  * "Collectives"): per group (SIM_GROUP_*) a queue of issued collectives,
  * the head's wire bytes left; per collective when it ended (-1: not yet);
  * running sums for the steps. */
@@ -168,7 +168,7 @@ typedef struct replay {
   uint64_t resident;    /* the trace's resident bytes less what the optimizer offload frees */
   double gap_scale;     /* compute multiplier (the device's share of the optimizer step) */
   int mem_bound;        /* the compute being replayed is a memory-bound kernel (contention) */
-  /* sim: the host's own timeline (docs/simulator.md, "The host's lead"):
+  /* sim: the host's own timeline (docs/sim-model.md, "The host's lead"):
    * where the trainer's thread is, which runs ahead of the GPU's `now`
    * while the GPU has work queued; and the GPU's time idle waiting for it
    * so far */
@@ -185,6 +185,9 @@ typedef struct replay {
   uint32_t cur_ev, peak_ev;
   int cur_phase, peak_phase;
   comm_model *comm;     /* collectives, NULL when the trace has none */
+  /* the policy's one_copy_stream knob: the stash's reloads run on the
+   * offloads' stream, and the timeline draws them there */
+  int one_copy_stream;
 } replay;
 
 /* The least exposed stall any schedule of a step's copies could have with

@@ -1,5 +1,5 @@
 /*
- * replay_opt.c — optimizer-state offload in a replay (docs/simulator.md,
+ * replay_opt.c — optimizer-state offload in a replay (docs/sim-model.md,
  * "Optimizer-state offload").
  */
 #include <errno.h>

@@ -1,5 +1,5 @@
 /*
- * replay_weights.c — weight offload in a replay (docs/simulator.md,
+ * replay_weights.c — weight offload in a replay (docs/sim-model.md,
  * "Weight offload").
  */
 #include <errno.h>

@@ -206,7 +206,7 @@ static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
       break;
     }
   timeline_push(&r->res->tl, (sim_interval){a, replay_now(r), 0, 0, layer, 0, 0, module,
-                                            ev->flops, ev->hbm_bytes});
+                                            ev->flops, ev->hbm_bytes, 0});
   return us;
 }
 
@@ -494,7 +494,7 @@ static double offload_stall(replay *r) {
   return st + w - (r->opt ? r->opt->host_wait : 0);
 }
 
-/* The stall floor's time to hide copies behind (docs/simulator.md, "Stall
+/* The stall floor's time to hide copies behind (docs/sim-model.md, "Stall
  * floor") since at = {clock, offload_stall}: the clock's advance less the
  * offloads' stall in it. The link copies through compute and through the
  * GPU's other waits (for the host, a collective, the weights) alike. */
@@ -709,6 +709,7 @@ static int replay_sensitivity(const sim_trace *t, const sim_config *c, sim_resul
     if (rc) break;
     out->sens_tflops[k] = cc.tflops;
     out->sens_step_us[k] = r.step_us;
+    out->replays += r.replays;
     sim_result_free(&r);
   }
   util_log_quiet(was_quiet);
@@ -747,6 +748,7 @@ int sim_replay(const sim_trace *t, const sim_config *c, sim_result *out, char *e
     rc = replay_steps(&r, out->steps);
   }
   replay_close(&r);
+  if (!rc) out->replays = 1;
   if (!rc && c->mfu_sensitivity > 0 && c->mfu_sensitivity < 1 && c->tflops > 0 &&
       out->gaps_from_flops > 0)
     rc = replay_sensitivity(t, c, out, err, errlen);

@@ -1,7 +1,7 @@
 /*
  * sim_bands.c — how sure the simulator is: each simulated memory saving
  * and step overhead gets the error the simulator made on published runs
- * like this one (docs/simulator.md, "Validation: memory and cost"; declared
+ * like this one (docs/sim-validation.md, "Validation: memory and cost"; declared
  * in ferry_sim.h). The rows below are that table's; tests/check_band_docs.py
  * fails when they disagree with it.
  */
@@ -14,7 +14,7 @@
 #include "sim/sim_format.h"
 #include "sim/trace_reader_internal.h"
 
-/* docs/simulator.md's table, row for row: source, which run, GPUs,
+/* docs/sim-validation.md's table, row for row: source, which run, GPUs,
  * compiled, seq (the one taken where the publication gives none), CP, the
  * simulated overhead (%), then memory saved and overhead as simulated -
  * published in points (or a published bound, or not published), and the
@@ -261,7 +261,7 @@ void sim_print_bands(FILE *f, const sim_run_info *info, const sim_result *rs, in
   sim_run_class_of(info, rs, 0, &c);
   char cls[192];
   class_words(&c, cls, sizeof cls);
-  fprintf(f, "\nhow sure (docs/simulator.md, \"Validation: memory and cost\"): the simulator's error "
+  fprintf(f, "\nhow sure (docs/sim-validation.md, \"Validation: memory and cost\"): the simulator's error "
              "(simulated - published, points) on published runs like this one, and where a real "
              "run like them landed\n  this trace: %s; a policy is copy-bound at a simulated "
              "overhead of %.0f%% or more\n", cls, SIM_BAND_COPY_BOUND_PCT);
@@ -313,7 +313,7 @@ void sim_band_json(cJSON *o, const sim_run_info *info, const sim_result *rs, int
   sim_run_class c;
   sim_run_class_of(info, rs, i, &c);
   cJSON *band = cJSON_AddObjectToObject(o, "band");
-  cJSON_AddStringToObject(band, "source", "docs/simulator.md, Validation: memory and cost");
+  cJSON_AddStringToObject(band, "source", "docs/sim-validation.md, Validation: memory and cost");
   cJSON *run = cJSON_AddObjectToObject(band, "run");
   unsigned known, bits = run_bits(&c, &known);
   if (c.gpus > 0) cJSON_AddNumberToObject(run, "gpus", c.gpus);

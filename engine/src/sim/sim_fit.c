@@ -2,7 +2,7 @@
  * sim_fit.c — "what fits?": replays a policy template over a grid of its
  * knobs and picks the lowest-overhead setting whose steady-state peak fits
  * the device and whose pinned host memory fits the host budget
- * (`ferry sim --fit`, docs/simulator.md).
+ * (`ferry sim --fit`, docs/sim-model.md).
  */
 #include <stdio.h>
 #include <stdlib.h>

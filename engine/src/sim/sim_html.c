@@ -1,7 +1,7 @@
 /*
  * sim_html.c — the simulator's HTML report: the comparison table, the SVG
  * of sim_plot.c and per-layer bars (declared in ferry_tools.h;
- * docs/simulator.md, "Outputs").
+ * docs/sim-outputs.md, "Outputs").
  */
 #include <errno.h>
 #include <stdio.h>
@@ -222,7 +222,7 @@ int sim_write_html(const char *path, const sim_run_info *info, const sim_result 
   html_table(f, info, rs, n);
   if (n > 1)
     fputs("<p>Under each memory saving and overhead: the simulator's error (simulated \u2212 "
-          "published, in points) on the published runs like this one, from docs/simulator.md's "
+          "published, in points) on the published runs like this one, from docs/sim-validation.md's "
           "\"Validation: memory and cost\"; hover it for which runs and where a real run like "
           "them landed (the text report below says the same).</p>\n", f);
   fputs("<p>Where the device peak falls (last step):</p>\n<ul>\n", f);

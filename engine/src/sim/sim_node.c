@@ -1,7 +1,7 @@
 /*
  * sim_node.c — sim_node_apply (ferry_sim.h): what the GPUs of a node
  * copying at once, NUMA-far pinned memory and copy/compute contention do to
- * one GPU's replay settings (docs/simulator.md, "Time model"; the figures:
+ * one GPU's replay settings (docs/sim-model.md, "Time model"; the figures:
  * docs/hardware.md, "Node sharing").
  */
 #include <math.h>

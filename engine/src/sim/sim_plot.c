@@ -1,7 +1,7 @@
 /*
  * sim_plot.c — the simulator's pictures: memory over one step as an SVG,
  * and the HTML report that carries it with the comparison table and
- * per-layer bars (declared in ferry_tools.h; docs/simulator.md, "Outputs").
+ * per-layer bars (declared in ferry_tools.h; docs/sim-outputs.md, "Outputs").
  *
  * The SVG is laid out for a reader: the legend below the plot, the peaks
  * annotated where no other text is (every label's box is estimated and

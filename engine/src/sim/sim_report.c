@@ -16,7 +16,7 @@
 
 #define GB 1e9
 
-/* Published measurements (docs/simulator.md gives the sources). latency is
+/* Published measurements (docs/sim-model.md gives the sources). latency is
  * the per-copy fixed cost: 3-7 us of host submission for cudaMemcpyAsync. */
 /* Then dense BF16 peak (TFLOP/s) and HBM bandwidth, from the vendors'
  * datasheets (H100 SXM 3.35 TB/s, H200 4.8, A100 80GB SXM 2.039, GH200 96 GB
@@ -129,7 +129,7 @@ static void sim_print_optimizer(FILE *f, const sim_result *rs, int n) {
   int any = 0;
   for (int i = 0; i < n; i++) any |= rs[i].opt_fraction > 0;
   if (!any) return;
-  fprintf(f, "\noptimizer-state offload (docs/simulator.md): the host steps a share of the "
+  fprintf(f, "\noptimizer-state offload (docs/sim-model.md): the host steps a share of the "
              "parameters; per steady step:");
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
@@ -155,7 +155,7 @@ static void sim_print_weights(FILE *f, const sim_result *rs, int n) {
   int any = 0;
   for (int i = 0; i < n; i++) any |= rs[i].w_count > 0;
   if (!any) return;
-  fprintf(f, "\nweights (docs/simulator.md, \"Weight offload\"): blocks' weights D2H after their "
+  fprintf(f, "\nweights (docs/sim-model.md, \"Weight offload\"): blocks' weights D2H after their "
              "forward, H2D before their backward; per steady step, in D2H/H2D and stall above:");
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
@@ -191,7 +191,7 @@ static void print_untracked(FILE *f, const sim_run_info *info) {
                "replayed here at %s\n", seen, rep);
 }
 
-static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, int n);
+static void print_sensitivity(FILE *f, const sim_run_info *info, const sim_result *rs, int n);
 
 /* The link rate of direction h2d the runs priced: the node's when given. */
 double sim_info_link(const sim_run_info *info, int h2d) {
@@ -276,7 +276,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   sim_print_weights(f, rs, n);
   if (n > 0 && rs[0].comm_count > 0) {
     /* collectives run beside compute: only what the compute waited for
-     * lengthens the step (docs/simulator.md, "Collectives") */
+     * lengthens the step (docs/sim-model.md, "Collectives") */
     fprintf(f, "\ncollectives per step (FSDP gathers and reduce-scatters, tensor-parallel "
                "exchanges): exposed is the time compute waited for them, in the step time:");
     for (int i = 0; i < n; i++) {
@@ -292,7 +292,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
   }
   if (n > 1 && !strcmp(rs[0].backend, "sim")) {
     fprintf(f, "\nstall floor (the least stall any schedule of the same copies could expose "
-               "at the same peak, the link at full speed; docs/simulator.md):");
+               "at the same peak, the link at full speed; docs/sim-model.md):");
     for (int i = 1; i < n; i++) {
       char fl[32], sl[32];
       fmt_us(fl, sizeof fl, rs[i].stall_floor_us);
@@ -302,7 +302,7 @@ void sim_print_table(FILE *f, const sim_run_info *info, const sim_result *rs, in
     fputc('\n', f);
   }
   if (n > 0 && rs[0].compute_note[0]) fprintf(f, "compute: %s\n", rs[0].compute_note);
-  print_sensitivity(f, hw, rs, n);
+  print_sensitivity(f, info, rs, n);
   if (hw->device_bytes > 0) {
     double usable = sim_hw_usable_bytes(hw);
     fprintf(f, "\n%s has %.0f GB of device memory, %.2f GiB exposed, %.2f GiB usable (%.2f GiB kept "
@@ -328,8 +328,15 @@ static void fmt_rate(char *buf, size_t n, const sim_hw *hw, double tflops) {
 
 /* Step and overhead of every run at the compute rate x (1 -+ f) beside
  * the rate used (sim_config.mfu_sensitivity): the rate is an input the
- * simulator cannot know, and overheads depend on it. */
-static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, int n) {
+ * simulator cannot know, and overheads depend on it. Off (--mfu-sensitivity
+ * off): a line that says so, since the reader expects the paragraph. */
+static void print_sensitivity(FILE *f, const sim_run_info *info, const sim_result *rs, int n) {
+  const sim_hw *hw = info->hw;
+  if (n >= 1 && !(rs[0].sens_tflops[0] > 0) && info->mfu_sensitivity < 0) {
+    fprintf(f, "\nsensitivity to the compute rate: off (--mfu-sensitivity off: no replays at "
+               "other rates; docs/sim-model.md)\n");
+    return;
+  }
   if (n < 1 || !(rs[0].sens_tflops[0] > 0)) return;
   double mid = (rs[0].sens_tflops[0] + rs[0].sens_tflops[1]) / 2;
   char lo[32], md[32], hi[32];
@@ -337,7 +344,7 @@ static void print_sensitivity(FILE *f, const sim_hw *hw, const sim_result *rs, i
   fmt_rate(md, sizeof md, hw, mid);
   fmt_rate(hi, sizeof hi, hw, rs[0].sens_tflops[1]);
   fprintf(f, "\nsensitivity to the compute rate (an input, not a measurement: --mfu; "
-             "docs/simulator.md): step (overhead) at %s / %s / %s:", lo, md, hi);
+             "docs/sim-model.md): step (overhead) at %s / %s / %s:", lo, md, hi);
   for (int i = 0; i < n; i++) {
     const sim_result *r = &rs[i];
     if (!(r->sens_tflops[0] > 0)) continue;
@@ -412,6 +419,7 @@ static void add_metrics(cJSON *o, const sim_result *r, const sim_result *base) {
   cJSON_AddNumberToObject(o, "contention_us", r->contention_us);
   cJSON_AddNumberToObject(o, "host_bound_us", r->host_bound_us);
   cJSON_AddNumberToObject(o, "host_ram_bytes", (double)r->host_ram_bytes);
+  cJSON_AddNumberToObject(o, "replays", r->replays);
   if (r->sens_tflops[0] > 0 && base->sens_tflops[0] > 0) {
     /* the step at the compute rate x (1 -+ f): lower, then higher */
     cJSON *sa = cJSON_AddArrayToObject(o, "compute_sensitivity");
@@ -526,6 +534,10 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
                                                                                    : info->hw->device_bytes);
   cJSON_AddNumberToObject(root, "device_usable_bytes", sim_hw_usable_bytes(info->hw));
   cJSON_AddNumberToObject(root, "layers", info->trace->layers);
+  /* the runs' compute_sensitivity factor, or "off": then no run has one */
+  if (info->mfu_sensitivity < 0) cJSON_AddStringToObject(root, "mfu_sensitivity", "off");
+  else if (info->mfu_sensitivity > 0)
+    cJSON_AddNumberToObject(root, "mfu_sensitivity", info->mfu_sensitivity);
   /* The first policy's figures at the top level, for scripts comparing one. */
   const sim_result *first = n > 1 ? &rs[1] : &rs[0];
   cJSON *top = cJSON_CreateObject();
@@ -564,7 +576,8 @@ int sim_write_json(const char *path, const sim_run_info *info, const sim_result 
  * buffers' copies, category "other", by what they move), a flow arrow
  * from each offload to its reload, the device-memory counter, and instants
  * at backward's start and the step's end. Times: the last step, in µs from
- * its start. */
+ * its start. A run whose reloads went on the offloads' stream (the
+ * one_copy_stream knob) draws them on that lane, named for both. */
 int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *err,
                            size_t errlen) {
   static const char *const lanes[3] = {"compute", "D2H copies", "H2D copies"};
@@ -575,7 +588,11 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
     const sim_timeline *tl = &r->tl;
     int pid = i + 1;
     ct_process(&w, pid, r->label, i);
-    for (int k = 0; k < 3; k++) ct_thread(&w, pid, k + 1, lanes[k], -1);
+    /* the knob names the lane, as in a real run's trace, reloads or not */
+    int one_stream = tl->one_stream;
+    for (size_t k = 0; k < tl->n_iv && !one_stream; k++) one_stream = tl->iv[k].one_stream;
+    for (int k = 0; k < 3; k++)
+      ct_thread(&w, pid, k + 1, k == 1 && one_stream ? CT_LANE_ONE_STREAM : lanes[k], -1);
     double t0 = tl->t_begin;
     char name[64];
     for (size_t k = 0; k < tl->n_iv; k++) {
@@ -598,7 +615,8 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
        * optimizer's): category "other", as in a real run's trace */
       const char *cat = iv->lane == 0 ? "compute" : !iv->tensor ? "other"
                         : iv->lane == 1 ? "offload" : "reload";
-      cJSON *e = ct_slice(what, cat, pid, iv->lane + 1, iv->t0 - t0, iv->t1 - iv->t0);
+      const int tid = iv->one_stream ? 2 : iv->lane + 1; /* the stream it ran on */
+      cJSON *e = ct_slice(what, cat, pid, tid, iv->t0 - t0, iv->t1 - iv->t0);
       cJSON *args = ct_args(e);
       if (iv->layer >= 0) cJSON_AddNumberToObject(args, "layer", iv->layer);
       if (iv->lane == 0) {
@@ -614,7 +632,7 @@ int sim_write_chrome_trace(const char *path, const sim_result *rs, int n, char *
       /* the arrow leaves the offload at its start and enters the reload */
       if (iv->lane != 0 && iv->flow)
         ct_flow(&w, iv->lane == 1, "offload -> reload", (double)pid * 1e7 + iv->flow, pid,
-                iv->lane + 1, iv->t0 - t0);
+                tid, iv->t0 - t0);
     }
     for (size_t k = 0; k < tl->n_mem; k++)
       ct_counter(&w, "device memory", pid, tl->mem[k].t - t0, "GiB",

@@ -1,5 +1,5 @@
 /*
- * synth_comm.c — the synthesizer's collectives (docs/simulator.md,
+ * synth_comm.c — the synthesizer's collectives (docs/sim-model.md,
  * "Collectives"; docs/trace-format.md, "collective"): where FSDP2 and
  * Megatron's tensor parallelism communicate in a step, with their bytes.
  *  - FSDP (shard > 1): one list of units, as torchtitan's apply_fsdp wraps

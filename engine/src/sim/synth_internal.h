@@ -31,7 +31,7 @@ typedef struct saved {
 
 /* How torchtitan's per-op selective checkpointing treats an op's output
  * (torchtitan/distributed/activation_checkpoint.py, _save_list in
- * models/llama3/infra/parallelize.py; see docs/simulator.md). */
+ * models/llama3/infra/parallelize.py; see docs/sim-synth.md). */
 enum {
   SAC_NONE = 0,     /* not in the save list: recomputed */
   SAC_MM,           /* aten.mm (a bias-free Linear): saved unless it is an even one */

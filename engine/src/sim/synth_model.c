@@ -1,6 +1,6 @@
 /*
  * synth_model.c — the trace synthesizer's presets, validation and
- * parameter arithmetic (declared in ferry_tools.h; docs/simulator.md).
+ * parameter arithmetic (declared in ferry_tools.h; docs/sim-synth.md).
  */
 #include <math.h>
 #include <stdio.h>
@@ -176,6 +176,9 @@ static int validate_cp(const synth_model *m, char *err, size_t errlen) {
   if (m->cp < 0 || m->cp > 1 << 16) BAD("cp %d must be within 1..65536", m->cp);
   if (m->cp_impl != SYNTH_CP_RING && m->cp_impl != SYNTH_CP_ULYSSES)
     BAD("cp_impl %d is not ring (0) or ulysses (1)", m->cp_impl);
+  /* else nothing would use it: the trace would be ring's, or no CP's */
+  if (m->cp_impl == SYNTH_CP_ULYSSES && m->cp <= 1)
+    BAD("--cp-impl ulysses needs --cp N with N > 1 (context parallelism is off at cp %d)", m->cp);
   if (ulysses_of(m)) {
     /* each rank attends with heads / cp of the whole sequence: the heads,
      * the KV heads (per tensor-parallel rank) and the sequence split evenly */

@@ -1,6 +1,6 @@
 /*
  * synth_ops.c — a transformer block as ops (what each op saves, its
- * transients and cost) and checkpointing (docs/simulator.md).
+ * transients and cost) and checkpointing (docs/sim-synth.md).
  */
 #include <math.h>
 #include <stdio.h>

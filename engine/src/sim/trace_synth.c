@@ -1,7 +1,7 @@
 /*
  * trace_synth.c — the trace synthesizer (declared in ferry_tools.h).
  * How it works: docs/internals.md#trace_synthc; the model, the presets and
- * the checkpointing modes with their sources: docs/simulator.md.
+ * the checkpointing modes with their sources: docs/sim-synth.md.
  */
 #include <math.h>
 #include <stdio.h>

@@ -58,6 +58,9 @@ void ct_emit(ct_writer *w, cJSON *e);
  * sort position (sort < 0: none). */
 void ct_process(ct_writer *w, int pid, const char *name, int sort);
 void ct_thread(ct_writer *w, int pid, int tid, const char *name, int sort);
+/* The D2H copies' lane when reloads ran on it too (the one_copy_stream
+ * knob: one side stream carries both directions), in both writers. */
+#define CT_LANE_ONE_STREAM "copies (one stream)"
 /* A complete slice ("X") of dur µs in category cat (NULL: none); append it
  * with ct_emit after adding its args. */
 cJSON *ct_slice(const char *name, const char *cat, int pid, int tid, double ts_us,
