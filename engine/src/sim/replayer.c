@@ -37,10 +37,14 @@ void replay_compute(replay *r, double us) {
   }
 }
 
-/* Tensors the engine offloaded so far. */
+/* Tensors the engine offloaded so far: one counter read under the lock
+ * (ferry_get_stats copies every counter and asks the arena and the policy;
+ * this one is its tensors_offloaded, which they do not touch). */
 static uint64_t engine_offloaded(ferry_engine *e) {
-  ferry_stats st;
-  return ferry_get_stats(e, &st, sizeof st) ? 0 : st.tensors_offloaded;
+  engine_lock(e);
+  uint64_t n = engine_stats(e)->tensors_offloaded;
+  engine_unlock(e);
+  return n;
 }
 
 /* The sim backend's stall so far (and host wait in *host_wait); 0 on host. */
