@@ -720,6 +720,15 @@ void sim_backend_get_stats(ferry_backend *b, sim_backend_stats *out) {
   pthread_mutex_unlock(&sb->lock);
 }
 
+void sim_backend_waits(ferry_backend *b, double *stall_us, double *host_wait_us) {
+  sim_backend *sb = as_sim(b);
+  pthread_mutex_lock(&sb->lock);
+  link_run_to(sb, sb->now); /* as sim_backend_get_stats: the same link, the same copies seen */
+  *stall_us = sb->st.stall_us;
+  *host_wait_us = sb->st.host_wait_us;
+  pthread_mutex_unlock(&sb->lock);
+}
+
 void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, void *ud) {
   sim_backend *sb = as_sim(b);
   pthread_mutex_lock(&sb->lock);

@@ -53,10 +53,9 @@ static double sim_stall(replay *r, double *host_wait) {
     *host_wait = 0;
     return 0;
   }
-  sim_backend_stats st;
-  sim_backend_get_stats(r->sim, &st);
-  *host_wait = st.host_wait_us;
-  return st.stall_us;
+  double stall;
+  sim_backend_waits(r->sim, &stall, host_wait);
+  return stall;
 }
 
 /* The host's timeline (sim, with a host overhead): where the trainer's
