@@ -200,6 +200,7 @@
   X(sim_trace_reader_refuses_escaped_nul)                               \
   X(sim_trace_load_refuses_escaped_nul)                                 \
   X(sim_trace_reader_takes_other_escapes)                               \
+  X(sim_trace_escaped_nul_names_the_member_holding_it)                 \
   X(sim_duplex_slows_both_directions_exactly)                           \
   X(sim_stream_waits_for_compute_event)                                 \
   X(sim_wait_on_a_later_stream_starts_at_once)                          \
