@@ -60,6 +60,13 @@ cases=(
   "qwen-eager|qwen-eager|--policy default,save_on_cpu --hw h200"
   "recorded-h200|$root/tests/cli/recorded_h200/trace.jsonl|--policy default --recorded --hw h200 --untracked auto"
   "check-reasons|$root/tests/cli/check_reasons/trace.jsonl|--policy default,budget --recorded"
+  # the link's settled time under every rate change at once: comm lanes
+  # sharing the link, host memory shared by the node's GPUs, NUMA, copies
+  # beside memory-bound kernels, the host's own cost per call, unpooled pins
+  "llama-nodes-all|llama3-8b|--policy default,budget,wait_each --nodes 2 --gpus-per-node 4 --numa-far 0.7 --host-overhead torch1 --pinned pool=off,alloc=1ms --steps 3"
+  "qwen-moe-nodes|qwen3-moe|--policy default,layers --nodes 4 --gpus-per-node 8 --hw a100 --optimizer-fraction 0.5"
+  "llama-cp-contention|llama-cp|--policy budget,hidden_states --nodes 2 --gpus-per-node 2 --release-copied --host-overhead torch1"
+  "tiny-nodes-weights|tiny|--policy default,wait_each --nodes 2 --gpus-per-node 8 --weight-layers 2 --steps 4 --warmup 0"
 )
 for f in "$root"/tests/fuzz/corpus/synth_*.jsonl "$root"/tests/fuzz/corpus/alias_discard.jsonl \
          "$root"/tests/fuzz/corpus/transient_alloc.jsonl "$root"/tests/fuzz/corpus/six_tensors.jsonl \
@@ -70,6 +77,7 @@ done
 fail=0
 for c in "${cases[@]}"; do
   IFS='|' read -r name trace opts <<<"$c"
+  [[ -n ${SAME_ONLY:-} && ! $name =~ $SAME_ONLY ]] && continue # SAME_ONLY=REGEX: those cases alone
   [[ $trace == /* ]] || trace="$work/traces/$trace.jsonl"
   for side in old new; do
     bin=$old
