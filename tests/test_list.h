@@ -199,6 +199,10 @@
   X(trace_reader_remembered_names_are_exact)                           \
   X(trace_reader_owned_strings_stay_apart)                             \
   X(trace_reader_near_names_and_numbers_keep_their_errors)             \
+  X(sim_trace_reader_refuses_escaped_nul)                               \
+  X(sim_trace_load_refuses_escaped_nul)                                 \
+  X(sim_trace_reader_takes_other_escapes)                               \
+  X(sim_trace_escaped_nul_names_the_member_holding_it)                 \
   X(sim_duplex_slows_both_directions_exactly)                           \
   X(sim_stream_waits_for_compute_event)                                 \
   X(sim_wait_on_a_later_stream_starts_at_once)                          \

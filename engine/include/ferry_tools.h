@@ -379,6 +379,9 @@ FERRY_API int sim_backend_set_node(ferry_backend *b, double host_mem_bytes_per_s
 FERRY_API double sim_backend_now(ferry_backend *b);
 /* Runs the link up to now, so that copies finished by now are counted. */
 FERRY_API void sim_backend_get_stats(ferry_backend *b, sim_backend_stats *out);
+/* Its stall_us and host_wait_us alone (the link run up to now alike): what
+ * the replay reads at each event, without copying the rest. */
+FERRY_API void sim_backend_waits(ferry_backend *b, double *stall_us, double *host_wait_us);
 FERRY_API void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, void *ud);
 /* Direction-dependent duplex (links where one direction suffers more when
  * both run, e.g. A100: H2D drops to ~48%, D2H to ~96%). */

@@ -66,6 +66,11 @@ typedef struct sim_backend {
   double now;  /* the embedder's clock */
   double link; /* the link has been simulated up to here (<= now, except
                   right after a wait ran it to the copy's end) */
+  /* link_run_to left the link at `link` with nothing more to do there, and
+   * nothing has changed it since (link_step, a queued operation, a rate):
+   * running it to `link` again changes nothing, so it is skipped. The
+   * replay reads the counters several times an event at the same time. */
+  int settled;
   unsigned active[2];
   unsigned foreign; /* other flows on each direction (sim_backend_share_link)... */
   double foreign_until; /* ...until then */
@@ -188,6 +193,7 @@ static void finish_copy(sim_backend *sb, sim_stream *s) {
  * Returns 1 if the link moved or changed, 0 if it is idle up to `until`,
  * -1 if it is stuck for ever (until infinite and nothing can happen). */
 static int link_step(sim_backend *sb, double until) {
+  sb->settled = 0;
   int changed = start_ready(sb);
   double next = until;
   if (sb->foreign && sb->foreign_until <= sb->link) sb->foreign = 0; /* that traffic ended */
@@ -242,9 +248,12 @@ static int link_step(sim_backend *sb, double until) {
 
 /* Run the link up to t (inclusive of what ends exactly at t). */
 static void link_run_to(sim_backend *sb, double t) {
-  if (t < sb->link) return;
+  if (t < sb->link || (sb->settled && t == sb->link)) return;
   while (link_step(sb, t) > 0) {
   }
+  /* the last step found nothing to start, end or integrate at `link`: a
+   * step there again would find the same (see settled) */
+  sb->settled = 1;
 }
 
 /* Run the link until stream s has completed `target` operations; the link
@@ -398,6 +407,7 @@ static int sim_stream_create(ferry_backend *b, bk_stream *out) {
   sim_stream **tail = &sb->streams;
   while (*tail) tail = &(*tail)->next;
   *tail = s;
+  sb->settled = 0;
   pthread_mutex_unlock(&sb->lock);
   *out = s;
   return FERRY_OK;
@@ -415,6 +425,7 @@ static int sim_stream_destroy(ferry_backend *b, bk_stream s) {
    * move for it, nobody is waiting. */
   link_run_until(sb, x, x->enqueued);
   x->destroyed = 1;
+  sb->settled = 0;
   pthread_mutex_unlock(&sb->lock);
   return FERRY_OK;
 }
@@ -433,7 +444,7 @@ static int enqueue(sim_backend *sb, sim_stream *s, sim_op op) {
   s->ring[(s->head + s->count) % s->cap] = op;
   s->count++;
   s->enqueued++;
-  (void)sb;
+  sb->settled = 0;
   return FERRY_OK;
 }
 
@@ -687,6 +698,7 @@ int sim_backend_set_node(ferry_backend *b, double host_mem_bytes_per_s,
   link_run_to(sb, sb->now);
   sb->host_mem_bytes_per_us = host_mem_bytes_per_s / 1e6;
   sb->contention_hbm_bytes_per_us = contention_hbm_bytes_per_s / 1e6;
+  sb->settled = 0;
   pthread_mutex_unlock(&sb->lock);
   return FERRY_OK;
 }
@@ -708,6 +720,15 @@ void sim_backend_get_stats(ferry_backend *b, sim_backend_stats *out) {
   pthread_mutex_unlock(&sb->lock);
 }
 
+void sim_backend_waits(ferry_backend *b, double *stall_us, double *host_wait_us) {
+  sim_backend *sb = as_sim(b);
+  pthread_mutex_lock(&sb->lock);
+  link_run_to(sb, sb->now); /* as sim_backend_get_stats: the same link, the same copies seen */
+  *stall_us = sb->st.stall_us;
+  *host_wait_us = sb->st.host_wait_us;
+  pthread_mutex_unlock(&sb->lock);
+}
+
 void sim_backend_set_listener(ferry_backend *b, sim_copy_listener fn, void *ud) {
   sim_backend *sb = as_sim(b);
   pthread_mutex_lock(&sb->lock);
@@ -724,6 +745,7 @@ int sim_backend_set_duplex(ferry_backend *b, double d2h, double h2d) {
   link_run_to(sb, sb->now);
   sb->duplex[0] = d2h;
   sb->duplex[1] = h2d;
+  sb->settled = 0;
   pthread_mutex_unlock(&sb->lock);
   return FERRY_OK;
 }
@@ -757,6 +779,7 @@ void sim_backend_share_link(ferry_backend *b, unsigned flows, double until_us,
   link_run_to(sb, sb->now); /* the copies so far at the old share */
   sb->foreign = until_us > sb->link ? flows : 0;
   sb->foreign_until = until_us;
+  sb->settled = 0;
   if (active) {
     active[0] = sb->active[0];
     active[1] = sb->active[1];

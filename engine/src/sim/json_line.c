@@ -93,3 +93,49 @@ int json_depth(const char *s, size_t n) {
   }
   return deepest;
 }
+
+/* Nesting levels json_escaped_nul keeps the member of; deeper ones name the
+ * member of the deepest level kept. */
+#define NUL_MEMBER_LEVELS 64
+
+/* The column (from 1) of the first escaped NUL (\u0000) in a string of a
+ * JSON line, 0 if none; where it is in *where (json_line.h). */
+long json_escaped_nul(const char *s, size_t n, json_nul_at *where) {
+  /* the member whose value holds the current level: an object's last name
+   * read, an array's own member; each open container's parent saved */
+  struct { const char *key; size_t len; } up[NUL_MEMBER_LEVELS];
+  const char *key = NULL;
+  size_t key_len = 0, depth = 0;
+  memset(where, 0, sizeof *where);
+  if (!memchr(s, '\\', n)) return 0; /* no escape at all: the usual line */
+  for (size_t i = 0; i < n; i++) {
+    if (s[i] == '{' || s[i] == '[') {
+      if (depth < NUL_MEMBER_LEVELS) up[depth].key = key, up[depth].len = key_len;
+      depth++;
+      if (s[i] == '{' && depth <= NUL_MEMBER_LEVELS) key = NULL, key_len = 0; /* no name yet */
+      continue;
+    }
+    if (s[i] == '}' || s[i] == ']') {
+      if (depth && --depth < NUL_MEMBER_LEVELS) key = up[depth].key, key_len = up[depth].len;
+      continue;
+    }
+    if (s[i] != '"') continue;
+    size_t start = ++i;
+    long col = 0;
+    for (; i < n && s[i] != '"'; i++) {
+      if (s[i] != '\\') continue;
+      if (!col && i + 5 < n && s[i + 1] == 'u' && !memcmp(s + i + 2, "0000", 4)) col = (long)i + 1;
+      i++; /* the escaped character (or \u's first digit: no quote) */
+    }
+    size_t len = (i < n ? i : n) - start, j = i + 1;
+    while (j < n && (s[j] == ' ' || s[j] == '\t' || s[j] == '\r' || s[j] == '\n')) j++;
+    int is_name = j < n && s[j] == ':';
+    if (col) {
+      where->in_name = is_name;
+      if (!is_name) where->member = key, where->member_len = key_len;
+      return col;
+    }
+    if (is_name && depth <= NUL_MEMBER_LEVELS) key = s + start, key_len = len;
+  }
+  return 0;
+}

@@ -149,6 +149,18 @@ int json_simd_parse(json_simd *p, const char *s, size_t n, size_t readable, json
  * checks it before parsing). */
 int json_depth(const char *s, size_t n);
 
+/* The column (from 1) of the first escaped NUL (\u0000) inside a string of
+ * the line, 0 if none: the reader keeps strings as C strings, which would
+ * end there, so it refuses such a line, saying where: in a member's name
+ * (in_name), or in the value of member (member_len bytes, as written;
+ * NULL: a string outside any member). */
+typedef struct json_nul_at {
+  int in_name;
+  const char *member;
+  size_t member_len;
+} json_nul_at;
+long json_escaped_nul(const char *s, size_t n, json_nul_at *where);
+
 #ifdef __cplusplus
 }
 #endif

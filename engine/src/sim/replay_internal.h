@@ -165,6 +165,7 @@ typedef struct replay {
   u64map dev_tensor;    /* a packed buffer's address -> tensor index + 1 */
   u64map host_offload;  /* an offload's host address -> its interval index + 1 */
   uint8_t *went;        /* per tensor: offloaded when packed; once unpacked, reloaded */
+  uint64_t offloaded;   /* the engine's tensors_offloaded after the last ferry_pack */
   uint64_t resident;    /* the trace's resident bytes less what the optimizer offload frees */
   double gap_scale;     /* compute multiplier (the device's share of the optimizer step) */
   int mem_bound;        /* the compute being replayed is a memory-bound kernel (contention) */

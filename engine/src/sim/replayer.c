@@ -37,10 +37,14 @@ void replay_compute(replay *r, double us) {
   }
 }
 
-/* Tensors the engine offloaded so far. */
+/* Tensors the engine offloaded so far: one counter read under the lock
+ * (ferry_get_stats copies every counter and asks the arena and the policy;
+ * this one is its tensors_offloaded, which they do not touch). */
 static uint64_t engine_offloaded(ferry_engine *e) {
-  ferry_stats st;
-  return ferry_get_stats(e, &st, sizeof st) ? 0 : st.tensors_offloaded;
+  engine_lock(e);
+  uint64_t n = engine_stats(e)->tensors_offloaded;
+  engine_unlock(e);
+  return n;
 }
 
 /* The sim backend's stall so far (and host wait in *host_wait); 0 on host. */
@@ -49,10 +53,9 @@ static double sim_stall(replay *r, double *host_wait) {
     *host_wait = 0;
     return 0;
   }
-  sim_backend_stats st;
-  sim_backend_get_stats(r->sim, &st);
-  *host_wait = st.host_wait_us;
-  return st.stall_us;
+  double stall;
+  sim_backend_waits(r->sim, &stall, host_wait);
+  return stall;
 }
 
 /* The host's timeline (sim, with a host overhead): where the trainer's
@@ -190,7 +193,8 @@ static double event_gap(replay *r, const trace_ev *ev) {
 static double replay_gap(replay *r, const trace_step *ts, uint32_t k) {
   const sim_trace *t = r->t;
   const trace_ev *ev = &t->events[k];
-  double a = replay_now(r), us = event_gap(r, ev) * r->gap_scale;
+  /* the interval's start: only the recorded step's timeline asks */
+  double a = r->recording ? replay_now(r) : 0, us = event_gap(r, ev) * r->gap_scale;
   r->mem_bound = memory_bound(r, ev);
   comm_compute(r, us);
   r->mem_bound = 0;
@@ -263,7 +267,9 @@ static int replay_pack(replay *r, uint32_t ti) {
   r->bufs[ti] = b;
   if (r->recording && tt->alias_of < 0)
     map_set(&r->dev_tensor, buf_ptr(b), ti + 1);
-  uint64_t off0 = engine_offloaded(r->e);
+  /* tensors_offloaded moves only in ferry_pack (the offload of a pack),
+   * which this function alone calls: as it stood after the last one */
+  uint64_t off0 = r->offloaded;
   double a = r->host ? util_now_us() : 0, w0 = 0;
   int host_cost = r->sim && r->host_overhead_us > 0;
   if (host_cost) {
@@ -284,7 +290,8 @@ static int replay_pack(replay *r, uint32_t ti) {
   }
   if (tt->alias_of >= 0 && t->tensors[tt->alias_of].last_alias == (int32_t)ti)
     buf_unref(r, r->bufs[tt->alias_of]); /* the trainer's reference */
-  int offloaded = engine_offloaded(r->e) != off0;
+  r->offloaded = engine_offloaded(r->e);
+  int offloaded = r->offloaded != off0;
   r->went[ti] = (uint8_t)offloaded;
   if (offloaded && r->sim && r->c->pinned_no_pool) sim_backend_pinned_alloc(r->sim, d->bytes);
   if (r->last) count_pack(r, d, offloaded);

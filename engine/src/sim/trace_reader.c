@@ -714,8 +714,18 @@ static int parse_line_slow(reader *r, const char *s, size_t n) {
  * object and nothing after it. */
 static int parse_line(reader *r, const char *s, size_t n, size_t readable) {
   if (!r->seen_header) sim_trace_read_run(r->t, s, n); /* once: for the error bands */
-  if (json_fast_parse(&r->fast, s, n, r->max_depth, &r->obj) == 0 ||
-      (r->simd && json_simd_parse(r->simd, s, n, readable, &r->obj) == 0))
+  if (json_fast_parse(&r->fast, s, n, r->max_depth, &r->obj) == 0) return parse_object(r, &r->obj);
+  /* the fast path takes no escape: a line with one is checked here, before
+   * simdjson and cJSON cut a string at its escaped NUL */
+  json_nul_at at;
+  long col = json_escaped_nul(s, n, &at);
+  if (col && at.member)
+    return reader_fail(r, "\"%.*s\" holds an escaped NUL (\\u0000) at column %ld: a trace string "
+                       "cannot hold one", (int)(at.member_len > 40 ? 40 : at.member_len), at.member, col);
+  if (col)
+    return reader_fail(r, "%s holds an escaped NUL (\\u0000) at column %ld",
+                       at.in_name ? "a member's name" : "a string", col);
+  if (r->simd && json_simd_parse(r->simd, s, n, readable, &r->obj) == 0)
     return parse_object(r, &r->obj);
   return parse_line_slow(r, s, n);
 }
