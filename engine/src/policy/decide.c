@@ -69,10 +69,8 @@ static uint32_t intern_content(ferry_policy *p, const char *s, uint32_t scratch)
 /* Pointers from ferry_intern() are stable, so a pointer cache answers most
  * lookups; the content is still compared, since any pointer may be passed
  * and a freed string's address may be reused for another. */
-static uint32_t intern(ferry_policy *p, const char *s, uint32_t scratch) {
-  if (!s || !*s) return STR_EMPTY;
-  ptr_cache_entry *c = &p->ptr_cache[util_mix64((uintptr_t)s) & (PTR_CACHE_SIZE - 1)];
-  if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
+static __attribute__((noinline)) uint32_t intern_miss(ferry_policy *p, const char *s,
+                                                      uint32_t scratch, ptr_cache_entry *c) {
   uint32_t id = intern_content(p, s, scratch);
   if (id >= STR_FIRST) {
     c->ptr = s;
@@ -81,16 +79,32 @@ static uint32_t intern(ferry_policy *p, const char *s, uint32_t scratch) {
   return id;
 }
 
-/* ---- site cache --------------------------------------------------------- */
-static uint64_t site_hash(const site_key *k) {
-  uint64_t h = util_mix64(((uint64_t)k->path_id << 32) | k->class_id);
-  h = util_mix64(h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->phase << 32) |
-                      ((uint64_t)(uint32_t)k->kind << 8) | (uint32_t)k->ndim));
-  for (int i = 0; i < k->ndim; i++) h = util_mix64(h ^ (uint64_t)k->shape[i]);
-  return h | 1;
+/* Inlined into the cache's hit path: two per decision. */
+static inline __attribute__((always_inline)) uint32_t intern(ferry_policy *p, const char *s,
+                                                             uint32_t scratch) {
+  if (!s || !*s) return STR_EMPTY;
+  /* multiply-shift: the product's top bits index the direct-mapped cache */
+  ptr_cache_entry *c =
+      &p->ptr_cache[((uintptr_t)s * 0x9e3779b97f4a7c15ull) >> (64 - PTR_CACHE_BITS)];
+  if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
+  return intern_miss(p, s, scratch, c);
 }
 
-static int site_equal(const site_key *a, const site_key *b) {
+/* ---- site cache --------------------------------------------------------- */
+/* One multiply per word and one full mix at the end (this runs on every
+ * cached answer): a product's high bits depend on all of both words' bits,
+ * and the final mix brings them down to the slot bits. */
+static inline __attribute__((always_inline)) uint64_t site_hash(const site_key *k) {
+  const uint64_t m = 0x9e3779b97f4a7c15ull;
+  uint64_t h = (((uint64_t)k->path_id << 32) | k->class_id) * m;
+  h = (h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->phase << 32) |
+            ((uint64_t)(uint32_t)k->kind << 8) | (uint32_t)k->ndim)) * m;
+  for (int i = 0; i < k->ndim; i++) h = (h ^ (uint64_t)k->shape[i]) * m;
+  return util_mix64(h) | 1;
+}
+
+static inline __attribute__((always_inline)) int site_equal(const site_key *a,
+                                                             const site_key *b) {
   if (a->path_id != b->path_id || a->class_id != b->class_id || a->dtype != b->dtype ||
       a->kind != b->kind || a->ndim != b->ndim || a->phase != b->phase)
     return 0;
@@ -99,7 +113,8 @@ static int site_equal(const site_key *a, const site_key *b) {
   return 1;
 }
 
-static const site_entry *site_find(const ferry_policy *p, const site_key *k, uint64_t h) {
+static inline __attribute__((always_inline)) const site_entry *
+site_find(const ferry_policy *p, const site_key *k, uint64_t h) {
   if (!p->sites) return NULL;
   for (uint32_t s = (uint32_t)h & p->sites_mask;; s = (s + 1) & p->sites_mask) {
     const site_entry *e = &p->sites[s];
@@ -311,7 +326,8 @@ static void forget_sites(ferry_policy *p) {
 
 /* The site-cache key of desc; whether its strings could be interned (else
  * the answer cannot be cached). */
-static int site_key_of(ferry_policy *p, const ferry_tensor_desc *desc, site_key *key) {
+static inline __attribute__((always_inline)) int
+site_key_of(ferry_policy *p, const ferry_tensor_desc *desc, site_key *key) {
   key->path_id = intern(p, desc->module_path, STR_SCRATCH_PATH);
   key->class_id = intern(p, desc->module_class, STR_SCRATCH_CLASS);
   key->dtype = desc->dtype;

@@ -66,7 +66,8 @@
 #define MAX_C_NESTING 64      /* C functions calling Lua (pcall, gsub, sort, tostring...) nested */
 #define MAX_LOG_LINES 1000    /* ferry.log lines per policy instance */
 #define MAX_STRINGS (1u << 16) /* distinct module paths/classes interned */
-#define PTR_CACHE_SIZE 4096    /* direct-mapped pointer -> string id cache */
+#define PTR_CACHE_BITS 12
+#define PTR_CACHE_SIZE (1 << PTR_CACHE_BITS) /* direct-mapped pointer -> string id cache */
 #define SITE_CACHE_MAX 16384   /* cached sites */
 #define MAX_PREFETCH_DISTANCE 4096
 #define MSG_LEN 512
