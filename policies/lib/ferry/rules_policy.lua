@@ -395,26 +395,38 @@ function R.policy(spec, where)
 
   -- the rules themselves -> action, distance, cacheable; t and ctx: the
   -- host's field tables or the views (decide); path: t:path() or nil
+  -- keep_recompute(), when the policy keeps recompute packs, is the first
+  -- test: checked here inline (one field read instead of a call per tensor).
+  local recompute_first = recompute == "keep"
+  local first_test = recompute_first and 2 or 1
   local function live(t, ctx, path)
-    for i = 1, ntest do
-      if not tests[i](t, ctx, path) then
-        if window and not freed then
-          local kind = t.kind
-          if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
-        end
-        local cacheable = false
-        local r = names[i]
-        if (i <= nfilter or r.learned or r.per_step) and cache_allowed and stable then
-          local scope = scopes[i]
-          if scope == "site" then
-            cacheable = true
-          elseif scope == "layer" then
-            cacheable = (path or t:path()) ~= ""
-          end
-        end
-        last_rule = i
-        return KEEP, rdist, cacheable
+    local kept = 0 -- index of the rule that kept the tensor
+    if recompute_first and t.phase ~= FORWARD then
+      kept = 1
+    else
+      local tests_, path_ = tests, path
+      for i = first_test, ntest do
+        if not tests_[i](t, ctx, path_) then kept = i; break end
       end
+    end
+    if kept > 0 then
+      local i = kept
+      if window and not freed then
+        local kind = t.kind
+        if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
+      end
+      local cacheable = false
+      local r = names[i]
+      if (i <= nfilter or r.learned or r.per_step) and cache_allowed and stable then
+        local scope = scopes[i]
+        if scope == "site" then
+          cacheable = true
+        elseif scope == "layer" then
+          cacheable = (path or t:path()) ~= ""
+        end
+      end
+      last_rule = i
+      return KEEP, rdist, cacheable
     end
     if learning then
       local layer = t.layer
@@ -443,7 +455,9 @@ function R.policy(spec, where)
     if t == HOST_T then tf = HOST_T_FIELDS end
     if ctx == HOST_CTX then cf = HOST_CTX_FIELDS end
     if nstep > 0 then
-      local step = tonumber(cf.step)
+      -- the host's field is a number already
+      local step = cf.step
+      if cf ~= HOST_CTX_FIELDS then step = tonumber(step) end
       if step ~= current_step then run_steps(step, ctx) end
     end
     -- t:path() is a C call: made once, here, when some part reads it
@@ -451,7 +465,8 @@ function R.policy(spec, where)
     if frozen then
       local code = frozen[site_id(tf, path)]
       if code then
-        local d, hi = code % 8192 - 1, floor(code / 8192)
+        local low = code % 8192 -- (code - low) / 8192 is exact: no floor call
+        local d, hi = low - 1, (code - low) / 8192
         local action = hi % 2
         last_rule = (hi - action) / 2
         return action, rmode, d >= 0 and d or nil, true
