@@ -254,23 +254,25 @@ static int read_answer(ferry_policy *p, const char *fn, const char *where, int f
   if (lua_type(L, a) != LUA_TNUMBER || ((v = lua_tonumber(L, a)) != FERRY_KEEP && v != FERRY_OFFLOAD))
     return nonsense(p, fn, where, "action", "ferry.KEEP or ferry.OFFLOAD", a), -1;
   d->action = (int32_t)v;
-  if (lua_isnil(L, r)) {
+  /* one lua_type per value: each API call costs an index lookup */
+  int tr = lua_type(L, r), tdist = lua_type(L, dist), tc = lua_type(L, c);
+  if (tr == LUA_TNIL) {
     d->reload = FERRY_RELOAD_ON_USE;
-  } else if (lua_type(L, r) != LUA_TNUMBER ||
+  } else if (tr != LUA_TNUMBER ||
              ((v = lua_tonumber(L, r)) != FERRY_RELOAD_ON_USE && v != FERRY_RELOAD_PREFETCH)) {
     return nonsense(p, fn, where, "reload", "ferry.ON_USE or ferry.PREFETCH", r), -1;
   } else {
     d->reload = (int32_t)v;
   }
-  if (lua_isnil(L, dist)) {
+  if (tdist == LUA_TNIL) {
     d->prefetch_distance = -1; /* the engine's default */
-  } else if (lua_type(L, dist) != LUA_TNUMBER || !((v = lua_tonumber(L, dist)) >= 0) ||
+  } else if (tdist != LUA_TNUMBER || !((v = lua_tonumber(L, dist)) >= 0) ||
              v > MAX_PREFETCH_DISTANCE || v != floor(v)) {
     return nonsense(p, fn, where, "prefetch distance", "an integer in [0, 4096] or nil", dist), -1;
   } else {
     d->prefetch_distance = (int32_t)v;
   }
-  if (lua_isnil(L, c) || lua_type(L, c) == LUA_TBOOLEAN)
+  if (tc == LUA_TNIL || tc == LUA_TBOOLEAN)
     d->cacheable = lua_toboolean(L, c);
   else
     return nonsense(p, fn, where, "cache flag", "true, false or nil", c), -1;
@@ -279,18 +281,26 @@ static int read_answer(ferry_policy *p, const char *fn, const char *where, int f
 
 /* Writes the numbers t or ctx show (names[i] = v[i]) into its fields table
  * at slot, those that changed since the last call: most stay the same from
- * one tensor to the next, and a table write costs more than the check. */
-static void show(lua_State *L, int slot, const char *const *names, const double *v, double *shown,
-                 int n) {
+ * one tensor to the next, and a table write costs more than the check. The
+ * values are compared as the engine's integers (no conversion to a double
+ * for a field that did not change); signed: the bits of the fields that are
+ * signed (int32 in the structs), the others are uint64. *valid is 0 until
+ * every field has been written once. */
+static inline __attribute__((always_inline)) void
+show(lua_State *L, int slot, const char *const *names, const uint64_t *v, uint64_t *seen,
+     int *valid, unsigned signed_bits, int n) {
+  int all = !*valid;
   for (int i = 0; i < n; i++) {
-    if (v[i] == shown[i]) continue;
-    shown[i] = v[i];
-    lua_pushnumber(L, v[i]);
+    if (!all && v[i] == seen[i]) continue;
+    seen[i] = v[i];
+    lua_pushnumber(L, signed_bits >> i & 1 ? (lua_Number)(int64_t)v[i] : (lua_Number)v[i]);
     lua_setfield(L, slot, names[i]);
   }
+  *valid = 1;
 }
 
-/* sandbox.lua's field names, in the order of tensor_shown and ctx_shown */
+/* sandbox.lua's field names, in the order of tensor_seen and ctx_seen, and
+ * which of them are signed */
 static const char *const TENSOR_NAMES[TENSOR_FIELDS] = {
     "bytes", "kind", "dtype", "ndim", "flags", "layer", "layer_count", "phase", "step"};
 static const char *const CTX_NAMES[CTX_FIELDS] = {
@@ -298,18 +308,23 @@ static const char *const CTX_NAMES[CTX_FIELDS] = {
     "arena_cap",      "stash_depth",     "bytes_in_flight",     "packed_this_step",
     "offloaded_this_step", "bytes_offloaded_this_step"};
 /* (ctx.host_ram_used_pct is read through sandbox_host_ram, sandbox.c) */
+enum { TENSOR_SIGNED = 0xfe /* kind .. phase */, CTX_SIGNED = 0x2 /* phase */ };
 
 /* The `ctx` Lua sees: the engine's context, or only the step without one. */
 static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
   const ferry_context none = {.step = p->step};
   if (!ctx) ctx = &none;
-  const double v[CTX_FIELDS] = {(double)ctx->step,          ctx->phase,
-                                (double)ctx->arena_in_use,
-                                (double)ctx->arena_cap,     (double)ctx->stash_depth,
-                                (double)ctx->bytes_in_flight, (double)ctx->packed_this_step,
-                                (double)ctx->offloaded_this_step,
-                                (double)ctx->bytes_offloaded_this_step};
-  show(p->L, SLOT_CTX_FIELDS, CTX_NAMES, v, p->ctx_shown, CTX_FIELDS);
+  const uint64_t v[CTX_FIELDS] = {ctx->step,
+                                  (uint64_t)(int64_t)ctx->phase,
+                                  ctx->arena_in_use,
+                                  ctx->arena_cap,
+                                  ctx->stash_depth,
+                                  ctx->bytes_in_flight,
+                                  ctx->packed_this_step,
+                                  ctx->offloaded_this_step,
+                                  ctx->bytes_offloaded_this_step};
+  show(p->L, SLOT_CTX_FIELDS, CTX_NAMES, v, p->ctx_seen, &p->ctx_seen_valid, CTX_SIGNED,
+       CTX_FIELDS);
 }
 
 /* ferry.forget_cached() asked for it: later decisions run Lua again. */
@@ -370,11 +385,17 @@ decide_or_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_co
   }
 
   lua_State *L = p->L;
-  const double t[TENSOR_FIELDS] = {(double)desc->bytes, desc->kind,  desc->dtype,
-                                   key.ndim,             (double)(int32_t)desc->flags,
-                                   desc->layer,          desc->layer_count,
-                                   desc->phase,          (double)(ctx ? ctx->step : p->step)};
-  show(L, SLOT_TENSOR_FIELDS, TENSOR_NAMES, t, p->tensor_shown, TENSOR_FIELDS);
+  const uint64_t t[TENSOR_FIELDS] = {desc->bytes,
+                                     (uint64_t)(int64_t)desc->kind,
+                                     (uint64_t)(int64_t)desc->dtype,
+                                     (uint64_t)(int64_t)key.ndim,
+                                     (uint64_t)(int64_t)(int32_t)desc->flags,
+                                     (uint64_t)(int64_t)desc->layer,
+                                     (uint64_t)(int64_t)desc->layer_count,
+                                     (uint64_t)(int64_t)desc->phase,
+                                     ctx ? ctx->step : p->step};
+  show(L, SLOT_TENSOR_FIELDS, TENSOR_NAMES, t, p->tensor_seen, &p->tensor_seen_valid,
+       TENSOR_SIGNED, TENSOR_FIELDS);
   set_ctx_view(p, ctx);
   p->cur_ctx = ctx;
   p->cur_path_id = key.path_id;

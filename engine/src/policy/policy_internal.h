@@ -100,7 +100,7 @@ enum interrupt_kind { INTERRUPT_NONE = 0, INTERRUPT_BUDGET, INTERRUPT_MEMORY };
 
 /* The numbers t and ctx show, in the order of decide.c's field names: the
  * values last written into their Lua tables, so that only those that
- * changed are written again (NaN at first: all are). */
+ * changed are written again (all of them at first). */
 enum { TENSOR_FIELDS = 9, CTX_FIELDS = 9 };
 
 typedef struct interned {
@@ -187,8 +187,9 @@ struct ferry_policy {
   unsigned log_lines;
 
   /* the call in progress */
-  double tensor_shown[TENSOR_FIELDS];
-  double ctx_shown[CTX_FIELDS];
+  uint64_t tensor_seen[TENSOR_FIELDS]; /* as the engine's integers (decide.c, show) */
+  uint64_t ctx_seen[CTX_FIELDS];
+  int tensor_seen_valid, ctx_seen_valid; /* 0: write every field at the next call */
   const ferry_context *cur_ctx;
   /* ctx.host_ram_used_pct read lazily: where to sample it, the step it was
    * last sampled for and its value, and whether the policy ever read it */
