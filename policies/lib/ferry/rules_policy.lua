@@ -393,60 +393,11 @@ function R.policy(spec, where)
     stable = find_stable()
   end
 
-  -- the rules themselves -> action, distance, cacheable; t and ctx: the
-  -- host's field tables or the views (decide); path: t:path() or nil
   -- keep_recompute(), when the policy keeps recompute packs, is the first
-  -- test: checked here inline (one field read instead of a call per tensor).
+  -- test: decide checks it inline (one field read instead of a call per
+  -- tensor).
   local recompute_first = recompute == "keep"
   local first_test = recompute_first and 2 or 1
-  local function live(t, ctx, path)
-    local kept = 0 -- index of the rule that kept the tensor
-    if recompute_first and t.phase ~= FORWARD then
-      kept = 1
-    else
-      local tests_, path_ = tests, path
-      for i = first_test, ntest do
-        if not tests_[i](t, ctx, path_) then kept = i; break end
-      end
-    end
-    if kept > 0 then
-      local i = kept
-      if window and not freed then
-        local kind = t.kind
-        if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
-      end
-      local cacheable = false
-      local r = names[i]
-      if (i <= nfilter or r.learned or r.per_step) and cache_allowed and stable then
-        local scope = scopes[i]
-        if scope == "site" then
-          cacheable = true
-        elseif scope == "layer" then
-          cacheable = (path or t:path()) ~= ""
-        end
-      end
-      last_rule = i
-      return KEEP, rdist, cacheable
-    end
-    if learning then
-      local layer = t.layer
-      if layer >= 0 then
-        local c = (per_layer[layer] or 0) + 1
-        per_layer[layer] = c
-        if c > learned_max then learned_max = c end
-      end
-    end
-    local cacheable = offload_cacheable and stable
-    if cacheable and (any_layer_scope or nlearned > 0) then
-      cacheable = (path or t:path()) ~= ""
-    end
-    last_rule = 0
-    if window then
-      return OFFLOAD, window_distance(tonumber(ctx.offloaded_this_step), tonumber(t.bytes)),
-        cacheable
-    end
-    return OFFLOAD, rdist, cacheable
-  end
 
   -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
   -- per call once the steps repeat.
@@ -474,9 +425,64 @@ function R.policy(spec, where)
       frozen, sig_prev, sig, sig_n, mixed, partial = nil, nil, {}, 0, true, true
       forget_cached()
     end
-    local action, dist, cacheable = live(tf, cf, path)
+    -- the rules themselves -> action, dist, ok_cache (written out here,
+    -- not called: a Lua call costs the interpreter about what six field
+    -- reads do); t and ctx in the block: the field tables
+    local action, dist, ok_cache
+    do
+      local t, ctx = tf, cf
+      local kept = 0 -- index of the rule that kept the tensor
+      if recompute_first and t.phase ~= FORWARD then
+        kept = 1
+      else
+        local tests_, path_ = tests, path
+        for i = first_test, ntest do
+          if not tests_[i](t, ctx, path_) then kept = i; break end
+        end
+      end
+      if kept > 0 then
+        local i = kept
+        if window and not freed then
+          local kind = t.kind
+          if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
+        end
+        local cacheable = false
+        local r = names[i]
+        if (i <= nfilter or r.learned or r.per_step) and cache_allowed and stable then
+          local scope = scopes[i]
+          if scope == "site" then
+            cacheable = true
+          elseif scope == "layer" then
+            cacheable = (path or t:path()) ~= ""
+          end
+        end
+        last_rule = i
+        action, dist, ok_cache = KEEP, rdist, cacheable
+        goto decided
+      end
+      if learning then
+        local layer = t.layer
+        if layer >= 0 then
+          local c = (per_layer[layer] or 0) + 1
+          per_layer[layer] = c
+          if c > learned_max then learned_max = c end
+        end
+      end
+      local cacheable = offload_cacheable and stable
+      if cacheable and (any_layer_scope or nlearned > 0) then
+        cacheable = (path or t:path()) ~= ""
+      end
+      last_rule = 0
+      if window then
+        action, dist, ok_cache = OFFLOAD,
+          window_distance(tonumber(ctx.offloaded_this_step), tonumber(t.bytes)), cacheable
+        goto decided
+      end
+      action, dist, ok_cache = OFFLOAD, rdist, cacheable
+    end
+    ::decided::
     if freezable then note(tf, action, dist, path) end
-    return action, rmode, dist, cacheable
+    return action, rmode, dist, ok_cache
   end
 
   local order = {}
