@@ -316,6 +316,8 @@
   X(policy_fast_fields_keep_their_signs)                                   \
   X(policy_fast_recompute_kept_inline)                                     \
   X(policy_fast_frozen_answers_match_live)                                 \
+  /* the pointer cache's slots (test_policy_ptr_cache.c) */                 \
+  X(policy_ptr_cache_spreads_strided_strings)                              \
   /* hostile policies (test_policy_hostile.c) */                           \
   X(policy_hostile_tostring_loop)                                          \
   X(policy_hostile_sort_c_comparator)                                      \

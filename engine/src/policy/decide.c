@@ -83,9 +83,7 @@ static __attribute__((noinline)) uint32_t intern_miss(ferry_policy *p, const cha
 static inline __attribute__((always_inline)) uint32_t intern(ferry_policy *p, const char *s,
                                                              uint32_t scratch) {
   if (!s || !*s) return STR_EMPTY;
-  /* multiply-shift: the product's top bits index the direct-mapped cache */
-  ptr_cache_entry *c =
-      &p->ptr_cache[((uintptr_t)s * 0x9e3779b97f4a7c15ull) >> (64 - PTR_CACHE_BITS)];
+  ptr_cache_entry *c = &p->ptr_cache[ptr_cache_slot(s)];
   if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
   return intern_miss(p, s, scratch, c);
 }

@@ -1,0 +1,41 @@
+/* test_policy_ptr_cache.c — the policy host's pointer cache (module path
+ * and class pointer -> string id, direct-mapped) keeps the strings of a
+ * large model each in a slot of their own, whatever their addresses'
+ * stride: ferry_intern strdup's them, so they lie in arithmetic progression
+ * (48 bytes apart for "model.layers.12.self_attn.q_proj"). Two strings in
+ * one slot evict each other on every decision (both go the slow way:
+ * hash the bytes, probe the content index). */
+#include <stdint.h>
+
+#include "policy/policy_internal.h"
+#include "test.h"
+
+/* Of n strings stride bytes apart from base, how many share a slot with
+ * another. */
+static int sharing(uintptr_t base, uintptr_t stride, int n) {
+  static int in_slot[PTR_CACHE_SIZE];
+  memset(in_slot, 0, sizeof in_slot);
+  for (int i = 0; i < n; i++) in_slot[ptr_cache_slot((const char *)(base + stride * i))]++;
+  int shared = 0;
+  for (int s = 0; s < PTR_CACHE_SIZE; s++)
+    if (in_slot[s] > 1) shared += in_slot[s];
+  return shared;
+}
+
+/* 1000 strings (an 80-layer model's paths) in a 4096-slot cache: placed at
+ * random, about 21% would share a slot. Every stride malloc can give (16
+ * .. 1 KiB) must stay near that, not thrash. */
+TEST(policy_ptr_cache_spreads_strided_strings) {
+  const uintptr_t bases[] = {0x55d0c3a41000u, 0x7f3a12c00010u, 0x602000000010u};
+  int worst = 0;
+  uintptr_t worst_stride = 0;
+  for (size_t b = 0; b < sizeof bases / sizeof bases[0]; b++)
+    for (uintptr_t stride = 16; stride <= 1024; stride += 16) {
+      int shared = sharing(bases[b], stride, 1000);
+      if (shared > worst) worst = shared, worst_stride = stride;
+    }
+  if (worst > 330)
+    fprintf(stderr, "stride %zu: %d of 1000 strings share a slot\n", (size_t)worst_stride, worst);
+  CHECK(worst <= 330);
+  return 0;
+}
