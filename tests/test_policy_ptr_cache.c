@@ -7,15 +7,18 @@
  * hash the bytes, probe the content index). */
 #include <stdint.h>
 
-#include "policy/policy_internal.h"
+#include "../engine/src/util/util.h"
 #include "test.h"
+
+#define PTR_CACHE_BITS 12 /* policy_internal.h's */
+#define PTR_CACHE_SIZE (1 << PTR_CACHE_BITS)
 
 /* Of n strings stride bytes apart from base, how many share a slot with
  * another. */
 static int sharing(uintptr_t base, uintptr_t stride, int n) {
   static int in_slot[PTR_CACHE_SIZE];
   memset(in_slot, 0, sizeof in_slot);
-  for (int i = 0; i < n; i++) in_slot[ptr_cache_slot((const char *)(base + stride * i))]++;
+  for (int i = 0; i < n; i++) in_slot[util_ptr_slot((const void *)(base + stride * i), PTR_CACHE_BITS)]++;
   int shared = 0;
   for (int s = 0; s < PTR_CACHE_SIZE; s++)
     if (in_slot[s] > 1) shared += in_slot[s];

@@ -83,7 +83,7 @@ static __attribute__((noinline)) uint32_t intern_miss(ferry_policy *p, const cha
 static inline __attribute__((always_inline)) uint32_t intern(ferry_policy *p, const char *s,
                                                              uint32_t scratch) {
   if (!s || !*s) return STR_EMPTY;
-  ptr_cache_entry *c = &p->ptr_cache[ptr_cache_slot(s)];
+  ptr_cache_entry *c = &p->ptr_cache[util_ptr_slot(s, PTR_CACHE_BITS)];
   if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
   return intern_miss(p, s, scratch, c);
 }

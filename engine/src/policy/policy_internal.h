@@ -114,16 +114,6 @@ typedef struct ptr_cache_entry {
   uint32_t id;
 } ptr_cache_entry;
 
-/* The pointer cache's slot of s. One multiply-shift alone maps addresses in
- * arithmetic progression (strdup'd strings 48 bytes apart, as ferry_intern
- * makes them) onto a few slots for many strides, and then every lookup
- * misses; the xor-shift between two multiplies spreads them as a full mix
- * does, for two instructions more. */
-static inline uint32_t ptr_cache_slot(const char *s) {
-  uint64_t x = (uint64_t)(uintptr_t)s * 0x9e3779b97f4a7c15ull;
-  x ^= x >> 29;
-  return (uint32_t)((x * 0x9e3779b97f4a7c15ull) >> (64 - PTR_CACHE_BITS));
-}
 
 /* A site: where a tensor is saved (module, class, dtype, kind, shape) and in
  * which phase, so a policy may answer a recompute pack otherwise than the
