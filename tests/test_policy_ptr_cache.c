@@ -18,7 +18,8 @@
 static int sharing(uintptr_t base, uintptr_t stride, int n) {
   static int in_slot[PTR_CACHE_SIZE];
   memset(in_slot, 0, sizeof in_slot);
-  for (int i = 0; i < n; i++) in_slot[util_ptr_slot((const void *)(base + stride * i), PTR_CACHE_BITS)]++;
+  for (int i = 0; i < n; i++)
+    in_slot[util_ptr_slot((const void *)(base + stride * i), PTR_CACHE_BITS)]++;
   int shared = 0;
   for (int s = 0; s < PTR_CACHE_SIZE; s++)
     if (in_slot[s] > 1) shared += in_slot[s];
