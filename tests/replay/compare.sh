@@ -30,4 +30,14 @@ for pol in default budget layers fraction ramcap host_budget checkpointed_inputs
     fi
   done
 done
+# the fields t and ctx show at their extremes (2^53, 2^64, signs, no ctx)
+${CC:-cc} -O1 -o "$out/fields" "$here/fields_replay.c" -I"$here/../../engine/include" \
+  -L"$new_build/lib" -lferry
+LD_LIBRARY_PATH="$old_build/lib" "$out/fields" >"$out/old" 2>&1 || true
+LD_LIBRARY_PATH="$new_build/lib" "$out/fields" >"$out/new" 2>&1 || true
+if cmp -s "$out/old" "$out/new"; then
+  echo "same  fields ($(wc -l <"$out/new") decisions)"
+else
+  echo "DIFF  fields"; diff "$out/old" "$out/new" | head -5; fail=1
+fi
 exit $fail
