@@ -318,6 +318,7 @@
   X(policy_fast_frozen_answers_match_live)                                 \
   /* the pointer cache's slots (test_policy_ptr_cache.c) */                 \
   X(policy_ptr_cache_spreads_strided_strings)                              \
+  X(policy_ptr_cache_two_slots_answer_by_content)                          \
   /* hostile policies (test_policy_hostile.c) */                           \
   X(policy_hostile_tostring_loop)                                          \
   X(policy_hostile_sort_c_comparator)                                      \

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "../engine/src/util/util.h"
+#include "ferry_tools.h"
 #include "test.h"
 
 #define PTR_CACHE_BITS 12 /* policy_internal.h's */
@@ -41,5 +42,45 @@ TEST(policy_ptr_cache_spreads_strided_strings) {
   if (worst > 330)
     fprintf(stderr, "stride %zu: %d of 1000 strings share a slot\n", (size_t)worst_stride, worst);
   CHECK(worst <= 330);
+  return 0;
+}
+
+/* The cache's two slots per string (first by multiply-shift, second by
+ * util_ptr_slot) answer by content: 1000 paths 1008 bytes apart (a stride
+ * whose first slots collide), decided, then rewritten in place (the same
+ * addresses, other paths) and decided again, the answers cached. */
+TEST(policy_ptr_cache_two_slots_answer_by_content) {
+  char err[512];
+  ferry_policy *p = NULL;
+  CHECK_RC(ferry_policy_create(NULL,
+                               "return { api = 1, decide = function(t)\n"
+                               "  local n = tonumber(t:path():match('%d+$'))\n"
+                               "  local off = n % 2 == 1\n"
+                               "  return off and ferry.OFFLOAD or ferry.KEEP, nil, nil, true\n"
+                               "end }\n",
+                               0, &p, err, sizeof err),
+           FERRY_OK);
+  enum { N = 1000, STRIDE = 1008 };
+  char *buf = calloc(N, STRIDE);
+  CHECK(buf);
+  ferry_tensor_desc d = FERRY_TENSOR_DESC_INIT;
+  d.ndim = 1;
+  d.shape[0] = 8;
+  d.bytes = 1 << 20;
+  d.module_class = "Linear";
+  ferry_decision out;
+  for (int round = 0; round < 3; round++) {
+    /* round 1 shifts every number by one: each address, the other answer */
+    for (int i = 0; i < N; i++)
+      snprintf(buf + (size_t)i * STRIDE, STRIDE, "m.%d", i + (round == 1));
+    for (int pass = 0; pass < 2; pass++)
+      for (int i = 0; i < N; i++) {
+        d.module_path = buf + (size_t)i * STRIDE;
+        ferry_policy_decide(p, &d, NULL, &out);
+        CHECK_EQ(out.action, (i + (round == 1)) % 2 ? FERRY_OFFLOAD : FERRY_KEEP);
+      }
+  }
+  free(buf);
+  ferry_policy_destroy(p);
   return 0;
 }

@@ -68,11 +68,23 @@ static uint32_t intern_content(ferry_policy *p, const char *s, uint32_t scratch)
 
 /* Pointers from ferry_intern() are stable, so a pointer cache answers most
  * lookups; the content is still compared, since any pointer may be passed
- * and a freed string's address may be reused for another. */
+ * and a freed string's address may be reused for another. Two slots per
+ * pointer: the first by one multiply-shift (strings strdup'd one after
+ * another spread over it perfectly, mostly), the second by a full mix (for
+ * the address strides where one multiply-shift packs many strings into a
+ * few slots: util_ptr_slot). A string goes into its first slot when that
+ * is free, else into its second. */
+static inline uint32_t ptr_first_slot(const char *s) {
+  return (uint32_t)(((uint64_t)(uintptr_t)s * 0x9e3779b97f4a7c15ull) >> (64 - PTR_CACHE_BITS));
+}
+
 static __attribute__((noinline)) uint32_t intern_miss(ferry_policy *p, const char *s,
                                                       uint32_t scratch, ptr_cache_entry *c) {
+  ptr_cache_entry *second = &p->ptr_cache[util_ptr_slot(s, PTR_CACHE_BITS)];
+  if (second->ptr == s && !strcmp(s, p->strings[second->id].str)) return second->id;
   uint32_t id = intern_content(p, s, scratch);
   if (id >= STR_FIRST) {
+    if (c->ptr && c->ptr != s) c = second; /* (s itself there: its old content) */
     c->ptr = s;
     c->id = id;
   }
@@ -83,7 +95,7 @@ static __attribute__((noinline)) uint32_t intern_miss(ferry_policy *p, const cha
 static inline __attribute__((always_inline)) uint32_t intern(ferry_policy *p, const char *s,
                                                              uint32_t scratch) {
   if (!s || !*s) return STR_EMPTY;
-  ptr_cache_entry *c = &p->ptr_cache[util_ptr_slot(s, PTR_CACHE_BITS)];
+  ptr_cache_entry *c = &p->ptr_cache[ptr_first_slot(s)];
   if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
   return intern_miss(p, s, scratch, c);
 }
