@@ -43,7 +43,8 @@ void bench_stress(bench_report *r);
 int bench_engine_instr(const char *which, long iters);
 /* iters uncached decisions of the shipped policy `name`, after the steady
  * steps bench_policy runs first (for callgrind: bench_main's --instr). */
-int bench_policy_instr(const char *name, long iters);
+int bench_policy_instr(const char *name, long iters, int steady);
+int bench_policy_step_sites(void); /* decisions per steady step */
 /* A trace of `steps` steps read (which "parse"), replayed ("replay") or
  * both ("whole"), only that counted (bench_sim.c). */
 int bench_sim_instr(const char *which, long steps);

@@ -71,7 +71,8 @@ int main(int argc, char **argv) {
     case 'o': only = optarg; break;
     case 'i': {
       long n = optind < argc ? atol(argv[optind]) : 10000;
-      if (!strncmp(optarg, "decide:", 7)) return bench_policy_instr(optarg + 7, n);
+      if (!strncmp(optarg, "decide:", 7)) return bench_policy_instr(optarg + 7, n, 0);
+      if (!strncmp(optarg, "steady:", 7)) return bench_policy_instr(optarg + 7, n, 1);
       if (!strncmp(optarg, "sim:", 4)) return bench_sim_instr(optarg + 4, n);
       return bench_engine_instr(optarg, n);
     }
@@ -105,10 +106,20 @@ int main(int argc, char **argv) {
   }
   if (!only || !strcmp(only, "policy")) {
     /* instructions do not move with the load of a shared machine as ns do */
-    double hb = callgrind_per_iter(argv[0], "decide:host_budget");
-    if (hb > 0)
-      bench_metric(r, "decide_uncached_instr_host_budget", hb, "instr",
-                   "callgrind, per uncached host_budget.lua decision, as measured in ns");
+    static const char *const shipped[] = {"default", "budget", "layers", "fraction", "ramcap",
+                                          "host_budget"};
+    for (size_t k = 0; k < sizeof shipped / sizeof shipped[0]; k++) {
+      char which[64], metric[96];
+      snprintf(which, sizeof which, "decide:%s", shipped[k]);
+      double un = callgrind_per_iter_of(argv[0], which, 5000, 15000);
+      snprintf(which, sizeof which, "steady:%s", shipped[k]);
+      double st = callgrind_per_iter_of(argv[0], which, 20, 60) / bench_policy_step_sites();
+      if (un <= 0 || st <= 0) break; /* no valgrind */
+      snprintf(metric, sizeof metric, "decide_uncached_instr_%s", shipped[k]);
+      bench_metric(r, metric, un, "instr", "callgrind, per uncached decision, as measured in ns");
+      snprintf(metric, sizeof metric, "decide_steady_instr_%s", shipped[k]);
+      bench_metric(r, metric, st, "instr", "callgrind, per steady decision, its begin included");
+    }
   }
   if (!only || !strcmp(only, "sim")) {
     /* per trace event, over the steps between a 2- and a 6-step trace */

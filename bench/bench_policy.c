@@ -138,7 +138,12 @@ static double steady_ns(ferry_policy *p, long steps) {
   return (bench_now_ns() - t0) / (double)(steps * STEP_SITES);
 }
 
-int bench_policy_instr(const char *name, long iters) {
+int bench_policy_step_sites(void) { return STEP_SITES; }
+
+/* Under callgrind (ferry_bench --instr decide:NAME N or steady:NAME N):
+ * only the measured loop is collected, uncached decisions (N of them) or
+ * steady steps (N steps of STEP_SITES decisions, begins included). */
+int bench_policy_instr(const char *name, long iters, int steady) {
   char path[1024], err[512];
   ferry_policy *p = NULL;
   if (ferry_policy_find(name, path, sizeof path, err, sizeof err) ||
@@ -150,7 +155,10 @@ int bench_policy_instr(const char *name, long iters) {
   bench_fill(d);
   steady_ns(p, 20); /* the state bench_shipped_policies measures in */
   CALLGRIND_TOGGLE_COLLECT;
-  uncached_ns(p, d, iters);
+  if (steady)
+    steady_ns(p, iters);
+  else
+    uncached_ns(p, d, iters);
   CALLGRIND_TOGGLE_COLLECT;
   ferry_policy_destroy(p);
   return 0;

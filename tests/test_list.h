@@ -320,6 +320,14 @@
   X(policy_snapshot_rules_and_default)                             \
   X(policy_resident_hand_written)                                  \
   X(policy_resident_rules)                                         \
+  /* the policy host's fast paths (test_policy_fastpath.c) */              \
+  X(policy_fast_site_cache_keys_whole_site)                                \
+  X(policy_fast_fields_keep_their_signs)                                   \
+  X(policy_fast_recompute_kept_inline)                                     \
+  X(policy_fast_frozen_answers_match_live)                                 \
+  /* the pointer cache's slots (test_policy_ptr_cache.c) */                 \
+  X(policy_ptr_cache_spreads_strided_strings)                              \
+  X(policy_ptr_cache_two_slots_answer_by_content)                          \
   /* hostile policies (test_policy_hostile.c) */                           \
   X(policy_hostile_tostring_loop)                                          \
   X(policy_hostile_sort_c_comparator)                                      \

@@ -68,29 +68,53 @@ static uint32_t intern_content(ferry_policy *p, const char *s, uint32_t scratch)
 
 /* Pointers from ferry_intern() are stable, so a pointer cache answers most
  * lookups; the content is still compared, since any pointer may be passed
- * and a freed string's address may be reused for another. */
-static uint32_t intern(ferry_policy *p, const char *s, uint32_t scratch) {
-  if (!s || !*s) return STR_EMPTY;
-  ptr_cache_entry *c = &p->ptr_cache[util_mix64((uintptr_t)s) & (PTR_CACHE_SIZE - 1)];
-  if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
+ * and a freed string's address may be reused for another. Two slots per
+ * pointer: the first by one multiply-shift (strings strdup'd one after
+ * another spread over it perfectly, mostly), the second by a full mix (for
+ * the address strides where one multiply-shift packs many strings into a
+ * few slots: util_ptr_slot). A string goes into its first slot when that
+ * is free, else into its second. */
+static inline uint32_t ptr_first_slot(const char *s) {
+  return (uint32_t)(((uint64_t)(uintptr_t)s * 0x9e3779b97f4a7c15ull) >> (64 - PTR_CACHE_BITS));
+}
+
+static __attribute__((noinline)) uint32_t intern_miss(ferry_policy *p, const char *s,
+                                                      uint32_t scratch, ptr_cache_entry *c) {
+  ptr_cache_entry *second = &p->ptr_cache[util_ptr_slot(s, PTR_CACHE_BITS)];
+  if (second->ptr == s && !strcmp(s, p->strings[second->id].str)) return second->id;
   uint32_t id = intern_content(p, s, scratch);
   if (id >= STR_FIRST) {
+    if (c->ptr && c->ptr != s) c = second; /* (s itself there: its old content) */
     c->ptr = s;
     c->id = id;
   }
   return id;
 }
 
-/* ---- site cache --------------------------------------------------------- */
-static uint64_t site_hash(const site_key *k) {
-  uint64_t h = util_mix64(((uint64_t)k->path_id << 32) | k->class_id);
-  h = util_mix64(h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->phase << 32) |
-                      ((uint64_t)(uint32_t)k->kind << 8) | (uint32_t)k->ndim));
-  for (int i = 0; i < k->ndim; i++) h = util_mix64(h ^ (uint64_t)k->shape[i]);
-  return h | 1;
+/* Inlined into the cache's hit path: two per decision. */
+static inline __attribute__((always_inline)) uint32_t intern(ferry_policy *p, const char *s,
+                                                             uint32_t scratch) {
+  if (!s || !*s) return STR_EMPTY;
+  ptr_cache_entry *c = &p->ptr_cache[ptr_first_slot(s)];
+  if (c->ptr == s && !strcmp(s, p->strings[c->id].str)) return c->id;
+  return intern_miss(p, s, scratch, c);
 }
 
-static int site_equal(const site_key *a, const site_key *b) {
+/* ---- site cache --------------------------------------------------------- */
+/* One multiply per word and one full mix at the end (this runs on every
+ * cached answer): a product's high bits depend on all of both words' bits,
+ * and the final mix brings them down to the slot bits. */
+static inline __attribute__((always_inline)) uint64_t site_hash(const site_key *k) {
+  const uint64_t m = 0x9e3779b97f4a7c15ull;
+  uint64_t h = (((uint64_t)k->path_id << 32) | k->class_id) * m;
+  h = (h ^ (((uint64_t)(uint32_t)k->dtype << 40) | ((uint64_t)(uint32_t)k->phase << 32) |
+            ((uint64_t)(uint32_t)k->kind << 8) | (uint32_t)k->ndim)) * m;
+  for (int i = 0; i < k->ndim; i++) h = (h ^ (uint64_t)k->shape[i]) * m;
+  return util_mix64(h) | 1;
+}
+
+static inline __attribute__((always_inline)) int site_equal(const site_key *a,
+                                                             const site_key *b) {
   if (a->path_id != b->path_id || a->class_id != b->class_id || a->dtype != b->dtype ||
       a->kind != b->kind || a->ndim != b->ndim || a->phase != b->phase)
     return 0;
@@ -99,7 +123,8 @@ static int site_equal(const site_key *a, const site_key *b) {
   return 1;
 }
 
-static const site_entry *site_find(const ferry_policy *p, const site_key *k, uint64_t h) {
+static inline __attribute__((always_inline)) const site_entry *
+site_find(const ferry_policy *p, const site_key *k, uint64_t h) {
   if (!p->sites) return NULL;
   for (uint32_t s = (uint32_t)h & p->sites_mask;; s = (s + 1) & p->sites_mask) {
     const site_entry *e = &p->sites[s];
@@ -239,23 +264,25 @@ static int read_answer(ferry_policy *p, const char *fn, const char *where, int f
   if (lua_type(L, a) != LUA_TNUMBER || ((v = lua_tonumber(L, a)) != FERRY_KEEP && v != FERRY_OFFLOAD))
     return nonsense(p, fn, where, "action", "ferry.KEEP or ferry.OFFLOAD", a), -1;
   d->action = (int32_t)v;
-  if (lua_isnil(L, r)) {
+  /* one lua_type per value: each API call costs an index lookup */
+  int tr = lua_type(L, r), tdist = lua_type(L, dist), tc = lua_type(L, c);
+  if (tr == LUA_TNIL) {
     d->reload = FERRY_RELOAD_ON_USE;
-  } else if (lua_type(L, r) != LUA_TNUMBER ||
+  } else if (tr != LUA_TNUMBER ||
              ((v = lua_tonumber(L, r)) != FERRY_RELOAD_ON_USE && v != FERRY_RELOAD_PREFETCH)) {
     return nonsense(p, fn, where, "reload", "ferry.ON_USE or ferry.PREFETCH", r), -1;
   } else {
     d->reload = (int32_t)v;
   }
-  if (lua_isnil(L, dist)) {
+  if (tdist == LUA_TNIL) {
     d->prefetch_distance = -1; /* the engine's default */
-  } else if (lua_type(L, dist) != LUA_TNUMBER || !((v = lua_tonumber(L, dist)) >= 0) ||
+  } else if (tdist != LUA_TNUMBER || !((v = lua_tonumber(L, dist)) >= 0) ||
              v > MAX_PREFETCH_DISTANCE || v != floor(v)) {
     return nonsense(p, fn, where, "prefetch distance", "an integer in [0, 4096] or nil", dist), -1;
   } else {
     d->prefetch_distance = (int32_t)v;
   }
-  if (lua_isnil(L, c) || lua_type(L, c) == LUA_TBOOLEAN)
+  if (tc == LUA_TNIL || tc == LUA_TBOOLEAN)
     d->cacheable = lua_toboolean(L, c);
   else
     return nonsense(p, fn, where, "cache flag", "true, false or nil", c), -1;
@@ -264,18 +291,26 @@ static int read_answer(ferry_policy *p, const char *fn, const char *where, int f
 
 /* Writes the numbers t or ctx show (names[i] = v[i]) into its fields table
  * at slot, those that changed since the last call: most stay the same from
- * one tensor to the next, and a table write costs more than the check. */
-static void show(lua_State *L, int slot, const char *const *names, const double *v, double *shown,
-                 int n) {
+ * one tensor to the next, and a table write costs more than the check. The
+ * values are compared as the engine's integers (no conversion to a double
+ * for a field that did not change); signed: the bits of the fields that are
+ * signed (int32 in the structs), the others are uint64. *valid is 0 until
+ * every field has been written once. */
+static inline __attribute__((always_inline)) void
+show(lua_State *L, int slot, const char *const *names, const uint64_t *v, uint64_t *seen,
+     int *valid, unsigned signed_bits, int n) {
+  int all = !*valid;
   for (int i = 0; i < n; i++) {
-    if (v[i] == shown[i]) continue;
-    shown[i] = v[i];
-    lua_pushnumber(L, v[i]);
+    if (!all && v[i] == seen[i]) continue;
+    seen[i] = v[i];
+    lua_pushnumber(L, signed_bits >> i & 1 ? (lua_Number)(int64_t)v[i] : (lua_Number)v[i]);
     lua_setfield(L, slot, names[i]);
   }
+  *valid = 1;
 }
 
-/* sandbox.lua's field names, in the order of tensor_shown and ctx_shown */
+/* sandbox.lua's field names, in the order of tensor_seen and ctx_seen, and
+ * which of them are signed */
 static const char *const TENSOR_NAMES[TENSOR_FIELDS] = {
     "bytes", "kind", "dtype", "ndim", "flags", "layer", "layer_count", "phase", "step"};
 static const char *const CTX_NAMES[CTX_FIELDS] = {
@@ -283,18 +318,23 @@ static const char *const CTX_NAMES[CTX_FIELDS] = {
     "arena_cap",      "stash_depth",     "bytes_in_flight",     "packed_this_step",
     "offloaded_this_step", "bytes_offloaded_this_step"};
 /* (ctx.host_ram_used_pct is read through sandbox_host_ram, sandbox.c) */
+enum { TENSOR_SIGNED = 0xfe /* kind .. phase */, CTX_SIGNED = 0x2 /* phase */ };
 
 /* The `ctx` Lua sees: the engine's context, or only the step without one. */
 static void set_ctx_view(ferry_policy *p, const ferry_context *ctx) {
   const ferry_context none = {.step = p->step};
   if (!ctx) ctx = &none;
-  const double v[CTX_FIELDS] = {(double)ctx->step,          ctx->phase,
-                                (double)ctx->arena_in_use,
-                                (double)ctx->arena_cap,     (double)ctx->stash_depth,
-                                (double)ctx->bytes_in_flight, (double)ctx->packed_this_step,
-                                (double)ctx->offloaded_this_step,
-                                (double)ctx->bytes_offloaded_this_step};
-  show(p->L, SLOT_CTX_FIELDS, CTX_NAMES, v, p->ctx_shown, CTX_FIELDS);
+  const uint64_t v[CTX_FIELDS] = {ctx->step,
+                                  (uint64_t)(int64_t)ctx->phase,
+                                  ctx->arena_in_use,
+                                  ctx->arena_cap,
+                                  ctx->stash_depth,
+                                  ctx->bytes_in_flight,
+                                  ctx->packed_this_step,
+                                  ctx->offloaded_this_step,
+                                  ctx->bytes_offloaded_this_step};
+  show(p->L, SLOT_CTX_FIELDS, CTX_NAMES, v, p->ctx_seen, &p->ctx_seen_valid, CTX_SIGNED,
+       CTX_FIELDS);
 }
 
 /* ferry.forget_cached() asked for it: later decisions run Lua again. */
@@ -311,7 +351,8 @@ static void forget_sites(ferry_policy *p) {
 
 /* The site-cache key of desc; whether its strings could be interned (else
  * the answer cannot be cached). */
-static int site_key_of(ferry_policy *p, const ferry_tensor_desc *desc, site_key *key) {
+static inline __attribute__((always_inline)) int
+site_key_of(ferry_policy *p, const ferry_tensor_desc *desc, site_key *key) {
   key->path_id = intern(p, desc->module_path, STR_SCRATCH_PATH);
   key->class_id = intern(p, desc->module_class, STR_SCRATCH_CLASS);
   key->dtype = desc->dtype;
@@ -354,11 +395,17 @@ decide_or_explain(ferry_policy *p, const ferry_tensor_desc *desc, const ferry_co
   }
 
   lua_State *L = p->L;
-  const double t[TENSOR_FIELDS] = {(double)desc->bytes, desc->kind,  desc->dtype,
-                                   key.ndim,             (double)(int32_t)desc->flags,
-                                   desc->layer,          desc->layer_count,
-                                   desc->phase,          (double)(ctx ? ctx->step : p->step)};
-  show(L, SLOT_TENSOR_FIELDS, TENSOR_NAMES, t, p->tensor_shown, TENSOR_FIELDS);
+  const uint64_t t[TENSOR_FIELDS] = {desc->bytes,
+                                     (uint64_t)(int64_t)desc->kind,
+                                     (uint64_t)(int64_t)desc->dtype,
+                                     (uint64_t)(int64_t)key.ndim,
+                                     (uint64_t)(int64_t)(int32_t)desc->flags,
+                                     (uint64_t)(int64_t)desc->layer,
+                                     (uint64_t)(int64_t)desc->layer_count,
+                                     (uint64_t)(int64_t)desc->phase,
+                                     ctx ? ctx->step : p->step};
+  show(L, SLOT_TENSOR_FIELDS, TENSOR_NAMES, t, p->tensor_seen, &p->tensor_seen_valid,
+       TENSOR_SIGNED, TENSOR_FIELDS);
   set_ctx_view(p, ctx);
   p->cur_ctx = ctx;
   p->cur_path_id = key.path_id;

@@ -66,7 +66,8 @@
 #define MAX_C_NESTING 64      /* C functions calling Lua (pcall, gsub, sort, tostring...) nested */
 #define MAX_LOG_LINES 1000    /* ferry.log lines per policy instance */
 #define MAX_STRINGS (1u << 16) /* distinct module paths/classes interned */
-#define PTR_CACHE_SIZE 4096    /* direct-mapped pointer -> string id cache */
+#define PTR_CACHE_BITS 12
+#define PTR_CACHE_SIZE (1 << PTR_CACHE_BITS) /* direct-mapped pointer -> string id cache */
 #define SITE_CACHE_MAX 16384   /* cached sites */
 #define MAX_PREFETCH_DISTANCE 4096
 #define MSG_LEN 512
@@ -99,7 +100,7 @@ enum interrupt_kind { INTERRUPT_NONE = 0, INTERRUPT_BUDGET, INTERRUPT_MEMORY };
 
 /* The numbers t and ctx show, in the order of decide.c's field names: the
  * values last written into their Lua tables, so that only those that
- * changed are written again (NaN at first: all are). */
+ * changed are written again (all of them at first). */
 enum { TENSOR_FIELDS = 9, CTX_FIELDS = 9 };
 
 typedef struct interned {
@@ -112,6 +113,7 @@ typedef struct ptr_cache_entry {
   const char *ptr;
   uint32_t id;
 } ptr_cache_entry;
+
 
 /* A site: where a tensor is saved (module, class, dtype, kind, shape) and in
  * which phase, so a policy may answer a recompute pack otherwise than the
@@ -186,8 +188,9 @@ struct ferry_policy {
   unsigned log_lines;
 
   /* the call in progress */
-  double tensor_shown[TENSOR_FIELDS];
-  double ctx_shown[CTX_FIELDS];
+  uint64_t tensor_seen[TENSOR_FIELDS]; /* as the engine's integers (decide.c, show) */
+  uint64_t ctx_seen[CTX_FIELDS];
+  int tensor_seen_valid, ctx_seen_valid; /* 0: write every field at the next call */
   const ferry_context *cur_ctx;
   /* ctx.host_ram_used_pct read lazily: where to sample it, the step it was
    * last sampled for and its value, and whether the policy ever read it */

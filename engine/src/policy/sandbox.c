@@ -831,8 +831,7 @@ int setup_state(lua_State *L) {
   /* stack: strings, env, loaded, tensor, its fields, ctx, its fields, shape */
   lua_call(L, 5, 5);
 
-  for (int i = 0; i < TENSOR_FIELDS; i++) p->tensor_shown[i] = NAN;
-  for (int i = 0; i < CTX_FIELDS; i++) p->ctx_shown[i] = NAN;
+  p->tensor_seen_valid = p->ctx_seen_valid = 0;
   p->ram_pct = NAN;
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.shape");
   lua_setfield(L, LUA_REGISTRYINDEX, "ferry.ctx_fields");

@@ -393,11 +393,55 @@ function R.policy(spec, where)
     stable = find_stable()
   end
 
-  -- the rules themselves -> action, distance, cacheable; t and ctx: the
-  -- host's field tables or the views (decide); path: t:path() or nil
-  local function live(t, ctx, path)
-    for i = 1, ntest do
-      if not tests[i](t, ctx, path) then
+  -- keep_recompute(), when the policy keeps recompute packs, is the first
+  -- test: decide checks it inline (one field read instead of a call per
+  -- tensor).
+  local recompute_first = recompute == "keep"
+  local first_test = recompute_first and 2 or 1
+
+  -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
+  -- per call once the steps repeat.
+  local function decide(t, ctx)
+    local tf, cf = t, ctx
+    if t == HOST_T then tf = HOST_T_FIELDS end
+    if ctx == HOST_CTX then cf = HOST_CTX_FIELDS end
+    if nstep > 0 then
+      -- the host's field is a number already
+      local step = cf.step
+      if cf ~= HOST_CTX_FIELDS then step = tonumber(step) end
+      if step ~= current_step then run_steps(step, ctx) end
+    end
+    -- t:path() is a C call: made once, here, when some part reads it
+    local path = needs_path and tf:path() or nil
+    if frozen then
+      local code = frozen[site_id(tf, path)]
+      if code then
+        local low = code % 8192 -- (code - low) / 8192 is exact: no floor call
+        local d, hi = low - 1, (code - low) / 8192
+        local action = hi % 2
+        last_rule = (hi - action) / 2
+        return action, rmode, d >= 0 and d or nil, true
+      end
+      frozen, sig_prev, sig, sig_n, mixed, partial = nil, nil, {}, 0, true, true
+      forget_cached()
+    end
+    -- the rules themselves -> action, dist, ok_cache (written out here,
+    -- not called: a Lua call costs the interpreter about what six field
+    -- reads do); t and ctx in the block: the field tables
+    local action, dist, ok_cache
+    do
+      local t, ctx = tf, cf
+      local kept = 0 -- index of the rule that kept the tensor
+      if recompute_first and t.phase ~= FORWARD then
+        kept = 1
+      else
+        local tests_, path_ = tests, path
+        for i = first_test, ntest do
+          if not tests_[i](t, ctx, path_) then kept = i; break end
+        end
+      end
+      if kept > 0 then
+        local i = kept
         if window and not freed then
           local kind = t.kind
           if kind ~= PARAMETER and kind ~= BUFFER then tail = tail + tonumber(t.bytes) end
@@ -413,55 +457,32 @@ function R.policy(spec, where)
           end
         end
         last_rule = i
-        return KEEP, rdist, cacheable
+        action, dist, ok_cache = KEEP, rdist, cacheable
+        goto decided
       end
-    end
-    if learning then
-      local layer = t.layer
-      if layer >= 0 then
-        local c = (per_layer[layer] or 0) + 1
-        per_layer[layer] = c
-        if c > learned_max then learned_max = c end
+      if learning then
+        local layer = t.layer
+        if layer >= 0 then
+          local c = (per_layer[layer] or 0) + 1
+          per_layer[layer] = c
+          if c > learned_max then learned_max = c end
+        end
       end
-    end
-    local cacheable = offload_cacheable and stable
-    if cacheable and (any_layer_scope or nlearned > 0) then
-      cacheable = (path or t:path()) ~= ""
-    end
-    last_rule = 0
-    if window then
-      return OFFLOAD, window_distance(tonumber(ctx.offloaded_this_step), tonumber(t.bytes)),
-        cacheable
-    end
-    return OFFLOAD, rdist, cacheable
-  end
-
-  -- decide(t, ctx) -> action, reload, distance, cacheable. Allocates nothing
-  -- per call once the steps repeat.
-  local function decide(t, ctx)
-    local tf, cf = t, ctx
-    if t == HOST_T then tf = HOST_T_FIELDS end
-    if ctx == HOST_CTX then cf = HOST_CTX_FIELDS end
-    if nstep > 0 then
-      local step = tonumber(cf.step)
-      if step ~= current_step then run_steps(step, ctx) end
-    end
-    -- t:path() is a C call: made once, here, when some part reads it
-    local path = needs_path and tf:path() or nil
-    if frozen then
-      local code = frozen[site_id(tf, path)]
-      if code then
-        local d, hi = code % 8192 - 1, floor(code / 8192)
-        local action = hi % 2
-        last_rule = (hi - action) / 2
-        return action, rmode, d >= 0 and d or nil, true
+      local cacheable = offload_cacheable and stable
+      if cacheable and (any_layer_scope or nlearned > 0) then
+        cacheable = (path or t:path()) ~= ""
       end
-      frozen, sig_prev, sig, sig_n, mixed, partial = nil, nil, {}, 0, true, true
-      forget_cached()
+      last_rule = 0
+      if window then
+        action, dist, ok_cache = OFFLOAD,
+          window_distance(tonumber(ctx.offloaded_this_step), tonumber(t.bytes)), cacheable
+        goto decided
+      end
+      action, dist, ok_cache = OFFLOAD, rdist, cacheable
     end
-    local action, dist, cacheable = live(tf, cf, path)
+    ::decided::
     if freezable then note(tf, action, dist, path) end
-    return action, rmode, dist, cacheable
+    return action, rmode, dist, ok_cache
   end
 
   local order = {}
