@@ -60,4 +60,8 @@ int snap_fsync_parent_dir(const char *path);
 mode_t snap_process_umask(void);
 const char *snap_file_type(mode_t m);
 
+/* snapshot_pipe.c: lowers the calling writer thread's priority (nice
+ * +10, normal scheduling; best effort). */
+void snap_thread_to_background(void);
+
 #endif

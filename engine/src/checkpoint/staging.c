@@ -14,9 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "core/core.h"
@@ -27,7 +25,6 @@
 #define SNAP_CHUNK_MIN ((size_t)256 << 10) /* smallest, unless the state is smaller */
 #define SNAP_MAX_RECORD_BYTES (1ull << 50)
 #define SNAP_MSG 768
-#define WRITER_NICE 10 /* added to the process's nice value for a background writer */
 
 typedef struct snap_slot {
   void *buf; /* in arena memory, SNAP_IMAGE_ALIGN-aligned; NULL once given back */
@@ -512,32 +509,6 @@ static int create_tmp(ferry_snapshot *s) {
   return FERRY_OK;
 }
 
-/* When start issued every staging copy (the state fits in the arena), no
- * caller waits for this thread except in poll/wait/free: it then runs at a
- * lower priority (nice +WRITER_NICE, normal scheduling), so that the file's
- * CRC-32 and write() calls yield to the training loop and to the staging
- * copies the next fence waits for (bench/README.md, "Checkpoint
- * benchmarks": on 2 cores, steps overlapping a snapshot ran 1.5-2x slower
- * with the writer at the training loop's priority). Not SCHED_IDLE, which
- * only ever runs on a core nothing else wants: with DataLoader workers
- * keeping every core busy a 64 MiB snapshot took 5.9 s to be durable
- * there against 174 ms niced (issue 37). A chunked snapshot keeps the
- * caller's priority: its fence waits for this thread to free buffers. */
-static void writer_to_background(void) {
-#if defined(__linux__)
-  id_t tid = (id_t)syscall(SYS_gettid);
-  errno = 0;
-  int nice_now = getpriority(PRIO_PROCESS, tid); /* Linux: this thread's */
-  if (nice_now != -1 || errno == 0) {
-    int target = nice_now + WRITER_NICE;
-    setpriority(PRIO_PROCESS, tid, target > 19 ? 19 : target); /* best effort */
-  }
-  /* A staging copy this thread ran at a lower priority while waiting for
-   * it would hold up the training thread's fence, which waits for it too. */
-  ferry_backend_thread_runs_waited_copies(0);
-#endif
-}
-
 /* One snapshot, start to end; the caller's thread then leaves it alone. */
 static void write_snapshot(ferry_snapshot *s) {
   int rc = resolve_target(s), err;
@@ -624,7 +595,7 @@ static void *writer_main(void *arg) {
     int lower = s->to_idle && !w->idle;
     w->idle |= lower;
     pthread_mutex_unlock(&l->mu);
-    if (lower) writer_to_background();
+    if (lower) snap_thread_to_background();
     write_snapshot(s); /* s is its owner's again */
     pthread_mutex_lock(&l->mu);
     w->job = NULL;
