@@ -127,6 +127,8 @@ typedef struct window_log {
   _Atomic int filled, writes;   /* events seen */
   _Atomic int next_filled_first; /* writes that began after the next window was handed on */
   _Atomic int gave_up;          /* a write waited WATCHDOG_S for the next window */
+  _Atomic int inline_writes;    /* writes on the thread that fills the windows */
+  _Atomic(pthread_t) filler;    /* that thread */
   int hold;                     /* hold each write until the next window is handed on */
   int fail_write;               /* nonzero: that write (1 = the first) fails with EIO */
 } window_log;
@@ -137,6 +139,7 @@ static int window_hook(void *ud, int event, uint64_t off, size_t len) {
   window_log *l = ud;
   uint64_t end = off + len;
   if (event == FERRY_SNAP_WINDOW_FILLED) {
+    atomic_store(&l->filler, pthread_self());
     atomic_fetch_add(&l->filled, 1);
     uint64_t cur = atomic_load(&l->filled_end);
     while (cur < end && !atomic_compare_exchange_weak(&l->filled_end, &cur, end)) {
@@ -144,7 +147,10 @@ static int window_hook(void *ud, int event, uint64_t off, size_t len) {
     return 0;
   }
   int nth = atomic_fetch_add(&l->writes, 1) + 1;
-  if (end < l->file_size) { /* not the last window: has the next been handed on? */
+  /* written where it was filled: holding it would wait for ourselves */
+  int same = pthread_equal(atomic_load(&l->filler), pthread_self());
+  atomic_fetch_add(&l->inline_writes, same);
+  if (end < l->file_size && !same) { /* not the last window: has the next been handed on? */
     struct timespec t0, now;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     while (l->hold && !atomic_load(&l->gave_up) && atomic_load(&l->filled_end) <= end) {
@@ -168,6 +174,7 @@ static void log_reset(uint64_t file_size, int hold, int fail_write) {
   atomic_store(&wlog.writes, 0);
   atomic_store(&wlog.next_filled_first, 0);
   atomic_store(&wlog.gave_up, 0);
+  atomic_store(&wlog.inline_writes, 0);
   wlog.hold = hold;
   wlog.fail_write = fail_write;
 }
@@ -223,9 +230,11 @@ TEST(snapshot_pipe_threads_overlap_writes) {
     int rc = snapshot_with_hook(path, &st, caps[k], msg, sizeof msg, &left);
     if (rc) fprintf(stderr, "  cap %llu: %s\n", (unsigned long long)caps[k], msg);
     CHECK_OK(rc);
-    printf("  cap %llu: %d windows, %d written after the next was handed on\n",
+    printf("  cap %llu: %d windows, %d written after the next was handed on, %d on the "
+           "writer thread\n",
            (unsigned long long)caps[k], atomic_load(&wlog.writes),
-           atomic_load(&wlog.next_filled_first));
+           atomic_load(&wlog.next_filled_first), atomic_load(&wlog.inline_writes));
+    CHECK_EQ(atomic_load(&wlog.inline_writes), 0);
     CHECK_EQ(atomic_load(&wlog.gave_up), 0);
     CHECK(atomic_load(&wlog.writes) >= (k ? 8 : 3)); /* several windows, many when chunked */
     CHECK_EQ(atomic_load(&wlog.filled), atomic_load(&wlog.writes));
@@ -303,6 +312,7 @@ TEST(snapshot_pipe_off_writes_in_series) {
       CHECK_OK(rc);
       CHECK(atomic_load(&wlog.writes) >= 3);
       CHECK_EQ(atomic_load(&wlog.next_filled_first), 0);
+      CHECK_EQ(atomic_load(&wlog.inline_writes), atomic_load(&wlog.writes));
       CHECK_EQ(left, 0);
       CHECK(same_file(path, ref) == 0);
     }
