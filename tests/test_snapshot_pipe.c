@@ -179,6 +179,29 @@ static void log_reset(uint64_t file_size, int hold, int fail_write) {
   wlog.fail_write = fail_write;
 }
 
+/* The switches of the write thread (ferry_snapshot_set_write_thread and
+ * FERRY_SNAPSHOT_WRITE_THREAD) as a test wants them, whatever the
+ * environment the suite was started in or a test before it left: with the
+ * variable at 0 (a benchmark's serial baseline exported in the shell) every
+ * window is written on the writer, and the overlap test's hook waited its
+ * whole watchdog for a window the writer could only fill after that very
+ * write. Returns the variable's value before (NULL: unset) for
+ * write_thread_restore. */
+static char saved_env[64];
+static const char *write_thread_force(int on) {
+  const char *env = getenv("FERRY_SNAPSHOT_WRITE_THREAD");
+  const char *before = env ? (snprintf(saved_env, sizeof saved_env, "%s", env), saved_env) : NULL;
+  if (on) unsetenv("FERRY_SNAPSHOT_WRITE_THREAD");
+  ferry_snapshot_set_write_thread(on);
+  return before;
+}
+
+static void write_thread_restore(const char *before) {
+  ferry_snapshot_set_write_thread(1);
+  if (before) setenv("FERRY_SNAPSHOT_WRITE_THREAD", before, 1);
+  else unsetenv("FERRY_SNAPSHOT_WRITE_THREAD");
+}
+
 /* One snapshot of st to path under cap (0: none), the window hook set.
  * FERRY_OK or the snapshot's error code; its message in msg. */
 static int snapshot_with_hook(const char *path, const pstate *st, uint64_t cap, char *msg,
@@ -212,7 +235,7 @@ static int snapshot_with_hook(const char *path, const pstate *st, uint64_t cap, 
 /* Whole (every window staged at start) and chunked (a 3 MiB cap: two slots
  * take turns): every write but the last began only once the writer had
  * handed on the next window, and the file is the streaming writer's. */
-TEST(snapshot_pipe_threads_overlap_writes) {
+static int overlap_writes(void) {
   char dir[] = "/var/tmp/ferry-pipe-XXXXXX";
   CHECK(mkdtemp(dir) != NULL);
   pstate st;
@@ -248,12 +271,19 @@ TEST(snapshot_pipe_threads_overlap_writes) {
   return 0;
 }
 
+TEST(snapshot_pipe_threads_overlap_writes) {
+  const char *before = write_thread_force(1);
+  int rc = overlap_writes();
+  write_thread_restore(before);
+  return rc;
+}
+
 /* A write that fails on the write thread (EIO from the hook, on the second
  * window, while later windows are queued behind it): the snapshot fails
  * with the path and the errno's text, the temporary file is gone, the
  * previous file is untouched and the arena holds nothing of it; whole and
  * chunked. */
-TEST(snapshot_pipe_threads_write_error) {
+static int threads_write_error(void) {
   char dir[] = "/var/tmp/ferry-pipe-XXXXXX";
   CHECK(mkdtemp(dir) != NULL);
   pstate prev, st;
@@ -288,10 +318,17 @@ TEST(snapshot_pipe_threads_write_error) {
   return 0;
 }
 
+TEST(snapshot_pipe_threads_write_error) {
+  const char *before = write_thread_force(1);
+  int rc = threads_write_error();
+  write_thread_restore(before);
+  return rc;
+}
+
 /* Without the write thread (the switch, then the environment variable)
  * each window is written before the next is filled, and the file is the
  * same. */
-TEST(snapshot_pipe_off_writes_in_series) {
+static int off_writes_in_series(void) {
   char dir[] = "/var/tmp/ferry-pipe-XXXXXX";
   CHECK(mkdtemp(dir) != NULL);
   pstate st;
@@ -316,10 +353,19 @@ TEST(snapshot_pipe_off_writes_in_series) {
       CHECK_EQ(left, 0);
       CHECK(same_file(path, ref) == 0);
     }
-    ferry_snapshot_set_write_thread(1);
+    ferry_snapshot_set_write_thread(1); /* the next way alone */
     unsetenv("FERRY_SNAPSHOT_WRITE_THREAD");
   }
   pstate_free(&st);
   remove_tree(dir);
   return 0;
+}
+
+/* A failed check returns early: the switches are restored all the same,
+ * or every snapshot of the tests after it would run in series. */
+TEST(snapshot_pipe_off_writes_in_series) {
+  const char *before = write_thread_force(1);
+  int rc = off_writes_in_series();
+  write_thread_restore(before);
+  return rc;
 }
