@@ -504,8 +504,9 @@ FERRY_API void zipw_set_zip64_threshold(uint64_t threshold);
  * refused it with EINVAL: the fallback path on any file system). */
 enum { FERRY_SNAP_DIO_AUTO = 0, FERRY_SNAP_DIO_OFF = 1, FERRY_SNAP_DIO_REFUSED = 2 };
 FERRY_API void ferry_snapshot_set_direct_io(int mode);
-/* Where checkpoint staging writes its windows (tests; applies to snapshots
- * started after the call): 1, the default, on a write thread of each
+/* Where checkpoint staging writes its windows (tests; read, as
+ * FERRY_SNAPSHOT_WRITE_THREAD, by each snapshot's writer when it begins
+ * the file, so set it while no snapshot runs): 1, the default, on a write thread of each
  * snapshot, so that the writer checksums the next window while the disk
  * takes this one; 0 on the writer thread, one after the other (as does
  * FERRY_SNAPSHOT_WRITE_THREAD=0). The window hook, when set, is called on
