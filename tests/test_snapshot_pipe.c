@@ -9,7 +9,11 @@
  * failed write on the write thread is the snapshot's error, with the path,
  * no temporary file left and the previous file intact; without the thread
  * (ferry_snapshot_set_write_thread(0), FERRY_SNAPSHOT_WRITE_THREAD=0) the
- * windows are written one after the other, with the same file. Runs over
+ * windows are written one after the other, with the same file; a staging
+ * copy that fails on the writer with a write in flight, and two snapshots
+ * at once with the engine destroyed under them, leave no slot written after
+ * it went back. Each test sets the write thread's switches itself (the
+ * suite's environment may hold FERRY_SNAPSHOT_WRITE_THREAD=0). Runs over
  * whichever backend FERRY_TEST_BACKEND names. */
 #include <dirent.h>
 #include <errno.h>
