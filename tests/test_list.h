@@ -146,6 +146,12 @@
   X(snapshot_direct_layouts)                                               \
   X(snapshot_cap_of_the_device_bytes_stages_at_once)                      \
   /* @@snapshot */                                                         \
+  /* checkpoint staging's write thread (test_snapshot_pipe.c) */           \
+  X(snapshot_pipe_threads_overlap_writes)                                         \
+  X(snapshot_pipe_threads_write_error)                                             \
+  X(snapshot_pipe_off_writes_in_series)                                    \
+  X(snapshot_pipe_threads_writer_fails_midway)                                    \
+  X(snapshot_pipe_threads_two_at_once_then_destroy)                               \
   /* resident buffers (test_resident.c) */                                 \
   X(resident_round_trip_bit_identical)                                     \
   X(resident_cap_refusal)                                                  \

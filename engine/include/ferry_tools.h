@@ -507,6 +507,20 @@ FERRY_API void zipw_set_zip64_threshold(uint64_t threshold);
  * refused it with EINVAL: the fallback path on any file system). */
 enum { FERRY_SNAP_DIO_AUTO = 0, FERRY_SNAP_DIO_OFF = 1, FERRY_SNAP_DIO_REFUSED = 2 };
 FERRY_API void ferry_snapshot_set_direct_io(int mode);
+/* Where checkpoint staging writes its windows (tests; read, as
+ * FERRY_SNAPSHOT_WRITE_THREAD, by each snapshot's writer when it begins
+ * the file, so set it while no snapshot runs): 1, the default, on a write thread of each
+ * snapshot, so that the writer checksums the next window while the disk
+ * takes this one; 0 on the writer thread, one after the other (as does
+ * FERRY_SNAPSHOT_WRITE_THREAD=0). The window hook, when set, is called on
+ * the writer thread with FERRY_SNAP_WINDOW_FILLED when a window is handed on
+ * to be written, and with FERRY_SNAP_WINDOW_WRITE just before a window is
+ * written (on the thread that writes it); a nonzero return there fails that
+ * write with it as the errno. NULL: none. */
+enum { FERRY_SNAP_WINDOW_FILLED = 0, FERRY_SNAP_WINDOW_WRITE = 1 };
+typedef int (*ferry_snapshot_window_hook)(void *ud, int event, uint64_t off, size_t len);
+FERRY_API void ferry_snapshot_set_write_thread(int on);
+FERRY_API void ferry_snapshot_set_window_hook(ferry_snapshot_window_hook fn, void *ud);
 /* The CRC-32 of the archives (zlib's: crc32(crc32(0, a), b) = crc32(0, ab)),
  * computed by libdeflate where libdeflate.so.0 is found, else zlib; which
  * one: "libdeflate" or "zlib" (FERRY_CRC32=zlib forces zlib). */

@@ -60,4 +60,54 @@ int snap_fsync_parent_dir(const char *path);
 mode_t snap_process_umask(void);
 const char *snap_file_type(mode_t m);
 
+/* snapshot_pipe.c: lowers the calling writer thread's priority (nice
+ * +10, normal scheduling; best effort). */
+void snap_thread_to_background(void);
+
+/* snapshot_pipe.c: the windows' writes on a thread of their own (the
+ * "write thread"), so that the writer fills and checksums window k+1 while
+ * the disk takes window k; the writer's CPU then overlaps the disk's time
+ * instead of adding to it (issue 37: niced, the writer gets a tenth of a
+ * core when every core is busy). Writes finish in the order they were
+ * submitted; after a failed one the rest are not written. Without a write
+ * thread (it could not be created, FERRY_SNAPSHOT_WRITE_THREAD=0,
+ * ferry_snapshot_set_write_thread(0)) each submit writes at once. */
+#include <pthread.h>
+typedef struct snap_write {
+  uint32_t slot;
+  void *buf;
+  size_t len, cap;
+  uint64_t off;
+  int err;
+} snap_write;
+
+typedef struct snap_pipe {
+  snap_out *o; /* the write thread's while it runs */
+  snap_write *ring; /* n entries: at most one write per slot in flight */
+  uint32_t n;
+  uint64_t submitted, written, reaped; /* counts; ring index = count % n */
+  int threaded, stopping;
+  int err; /* the first failed write's errno; later ones are skipped */
+  const char *failed_op;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* a write submitted or done, or stopping */
+} snap_pipe;
+
+/* n: how many writes may be in flight (the snapshot's slots). 0 or ENOMEM. */
+int snap_pipe_start(snap_pipe *p, snap_out *o, uint32_t n);
+/* Hands the window buf[0, len) (buf holds cap bytes) at file offset off to
+ * the write thread; the slot is not touched again until it is reaped. */
+void snap_pipe_submit(snap_pipe *p, uint32_t slot, void *buf, size_t len, size_t cap,
+                      uint64_t off);
+/* The oldest write not yet reaped, once it is done: 1, its slot in *slot and
+ * its errno (0: written) in *err. 0 when none is done yet (block: waits for
+ * one, unless none is in flight). */
+int snap_pipe_reap(snap_pipe *p, int block, uint32_t *slot, int *err);
+/* Writes submitted and not yet reaped. */
+int snap_pipe_in_flight(snap_pipe *p);
+/* Waits for the write in progress, skips the ones not started, ends the
+ * write thread. The first failed write's errno (and p->failed_op), or 0. */
+int snap_pipe_stop(snap_pipe *p);
+
 #endif

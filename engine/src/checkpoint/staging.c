@@ -14,9 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "core/core.h"
@@ -27,7 +25,6 @@
 #define SNAP_CHUNK_MIN ((size_t)256 << 10) /* smallest, unless the state is smaller */
 #define SNAP_MAX_RECORD_BYTES (1ull << 50)
 #define SNAP_MSG 768
-#define WRITER_NICE 10 /* added to the process's nice value for a background writer */
 
 typedef struct snap_slot {
   void *buf; /* in arena memory, SNAP_IMAGE_ALIGN-aligned; NULL once given back */
@@ -339,16 +336,21 @@ static int zip_fail(ferry_snapshot *s, const zip_writer *z, int err) {
   return io_fail(s, what, err);
 }
 
-/* Make the oldest issued batch current once its copies are complete. */
-static int next_batch(ferry_snapshot *s, batch_cursor *c) {
+static int reap_writes(ferry_snapshot *s, snap_pipe *p, int block);
+
+/* Make the oldest issued batch current once its copies are complete (none
+ * queued: once a write gives its slot back for the next window). */
+static int next_batch(ferry_snapshot *s, batch_cursor *c, snap_pipe *p) {
   ferry_engine *e = s->e;
+  int rc = s->q_count ? FERRY_OK : reap_writes(s, p, 1);
+  if (rc) return rc;
   if (!s->q_count)
     return snap_fail(s, FERRY_ESTATE, "snapshot %s: internal error: no staged data left",
                      s->path);
   snap_batch b = s->queue[s->q_head];
   s->q_head = (s->q_head + 1) % s->n_slots;
   s->q_count--;
-  int rc = engine_backend(e)->ops->event_synchronize(engine_backend(e), s->slots[b.slot].ev);
+  rc = engine_backend(e)->ops->event_synchronize(engine_backend(e), s->slots[b.slot].ev);
   if (rc) {
     char bk_msg[256];
     engine_lock(e);
@@ -361,14 +363,13 @@ static int next_batch(ferry_snapshot *s, batch_cursor *c) {
   return FERRY_OK;
 }
 
-/* The current batch is written: reuse its slot for the next window, or give
- * the buffer back when the whole stream has been issued. */
-static int batch_written(ferry_snapshot *s, batch_cursor *c) {
+/* A window is written: reuse its slot for the next window, or give the
+ * buffer back when the whole stream has been issued. */
+static int batch_written(ferry_snapshot *s, uint32_t slot_index) {
   ferry_engine *e = s->e;
-  c->have = 0;
   if (s->issued < s->file_size) {
     engine_lock(e);
-    int rc = issue_batch(s, c->slot);
+    int rc = issue_batch(s, slot_index);
     char bk_msg[256] = "";
     if (rc) snprintf(bk_msg, sizeof bk_msg, "%s", engine_backend(e)->err);
     engine_unlock(e);
@@ -376,9 +377,20 @@ static int batch_written(ferry_snapshot *s, batch_cursor *c) {
       return snap_fail(s, rc, "snapshot %s: staging copy failed: %s", s->path, bk_msg);
     return FERRY_OK;
   }
-  snap_slot *slot = &s->slots[c->slot];
-  slot_free(e, slot);
+  slot_free(e, &s->slots[slot_index]);
   return FERRY_OK;
+}
+
+/* The slots of the windows written so far (block: at least one, unless no
+ * write is in flight) are reused or given back. */
+static int reap_writes(ferry_snapshot *s, snap_pipe *p, int block) {
+  uint32_t slot;
+  int err, rc = FERRY_OK;
+  while (!rc && snap_pipe_reap(p, block, &slot, &err)) {
+    rc = err ? io_fail(s, p->failed_op, err) : batch_written(s, slot);
+    block = 0;
+  }
+  return rc;
 }
 
 /* A snapshot of host records only: streamed through the zip writer. */
@@ -394,21 +406,22 @@ static int write_host_records(ferry_snapshot *s, zip_writer *z) {
   return FERRY_OK;
 }
 
-/* The current window is complete: write it, then reuse or give back its slot. */
-static int window_done(ferry_snapshot *s, batch_cursor *c, snap_out *o) {
+/* The current window is complete: hand it to the write thread; the slots
+ * of windows written meanwhile are reused or given back. */
+static int window_done(ferry_snapshot *s, batch_cursor *c, snap_pipe *p) {
   snap_slot *slot = &s->slots[c->slot];
-  int err = snap_out_write(o, slot->buf, (size_t)c->len, slot->cap, c->start);
-  if (err) return io_fail(s, o->failed_op, err);
-  return batch_written(s, c);
+  c->have = 0;
+  snap_pipe_submit(p, c->slot, slot->buf, (size_t)c->len, slot->cap, c->start);
+  return reap_writes(s, p, 0);
 }
 
 /* n bytes of the file at the cursor: copied from src, or (src NULL) staged
  * there already; z: the bytes are an entry's data, checksummed. */
-static int image_put(ferry_snapshot *s, batch_cursor *c, snap_out *o, zip_writer *z,
+static int image_put(ferry_snapshot *s, batch_cursor *c, snap_pipe *p, zip_writer *z,
                      const unsigned char *src, uint64_t n) {
   while (n) {
     int rc, err;
-    if (!c->have && (rc = next_batch(s, c))) return rc;
+    if (!c->have && (rc = next_batch(s, c, p))) return rc;
     uint64_t take = c->len - c->off < n ? c->len - c->off : n;
     unsigned char *dst = (unsigned char *)s->slots[c->slot].buf + c->off;
     if (src) {
@@ -418,26 +431,28 @@ static int image_put(ferry_snapshot *s, batch_cursor *c, snap_out *o, zip_writer
     if (z && (err = zipw_place(z, dst, (size_t)take))) return zip_fail(s, z, err);
     c->off += take;
     n -= take;
-    if (c->off == c->len && (rc = window_done(s, c, o))) return rc;
+    if (c->off == c->len && (rc = window_done(s, c, p))) return rc;
   }
   return FERRY_OK;
 }
 
 /* What the zip writer produced (headers, descriptors, end records). */
-static int image_put_meta(ferry_snapshot *s, batch_cursor *c, snap_out *o, zip_writer *z) {
-  int rc = image_put(s, c, o, NULL, z->buf, z->buf_len);
+static int image_put_meta(ferry_snapshot *s, batch_cursor *c, snap_pipe *p, zip_writer *z) {
+  int rc = image_put(s, c, p, NULL, z->buf, z->buf_len);
   z->buf_len = 0;
   return rc;
 }
 
 /* The file image, window by window in file order: the staging copies put
  * the device records' data at their offsets; this thread adds the rest,
- * checksums the data where it lies and writes each window whole (O_DIRECT
- * where it can: no copy into the page cache). */
+ * checksums the data where it lies and hands each window whole to the
+ * write thread (O_DIRECT where it can: no copy into the page cache). */
 static int write_image(ferry_snapshot *s, snap_out *o) {
   zip_writer z;
   batch_cursor c = {0};
+  snap_pipe pipe, *p = &pipe;
   int err = zipw_init(&z, -1), rc = FERRY_OK;
+  if (!err && (err = snap_pipe_start(p, o, s->n_slots))) zipw_free(&z);
   if (err) return io_fail(s, "allocating the writer for", err);
   for (size_t i = 0; i < s->n && !rc; i++) {
     snap_record *r = &s->rec[i];
@@ -445,14 +460,17 @@ static int write_image(ferry_snapshot *s, snap_out *o) {
     else if (z.offset != r->data_off)
       rc = snap_fail(s, FERRY_ESTATE, "snapshot %s: internal error: record %s is not where "
                      "its layout put it", s->path, r->name);
-    if (!rc) rc = image_put_meta(s, &c, o, &z);
-    if (!rc) rc = image_put(s, &c, o, &z, r->placed ? NULL : r->host, r->bytes);
+    if (!rc) rc = image_put_meta(s, &c, p, &z);
+    if (!rc) rc = image_put(s, &c, p, &z, r->placed ? NULL : r->host, r->bytes);
     if (!rc && (err = zipw_end_entry(&z))) rc = zip_fail(s, &z, err);
-    if (!rc) rc = image_put_meta(s, &c, o, &z);
+    if (!rc) rc = image_put_meta(s, &c, p, &z);
     if (!rc) rc = failed(s);
   }
   if (!rc && (err = zipw_finish(&z))) rc = zip_fail(s, &z, err);
-  if (!rc) rc = image_put_meta(s, &c, o, &z);
+  if (!rc) rc = image_put_meta(s, &c, p, &z);
+  while (!rc && snap_pipe_in_flight(p)) rc = reap_writes(s, p, 1);
+  err = snap_pipe_stop(p); /* after a failure: the slots are idle once it returns */
+  if (!rc && err) rc = io_fail(s, p->failed_op, err);
   if (!rc && (z.offset != s->file_size || c.have))
     rc = snap_fail(s, FERRY_ESTATE, "snapshot %s: internal error: the file is not its layout's "
                    "size", s->path);
@@ -510,32 +528,6 @@ static int create_tmp(ferry_snapshot *s) {
   fchmod(fd, 0666 & ~snap_process_umask()); /* as open(0666) would */
   s->fd = fd;
   return FERRY_OK;
-}
-
-/* When start issued every staging copy (the state fits in the arena), no
- * caller waits for this thread except in poll/wait/free: it then runs at a
- * lower priority (nice +WRITER_NICE, normal scheduling), so that the file's
- * CRC-32 and write() calls yield to the training loop and to the staging
- * copies the next fence waits for (bench/README.md, "Checkpoint
- * benchmarks": on 2 cores, steps overlapping a snapshot ran 1.5-2x slower
- * with the writer at the training loop's priority). Not SCHED_IDLE, which
- * only ever runs on a core nothing else wants: with DataLoader workers
- * keeping every core busy a 64 MiB snapshot took 5.9 s to be durable
- * there against 174 ms niced (issue 37). A chunked snapshot keeps the
- * caller's priority: its fence waits for this thread to free buffers. */
-static void writer_to_background(void) {
-#if defined(__linux__)
-  id_t tid = (id_t)syscall(SYS_gettid);
-  errno = 0;
-  int nice_now = getpriority(PRIO_PROCESS, tid); /* Linux: this thread's */
-  if (nice_now != -1 || errno == 0) {
-    int target = nice_now + WRITER_NICE;
-    setpriority(PRIO_PROCESS, tid, target > 19 ? 19 : target); /* best effort */
-  }
-  /* A staging copy this thread ran at a lower priority while waiting for
-   * it would hold up the training thread's fence, which waits for it too. */
-  ferry_backend_thread_runs_waited_copies(0);
-#endif
 }
 
 /* One snapshot, start to end; the caller's thread then leaves it alone. */
@@ -624,7 +616,7 @@ static void *writer_main(void *arg) {
     int lower = s->to_idle && !w->idle;
     w->idle |= lower;
     pthread_mutex_unlock(&l->mu);
-    if (lower) writer_to_background();
+    if (lower) snap_thread_to_background();
     write_snapshot(s); /* s is its owner's again */
     pthread_mutex_lock(&l->mu);
     w->job = NULL;
