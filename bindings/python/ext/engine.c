@@ -761,6 +761,11 @@ static PyObject *engine_get_in_step(EngineObject *self, void *unused) {
   return PyBool_FromLong(ferry_in_step(self->e));
 }
 
+/* stats()["backwards"] without the dict: the step's end reads it each step */
+static PyObject *engine_get_backwards(EngineObject *self, void *unused) {
+  return PyLong_FromUnsignedLongLong(self->backwards);
+}
+
 static PyObject *engine_get_on_backward_end(EngineObject *self, void *unused) {
   PyObject *f = self->on_backward_end ? self->on_backward_end : Py_None;
   Py_INCREF(f);
@@ -810,6 +815,8 @@ static int engine_set_min_bytes(EngineObject *self, PyObject *v, void *unused) {
 static PyGetSetDef engine_getset[] = {
     {"closed", (getter)engine_get_closed, NULL, "whether close() was called", NULL},
     {"in_step", (getter)engine_get_in_step, NULL, "a step is in progress", NULL},
+    {"backwards", (getter)engine_get_backwards, NULL,
+     "backward phases begun (stats()['backwards'], without building the dict)", NULL},
     {"on_backward_end", (getter)engine_get_on_backward_end, (setter)engine_set_on_backward_end,
      "called (no arguments) as each backward ends, before the engine's backward_end", NULL},
     {"profile_ranges", (getter)engine_get_profile_ranges, (setter)engine_set_profile_ranges,

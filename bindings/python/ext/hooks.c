@@ -65,11 +65,24 @@ static void kept_unlist(KeptObject *k) {
   Py_CLEAR(k->eng);
 }
 
+/* Freed Kepts are reused (one per saved tensor: the allocator's malloc and
+ * free were a tenth of a keep's pack + unpack). Touched under the GIL only. */
+#define KEPT_FREE_MAX 256
+static KeptObject *kept_free[KEPT_FREE_MAX];
+static int n_kept_free;
+
+static KeptObject *kept_alloc(void) {
+  if (!n_kept_free) return PyObject_New(KeptObject, &KeptType);
+  KeptObject *k = kept_free[--n_kept_free];
+  return (KeptObject *)PyObject_Init((PyObject *)k, &KeptType);
+}
+
 static void kept_dealloc(KeptObject *self) {
   kept_unlist(self);
   Py_XDECREF(self->tensor);
   Py_XDECREF(self->origin);
-  PyObject_Free(self);
+  if (n_kept_free < KEPT_FREE_MAX) kept_free[n_kept_free++] = self;
+  else PyObject_Free(self);
 }
 
 PyTypeObject KeptType = {
@@ -151,7 +164,7 @@ static int32_t current_site(EngineObject *eng) {
 
 /* A Kept of t at version *version (NULL: read it). */
 static PyObject *make_kept_at(EngineObject *eng, PyObject *t, const int64_t *version) {
-  KeptObject *k = PyObject_New(KeptObject, &KeptType);
+  KeptObject *k = kept_alloc();
   if (!k) return NULL;
   k->tensor = k->origin = NULL;
   k->eng = NULL;
@@ -404,7 +417,8 @@ static int32_t kind_of_tensor(EngineObject *eng, PyObject *t, void *ptr, int32_t
                               int is_view) {
   int32_t kind = kind_of_ptr(eng, (uintptr_t)ptr);
   if (kind != FERRY_KIND_ACTIVATION) return kind;
-  if (PyObject_TypeCheck(t, T.param)) return FERRY_KIND_PARAMETER;
+  /* t is an exact Tensor or Parameter (pack_impl): no MRO walk */
+  if (Py_TYPE(t) == T.param) return FERRY_KIND_PARAMETER;
   if (is_view == 0) {
     int half = dtype == FERRY_DTYPE_BF16 || dtype == FERRY_DTYPE_F16;
     return half && is_cast_of_parameter(t) ? FERRY_KIND_PARAMETER : kind;

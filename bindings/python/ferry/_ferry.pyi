@@ -78,6 +78,8 @@ SnapshotRecord = Union[Tuple[str, bytes], Tuple[str, int, int, Any, bool]]
 class Engine:
     closed: bool
     in_step: bool
+    # backward phases begun: stats()['backwards'] without building the dict
+    backwards: int
     # called (no arguments) as each backward ends, before the engine's backward_end
     on_backward_end: Optional[Callable[[], Any]]
     module_depth: int
