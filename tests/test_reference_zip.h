@@ -1,9 +1,12 @@
 /* test_reference_zip.h — the reference a snapshot test compares its file
- * with: the same records written by the streaming zip writer. */
+ * with (the same records written by the streaming zip writer), and the
+ * byte-for-byte comparison of two files. */
 #ifndef FERRY_TEST_REFERENCE_ZIP_H
 #define FERRY_TEST_REFERENCE_ZIP_H
 
 #include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "ferry_tools.h"
@@ -25,6 +28,30 @@ static inline int write_reference_zip(const char *path, const ferry_snapshot_rec
   zipw_free(&z);
   close(fd);
   return err ? -1 : 0;
+}
+
+static inline long long file_size(const char *path) {
+  struct stat sb;
+  return stat(path, &sb) == 0 ? (long long)sb.st_size : -1;
+}
+
+/* 0 when the two files hold the same bytes; else says where they differ. */
+static inline int same_file(const char *a, const char *b) {
+  FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+  int rc = fa && fb ? 0 : -1;
+  long long at = 0;
+  for (int ca, cb; rc == 0; at++) {
+    ca = fgetc(fa);
+    cb = fgetc(fb);
+    if (ca != cb) {
+      fprintf(stderr, "%s and %s differ at byte %lld (%d vs %d)\n", a, b, at, ca, cb);
+      rc = -1;
+    }
+    if (ca == EOF) break;
+  }
+  if (fa) fclose(fa);
+  if (fb) fclose(fb);
+  return rc;
 }
 
 #endif

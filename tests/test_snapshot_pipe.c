@@ -82,30 +82,6 @@ static void pstate_free(pstate *st) {
   }
 }
 
-static long long file_size(const char *path) {
-  struct stat sb;
-  return stat(path, &sb) == 0 ? (long long)sb.st_size : -1;
-}
-
-/* 0 when the two files hold the same bytes; else says where they differ. */
-static int same_file(const char *a, const char *b) {
-  FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
-  int rc = fa && fb ? 0 : -1;
-  long long at = 0;
-  for (int ca, cb; rc == 0; at++) {
-    ca = fgetc(fa);
-    cb = fgetc(fb);
-    if (ca != cb) {
-      fprintf(stderr, "%s and %s differ at byte %lld (%d vs %d)\n", a, b, at, ca, cb);
-      rc = -1;
-    }
-    if (ca == EOF) break;
-  }
-  if (fa) fclose(fa);
-  if (fb) fclose(fb);
-  return rc;
-}
-
 /* The snapshots' temporary files in dir (".NAME.ferry-XXXXXX"). */
 static int temp_files(const char *dir) {
   DIR *d = opendir(dir);

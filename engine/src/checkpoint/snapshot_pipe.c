@@ -77,23 +77,28 @@ static int write_window(snap_out *o, snap_write *w) {
   return snap_out_write(o, w->buf, w->len, w->cap, w->off);
 }
 
+/* Writes the oldest queued window, or skips it after an earlier failure;
+ * called and returns with p->mu held, which the write itself runs without. */
+static void write_queued(snap_pipe *p, snap_write *w) {
+  int skip = p->err;
+  pthread_mutex_unlock(&p->mu);
+  int err = skip ? skip : write_window(p->o, w);
+  pthread_mutex_lock(&p->mu);
+  w->err = err;
+  if (err && !p->err) {
+    p->err = err;
+    p->failed_op = p->o->failed_op;
+  }
+  p->written++;
+}
+
 static void *pipe_main(void *arg) {
   snap_pipe *p = arg;
   pthread_mutex_lock(&p->mu);
   for (;;) {
     while (p->written == p->submitted && !p->stopping) pthread_cond_wait(&p->cv, &p->mu);
     if (p->written == p->submitted || p->stopping) break; /* stop skips what is left */
-    snap_write *w = &p->ring[p->written % p->n];
-    int skip = p->err;
-    pthread_mutex_unlock(&p->mu);
-    int err = skip ? skip : write_window(p->o, w);
-    pthread_mutex_lock(&p->mu);
-    w->err = err;
-    if (err && !p->err) {
-      p->err = err;
-      p->failed_op = p->o->failed_op;
-    }
-    p->written++;
+    write_queued(p, &p->ring[p->written % p->n]);
     pthread_cond_broadcast(&p->cv);
   }
   pthread_mutex_unlock(&p->mu);
@@ -135,16 +140,7 @@ void snap_pipe_submit(snap_pipe *p, uint32_t slot, void *buf, size_t len, size_t
     pthread_mutex_unlock(&p->mu);
     return;
   }
-  int skip = p->err;
-  pthread_mutex_unlock(&p->mu);
-  int err = skip ? skip : write_window(p->o, w);
-  pthread_mutex_lock(&p->mu);
-  w->err = err;
-  if (err && !p->err) {
-    p->err = err;
-    p->failed_op = p->o->failed_op;
-  }
-  p->written++;
+  write_queued(p, w);
   pthread_mutex_unlock(&p->mu);
 }
 
