@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "ferry_tools.h"
+#include "test_device.h"
 
 /* Writes rec[0..n) (names and sizes) with the bytes data[i] to path;
  * 0 on success. */
@@ -28,6 +29,20 @@ static inline int write_reference_zip(const char *path, const ferry_snapshot_rec
   zipw_free(&z);
   close(fd);
   return err ? -1 : 0;
+}
+
+/* Record i of a test state: its bytes as a host record, or copied to a
+ * new device buffer (*dev) as a device record; an empty one is neither. */
+static inline int place_record(ferry_snapshot_record *r, void **dev, unsigned char *bytes,
+                               uint64_t b, int on_host) {
+  if (on_host) {
+    r->host_data = bytes;
+  } else if (b) {
+    if (!(*dev = test_dev_malloc(b))) return -1;
+    test_dev_write(*dev, bytes, b);
+    r->device_ptr = *dev;
+  }
+  return 0;
 }
 
 static inline long long file_size(const char *path) {

@@ -50,13 +50,7 @@ static int dstate_make(dstate *st, uint64_t seed) {
     if (!(st->bytes[i] = malloc(b ? b : 1))) return -1;
     for (uint64_t k = 0; k < b; k++) st->bytes[i][k] = (unsigned char)splitmix(&rng);
     st->rec[i] = (ferry_snapshot_record){.name = st->names[i], .bytes = b};
-    if (i == 2 || i == 7) {
-      st->rec[i].host_data = st->bytes[i];
-    } else if (b) {
-      if (!(st->dev[i] = test_dev_malloc(b))) return -1;
-      test_dev_write(st->dev[i], st->bytes[i], b);
-      st->rec[i].device_ptr = st->dev[i];
-    }
+    if (place_record(&st->rec[i], &st->dev[i], st->bytes[i], b, i == 2 || i == 7)) return -1;
   }
   return 0;
 }

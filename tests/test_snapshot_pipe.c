@@ -64,13 +64,7 @@ static int pstate_make(pstate *st, uint64_t seed) {
       memcpy(st->bytes[i] + k, &v, b - k < 8 ? b - k : 8);
     }
     st->rec[i] = (ferry_snapshot_record){.name = st->names[i], .bytes = b};
-    if (i == 4 || i == 7) {
-      st->rec[i].host_data = st->bytes[i];
-    } else if (b) {
-      if (!(st->dev[i] = test_dev_malloc(b))) return -1;
-      test_dev_write(st->dev[i], st->bytes[i], b);
-      st->rec[i].device_ptr = st->dev[i];
-    }
+    if (place_record(&st->rec[i], &st->dev[i], st->bytes[i], b, i == 4 || i == 7)) return -1;
   }
   return 0;
 }
